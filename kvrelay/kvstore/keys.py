@@ -1,0 +1,45 @@
+"""Page keys: chained blake2b hashes of (parent key, token ids, model fingerprint, cache salt).
+
+Torch-free on purpose: the engine's block pool, the store and the ingress (route decisions)
+all compute the same keys. Equal prefixes give equal keys, so pages are shared across requests,
+workers, hosts and restarts; `cache_salt` isolates tenants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+DEFAULT_PAGE_SIZE = 16
+KEY_BYTES = 16
+_ROOT = b"kvrelay-page-root-v1"
+
+
+def page_key(
+    parent: bytes | None, token_ids: Sequence[int], model_fingerprint: str, cache_salt: str = ""
+) -> bytes:
+    """Key of one page given its parent page's key (None for the first page)."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(parent if parent is not None else _ROOT)
+    h.update(np.asarray(token_ids, dtype="<i4").tobytes())
+    h.update(model_fingerprint.encode())
+    h.update(b"\x00")
+    h.update(cache_salt.encode())
+    return h.digest()
+
+
+def page_keys(
+    token_ids: Sequence[int],
+    page_size: int,
+    model_fingerprint: str,
+    cache_salt: str = "",
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Keys of every *full* page of `token_ids`; a partial last page has no key."""
+    keys: list[bytes] = []
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = page_key(parent, token_ids[start : start + page_size], model_fingerprint, cache_salt)
+        keys.append(parent)
+    return keys

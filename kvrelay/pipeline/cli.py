@@ -1,0 +1,69 @@
+"""The `kvrelay` command line.
+
+Each subcommand lives in a small module exposing `add_arguments(parser)` and `run(args) -> int`.
+Those modules import only argparse-level code at top level and pull in heavy dependencies
+(torch, the engine, the store) inside `run`, so `kvrelay --help` and the ingress stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# (command, module, help). A module may define `add_subcommands(subparsers)` instead of
+# `add_arguments` when the command has its own sub-commands (for example `worker prefill`).
+COMMANDS: list[tuple[str, str, str]] = [
+    ("up", "kvrelay.pipeline.cli_up", "start the whole stack under supervisord"),
+    ("down", "kvrelay.pipeline.cli_up", "stop a stack started with `up --detach`"),
+    ("serve", "kvrelay.pipeline.cli_serve", "run the OpenAI-compatible HTTP ingress"),
+    ("worker", "kvrelay.workers.cli_worker", "run a prefill or decode worker"),
+    ("store", "kvrelay.kvstore.cli_store", "run this host's KV page store node"),
+    ("status", "kvrelay.pipeline.cli_admin", "workers, streams, lag, DLQ and store usage"),
+    ("requests", "kvrelay.pipeline.cli_admin", "show or cancel a request"),
+    ("dlq", "kvrelay.pipeline.cli_admin", "list, show, replay or purge dead-lettered entries"),
+    ("drain", "kvrelay.pipeline.cli_admin", "stop a worker from taking new work"),
+    ("kv", "kvrelay.kvstore.cli_store", "inspect the KV page store"),
+    ("generate", "kvrelay.workers.cli_generate", "generate text in-process (no Redis)"),
+    ("bench", "kvrelay.pipeline.cli_admin", "send a load of requests to a running stack"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvrelay", description="Disaggregated LLM serving over Redis streams."
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module_name, help_text in COMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # command not built yet
+        hook = getattr(module, f"add_{name}_arguments", None) or getattr(module, "add_arguments")
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        hook(cmd)
+        runner = getattr(module, f"run_{name}", None) or getattr(module, "run")
+        cmd.set_defaults(_run=runner)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Every Redis key name kvrelay uses, in one place.
+
+All keys share one hash tag (`{kvrelay}` by default, from the prefix) so Lua scripts may touch
+several of them on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFILL_GROUP = "prefill"
+DECODE_GROUP = "decode"
+MESSAGE_FIELD = b"m"  # each stream entry is one field holding a MessagePack map
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names under a prefix; `Keys("kvrelay:")` gives `{kvrelay}:stream:prefill` and so on."""
+
+    prefix: str = "kvrelay:"
+
+    @property
+    def _p(self) -> str:
+        base = self.prefix.rstrip(":")
+        return f"{{{base}}}:"
+
+    @property
+    def prefill_stream(self) -> str:
+        return self._p + "stream:prefill"
+
+    @property
+    def decode_stream(self) -> str:
+        return self._p + "stream:decode"
+
+    @property
+    def dlq(self) -> str:
+        return self._p + "dlq"
+
+    def out(self, request_id: str) -> str:
+        return self._p + f"out:{request_id}"
+
+    def request(self, request_id: str) -> str:
+        return self._p + f"req:{request_id}"
+
+    def cancel(self, request_id: str) -> str:
+        return self._p + f"cancel:{request_id}"
+
+    def worker(self, worker_id: str) -> str:
+        return self._p + f"worker:{worker_id}"
+
+    @property
+    def worker_pattern(self) -> str:
+        return self._p + "worker:*"
+
+    @property
+    def request_pattern(self) -> str:
+        return self._p + "req:*"
+
+    def page(self, page_key_hex: str) -> str:
+        return self._p + f"page:{page_key_hex}"
+
+    def store_node(self, node_id: str) -> str:
+        return self._p + f"node:{node_id}"
+
+    @property
+    def store_node_pattern(self) -> str:
+        return self._p + "node:*"
+
+    @property
+    def models(self) -> str:
+        """Hash: served model name -> JSON (fingerprint, page size, max context) from workers."""
+        return self._p + "models"

@@ -1,0 +1,27 @@
+"""Per-step attention metadata shared by the model, the engine and the kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and which query rows attend to which paged context."""
+
+    slot_mapping: torch.Tensor  # int64 [T]: pool slot of each new token, negative = skip
+    block_tables: torch.Tensor  # int32 [S, max_blocks]: block ids of each sequence
+    context_lens: torch.Tensor  # int32 [S]: tokens in context incl. this step's new tokens
+    query_start_loc: torch.Tensor  # int32 [S + 1]: prefix sums of query rows per sequence
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])

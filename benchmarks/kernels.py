@@ -1,0 +1,156 @@
+"""Per-call cost of kvrelay's paged attention vs torch SDPA on contiguous K/V (one layer).
+
+Usage: python benchmarks/kernels.py [--impl torch|triton] [--device cpu|cuda] [--repeat N]
+Prints one JSON line, then a table. Shapes are SmolLM2-135M's (9 heads, 3 KV heads, head_dim 64,
+page 16); multiply per-call times by 30 for a whole forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvrelay.kernels import AttentionMetadata, paged_attention, write_kv
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
+
+
+def _time(fn, repeat: int, device: str) -> float:
+    """Median milliseconds per call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _setup(ctx_lens, query_lens, layers, device, dtype):
+    """A pool holding each sequence's context, metadata for its last query_lens rows."""
+    pages = [-(-c // PAGE) for c in ctx_lens]
+    num_blocks = sum(pages) + 1
+    pool = torch.zeros(num_blocks, layers, 2, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    perm = torch.randperm(num_blocks).tolist()
+    tables, at = [], 0
+    for n in pages:
+        tables.append(perm[at : at + n])
+        at += n
+    width = max(pages)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+    def meta(qlens):
+        slots = [
+            t[p // PAGE] * PAGE + p % PAGE
+            for t, c, n in zip(tables, ctx_lens, qlens, strict=True)
+            for p in range(c - n, c)
+        ]
+        qsl = [0]
+        for n in qlens:
+            qsl.append(qsl[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=bt.to(device),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            max_query_len=max(qlens),
+            max_context_len=max(ctx_lens),
+        )
+
+    full = meta(ctx_lens)
+    total = sum(ctx_lens)
+    kv = torch.randn(2, total, KV_HEADS, HEAD_DIM, device=device).to(dtype)
+    layer = layers // 2
+    write_kv(pool, layer, kv[0], kv[1], full.slot_mapping)
+    m = meta(query_lens)
+    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, device=device).to(dtype)
+    return pool, layer, m, q, kv
+
+
+def bench_decode(batch, ctx, args) -> dict:
+    ctx_lens = [ctx - batch // 2 + i for i in range(batch)]  # ragged around ctx
+    pool, layer, meta, q, _ = _setup(ctx_lens, [1] * batch, args.layers, args.device, args.dtype)
+    ours = _time(
+        lambda: paged_attention(q, pool, layer, meta, 0.125, impl=args.impl), args.repeat, args.device
+    )
+    fresh = _time(
+        lambda: paged_attention(
+            q, pool, layer, AttentionMetadata(*[getattr(meta, f) for f in _FIELDS]), 0.125,
+            impl=args.impl,
+        ),
+        args.repeat,
+        args.device,
+    )
+    k = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=args.device).to(args.dtype)
+    v = torch.randn_like(k)
+    qs = torch.randn(batch, HEADS, 1, HEAD_DIM, device=args.device).to(args.dtype)
+    new = torch.randn(batch, KV_HEADS, 1, HEAD_DIM, device=args.device).to(args.dtype)
+    sdpa = _time(
+        lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True), args.repeat, args.device
+    )
+
+    def dynamic_cache_step():
+        # What transformers' DynamicCache + SDPA does per layer and step: cat, then attend.
+        kk, vv = torch.cat([k, new], 2), torch.cat([v, new], 2)
+        return F.scaled_dot_product_attention(qs, kk, vv, enable_gqa=True)
+
+    hf = _time(dynamic_cache_step, args.repeat, args.device)
+    return {"case": f"decode b{batch} ctx~{ctx}", "ours_ms": ours, "ours_with_plan_ms": fresh,
+            "sdpa_ms": sdpa, "cat_sdpa_ms": hf}
+
+
+def bench_prefill(tokens, args) -> dict:
+    pool, layer, meta, q, kv = _setup([tokens], [tokens], args.layers, args.device, args.dtype)
+    ours = _time(
+        lambda: paged_attention(q, pool, layer, meta, 0.125, impl=args.impl), args.repeat, args.device
+    )
+    qs = q.transpose(0, 1).unsqueeze(0)
+    k, v = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
+    sdpa = _time(
+        lambda: F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True),
+        args.repeat,
+        args.device,
+    )
+    return {"case": f"prefill {tokens}", "ours_ms": ours, "sdpa_ms": sdpa, "cat_sdpa_ms": sdpa}
+
+
+_FIELDS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "max_query_len",
+           "max_context_len")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--impl", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    args.dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows = [bench_decode(32, 600, args), bench_decode(8, 600, args), bench_decode(1, 600, args)]
+    rows += [bench_prefill(n, args) for n in (128, 512, 2048)]
+    for r in rows:
+        r["ratio_vs_cat_sdpa"] = r["cat_sdpa_ms"] / r["ours_ms"]
+    print(json.dumps({"bench": "kernels", "device": args.device, "impl": args.impl,
+                      "threads": torch.get_num_threads(), "rows": rows}))
+    print(f"{'case':<22}{'ours ms':>10}{'sdpa ms':>10}{'cat+sdpa':>10}{'speedup':>9}")
+    for r in rows:
+        print(f"{r['case']:<22}{r['ours_ms']:>10.3f}{r['sdpa_ms']:>10.3f}{r['cat_sdpa_ms']:>10.3f}"
+              f"{r['ratio_vs_cat_sdpa']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Public kernel ops: validate arguments, then dispatch to Triton (CUDA) or torch."""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+
+from kvrelay.kernels.errors import KernelError
+from kvrelay.kernels.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_IMPLS = ("auto", "torch", "triton")
+
+
+def _backend(impl: str, tensor: torch.Tensor) -> ModuleType:
+    """The module implementing the op; Triton is imported only when it is used."""
+    if impl not in _IMPLS:
+        raise KernelError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl == "triton" or (impl == "auto" and tensor.is_cuda):
+        from kvrelay.kernels import triton_ops
+
+        return triton_ops
+    from kvrelay.kernels import torch_paged
+
+    return torch_paged
+
+
+def _check_pool(kv_pool: torch.Tensor, layer: int) -> None:
+    if kv_pool.dim() != 6 or kv_pool.shape[2] != 2:
+        raise KernelError(
+            "kv_pool must be [num_blocks, num_layers, 2, page_size, kv_heads, head_dim], "
+            f"got {tuple(kv_pool.shape)}"
+        )
+    if not 0 <= layer < kv_pool.shape[1]:
+        raise KernelError(f"layer {layer} out of range for {kv_pool.shape[1]} layers")
+
+
+def write_kv(
+    kv_pool: torch.Tensor,
+    layer: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    impl: str = "auto",
+) -> None:
+    """Write key/value [T, kv_heads, head_dim] into the pool at slot_mapping; skip slots < 0."""
+    _check_pool(kv_pool, layer)
+    want = (slot_mapping.shape[0], *kv_pool.shape[4:])
+    if tuple(key.shape) != want or tuple(value.shape) != want:
+        raise KernelError(
+            f"key/value must be {want}, got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if slot_mapping.dtype != torch.int64:
+        raise KernelError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    _backend(impl, kv_pool).write_kv(kv_pool, layer, key, value, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Causal paged attention for query [T, heads, head_dim]; returns [T, heads, head_dim]."""
+    _check_pool(kv_pool, layer)
+    if query.dim() != 3 or query.shape[2] != kv_pool.shape[5]:
+        raise KernelError(f"query must be [T, heads, {kv_pool.shape[5]}], got {tuple(query.shape)}")
+    if query.shape[1] % kv_pool.shape[4]:
+        raise KernelError(
+            f"query heads {query.shape[1]} not a multiple of kv heads {kv_pool.shape[4]}"
+        )
+    num_seqs = meta.context_lens.shape[0]
+    if meta.query_start_loc.shape[0] != num_seqs + 1 or meta.block_tables.shape[0] != num_seqs:
+        raise KernelError("query_start_loc must have S+1 entries and block_tables S rows")
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    return _backend(impl, query).paged_attention(query, kv_pool, layer, meta, scale)
+
+
+def gather_pages(
+    kv_pool: torch.Tensor, block_ids: torch.Tensor, impl: str = "auto"
+) -> torch.Tensor:
+    """Contiguous copy [n, L, 2, P, H, D] of the blocks block_ids."""
+    _check_pool(kv_pool, 0)
+    if block_ids.dim() != 1:
+        raise KernelError(f"block_ids must be 1-D, got {tuple(block_ids.shape)}")
+    return _backend(impl, kv_pool).gather_pages(kv_pool, block_ids)
+
+
+def scatter_pages(
+    kv_pool: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor, impl: str = "auto"
+) -> None:
+    """Copy pages [n, L, 2, P, H, D] into the blocks block_ids."""
+    _check_pool(kv_pool, 0)
+    if block_ids.dim() != 1 or tuple(pages.shape) != (block_ids.shape[0], *kv_pool.shape[1:]):
+        raise KernelError(
+            f"pages must be [{block_ids.shape[0]}, *{tuple(kv_pool.shape[1:])}], "
+            f"got {tuple(pages.shape)}"
+        )
+    _backend(impl, kv_pool).scatter_pages(kv_pool, block_ids, pages)

@@ -1,0 +1,109 @@
+"""Batch- and path-invariant paged attention in torch (the CPU path).
+
+Every query row gets the same floating-point operations whatever else is in the batch:
+- scores: matmuls with a fixed contraction (head_dim) and row counts that are multiples of 8
+  (MKL then computes each row the same way for any row count, column count or thread count);
+- softmax max: exact, so its grouping does not matter; exp is elementwise;
+- per key tile of fixed length: row sums over the tile and P@V with a fixed contraction;
+- tiles are accumulated in tile order by index_add_ (sequential, starting from zero), so tiles
+  that are fully masked for a row add exact zeros and change nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.kernels.plan import BigSeq, SmallGroup, get_plan
+from kvrelay.kernels.torch_ref import gather_pages, scatter_pages, write_kv
+
+__all__ = ["gather_pages", "paged_attention", "scatter_pages", "write_kv"]
+
+NEG_INF = float("-inf")
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal paged attention, bitwise independent of batch composition and chunking."""
+    num_tokens, num_heads, head_dim = query.shape
+    kv_heads = kv_pool.shape[4]
+    group = num_heads // kv_heads
+    plan = get_plan(meta, kv_pool.shape[3], group)
+    # Per kv head, a table of query rows (token * group + g), plus one zero row for padding.
+    qtab = query.new_zeros((kv_heads, num_tokens * group + 1, head_dim), dtype=torch.float32)
+    q = query.view(num_tokens, kv_heads, group, head_dim).transpose(0, 1).float() * scale
+    qtab[:, : num_tokens * group] = q.reshape(kv_heads, num_tokens * group, head_dim)
+    res = query.new_zeros((kv_heads, num_tokens * group, head_dim), dtype=torch.float32)
+    keys, values = kv_pool[:, layer, 0], kv_pool[:, layer, 1]
+    for grp in plan.small:
+        _small(grp, qtab, keys, values, res, plan.tile)
+    for seq in plan.big:
+        _big(seq, qtab, keys, values, res, plan.tile)
+    out = res.view(kv_heads, num_tokens, group, head_dim).transpose(0, 1)
+    return out.reshape(num_tokens, num_heads, head_dim).to(query.dtype)
+
+
+def _gather(pages: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Contiguous float32 copy of whole pages [n, page_size, kv_heads, head_dim]."""
+    return pages[blocks].float()
+
+
+def _small(grp: SmallGroup, qtab, keys, values, res, tile: int) -> None:
+    kv_heads, head_dim = keys.shape[2], keys.shape[3]
+    n, rows, units = grp.num_items, grp.rows, grp.num_units
+    k = _gather(keys, grp.blocks).view(n, tile, kv_heads, head_dim)
+    v = _gather(values, grp.blocks).view(n, tile, kv_heads, head_dim)
+    if grp.vzero_rows.numel():
+        # Slots past the context may hold stale values; their weight is 0, keep 0 * v == 0.
+        v.view(n * tile, kv_heads * head_dim).index_fill_(0, grp.vzero_rows, 0.0)
+    q = qtab[:, grp.q_rows]  # [kv_heads, items, rows, head_dim]
+    s = q.new_empty((kv_heads, n, rows, tile))
+    for h in range(kv_heads):
+        torch.bmm(q[h], k[:, :, h].transpose(1, 2), out=s[h])
+    if grp.mask_idx.numel():
+        s.view(kv_heads, -1).index_fill_(1, grp.mask_idx, NEG_INF)
+    uoi = grp.unit_of_item
+    m = s.new_full((kv_heads, units, rows), NEG_INF)
+    m.scatter_reduce_(1, uoi[None, :, None].expand(kv_heads, n, rows), s.amax(-1), "amax")
+    s.sub_(m[:, uoi].unsqueeze(-1)).exp_()
+    denom = s.new_zeros((kv_heads, units, rows)).index_add_(1, uoi, s.sum(-1))
+    o_items = s.new_empty((kv_heads, n, rows, head_dim))
+    for h in range(kv_heads):
+        torch.bmm(s[h], v[:, :, h], out=o_items[h])
+    o = s.new_zeros((kv_heads, units, rows, head_dim)).index_add_(1, uoi, o_items)
+    o.div_(denom.unsqueeze(-1))
+    res.index_copy_(1, grp.out_rows, o.view(kv_heads, units * rows, head_dim)[:, grp.src_rows])
+
+
+def _big(seq: BigSeq, qtab, keys, values, res, tile: int) -> None:
+    kv_heads, head_dim = keys.shape[2], keys.shape[3]
+    k = _gather(keys, seq.blocks).view(-1, kv_heads, head_dim)  # [keys, kv_heads, head_dim]
+    v = _gather(values, seq.blocks).view(-1, kv_heads, head_dim)
+    v[seq.context_len :] = 0.0
+    for unit in seq.units:
+        rows, num_tiles = unit.q_rows.shape[0], unit.num_tiles
+        width = num_tiles * tile
+        q = qtab[:, unit.q_rows]  # [kv_heads, rows, head_dim]
+        s = q.new_empty((kv_heads, rows, width))
+        for h in range(kv_heads):
+            torch.mm(q[h], k[:width, h].t(), out=s[h])
+        s[:, :, unit.mask_start :].masked_fill_(unit.mask, NEG_INF)
+        m = s.amax(-1, keepdim=True)
+        # Probabilities laid out per tile [kv_heads, tiles, rows, tile], like the small path.
+        p = s.new_empty((kv_heads, num_tiles, rows, tile))
+        torch.sub(s.view(kv_heads, rows, num_tiles, tile), m.unsqueeze(-1), out=p.transpose(1, 2))
+        p.exp_()
+        zeros = torch.zeros(num_tiles, dtype=torch.long)
+        denom = s.new_zeros((kv_heads, 1, rows)).index_add_(1, zeros, p.sum(-1))
+        o_tiles = s.new_empty((kv_heads, num_tiles, rows, head_dim))
+        for h in range(kv_heads):
+            torch.bmm(p[h], v[:width, h].view(num_tiles, tile, head_dim), out=o_tiles[h])
+        o = s.new_zeros((kv_heads, 1, rows, head_dim)).index_add_(1, zeros, o_tiles)
+        o.div_(denom.unsqueeze(-1))
+        valid = unit.out_rows.shape[0]
+        res[:, unit.out_rows] = o[:, 0, :valid]

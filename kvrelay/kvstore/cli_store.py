@@ -1,0 +1,151 @@
+"""`kvrelay store` (run this host's store node) and `kvrelay kv` (inspect it). Light imports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+logger = logging.getLogger(__name__)
+
+_FLAGS = [  # (flag, type, help); every flag is also KVRELAY_STORE_<NAME>
+    ("--node-id", str, "this node's id (unique per host; default node0)"),
+    ("--run-dir", str, "directory of the local socket (kvstore.sock); default /tmp/kvrelay"),
+    ("--redis-url", str, "Redis/Valkey URL for the page directory (omit: no remote fetches)"),
+    ("--key-prefix", str, "Redis key prefix (default kvrelay:)"),
+    ("--arena-bytes", int, "size of the shared-memory arena (default 1 GiB)"),
+    ("--disk-dir", str, "directory of the disk tier (omit: no disk tier)"),
+    ("--disk-bytes", int, "disk tier size cap (default 16 GiB)"),
+    ("--page-bytes", int, "payload bytes of one page (or give --model)"),
+    ("--model", str, "model whose pages this node stores (sets page bytes and fingerprint)"),
+    ("--dtype", str, "page dtype with --model (default float32)"),
+    ("--page-size", int, "tokens per page with --model (default 16)"),
+    ("--fingerprint", str, "accept only pages of this model fingerprint"),
+    ("--listen-host", str, "address of the remote-transfer listeners (default 127.0.0.1)"),
+    ("--advertise-host", str, "address peers dial (default the listen host)"),
+    ("--tcp-port", int, "TCP transfer port (0 = any, -1 = off)"),
+    ("--ucx-port", int, "UCX transfer port (0 = any, -1 = off)"),
+    ("--transport", str, "remote fetch transport: auto, ucx or tcp"),
+    ("--secret", str, "shared secret of the store nodes (HMAC challenge)"),
+    ("--transfer-timeout-s", float, "bound on one remote transfer (default 5)"),
+    ("--metrics-port", int, "serve Prometheus metrics on this port"),
+]
+
+
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    for flag, type_, help_ in _FLAGS:
+        p.add_argument(flag, type=type_, default=None, help=help_)
+
+
+def build_config(args: argparse.Namespace):
+    """StoreConfig from defaults, KVRELAY_STORE_* and flags; resolves --model to a page size."""
+    from dataclasses import replace
+
+    from kvrelay.config import from_env
+    from kvrelay.kvstore.config import StoreConfig
+
+    overrides = {
+        f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_"), None) for f, _, _ in _FLAGS
+    }
+    cfg = from_env(StoreConfig, "store", **overrides)
+    if cfg.model is not None:
+        from kvrelay.pipeline.modelref import converted_dir, read_model_info, resolve_model
+
+        info = read_model_info(converted_dir(resolve_model(cfg.model)), cfg.dtype)
+        page_bytes = info.page_bytes(cfg.dtype, cfg.page_size)
+        if cfg.page_bytes not in (None, page_bytes):
+            raise SystemExit(
+                f"--page-bytes {cfg.page_bytes} contradicts --model "
+                f"{cfg.model} ({page_bytes}-byte pages)"
+            )
+        cfg = replace(cfg, page_bytes=page_bytes, fingerprint=cfg.fingerprint or info.fingerprint)
+    if cfg.page_bytes is None:
+        raise SystemExit(
+            "kvrelay store: give --page-bytes or --model (or KVRELAY_STORE_PAGE_BYTES)"
+        )
+    return cfg
+
+
+def run_store(args: argparse.Namespace) -> int:
+    from kvrelay.kvstore.server import StoreNode
+
+    cfg = build_config(args)
+    node = StoreNode(cfg, cfg.page_bytes)
+    signal.signal(signal.SIGTERM, lambda *_: node.stop())
+    signal.signal(signal.SIGINT, lambda *_: node.stop())
+    node.start()
+    try:
+        node.serve_forever()
+    finally:
+        node.close()
+    return 0
+
+
+def add_kv_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["stats", "ls", "get", "evict"], help="what to do")
+    p.add_argument("key", nargs="?", help="page key (hex) for `get`")
+    p.add_argument("--run-dir", default=None, help="the store node's run dir")
+    p.add_argument("--limit", type=int, default=100, help="keys per tier for `ls`")
+    p.add_argument(
+        "--tier",
+        default="host",
+        choices=["host", "all"],
+        help="`evict`: demote the arena to disk (host) or drop everything (all)",
+    )
+    p.add_argument("--timeout-s", type=float, default=5.0)
+
+
+def run_kv(args: argparse.Namespace) -> int:
+    from kvrelay.kvstore.client import StoreClient, default_run_dir
+    from kvrelay.kvstore.errors import StoreError
+    from kvrelay.kvstore.page import unpack_header, verify_page
+
+    client = StoreClient(args.run_dir or default_run_dir(), timeout_s=args.timeout_s)
+    try:
+        if args.action == "stats":
+            out = client.stats()
+        elif args.action == "ls":
+            out = client.ls(args.limit)
+        elif args.action == "evict":
+            out = {"evicted": client.evict(args.tier)}
+        else:
+            if not args.key:
+                raise StoreError("kv get needs a page key (hex)")
+            try:
+                key = bytes.fromhex(args.key)
+            except ValueError:
+                raise StoreError(f"not a hex page key: {args.key!r}") from None
+            reply = client.call("get", keys=[key], remote=False)
+            out = {"key": args.key, "found": bool(reply["slots"])}
+            if reply["slots"]:
+                try:
+                    arena = client._map(reply)
+                    page = arena.slot(reply["slots"][0])
+                    h = unpack_header(page)
+                    out.update(
+                        fingerprint=h.fingerprint,
+                        dtype=h.dtype,
+                        shape=list(h.shape),
+                        num_tokens=h.num_tokens,
+                        payload_bytes=h.payload_bytes,
+                        checksum=f"{h.checksum:08x}",
+                    )
+                    try:
+                        verify_page(page, key)
+                        out["verified"] = True
+                    except StoreError as exc:
+                        out["verified"] = False
+                        out["error"] = str(exc)
+                finally:
+                    client.call("release", slots=reply["slots"])
+        out.pop("ok", None)
+        out.pop("id", None)
+        print(json.dumps(out, indent=2))
+        return 0
+    except StoreError as exc:
+        print(f"kvrelay kv {args.action}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()

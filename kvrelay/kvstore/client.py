@@ -1,0 +1,247 @@
+"""StoreClient: a worker's handle on its host's store node.
+
+Requests go over the node's ZeroMQ IPC socket (`<run_dir>/kvstore.sock`); page bytes are copied
+straight between the caller's memory and the shared arena the node names in its hello reply.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgpack
+
+from kvrelay.kvstore.arena import HostArena
+from kvrelay.kvstore.config import socket_url
+from kvrelay.kvstore.errors import (
+    AuthError,
+    IncompatiblePageError,
+    PageFormatError,
+    StoreError,
+    StoreUnavailableError,
+    TransferError,
+)
+from kvrelay.kvstore.page import (
+    HEADER_BYTES,
+    PageSpec,
+    check_header,
+    checksum,
+    pack_header,
+    verify_page,
+)
+
+logger = logging.getLogger(__name__)
+
+_KINDS = {
+    c.__name__: c
+    for c in (
+        IncompatiblePageError,
+        PageFormatError,
+        AuthError,
+        TransferError,
+        StoreUnavailableError,
+    )
+}
+Fill = Callable[[list[tuple[int, memoryview]]], None]
+
+
+class StoreClient:
+    """Put and get pages of one model (`spec`) through the local store node."""
+
+    def __init__(self, run_dir: str | Path, spec: PageSpec | None = None, timeout_s: float = 10.0):
+        self.url = socket_url(run_dir)
+        self.spec = spec
+        self.timeout_ms = int(timeout_s * 1000)
+        self.arena: HostArena | None = None
+        self._gen: int | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._sock = None
+        self.num_corrupt = 0
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _socket(self):
+        import zmq
+
+        if self._sock is None:
+            self._sock = zmq.Context.instance().socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.url)
+        return self._sock
+
+    def call(self, op: str, **fields) -> dict:
+        """One request/reply; raises the node's error as a StoreError subclass."""
+
+        with self._lock:
+            sock = self._socket()
+            req_id = next(self._ids)
+            if self.spec is not None:
+                fields.setdefault("fp", self.spec.fingerprint)
+                fields.setdefault("page_bytes", self.spec.page_bytes)
+            sock.send_multipart(
+                [b"", msgpack.packb({"id": req_id, "op": op, **fields}, use_bin_type=True)]
+            )
+            while True:
+                if not sock.poll(self.timeout_ms):
+                    self._sock = None  # drop it so a late reply cannot answer the next request
+                    sock.close()
+                    raise StoreUnavailableError(
+                        f"store node at {self.url} did not answer {op!r} within "
+                        f"{self.timeout_ms / 1000:.1f}s (is `kvrelay store` running?)"
+                    )
+                reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
+                if reply.get("id") == req_id:
+                    break
+        if not reply.get("ok"):
+            raise _KINDS.get(reply.get("kind"), StoreError)(reply.get("error", "unknown error"))
+        return reply
+
+    def connect(self) -> dict:
+        """Say hello (the node checks fingerprint and page size) and map its arena."""
+        reply = self.call("hello")
+        self._map(reply)
+        return reply
+
+    def _map(self, reply: dict) -> HostArena:
+        gen = reply.get("gen")
+        if self.arena is None or gen != self._gen:
+            if self.arena is not None:
+                self.arena.close()
+            if gen is not None and "arena" not in reply:
+                reply = self.call("hello")
+            self.arena = HostArena.open(Path(reply["arena"]))
+            self._gen = reply.get("gen")
+        return self.arena
+
+    def _need_spec(self) -> PageSpec:
+        if self.spec is None:
+            raise StoreError("this StoreClient has no PageSpec; pass one to put or get pages")
+        return self.spec
+
+    # -- pages ------------------------------------------------------------------------------
+    def lookup(self, keys: list[bytes], remote: bool = True) -> int:
+        """Length of the longest prefix of `keys` the store holds (here or on a peer)."""
+        self._need_spec()
+        return int(self.call("contains", keys=list(keys), remote=remote)["n"]) if keys else 0
+
+    def put_with(self, keys: list[bytes], fill: Fill, num_tokens: int | None = None) -> int:
+        """Reserve slots for new keys, let `fill([(i, payload view)])` write them, publish them.
+
+        Keys already stored are skipped (write-once). Returns the number of new pages."""
+        spec = self._need_spec()
+        if not keys:
+            return 0
+        reply = self.call("put", keys=list(keys))
+        arena = self._map(reply)
+        todo = [
+            (i, k, s) for i, (k, s) in enumerate(zip(keys, reply["slots"], strict=True)) if s >= 0
+        ]
+        if not todo:
+            return 0
+        t_keys, t_slots = [k for _, k, _ in todo], [s for _, _, s in todo]
+        try:
+            fill([(i, arena.payload(s)) for i, _, s in todo])
+            for _, key, slot in todo:
+                arena.slot(slot)[:HEADER_BYTES] = pack_header(
+                    spec, key, checksum(arena.payload(slot)), num_tokens
+                )
+        except BaseException:
+            self.call("abort", keys=t_keys, slots=t_slots)
+            raise
+        errors = [e for e in self.call("commit", keys=t_keys, slots=t_slots)["errors"] if e]
+        if errors:
+            raise StoreError(f"{len(errors)} of {len(todo)} pages refused: {errors[0]}")
+        return len(todo)
+
+    def put(self, keys: list[bytes], pages: list) -> int:
+        """Store page payloads (buffers of `spec.page_bytes`); returns how many were new."""
+        n = self._need_spec().page_bytes
+        for p in pages:
+            if memoryview(p).nbytes != n:
+                raise StoreError(f"a page payload is {memoryview(p).nbytes} bytes, expected {n}")
+
+        def fill(items: list[tuple[int, memoryview]]) -> None:
+            for i, dst in items:
+                dst[:] = memoryview(pages[i]).cast("B")
+
+        return self.put_with(keys, fill)
+
+    @contextmanager
+    def pinned(
+        self, keys: list[bytes], verify: bool = False, remote: bool = True
+    ) -> Iterator[list[memoryview]]:
+        """Payload views of the longest available prefix, pinned while inside.
+
+        Every page's header is checked (key, size, fingerprint, header CRC); the node verified
+        the payload CRC when the page entered the arena (put, disk promotion or remote fetch),
+        so `verify=True` (recompute it here) is only for the paranoid."""
+        spec = self._need_spec()
+        if not keys:
+            yield []
+            return
+        reply = self.call("get", keys=list(keys), remote=remote)
+        slots = reply["slots"]
+        try:
+            arena = self._map(reply)
+            views = []
+            for key, slot in zip(keys, slots, strict=False):
+                try:
+                    if verify:
+                        verify_page(arena.slot(slot), key, spec.page_bytes, spec.fingerprint)
+                    else:
+                        check_header(arena.slot(slot), key, spec.page_bytes, spec.fingerprint)
+                except StoreError as exc:
+                    self.num_corrupt += 1
+                    logger.warning("store page %s failed verification: %s", key.hex(), exc)
+                    break
+                views.append(arena.payload(slot))
+            yield views
+        finally:
+            if slots:
+                self.call("release", slots=slots)
+
+    def get_into(self, keys: list[bytes], dsts: list, verify: bool = False) -> int:
+        """Copy the available prefix into writable buffers `dsts`; returns pages copied."""
+        with self.pinned(keys, verify) as views:
+            for view, dst in zip(views, dsts, strict=False):
+                memoryview(dst).cast("B")[:] = view
+            return len(views)
+
+    def get(self, keys: list[bytes]) -> list[bytes]:
+        """Payload bytes of the available prefix of `keys`."""
+        with self.pinned(keys) as views:
+            return [bytes(v) for v in views]
+
+    # -- operators --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return self.call("stats")
+
+    def ls(self, limit: int = 1000) -> dict:
+        return self.call("ls", limit=limit)
+
+    def evict(self, tier: str = "host") -> int:
+        return int(self.call("evict", tier=tier)["n"])
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def default_run_dir() -> str:
+    """`KVRELAY_STORE_RUN_DIR` or the StoreConfig default."""
+    return os.environ.get("KVRELAY_STORE_RUN_DIR", "/tmp/kvrelay")

@@ -1,0 +1,64 @@
+"""`StoreConfig`: the store node's frozen settings; `KVRELAY_STORE_*` env vars override them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrelay.config import ConfigError
+
+SOCKET_NAME = "kvstore.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Settings of one store node (one per host)."""
+
+    node_id: str = "node0"
+    run_dir: str = "/tmp/kvrelay"
+    redis_url: str | None = None  # None: no page directory, no remote fetches
+    key_prefix: str = "kvrelay:"
+    arena_bytes: int = 1 << 30
+    disk_dir: str | None = None  # None: no disk tier
+    disk_bytes: int = 16 << 30
+    page_bytes: int | None = None  # payload bytes of one page; or derived from `model`
+    model: str | None = None
+    dtype: str = "float32"  # with `model`: the page dtype
+    page_size: int = 16  # with `model`: tokens per page
+    fingerprint: str | None = None  # None: accept any model whose pages have page_bytes
+    listen_host: str = "127.0.0.1"
+    advertise_host: str | None = None  # address peers dial; default listen_host
+    tcp_port: int = 0  # 0: pick a free port; -1: no TCP listener
+    ucx_port: int = 0  # 0: pick a free port; -1: no UCX listener (also when ucxx is missing)
+    transport: str = "auto"  # remote fetch transport: auto (UCX if both sides have it) | ucx | tcp
+    secret: str | None = None  # shared secret for store-to-store transfers
+    transfer_timeout_s: float = 5.0
+    heartbeat_s: float = 2.0
+    node_ttl_s: float = 10.0
+    pin_timeout_s: float = 60.0  # a reader or writer holding a slot longer than this lost it
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.node_id or any(c in self.node_id for c in " :/{}"):
+            raise ConfigError(f"invalid node id {self.node_id!r} (no spaces, ':', '/', braces)")
+        if self.arena_bytes <= 0:
+            raise ConfigError(f"arena_bytes must be positive, got {self.arena_bytes}")
+        if self.page_bytes is not None and self.page_bytes <= 0:
+            raise ConfigError(f"page_bytes must be positive, got {self.page_bytes}")
+        if self.transport not in ("auto", "ucx", "tcp"):
+            raise ConfigError(f"transport must be auto, ucx or tcp, got {self.transport!r}")
+        if self.transfer_timeout_s <= 0:
+            raise ConfigError("transfer_timeout_s must be positive")
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.run_dir) / SOCKET_NAME
+
+    @property
+    def socket_url(self) -> str:
+        return f"ipc://{self.socket_path}"
+
+
+def socket_url(run_dir: str | Path) -> str:
+    """The ZeroMQ address of the store node serving `run_dir`."""
+    return f"ipc://{Path(run_dir) / SOCKET_NAME}"

@@ -1,0 +1,91 @@
+"""StoreConnector: the engine's KVConnector over a StoreClient.
+
+A pool block `kv_pool[b]` ([num_layers, 2, page_size, kv_heads, head_dim]) is byte-identical to a
+page payload, so load and save are one copy each between the pool and a shared arena slot (an
+asynchronous DMA on CUDA once the arena is registered as pinned memory). Store failures are
+logged and reported as misses: the engine recomputes instead of failing the request.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvrelay.kvstore.client import StoreClient
+from kvrelay.kvstore.errors import StoreError
+
+logger = logging.getLogger(__name__)
+
+
+class StoreConnector:
+    """lookup / load / save pages of one model between a KV pool and the local store node."""
+
+    def __init__(self, client: StoreClient):
+        self.client = client
+        self._checked = False
+
+    def _check(self, kv_pool) -> bool:
+        spec = self.client.spec
+        if spec is None:
+            raise StoreError("StoreConnector needs a StoreClient with a PageSpec")
+        dtype = str(kv_pool.dtype).removeprefix("torch.")
+        if tuple(kv_pool.shape[1:]) != spec.shape or dtype != spec.dtype:
+            raise StoreError(
+                f"KV pool blocks are {tuple(kv_pool.shape[1:])} {dtype}, "
+                f"store pages are {spec.shape} {spec.dtype}"
+            )
+        if not kv_pool.is_contiguous():
+            raise StoreError("the KV pool must be contiguous")
+        cuda = kv_pool.is_cuda
+        if cuda and not self._checked and self.client.arena is not None:
+            self.client.arena.register_cuda()
+        self._checked = True
+        return cuda
+
+    def lookup(self, keys: list[bytes]) -> int:
+        """How many leading keys the store can provide."""
+        try:
+            return self.client.lookup(keys)
+        except StoreError as exc:
+            logger.warning("store lookup failed, recomputing: %s", exc)
+            return 0
+
+    def load(self, keys: list[bytes], block_ids: list[int], kv_pool) -> int:
+        """Copy the leading available, verified pages into `block_ids`; returns how many."""
+        import torch
+
+        if len(block_ids) < len(keys):
+            raise StoreError(f"load: {len(keys)} keys but only {len(block_ids)} blocks")
+        cuda = self._check(kv_pool)
+        try:
+            with self.client.pinned(list(keys)) as views:
+                shape = kv_pool.shape[1:]
+                for view, block in zip(views, block_ids, strict=False):
+                    src = torch.frombuffer(view, dtype=kv_pool.dtype).view(shape)
+                    kv_pool[block].copy_(src, non_blocking=cuda)
+                if cuda:
+                    torch.cuda.current_stream(kv_pool.device).synchronize()  # before unpinning
+                return len(views)
+        except StoreError as exc:
+            logger.warning("store load failed, recomputing: %s", exc)
+            return 0
+
+    def save(self, keys: list[bytes], block_ids: list[int], kv_pool) -> None:
+        """Write the blocks as pages (existing keys are skipped); copied before returning."""
+        import torch
+
+        if len(block_ids) != len(keys):
+            raise StoreError(f"save: {len(keys)} keys but {len(block_ids)} blocks")
+        cuda = self._check(kv_pool)
+
+        def fill(items: list[tuple[int, memoryview]]) -> None:
+            shape = kv_pool.shape[1:]
+            for i, dst in items:
+                out = torch.frombuffer(dst, dtype=kv_pool.dtype).view(shape)
+                out.copy_(kv_pool[block_ids[i]], non_blocking=cuda)
+            if cuda:
+                torch.cuda.current_stream(kv_pool.device).synchronize()  # before checksums
+
+        try:
+            self.client.put_with(list(keys), fill)
+        except StoreError as exc:
+            logger.warning("store save of %d pages failed: %s", len(keys), exc)

@@ -1,0 +1,126 @@
+"""The page directory in Redis: `node:{id}` (addresses, TTL heartbeat) and `page:{hex}` (set of
+node ids holding the page). Writes are batched by a background thread so the request path never
+waits on Redis; reads (`locate`) happen only on a local miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from kvrelay.pipeline.keys import Keys
+
+logger = logging.getLogger(__name__)
+
+
+class Directory:
+    """Registration, heartbeat and page-location entries of one store node."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        key_prefix: str,
+        node_id: str,
+        ttl_s: float = 10.0,
+        heartbeat_s: float = 2.0,
+    ):
+        import redis
+
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.keys = Keys(key_prefix)
+        self.node_id = node_id
+        self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
+        self._info: dict[str, str] = {}
+        self._ops: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._nodes: dict[str, tuple[float, dict[str, str] | None]] = {}
+        self._thread = threading.Thread(target=self._run, name="kv-directory", daemon=True)
+
+    def start(self, info: dict[str, str], keys: list[bytes]) -> None:
+        """Register this node and announce the pages it already holds."""
+        self._info = {k: str(v) for k, v in info.items()}
+        self._heartbeat()
+        self.add(keys)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Flush pending entries and unregister (page entries stay; peers skip dead nodes)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        try:
+            self._flush()
+            self.redis.delete(self.keys.store_node(self.node_id))
+        except Exception as exc:  # noqa: BLE001 - Redis being down must not block shutdown
+            logger.warning("could not flush or unregister store node %s: %s", self.node_id, exc)
+        self.redis.close()
+
+    def add(self, keys: list[bytes]) -> None:
+        if keys:
+            self._ops.put(("add", keys))
+
+    def remove(self, keys: list[bytes], node_id: str | None = None) -> None:
+        if keys:
+            self._ops.put(("rem", keys, node_id or self.node_id))
+
+    def _heartbeat(self) -> None:
+        name = self.keys.store_node(self.node_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(name, mapping={**self._info, "updated": f"{time.time():.3f}"})
+        pipe.pexpire(name, int(self.ttl_s * 1000))
+        pipe.execute()
+
+    def _flush(self) -> None:
+        ops = []
+        while True:
+            try:
+                ops.append(self._ops.get_nowait())
+            except queue.Empty:
+                break
+        if not ops:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for op in ops:
+            for key in op[1]:
+                name = self.keys.page(key.hex())
+                if op[0] == "add":
+                    pipe.sadd(name, self.node_id)
+                else:
+                    pipe.srem(name, op[2])
+        pipe.execute()
+
+    def _run(self) -> None:
+        next_beat = time.monotonic() + self.heartbeat_s
+        while not self._stop.is_set():
+            try:
+                self._flush()
+                if time.monotonic() >= next_beat:
+                    self._heartbeat()
+                    next_beat = time.monotonic() + self.heartbeat_s
+            except Exception as exc:  # noqa: BLE001 - keep serving locally while Redis is down
+                logger.warning("page directory update failed: %s", exc)
+            self._stop.wait(0.05)
+
+    def locate(self, keys: list[bytes]) -> list[list[str]]:
+        """Node ids (other than this one, alive) holding each key."""
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.smembers(self.keys.page(key.hex()))
+        out = []
+        for members in pipe.execute():
+            ids = sorted(m.decode() for m in members if m.decode() != self.node_id)
+            out.append([i for i in ids if self.node_info(i) is not None])
+        return out
+
+    def node_info(self, node_id: str) -> dict[str, str] | None:
+        """A peer's registration (addresses), cached for one second; None if it is not alive."""
+        now = time.monotonic()
+        cached = self._nodes.get(node_id)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        raw = self.redis.hgetall(self.keys.store_node(node_id))
+        info = {k.decode(): v.decode() for k, v in raw.items()} or None
+        self._nodes[node_id] = (now + 1.0, info)
+        return info

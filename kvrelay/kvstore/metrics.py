@@ -1,0 +1,65 @@
+"""Store node counters: kept as plain numbers (returned by `stats`) and mirrored to Prometheus."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+# counter name -> (help, label names)
+COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "hits": ("page lookups served by a tier", ("tier",)),
+    "misses": ("page lookups a tier could not serve", ("tier",)),
+    "bytes": ("page bytes moved, by tier and transfer kind", ("tier", "kind")),
+    "corrupt_pages": ("pages dropped because they failed verification", ("tier",)),
+    "evictions": ("pages evicted from a tier (host: demoted or dropped; disk: dropped)", ("tier",)),
+    "puts": ("pages written (new keys only)", ("tier",)),
+    "transfer_failures": ("remote fetches that failed or timed out", ("transport",)),
+}
+
+
+@dataclass(slots=True)
+class StoreMetrics:
+    """Counters by (name, labels); `prometheus()` registers them in a fresh registry."""
+
+    values: dict[tuple[str, tuple[str, ...]], float] = field(
+        default_factory=lambda: defaultdict(float)
+    )
+    _prom: dict | None = None
+
+    def inc(self, name: str, *labels: str, value: float = 1) -> None:
+        self.values[(name, labels)] += value
+        if self._prom is not None:
+            self._prom[name].labels(*labels).inc(value)
+
+    def get(self, name: str, *labels: str) -> float:
+        return self.values.get((name, labels), 0)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """{name: {"label1/label2": value}} for the `stats` reply."""
+        out: dict[str, dict[str, float]] = {}
+        for (name, labels), v in sorted(self.values.items()):
+            out.setdefault(name, {})["/".join(labels)] = v
+        return out
+
+    def prometheus(self, gauges):
+        """A CollectorRegistry with every counter plus `gauges() -> {tier: pages}` as a gauge."""
+        from prometheus_client import CollectorRegistry, Counter
+        from prometheus_client.core import GaugeMetricFamily
+
+        registry = CollectorRegistry()
+        self._prom = {
+            name: Counter(f"kvrelay:store_{name}", help_, labels, registry=registry)
+            for name, (help_, labels) in COUNTERS.items()
+        }
+        for (name, labels), v in self.values.items():
+            self._prom[name].labels(*labels).inc(v)
+
+        class _Pages:
+            def collect(self):
+                g = GaugeMetricFamily("kvrelay:store_pages", "pages held, by tier", labels=["tier"])
+                for tier, n in gauges().items():
+                    g.add_metric([tier], n)
+                yield g
+
+        registry.register(_Pages())
+        return registry

@@ -1,0 +1,213 @@
+"""Remote pages: pulling a local miss from the peer node the directory names, and answering
+peers' fetches. Transfers run UCX (ucxx) when both sides have it, plain TCP otherwise; every
+failure is logged, counted and reported as a miss so the caller recomputes instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from kvrelay.kvstore.arena import HostArena
+from kvrelay.kvstore.directory import Directory
+from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
+from kvrelay.kvstore.metrics import StoreMetrics
+from kvrelay.kvstore.store import NodeStore
+from kvrelay.kvstore.transfer import TcpPeer, fetch_request
+
+logger = logging.getLogger(__name__)
+
+MAX_KEYS = 4096
+
+
+def check_request(req: dict, fingerprint: str | None, page_bytes: int) -> list[bytes]:
+    """Validate the model fingerprint, page size and keys of a request; raise StoreError."""
+    from kvrelay.kvstore.errors import IncompatiblePageError
+
+    fp = req.get("fp")
+    if fingerprint is not None and fp is not None and fp != fingerprint:
+        raise IncompatiblePageError(
+            f"model fingerprint mismatch: this store holds pages of {fingerprint!r}, "
+            f"request is for {fp!r}"
+        )
+    pb = req.get("page_bytes")
+    if pb is not None and pb != page_bytes:
+        raise IncompatiblePageError(
+            f"page size mismatch: this store holds {page_bytes}-byte pages, request has {pb}"
+        )
+    keys = req.get("keys", [])
+    if (
+        not isinstance(keys, list)
+        or len(keys) > MAX_KEYS
+        or not all(isinstance(k, bytes) and len(k) == 16 for k in keys)
+    ):
+        raise StoreError(f"keys must be a list of at most {MAX_KEYS} 16-byte page keys")
+    return keys
+
+
+class Remote:
+    """Fetches misses from peers (client side) and serves peers' fetches (server side)."""
+
+    def __init__(
+        self,
+        store: NodeStore,
+        arena: HostArena,
+        directory: Directory,
+        metrics: StoreMetrics,
+        secret: bytes,
+        transport: str,
+        timeout_s: float,
+        loop: asyncio.AbstractEventLoop | None,
+        ucx_ok: bool,
+    ):
+        self.store, self.arena, self.directory, self.metrics = store, arena, directory, metrics
+        self.secret, self.transport, self.timeout_s = secret, transport, timeout_s
+        self.loop, self.ucx_ok = loop, ucx_ok
+        self._peers: dict[tuple[str, str], object] = {}  # (transport, address) -> session
+
+    # -- server side (runs in the node's asyncio thread) -----------------------------------
+    def serve(self, req: dict) -> tuple[dict, list[memoryview], Callable[[], None]]:
+        try:
+            if req.get("op") != "fetch":
+                raise StoreError(f"unknown transfer op {req.get('op')!r}")
+            keys = check_request(req, self.store.fingerprint, self.store.page_bytes)
+        except StoreError as exc:
+            return {"ok": False, "error": str(exc)}, [], lambda: None
+        slots = self.store.acquire(keys)
+        self.metrics.inc("bytes", "remote", "serve", value=len(slots) * self.store.page_bytes)
+        return (
+            {"ok": True, "found": len(slots)},
+            [self.arena.slot(s) for s in slots],
+            lambda: self.store.release(slots),
+        )
+
+    # -- client side (runs in the node's request thread) -----------------------------------
+    def locate_prefix(self, keys: list[bytes]) -> int:
+        """How many leading keys some live peer holds, per the directory."""
+        n = 0
+        for nodes in self.directory.locate(keys):
+            if not nodes:
+                break
+            n += 1
+        return n
+
+    def fetch(self, keys: list[bytes]) -> list[int]:
+        """Pull the longest possible prefix of `keys` from peers into pinned arena slots."""
+        try:
+            locs = self.directory.locate(keys)
+        except Exception as exc:  # noqa: BLE001 - Redis down: a miss, not an error
+            logger.warning("page directory lookup failed: %s", exc)
+            return []
+        pinned: list[int] = []
+        i = 0
+        while i < len(keys) and locs[i]:
+            got = wanted = 0
+            for node_id in locs[i]:
+                j = i
+                while j < len(keys) and node_id in locs[j]:
+                    j += 1
+                wanted = j - i
+                got = self._fetch_from(node_id, keys[i:j], pinned)
+                if got:
+                    break
+            i += got
+            if got < wanted:  # a failure or a short answer: stop at the first missing page
+                break
+        if i < len(keys):
+            self.metrics.inc("misses", "remote")
+        return pinned
+
+    def _transfer(self, kind: str, address: str, request: dict, dsts: list[memoryview]) -> int:
+        """One fetch over a cached session; a stale session is replaced once (not on timeout)."""
+        for attempt in (0, 1):
+            peer = self._peers.get((kind, address))
+            reused = peer is not None
+            try:
+                if kind == "tcp":
+                    if peer is None:
+                        host, port = address.rsplit(":", 1)
+                        peer = TcpPeer(host, int(port), self.secret, self.timeout_s)
+                        self._peers[(kind, address)] = peer
+                    return peer.fetch(request, dsts, self.timeout_s)
+                return self._ucx(address, request, dsts)
+            except TransferError as exc:
+                dropped = self._peers.pop((kind, address), None)
+                if dropped is not None and kind == "tcp":
+                    dropped.close()
+                if attempt or not reused or isinstance(exc, TransferTimeoutError | AuthError):
+                    raise
+                logger.info("session to %s broke (%s); reconnecting", address, exc)
+        raise AssertionError("unreachable")
+
+    def _ucx(self, address: str, request: dict, dsts: list[memoryview]) -> int:
+        from kvrelay.kvstore.ucx_transfer import UcxPeer
+
+        async def run() -> int:
+            peer = self._peers.get(("ucx", address))
+            if peer is None:
+                host, port = address.rsplit(":", 1)
+                peer = UcxPeer(host, int(port))
+                await peer.connect(self.secret, self.timeout_s)
+                self._peers[("ucx", address)] = peer
+            try:
+                return await peer.fetch(request, dsts, self.timeout_s)
+            except BaseException:
+                peer.close()
+                raise
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        try:
+            return fut.result(2 * self.timeout_s + 1)  # connect + fetch, each bounded
+        except TimeoutError as exc:
+            fut.cancel()
+            raise TransferTimeoutError(f"UCX fetch from {address} timed out") from exc
+
+    def close(self) -> None:
+        """Close cached sessions (call from the node's event loop thread)."""
+        for peer in list(self._peers.values()):
+            peer.close()
+        self._peers.clear()
+
+    def _fetch_from(self, node_id: str, keys: list[bytes], pinned: list[int]) -> int:
+        info = self.directory.node_info(node_id)
+        if info is None:
+            return 0
+        slots = self.store.reserve(keys)
+        n = next((k for k, s in enumerate(slots) if s < 0), len(slots))
+        self.store.abort(keys[n:], slots[n:])
+        keys, slots = keys[:n], slots[:n]
+        if not keys:
+            return 0
+        use_ucx = self.ucx_ok and info.get("ucx") and self.transport in ("auto", "ucx")
+        kind = "ucx" if use_ucx else "tcp"
+        request = fetch_request(keys, self.store.fingerprint, self.store.page_bytes)
+        dsts = [self.arena.slot(s) for s in slots]
+        found = 0
+        try:
+            if self.transport == "ucx" and not use_ucx:
+                raise TransferError(f"peer {node_id} has no UCX listener (or ucxx is missing)")
+            found = self._transfer(kind, info[kind], request, dsts)
+        except (StoreError, KeyError, ValueError) as exc:
+            logger.warning(
+                "fetch of %d pages from store node %s failed: %s", len(keys), node_id, exc
+            )
+            self.metrics.inc("transfer_failures", kind)
+            self.store.abort(keys, slots)
+            return 0
+        errors = self.store.commit(
+            keys[:found], slots[:found], pin=True, verify=True, kind=f"fetch_{kind}"
+        )
+        self.store.abort(keys[found:], slots[found:])
+        good = next((k for k, e in enumerate(errors) if e is not None), found)
+        if good < found:
+            logger.warning("page from %s failed verification: %s", node_id, errors[good])
+            self.metrics.inc("corrupt_pages", "remote")
+            self.store.release([s for s, e in zip(slots[good:found], errors[good:]) if e is None])
+            found = good
+        if found < len(keys):  # the directory was stale for this page
+            self.directory.remove([keys[found]], node_id)
+        self.metrics.inc("hits", "remote", value=found)
+        self.metrics.inc("bytes", "remote", f"fetch_{kind}", value=found * self.store.page_bytes)
+        pinned.extend(slots[:found])
+        return found

@@ -1,0 +1,230 @@
+"""StoreNode: the per-host store server (`kvrelay store`).
+
+Local workers send batched msgpack requests over a ZeroMQ IPC socket (`<run_dir>/kvstore.sock`):
+hello, put (reserve slots) -> commit/abort, get (pin a prefix) -> release, contains, stats, ls,
+evict. Page bytes move through the shared arena, never through ZeroMQ. Peers fetch over TCP/UCX
+listeners served from an asyncio thread; the page directory and heartbeat live in Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import msgpack
+
+from kvrelay.kvstore.arena import HostArena
+from kvrelay.kvstore.config import StoreConfig
+from kvrelay.kvstore.errors import StoreError
+from kvrelay.kvstore.metrics import StoreMetrics
+from kvrelay.kvstore.store import NodeStore
+
+logger = logging.getLogger(__name__)
+
+
+def arena_path(config: StoreConfig) -> Path:
+    """The arena file for this node and run dir (under /dev/shm when it exists)."""
+    tag = hashlib.blake2b(str(Path(config.run_dir).resolve()).encode(), digest_size=4).hexdigest()
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(config.run_dir)
+    return base / f"kvrelay-{config.node_id}-{tag}.arena"
+
+
+class StoreNode:
+    """One store node: arena + disk tiers, local socket, remote listeners, directory."""
+
+    def __init__(self, config: StoreConfig, page_bytes: int):
+        self.config = config
+        self.page_bytes = page_bytes
+        self.metrics = StoreMetrics()
+        self.directory = None
+        self.remote = None
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._servers: list = []
+        self.addresses: dict[str, str] = {}
+        self.ready = threading.Event()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open tiers, bind the socket, start listeners and register in Redis."""
+        import zmq
+
+        from kvrelay.kvstore.disk import DiskTier
+
+        cfg = self.config
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        self.arena, reused = HostArena.create(arena_path(cfg), cfg.arena_bytes, self.page_bytes)
+        self.arena_gen = os.stat(self.arena.path).st_ino  # workers remap when this changes
+        disk = None
+        if cfg.disk_dir:
+            disk = DiskTier(Path(cfg.disk_dir), cfg.disk_bytes, self.page_bytes)
+        if cfg.redis_url:
+            from kvrelay.kvstore.directory import Directory
+
+            self.directory = Directory(
+                cfg.redis_url, cfg.key_prefix, cfg.node_id, cfg.node_ttl_s, cfg.heartbeat_s
+            )
+        self.store = NodeStore(
+            self.arena,
+            disk,
+            self.metrics,
+            cfg.fingerprint,
+            cfg.pin_timeout_s,
+            on_present=self.directory.add if self.directory else lambda k: None,
+            on_gone=self.directory.remove if self.directory else lambda k: None,
+        )
+        if reused:
+            logger.info(
+                "reused arena %s: %d pages", self.arena.path, self.store.rebuild_from_arena()
+            )
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        cfg.socket_path.unlink(missing_ok=True)  # a stale socket from a killed node
+        self._sock.bind(cfg.socket_url)
+        if self.directory is not None:
+            self._start_remote()
+            self.directory.start(
+                {
+                    "node_id": cfg.node_id,
+                    "pid": os.getpid(),
+                    "page_bytes": self.page_bytes,
+                    **self.addresses,
+                },
+                self.store.all_keys(),
+            )
+        if cfg.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(cfg.metrics_port, registry=self.metrics.prometheus(self.store.counts))
+        logger.info(
+            "store node %s serving %s (arena %d slots, disk %s, remote %s)",
+            cfg.node_id,
+            cfg.socket_url,
+            self.arena.num_slots,
+            cfg.disk_dir,
+            self.addresses or "off",
+        )
+        self.ready.set()
+
+    def _start_remote(self) -> None:
+        from kvrelay.kvstore.remote import Remote
+        from kvrelay.kvstore.transfer import start_tcp_server
+
+        cfg = self.config
+        if not cfg.secret:
+            logger.warning("no --secret: store-to-store transfers use an empty shared secret")
+        secret = (cfg.secret or "").encode()
+        ucx_ok = False
+        if cfg.ucx_port >= 0 or cfg.transport == "ucx":
+            from kvrelay.kvstore import ucx_transfer
+
+            ucx_ok = ucx_transfer.available()
+            if not ucx_ok:
+                logger.warning("ucxx is not installed; remote fetches use TCP")
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name="kv-remote", daemon=True
+        )
+        self._loop_thread.start()
+        self.remote = Remote(
+            self.store,
+            self.arena,
+            self.directory,
+            self.metrics,
+            secret,
+            cfg.transport,
+            cfg.transfer_timeout_s,
+            self._loop,
+            ucx_ok,
+        )
+        host = cfg.advertise_host or cfg.listen_host
+
+        async def listen() -> None:
+            if cfg.tcp_port >= 0:
+                srv = await start_tcp_server(
+                    cfg.listen_host, cfg.tcp_port, secret, self.remote.serve, cfg.transfer_timeout_s
+                )
+                self._servers.append(srv)
+                self.addresses["tcp"] = f"{host}:{srv.sockets[0].getsockname()[1]}"
+            if ucx_ok and cfg.ucx_port >= 0:
+                from kvrelay.kvstore.ucx_transfer import start_ucx_server
+
+                lis = await start_ucx_server(
+                    cfg.ucx_port, secret, self.remote.serve, cfg.transfer_timeout_s
+                )
+                self._servers.append(lis)
+                self.addresses["ucx"] = f"{host}:{lis.port}"
+
+        asyncio.run_coroutine_threadsafe(listen(), self._loop).result(30)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        """Flush arena pages to disk, unregister, close listeners and the socket."""
+        if getattr(self, "store", None) is None:
+            return
+        n = self.store.flush_to_disk()
+        if n:
+            logger.info("flushed %d arena pages to disk", n)
+        if self.directory is not None:
+            self.directory.stop()
+        if self._loop is not None:
+
+            async def shut() -> None:
+                self.remote.close()
+                for srv in self._servers:
+                    srv.close()
+
+            asyncio.run_coroutine_threadsafe(shut(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(timeout=10)
+        self._sock.close()
+        self.config.socket_path.unlink(missing_ok=True)
+        self.arena.close()
+        self.store = None
+        logger.info("store node %s stopped", self.config.node_id)
+
+    def serve_forever(self) -> None:
+        """Answer local requests until `stop()` (or SIGTERM via the CLI)."""
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            while True:
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                ident, body = frames[0], frames[-1]
+                self._sock.send_multipart([ident, b"", self._handle(body)])
+
+    # -- requests ---------------------------------------------------------------------------
+    def _handle(self, body: bytes) -> bytes:
+        from kvrelay.kvstore.protocol import handle_request
+
+        try:
+            req = msgpack.unpackb(body, raw=False)
+            if not isinstance(req, dict):
+                raise StoreError("request must be a msgpack map")
+        except Exception as exc:  # noqa: BLE001 - bad input gets an error reply, never a crash
+            return msgpack.packb({"ok": False, "error": f"malformed request: {exc}"})
+        try:
+            reply = handle_request(self, req)
+            reply["ok"] = True
+        except StoreError as exc:
+            reply = {"ok": False, "error": str(exc), "kind": type(exc).__name__}
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("store request %r failed", req.get("op"))
+            reply = {"ok": False, "error": f"internal error: {exc!r}", "kind": "StoreError"}
+        reply["id"] = req.get("id")
+        return msgpack.packb(reply, use_bin_type=True)

@@ -1,0 +1,327 @@
+"""NodeStore: the store node's index over its tiers (host arena, then disk), thread-safe.
+
+A page moves through: put -> reserved slot (writer copies bytes in) -> commit (ready, LRU) ->
+evicted from the arena (demoted to disk, or gone) -> evicted from disk (gone). Lookups walk
+host -> disk (-> remote, driven by the server) and promote disk hits into the arena. A slot being
+read is pinned and is never evicted or reused under its reader; pins and reservations expire
+after `pin_timeout_s` so a crashed worker cannot leak slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvrelay.kvstore.arena import HostArena
+from kvrelay.kvstore.disk import DiskTier
+from kvrelay.kvstore.errors import IncompatiblePageError, PageFormatError, StoreError
+from kvrelay.kvstore.metrics import StoreMetrics
+from kvrelay.kvstore.page import unpack_header, verify_page
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Entry:
+    slot: int
+    ready: bool
+    deadline: float = 0.0  # reservation lease (writers)
+    pins: list[float] = field(default_factory=list)  # reader lease deadlines
+
+
+class NodeStore:
+    """Which key is in which arena slot, the disk tier, LRU eviction and pins."""
+
+    def __init__(
+        self,
+        arena: HostArena,
+        disk: DiskTier | None,
+        metrics: StoreMetrics,
+        fingerprint: str | None = None,
+        pin_timeout_s: float = 60.0,
+        on_present: Callable[[list[bytes]], None] = lambda keys: None,
+        on_gone: Callable[[list[bytes]], None] = lambda keys: None,
+    ):
+        self.arena, self.disk, self.metrics = arena, disk, metrics
+        self.fingerprint = fingerprint
+        self.page_bytes = arena.page_bytes
+        self.pin_timeout_s = pin_timeout_s
+        self.on_present, self.on_gone = on_present, on_gone
+        self.lock = threading.RLock()
+        self._entries: dict[bytes, _Entry] = {}
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # ready arena pages, oldest first
+        self._free = list(range(arena.num_slots - 1, -1, -1))
+        self._next_expiry = 0.0
+
+    # -- start and stop ---------------------------------------------------------------------
+    def rebuild_from_arena(self) -> int:
+        """Index the verified pages already in a reused arena file (a node restart)."""
+        with self.lock:
+            for i in range(self.arena.num_slots):
+                try:
+                    h = verify_page(
+                        self.arena.slot(i), page_bytes=self.page_bytes, fingerprint=self.fingerprint
+                    )
+                except StoreError:
+                    continue
+                if h.key in self._entries:
+                    continue
+                self._free.remove(i)
+                self._entries[h.key] = _Entry(i, True)
+                self._lru[h.key] = None
+            return len(self._lru)
+
+    def all_keys(self) -> list[bytes]:
+        with self.lock:
+            keys = list(self._lru)
+            if self.disk is not None:
+                keys += [k for k in self.disk.keys() if k not in self._entries]  # noqa: SIM118
+            return keys
+
+    def flush_to_disk(self) -> int:
+        """Copy arena pages missing from disk to disk (clean shutdown); returns pages written."""
+        if self.disk is None:
+            return 0
+        n = 0
+        with self.lock:
+            for key in list(self._lru):
+                if key not in self.disk:
+                    gone = self.disk.put(key, self.arena.slot(self._entries[key].slot))
+                    self._gone([k for k in gone if k not in self._entries])
+                    n += 1
+        return n
+
+    # -- slots ------------------------------------------------------------------------------
+    def _expire(self, now: float) -> None:
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + 1.0
+        for key, e in list(self._entries.items()):
+            if e.pins and e.pins[0] < now:
+                e.pins = [d for d in e.pins if d >= now]
+                logger.warning("page %s: a reader held its slot past the lease", key.hex())
+            if not e.ready and e.deadline < now:
+                logger.warning("page %s: writer never committed; slot freed", key.hex())
+                del self._entries[key]
+                self._free.append(e.slot)
+
+    def _gone(self, keys: list[bytes]) -> None:
+        if keys:
+            self.metrics.inc("evictions", "disk", value=len(keys))
+            self.on_gone(keys)
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for key in self._lru:
+            e = self._entries[key]
+            if e.pins:
+                continue
+            del self._lru[key]
+            del self._entries[key]
+            self.metrics.inc("evictions", "host")
+            if self.disk is not None:
+                if key not in self.disk:
+                    self.metrics.inc("bytes", "disk", "demote", value=self.page_bytes)
+                self._gone(self.disk.put(key, self.arena.slot(e.slot)))
+            else:
+                self.on_gone([key])
+            return e.slot
+        return None  # every slot pinned or being written
+
+    def reserve(self, keys: list[bytes]) -> list[int]:
+        """A writable slot per key, or -1 where the page exists already (write-once) or no room."""
+        now = time.monotonic()
+        out = []
+        with self.lock:
+            self._expire(now)
+            for key in keys:
+                if key in self._entries or (self.disk is not None and key in self.disk):
+                    out.append(-1)
+                    continue
+                slot = self._take_slot()
+                if slot is None:
+                    logger.warning("arena full of pinned pages; not storing %s", key.hex())
+                    out.append(-1)
+                    continue
+                self._entries[key] = _Entry(slot, False, now + self.pin_timeout_s)
+                out.append(slot)
+        return out
+
+    def commit(
+        self,
+        keys: list[bytes],
+        slots: list[int],
+        pin: bool = False,
+        verify: bool = False,
+        kind: str = "put",
+    ) -> list[str | None]:
+        """Publish written slots; per key None or why it was refused (its slot is freed)."""
+        errors: list[str | None] = []
+        present = []
+        now = time.monotonic()
+        with self.lock:
+            for key, slot in zip(keys, slots, strict=True):
+                e = self._entries.get(key)
+                if e is None or e.ready or e.slot != slot:
+                    errors.append(f"page {key.hex()}: no reservation for slot {slot} (expired?)")
+                    continue
+                try:
+                    view = self.arena.slot(slot)
+                    if verify:
+                        verify_page(view, key, self.page_bytes, self.fingerprint)
+                    else:
+                        h = unpack_header(view)
+                        if h.key != key:
+                            raise PageFormatError(f"slot holds key {h.key.hex()}")
+                        self._check_header(h)
+                except StoreError as exc:
+                    del self._entries[key]
+                    self._free.append(slot)
+                    errors.append(f"page {key.hex()} refused: {exc}")
+                    continue
+                e.ready = True
+                if pin:
+                    e.pins.append(now + self.pin_timeout_s)
+                self._lru[key] = None
+                present.append(key)
+                self.metrics.inc("puts", "host")
+                self.metrics.inc("bytes", "host", kind, value=self.page_bytes)
+                errors.append(None)
+        if present:
+            self.on_present(present)
+        return errors
+
+    def _check_header(self, h) -> None:
+        if h.payload_bytes != self.page_bytes:
+            raise IncompatiblePageError(
+                f"page payload is {h.payload_bytes} bytes, this node stores {self.page_bytes}"
+            )
+        if self.fingerprint is not None and h.fingerprint != self.fingerprint:
+            raise IncompatiblePageError(
+                f"model fingerprint {h.fingerprint!r} does not match this node's {self.fingerprint!r}"
+            )
+
+    def abort(self, keys: list[bytes], slots: list[int]) -> None:
+        """Free reservations a writer could not fill."""
+        with self.lock:
+            for key, slot in zip(keys, slots, strict=True):
+                e = self._entries.get(key)
+                if e is not None and not e.ready and e.slot == slot:
+                    del self._entries[key]
+                    self._free.append(slot)
+
+    # -- reads ------------------------------------------------------------------------------
+    def acquire(self, keys: list[bytes]) -> list[int]:
+        """Pin the slots of the longest locally held prefix of `keys` (promoting disk hits)."""
+        now = time.monotonic()
+        out: list[int] = []
+        with self.lock:
+            self._expire(now)
+            for key in keys:
+                e = self._entries.get(key)
+                if e is not None and e.ready:
+                    self.metrics.inc("hits", "host")
+                    self._lru.move_to_end(key)
+                elif e is None and self.disk is not None and key in self.disk:
+                    self.metrics.inc("misses", "host")
+                    e = self._promote(key)
+                    if e is None:
+                        self.metrics.inc("misses", "disk")
+                        break
+                    self.metrics.inc("hits", "disk")
+                else:
+                    self.metrics.inc("misses", "host")
+                    if self.disk is not None:
+                        self.metrics.inc("misses", "disk")
+                    break
+                e.pins.append(now + self.pin_timeout_s)
+                out.append(e.slot)
+        return out
+
+    def _promote(self, key: bytes) -> _Entry | None:
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        before = self.disk.num_corrupt
+        if not self.disk.read_into(key, self.arena.slot(slot), self.fingerprint):
+            self._free.append(slot)
+            if self.disk.num_corrupt > before:
+                self.metrics.inc("corrupt_pages", "disk")
+                if key not in self._entries:
+                    self.on_gone([key])
+            return None
+        self.metrics.inc("bytes", "disk", "promote", value=self.page_bytes)
+        e = self._entries[key] = _Entry(slot, True)
+        self._lru[key] = None
+        return e
+
+    def release(self, slots: list[int]) -> None:
+        """Unpin slots returned by `acquire` (one pin per listed slot)."""
+        with self.lock:
+            by_slot = {e.slot: e for e in self._entries.values() if e.pins}
+            for slot in slots:
+                e = by_slot.get(slot)
+                if e is not None and e.pins:
+                    e.pins.pop(0)
+
+    def contains_prefix(self, keys: list[bytes]) -> int:
+        """How many leading keys this node holds (arena or disk), without loading them."""
+        with self.lock:
+            n = 0
+            for key in keys:
+                e = self._entries.get(key)
+                if (e is not None and e.ready) or (self.disk is not None and key in self.disk):
+                    n += 1
+                else:
+                    break
+            return n
+
+    # -- operators --------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            pinned = sum(1 for e in self._entries.values() if e.pins)
+            return {
+                "host": len(self._lru),
+                "disk": len(self.disk) if self.disk is not None else 0,
+                "host_slots": self.arena.num_slots,
+                "pinned": pinned,
+                "disk_capacity": self.disk.capacity if self.disk is not None else 0,
+            }
+
+    def ls(self, limit: int = 1000) -> dict[str, list[str]]:
+        """Keys per tier, least recently used first."""
+        with self.lock:
+            disk = self.disk.keys() if self.disk is not None else []
+            return {
+                "host": [k.hex() for k in list(self._lru)[:limit]],
+                "disk": [k.hex() for k in disk[:limit]],
+            }
+
+    def evict(self, tier: str) -> int:
+        """`host`: demote every unpinned arena page; `all`: also empty the disk tier."""
+        if tier not in ("host", "all"):
+            raise StoreError(f"evict: tier must be host or all, got {tier!r}")
+        n = 0
+        with self.lock:
+            for key in [k for k in self._lru if not self._entries[k].pins]:
+                e = self._entries.pop(key)
+                del self._lru[key]
+                if self.disk is not None and tier == "host":
+                    self._gone(self.disk.put(key, self.arena.slot(e.slot)))
+                elif self.disk is None or key not in self.disk:
+                    self.on_gone([key])
+                self._free.append(e.slot)
+                self.metrics.inc("evictions", "host")
+                n += 1
+            if tier == "all" and self.disk is not None:
+                dropped = self.disk.keys()
+                for key in dropped:
+                    self.disk.remove(key)
+                self._gone([k for k in dropped if k not in self._entries])
+                n += len(dropped)
+        return n

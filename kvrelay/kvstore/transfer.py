@@ -1,0 +1,204 @@
+"""Store-to-store page transfer, transport-independent parts plus the TCP transport.
+
+Session: the server sends a nonce; the client answers with its own nonce and an HMAC of both
+under the shared secret (the secret never crosses the wire); the server proves itself the same
+way. Then requests `{"op": "fetch", "keys", "fp", "page_bytes"}` are answered with
+`{"ok", "found"}` (or `{"ok": False, "error"}`) followed by `found` whole pages (header +
+payload) for the leading keys. TCP frames messages with a 4-byte length; pages go raw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+
+import msgpack
+
+from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
+
+logger = logging.getLogger(__name__)
+
+NONCE = 32
+MAX_MSG = 1 << 20
+_LEN = struct.Struct("<I")
+# serve(request) -> (reply, page views, release callback); provided by the node.
+ServeFn = Callable[[dict], tuple[dict, list[memoryview], Callable[[], None]]]
+
+
+def mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(secret, label + a + b, hashlib.sha256).digest()
+
+
+def client_proof(secret: bytes, server_nonce: bytes) -> tuple[bytes, bytes]:
+    """(message to send, the server proof we expect back)."""
+    nonce = os.urandom(NONCE)
+    return (
+        nonce + mac(secret, b"kvrelay-client", server_nonce, nonce),
+        mac(secret, b"kvrelay-server", nonce, server_nonce),
+    )
+
+
+def check_client(secret: bytes, server_nonce: bytes, msg: bytes) -> bytes:
+    """Verify the client's proof; returns our proof for it, raises AuthError."""
+    nonce, proof = msg[:NONCE], msg[NONCE:]
+    if len(nonce) != NONCE or not hmac.compare_digest(
+        proof, mac(secret, b"kvrelay-client", server_nonce, nonce)
+    ):
+        raise AuthError("peer failed the shared-secret challenge (wrong --secret?)")
+    return mac(secret, b"kvrelay-server", nonce, server_nonce)
+
+
+def fetch_request(keys: list[bytes], fingerprint: str | None, page_bytes: int) -> dict:
+    return {"op": "fetch", "keys": keys, "fp": fingerprint, "page_bytes": page_bytes}
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(raw: bytes) -> dict:
+    try:
+        obj = msgpack.unpackb(raw, raw=False)
+    except Exception as exc:  # noqa: BLE001 - any decode failure is a protocol error
+        raise TransferError(f"malformed transfer message: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise TransferError("malformed transfer message: not a map")
+    return obj
+
+
+# -- TCP server (asyncio streams) ---------------------------------------------------------------
+async def _read_msg(reader: asyncio.StreamReader) -> bytes:
+    (n,) = _LEN.unpack(await reader.readexactly(4))
+    if n > MAX_MSG:
+        raise TransferError(f"message of {n} bytes exceeds the {MAX_MSG}-byte limit")
+    return await reader.readexactly(n)
+
+
+def _frame(raw: bytes) -> bytes:
+    return _LEN.pack(len(raw)) + raw
+
+
+async def start_tcp_server(
+    host: str, port: int, secret: bytes, serve: ServeFn, timeout_s: float
+) -> asyncio.AbstractServer:
+    """Listen for peers' fetches on `host:port` (0 picks a port)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            nonce = os.urandom(NONCE)
+            writer.write(_frame(nonce))
+            msg = await asyncio.wait_for(_read_msg(reader), timeout_s)
+            try:
+                proof = check_client(secret, nonce, msg)
+            except AuthError as exc:
+                writer.write(_frame(pack({"ok": False, "error": str(exc)})))
+                await writer.drain()
+                logger.warning("refused store peer %s: %s", peer, exc)
+                return
+            writer.write(_frame(pack({"ok": True, "proof": proof})))
+            while True:
+                try:
+                    raw = await _read_msg(reader)
+                except asyncio.IncompleteReadError:
+                    return  # peer closed the session
+                reply, views, release = serve(unpack(raw))
+                try:
+                    writer.write(_frame(pack(reply)))
+                    for view in views:
+                        writer.write(view)
+                    await asyncio.wait_for(writer.drain(), timeout_s)
+                finally:
+                    release()
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, StoreError) as exc:
+            logger.info("store peer %s session ended: %s", peer, exc)
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)
+
+
+# -- TCP client (blocking, called from the node's request thread) --------------------------------
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    while view:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError("transfer timed out")
+        sock.settimeout(left)
+        n = sock.recv_into(view)
+        if n == 0:
+            raise TransferError("peer closed the connection mid-transfer")
+        view = view[n:]
+
+
+def _recv_msg(sock: socket.socket, deadline: float) -> bytes:
+    head = bytearray(4)
+    _recv_exact(sock, memoryview(head), deadline)
+    (n,) = _LEN.unpack(head)
+    if n > MAX_MSG:
+        raise TransferError(f"message of {n} bytes exceeds the {MAX_MSG}-byte limit")
+    body = bytearray(n)
+    _recv_exact(sock, memoryview(body), deadline)
+    return bytes(body)
+
+
+class TcpPeer:
+    """An authenticated TCP session to one peer, reused across fetches (one caller at a time)."""
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout_s: float):
+        self.host, self.port = host, port
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout_s)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            nonce = _recv_msg(self.sock, deadline)
+            hello, expect = client_proof(secret, nonce)
+            self.sock.sendall(_frame(hello))
+            reply = unpack(_recv_msg(self.sock, deadline))
+        except TimeoutError as exc:
+            self.close()
+            raise TransferTimeoutError(f"TCP connect to {host}:{port} timed out") from exc
+        except OSError as exc:
+            self.close()
+            raise TransferError(f"TCP connect to {host}:{port} failed: {exc}") from exc
+        except StoreError:
+            self.close()
+            raise
+        if not reply.get("ok"):
+            self.close()
+            raise AuthError(f"peer {host}:{port} refused us: {reply.get('error')}")
+        if not hmac.compare_digest(reply.get("proof", b""), expect):
+            self.close()
+            raise AuthError(f"peer {host}:{port} failed the shared-secret challenge")
+
+    def fetch(self, request: dict, dsts: list[memoryview], timeout_s: float) -> int:
+        """Fetch pages into `dsts` (one whole-page view per key); returns how many arrived."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.sock.settimeout(timeout_s)
+            self.sock.sendall(_frame(pack(request)))
+            reply = unpack(_recv_msg(self.sock, deadline))
+            if not reply.get("ok"):
+                raise TransferError(f"peer {self.host}:{self.port}: {reply.get('error')}")
+            found = int(reply.get("found", 0))
+            if found > len(dsts):
+                raise TransferError(f"peer sent {found} pages for {len(dsts)} keys")
+            for view in dsts[:found]:
+                _recv_exact(self.sock, view, deadline)
+            return found
+        except TimeoutError as exc:
+            raise TransferTimeoutError(f"TCP fetch from {self.host}:{self.port} timed out") from exc
+        except OSError as exc:
+            raise TransferError(f"TCP fetch from {self.host}:{self.port} failed: {exc}") from exc
+
+    def close(self) -> None:
+        sock = getattr(self, "sock", None)
+        if sock is not None:
+            sock.close()

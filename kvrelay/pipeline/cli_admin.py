@@ -1,0 +1,178 @@
+"""`kvrelay status | requests | dlq | drain | bench`: look at and steer a running pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def _connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", default=None, help="stack run dir (`kvrelay up`)")
+    p.add_argument("--redis-url", default=None, help="Redis URL (env KVRELAY_REDIS_URL)")
+    p.add_argument("--key-prefix", default=None, help="Redis key prefix (default kvrelay:)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _connect(args: argparse.Namespace):
+    """(redis client, Keys, store run dir) from --run-dir, flags or the environment."""
+    import redis
+
+    from kvrelay.pipeline.keys import Keys
+
+    state: dict[str, Any] = {}
+    run_dir = args.run_dir or (os.path.isdir("kvrelay-run") and "kvrelay-run") or None
+    if run_dir and not args.redis_url:
+        from kvrelay.pipeline.launch import read_state
+
+        state = read_state(run_dir)
+    url = args.redis_url or state.get("redis_url") or os.environ.get(
+        "KVRELAY_REDIS_URL", "redis://127.0.0.1:6379/0")
+    prefix = args.key_prefix or state.get("key_prefix") or os.environ.get(
+        "KVRELAY_KEY_PREFIX", "kvrelay:")
+    store_dir = state.get("store_run_dir") or os.environ.get("KVRELAY_STORE_RUN_DIR")
+    return redis.Redis.from_url(url, socket_timeout=5), Keys(prefix), store_dir
+
+
+def _print(args: argparse.Namespace, data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def add_status_arguments(p: argparse.ArgumentParser) -> None:
+    _connection_args(p)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from kvrelay.pipeline import admin
+
+    r, keys, store_dir = _connect(args)
+    data = admin.status(r, keys, store_dir)
+    if args.json:
+        _print(args, data)
+        return 0
+    print(f"{'WORKER':<24}{'ROLE':<9}{'PID':>8}{'LOAD':>6}{'TOK/S':>8}{'AGE':>7}  STATE")
+    for w in data["workers"]:
+        state = "draining" if w.get("draining") == "1" else "ok"
+        print(f"{w.get('name', '?'):<24}{w.get('role', '?'):<9}{w.get('pid', ''):>8}"
+              f"{w.get('load', ''):>6}{w.get('tokens_per_s', ''):>8}{w['age_s']:>6.1f}s  {state}")
+    print(f"\n{'STREAM':<34}{'LENGTH':>8}{'PENDING':>9}{'LAG':>6}{'CONSUMERS':>11}")
+    for s in data["streams"]:
+        lag = "-" if s["lag"] is None else s["lag"]
+        print(f"{s['stream']:<34}{s['length']:>8}{s['pending']:>9}{lag:>6}{s['consumers']:>11}")
+    print(f"\nDLQ entries: {data['dlq']}   requests in flight: {data['requests_in_flight']}   "
+          f"by status: {json.dumps(data['requests'])}")
+    if data["store"] is not None:
+        print("store: " + json.dumps(data["store"], default=str))
+    return 0
+
+
+def add_requests_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["show", "cancel"])
+    p.add_argument("request_id")
+    _connection_args(p)
+
+
+def run_requests(args: argparse.Namespace) -> int:
+    from kvrelay.pipeline import admin
+
+    r, keys, _ = _connect(args)
+    if args.action == "show":
+        data = admin.show_request(r, keys, args.request_id)
+        if data is None:
+            print(f"kvrelay requests: no request {args.request_id!r}", file=sys.stderr)
+            return 1
+        _print(args, data)
+        return 0
+    if not admin.cancel_request(r, keys, args.request_id):
+        print(f"kvrelay requests: no request {args.request_id!r}", file=sys.stderr)
+        return 1
+    print(f"cancel requested for {args.request_id}")
+    return 0
+
+
+def add_dlq_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["ls", "show", "replay", "purge"])
+    p.add_argument("dlq_id", nargs="?", help="DLQ entry id (show, replay); replay --all for all")
+    p.add_argument("--all", action="store_true", help="replay every entry")
+    p.add_argument("--limit", type=int, default=100, help="entries to list")
+    p.add_argument("--yes", action="store_true", help="purge without asking")
+    _connection_args(p)
+
+
+def run_dlq(args: argparse.Namespace) -> int:
+    from kvrelay.pipeline import admin
+
+    r, keys, _ = _connect(args)
+    if args.action == "ls":
+        rows = admin.dlq_entries(r, keys, args.limit)
+        if args.json:
+            _print(args, rows)
+        for row in [] if args.json else rows:
+            print(f"{row['dlq_id']:<22}{row.get('request_id') or '-':<28}{row.get('reason', '')}")
+        return 0
+    if args.action == "purge":
+        if not args.yes:
+            print("kvrelay dlq purge: add --yes to delete every entry", file=sys.stderr)
+            return 2
+        print(f"purged {admin.dlq_purge(r, keys)} entries")
+        return 0
+    ids = [row["dlq_id"] for row in admin.dlq_entries(r, keys, 100000)] if args.all else [
+        args.dlq_id]
+    if not ids or ids == [None]:
+        print(f"kvrelay dlq {args.action}: give an entry id", file=sys.stderr)
+        return 2
+    if args.action == "show":
+        entry = admin.dlq_entry(r, keys, ids[0])
+        if entry is None:
+            print(f"kvrelay dlq: no entry {ids[0]}", file=sys.stderr)
+            return 1
+        _print(args, entry)
+        return 0
+    for dlq_id in ids:
+        try:
+            new_id = admin.dlq_replay(r, keys, dlq_id)
+        except ValueError as exc:
+            print(f"kvrelay dlq replay: {exc}", file=sys.stderr)
+            return 1
+        if new_id is None:
+            print(f"kvrelay dlq: no entry {dlq_id}", file=sys.stderr)
+            return 1
+        print(f"replayed {dlq_id} as {new_id}")
+    return 0
+
+
+def add_drain_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("worker", help="worker name as `kvrelay status` shows it")
+    p.add_argument("--undo", action="store_true", help="let the worker take work again")
+    _connection_args(p)
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    from kvrelay.pipeline import admin
+
+    r, keys, _ = _connect(args)
+    if not admin.drain(r, keys, args.worker, undo=args.undo):
+        print(f"kvrelay drain: no live worker {args.worker!r}", file=sys.stderr)
+        return 1
+    print(f"{args.worker}: {'taking work again' if args.undo else 'draining'}")
+    return 0
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="ingress base URL")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--requests", type=int, default=32, help="requests to send")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from kvrelay.pipeline.loadgen import run_load, summarize
+
+    prompts = [f"{args.prompt} (variant {i})" for i in range(args.requests)]
+    results = run_load(args.url, args.model, prompts, args.max_tokens, args.concurrency)
+    print(json.dumps(summarize(results, args.concurrency)))
+    return 0

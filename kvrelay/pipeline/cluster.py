@@ -1,0 +1,156 @@
+"""Cached snapshots of what the workers publish: served models, live workers, stream lag.
+
+The ingress consults these on every request (routing, backpressure, /health), so each is
+fetched at most once per `refresh_s` and shared by all concurrent requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from kvrelay.pipeline.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """One live worker, from its `worker:{id}` heartbeat hash."""
+
+    worker_id: str
+    role: str
+    model: str
+    fields: dict[str, str]
+
+
+@dataclass(slots=True)
+class StreamLoad:
+    """Entries nobody has read yet (`waiting`) and read but not acked (`pending`)."""
+
+    waiting: int = 0
+    pending: int = 0
+
+
+class _Cached(Generic[T]):
+    """A value refreshed by `fetch` when older than `ttl_s`; one fetch at a time."""
+
+    def __init__(self, fetch: Callable[[], Awaitable[T]], ttl_s: float):
+        self._fetch, self._ttl = fetch, ttl_s
+        self._value: T | None = None
+        self._at = -1e18
+        self._lock = asyncio.Lock()
+
+    async def get(self, fresh: bool = False) -> T:
+        if fresh or time.monotonic() - self._at > self._ttl or self._value is None:
+            async with self._lock:
+                if fresh or time.monotonic() - self._at > self._ttl or self._value is None:
+                    self._value = await self._fetch()
+                    self._at = time.monotonic()
+        return self._value
+
+    @property
+    def age_s(self) -> float:
+        return time.monotonic() - self._at
+
+
+class ClusterState:
+    """Models, workers and stream load as last seen in Redis."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, refresh_s: float = 0.25):
+        self.redis, self.keys = redis, keys
+        self._models = _Cached(self._fetch_models, refresh_s)
+        # SCANning for heartbeats walks the keyspace: refresh them less often
+        self._workers = _Cached(self._fetch_workers, refresh_s * 4)
+        self._load = _Cached(self._fetch_load, refresh_s)
+
+    async def models(self, fresh: bool = False) -> dict[str, dict[str, Any]]:
+        """Model name -> {fingerprint, page_size, max_model_len, vocab_size} from workers."""
+        return await self._models.get(fresh)
+
+    async def workers(self, fresh: bool = False) -> list[WorkerInfo]:
+        return await self._workers.get(fresh)
+
+    async def load(self, fresh: bool = False) -> dict[str, StreamLoad]:
+        """`prefill` and `decode` stream load."""
+        return await self._load.get(fresh)
+
+    @property
+    def load_age_s(self) -> float:
+        """Seconds since the stream load snapshot was taken."""
+        return self._load.age_s
+
+    async def roles(self, model: str) -> dict[str, int]:
+        """Live workers serving `model` (or not saying which), counted by role."""
+        counts: dict[str, int] = {}
+        for w in await self.workers():
+            if not w.model or w.model == model:
+                counts[w.role] = counts.get(w.role, 0) + 1
+        return counts
+
+    async def _fetch_models(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for name, raw in (await self.redis.hgetall(self.keys.models)).items():
+            try:
+                info = json.loads(raw)
+            except ValueError:
+                logger.warning("ignoring unreadable models entry %r", name)
+                continue
+            if isinstance(info, dict):
+                out[_s(name)] = info
+        return out
+
+    async def _fetch_workers(self) -> list[WorkerInfo]:
+        names = [k async for k in self.redis.scan_iter(match=self.keys.worker_pattern, count=1000)]
+        if not names:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(name)
+        workers = []
+        prefix = len(self.keys.worker(""))
+        for name, raw in zip(names, await pipe.execute(), strict=True):
+            if not raw:  # expired between SCAN and HGETALL
+                continue
+            fields = {_s(k): _s(v) for k, v in raw.items()}
+            workers.append(
+                WorkerInfo(
+                    _s(name)[prefix:], fields.get("role", ""), fields.get("model", ""), fields
+                )
+            )
+        return workers
+
+    async def _fetch_load(self) -> dict[str, StreamLoad]:
+        return {
+            "prefill": await self._stream_load(self.keys.prefill_stream, PREFILL_GROUP),
+            "decode": await self._stream_load(self.keys.decode_stream, DECODE_GROUP),
+        }
+
+    async def _stream_load(self, stream: str, group: str) -> StreamLoad:
+        try:
+            groups = await self.redis.xinfo_groups(stream)
+        except ResponseError:  # no such stream: nothing queued
+            return StreamLoad()
+        info = next((g for g in groups if _s(g["name"]) == group), None)
+        if info is None:  # no consumer ever joined: everything queued is waiting
+            return StreamLoad(waiting=int(await self.redis.xlen(stream)))
+        lag = info.get("lag")
+        if lag is None:
+            # Redis cannot tell after deletions; count what lies past the last delivered id.
+            last = _s(info["last-delivered-id"])
+            lag = len(await self.redis.xrange(stream, min="(" + last, count=10000))
+        return StreamLoad(waiting=int(lag), pending=int(info.get("pending") or 0))

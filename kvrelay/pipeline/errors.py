@@ -1,0 +1,79 @@
+"""Errors a request can get before and after it is queued, in the OpenAI error shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RequestError(Exception):
+    """A request the pipeline refuses; rendered by the ingress as an OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """`{"error": {"message", "type", "param", "code"}}`."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> RequestError:
+    return RequestError(message, 400, param=param, code=code)
+
+
+def unsupported(param: str, what: str) -> RequestError:
+    """A field whose value this server does not implement."""
+    return RequestError(
+        f"{what} is not supported by this server", 400, param=param, code="unsupported_value"
+    )
+
+
+def model_not_found(model: str, served: list[str]) -> RequestError:
+    return RequestError(
+        f"The model `{model}` does not exist. Served models: {', '.join(served) or 'none'}.",
+        404,
+        param="model",
+        code="model_not_found",
+    )
+
+
+def context_length_exceeded(limit: int, prompt: int, completion: int, param: str) -> RequestError:
+    return RequestError(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt + completion} tokens ({prompt} in the {param}, {completion} in the "
+        f"completion). Please reduce the length of the {param} or completion.",
+        400,
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def overloaded(reason: str, retry_after_s: int) -> RequestError:
+    return RequestError(
+        f"The server is overloaded ({reason}); retry after {retry_after_s} s.",
+        429,
+        type="rate_limit_error",
+        code="overloaded",
+        headers={"Retry-After": str(retry_after_s)},
+    )

@@ -1,0 +1,218 @@
+"""The OpenAI-compatible HTTP ingress (Starlette): `create_app(config)`.
+
+It validates and tokenizes requests, routes each to stream:prefill or stream:decode, and relays
+out:{id} back as JSON or SSE. It imports neither torch nor the workers, so it starts fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvrelay.pipeline import ingress_routes as routes
+from kvrelay.pipeline.backpressure import Backpressure
+from kvrelay.pipeline.cluster import ClusterState
+from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.ingress_config import IngressConfig, load_config
+from kvrelay.pipeline.ingress_http import check_api_key, error_response
+from kvrelay.pipeline.keys import Keys
+from kvrelay.pipeline.metrics import CONTENT_TYPE, Metrics
+from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
+from kvrelay.pipeline.route import Router
+from kvrelay.pipeline.submit import Producer
+
+logger = logging.getLogger(__name__)
+
+
+class Ingress:
+    """Everything the endpoints share: Redis pool, producer, cluster view, metrics."""
+
+    def __init__(
+        self,
+        config: IngressConfig,
+        tokenizers: dict[str, Any] | None = None,
+        redis: aioredis.Redis | None = None,
+    ):
+        self.config = config
+        self.keys = Keys(config.key_prefix)
+        self.redis = redis or aioredis.Redis.from_url(config.redis_url)
+        self.cluster = ClusterState(self.redis, self.keys, config.state_refresh_s)
+        self.registry = ModelRegistry(config.models, self.cluster, tokenizers)
+        self.router = Router(
+            self.redis, self.keys, config.mode, config.route_threshold, self.cluster
+        )
+        self.producer = Producer(
+            self.redis,
+            self.keys,
+            self.registry,
+            self.router,
+            max_prompt_tokens=config.max_prompt_tokens,
+            max_tokens_limit=config.max_tokens_limit,
+            timeout_s=config.request_timeout_s,
+            record_ttl_s=config.record_ttl_s,
+        )
+        self.metrics = Metrics()
+        self.backpressure = Backpressure(
+            self.cluster, config.max_waiting, config.max_inflight, config.retry_after_s
+        )
+        self.started = int(time.time())
+        self._token_text: dict[str, Callable[[int], str]] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def token_text(self, entry: ModelEntry) -> Callable[[int], str]:
+        """Cached text of one token id (for logprobs), special tokens included."""
+        fn = self._token_text.get(entry.name)
+        if fn is None:
+            tok = entry.tokenizer
+            fn = functools.lru_cache(maxsize=65536)(
+                lambda tid: tok.decode([tid], skip_special_tokens=False)
+            )
+            self._token_text[entry.name] = fn
+        return fn
+
+    async def cancel(self, request_id: str) -> None:
+        """Set cancel:{id}; workers drop the request and finish it as cancelled."""
+        await self.redis.set(self.keys.cancel(request_id), b"1", ex=self.config.cancel_ttl_s)
+
+    async def client_gone(self, request_id: str) -> None:
+        """The client disconnected: cancel now, or after the grace period unless it returns."""
+        grace = self.config.disconnect_grace_s
+        try:
+            if grace <= 0:
+                await self.cancel(request_id)
+                return
+            token = uuid.uuid4().hex
+            await self.redis.hset(self.keys.request(request_id), "detached", token)
+            task = asyncio.create_task(self._cancel_later(request_id, token, grace))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        except RedisError as exc:
+            logger.error("request %s: cannot record the disconnect: %s", request_id, exc)
+
+    async def _cancel_later(self, request_id: str, token: str, grace: float) -> None:
+        await asyncio.sleep(grace)
+        current = await self.redis.hget(self.keys.request(request_id), "detached")
+        if current is not None and current.decode() == token:
+            logger.info("request %s: client did not come back; cancelling", request_id)
+            await self.cancel(request_id)
+
+    async def reattached(self, request_id: str) -> None:
+        """A client came back for this request: keep it running."""
+        if self.config.disconnect_grace_s > 0:
+            await self.redis.hdel(self.keys.request(request_id), "detached")
+
+    async def warm_up(self) -> None:
+        """Load the configured models' tokenizers now rather than on the first request."""
+        for name in self.config.models:
+            try:
+                await self.registry.get(name)
+            except (RequestError, RedisError, OSError) as exc:
+                logger.warning("model %s not loaded yet: %s", name, exc)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.redis.aclose()
+
+
+async def list_models(request: Request) -> Response:
+    ing: Ingress = request.app.state.ingress
+    try:
+        check_api_key(request, ing.config.api_keys)
+        names = await ing.registry.served()
+    except RequestError as err:
+        return error_response(err)
+    except RedisError:
+        names = list(ing.config.models)
+    data = [
+        {"id": n, "object": "model", "created": ing.started, "owned_by": "kvrelay"} for n in names
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def health(request: Request) -> Response:
+    """200 when Redis answers and a decode-capable worker is alive, 503 otherwise."""
+    ing: Ingress = request.app.state.ingress
+    body: dict[str, Any] = {"status": "ok", "redis": True, "workers": {}}
+    try:
+        await ing.redis.ping()
+        for w in await ing.cluster.workers(fresh=True):
+            body["workers"][w.role] = body["workers"].get(w.role, 0) + 1
+        load = await ing.cluster.load()
+        body["waiting"] = {name: s.waiting for name, s in load.items()}
+    except RedisError as exc:
+        body.update(status="unavailable", redis=False, error=str(exc))
+        return JSONResponse(body, status_code=503)
+    if not body["workers"].get("decode"):
+        body.update(status="unavailable", error="no live decode worker")
+        return JSONResponse(body, status_code=503)
+    return JSONResponse(body)
+
+
+async def metrics(request: Request) -> Response:
+    ing: Ingress = request.app.state.ingress
+    return Response(ing.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(RequestError(str(exc.detail), exc.status_code, code=code))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return error_response(RequestError("internal server error", 500, type="server_error"))
+
+
+def create_app(
+    config: IngressConfig | None = None,
+    *,
+    tokenizers: dict[str, Any] | None = None,
+    redis: aioredis.Redis | None = None,
+) -> Starlette:
+    """The ingress ASGI app; `app.state.ingress` holds its shared state."""
+    config = (config or load_config()).validate()
+    ingress = Ingress(config, tokenizers, redis)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        try:
+            await ingress.redis.ping()
+        except RedisError as exc:
+            logger.warning("redis at %s is not reachable yet: %s", config.redis_url, exc)
+        await ingress.warm_up()
+        yield
+        await ingress.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/requests/{request_id}", routes.request_state, methods=["GET"]),
+            Route("/v1/requests/{request_id}", routes.cancel_request, methods=["DELETE"]),
+            Route("/v1/requests/{request_id}/stream", routes.resume_stream, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+        lifespan=lifespan,
+    )
+    app.state.ingress = ingress
+    return app

@@ -1,0 +1,73 @@
+"""The ingress configuration: one frozen dataclass, read from `KVRELAY_INGRESS_*` and flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvrelay.config import ConfigError, env_name, from_env
+
+SECTION = "INGRESS"
+MODES = ("auto", "disaggregated", "colocated")
+# Shared names other components also read; the INGRESS-specific variable wins when both are set.
+_SHARED_ENV = {
+    "redis_url": "KVRELAY_REDIS_URL",
+    "key_prefix": "KVRELAY_KEY_PREFIX",
+    "api_keys": "KVRELAY_API_KEYS",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class IngressConfig:
+    """Settings of the OpenAI-compatible HTTP ingress (`kvrelay serve`)."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "kvrelay:"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    models: tuple[str, ...] = ("smollm2-135m-instruct",)
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int = 32768  # also capped by the model's context length
+    max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+    mode: str = "auto"  # auto | disaggregated | colocated
+    route_threshold: int = 64  # auto: at most this many uncached prompt tokens -> decode
+    max_waiting: int = 512  # backpressure: undelivered stream entries before 429
+    max_inflight: int = 4096  # backpressure: open requests in this ingress before 429
+    retry_after_s: int = 1
+    request_timeout_s: float = 600.0  # deadline given to workers
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    record_ttl_s: int = 86400  # req:{id} expiry set at submission
+    cancel_ttl_s: int = 3600
+    disconnect_grace_s: float = 0.0  # > 0: a client may reconnect this long before cancelling
+    read_block_ms: int = 1000  # XREAD BLOCK slice; the deadline is checked between slices
+    state_refresh_s: float = 0.25  # how stale worker/lag/model snapshots may be
+
+    def validate(self) -> IngressConfig:
+        """Raise ConfigError for values the ingress cannot run with; return self."""
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.models:
+            raise ConfigError("at least one model name is required")
+        for name in (
+            "max_body_bytes",
+            "max_prompt_tokens",
+            "max_tokens_limit",
+            "max_waiting",
+            "max_inflight",
+            "read_block_ms",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if self.route_threshold < 0 or self.request_timeout_s <= 0:
+            raise ConfigError("route_threshold must be >= 0 and request_timeout_s > 0")
+        return self
+
+
+def load_config(environ: dict[str, str] | None = None, **overrides) -> IngressConfig:
+    """Defaults, then shared `KVRELAY_*` variables, then `KVRELAY_INGRESS_*`, then overrides."""
+    env = dict(os.environ if environ is None else environ)
+    for field_name, shared in _SHARED_ENV.items():
+        own = env_name(SECTION, field_name)
+        if own not in env and shared in env:
+            env[own] = env[shared]
+    return from_env(IngressConfig, SECTION, environ=env, **overrides).validate()

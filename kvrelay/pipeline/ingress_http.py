@@ -1,0 +1,136 @@
+"""HTTP plumbing for the ingress: API keys, body limits, JSON parsing, error responses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from kvrelay.pipeline.errors import RequestError
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def error_response(err: RequestError, request_id: str | None = None) -> JSONResponse:
+    """The OpenAI error body with the error's status and headers."""
+    headers = dict(err.headers)
+    if request_id:
+        headers[REQUEST_ID_HEADER] = request_id
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def check_api_key(request: Request, api_keys: tuple[str, ...]) -> None:
+    """Require `Authorization: Bearer <key>` with one of `api_keys` (no-op when empty)."""
+    if not api_keys:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise RequestError(
+            "You didn't provide an API key. Send it as `Authorization: Bearer <key>`.",
+            401,
+            code="missing_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    token = token.strip().encode()
+    # compare against every key so the time taken does not reveal which prefix matched
+    ok = False
+    for key in api_keys:
+        ok |= secrets.compare_digest(token, key.encode())
+    if not ok:
+        raise RequestError(
+            "Incorrect API key provided.",
+            401,
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def _too_large(limit: int) -> RequestError:
+    return RequestError(
+        f"the request body is larger than {limit} bytes", 413, code="request_too_large"
+    )
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The JSON body, at most `limit` bytes (413 beyond, 400 when it does not parse)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise _too_large(limit)
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(
+            f"We could not parse the JSON body of your request: {exc}", 400, code="invalid_json"
+        ) from exc
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Return when the client goes away (after the request body has been read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class WatchedResponse(Response):
+    """Runs `produce(send)` while watching for a client disconnect, then calls `on_disconnect`.
+
+    Starlette only notices a disconnect when a write fails, but a request waiting for its first
+    token writes nothing; the worker must hear about it at once (cancel:{id}).
+    """
+
+    def __init__(
+        self,
+        produce: Callable[[Send], Awaitable[None]],
+        on_disconnect: Callable[[], Awaitable[None]],
+    ):
+        super().__init__()
+        self.produce, self.on_disconnect = produce, on_disconnect
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.ensure_future(self.produce(send))
+        watch = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                await self.on_disconnect()
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+        work.result()
+
+
+async def send_json(send: Send, status: int, body: Any, headers: dict[str, str]) -> None:
+    """Send a whole JSON response through raw ASGI `send`."""
+    await JSONResponse(body, status_code=status, headers=headers)(
+        {"type": "http"}, _no_receive, send
+    )
+
+
+async def _no_receive() -> dict:
+    raise RuntimeError("receive is not available here")
+
+
+def sse_start(headers: dict[str, str]) -> dict:
+    """The http.response.start message of an SSE stream."""
+    raw = [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),
+    ]
+    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    return {"type": "http.response.start", "status": 200, "headers": raw}

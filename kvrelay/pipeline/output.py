@@ -1,0 +1,148 @@
+"""Reading a request's output stream `out:{id}` (blocking XREAD), shared by ingress and client.
+
+Chunks come in token order; `start_index` resumes after tokens the reader already has. If the
+stream stays quiet while `req:{id}` says the request ended (failed, cancelled) without a final
+chunk, a final chunk is made up from the record so readers never wait for the deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from kvrelay.pipeline.keys import MESSAGE_FIELD, Keys
+from kvrelay.pipeline.messages import MessageError, TokenChunk
+
+logger = logging.getLogger(__name__)
+
+TERMINAL = {"failed": "error", "cancelled": "cancelled", "finished": "error"}
+
+
+class OutputTimeout(TimeoutError):
+    """The request's deadline passed before its final chunk arrived."""
+
+
+class RequestNotFound(LookupError):
+    """No `req:{id}` record: the id is unknown or its record expired."""
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def trim_chunk(
+    chunk: TokenChunk, start: int, retext: Callable[[list[int]], str] | None
+) -> TokenChunk:
+    """The part of a chunk at or after token `start` (the text is redone by `retext` if given)."""
+    skip = max(0, start - chunk.index)
+    if skip == 0:
+        return chunk
+    ids = chunk.token_ids[skip:]
+    # with nothing left the index stays put, marking a final chunk the reader already has
+    return TokenChunk(
+        index=chunk.index + skip if ids else chunk.index,
+        token_ids=ids,
+        text=retext(ids) if retext and ids else "",
+        finish_reason=chunk.finish_reason,
+        usage=chunk.usage,
+        logprobs=chunk.logprobs[skip:] if chunk.logprobs else chunk.logprobs,
+        error=chunk.error,
+        stop_reason=chunk.stop_reason,
+    )
+
+
+async def read_chunks(
+    redis: aioredis.Redis,
+    keys: Keys,
+    request_id: str,
+    *,
+    start_index: int = 0,
+    block_ms: int = 1000,
+    deadline: float | None = None,
+    retext: Callable[[list[int]], str] | None = None,
+) -> AsyncIterator[TokenChunk]:
+    """Yield the chunks covering tokens >= start_index, ending with the final chunk.
+
+    `deadline` is unix seconds; past it OutputTimeout is raised.
+    """
+    out_key, last_id, next_index = keys.out(request_id), "0-0", 0
+    while True:
+        timeout = block_ms
+        if deadline is not None:
+            left = deadline - time.time()
+            if left <= 0:
+                raise OutputTimeout(f"request {request_id} passed its deadline")
+            timeout = max(1, min(block_ms, int(left * 1000)))
+        reply = await redis.xread({out_key: last_id}, count=256, block=timeout)
+        entries = reply[0][1] if reply else []
+        if not entries:
+            final = await _ended_without_chunk(redis, keys, request_id, out_key, last_id)
+            if final is not None:
+                final.index = max(final.index, next_index)
+                yield final
+                return
+            continue
+        for entry_id, fields in entries:
+            last_id = entry_id
+            try:
+                chunk = TokenChunk.decode(fields[MESSAGE_FIELD])
+            except (KeyError, MessageError) as exc:
+                # A worker wrote it through the fenced script, so this is a bug worth shouting.
+                logger.error("request %s: unreadable out entry %s: %s", request_id, entry_id, exc)
+                continue
+            next_index = chunk.index + len(chunk.token_ids)
+            if next_index > start_index or chunk.finished:
+                yield trim_chunk(chunk, start_index, retext)
+            if chunk.finished:
+                return
+
+
+async def _ended_without_chunk(
+    redis: aioredis.Redis, keys: Keys, request_id: str, out_key: str, last_id: Any
+) -> TokenChunk | None:
+    """A made-up final chunk when the record says the request ended and no chunk says so."""
+    status, error, emitted = await redis.hmget(
+        keys.request(request_id), "status", "error", "emitted"
+    )
+    if status is None:
+        if await redis.exists(out_key):
+            return None  # record expired first; the stream may still finish
+        raise RequestNotFound(request_id)
+    reason = TERMINAL.get(_s(status))
+    if reason is None:
+        return None
+    # The final chunk may have landed between the empty read and the record check.
+    if await redis.xread({out_key: last_id}, count=1):
+        return None
+    message = _s(error) if error else f"request ended with status {_s(status)}"
+    return TokenChunk(
+        index=int(emitted or 0), finish_reason=reason, error=message if reason == "error" else None
+    )
+
+
+@dataclass(slots=True)
+class Completion:
+    """Everything a request produced, gathered from its chunks."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: dict[str, int] | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    error: str | None = None
+
+    def add(self, chunk: TokenChunk) -> None:
+        self.token_ids.extend(chunk.token_ids)
+        self.text += chunk.text
+        if chunk.logprobs:
+            self.logprobs = (self.logprobs or []) + list(chunk.logprobs)
+        if chunk.finished:
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+            self.usage, self.error = chunk.usage, chunk.error

@@ -1,0 +1,226 @@
+"""Tokenizer and chat template without transformers: `tokenizers` + a sandboxed jinja2 template.
+
+Torch- and transformers-free so the ingress can tokenize prompts and detokenize streams while
+starting fast. `apply_chat_template` renders the template the way transformers does (same jinja
+environment options, globals and filters) so the ids match `AutoTokenizer.apply_chat_template`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+logger = logging.getLogger(__name__)
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                 "mask_token")  # fmt: skip
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing or failed to render these messages."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Same override as transformers: jinja's own tojson escapes HTML characters.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)  # fmt: skip
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in an environment configured like transformers'."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _find_chat_template(directory: Path, tok_config: dict) -> str | None:
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = _read_json(directory / "chat_template.json").get("chat_template")
+    template = template or tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: pick "default"
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+class Tokenizer:
+    """Encode/decode and chat-format prompts for one model directory."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        special_tokens: dict[str, str],
+        chat_template: str | None = None,
+        eos_token_ids: Iterable[int] = (),
+    ):
+        self._tok = tokenizer
+        self.special_tokens = special_tokens
+        self.chat_template = chat_template
+        self._template = compile_chat_template(chat_template) if chat_template else None
+        ids = [self._tok.token_to_id(t) for t in (special_tokens.get("eos_token"),) if t]
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys([*eos_token_ids, *(i for i in ids if i is not None)])
+        )
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json, the chat template and generation eos ids."""
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found (only fast tokenizer.json is supported)")
+        tok_config = _read_json(directory / "tokenizer_config.json")
+        special = {k: v for k in _SPECIAL_KEYS if (v := _token_content(tok_config.get(k)))}
+        gen_eos = _read_json(directory / "generation_config.json").get("eos_token_id")
+        if gen_eos is None:
+            gen_eos = _read_json(directory / "config.json").get("eos_token_id")
+        eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        template = _find_chat_template(directory, tok_config)
+        return cls(HFTokenizer.from_file(str(path)), special, template, eos)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
+        """Token ids of several texts (parallel in the Rust tokenizer)."""
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [e.ids for e in encs]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (invalid UTF-8 fragments become U+FFFD)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text the chat template renders for `messages`."""
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; send a plain prompt")
+        if not messages:
+            raise ChatTemplateError("cannot apply the chat template to an empty conversation")
+        for m in messages:
+            if not isinstance(m, Mapping):
+                raise ChatTemplateError(f"chat messages must be objects, got {m!r}")
+        # transformers drops None-valued fields before rendering.
+        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        context = {**self.special_tokens, **kwargs}
+        try:
+            return self._template.render(
+                messages=chat, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt, **context,
+            )  # fmt: skip
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise ChatTemplateError(f"invalid chat messages for the template: {exc!r}") from exc
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs
+    ) -> list[int]:
+        """Token ids of the rendered chat (identical to transformers' apply_chat_template)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs))
+
+
+class IncrementalDetokenizer:
+    """Turns streamed token ids into text deltas that never split a multi-byte character.
+
+    Decodes a small window (from `prefix_offset`) with and without the new tokens and emits the
+    difference; text ending in U+FFFD (an incomplete UTF-8 sequence) is held back until the next
+    token completes it or `flush()` is called at the end of the stream.
+    """
+
+    _CONTEXT = 5  # prompt tokens decoded as left context (spacing of sentencepiece tokenizers)
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-self._CONTEXT :]) if prompt_ids else []
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.num_prompt_context = len(self.ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.ids[self.num_prompt_context :]
+
+    def _window(self, end: int) -> str:
+        return self.tokenizer.decode(self.ids[self.prefix_offset : end], self.skip_special_tokens)
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append generated tokens; return the newly completed text."""
+        self.ids.extend(int(t) for t in token_ids)
+        if len(self.ids) == self.read_offset:
+            return ""
+        prefix_text = self._window(self.read_offset)
+        new_text = self._window(len(self.ids))
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Text still held back (an unfinished character renders as U+FFFD); call at the end."""
+        if len(self.ids) == self.read_offset:
+            return ""
+        prefix_text = self._window(self.read_offset)
+        new_text = self._window(len(self.ids))
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text) :]

@@ -1,0 +1,92 @@
+"""`kvrelay worker prefill|decode`: run one worker process (engine + Redis streams + store)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("role", choices=["prefill", "decode"], help="which stream this worker serves")
+    p.add_argument("--name", default=None, help="worker id (default role-host-pid)")
+    p.add_argument("--model", default=None, help="model name or path")
+    p.add_argument("--redis-url", default=None, help="Redis URL (env KVRELAY_REDIS_URL)")
+    p.add_argument("--key-prefix", default=None, help="Redis key prefix")
+    p.add_argument("--threads", type=int, default=None, help="compute threads")
+    p.add_argument("--device", default=None, help="auto | cpu | cuda[:n]")
+    p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool bytes")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--store-run-dir", default=None, help="local store node run dir (none: off)")
+    p.add_argument("--lease-ms", type=int, default=None, help="claim entries idle this long")
+    p.add_argument("--metrics-port", type=int, default=None, help="0: any free port; -1: none")
+
+
+def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:
+    """Connect the engine to the local store node; returns its node id ('' when unreachable)."""
+    from kvrelay.kvstore.client import StoreClient
+    from kvrelay.kvstore.connector import StoreConnector
+    from kvrelay.kvstore.errors import StoreError
+    from kvrelay.kvstore.page import PageSpec
+    from kvrelay.workers.worker_metrics import CountingConnector
+
+    mc, pool = engine.loaded.config, engine.runner.kv_pool
+    spec = PageSpec(fingerprint=engine.fingerprint, dtype=str(pool.dtype).removeprefix("torch."),
+                    num_layers=mc.num_hidden_layers, page_size=engine.config.page_size,
+                    kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)  # fmt: skip
+    client = StoreClient(run_dir, spec)
+    node = ""
+    try:
+        node = str(client.connect().get("node_id", ""))
+    except StoreError as exc:  # the node may still be starting; the connector retries per call
+        logger.warning("store node in %s not reachable yet (%s)", run_dir, exc)
+    # the engine is built before its page spec is known, so the connector is attached after
+    engine.kv.connector = CountingConnector(StoreConnector(client), metrics)
+    engine.kv.save_to_store = engine.config.save_to_store
+    return node
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvrelay.workers.engine import Engine, EngineConfig
+    from kvrelay.workers.worker_config import load_worker_config
+
+    config = load_worker_config(
+        name=args.name, model=args.model, redis_url=args.redis_url, key_prefix=args.key_prefix,
+        threads=args.threads, device=args.device, dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, store_run_dir=args.store_run_dir,
+        lease_ms=args.lease_ms, metrics_port=args.metrics_port)  # fmt: skip
+    engine = Engine(EngineConfig(
+        model=config.model, dtype=config.dtype, device=config.device, page_size=config.page_size,
+        kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len, num_threads=config.threads))  # fmt: skip
+    return serve(args.role, config, engine)
+
+
+def serve(role: str, config: Any, engine: Any) -> int:
+    """Run a worker of `role` over `engine` until SIGTERM/SIGINT (then drain and release)."""
+    from kvrelay.workers.decode_worker import DecodeWorker
+    from kvrelay.workers.prefill_worker import PrefillWorker
+    from kvrelay.workers.worker_metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(engine.model_name)
+    node = attach_store(engine, config.store_run_dir, metrics) if config.store_run_dir else ""
+    cls = PrefillWorker if role == "prefill" else DecodeWorker
+    worker = cls(config, engine, store_node=node)
+    worker.metrics = metrics
+    metrics.serve(config.metrics_port)
+
+    def on_signal(signum, _frame):
+        logger.info("signal %d: stopping %s", signum, worker.name)
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    worker.run()
+    return 0

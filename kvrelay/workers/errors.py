@@ -1,0 +1,28 @@
+"""Errors raised by the workers package (one base class, `EngineError`)."""
+
+from __future__ import annotations
+
+from kvrelay.pipeline.modelref import ModelNotFoundError
+
+__all__ = [
+    "EngineError",
+    "InvalidRequestError",
+    "ModelNotFoundError",
+    "UnsupportedModelError",
+]
+
+
+class EngineError(Exception):
+    """Base class of engine and model errors."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request can never succeed (prompt too long, bad token ids, bad sampling parameters)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class UnsupportedModelError(EngineError):
+    """The model's architecture or a feature of it is not implemented."""

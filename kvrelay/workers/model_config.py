@@ -1,0 +1,141 @@
+"""Architecture numbers of a Llama-family model (Llama, Mistral, Qwen2, SmolLM) from config.json."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.workers.errors import UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What our forward needs to know; built from a Hugging Face config dict."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # type + parameters, {} = none
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Validate a config.json dict; unsupported features raise UnsupportedModelError."""
+        if isinstance(cfg.get("text_config"), dict):
+            cfg = {**cfg, **cfg["text_config"]}
+        model_type = str(cfg.get("model_type", "")).lower()
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            kv_heads = int(cfg.get("num_key_value_heads") or heads)
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            theta, scaling = _rope(cfg)
+            attention_bias = bool(cfg.get("attention_bias", False))
+            config = cls(
+                model_type=model_type,
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                vocab_size=int(cfg["vocab_size"]),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases and no o bias; Llama's flag covers all four.
+                qkv_bias=model_type == "qwen2" or attention_bias,
+                o_bias=model_type != "qwen2" and attention_bias,
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+            )
+        except KeyError as exc:
+            raise UnsupportedModelError(f"config.json lacks {exc.args[0]!r}") from exc
+        if heads % kv_heads or head_dim % 2:
+            raise UnsupportedModelError(
+                f"{heads} heads / {kv_heads} kv heads / head_dim {head_dim}: not a valid GQA shape"
+            )
+        return config
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def inv_freq(self) -> list[float]:
+        """RoPE inverse frequencies (float64 math), with Llama-3 / linear scaling applied."""
+        dim = self.head_dim
+        inv = [1.0 / (self.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
+        kind = self.rope_scaling.get("rope_type", "default")
+        if kind == "linear":
+            factor = float(self.rope_scaling["factor"])
+            return [f / factor for f in inv]
+        if kind == "llama3":
+            return _llama3_inv_freq(inv, self.rope_scaling)
+        return inv
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    # transformers 5 writes `rope_parameters` (theta inside); older configs use rope_theta and
+    # rope_scaling (type or rope_type).
+    params = dict(cfg.get("rope_parameters") or {})
+    if "rope_type" not in params and "type" not in params:
+        params.update(cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModelError(f"rope type {kind!r} is not supported; supported: {ROPE_TYPES}")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("partial rotary embeddings are not supported")
+    if kind == "default":
+        return theta, {}
+    if kind == "llama3":
+        params.setdefault(
+            "original_max_position_embeddings", cfg.get("max_position_embeddings", 8192)
+        )
+    return theta, {"rope_type": kind, **params}
+
+
+def _llama3_inv_freq(inv: list[float], p: dict[str, Any]) -> list[float]:
+    factor = float(p["factor"])
+    low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old_len = float(p["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    out = []
+    for f in inv:
+        wavelen = 2 * math.pi / f
+        if wavelen > low_wavelen:
+            out.append(f / factor)
+        elif wavelen < high_wavelen:
+            out.append(f)
+        else:  # medium frequencies: interpolate between scaled and unscaled
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return out

@@ -1,0 +1,288 @@
+"""Prepare (convert once, cache) and load models.
+
+A GGUF file or a `.bin` checkpoint is converted once by `transformers` into an HF-format
+directory (config.json, tokenizer files, fp32 `model.safetensors`) under the kvrelay cache;
+safetensors checkpoints are linked in as they are. Conversion writes a temp directory and
+renames it into place under an exclusive file lock, so concurrent processes wait for one
+conversion and nobody ever sees a half-written directory. Later loads read safetensors only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrelay.pipeline.modelref import (
+    META_FILE,
+    META_FORMAT,
+    ModelNotFoundError,
+    ModelRef,
+    converted_dir,
+    is_prepared,
+    model_fingerprint,
+    normalize_dtype,
+    read_config,
+    resolve_model,
+    weights_digest,
+    write_meta,
+)
+from kvrelay.pipeline.tokenizer import Tokenizer
+from kvrelay.workers.errors import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+# Files copied (linked) next to the weights of a safetensors checkpoint.
+_SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+)  # fmt: skip
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"kvrelay: {msg}", file=sys.stderr, flush=True)
+    logger.info("%s", msg)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Resolve `name` and make sure its converted directory exists; returns that directory."""
+    ref = resolve_model(name)
+    target = converted_dir(ref)
+    if is_prepared(ref):
+        return target
+    with _file_lock(target.with_name(target.name + ".lock")):
+        if is_prepared(ref):  # another process converted it while we waited
+            return target
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        start = time.monotonic()
+        try:
+            if ref.kind == "safetensors":
+                _link_checkpoint(ref, tmp)
+            else:
+                _say(progress, f"converting {ref.source} to safetensors (one time, ~20-30 s)")
+                _convert_with_transformers(ref, tmp, progress)
+            _say(progress, "hashing weights for the model fingerprint")
+            write_meta(
+                tmp,
+                {
+                    "format": META_FORMAT,
+                    "name": ref.name,
+                    "kind": ref.kind,
+                    "source": str(ref.source),
+                    "weights_digest": weights_digest(tmp),
+                },
+            )
+            for path in tmp.iterdir():  # the cache is shared between users of the host
+                if not path.is_symlink():
+                    path.chmod(0o644)
+            shutil.rmtree(target, ignore_errors=True)  # a stale dir without kvrelay.json
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _say(progress, f"model ready in {target} ({time.monotonic() - start:.1f} s)")
+    assert (target / META_FILE).is_file()
+    return target
+
+
+def _link_checkpoint(ref: ModelRef, out: Path) -> None:
+    src_dir = ref.source if ref.source.is_dir() else ref.source.parent
+    weights = sorted(src_dir.glob("*.safetensors")) if ref.source.is_dir() else [ref.source]
+    index = src_dir / "model.safetensors.index.json"
+    for path in [src_dir / n for n in _SIDE_FILES] + weights + [index]:
+        if path.is_file():
+            os.symlink(path.resolve(), out / path.name)
+
+
+def _convert_with_transformers(ref: ModelRef, out: Path, progress: bool) -> None:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not progress:
+        transformers.utils.logging.disable_progress_bar()
+    if ref.kind == "gguf":
+        src, kwargs = str(ref.source.parent), {"gguf_file": ref.source.name}
+    else:
+        src, kwargs = str(ref.source), {}
+    _say(progress, "loading tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
+    _say(progress, "loading and dequantizing weights")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kwargs)
+    # save_pretrained refuses a GGUF-quantized model; the weights are already dense fp32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    _say(progress, "writing safetensors")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run: our module, its config, tokenizer and identity."""
+
+    name: str
+    dir: Path
+    model: object  # kvrelay.workers.model.LlamaForCausalLM
+    config: object  # kvrelay.workers.model.ModelConfig
+    tokenizer: object  # kvrelay.pipeline.tokenizer.Tokenizer
+    fingerprint: str
+    dtype: object  # torch.dtype
+    device: object  # torch.device
+
+
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """(data start offset, {name: {dtype, shape, data_offsets}}) of a safetensors file."""
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    return 8 + header_len, header
+
+
+def _read_into(f, target, info: dict, base: int, name: str) -> None:
+    import torch
+
+    if info["dtype"] not in _ST_DTYPES:
+        raise UnsupportedModelError(f"weight {name} has unsupported dtype {info['dtype']}")
+    if tuple(target.shape) != tuple(info["shape"]):
+        raise UnsupportedModelError(
+            f"weight {name} has shape {tuple(info['shape'])}, expected {tuple(target.shape)}"
+        )
+    dtype = getattr(torch, _ST_DTYPES[info["dtype"]])
+    start, end = info["data_offsets"]
+    f.seek(base + start)
+    # read() straight into the parameter: faulting fresh pages in from the kernel side is ~8x
+    # faster here than a user-space copy from a memory map into new memory.
+    direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+    buffer = target if direct else torch.empty(info["shape"], dtype=dtype)
+    view = buffer.view(-1).view(torch.uint8).numpy() if buffer.numel() else None
+    if view is not None and f.readinto(view) != end - start:
+        raise UnsupportedModelError(f"weight {name} is truncated")
+    if not direct:
+        target.copy_(buffer)
+
+
+def _destinations(model) -> dict:
+    """HF weight name -> the slice of our (fused) parameter it fills."""
+    c = model.config
+    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    dest = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
+    if not c.tie_word_embeddings:
+        dest["lm_head.weight"] = model.lm_head
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        dest[p + "input_layernorm.weight"] = layer.input_norm
+        dest[p + "post_attention_layernorm.weight"] = layer.post_norm
+        for kind, param in (("weight", layer.qkv), ("bias", layer.qkv_bias)):
+            if param is not None:
+                dest[p + f"self_attn.q_proj.{kind}"] = param[:q]
+                dest[p + f"self_attn.k_proj.{kind}"] = param[q : q + kv]
+                dest[p + f"self_attn.v_proj.{kind}"] = param[q + kv :]
+        for kind, param in (("weight", layer.gate_up), ("bias", layer.gate_up_bias)):
+            if param is not None:
+                dest[p + f"mlp.gate_proj.{kind}"] = param[:inter]
+                dest[p + f"mlp.up_proj.{kind}"] = param[inter:]
+        dest[p + "self_attn.o_proj.weight"] = layer.o
+        dest[p + "mlp.down_proj.weight"] = layer.down
+        if layer.o_bias is not None:
+            dest[p + "self_attn.o_proj.bias"] = layer.o_bias
+        if layer.down_bias is not None:
+            dest[p + "mlp.down_proj.bias"] = layer.down_bias
+    return dest
+
+
+def load_weights(model, directory: Path) -> None:
+    """Read every weight of `directory` into `model`'s (fused) parameters."""
+    dest = _destinations(model)
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{directory} has no .safetensors weights")
+    for path in files:
+        base, header = read_safetensors_header(path)
+        with path.open("rb", buffering=0) as f:
+            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                target = dest.pop(name, None)
+                if target is None:
+                    logger.debug("ignoring weight %s", name)
+                    continue
+                _read_into(f, target, info, base, name)
+    if dest:
+        raise UnsupportedModelError(f"{directory} lacks weights: {sorted(dest)[:5]}")
+
+
+def resolve_device_dtype(dtype: str = "auto", device: str = "auto"):
+    """(torch.dtype, torch.device) for flags: auto = bf16 on CUDA, fp32 on CPU."""
+    import torch
+
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if str(dtype) == "auto":
+        return (torch.bfloat16 if device.type == "cuda" else torch.float32), device
+    return getattr(torch, normalize_dtype(str(dtype))), device
+
+
+def load_model(
+    name: str | os.PathLike | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    progress: bool = True,
+) -> LoadedModel:
+    """Prepare (convert once) and load a model with its tokenizer and fingerprint."""
+    import torch
+
+    from kvrelay.workers.model import LlamaForCausalLM
+    from kvrelay.workers.model_config import ModelConfig
+
+    start = time.monotonic()
+    directory = prepare_model(name, progress=progress)
+    torch_dtype, torch_device = resolve_device_dtype(dtype, device)
+    config = ModelConfig.from_hf(read_config(directory))
+    with torch.inference_mode():
+        model = LlamaForCausalLM(config, torch_dtype, torch_device)
+        load_weights(model, directory)
+    model.eval()
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    loaded = LoadedModel(
+        name=resolve_model(name).name,
+        dir=directory,
+        model=model,
+        config=config,
+        tokenizer=Tokenizer.from_dir(directory),
+        fingerprint=model_fingerprint(directory, dtype_name),
+        dtype=torch_dtype,
+        device=torch_device,
+    )
+    logger.info(
+        "loaded %s (%s, %s) from %s in %.2f s",
+        loaded.name, dtype_name, torch_device, directory, time.monotonic() - start,
+    )  # fmt: skip
+    return loaded

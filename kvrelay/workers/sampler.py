@@ -1,0 +1,171 @@
+"""Token sampler: penalties, temperature, min-p, top-k, top-p, logprobs, counter-based draws.
+
+Order of processing (vLLM v1's): raw logprobs are taken first (the model's distribution, before
+any penalty or temperature, which is vLLM's default `raw_logprobs`); then stop tokens are masked
+while `min_tokens` is not reached; then repetition, frequency and presence penalties; greedy rows
+take the argmax of those processed logits; random rows divide by the temperature, apply min-p,
+then top-k, then top-p (over the top-k renormalised distribution, as vLLM does) and draw.
+
+Reproducibility: the draw for output position `i` uses one uniform number computed from
+`(seed, i)` alone (a blake2b counter, no generator state), mapped through the inverse CDF of
+the candidate distribution. A request restarted at any position, alone or in any batch,
+therefore draws the same number; every per-row tensor op is row-local, so the token matches too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.pipeline.sampling import SamplingParams
+
+# Top-p without top-k: sort only the best `k` tokens, growing k until they hold top_p of the
+# mass (a full sort of a 49k vocabulary costs ~4 ms per row on this CPU).
+_TOP_P_FIRST_K = 256
+# Temperatures below this are treated as greedy (as vLLM does): dividing by them overflows.
+_MIN_TEMPERATURE = 1e-5
+
+
+def uniform(seed: int, index: int) -> float:
+    """The uniform number in [0, 1) used for output position `index` of a request."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """What the sampler needs to know about one request for the token at output `index`."""
+
+    params: SamplingParams
+    seed: int
+    index: int
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    banned_token_ids: Sequence[int] = ()  # masked (min_tokens not reached yet)
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_id: int
+    logprobs: dict[int, float] | None = field(default=None)
+
+
+def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    p = row.params
+    vocab = logits.shape[0]
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        if row.prompt_token_ids:
+            seen[torch.as_tensor(row.prompt_token_ids, dtype=torch.long)] = True
+        if row.output_token_ids:
+            seen[torch.as_tensor(row.output_token_ids, dtype=torch.long)] = True
+        penalised = torch.where(
+            logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty
+        )
+        logits = torch.where(seen, penalised, logits)
+    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and row.output_token_ids:
+        counts = torch.bincount(
+            torch.as_tensor(row.output_token_ids, dtype=torch.long), minlength=vocab
+        ).to(logits.dtype)
+        logits = logits - p.frequency_penalty * counts
+        logits = logits - p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _candidates(
+    logits: torch.Tensor, p: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(probabilities, token ids or None for the whole vocabulary in id order)."""
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    vocab = logits.shape[0]
+    if p.top_k > 0:
+        values, ids = torch.topk(logits, min(p.top_k, vocab))
+        probs = torch.softmax(values, dim=-1)
+    elif p.top_p < 1.0:
+        lse = torch.logsumexp(logits, dim=-1)
+        k = min(_TOP_P_FIRST_K, vocab)
+        while True:
+            values, ids = torch.topk(logits, k)
+            probs = torch.exp(values - lse)
+            if k == vocab or float(probs.sum()) >= p.top_p:
+                break
+            k = min(k * 4, vocab)
+    else:
+        return torch.softmax(logits, dim=-1), None
+    if p.top_p < 1.0:
+        cum = torch.cumsum(probs, dim=-1)
+        keep = int(((cum - probs) < p.top_p).sum())
+        probs, ids = probs[: max(keep, 1)], ids[: max(keep, 1)]
+    return probs, ids
+
+
+def _draw(probs: torch.Tensor, ids: torch.Tensor | None, u: float) -> int:
+    cum = torch.cumsum(probs, dim=-1)
+    target = torch.tensor([u], dtype=cum.dtype) * cum[-1]
+    pos = int(torch.searchsorted(cum, target, right=True)[0])
+    pos = min(pos, cum.shape[0] - 1)
+    while float(probs[pos]) == 0.0 and pos > 0:  # float rounding at the very top: step back
+        pos -= 1
+    return pos if ids is None else int(ids[pos])
+
+
+def _logprobs(raw: torch.Tensor, token_id: int, n: int) -> dict[int, float]:
+    lp = torch.log_softmax(raw, dim=-1)
+    out = {token_id: float(lp[token_id])}
+    if n > 0:
+        values, ids = torch.topk(lp, n)
+        for tok, val in zip(ids.tolist(), values.tolist(), strict=True):
+            out.setdefault(tok, val)
+    return out
+
+
+class Sampler:
+    """Samples one token per row of a float32 logits matrix `[rows, vocab]`."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampleResult]:
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sample rows")
+        plain_greedy = [_is_plain(r) and r.params.temperature < _MIN_TEMPERATURE for r in rows]
+        greedy_ids: list[int] = []
+        if all(plain_greedy) and rows:
+            # The common case in one op: argmax is row-local, so it is batch invariant.
+            greedy_ids = logits.argmax(dim=-1).tolist()
+        results: list[SampleResult] = []
+        for i, row in enumerate(rows):
+            raw = logits[i]
+            if greedy_ids:
+                token = greedy_ids[i]
+            else:
+                token = self._sample_row(raw, row)
+            lps = None
+            if row.params.logprobs is not None:
+                lps = _logprobs(raw, token, row.params.logprobs)
+            results.append(SampleResult(token, lps))
+        return results
+
+    def _sample_row(self, raw: torch.Tensor, row: SampleRow) -> int:
+        logits = raw
+        if row.banned_token_ids:
+            logits = logits.clone()
+            logits[torch.as_tensor(row.banned_token_ids, dtype=torch.long)] = float("-inf")
+        logits = _apply_penalties(logits, row)
+        p = row.params
+        if p.temperature < _MIN_TEMPERATURE:
+            return int(logits.argmax())
+        probs, ids = _candidates(logits / p.temperature, p)
+        return _draw(probs, ids, uniform(row.seed, row.index))
+
+
+def _is_plain(row: SampleRow) -> bool:
+    p = row.params
+    return (
+        not row.banned_token_ids
+        and p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+    )

@@ -1,0 +1,78 @@
+"""One request's state inside the engine: tokens, blocks, progress, finish."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.pipeline.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)  # identity semantics: `seq in running` must not compare lists
+class Sequence:
+    """Token ids are `prompt + outputs`; K/V of the first `num_computed_tokens` are in blocks."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    seed: int
+    cache_salt: str = ""
+    handoff_after: int | None = None
+    num_resumed_tokens: int = 0  # outputs given at add_request (already emitted elsewhere)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # keys of the leading full blocks
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from device cache or store (first admit)
+    num_device_cached_tokens: int = 0
+    num_store_cached_tokens: int = 0
+    num_saved_blocks: int = 0  # leading blocks known to be in the store
+    num_registered_blocks: int = 0  # leading blocks registered in the device prefix cache
+    num_preemptions: int = 0
+    admitted: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    handoff: bool = False
+    arrival_time: float = field(default_factory=time.time)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    # Detokenizer/stop-string state lives in the engine's `OutputProcessor` (text tail here).
+    output_text: str = ""
+    emitted_text_len: int = 0
+    detokenizer: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_new_outputs(self) -> int:
+        """Outputs produced by this engine (not counting resumed ones)."""
+        return self.num_output_tokens - self.num_resumed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,101 @@
+"""Prometheus metrics of one worker process (names like vLLM's), served on its own port.
+
+Request-level series come from `kvrelay.pipeline.metrics.Metrics`; a worker adds prefix-cache
+queries/hits (tokens), KV store traffic (counted by `CountingConnector`) and dead letters.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prometheus_client import Counter
+
+from kvrelay.pipeline.metrics import PREFIX, Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerMetrics:
+    """All series of one worker; `serve(port)` exposes them over HTTP."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.base = Metrics()
+        r = self.base.registry
+        self.port: int | None = None
+        self.prefix_cache_queries = Counter(
+            PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            ["model_name"], registry=r).labels(model)  # fmt: skip
+        self.prefix_cache_hits = Counter(
+            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            ["model_name"], registry=r).labels(model)  # fmt: skip
+        self.store_bytes = Counter(
+            PREFIX + "kv_store_bytes", "KV page bytes moved between this worker and the store.",
+            ["model_name", "op"], registry=r)  # fmt: skip
+        self.store_pages = Counter(
+            PREFIX + "kv_store_pages", "KV pages moved between this worker and the store.",
+            ["model_name", "op"], registry=r)  # fmt: skip
+        self.dead_letters = Counter(
+            PREFIX + "dead_letters", "Stream entries this worker sent to the DLQ.",
+            ["model_name"], registry=r).labels(model)  # fmt: skip
+        self.generation_tokens = self.base.generation_tokens.labels(model)
+        self.prompt_tokens = self.base.prompt_tokens.labels(model)
+
+    def admitted(self, task: Any, num_resumed: int) -> None:
+        """Count the prompt of a newly admitted request."""
+        self.prompt_tokens.inc(len(task.prompt_token_ids) + num_resumed)
+
+    def finished(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count a prompt's prefix-cache outcome (once per request, where it was prefilled)."""
+        self.prefix_cache_queries.inc(prompt_tokens)
+        self.prefix_cache_hits.inc(cached_tokens)
+        self.base.prefix_cache_hit_tokens.labels(self.model).inc(cached_tokens)
+
+    def set_load(self, running: int, waiting: int) -> None:
+        self.base.num_requests_running.labels(self.model).set(running)
+        self.base.num_requests_waiting.labels(self.model).set(waiting)
+
+    def store_io(self, op: str, pages: int, nbytes: int) -> None:
+        self.store_pages.labels(self.model, op).inc(pages)
+        self.store_bytes.labels(self.model, op).inc(nbytes)
+
+    def serve(self, port: int) -> int | None:
+        """Start the /metrics HTTP server (port 0: any free port); returns the bound port."""
+        if port < 0:
+            return None
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, addr="0.0.0.0", registry=self.base.registry)
+        self.port = server.server_address[1]
+        logger.info("metrics on port %d", self.port)
+        return self.port
+
+
+class CountingConnector:
+    """Wraps a KVConnector to count pages and bytes moved (load/save) in the worker metrics."""
+
+    def __init__(self, inner: Any, metrics: WorkerMetrics | None = None):
+        self.inner = inner
+        self.metrics = metrics
+
+    def lookup(self, keys: list[bytes]) -> int:
+        return self.inner.lookup(keys)
+
+    def load(self, keys: list[bytes], block_ids: list[int], kv_pool: Any) -> int:
+        n = self.inner.load(keys, block_ids, kv_pool)
+        if self.metrics and n:
+            self.metrics.store_io("load", n, n * _block_bytes(kv_pool))
+        return n
+
+    def save(self, keys: list[bytes], block_ids: list[int], kv_pool: Any) -> None:
+        self.inner.save(keys, block_ids, kv_pool)
+        if self.metrics and keys:
+            self.metrics.store_io("save", len(keys), len(keys) * _block_bytes(kv_pool))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _block_bytes(kv_pool: Any) -> int:
+    return kv_pool[0].numel() * kv_pool.element_size()

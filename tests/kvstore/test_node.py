@@ -1,0 +1,180 @@
+"""A store node with real clients: eviction order, corruption, restarts, processes, refusals."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import zlib
+
+import msgpack
+import pytest
+import redis
+import zmq
+
+from kvrelay.kvstore.client import StoreClient
+from kvrelay.kvstore.errors import IncompatiblePageError, StoreError
+from kvrelay.kvstore.page import HEADER_BYTES, PageSpec
+from kvrelay.kvstore.server import arena_path
+from kvrelay.pipeline.keys import Keys
+from tests.kvstore import procs
+from tests.kvstore.conftest import FP, SMALL, keys_for, payload
+
+SLOT = 4096  # a 1 KiB page plus its header rounds up to one 4 KiB slot
+FILE = HEADER_BYTES + SMALL.page_bytes
+
+
+def arena_for(n: int) -> int:
+    return SLOT + n * SLOT
+
+
+def hexes(keys: list[bytes]) -> list[str]:
+    return [k.hex() for k in keys]
+
+
+def wait_for(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_put_3n_demotes_then_drops_lru_in_order(valkey, start_node, tmp_path):
+    node = start_node(
+        arena_bytes=arena_for(4),
+        disk_dir=str(tmp_path / "disk"),
+        disk_bytes=4 * FILE,
+        redis_url=valkey.url,
+    )
+    keys = keys_for(12)
+    r = redis.Redis.from_url(valkey.url)
+    with StoreClient(node.config.run_dir, SMALL) as client:
+        for i, key in enumerate(keys):
+            assert client.put([key], [payload(SMALL, i)]) == 1
+            ls = client.ls()
+            assert ls["host"] == hexes(keys[max(0, i - 3) : i + 1])
+            assert ls["disk"] == hexes(keys[max(0, i - 7) : max(0, i - 3)])
+        assert client.put(keys[9:10], [payload(SMALL, 9)]) == 0  # write-once
+        assert client.get(keys[:1]) == []  # dropped: 0, 1, 2, 3 in that order
+        assert client.get(keys[5:6]) == [payload(SMALL, 5).tobytes()]  # promoted from disk
+        ls = client.ls()
+        assert ls["host"] == hexes([keys[9], keys[10], keys[11], keys[5]])
+        assert ls["disk"] == hexes([keys[6], keys[7], keys[8], keys[5]])  # 8 demoted, 4 dropped
+        counters = client.stats()["counters"]
+        assert counters["evictions"] == {"host": 9.0, "disk": 5.0}
+        assert counters["hits"] == {"disk": 1.0}
+        assert counters["puts"] == {"host": 12.0}
+
+    def directory() -> dict[int, set]:
+        return {i: r.smembers(Keys().page(k.hex())) for i, k in enumerate(keys)}
+
+    wait_for(lambda: all(not directory()[i] for i in range(5)))
+    assert all(directory()[i] == {b"n0"} for i in range(5, 12))
+
+
+def test_flipped_byte_on_disk_is_a_counted_miss(start_node, tmp_path):
+    node = start_node(arena_bytes=arena_for(2), disk_dir=str(tmp_path / "disk"))
+    keys = keys_for(3)
+    with StoreClient(node.config.run_dir, SMALL) as client:
+        client.put(keys, [payload(SMALL, i) for i in range(3)][:2])
+        client.put(keys[2:], [payload(SMALL, 2)])  # demotes page 0 to disk
+        path = node.node.store.disk._path(keys[0])
+        data = bytearray(path.read_bytes())
+        data[HEADER_BYTES + 513] ^= 0x01
+        path.write_bytes(data)
+        assert client.get(keys) == []
+        assert client.stats()["counters"]["corrupt_pages"] == {"disk": 1.0}
+        assert not path.exists() and client.lookup(keys) == 0
+        assert client.get(keys[1:]) == [payload(SMALL, i).tobytes() for i in (1, 2)]
+
+
+def test_cross_process_and_restarts(start_node, tmp_path):
+    settings = {
+        "arena_bytes": arena_for(4),
+        "disk_dir": str(tmp_path / "disk"),
+        "disk_bytes": 8 * FILE,
+    }
+    node = start_node(**settings)
+    run_dir = node.config.run_dir
+    want = [zlib.crc32(payload(SMALL, i).tobytes()) for i in range(6)]
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:  # a worker process that puts, then exits (a worker restart)
+        assert pool.apply(procs.put_pages, (run_dir, 4)) == 4
+    with ctx.Pool(1) as pool:
+        assert pool.apply(procs.read_crcs, (run_dir, 4)) == want[:4]
+    with StoreClient(run_dir, SMALL) as client:
+        client.put(keys_for(6)[4:], [payload(SMALL, i) for i in (4, 5)])  # 0, 1 go to disk
+    node.stop()  # flushes the arena to disk; the arena file stays
+
+    node = start_node(**settings)  # arena rebuilt from shared memory
+    with StoreClient(run_dir, SMALL) as client:
+        assert sorted(client.ls()["host"]) == sorted(hexes(keys_for(6)[2:]))  # slot order
+        assert [zlib.crc32(p) for p in client.get(keys_for(6)[2:])] == want[2:]
+    node.stop()
+    arena_path(node.config).unlink()  # as after a reboot: only the disk tier is left
+
+    node = start_node(**settings)
+    with StoreClient(run_dir, SMALL) as client:
+        assert client.ls()["host"] == []
+        got = client.get(keys_for(6)[:4]) + client.get(keys_for(6)[4:])
+        assert [zlib.crc32(p) for p in got] == want
+        assert client.stats()["counters"]["hits"] == {"disk": 6.0}
+
+
+def test_four_processes_overlapping_keys(start_node):
+    node = start_node(arena_bytes=arena_for(16))
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        results = pool.starmap(procs.hammer, [(node.config.run_dir, s, 2.0) for s in range(4)])
+    assert all(reads > 0 for _, reads, _ in results)
+    assert [bad for _, _, bad in results] == [0, 0, 0, 0]
+    with StoreClient(node.config.run_dir, SMALL) as client:
+        stats = client.stats()
+        assert stats["pages"]["pinned"] == 0
+        assert stats["counters"]["puts"]["host"] == sum(p for p, _, _ in results)
+        assert stats["counters"]["evictions"]["host"] == stats["counters"]["puts"]["host"] - 16
+
+
+def test_wrong_fingerprint_page_size_and_bad_requests_are_refused(start_node):
+    node = start_node(fingerprint=FP)
+    run_dir = node.config.run_dir
+    other_model = PageSpec("e" * 32, "float32", 2, 4, 2, 8)
+    with (
+        StoreClient(run_dir, other_model) as client,
+        pytest.raises(
+            IncompatiblePageError,
+            match="model fingerprint mismatch: this store "
+            f"holds pages of '{FP}', request is for '{'e' * 32}'",
+        ),
+    ):
+        client.connect()
+    bigger = PageSpec(FP, "float32", 2, 8, 2, 8)
+    with (
+        StoreClient(run_dir, bigger) as client,
+        pytest.raises(
+            IncompatiblePageError, match="this store holds 1024-byte pages, request has 2048"
+        ),
+    ):
+        client.put(keys_for(1), [bytes(2048)])
+    with StoreClient(run_dir, SMALL) as client:
+        with pytest.raises(StoreError, match="a page payload is 10 bytes, expected 1024"):
+            client.put(keys_for(1), [b"x" * 10])
+        with pytest.raises(StoreError, match="unknown op 'nope'"):
+            client.call("nope")
+        with pytest.raises(StoreError, match="16-byte page keys"):
+            client.call("get", keys=[b"short"])
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(client.url)
+        sock.send_multipart([b"", b"\xc1garbage"])
+        assert sock.poll(5000)
+        reply = msgpack.unpackb(sock.recv_multipart()[-1])
+        assert reply["ok"] is False and reply["error"].startswith("malformed request")
+        sock.close(0)
+        assert client.put(keys_for(1), [payload(SMALL, 0)]) == 1  # still serving
+
+
+def test_no_node_is_a_clear_error(tmp_path):
+    with (
+        StoreClient(tmp_path, SMALL, timeout_s=0.2) as client,
+        pytest.raises(StoreError, match="did not answer 'hello' within 0.2s"),
+    ):
+        client.connect()

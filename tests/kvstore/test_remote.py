@@ -1,0 +1,163 @@
+"""Two store nodes: a page put on A is found through the Redis directory and pulled by B."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvrelay.kvstore.client import StoreClient
+from kvrelay.kvstore.config import StoreConfig
+from kvrelay.kvstore.server import arena_path
+from kvrelay.pipeline.keys import Keys
+from tests.kvstore.conftest import SMALL, keys_for, payload
+
+SECRET = "correct horse"
+
+
+def wait_published(redis_url: str, key: bytes, node_id: str = "A") -> None:
+    """Directory writes are batched in the background; wait until `key` is listed."""
+    r = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 5
+    while node_id.encode() not in r.smembers(Keys().page(key.hex())):
+        assert time.monotonic() < deadline, "page never reached the directory"
+        time.sleep(0.02)
+
+
+class NodeProcess:
+    """`kvrelay store` in a child process (node A), so it can be killed or frozen."""
+
+    def __init__(self, tmp_path: Path, redis_url: str, node_id: str = "A"):
+        self.config = StoreConfig(node_id=node_id, run_dir=str(tmp_path / f"run-{node_id}"))
+        env = dict(os.environ, KVRELAY_STORE_SECRET=SECRET, KVRELAY_STORE_ARENA_BYTES="65536")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvrelay.pipeline.cli",
+                "--log-level",
+                "WARNING",
+                "store",
+                "--node-id",
+                node_id,
+                "--run-dir",
+                self.config.run_dir,
+                "--redis-url",
+                redis_url,
+                "--page-bytes",
+                str(SMALL.page_bytes),
+                "--fingerprint",
+                SMALL.fingerprint,
+            ],
+            env=env,
+        )
+        self.client = StoreClient(self.config.run_dir, SMALL, timeout_s=0.5)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.client.connect()
+                break
+            except Exception:
+                assert self.proc.poll() is None, "store node exited"
+                assert time.monotonic() < deadline, "store node did not start"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            assert self.proc.wait(timeout=10) == 0  # SIGTERM is a clean stop
+        arena_path(self.config).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def node_a(valkey, tmp_path):
+    node = NodeProcess(tmp_path, valkey.url)
+    yield node
+    node.stop()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_page_put_on_a_is_fetched_by_b(valkey, node_a, start_node, transport):
+    keys = keys_for(6)
+    pages = [payload(SMALL, i) for i in range(6)]
+    assert node_a.client.put(keys, pages) == 6
+    wait_published(valkey.url, keys[-1])
+    b = start_node(
+        node_id="B",
+        redis_url=valkey.url,
+        secret=SECRET,
+        transport=transport,
+        ucx_port=0 if transport == "ucx" else -1,
+    )
+    r = redis.Redis.from_url(valkey.url)
+    info = r.hgetall(Keys().store_node("A"))
+    assert set(info) >= {b"tcp", b"ucx", b"pid", b"page_bytes", b"updated"}
+    assert r.pttl(Keys().store_node("A")) > 0  # heartbeat with a TTL
+    with StoreClient(b.config.run_dir, SMALL) as client:
+        assert client.lookup(keys) == 6
+        assert client.lookup(keys, remote=False) == 0
+        assert client.get(keys) == [p.tobytes() for p in pages]
+        assert client.lookup(keys, remote=False) == 6
+        counters = client.stats()["counters"]
+        assert counters["hits"] == {"remote": 6.0}
+        assert counters["bytes"][f"remote/fetch_{transport}"] == 6 * SMALL.page_bytes
+    assert node_a.client.stats()["counters"]["bytes"]["remote/serve"] == 6 * SMALL.page_bytes
+    deadline = time.monotonic() + 5
+    while r.smembers(Keys().page(keys[5].hex())) != {b"A", b"B"}:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_frozen_or_killed_peer_fails_cleanly_within_the_timeout(
+    valkey, node_a, start_node, transport
+):
+    keys = keys_for(4)
+    node_a.client.put(keys, [payload(SMALL, i) for i in range(4)])
+    wait_published(valkey.url, keys[-1])
+    b = start_node(
+        node_id="B",
+        redis_url=valkey.url,
+        secret=SECRET,
+        transport=transport,
+        ucx_port=0 if transport == "ucx" else -1,
+        transfer_timeout_s=1.0,
+    )
+    with StoreClient(b.config.run_dir, SMALL) as client:
+        node_a.proc.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+        start = time.monotonic()
+        assert client.get(keys[:2]) == []
+        assert 0.9 < time.monotonic() - start < 2.5
+        node_a.proc.send_signal(signal.SIGKILL)
+        node_a.proc.wait()
+        start = time.monotonic()
+        assert client.get(keys[2:]) == []
+        assert time.monotonic() - start < 2.5
+        assert client.stats()["counters"]["transfer_failures"] == {transport: 2.0}
+        assert client.put(keys[:1], [payload(SMALL, 0)]) == 1  # B keeps serving
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_wrong_secret_is_refused(valkey, node_a, start_node, transport, caplog):
+    keys = keys_for(2)
+    node_a.client.put(keys, [payload(SMALL, i) for i in range(2)])
+    wait_published(valkey.url, keys[-1])
+    b = start_node(
+        node_id="B",
+        redis_url=valkey.url,
+        secret="wrong",
+        transport=transport,
+        ucx_port=0 if transport == "ucx" else -1,
+    )
+    with StoreClient(b.config.run_dir, SMALL) as client:
+        assert client.get(keys) == []
+        assert client.stats()["counters"]["transfer_failures"] == {transport: 1.0}
+    assert "peer failed the shared-secret challenge (wrong --secret?)" in caplog.text

@@ -1,0 +1,161 @@
+"""The producer client (async and sync) against a real Valkey, next to the ingress."""
+# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvrelay.pipeline.client import AsyncClient, Client
+from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.keys import Keys
+from kvrelay.pipeline.messages import PrefillTask, TokenChunk
+from kvrelay.pipeline.sampling import SamplingParams
+from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
+    MODEL,
+    WorkerRole,
+    anyio_backend,
+    harness,
+    http,
+    smollm_tokenizer,
+    unique_prefix,
+)
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.anyio
+async def test_client_and_ingress_queue_identical_tasks(harness, smollm_tokenizer):
+    factory, worker = harness
+    app = factory(mode="disaggregated")
+    role = await worker(app)
+    ing = app.state.ingress
+    async with http(app) as api:
+        serve = asyncio.create_task(role.serve_one([(1, "a")]))
+        await api.post(
+            "/v1/chat/completions",
+            headers={"X-Request-Id": "same-1"},
+            json={
+                "model": MODEL,
+                "messages": HI,
+                "max_tokens": 8,
+                "temperature": 0,
+                "seed": 1,
+                "cache_salt": "s",
+            },
+        )
+        via_http = (await serve).task
+    async with AsyncClient(
+        ing.config.redis_url,
+        key_prefix=ing.config.key_prefix,
+        mode="disaggregated",
+        tokenizers={MODEL: smollm_tokenizer},
+    ) as client:
+        rid = await client.submit(
+            messages=HI,
+            request_id="same-2",
+            cache_salt="s",
+            sampling=SamplingParams(max_tokens=8, temperature=0, seed=1),
+        )
+        assert rid == "same-2"
+        via_client = (await role.take()).task
+    assert isinstance(via_client, PrefillTask)
+    a, b = via_http.to_dict(), via_client.to_dict()
+    for varying in ("request_id", "arrival_time", "deadline"):
+        a.pop(varying), b.pop(varying)
+    assert a == b
+
+
+@pytest.mark.anyio
+async def test_async_stream_resume_and_errors(valkey_session, smollm_tokenizer):
+    prefix = unique_prefix()
+    role = await WorkerRole(valkey_session.url, Keys(prefix)).setup()
+    client = AsyncClient(
+        valkey_session.url, key_prefix=prefix, block_ms=100, tokenizers={MODEL: smollm_tokenizer}
+    )
+    try:
+        rid = await client.submit("Hello", sampling=SamplingParams(max_tokens=4))
+        taken = await role.take()
+        assert taken.task.prompt_token_ids == [19556]
+        ids = smollm_tokenizer.encode(" world, hi")
+        await role.emit(rid, TokenChunk(index=0, token_ids=ids[:1], text=" world"))
+        await role.emit(
+            rid,
+            TokenChunk(
+                index=1,
+                token_ids=ids[1:],
+                text=", hi",
+                finish_reason="stop",
+                usage={"prompt_tokens": 1, "completion_tokens": 3},
+            ),
+        )
+        chunks = [c async for c in client.stream(rid)]
+        assert [(c.index, c.token_ids, c.text) for c in chunks] == [
+            (0, ids[:1], " world"),
+            (1, ids[1:], ", hi"),
+        ]
+        # resume in the middle of the second chunk: cut there, its text decoded again
+        resumed = [c async for c in client.stream(rid, start_index=2)]
+        assert [(c.index, c.token_ids, c.text, c.finish_reason) for c in resumed] == [
+            (2, ids[2:], smollm_tokenizer.decode(ids[2:]), "stop")
+        ]
+        done = await client.result(rid)
+        assert (done.text, done.token_ids, done.finish_reason) == (" world, hi", ids, "stop")
+        assert (await client.status(rid))["stage"] == "decode"
+
+        with pytest.raises(RequestError) as info:
+            await client.submit("again", request_id=rid)
+        assert (info.value.status, info.value.code) == (409, "duplicate_request_id")
+        with pytest.raises(RequestError) as info:
+            await client.submit("x", model="other-model")
+        assert (info.value.status, info.value.code) == (404, "model_not_found")
+        with pytest.raises(RequestError) as info:
+            await client.submit(prompt_token_ids=[1, 2], sampling=SamplingParams(temperature=-1))
+        assert info.value.param == "temperature"
+        with pytest.raises(RequestError):
+            await client.submit("x", messages=HI)
+        assert await client.status("unknown") is None
+    finally:
+        await client.aclose()
+        await role.aclose()
+
+
+def test_sync_client_for_batch_jobs(valkey_session, smollm_tokenizer):
+    prefix = unique_prefix()
+    keys = Keys(prefix)
+
+    def answer_two():
+        async def run():
+            role = await WorkerRole(valkey_session.url, keys).setup()
+            for _ in range(2):
+                taken = await role.take(timeout_s=10)
+                rid = taken.task.request_id
+                text = "ok" if taken.task.prompt_token_ids == [5, 6, 7] else "hey"
+                await role.emit(
+                    rid, TokenChunk(index=0, token_ids=[9], text=text, finish_reason="length")
+                )
+                await role.finish(taken)
+            await role.aclose()
+
+        asyncio.run(run())
+
+    thread = threading.Thread(target=answer_two)
+    thread.start()
+    with Client(
+        valkey_session.url, key_prefix=prefix, tokenizers={MODEL: smollm_tokenizer}
+    ) as client:
+        rid = client.submit(prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=1))
+        assert client.result(rid).text == "ok"
+        done = client.generate(messages=HI, sampling=SamplingParams(max_tokens=1))
+        assert (done.text, done.finish_reason) == ("hey", "length")
+        assert [c.text for c in client.stream(rid)] == ["ok"]
+        client.cancel(rid)
+        assert client.status(rid)["status"] == "finished"
+    thread.join(timeout=10)
+    import redis
+
+    r = redis.Redis.from_url(valkey_session.url)
+    assert r.get(keys.cancel(rid)) == b"1"
+    r.close()

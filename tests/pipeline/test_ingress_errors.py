@@ -1,0 +1,301 @@
+"""Requests the ingress refuses: OpenAI error shape, status codes, nothing queued."""
+# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
+
+from __future__ import annotations
+
+import pytest
+
+from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
+    MODEL,
+    anyio_backend,
+    harness,
+    http,
+    make_config,
+    smollm_tokenizer,
+)
+
+pytestmark = pytest.mark.anyio
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def err(message, param=None, code=None, type_="invalid_request_error"):
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+async def _queued(app) -> int:
+    ing = app.state.ingress
+    return await ing.redis.xlen(ing.keys.prefill_stream) + await ing.redis.xlen(
+        ing.keys.decode_stream
+    )
+
+
+CASES = [
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "n": 2},
+        400,
+        err("n=2 (only n=1) is not supported by this server", "n", "unsupported_value"),
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "temperature": "hot"},
+        400,
+        err("'temperature' must be a number", "temperature", "invalid_type"),
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "max_tokens": True},
+        400,
+        err("'max_tokens' must be an integer", "max_tokens", "invalid_type"),
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "top_p": 0},
+        400,
+        err("top_p must be in (0, 1], got 0.0", "top_p"),
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": []},
+        400,
+        err("'messages' must be a non-empty array", "messages", "invalid_type"),
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]},
+        400,
+        err(
+            "messages[0].role must be one of system, developer, user, assistant, tool",
+            "messages[0].role",
+        ),
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "tools": [{"type": "function"}]},
+        400,
+        err("tools is not supported by this server", "tools", "unsupported_value"),
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "stream_options": {}},
+        400,
+        err("stream_options is only allowed when stream is true", "stream_options"),
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "top_logprobs": 3},
+        400,
+        err("top_logprobs requires logprobs to be true", "top_logprobs"),
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI},
+        400,
+        err("you must provide a model parameter", "model", "missing_required_parameter"),
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "gpt-17", "messages": HI},
+        404,
+        err(
+            f"The model `gpt-17` does not exist. Served models: {MODEL}.",
+            "model",
+            "model_not_found",
+        ),
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": ["a", "b"]},
+        400,
+        err(
+            "more than one prompt per request is not supported by this server",
+            "prompt",
+            "unsupported_value",
+        ),
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": 5},
+        400,
+        err("'prompt' must be a string or an array of token ids", "prompt", "invalid_type"),
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, err("the prompt is empty", "prompt")),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": [1, 99999]},
+        400,
+        err("token id 99999 is outside the vocabulary (size 49152)", "prompt", "invalid_token_id"),
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "echo": True},
+        400,
+        err("echo is not supported by this server", "echo", "unsupported_value"),
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 5000},
+        400,
+        err("max_tokens must be at most 4096, got 5000", "max_tokens"),
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 0},
+        400,
+        err("max_tokens must be at least 1, got 0", "max_tokens"),
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "logprobs": 21},
+        400,
+        err("logprobs must be in [0, 20], got 21", "logprobs"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "expected"), CASES)
+async def test_bad_requests_are_refused(harness, path, body, status, expected):
+    factory, _ = harness
+    app = factory()
+    async with http(app) as client:
+        resp = await client.post(path, json=body)
+    assert (resp.status_code, resp.json()) == (status, expected)
+    assert resp.headers["x-request-id"]
+    assert await _queued(app) == 0
+
+
+async def test_malformed_json_and_non_object_body(harness):
+    factory, _ = harness
+    app = factory()
+    async with http(app) as client:
+        resp = await client.post(
+            "/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+        )
+        assert resp.status_code == 400
+        assert resp.json()["error"]["code"] == "invalid_json"
+        assert resp.json()["error"]["message"].startswith("We could not parse the JSON body")
+        resp = await client.post("/v1/completions", json=[1, 2])
+        assert resp.json() == err("the request body must be a JSON object", code="invalid_body")
+        resp = await client.get("/v1/nothing")
+        assert (resp.status_code, resp.json()) == (404, err("Not Found", code="not_found"))
+
+
+async def test_body_size_limit(harness):
+    factory, _ = harness
+    app = factory(max_body_bytes=200)
+    async with http(app) as client:
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 300})
+        assert resp.status_code == 413
+        assert resp.json() == err(
+            "the request body is larger than 200 bytes", code="request_too_large"
+        )
+
+        async def chunks():  # no content-length: the limit holds while streaming the body
+            yield b'{"model": "m", "prompt": "'
+            yield b"y" * 300
+            yield b'"}'
+
+        resp = await client.post("/v1/completions", content=chunks())
+        assert resp.status_code == 413
+    assert await _queued(app) == 0
+
+
+async def test_prompt_limits_use_the_model_context(valkey_session, smollm_tokenizer):
+    from kvrelay.pipeline.ingress import create_app
+
+    # no injected tokenizer: the real model directory supplies the 8192-token context
+    app = create_app(make_config(valkey_session.url, max_prompt_tokens=100000))
+    ids = [28] * 8190
+    try:
+        async with http(app) as client:
+            resp = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 10}
+            )
+            assert (resp.status_code, resp.json()) == (
+                400,
+                err(
+                    "This model's maximum context length is 8192 tokens. However, you requested "
+                    "8200 tokens (8190 in the prompt, 10 in the completion). Please reduce the "
+                    "length of the prompt or completion.",
+                    "prompt",
+                    "context_length_exceeded",
+                ),
+            )
+            resp = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": [28] * 8192}
+            )
+            assert resp.json()["error"]["code"] == "context_length_exceeded"
+        app2 = create_app(make_config(valkey_session.url, max_prompt_tokens=10))
+        async with http(app2) as client:
+            resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": HI})
+            assert (resp.status_code, resp.json()) == (
+                400,
+                err(
+                    "the prompt has 31 tokens, more than this server accepts (10)",
+                    "messages",
+                    "context_length_exceeded",
+                ),
+            )
+        await app2.state.ingress.aclose()
+    finally:
+        await app.state.ingress.aclose()
+
+
+async def test_api_keys(harness):
+    factory, _ = harness
+    app = factory(api_keys=("k1", "k2"))
+    body = {"model": MODEL, "messages": HI, "n": 3}  # a 400 once authenticated
+    async with http(app) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 401
+        assert resp.headers["www-authenticate"] == "Bearer"
+        assert resp.json()["error"]["code"] == "missing_api_key"
+        resp = await client.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"}
+        )
+        assert (resp.status_code, resp.json()) == (
+            401,
+            err("Incorrect API key provided.", code="invalid_api_key"),
+        )
+        resp = await client.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": "Bearer k2"}
+        )
+        assert resp.status_code == 400
+        assert (await client.get("/v1/models")).status_code == 401
+        assert (
+            await client.get("/v1/models", headers={"Authorization": "Bearer k1"})
+        ).status_code == 200
+        assert (await client.get("/health")).status_code == 503  # open, no workers
+        assert (await client.get("/metrics")).status_code == 200
+
+
+async def test_api_keys_from_environment(monkeypatch):
+    from kvrelay.pipeline.ingress_config import load_config
+
+    monkeypatch.setenv("KVRELAY_API_KEYS", "a,b")
+    monkeypatch.setenv("KVRELAY_INGRESS_MODE", "colocated")
+    cfg = load_config()
+    assert cfg.api_keys == ("a", "b") and cfg.mode == "colocated"
+    monkeypatch.setenv("KVRELAY_INGRESS_API_KEYS", "c")
+    assert load_config().api_keys == ("c",)
+    assert load_config(api_keys=("d",)).api_keys == ("d",)
+
+
+async def test_backpressure_429_with_retry_after(harness):
+    factory, _ = harness
+    app = factory(max_waiting=2, retry_after_s=3)
+    ing = app.state.ingress
+    async with http(app) as client:
+        # nobody consumes: two queued entries reach the bound
+        await ing.redis.xadd(ing.keys.prefill_stream, {"m": b"x"})
+        await ing.redis.xadd(ing.keys.decode_stream, {"m": b"x"})
+        resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": HI})
+    assert resp.status_code == 429
+    assert resp.headers["retry-after"] == "3"
+    assert resp.json() == err(
+        "The server is overloaded (2 requests waiting for a worker); retry after 3 s.",
+        code="overloaded",
+        type_="rate_limit_error",
+    )
+    assert await _queued(app) == 2

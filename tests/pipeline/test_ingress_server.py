@@ -1,0 +1,187 @@
+"""The ingress behind a real uvicorn server: the official openai client, and client disconnects."""
+# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvrelay.pipeline.ingress import create_app
+from tests.conftest import free_port
+from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
+    MODEL,
+    WorkerRole,
+    anyio_backend,
+    make_config,
+    smollm_tokenizer,
+)
+
+pytestmark = pytest.mark.anyio
+
+HI = [{"role": "user", "content": "Hi"}]
+USAGE = {"prompt_tokens": 31, "completion_tokens": 2, "cached_tokens": 16}
+
+
+@contextlib.asynccontextmanager
+async def serving(valkey_url: str, tokenizer, **overrides):
+    """(base url, app, worker role) with uvicorn serving the app on a free port."""
+    port = free_port()
+    app = create_app(make_config(valkey_url, **overrides), tokenizers={MODEL: tokenizer})
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+        assert not task.done(), "uvicorn failed to start"
+    role = await WorkerRole(valkey_url, app.state.ingress.keys).setup()
+    try:
+        yield f"http://127.0.0.1:{port}", app, role
+    finally:
+        server.should_exit = True
+        await task
+        await role.aclose()
+
+
+async def test_openai_client_stream_and_whole(valkey_session, smollm_tokenizer):
+    async with serving(valkey_session.url, smollm_tokenizer, api_keys=("sk-test",)) as (
+        base,
+        _app,
+        role,
+    ):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-test", max_retries=0)
+        serve = asyncio.create_task(
+            role.serve_one([(19556, "Hello"), (905, " world")], usage=USAGE)
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=HI,
+            max_completion_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            seed=3,
+            temperature=0.5,
+        )
+        chunks = [c async for c in stream]
+        taken = await serve
+        assert taken.task.sampling["seed"] == 3 and taken.task.sampling["max_tokens"] == 4
+        assert [c.choices[0].delta.content for c in chunks[:-1]] == ["", "Hello", " world"]
+        assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None, None, "stop"]
+        assert chunks[-1].choices == []
+        assert chunks[-1].usage.prompt_tokens == 31
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 16
+        assert {c.id for c in chunks} == {taken.task.request_id}
+
+        serve = asyncio.create_task(role.serve_one([(905, " world")], finish_reason="length"))
+        done = await client.completions.create(model=MODEL, prompt="Hello", max_tokens=1)
+        await serve
+        assert done.choices[0].text == " world" and done.choices[0].finish_reason == "length"
+        assert done.usage.completion_tokens == 1
+
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.chat.completions.create(model="nope", messages=HI)
+        assert info.value.code == "model_not_found"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=HI, n=2)
+        assert info.value.param == "n"
+        bad_key = openai.AsyncOpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad_key.models.list()
+        assert [m.id for m in (await client.models.list()).data] == [MODEL]
+        await client.close()
+        await bad_key.close()
+
+
+async def _wait_cancel(app, request_id: str) -> bool:
+    ing = app.state.ingress
+    for _ in range(100):
+        if await ing.redis.get(ing.keys.cancel(request_id)) == b"1":
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_disconnect_cancels_the_request(valkey_session, smollm_tokenizer):
+    from kvrelay.pipeline.messages import TokenChunk
+
+    async with (
+        serving(valkey_session.url, smollm_tokenizer) as (base, app, role),
+        httpx.AsyncClient(base_url=base) as http,
+    ):
+        # streaming, gone after the first token
+        async with http.stream(
+            "POST",
+            "/v1/completions",
+            headers={"X-Request-Id": "d-1"},
+            json={"model": MODEL, "prompt": "Hi", "stream": True},
+        ) as r:
+            await role.take()
+            await role.emit("d-1", TokenChunk(index=0, token_ids=[1], text="a"))
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    break
+        assert await _wait_cancel(app, "d-1")
+        # not streaming, gone while waiting for the first token (nothing written yet)
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(
+                "/v1/completions",
+                headers={"X-Request-Id": "d-2"},
+                json={"model": MODEL, "prompt": "Hi"},
+                timeout=0.5,
+            )
+        assert await _wait_cancel(app, "d-2")
+        ing = app.state.ingress
+        assert not await ing.redis.exists(ing.keys.cancel("d-3"))
+
+
+async def test_disconnect_grace_lets_a_client_come_back(valkey_session, smollm_tokenizer):
+    from kvrelay.pipeline.messages import TokenChunk
+
+    async with serving(valkey_session.url, smollm_tokenizer, disconnect_grace_s=0.3) as (
+        base,
+        app,
+        role,
+    ):
+        ing = app.state.ingress
+        async with httpx.AsyncClient(base_url=base) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(
+                    "/v1/completions",
+                    headers={"X-Request-Id": "g-1"},
+                    json={"model": MODEL, "prompt": "Hi"},
+                    timeout=0.3,
+                )
+            taken = await role.take()
+            back = asyncio.create_task(
+                http.post("/v1/completions", json={}, headers={"X-Request-Id": "g-1"})
+            )
+            await asyncio.sleep(0.6)  # past the grace period
+            assert not await ing.redis.exists(ing.keys.cancel("g-1"))
+            await role.emit(
+                "g-1", TokenChunk(index=0, token_ids=[1], text="a", finish_reason="stop")
+            )
+            await role.finish(taken)
+            assert (await back).json()["choices"][0]["text"] == "a"
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(
+                    "/v1/completions",
+                    headers={"X-Request-Id": "g-2"},
+                    json={"model": MODEL, "prompt": "Hi"},
+                    timeout=0.3,
+                )
+            assert await _wait_cancel(app, "g-2")
+
+
+def test_ingress_does_not_import_torch():
+    code = (
+        "import kvrelay.pipeline.ingress, kvrelay.pipeline.client, kvrelay.pipeline.cli_serve,"
+        " sys; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,205 @@
+"""Shared pieces for the ingress and client tests (no tests here).
+
+`WorkerRole` plays a worker over the real protocol: XREADGROUP the task from its stream, XADD
+TokenChunks to out:{id}, XACK. Fixtures give a real Valkey, the real SmolLM2 tokenizer and an
+ingress app per test under its own key prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from kvrelay.pipeline.ingress import create_app
+from kvrelay.pipeline.ingress_config import IngressConfig
+from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
+from kvrelay.pipeline.messages import DecodeTask, PrefillTask, TokenChunk
+from kvrelay.pipeline.modelref import DEFAULT_MODEL
+
+MODEL = DEFAULT_MODEL
+MODEL_INFO = {"fingerprint": "f" * 32, "page_size": 16, "max_model_len": 8192, "vocab_size": 49152}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer():
+    """The real SmolLM2 tokenizer from the converted model directory (converted once if needed)."""
+    from kvrelay.pipeline import modelref
+    from kvrelay.pipeline.tokenizer import Tokenizer
+
+    ref = modelref.resolve_model(MODEL)
+    if not modelref.is_prepared(ref):
+        from kvrelay.workers.model_loader import prepare_model
+
+        prepare_model(MODEL, progress=False)
+    return Tokenizer.from_dir(modelref.converted_dir(ref))
+
+
+def unique_prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}:"
+
+
+def make_config(valkey_url: str, **overrides) -> IngressConfig:
+    values = dict(
+        redis_url=valkey_url,
+        key_prefix=unique_prefix(),
+        models=(MODEL,),
+        state_refresh_s=0.0,
+        read_block_ms=200,
+    )
+    values.update(overrides)
+    return IngressConfig(**values)
+
+
+@dataclass(slots=True)
+class Taken:
+    """A task a WorkerRole read from a work stream."""
+
+    stage: str
+    entry_id: bytes
+    task: PrefillTask | DecodeTask
+
+
+class WorkerRole:
+    """Reads tasks and writes token chunks exactly where a real worker would."""
+
+    def __init__(self, url: str, keys: Keys):
+        self.r = aioredis.Redis.from_url(url)
+        self.keys = keys
+
+    async def setup(self) -> WorkerRole:
+        for stream, group in (
+            (self.keys.prefill_stream, PREFILL_GROUP),
+            (self.keys.decode_stream, DECODE_GROUP),
+        ):
+            try:
+                await self.r.xgroup_create(stream, group, id="0", mkstream=True)
+            except aioredis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        return self
+
+    async def publish_model(self, info: dict | None = None, name: str = MODEL) -> None:
+        await self.r.hset(self.keys.models, name, json.dumps(info or MODEL_INFO))
+
+    async def heartbeat(self, worker_id: str, role: str, model: str = MODEL) -> None:
+        await self.r.hset(
+            self.keys.worker(worker_id), mapping={"role": role, "model": model, "pid": 1}
+        )
+        await self.r.expire(self.keys.worker(worker_id), 30)
+
+    async def take(self, timeout_s: float = 5.0) -> Taken:
+        """The next task from either stream."""
+        streams = {self.keys.prefill_stream: ">", self.keys.decode_stream: ">"}
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while loop.time() < end:
+            for stream, group, cls in (
+                (self.keys.prefill_stream, PREFILL_GROUP, PrefillTask),
+                (self.keys.decode_stream, DECODE_GROUP, DecodeTask),
+            ):
+                reply = await self.r.xreadgroup(
+                    group, "w1", {stream: streams[stream]}, count=1, block=20
+                )
+                if reply:
+                    entry_id, fields = reply[0][1][0]
+                    stage = "prefill" if cls is PrefillTask else "decode"
+                    return Taken(stage, entry_id, cls.decode(fields[MESSAGE_FIELD]))
+        raise TimeoutError("no task arrived")
+
+    async def emit(self, request_id: str, chunk: TokenChunk) -> None:
+        await self.r.xadd(self.keys.out(request_id), {MESSAGE_FIELD: chunk.encode()})
+
+    async def finish(self, taken: Taken, status: str = "finished") -> None:
+        stream = self.keys.prefill_stream if taken.stage == "prefill" else self.keys.decode_stream
+        group = PREFILL_GROUP if taken.stage == "prefill" else DECODE_GROUP
+        await self.r.xack(stream, group, taken.entry_id)
+        await self.r.hset(self.keys.request(taken.task.request_id), "status", status)
+
+    async def serve_one(
+        self,
+        pieces: list[tuple[int, str]],
+        finish_reason: str = "stop",
+        usage: dict | None = None,
+        logprobs: list[dict] | None = None,
+        delay_s: float = 0.0,
+    ) -> Taken:
+        """Take one task and answer it with one chunk per (token id, text), the last final."""
+        taken = await self.take()
+        rid = taken.task.request_id
+        for i, (tid, text) in enumerate(pieces):
+            last = i == len(pieces) - 1
+            await self.emit(
+                rid,
+                TokenChunk(
+                    index=i,
+                    token_ids=[tid],
+                    text=text,
+                    finish_reason=finish_reason if last else None,
+                    usage=usage if last else None,
+                    logprobs=[logprobs[i]] if logprobs else None,
+                ),
+            )
+            if delay_s:
+                await asyncio.sleep(delay_s)
+        await self.finish(taken)
+        return taken
+
+    async def aclose(self) -> None:
+        await self.r.aclose()
+
+
+@pytest.fixture
+async def harness(valkey_session, smollm_tokenizer):
+    """(app factory, worker role): apps share the tokenizer; each test has its own prefix."""
+    made = []
+
+    def factory(**overrides):
+        config = make_config(valkey_session.url, **overrides)
+        app = create_app(config, tokenizers={MODEL: smollm_tokenizer})
+        made.append(app)
+        return app
+
+    roles: list[WorkerRole] = []
+
+    async def worker(app) -> WorkerRole:
+        role = await WorkerRole(valkey_session.url, app.state.ingress.keys).setup()
+        roles.append(role)
+        return role
+
+    yield factory, worker
+    for app in made:
+        await app.state.ingress.aclose()
+    for role in roles:
+        await role.aclose()
+
+
+def http(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress")
+
+
+def parse_sse(body: bytes) -> list[tuple[str | None, str]]:
+    """(id, data) per event; asserts every event ends with a blank line."""
+    assert body.endswith(b"\n\n")
+    events = []
+    for block in body.decode().split("\n\n")[:-1]:
+        event_id, data = None, None
+        for line in block.split("\n"):
+            key, _, value = line.partition(": ")
+            if key == "id":
+                event_id = value
+            else:
+                assert key == "data", line
+                data = value
+        events.append((event_id, data))
+    return events

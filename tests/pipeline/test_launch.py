@@ -1,0 +1,71 @@
+"""Real supervisord: config rendering, detached start, autorestart after SIGKILL, clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import redis
+
+from kvrelay.pipeline.launch import Program, Supervisor, read_state, render_config
+from tests.conftest import free_port, valkey_binary
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    # a zombie is not alive for our purposes
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_render_config_quotes_and_escapes(tmp_path):
+    prog = Program("decode-0", [sys.executable, "-c", "print('50%')"], env={"A": 'x"y%'})
+    text = render_config(tmp_path, [prog], nodaemon=True)
+    assert "[program:decode-0]" in text
+    assert "command=" + sys.executable + " -c 'print('\"'\"'50%%'\"'\"')'" in text
+    assert 'environment=A="x\\"y%%"' in text
+    assert "autorestart=true" in text and "nodaemon=true" in text
+    assert ("user=root" in text) == (os.geteuid() == 0)
+
+
+def test_detached_stack_restarts_killed_programs_and_stops(tmp_path):
+    port = free_port()
+    programs = [
+        Program("valkey", [valkey_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                           "--dir", str(tmp_path), "--appendonly", "yes", "--save", ""],
+                priority=10),
+        Program("sleeper", [sys.executable, "-c", "import time, os; time.sleep(600)"],
+                env={"KVRELAY_X": "1"}),
+    ]
+    sup = Supervisor(tmp_path / "run")
+    sup.write(programs, nodaemon=False, state={"redis_url": f"redis://127.0.0.1:{port}/0"})
+    assert read_state(tmp_path / "run")["redis_url"].endswith(f":{port}/0")
+    sup.start(detach=True)
+    try:
+        pids = sup.wait_running(["valkey", "sleeper"], timeout=30)
+        client = redis.Redis(port=port)
+        client.xadd("s", {"m": b"1"})
+        os.kill(pids["valkey"], signal.SIGKILL)
+        os.kill(pids["sleeper"], signal.SIGKILL)
+        time.sleep(0.3)
+        new = sup.wait_running(["valkey", "sleeper"], timeout=30)
+        assert new["valkey"] != pids["valkey"] and new["sleeper"] != pids["sleeper"]
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.xlen("s") == 1  # appendonly: the stream survived SIGKILL
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        env = open(f"/proc/{new['sleeper']}/environ", "rb").read().split(b"\0")
+        assert b"KVRELAY_X=1" in env
+    finally:
+        assert sup.stop(timeout=30)
+    assert sup.pid() is None
+    assert not _alive(new["valkey"]) and not _alive(new["sleeper"])

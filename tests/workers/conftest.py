@@ -1,0 +1,95 @@
+"""Shared model fixtures (loaded once per session) and a helper to build forward batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from kvrelay.kernels import AttentionMetadata
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The converted default model directory (converts the GGUF on first use, ~20 s)."""
+    from kvrelay.workers.model_loader import prepare_model
+
+    return prepare_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def loaded_model(model_dir):
+    """Our SmolLM2-135M-Instruct, fp32 on CPU (LoadedModel)."""
+    from kvrelay.workers.model_loader import load_model
+
+    return load_model(progress=False, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    """transformers' LlamaForCausalLM on the same fp32 safetensors (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """`token_ids` of one sequence at positions start.., stored in `block_ids` pages."""
+
+    block_ids: list[int]
+    start: int
+    token_ids: list[int]
+    all_logits: bool = True  # logits for every row, else only the last
+
+
+@dataclass(slots=True)
+class Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    rows: list[tuple[int, int]] = field(default_factory=list)  # (seq index, position) per logit
+
+
+def make_batch(chunks: list[SeqChunk], page_size: int) -> Batch:
+    """Flatten sequence chunks into one forward step (tokens, slots, block tables, logits rows)."""
+    ids, pos, slots, logits_idx, rows, qsl, ctx = [], [], [], [], [], [0], []
+    width = max(len(c.block_ids) for c in chunks)
+    tables = torch.full((len(chunks), width), -1, dtype=torch.int32)
+    for i, c in enumerate(chunks):
+        tables[i, : len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.int32)
+        for j, tok in enumerate(c.token_ids):
+            p = c.start + j
+            if c.all_logits or j == len(c.token_ids) - 1:
+                logits_idx.append(len(ids))
+                rows.append((i, p))
+            ids.append(tok)
+            pos.append(p)
+            slots.append(c.block_ids[p // page_size] * page_size + p % page_size)
+        qsl.append(len(ids))
+        ctx.append(c.start + len(c.token_ids))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=tables,
+        context_lens=torch.tensor(ctx, dtype=torch.int32),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        max_query_len=max(len(c.token_ids) for c in chunks),
+        max_context_len=max(ctx),
+    )
+    return Batch(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        positions=torch.tensor(pos, dtype=torch.long),
+        meta=meta,
+        logits_indices=torch.tensor(logits_idx, dtype=torch.long),
+        rows=rows,
+    )
+
+
+def run_batch(model, kv_pool: torch.Tensor, chunks: list[SeqChunk], page_size: int):
+    """One forward; returns {(seq index, position): logits row}."""
+    batch = make_batch(chunks, page_size)
+    logits = model(batch.input_ids, batch.positions, kv_pool, batch.meta, batch.logits_indices)
+    return {row: logits[k] for k, row in enumerate(batch.rows)}

@@ -1,0 +1,137 @@
+"""DecodeWorker on the real SmolLM2 engine and a real Valkey: batching, resume after a claim,
+fencing of the stale owner, cancellation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, Keys
+from kvrelay.pipeline.messages import DecodeTask, TokenChunk
+from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.pipeline.streams import NOT_OWNER, Emission, Streams
+from kvrelay.workers.worker_config import WorkerConfig
+
+KEYS = Keys("dw:")
+GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+QUESTIONS = ["Name a color.", "What is 2+2? Answer briefly.", "Say hello in French."]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from kvrelay.workers.decode_worker import DecodeWorker
+    from kvrelay.workers.engine import Engine, EngineConfig
+    from tests.conftest import ValkeyServer
+
+    server = ValkeyServer(tmp_path_factory.mktemp("valkey"))
+    server.start()
+    engine = Engine(EngineConfig(kv_cache_bytes=32 << 20, num_threads=1))
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}])
+               for q in QUESTIONS]
+    refs = engine.generate(prompts, SamplingParams(**GREEDY))
+    config = WorkerConfig(redis_url=server.url, key_prefix="dw:", name="decode-t",
+                          lease_ms=600, heartbeat_s=0.2, metrics_port=-1, block_ms=20)
+    worker = DecodeWorker(config, engine)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    r = redis.Redis.from_url(server.url)
+    yield r, worker, prompts, refs
+    worker.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+    server.stop()
+
+
+def submit(r, request_id: str, prompt: list[int], outputs: list[int], **fields) -> str:
+    task = DecodeTask(request_id=request_id, prompt_token_ids=prompt, output_token_ids=outputs,
+                      sampling=fields.pop("sampling", GREEDY), **fields)
+    return r.xadd(KEYS.decode_stream, {MESSAGE_FIELD: task.encode()}).decode()
+
+
+def chunks(r, request_id: str, timeout: float = 120) -> list[TokenChunk]:
+    """Every chunk of the request once its final chunk is there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [TokenChunk.decode(f[MESSAGE_FIELD]) for _, f in r.xrange(KEYS.out(request_id))]
+        if (got and got[-1].finished) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
+def tokens_of(got: list[TokenChunk]) -> list[int]:
+    expect = 0
+    for c in got:
+        assert c.index == expect, "chunk indices must be contiguous"
+        expect += len(c.token_ids)
+    return [t for c in got for t in c.token_ids]
+
+
+def test_batch_matches_generate(stack):
+    r, _, prompts, refs = stack
+    for i, prompt in enumerate(prompts):  # decode prefills locally (ingress routed it here)
+        submit(r, f"local{i}", prompt, [], prefilled=False)
+    for i, prompt in enumerate(prompts):  # after a prefill worker emitted token 0
+        r.xadd(KEYS.out(f"pre{i}"), {MESSAGE_FIELD: TokenChunk(0, refs[i].output_token_ids[:1]
+                                                               ).encode()})
+        r.hset(KEYS.request(f"pre{i}"), "emitted", 1)
+        submit(r, f"pre{i}", prompt, refs[i].output_token_ids[:1], prefilled=True,
+               num_cached_tokens=32)
+    for i, ref in enumerate(refs):
+        local = chunks(r, f"local{i}")
+        assert tokens_of(local) == ref.output_token_ids
+        assert "".join(c.text for c in local) == ref.text_delta
+        assert local[-1].finish_reason == "length"
+        # the reference run left the prompt's full pages in the device prefix cache
+        assert local[-1].usage == {"prompt_tokens": len(prompts[i]), "completion_tokens": 8,
+                                   "cached_tokens": len(prompts[i]) // 16 * 16}
+        pre = chunks(r, f"pre{i}")
+        assert tokens_of(pre) == ref.output_token_ids
+        assert pre[-1].usage["cached_tokens"] == 32  # the prefill worker's report is kept
+    assert r.xpending(KEYS.decode_stream, DECODE_GROUP)["pending"] == 0
+    assert 0 < r.ttl(KEYS.out("local0")) <= 600
+    assert r.hget(KEYS.request("local0"), "status") == b"finished"
+
+
+def test_claimed_request_resumes_without_gaps_or_duplicates(stack):
+    r, worker, prompts, refs = stack
+    r.hset(KEYS.worker("decode-t"), "drain", 1)
+    deadline = time.monotonic() + 10
+    while not worker.heartbeat.draining and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    eid = submit(r, "resume", prompts[1], refs[1].output_token_ids[:1], prefilled=True)
+    ghost = Streams(r, KEYS, "ghost")  # a worker that dies after emitting three tokens
+    assert [e.entry_id for e in ghost.read(KEYS.decode_stream, DECODE_GROUP, 1, None)] == [eid]
+    done = refs[1].output_token_ids[:3]
+    r.xadd(KEYS.out("resume"), {MESSAGE_FIELD: TokenChunk(0, done[:1]).encode()})
+    r.hset(KEYS.request("resume"), "emitted", 1)
+    em = Emission(KEYS.decode_stream, DECODE_GROUP, eid, "resume", TokenChunk(1, done[1:]))
+    assert ghost.emit(em).ok
+    r.hset(KEYS.worker("decode-t"), "drain", 0)
+    got = chunks(r, "resume")
+    assert tokens_of(got) == refs[1].output_token_ids
+    assert [c.index for c in got[:2]] == [0, 1] and got[2].index == 3
+    resumed_text = "".join(c.text for c in got[2:])  # the ghost's chunks carried no text
+    assert resumed_text and refs[1].text_delta.endswith(resumed_text)
+    # the presumed-dead owner wakes up: its next token is refused
+    em.chunk = TokenChunk(3, refs[1].output_token_ids[3:4])
+    assert ghost.emit(em).status == NOT_OWNER
+    assert tokens_of(chunks(r, "resume")) == refs[1].output_token_ids
+
+
+def test_cancel_mid_request(stack):
+    r, _, prompts, _ = stack
+    submit(r, "stopme", prompts[0], [], sampling={**GREEDY, "max_tokens": 200})
+    deadline = time.monotonic() + 60
+    while r.xlen(KEYS.out("stopme")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r.set(KEYS.cancel("stopme"), 1)
+    got = chunks(r, "stopme")
+    assert got[-1].finish_reason == "cancelled" and got[-1].token_ids == []
+    n = len(tokens_of(got))
+    assert 2 <= n < 200 and got[-1].usage["completion_tokens"] == n
+    assert r.hget(KEYS.request("stopme"), "status") == b"cancelled"
+    assert r.xpending(KEYS.decode_stream, DECODE_GROUP)["pending"] == 0

@@ -1,0 +1,139 @@
+"""PrefillWorker on the real SmolLM2 engine and a real Valkey: hand-off, poison, deadlines, drain."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from kvrelay.pipeline.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
+from kvrelay.pipeline.messages import DecodeTask, PrefillTask, TokenChunk
+from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.workers.worker_config import WorkerConfig
+
+KEYS = Keys("pw:")
+GREEDY = {"max_tokens": 4, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from kvrelay.workers.engine import Engine, EngineConfig
+    from kvrelay.workers.prefill_worker import PrefillWorker
+    from tests.conftest import ValkeyServer
+
+    server = ValkeyServer(tmp_path_factory.mktemp("valkey"))
+    server.start()
+    engine = Engine(EngineConfig(kv_cache_bytes=32 << 20, num_threads=1))
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Name a color."}])
+    [ref] = engine.generate([prompt], SamplingParams(**GREEDY))
+    config = WorkerConfig(redis_url=server.url, key_prefix="pw:", name="prefill-t",
+                          lease_ms=600, heartbeat_s=0.2, metrics_port=-1, block_ms=20)
+    worker = PrefillWorker(config, engine)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    r = redis.Redis.from_url(server.url)
+    yield r, worker, prompt, ref
+    worker.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+    server.stop()
+
+
+def submit(r, request_id: str, prompt: list[int], **fields) -> None:
+    task = PrefillTask(request_id=request_id, prompt_token_ids=prompt,
+                       sampling=fields.pop("sampling", GREEDY), **fields)
+    r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
+
+
+def chunks(r, request_id: str, want: int = 1, timeout: float = 60) -> list[TokenChunk]:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [TokenChunk.decode(f[MESSAGE_FIELD]) for _, f in r.xrange(KEYS.out(request_id))]
+        if len(got) >= want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
+def decode_tasks(r) -> dict[str, DecodeTask]:
+    tasks = [DecodeTask.decode(f[MESSAGE_FIELD]) for _, f in r.xrange(KEYS.decode_stream)]
+    return {t.request_id: t for t in tasks}
+
+
+def test_handoff_emits_first_token_and_decode_task(stack):
+    r, worker, prompt, ref = stack
+    submit(r, "h1", prompt, arrival_time=1.5, cache_salt="")
+    [chunk] = chunks(r, "h1")
+    assert (chunk.index, chunk.token_ids, chunk.finish_reason) == (0, ref.output_token_ids[:1],
+                                                                   None)
+    deadline = time.monotonic() + 10
+    while "h1" not in decode_tasks(r) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    task = decode_tasks(r)["h1"]
+    assert task.prompt_token_ids == prompt and task.output_token_ids == ref.output_token_ids[:1]
+    assert task.prefilled and task.arrival_time == 1.5 and task.sampling["max_tokens"] == 4
+    assert task.num_stored_pages == len(prompt) // 16
+    # the reference run filled the device prefix cache with this prompt's full pages
+    assert task.num_cached_tokens == (len(prompt) // 16) * 16
+    assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 0
+    rec = r.hgetall(KEYS.request("h1"))
+    assert rec[b"status"] == b"decoding" and rec[b"emitted"] == b"1"
+    info = r.hgetall(KEYS.worker("prefill-t"))
+    assert info[b"role"] == b"prefill" and info[b"model"] == b"smollm2-135m-instruct"
+    assert b'"page_size": 16' in r.hget(KEYS.models, "smollm2-135m-instruct")
+
+
+def test_first_token_finish_gets_final_chunk(stack):
+    r, _, prompt, ref = stack
+    submit(r, "one", prompt, sampling={"max_tokens": 1, "temperature": 0.0})
+    [chunk] = chunks(r, "one")
+    assert (chunk.token_ids, chunk.finish_reason) == (ref.output_token_ids[:1], "length")
+    assert chunk.usage["prompt_tokens"] == len(prompt) and chunk.usage["completion_tokens"] == 1
+    assert "one" not in decode_tasks(r)
+    assert 0 < r.ttl(KEYS.out("one")) <= 600
+
+
+def test_poison_entries_go_to_dlq_and_worker_keeps_serving(stack):
+    r, _, prompt, ref = stack
+    r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: b"\x93not a task"})
+    r.xadd(KEYS.prefill_stream, {b"other": b"field"})
+    submit(r, "badtok", [1, 999999])
+    submit(r, "after", prompt, sampling={"max_tokens": 1, "temperature": 0.0})
+    [chunk] = chunks(r, "after")
+    assert chunk.token_ids == ref.output_token_ids[:1]
+    deadline = time.monotonic() + 10
+    while r.xlen(KEYS.dlq) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    reasons = [f[b"reason"].decode() for _, f in r.xrange(KEYS.dlq)]
+    assert reasons[0].startswith("invalid prefill task:")
+    assert reasons[1] == "entry has no 'm' field"
+    assert reasons[2].startswith("rejected by the engine:") and "999999" in reasons[2]
+    [err] = chunks(r, "badtok")
+    assert (err.finish_reason, err.index) == ("error", 0) and "999999" in err.error
+    assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 0
+
+
+def test_deadline_cancel_and_delivery_limit(stack):
+    r, worker, prompt, _ = stack
+    submit(r, "late", prompt, deadline=time.time() - 1)
+    r.set(KEYS.cancel("gone"), 1)
+    submit(r, "gone", prompt)
+    assert [(c.index, c.finish_reason) for c in chunks(r, "late")] == [(0, "timeout")]
+    assert [(c.index, c.finish_reason) for c in chunks(r, "gone")] == [(0, "cancelled")]
+    assert r.hget(KEYS.request("gone"), "status") == b"cancelled"
+    # an entry delivered more often than max_deliveries (5) is dead-lettered on its next claim
+    r.hset(KEYS.worker("prefill-t"), "drain", 1)  # keep the live worker from reading it first
+    deadline = time.monotonic() + 10
+    while not worker.heartbeat.draining and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)  # let a read already blocking return empty
+    assert r.hget(KEYS.worker("prefill-t"), "draining") == b"1"
+    submit(r, "poison", prompt)
+    for _ in range(5):
+        r.xreadgroup(PREFILL_GROUP, "ghost", {KEYS.prefill_stream: ">"}, count=1) or r.xclaim(
+            KEYS.prefill_stream, PREFILL_GROUP, "ghost", 0,
+            [r.xpending_range(KEYS.prefill_stream, PREFILL_GROUP, "-", "+", 1)[0]["message_id"]])
+    r.hset(KEYS.worker("prefill-t"), "drain", 0)
+    [err] = chunks(r, "poison", timeout=30)
+    assert err.finish_reason == "error" and err.error == "delivered 6 times (limit 5)"

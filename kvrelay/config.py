@@ -50,7 +50,9 @@ def env_name(section: str, field: str) -> str:
     return ENV_PREFIX + "_".join(parts).upper()
 
 
-def from_env(cls: type[T], section: str = "", environ: dict[str, str] | None = None, **overrides) -> T:
+def from_env(
+    cls: type[T], section: str = "", environ: dict[str, str] | None = None, **overrides
+) -> T:
     """Build config `cls` from defaults, then `KVRELAY_<SECTION>_<FIELD>` variables, then overrides.
 
     Overrides whose value is None are ignored so CLI flags can default to None ("not given").

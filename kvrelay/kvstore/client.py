@@ -212,9 +212,9 @@ class StoreClient:
                 memoryview(dst).cast("B")[:] = view
             return len(views)
 
-    def get(self, keys: list[bytes]) -> list[bytes]:
+    def get(self, keys: list[bytes], verify: bool = False) -> list[bytes]:
         """Payload bytes of the available prefix of `keys`."""
-        with self.pinned(keys) as views:
+        with self.pinned(keys, verify) as views:
             return [bytes(v) for v in views]
 
     # -- operators --------------------------------------------------------------------------

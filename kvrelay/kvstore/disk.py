@@ -7,6 +7,7 @@ restarts. Every read verifies the page; a corrupt or truncated file is a miss, c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import OrderedDict
@@ -129,10 +130,8 @@ class DiskTier:
             self.remove(key)
             return False
         self._lru.move_to_end(key)
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path)  # the LRU order survives a restart
-        except OSError:
-            pass
         return True
 
     def remove(self, key: bytes) -> bool:

@@ -40,6 +40,8 @@ def page_keys(
     """Keys of every *full* page of `token_ids`; a partial last page has no key."""
     keys: list[bytes] = []
     for start in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = page_key(parent, token_ids[start : start + page_size], model_fingerprint, cache_salt)
+        parent = page_key(
+            parent, token_ids[start : start + page_size], model_fingerprint, cache_salt
+        )
         keys.append(parent)
     return keys

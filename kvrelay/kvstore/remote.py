@@ -203,7 +203,9 @@ class Remote:
         if good < found:
             logger.warning("page from %s failed verification: %s", node_id, errors[good])
             self.metrics.inc("corrupt_pages", "remote")
-            self.store.release([s for s, e in zip(slots[good:found], errors[good:]) if e is None])
+            self.store.release(
+                [s for s, e in zip(slots[good:found], errors[good:], strict=True) if e is None]
+            )
             found = good
         if found < len(keys):  # the directory was stale for this page
             self.directory.remove([keys[found]], node_id)

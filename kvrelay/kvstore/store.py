@@ -203,7 +203,8 @@ class NodeStore:
             )
         if self.fingerprint is not None and h.fingerprint != self.fingerprint:
             raise IncompatiblePageError(
-                f"model fingerprint {h.fingerprint!r} does not match this node's {self.fingerprint!r}"
+                f"model fingerprint {h.fingerprint!r} does not match this node's "
+                f"{self.fingerprint!r}"
             )
 
     def abort(self, keys: list[bytes], slots: list[int]) -> None:

@@ -44,10 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module_name:
                 raise
             continue  # command not built yet
-        hook = getattr(module, f"add_{name}_arguments", None) or getattr(module, "add_arguments")
+        hook = getattr(module, f"add_{name}_arguments", None) or module.add_arguments
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         hook(cmd)
-        runner = getattr(module, f"run_{name}", None) or getattr(module, "run")
+        runner = getattr(module, f"run_{name}", None) or module.run
         cmd.set_defaults(_run=runner)
     return parser
 

@@ -97,9 +97,7 @@ class Ingress:
                 return
             token = uuid.uuid4().hex
             await self.redis.hset(self.keys.request(request_id), "detached", token)
-            task = asyncio.create_task(self._cancel_later(request_id, token, grace))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._cancel_later(request_id, token, grace))
         except RedisError as exc:
             logger.error("request %s: cannot record the disconnect: %s", request_id, exc)
 
@@ -114,6 +112,28 @@ class Ingress:
         """A client came back for this request: keep it running."""
         if self.config.disconnect_grace_s > 0:
             await self.redis.hdel(self.keys.request(request_id), "detached")
+
+    def observe_queue_time(self, request_id: str, model: str) -> None:
+        """Record queue time from the record's `created` and `started` (set by the worker)."""
+
+        async def observe() -> None:
+            try:
+                created, started = await self.redis.hmget(
+                    self.keys.request(request_id), "created", "started"
+                )
+                if created and started:
+                    wait = max(0.0, float(started) - float(created))
+                    self.metrics.request_queue_time.labels(model).observe(wait)
+            except (RedisError, ValueError) as exc:
+                logger.debug("request %s: no queue time: %s", request_id, exc)
+
+        self._spawn(observe())
+
+    def _spawn(self, coro) -> None:
+        """Run `coro` in the background, kept referenced until done (cancelled on close)."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def warm_up(self) -> None:
         """Load the configured models' tokenizers now rather than on the first request."""

@@ -88,6 +88,7 @@ class OutputJob:
                         yield fmt.usage_event(chunk.usage)
                     if timer:
                         timer.finish(chunk.finish_reason or "stop", chunk.usage, now)
+                        self.ingress.observe_queue_time(self.request_id, timer.model)
         except OutputTimeout:
             await self.ingress.cancel(self.request_id)
             yield fmt.error_event("the request passed its deadline", "timeout", "request_timeout")
@@ -142,6 +143,7 @@ class OutputJob:
             return
         if timer:
             timer.finish(result.finish_reason or "stop", result.usage, time.monotonic())
+            self.ingress.observe_queue_time(self.request_id, timer.model)
         if result.finish_reason == "error":
             body = _error(result.error or "generation failed", "server_error", "generation_failed")
             await send_json(send, 500, body, self._headers)

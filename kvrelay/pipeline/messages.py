@@ -70,7 +70,9 @@ class Message:
 
 def _check_ids(name: str, values: Any, allow_empty: bool = False) -> None:
     if not isinstance(values, list) or (not values and not allow_empty):
-        raise MessageError(f"{name} must be a {'possibly empty ' if allow_empty else 'non-empty '}list")
+        raise MessageError(
+            f"{name} must be a {'possibly empty ' if allow_empty else 'non-empty '}list"
+        )
     if not all(isinstance(t, int) and t >= 0 for t in values):
         raise MessageError(f"{name} must hold non-negative integers")
 

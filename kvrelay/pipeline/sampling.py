@@ -43,7 +43,9 @@ class SamplingParams:
         def bad(msg: str, param: str) -> None:
             raise InvalidSamplingParams(msg, param)
 
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
             bad(f"temperature must be in [0, 100], got {self.temperature}", "temperature")
@@ -56,7 +58,10 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if not 0.0 < self.repetition_penalty <= 10.0:
-            bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}", "repetition_penalty")
+            bad(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
@@ -68,7 +73,11 @@ class SamplingParams:
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be at most 16 non-empty strings", "stop")
         for tok in self.stop_token_ids:
-            if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+            if (
+                not isinstance(tok, int)
+                or tok < 0
+                or (vocab_size is not None and tok >= vocab_size)
+            ):
                 bad(f"stop_token_ids has an invalid token id {tok!r}", "stop_token_ids")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed must be an integer", "seed")
@@ -92,7 +101,9 @@ class SamplingParams:
 
 def derive_seed(request_id: str) -> int:
     """The seed used when a request gives none: stable for a request id, so resumes match."""
-    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little") >> 1
+    return (
+        int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little") >> 1
+    )
 
 
 def effective_seed(params: SamplingParams, request_id: str) -> int:

@@ -33,7 +33,7 @@ def hammer(run_dir: str, seed: int, seconds: float) -> tuple[int, int, int]:
             lo = (seed * 5 + step) % 20
             hi = lo + 4
             puts += client.put(keys[lo:hi], [payload(SMALL, i) for i in range(lo, hi)])
-            for offset, page in enumerate(client.get(keys[lo:hi])):
+            for offset, page in enumerate(client.get(keys[lo:hi], verify=True)):
                 reads += 1
                 bad += page != expected[lo + offset]
             bad += client.num_corrupt

@@ -284,5 +284,6 @@ async def test_models_health_and_metrics(harness):
     assert f"kvrelay:time_to_first_token_seconds_count{{{label}}} 1.0" in text
     assert f"kvrelay:inter_token_latency_seconds_count{{{label}}} 1.0" in text
     assert f"kvrelay:e2e_request_latency_seconds_count{{{label}}} 1.0" in text
+    assert f"kvrelay:request_queue_time_seconds_count{{{label}}} 1.0" in text
     assert f"kvrelay:num_requests_running{{{label}}} 0.0" in text
     assert f"kvrelay:num_requests_waiting{{{label}}} 0.0" in text

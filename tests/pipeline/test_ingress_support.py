@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -114,7 +115,12 @@ class WorkerRole:
                 if reply:
                     entry_id, fields = reply[0][1][0]
                     stage = "prefill" if cls is PrefillTask else "decode"
-                    return Taken(stage, entry_id, cls.decode(fields[MESSAGE_FIELD]))
+                    task = cls.decode(fields[MESSAGE_FIELD])
+                    # what a worker records when it admits a request
+                    await self.r.hset(self.keys.request(task.request_id), mapping={
+                        "status": "prefilling" if stage == "prefill" else "decoding",
+                        "started": f"{time.time():.6f}", "owner": "w1"})
+                    return Taken(stage, entry_id, task)
         raise TimeoutError("no task arrived")
 
     async def emit(self, request_id: str, chunk: TokenChunk) -> None:

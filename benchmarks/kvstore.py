@@ -50,25 +50,43 @@ def gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def memcpy(nbytes: int, repeats: int) -> float:
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    times = []
-    for _ in range(repeats + 1):
+class Memcpy:
+    """numpy memcpy of one batch, timed right after each measured operation (same conditions)."""
+
+    def __init__(self, nbytes: int):
+        self.src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        self.dst = np.empty_like(self.src)
+        self.times: list[float] = []
+
+    def sample(self) -> None:
         t = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t)
-    return gbps(nbytes, times[1:])
+        np.copyto(self.dst, self.src)
+        self.times.append(time.perf_counter() - t)
+
+    def take(self) -> list[float]:
+        out, self.times = self.times, []
+        return out
 
 
-def timed(fn, repeats: int) -> list[float]:
+MEMCPY: Memcpy | None = None
+
+
+def row(path: str, op: str, nbytes: int, timing: tuple[list[float], list[float]]) -> tuple:
+    """(path, op, GB/s, memcpy GB/s over the samples taken beside these times)."""
+    return (path, op, gbps(nbytes, timing[0]), gbps(nbytes, timing[1]))
+
+
+def timed(fn, repeats: int) -> tuple[list[float], list[float]]:
+    """Times of `fn` and of a memcpy run right after each."""
     fn()  # warm-up
+    MEMCPY.take()
     out = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t)
-    return out
+        MEMCPY.sample()
+    return out, MEMCPY.take()
 
 
 def arena_rows(client: StoreClient, pages: list[np.ndarray], repeats: int, label: str) -> list:
@@ -82,9 +100,9 @@ def arena_rows(client: StoreClient, pages: list[np.ndarray], repeats: int, label
     crc = timed(lambda: client.get_into(keys, dsts, verify=True), repeats)
     assert all(np.array_equal(a, b) for a, b in zip(pages, dsts, strict=True))
     return [
-        (f"arena {label}", "put", gbps(nbytes, put)),
-        (f"arena {label}", "get", gbps(nbytes, get)),
-        (f"arena {label}", "get + payload CRC", gbps(nbytes, crc)),
+        row(f"arena {label}", "put", nbytes, put),
+        row(f"arena {label}", "get", nbytes, get),
+        row(f"arena {label}", "get + payload CRC", nbytes, crc),
     ]
 
 
@@ -111,8 +129,8 @@ def disk_rows(tmp: Path, pages: list[np.ndarray], repeats: int) -> list:
     buf = memoryview(bytearray(HEADER_BYTES + SPEC.page_bytes))
     get = timed(lambda: [disk.read_into(k, buf) for k in keys], repeats)
     return [
-        ("disk tier", "put (fsync)", gbps(nbytes, put)),
-        ("disk tier", "get (verified, page cache)", gbps(nbytes, get)),
+        row("disk tier", "put (fsync)", nbytes, put),
+        row("disk tier", "get (verified, page cache)", nbytes, get),
     ]
 
 
@@ -172,9 +190,11 @@ def remote_rows(tmp: Path, pages: list[np.ndarray], repeats: int, arena: int) ->
     rows = []
     n, nbytes = len(pages), len(pages) * SPEC.page_bytes
     dsts = [np.empty_like(p) for p in pages]
-    transports = ["tcp"] + (["ucx"] if ucx_transfer.available() else [])
+    nodes = []
+    transports = ["tcp"] + (["ucx", "ucx-listener"] if ucx_transfer.available() else [])
     try:
         for transport in transports:
+            ucx = transport.startswith("ucx")
             cfg = StoreConfig(
                 node_id=f"benchB{transport}",
                 run_dir=str(tmp / f"rb{transport}"),
@@ -182,29 +202,36 @@ def remote_rows(tmp: Path, pages: list[np.ndarray], repeats: int, arena: int) ->
                 page_bytes=SPEC.page_bytes,
                 redis_url=valkey.url,
                 secret=SECRET,
-                transport=transport,
-                ucx_port=0 if transport == "ucx" else -1,
+                transport="ucx" if ucx else "tcp",
+                ucx_port=0 if ucx else -1,
+                ucx_same_host=transport == "ucx",
                 transfer_timeout_s=30,
             )
             node, thread = start_thread_node(cfg)
+            nodes.append((node, thread, cfg))
             client_b = StoreClient(cfg.run_dir, SPEC, timeout_s=60)
             times = []
+            MEMCPY.take()
             for _ in range(repeats + 1):
                 keys = fresh_keys(n)
                 client_a.put(keys, pages)
-                while not r.exists(cfg.socket_path and f"{{kvrelay}}:page:{keys[-1].hex()}"):
+                while not r.exists(f"{{kvrelay}}:page:{keys[-1].hex()}"):
                     time.sleep(0.005)
                 t = time.perf_counter()
                 got = client_b.get_into(keys, dsts)
                 times.append(time.perf_counter() - t)
+                MEMCPY.sample()
                 assert got == n, f"{transport}: fetched {got} of {n}"
-            rows.append((f"remote {transport} (loopback)", "fetch + get", gbps(nbytes, times[1:])))
+            name = {"tcp": "TCP", "ucx": "UCX worker address (shm)", "ucx-listener": "UCX listener"}
+            timing = (times[1:], MEMCPY.take()[1:])
+            rows.append(row(f"remote {name[transport]}, loopback", "fetch + get", nbytes, timing))
             client_b.close()
+    finally:
+        for node, thread, cfg in nodes:
             node.stop()
             thread.join()
             node.close()
             arena_path(cfg).unlink(missing_ok=True)
-    finally:
         client_a.close()
         proc.terminate()
         proc.wait()
@@ -218,7 +245,10 @@ def run(args) -> dict:
         np.random.default_rng(i).standard_normal(SPEC.page_bytes // 4).astype(np.float32)
         for i in range(args.pages)
     ]
+    load = os.getloadavg()[0]  # other jobs on the machine skew every row; say so
     nbytes = args.pages * SPEC.page_bytes
+    global MEMCPY
+    MEMCPY = Memcpy(nbytes)
     arena = 4096 + (4 * args.pages + 8) * (SPEC.page_bytes + 4096)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvbench-", dir=args.tmp_dir) as tmp_name:
@@ -230,12 +260,14 @@ def run(args) -> dict:
             page_bytes=SPEC.page_bytes,
         )
         node, thread = start_thread_node(cfg)
-        with StoreClient(cfg.run_dir, SPEC) as client:
-            rows += arena_rows(client, pages, args.repeats, "same process")
-        node.stop()
-        thread.join()
-        node.close()
-        arena_path(cfg).unlink(missing_ok=True)
+        try:
+            with StoreClient(cfg.run_dir, SPEC) as client:
+                rows += arena_rows(client, pages, args.repeats, "same process")
+        finally:
+            node.stop()
+            thread.join()
+            node.close()
+            arena_path(cfg).unlink(missing_ok=True)
 
         proc, client, cfg = start_proc_node(tmp, "benchX", arena, None)
         try:
@@ -247,25 +279,27 @@ def run(args) -> dict:
             arena_path(cfg).unlink(missing_ok=True)
         rows += disk_rows(tmp, pages, args.repeats)
         rows += remote_rows(tmp, pages, args.repeats, arena)
-    base = memcpy(nbytes, args.repeats * 3)
     return {
         "config": {
             "pages": args.pages,
             "page_bytes": SPEC.page_bytes,
             "batch_bytes": nbytes,
             "repeats": args.repeats,
+            "load_average": load,
         },
-        "memcpy_gbps": base,
-        "rows": [{"path": p, "op": o, "gbps": g, "vs_memcpy": g / base} for p, o, g in rows],
+        "rows": [
+            {"path": p, "op": o, "gbps": g, "memcpy_gbps": m, "vs_memcpy": g / m}
+            for p, o, g, m in rows
+        ],
     }
 
 
 def table(res: dict) -> str:
     lines = ["| path | op | GB/s | memcpy GB/s | ratio |", "|---|---|---:|---:|---:|"]
-    for row in res["rows"]:
+    for r in res["rows"]:
         lines.append(
-            f"| {row['path']} | {row['op']} | {row['gbps']:.2f} | "
-            f"{res['memcpy_gbps']:.2f} | {row['vs_memcpy']:.2f}x |"
+            f"| {r['path']} | {r['op']} | {r['gbps']:.2f} | "
+            f"{r['memcpy_gbps']:.2f} | {r['vs_memcpy']:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -276,9 +310,11 @@ def write_docs(res: dict, command: str) -> None:
         BEGIN, "## KV page store", "",
         f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}  ",
         f"Machine: {os.cpu_count()} cores; batches of {c['pages']} pages of {c['page_bytes']:,} "
-        f"bytes ({c['batch_bytes'] / 1e6:.1f} MB, SmolLM2-135M fp32); median of {c['repeats']}.",
+        f"bytes ({c['batch_bytes'] / 1e6:.1f} MB, SmolLM2-135M fp32); median of {c['repeats']}; "
+        f"load average at start {c['load_average']:.1f}.",
         "", "Each operation moves one batch through the public client API (ZeroMQ request + "
-        "copy + CRC-32 check); memcpy is numpy copying the same number of bytes in the same run. "
+        "header check); memcpy is numpy copying the same number of bytes, timed right after each "
+        "repetition of that row, so both see the same machine load. "
         "Remote rows time node B pulling a batch put on node A (a separate process) through the "
         "Redis directory, including B's copy out to the caller. Targets: cross-process arena get "
         ">= 0.5x memcpy; remote loopback >= 1 GB/s.", "", table(res), END,

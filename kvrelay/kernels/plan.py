@@ -16,7 +16,7 @@ from kvrelay.kernels.errors import KernelError
 from kvrelay.kernels.metadata import AttentionMetadata
 
 TILE_KEYS = 64  # target keys per tile; fixed so every P@V contraction has the same length
-ROW_ALIGN = 8  # MKL gives bitwise-identical rows when a matmul's row count is a multiple of 4
+ROW_ALIGN = 4  # MKL gives bitwise-identical rows when a matmul's row count is a multiple of 4
 SMALL_ROWS = 64  # units with at most this many rows are batched as items
 BLOCK_POSITIONS = 128  # query positions per unit of a long chunk
 

@@ -11,6 +11,9 @@ Every query row gets the same floating-point operations whatever else is in the 
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 
 from kvrelay.kernels.metadata import AttentionMetadata
@@ -20,6 +23,29 @@ from kvrelay.kernels.torch_ref import gather_pages, scatter_pages, write_kv
 __all__ = ["gather_pages", "paged_attention", "scatter_pages", "write_kv"]
 
 NEG_INF = float("-inf")
+
+
+class _Workspace(threading.local):
+    """Scratch buffers reused across calls: fresh multi-MB tensors cost page faults each time."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=torch.float32)
+            self.buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+_ws = _Workspace()
+
+
+def release_workspace() -> None:
+    """Free this thread's scratch buffers."""
+    _ws.buffers.clear()
 
 
 def paged_attention(
@@ -48,21 +74,24 @@ def paged_attention(
     return out.reshape(num_tokens, num_heads, head_dim).to(query.dtype)
 
 
-def _gather(pages: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def _gather(name: str, pages: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """Contiguous float32 copy of whole pages [n, page_size, kv_heads, head_dim]."""
-    return pages[blocks].float()
+    if pages.dtype != torch.float32:
+        return pages.index_select(0, blocks).float()
+    out = _ws.get(name, (blocks.shape[0], *pages.shape[1:]))
+    return torch.index_select(pages, 0, blocks, out=out)
 
 
 def _small(grp: SmallGroup, qtab, keys, values, res, tile: int) -> None:
     kv_heads, head_dim = keys.shape[2], keys.shape[3]
     n, rows, units = grp.num_items, grp.rows, grp.num_units
-    k = _gather(keys, grp.blocks).view(n, tile, kv_heads, head_dim)
-    v = _gather(values, grp.blocks).view(n, tile, kv_heads, head_dim)
+    k = _gather("k", keys, grp.blocks).view(n, tile, kv_heads, head_dim)
+    v = _gather("v", values, grp.blocks).view(n, tile, kv_heads, head_dim)
     if grp.vzero_rows.numel():
         # Slots past the context may hold stale values; their weight is 0, keep 0 * v == 0.
         v.view(n * tile, kv_heads * head_dim).index_fill_(0, grp.vzero_rows, 0.0)
     q = qtab[:, grp.q_rows]  # [kv_heads, items, rows, head_dim]
-    s = q.new_empty((kv_heads, n, rows, tile))
+    s = _ws.get("s", (kv_heads, n, rows, tile))
     for h in range(kv_heads):
         torch.bmm(q[h], k[:, :, h].transpose(1, 2), out=s[h])
     if grp.mask_idx.numel():
@@ -72,7 +101,7 @@ def _small(grp: SmallGroup, qtab, keys, values, res, tile: int) -> None:
     m.scatter_reduce_(1, uoi[None, :, None].expand(kv_heads, n, rows), s.amax(-1), "amax")
     s.sub_(m[:, uoi].unsqueeze(-1)).exp_()
     denom = s.new_zeros((kv_heads, units, rows)).index_add_(1, uoi, s.sum(-1))
-    o_items = s.new_empty((kv_heads, n, rows, head_dim))
+    o_items = _ws.get("o", (kv_heads, n, rows, head_dim))
     for h in range(kv_heads):
         torch.bmm(s[h], v[:, :, h], out=o_items[h])
     o = s.new_zeros((kv_heads, units, rows, head_dim)).index_add_(1, uoi, o_items)
@@ -82,27 +111,30 @@ def _small(grp: SmallGroup, qtab, keys, values, res, tile: int) -> None:
 
 def _big(seq: BigSeq, qtab, keys, values, res, tile: int) -> None:
     kv_heads, head_dim = keys.shape[2], keys.shape[3]
-    k = _gather(keys, seq.blocks).view(-1, kv_heads, head_dim)  # [keys, kv_heads, head_dim]
-    v = _gather(values, seq.blocks).view(-1, kv_heads, head_dim)
-    v[seq.context_len :] = 0.0
+    # Per-head contiguous copies [kv_heads, keys, head_dim]: one bmm per unit, not per head.
+    num_keys = seq.blocks.shape[0] * keys.shape[1]
+    k = _ws.get("kh", (kv_heads, num_keys, head_dim))
+    k.copy_(_gather("k", keys, seq.blocks).view(num_keys, kv_heads, head_dim).transpose(0, 1))
+    v = _ws.get("vh", (kv_heads, num_keys, head_dim))
+    v.copy_(_gather("v", values, seq.blocks).view(num_keys, kv_heads, head_dim).transpose(0, 1))
+    v[:, seq.context_len :] = 0.0
     for unit in seq.units:
         rows, num_tiles = unit.q_rows.shape[0], unit.num_tiles
         width = num_tiles * tile
         q = qtab[:, unit.q_rows]  # [kv_heads, rows, head_dim]
-        s = q.new_empty((kv_heads, rows, width))
-        for h in range(kv_heads):
-            torch.mm(q[h], k[:width, h].t(), out=s[h])
+        s = _ws.get("s", (kv_heads, rows, width))
+        torch.bmm(q, k[:, :width].transpose(1, 2), out=s)
         s[:, :, unit.mask_start :].masked_fill_(unit.mask, NEG_INF)
         m = s.amax(-1, keepdim=True)
         # Probabilities laid out per tile [kv_heads, tiles, rows, tile], like the small path.
-        p = s.new_empty((kv_heads, num_tiles, rows, tile))
+        p = _ws.get("p", (kv_heads, num_tiles, rows, tile))
         torch.sub(s.view(kv_heads, rows, num_tiles, tile), m.unsqueeze(-1), out=p.transpose(1, 2))
         p.exp_()
         zeros = torch.zeros(num_tiles, dtype=torch.long)
         denom = s.new_zeros((kv_heads, 1, rows)).index_add_(1, zeros, p.sum(-1))
-        o_tiles = s.new_empty((kv_heads, num_tiles, rows, head_dim))
+        o_tiles = _ws.get("o", (kv_heads, num_tiles, rows, head_dim))
         for h in range(kv_heads):
-            torch.bmm(p[h], v[:width, h].view(num_tiles, tile, head_dim), out=o_tiles[h])
+            torch.bmm(p[h], v[h, :width].view(num_tiles, tile, head_dim), out=o_tiles[h])
         o = s.new_zeros((kv_heads, 1, rows, head_dim)).index_add_(1, zeros, o_tiles)
         o.div_(denom.unsqueeze(-1))
         valid = unit.out_rows.shape[0]

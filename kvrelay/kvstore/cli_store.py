@@ -31,6 +31,7 @@ _FLAGS = [  # (flag, type, help); every flag is also KVRELAY_STORE_<NAME>
     ("--secret", str, "shared secret of the store nodes (HMAC challenge)"),
     ("--transfer-timeout-s", float, "bound on one remote transfer (default 5)"),
     ("--metrics-port", int, "serve Prometheus metrics on this port"),
+    ("--keep-arena", str, "keep the arena file on stop for a fast restart (default true)"),
 ]
 
 
@@ -49,6 +50,9 @@ def build_config(args: argparse.Namespace):
     overrides = {
         f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_"), None) for f, _, _ in _FLAGS
     }
+    keep = overrides.pop("keep_arena")
+    if keep is not None:
+        overrides["keep_arena"] = keep.strip().lower() not in ("0", "false", "no", "off")
     cfg = from_env(StoreConfig, "store", **overrides)
     if cfg.model is not None:
         from kvrelay.pipeline.modelref import converted_dir, read_model_info, resolve_model

@@ -31,10 +31,12 @@ class StoreConfig:
     tcp_port: int = 0  # 0: pick a free port; -1: no TCP listener
     ucx_port: int = 0  # 0: pick a free port; -1: no UCX listener (also when ucxx is missing)
     transport: str = "auto"  # remote fetch transport: auto (UCX if both sides have it) | ucx | tcp
+    ucx_same_host: bool = True  # same-host peers: UCX over exchanged worker addresses (shm)
     secret: str | None = None  # shared secret for store-to-store transfers
     transfer_timeout_s: float = 5.0
     heartbeat_s: float = 2.0
     node_ttl_s: float = 10.0
+    keep_arena: bool = True  # leave the arena file for the next start (False: remove it)
     pin_timeout_s: float = 60.0  # a reader or writer holding a slot longer than this lost it
     metrics_port: int | None = None
 

@@ -21,7 +21,7 @@ class StoreConnector:
 
     def __init__(self, client: StoreClient):
         self.client = client
-        self._checked = False
+        self._registered = None  # the arena mapping registered with CUDA, if any
 
     def _check(self, kv_pool) -> bool:
         spec = self.client.spec
@@ -36,9 +36,12 @@ class StoreConnector:
         if not kv_pool.is_contiguous():
             raise StoreError("the KV pool must be contiguous")
         cuda = kv_pool.is_cuda
-        if cuda and not self._checked and self.client.arena is not None:
-            self.client.arena.register_cuda()
-        self._checked = True
+        if cuda:
+            if self.client.arena is None:
+                self.client.connect()
+            if self._registered is not self.client.arena:  # a new mapping after a node restart
+                self.client.arena.register_cuda()
+                self._registered = self.client.arena
         return cuda
 
     def lookup(self, keys: list[bytes]) -> int:

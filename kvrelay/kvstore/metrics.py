@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -25,9 +26,11 @@ class StoreMetrics:
         default_factory=lambda: defaultdict(float)
     )
     _prom: dict | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # request + transfer threads
 
     def inc(self, name: str, *labels: str, value: float = 1) -> None:
-        self.values[(name, labels)] += value
+        with self._lock:
+            self.values[(name, labels)] += value
         if self._prom is not None:
             self._prom[name].labels(*labels).inc(value)
 
@@ -37,7 +40,9 @@ class StoreMetrics:
     def snapshot(self) -> dict[str, dict[str, float]]:
         """{name: {"label1/label2": value}} for the `stats` reply."""
         out: dict[str, dict[str, float]] = {}
-        for (name, labels), v in sorted(self.values.items()):
+        with self._lock:
+            items = sorted(self.values.items())
+        for (name, labels), v in items:
             out.setdefault(name, {})["/".join(labels)] = v
         return out
 

@@ -65,6 +65,9 @@ class Remote:
         self.secret, self.transport, self.timeout_s = secret, transport, timeout_s
         self.loop, self.ucx_ok = loop, ucx_ok
         self._peers: dict[tuple[str, str], object] = {}  # (transport, address) -> session
+        self.local = None  # LocalUcx when this node runs UCX (same-host worker addresses)
+        self.host_id: str | None = None
+        self.same_host = True
 
     # -- server side (runs in the node's asyncio thread) -----------------------------------
     def serve(self, req: dict) -> tuple[dict, list[memoryview], Callable[[], None]]:
@@ -117,6 +120,14 @@ class Remote:
         if i < len(keys):
             self.metrics.inc("misses", "remote")
         return pinned
+
+    def _same_host(self, info: dict[str, str]) -> bool:
+        return (
+            self.same_host
+            and self.local is not None
+            and bool(info.get("ucx_addr"))
+            and info.get("host_id") == self.host_id
+        )
 
     def _transfer(self, kind: str, address: str, request: dict, dsts: list[memoryview]) -> int:
         """One fetch over a cached session; a stale session is replaced once (not on timeout)."""
@@ -184,11 +195,19 @@ class Remote:
         request = fetch_request(keys, self.store.fingerprint, self.store.page_bytes)
         dsts = [self.arena.slot(s) for s in slots]
         found = 0
+        via = kind
         try:
             if self.transport == "ucx" and not use_ucx:
                 raise TransferError(f"peer {node_id} has no UCX listener (or ucxx is missing)")
-            found = self._transfer(kind, info[kind], request, dsts)
-        except (StoreError, KeyError, ValueError) as exc:
+            if use_ucx and self._same_host(info):
+                via = "ucx_local"
+                fut = asyncio.run_coroutine_threadsafe(
+                    self.local.fetch(info["ucx_addr"], request, dsts), self.loop
+                )
+                found = fut.result(self.timeout_s + 1)
+            else:
+                found = self._transfer(kind, info[kind], request, dsts)
+        except (StoreError, KeyError, ValueError, TimeoutError) as exc:
             logger.warning(
                 "fetch of %d pages from store node %s failed: %s", len(keys), node_id, exc
             )
@@ -196,7 +215,7 @@ class Remote:
             self.store.abort(keys, slots)
             return 0
         errors = self.store.commit(
-            keys[:found], slots[:found], pin=True, verify=True, kind=f"fetch_{kind}"
+            keys[:found], slots[:found], pin=True, verify=True, kind=f"fetch_{via}"
         )
         self.store.abort(keys[found:], slots[found:])
         good = next((k for k, e in enumerate(errors) if e is not None), found)
@@ -210,6 +229,6 @@ class Remote:
         if found < len(keys):  # the directory was stale for this page
             self.directory.remove([keys[found]], node_id)
         self.metrics.inc("hits", "remote", value=found)
-        self.metrics.inc("bytes", "remote", f"fetch_{kind}", value=found * self.store.page_bytes)
+        self.metrics.inc("bytes", "remote", f"fetch_{via}", value=found * self.store.page_bytes)
         pinned.extend(slots[:found])
         return found

@@ -143,6 +143,7 @@ class StoreNode:
             self._loop,
             ucx_ok,
         )
+        self.remote.same_host = cfg.ucx_same_host
         host = cfg.advertise_host or cfg.listen_host
 
         async def listen() -> None:
@@ -153,7 +154,14 @@ class StoreNode:
                 self._servers.append(srv)
                 self.addresses["tcp"] = f"{host}:{srv.sockets[0].getsockname()[1]}"
             if ucx_ok and cfg.ucx_port >= 0:
+                from kvrelay.kvstore.ucx_local import LocalUcx, host_id
                 from kvrelay.kvstore.ucx_transfer import start_ucx_server
+
+                self.remote.local = LocalUcx(secret, cfg.transfer_timeout_s)
+                self.remote.local.start(self.remote.serve)
+                self.remote.host_id = host_id()
+                self.addresses["ucx_addr"] = self.remote.local.address
+                self.addresses["host_id"] = self.remote.host_id
 
                 lis = await start_ucx_server(
                     cfg.ucx_port, secret, self.remote.serve, cfg.transfer_timeout_s
@@ -179,8 +187,15 @@ class StoreNode:
 
             async def shut() -> None:
                 self.remote.close()
+                if self.remote.local is not None:
+                    self.remote.local.close()
                 for srv in self._servers:
                     srv.close()
+                # Open peer sessions (and the same-host UCX accept loop) end with the node.
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
             asyncio.run_coroutine_threadsafe(shut(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -188,6 +203,8 @@ class StoreNode:
         self._sock.close()
         self.config.socket_path.unlink(missing_ok=True)
         self.arena.close()
+        if not self.config.keep_arena:
+            self.arena.path.unlink(missing_ok=True)
         self.store = None
         logger.info("store node %s stopped", self.config.node_id)
 

@@ -55,6 +55,7 @@ class NodeStore:
         self._entries: dict[bytes, _Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # ready arena pages, oldest first
         self._free = list(range(arena.num_slots - 1, -1, -1))
+        self._slot_key: dict[int, bytes] = {}  # last key placed in each slot (checked on use)
         self._next_expiry = 0.0
 
     # -- start and stop ---------------------------------------------------------------------
@@ -72,6 +73,7 @@ class NodeStore:
                     continue
                 self._free.remove(i)
                 self._entries[h.key] = _Entry(i, True)
+                self._slot_key[i] = h.key
                 self._lru[h.key] = None
             return len(self._lru)
 
@@ -149,6 +151,7 @@ class NodeStore:
                     out.append(-1)
                     continue
                 self._entries[key] = _Entry(slot, False, now + self.pin_timeout_s)
+                self._slot_key[slot] = key
                 out.append(slot)
         return out
 
@@ -258,16 +261,16 @@ class NodeStore:
             return None
         self.metrics.inc("bytes", "disk", "promote", value=self.page_bytes)
         e = self._entries[key] = _Entry(slot, True)
+        self._slot_key[slot] = key
         self._lru[key] = None
         return e
 
     def release(self, slots: list[int]) -> None:
         """Unpin slots returned by `acquire` (one pin per listed slot)."""
         with self.lock:
-            by_slot = {e.slot: e for e in self._entries.values() if e.pins}
             for slot in slots:
-                e = by_slot.get(slot)
-                if e is not None and e.pins:
+                e = self._entries.get(self._slot_key.get(slot, b""))
+                if e is not None and e.slot == slot and e.pins:
                     e.pins.pop(0)
 
     def contains_prefix(self, keys: list[bytes]) -> int:

@@ -112,9 +112,11 @@ async def start_tcp_server(
                 reply, views, release = serve(unpack(raw))
                 try:
                     writer.write(_frame(pack(reply)))
+                    # Drain after each page: Python 3.11's transport buffers unsent data in one
+                    # bytearray and trims it from the front, quadratic for a large backlog.
                     for view in views:
                         writer.write(view)
-                    await asyncio.wait_for(writer.drain(), timeout_s)
+                        await asyncio.wait_for(writer.drain(), timeout_s)
                 finally:
                     release()
         except (TimeoutError, OSError, asyncio.IncompleteReadError, StoreError) as exc:

@@ -48,8 +48,8 @@ async def start_ucx_server(port: int, secret: bytes, serve: ServeFn, timeout_s: 
                 reply, views, release = serve(unpack(raw))
                 try:
                     await ep.send_obj(pack(reply))
-                    for view in views:
-                        await asyncio.wait_for(ep.send(view), timeout_s)
+                    sends = [ep.send(view) for view in views]  # all posted at once
+                    await asyncio.wait_for(asyncio.gather(*sends), timeout_s)
                 finally:
                     release()
         except (TimeoutError, ucxx.exceptions.UCXError, StoreError) as exc:
@@ -107,10 +107,12 @@ class UcxPeer:
                 raise TransferError(f"peer sent {found} pages for {len(dsts)} keys")
             # Receive into a private buffer: after a timeout UCX may still write into it, and
             # it must not be an arena slot that holds another page by then.
-            buf = bytearray(len(dsts[0])) if found else bytearray()
-            for dst in dsts[:found]:
-                await self.ep.recv(buf)
-                dst[:] = buf
+            size = len(dsts[0]) if found else 0
+            buf = memoryview(bytearray(size * found))
+            parts = [buf[i * size : (i + 1) * size] for i in range(found)]
+            await asyncio.gather(*(self.ep.recv(part) for part in parts))
+            for dst, part in zip(dsts, parts, strict=False):
+                dst[:] = part
             return found
 
         try:

@@ -200,6 +200,8 @@ def run_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         sup.stop()
         return 130
+    finally:
+        _remove_arena(state)
 
 
 def run_down(args: argparse.Namespace) -> int:
@@ -216,4 +218,17 @@ def run_down(args: argparse.Namespace) -> int:
     if not sup.stop(args.timeout):
         print(f"kvrelay down: supervisord still running after {args.timeout:.0f}s", file=sys.stderr)
         return 1
+    _remove_arena(read_state(run_dir))
     return 0
+
+
+def _remove_arena(state: dict) -> None:
+    """Give the store's shared-memory arena back (RAM); the disk tier stays for the next `up`."""
+    store_dir = state.get("store_run_dir")
+    if not store_dir:
+        return
+    from kvrelay.kvstore.config import StoreConfig
+    from kvrelay.kvstore.server import arena_path
+
+    path = arena_path(StoreConfig(run_dir=store_dir))
+    path.unlink(missing_ok=True)

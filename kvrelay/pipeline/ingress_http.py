@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import secrets
 from collections.abc import Awaitable, Callable
@@ -25,10 +26,13 @@ def error_response(err: RequestError, request_id: str | None = None) -> JSONResp
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-def check_api_key(request: Request, api_keys: tuple[str, ...]) -> None:
-    """Require `Authorization: Bearer <key>` with one of `api_keys` (no-op when empty)."""
+def check_api_key(request: Request, api_keys: tuple[str, ...]) -> str:
+    """Require `Authorization: Bearer <key>` with one of `api_keys` (no-op when empty).
+
+    Returns a short id of the key ("" without keys): requests remember who submitted them.
+    """
     if not api_keys:
-        return
+        return ""
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -50,6 +54,7 @@ def check_api_key(request: Request, api_keys: tuple[str, ...]) -> None:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    return hashlib.blake2b(token, digest_size=8).hexdigest()
 
 
 def _too_large(limit: int) -> RequestError:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from redis.exceptions import RedisError
 from starlette.responses import Response
 from starlette.types import Send
 
@@ -92,6 +93,13 @@ class OutputJob:
         except OutputTimeout:
             await self.ingress.cancel(self.request_id)
             yield fmt.error_event("the request passed its deadline", "timeout", "request_timeout")
+        except RedisError as exc:
+            logger.error("request %s: lost the output stream: %s", self.request_id, exc)
+            yield fmt.error_event(
+                "the request queue (Redis) is unavailable",
+                "service_unavailable",
+                "queue_unavailable",
+            )
         except RequestNotFound:
             yield fmt.error_event(
                 f"request {self.request_id} is unknown or expired",
@@ -132,6 +140,15 @@ class OutputJob:
             await self.ingress.cancel(self.request_id)
             body = _error("the request passed its deadline", "timeout", "request_timeout")
             await send_json(send, 504, body, self._headers)
+            return
+        except RedisError as exc:
+            logger.error("request %s: lost the output stream: %s", self.request_id, exc)
+            body = _error(
+                "the request queue (Redis) is unavailable",
+                "service_unavailable",
+                "queue_unavailable",
+            )
+            await send_json(send, 503, body, self._headers)
             return
         except RequestNotFound:
             body = _error(

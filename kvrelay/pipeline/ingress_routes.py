@@ -58,15 +58,15 @@ async def _generate(request: Request, api: str) -> Response:
     ing: Ingress = request.app.state.ingress
     arrival = time.monotonic()
     header_id = request.headers.get(REQUEST_ID_HEADER)
-    request_id = header_id or new_request_id("chatcmpl" if api == CHAT else "cmpl")
+    request_id = new_request_id("chatcmpl" if api == CHAT else "cmpl")
     try:
-        check_api_key(request, ing.config.api_keys)
+        key_id = check_api_key(request, ing.config.api_keys)
         if header_id is not None:
-            check_request_id(header_id)
+            request_id = check_request_id(header_id)
         body = await read_json(request, ing.config.max_body_bytes)
         if header_id is not None and await ing.redis.exists(ing.keys.request(request_id)):
             wants_stream = isinstance(body, dict) and body.get("stream") is True
-            return await _reattach(request, ing, request_id, wants_stream)
+            return await _reattach(request, ing, request_id, wants_stream, key_id)
         parsed = parse_chat(body) if api == CHAT else parse_completion(body)
         await ing.backpressure.check()
         sub, entry = await ing.producer.prepare(
@@ -86,10 +86,10 @@ async def _generate(request: Request, api: str) -> Response:
             "include_usage": parsed.include_usage,
             "logprobs": parsed.logprobs,
         }
-        record = {"ingress": options, "user": parsed.user or ""}
+        record = {"ingress": options, "user": parsed.user or "", "key_id": key_id}
         route = await ing.producer.enqueue(sub, entry, record)
         if route is None:  # the same id raced in from another connection
-            return await _reattach(request, ing, request_id, parsed.stream)
+            return await _reattach(request, ing, request_id, parsed.stream, key_id)
     except RequestError as err:
         ing.metrics.requests_rejected.labels(str(err.status)).inc()
         return error_response(err, request_id)
@@ -125,19 +125,23 @@ def _last_event_id(request: Request) -> int | None:
     return value
 
 
-async def _record(ing: Ingress, request_id: str) -> dict[str, str]:
+async def _record(ing: Ingress, request_id: str, key_id: str) -> dict[str, str]:
+    """The req:{id} record; another API key's request reads as missing."""
     raw = await ing.redis.hgetall(ing.keys.request(request_id))
-    if not raw:
+    owner = raw.get(b"key_id", b"").decode() if raw else ""
+    if not raw or (owner and owner != key_id):
         raise RequestError(
             f"no request with id {request_id!r}", 404, param="request_id", code="request_not_found"
         )
     return {k.decode(): v.decode() for k, v in raw.items()}
 
 
-async def _reattach(request: Request, ing: Ingress, request_id: str, stream: bool) -> Response:
+async def _reattach(
+    request: Request, ing: Ingress, request_id: str, stream: bool, key_id: str
+) -> Response:
     """Continue delivering an existing request after the client's last event."""
     last = _last_event_id(request)
-    rec = await _record(ing, request_id)
+    rec = await _record(ing, request_id, key_id)
     opts: dict[str, Any] = json.loads(rec.get("ingress") or "{}")
     await ing.reattached(request_id)
     model = rec.get("model", "")
@@ -167,8 +171,8 @@ async def resume_stream(request: Request) -> Response:
     ing: Ingress = request.app.state.ingress
     request_id = request.path_params["request_id"]
     try:
-        check_api_key(request, ing.config.api_keys)
-        return await _reattach(request, ing, request_id, stream=True)
+        key_id = check_api_key(request, ing.config.api_keys)
+        return await _reattach(request, ing, request_id, True, key_id)
     except RequestError as err:
         return error_response(err, request_id)
     except RedisError as exc:
@@ -176,7 +180,7 @@ async def resume_stream(request: Request) -> Response:
 
 
 _INT_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "emitted")
-_FLOAT_FIELDS = ("created", "updated", "deadline")
+_FLOAT_FIELDS = ("created", "updated", "started", "deadline")
 
 
 async def request_state(request: Request) -> Response:
@@ -184,8 +188,8 @@ async def request_state(request: Request) -> Response:
     ing: Ingress = request.app.state.ingress
     request_id = request.path_params["request_id"]
     try:
-        check_api_key(request, ing.config.api_keys)
-        rec = await _record(ing, request_id)
+        key_id = check_api_key(request, ing.config.api_keys)
+        rec = await _record(ing, request_id, key_id)
         cancel_requested = bool(await ing.redis.exists(ing.keys.cancel(request_id)))
     except RequestError as err:
         return error_response(err, request_id)
@@ -193,7 +197,7 @@ async def request_state(request: Request) -> Response:
         return error_response(_unavailable(exc), request_id)
     body: dict[str, Any] = {"id": request_id, "object": "request"}
     for key, value in rec.items():
-        if key == "ingress":
+        if key in ("ingress", "key_id", "detached"):
             continue
         if key in _INT_FIELDS and value.lstrip("-").isdigit():
             body[key] = int(value)
@@ -210,8 +214,8 @@ async def cancel_request(request: Request) -> Response:
     ing: Ingress = request.app.state.ingress
     request_id = request.path_params["request_id"]
     try:
-        check_api_key(request, ing.config.api_keys)
-        rec = await _record(ing, request_id)
+        key_id = check_api_key(request, ing.config.api_keys)
+        rec = await _record(ing, request_id, key_id)
         status = rec.get("status", "")
         done = status in ("finished", "cancelled", "failed")
         if not done:

@@ -7,6 +7,7 @@ or DecodeTask, so a request is either fully queued or not at all.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -26,6 +27,7 @@ from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_INLINE_TOKENIZE_CHARS = 16384
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 # KEYS: req:{id}, work stream. ARGV: ttl, payload, field/value pairs.
@@ -184,7 +186,12 @@ class Producer:
     ) -> tuple[Submission, ModelEntry]:
         """Tokenize and check one request; raise RequestError when it cannot be served."""
         entry = await self.registry.get(model)
-        ids = tokenize(entry, messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids)
+        size = len(prompt or "") + sum(len(str(m.get("content", ""))) for m in messages or ())
+        args = dict(messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids)
+        if size > _INLINE_TOKENIZE_CHARS:  # milliseconds of work: keep the event loop free
+            ids = await asyncio.to_thread(tokenize, entry, **args)
+        else:
+            ids = tokenize(entry, **args)
         check_lengths(
             entry,
             ids,

@@ -35,10 +35,11 @@ def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:
     from kvrelay.kvstore.page import PageSpec
     from kvrelay.workers.worker_metrics import CountingConnector
 
-    mc, pool = engine.loaded.config, engine.runner.kv_pool
+    pool = engine.runner.kv_pool  # [blocks, layers, 2, page_size, kv_heads, head_dim]
+    _, layers, _, page_size, kv_heads, head_dim = pool.shape
     spec = PageSpec(fingerprint=engine.fingerprint, dtype=str(pool.dtype).removeprefix("torch."),
-                    num_layers=mc.num_hidden_layers, page_size=engine.config.page_size,
-                    kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)  # fmt: skip
+                    num_layers=layers, page_size=page_size, kv_heads=kv_heads,
+                    head_dim=head_dim)  # fmt: skip
     client = StoreClient(run_dir, spec)
     node = ""
     try:

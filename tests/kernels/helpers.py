@@ -132,7 +132,8 @@ def attend_batch(specs, *, page_size=16, seed=0, scale=0.125, impl="auto", devic
     seq0 = specs[0][0]
     kv_heads, head_dim = seq0.keys.shape[1:]
     # Unused slots hold finite junk: stale data must never leak into results.
-    pool = torch.randn(num_blocks, 1, 2, page_size, kv_heads, head_dim, generator=g).to(device)
+    pool = torch.randn(num_blocks, 1, 2, page_size, kv_heads, head_dim, generator=g)
+    pool = pool.to(device=device, dtype=seq0.keys.dtype)
     full = build_meta(tables, [c for _, c, _ in specs], [c for _, c, _ in specs], page_size, device)
     keys = torch.cat([s.keys[:c] for s, c, _ in specs]).to(device)
     values = torch.cat([s.values[:c] for s, c, _ in specs]).to(device)

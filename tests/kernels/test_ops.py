@@ -41,6 +41,16 @@ def test_attention_mha_and_long_context() -> None:
     torch.testing.assert_close(out.double(), dense_reference(case, qlen, 0.3), rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_pool_and_query() -> None:
+    ctx, qlen = [30, 7], [10, 1]
+    case = make_case(ctx, qlen, dtype=torch.bfloat16)
+    out = paged_attention(case.query, case.kv_pool, 1, case.meta, SCALE)
+    assert out.dtype == torch.bfloat16
+    # The reference sees the same bf16 inputs; only the output rounding to bf16 differs.
+    ref = dense_reference(case, qlen, SCALE)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+
+
 def test_write_kv_places_tokens_and_skips_negative_slots() -> None:
     pool = make_pool(3, 2, 4, 1, 2)
     key = torch.arange(1, 7, dtype=torch.float32).reshape(3, 1, 2)

@@ -77,6 +77,21 @@ class NodeProcess:
         arena_path(self.config).unlink(missing_ok=True)
 
 
+def start_b(start_node, redis_url: str, transport: str, **overrides):
+    """Node B in this process; `ucx` uses same-host worker addresses, `ucx-listener` does not."""
+    ucx = transport.startswith("ucx")
+    settings = {
+        "node_id": "B",
+        "redis_url": redis_url,
+        "secret": SECRET,
+        "transport": "ucx" if ucx else "tcp",
+        "ucx_port": 0 if ucx else -1,
+        "ucx_same_host": transport == "ucx",
+        **overrides,
+    }
+    return start_node(**settings)
+
+
 @pytest.fixture
 def node_a(valkey, tmp_path):
     node = NodeProcess(tmp_path, valkey.url)
@@ -84,19 +99,13 @@ def node_a(valkey, tmp_path):
     node.stop()
 
 
-@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+@pytest.mark.parametrize("transport", ["tcp", "ucx", "ucx-listener"])
 def test_page_put_on_a_is_fetched_by_b(valkey, node_a, start_node, transport):
     keys = keys_for(6)
     pages = [payload(SMALL, i) for i in range(6)]
     assert node_a.client.put(keys, pages) == 6
     wait_published(valkey.url, keys[-1])
-    b = start_node(
-        node_id="B",
-        redis_url=valkey.url,
-        secret=SECRET,
-        transport=transport,
-        ucx_port=0 if transport == "ucx" else -1,
-    )
+    b = start_b(start_node, valkey.url, transport)
     r = redis.Redis.from_url(valkey.url)
     info = r.hgetall(Keys().store_node("A"))
     assert set(info) >= {b"tcp", b"ucx", b"pid", b"page_bytes", b"updated"}
@@ -108,7 +117,8 @@ def test_page_put_on_a_is_fetched_by_b(valkey, node_a, start_node, transport):
         assert client.lookup(keys, remote=False) == 6
         counters = client.stats()["counters"]
         assert counters["hits"] == {"remote": 6.0}
-        assert counters["bytes"][f"remote/fetch_{transport}"] == 6 * SMALL.page_bytes
+        via = {"tcp": "tcp", "ucx": "ucx_local", "ucx-listener": "ucx"}[transport]
+        assert counters["bytes"][f"remote/fetch_{via}"] == 6 * SMALL.page_bytes
     assert node_a.client.stats()["counters"]["bytes"]["remote/serve"] == 6 * SMALL.page_bytes
     deadline = time.monotonic() + 5
     while r.smembers(Keys().page(keys[5].hex())) != {b"A", b"B"}:
@@ -116,21 +126,14 @@ def test_page_put_on_a_is_fetched_by_b(valkey, node_a, start_node, transport):
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+@pytest.mark.parametrize("transport", ["tcp", "ucx", "ucx-listener"])
 def test_frozen_or_killed_peer_fails_cleanly_within_the_timeout(
     valkey, node_a, start_node, transport
 ):
     keys = keys_for(4)
     node_a.client.put(keys, [payload(SMALL, i) for i in range(4)])
     wait_published(valkey.url, keys[-1])
-    b = start_node(
-        node_id="B",
-        redis_url=valkey.url,
-        secret=SECRET,
-        transport=transport,
-        ucx_port=0 if transport == "ucx" else -1,
-        transfer_timeout_s=1.0,
-    )
+    b = start_b(start_node, valkey.url, transport, transfer_timeout_s=1.0)
     with StoreClient(b.config.run_dir, SMALL) as client:
         node_a.proc.send_signal(signal.SIGSTOP)  # accepts connections, never answers
         start = time.monotonic()
@@ -141,23 +144,17 @@ def test_frozen_or_killed_peer_fails_cleanly_within_the_timeout(
         start = time.monotonic()
         assert client.get(keys[2:]) == []
         assert time.monotonic() - start < 2.5
-        assert client.stats()["counters"]["transfer_failures"] == {transport: 2.0}
+        assert client.stats()["counters"]["transfer_failures"] == {transport[:3]: 2.0}
         assert client.put(keys[:1], [payload(SMALL, 0)]) == 1  # B keeps serving
 
 
-@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+@pytest.mark.parametrize("transport", ["tcp", "ucx", "ucx-listener"])
 def test_wrong_secret_is_refused(valkey, node_a, start_node, transport, caplog):
     keys = keys_for(2)
     node_a.client.put(keys, [payload(SMALL, i) for i in range(2)])
     wait_published(valkey.url, keys[-1])
-    b = start_node(
-        node_id="B",
-        redis_url=valkey.url,
-        secret="wrong",
-        transport=transport,
-        ucx_port=0 if transport == "ucx" else -1,
-    )
+    b = start_b(start_node, valkey.url, transport, secret="wrong")
     with StoreClient(b.config.run_dir, SMALL) as client:
         assert client.get(keys) == []
-        assert client.stats()["counters"]["transfer_failures"] == {transport: 1.0}
-    assert "peer failed the shared-secret challenge (wrong --secret?)" in caplog.text
+        assert client.stats()["counters"]["transfer_failures"] == {transport[:3]: 1.0}
+    assert "peer failed the shared-secret challenge" in caplog.text

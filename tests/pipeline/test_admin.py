@@ -1,4 +1,4 @@
-"""Admin CLI against a real Valkey: status, requests show/cancel, dlq ls/show/replay/purge, drain."""
+"""Admin CLI on a real Valkey: status, requests show/cancel, dlq ls/show/replay/purge, drain."""
 
 from __future__ import annotations
 

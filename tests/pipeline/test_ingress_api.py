@@ -275,7 +275,11 @@ async def test_models_health_and_metrics(harness):
         )
         await client.post("/v1/chat/completions", json={"model": MODEL, "messages": HI})
         await serve
-        text = (await client.get("/metrics")).text
+        for _ in range(50):  # the queue time is read from the record in the background
+            text = (await client.get("/metrics")).text
+            if "kvrelay:request_queue_time_seconds_count" in text:
+                break
+            await asyncio.sleep(0.02)
     label = f'model_name="{MODEL}"'
     assert f'kvrelay:request_success_total{{finished_reason="stop",{label}}} 1.0' in text
     assert f"kvrelay:generation_tokens_total{{{label}}} 2.0" in text

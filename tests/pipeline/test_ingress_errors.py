@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
@@ -270,6 +272,30 @@ async def test_api_keys(harness):
         assert (await client.get("/metrics")).status_code == 200
 
 
+async def test_requests_belong_to_their_api_key(harness):
+    factory, worker = harness
+    app = factory(api_keys=("k1", "k2"))
+    role = await worker(app)
+    k1, k2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+    async with http(app) as client:
+        serve = asyncio.create_task(role.serve_one([(1, "a")]))
+        resp = await client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "x"},
+            headers={**k1, "X-Request-Id": "own-1"},
+        )
+        await serve
+        assert resp.status_code == 200
+        assert (await client.get("/v1/requests/own-1", headers=k1)).status_code == 200
+        for method in ("GET", "DELETE"):
+            resp = await client.request(method, "/v1/requests/own-1", headers=k2)
+            assert resp.status_code == 404
+        resp = await client.get("/v1/requests/own-1/stream", headers=k2)
+        assert resp.json()["error"]["code"] == "request_not_found"
+        resp = await client.get("/v1/requests/own-1/stream", headers=k1)
+        assert resp.text.endswith("data: [DONE]\n\n")
+
+
 async def test_api_keys_from_environment(monkeypatch):
     from kvrelay.pipeline.ingress_config import load_config
 
@@ -299,3 +325,27 @@ async def test_backpressure_429_with_retry_after(harness):
         type_="rate_limit_error",
     )
     assert await _queued(app) == 2
+
+
+async def test_redis_down_is_503(smollm_tokenizer):
+    from kvrelay.pipeline.ingress import create_app
+    from tests.conftest import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    app = create_app(make_config(url), tokenizers={MODEL: smollm_tokenizer})
+    try:
+        async with http(app) as client:
+            resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": HI})
+            assert (resp.status_code, resp.json()) == (
+                503,
+                err(
+                    "the request queue (Redis) is unavailable",
+                    code="queue_unavailable",
+                    type_="service_unavailable",
+                ),
+            )
+            resp = await client.get("/health")
+            assert resp.status_code == 503 and resp.json()["redis"] is False
+            assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == [MODEL]
+    finally:
+        await app.state.ingress.aclose()

@@ -123,37 +123,28 @@ async def test_request_state_and_cancel(harness):
         )
         taken = await role.take()
         state = (await client.get("/v1/requests/c-1")).json()
-        assert {
-            k: state[k]
-            for k in (
-                "id",
-                "status",
-                "stage",
-                "model",
-                "prompt_tokens",
-                "completion_tokens",
-                "cached_tokens",
-                "user",
-                "cancel_requested",
-            )
-        } == {
-            "id": "c-1",
-            "status": "queued",
-            "stage": "decode",
-            "model": MODEL,
-            "prompt_tokens": 1,
-            "completion_tokens": 0,
-            "cached_tokens": 0,
-            "user": "bob",
-            "cancel_requested": False,
-        }
+        fields = (
+            "id",
+            "status",
+            "stage",
+            "owner",
+            "model",
+            "prompt_tokens",
+            "completion_tokens",
+            "cached_tokens",
+            "user",
+            "cancel_requested",
+        )
+        expected = ("c-1", "decoding", "decode", "w1", MODEL, 1, 0, 0, "bob", False)
+        assert tuple(state[k] for k in fields) == expected
+        assert isinstance(state["started"], float)
         assert state["deadline"] == pytest.approx(state["created"] + 600.0, abs=0.01)
         resp = await client.delete("/v1/requests/c-1")
         assert resp.json() == {
             "id": "c-1",
             "object": "request.cancel",
             "cancelled": True,
-            "status": "queued",
+            "status": "decoding",
         }
         assert await ing.redis.get(ing.keys.cancel("c-1")) == b"1"
         assert (await client.get("/v1/requests/c-1")).json()["cancel_requested"] is True

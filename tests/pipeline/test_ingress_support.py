@@ -117,9 +117,14 @@ class WorkerRole:
                     stage = "prefill" if cls is PrefillTask else "decode"
                     task = cls.decode(fields[MESSAGE_FIELD])
                     # what a worker records when it admits a request
-                    await self.r.hset(self.keys.request(task.request_id), mapping={
-                        "status": "prefilling" if stage == "prefill" else "decoding",
-                        "started": f"{time.time():.6f}", "owner": "w1"})
+                    await self.r.hset(
+                        self.keys.request(task.request_id),
+                        mapping={
+                            "status": "prefilling" if stage == "prefill" else "decoding",
+                            "started": f"{time.time():.6f}",
+                            "owner": "w1",
+                        },
+                    )
                     return Taken(stage, entry_id, task)
         raise TimeoutError("no task arrived")
 

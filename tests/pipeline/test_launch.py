@@ -63,9 +63,36 @@ def test_detached_stack_restarts_killed_programs_and_stops(tmp_path):
             except redis.ConnectionError:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-        env = open(f"/proc/{new['sleeper']}/environ", "rb").read().split(b"\0")
+        with open(f"/proc/{new['sleeper']}/environ", "rb") as f:
+            env = f.read().split(b"\0")
         assert b"KVRELAY_X=1" in env
     finally:
         assert sup.stop(timeout=30)
     assert sup.pid() is None
     assert not _alive(new["valkey"]) and not _alive(new["sleeper"])
+
+
+FOREGROUND = """
+import sys
+from kvrelay.pipeline.launch import Program, Supervisor
+sup = Supervisor(sys.argv[1])
+sup.write([Program("a", [sys.executable, "-c", "import time; time.sleep(600)"]),
+           Program("b", [sys.executable, "-c", "import time; time.sleep(600)"])], nodaemon=True)
+sup.start(detach=False)
+sys.exit(sup.wait())
+"""
+
+
+def test_foreground_stack_stops_everything_on_sigterm(tmp_path):
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", FOREGROUND, str(tmp_path)])
+    sup = Supervisor(tmp_path)
+    deadline = time.monotonic() + 30
+    while not sup.config_path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = sup.wait_running(["a", "b"], timeout=30)
+    proc.send_signal(signal.SIGTERM)  # what Ctrl-C or `kill` does to `kvrelay up`
+    assert proc.wait(timeout=30) == 0
+    assert sup.pid() is None
+    assert not any(_alive(p) for p in pids.values())

@@ -84,7 +84,9 @@ def test_teacher_forced_logits_match_transformers(loaded_model, hf_model):
 
 def test_greedy_continuation_matches_transformers(loaded_model, hf_model):
     tok = loaded_model.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
     with torch.inference_mode():
         ref = hf_model.generate(
             torch.tensor([prompt]), max_new_tokens=12, do_sample=False, attention_mask=None

@@ -1,4 +1,4 @@
-"""PrefillWorker on the real SmolLM2 engine and a real Valkey: hand-off, poison, deadlines, drain."""
+"""PrefillWorker on the real SmolLM2 engine and Valkey: hand-off, poison, deadlines, drain."""
 
 from __future__ import annotations
 

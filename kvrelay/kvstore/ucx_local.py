@@ -1,0 +1,183 @@
+"""UCX between store nodes on the same host: endpoints from exchanged worker addresses.
+
+An endpoint made from a listener always runs over TCP; one made from the peer's worker address
+(published in Redis as `ucx_addr`) lets UCX pick shared memory (posix/sysv/cma), several times
+faster on one host. Error handling must be off for that, so UCX does not notice a dead peer:
+every wait here is bounded by the transfer timeout instead, and receives land in private buffers.
+
+Session (all tag messages; control messages are padded to CTRL bytes):
+  B -> A  tag REQUEST_TAG:  {addr: B's worker address, reply_tag, nonce}
+  A -> B  tag reply_tag:    {nonce, proof, session_tag}   (A proves the secret first)
+  B -> A  tag session_tag:  {proof, request}
+  A -> B  tag reply_tag:    {ok, found} then `found` whole pages
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import secrets
+import struct
+
+from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
+from kvrelay.kvstore.transfer import NONCE, ServeFn, mac, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+CTRL = 8192
+REQUEST_TAG = 0x6B7672656C6179  # "kvrelay"
+_LEN = struct.Struct("<I")
+
+
+def host_id() -> str:
+    """Identifies this host (and boot): peers with the same id may use shared memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return os.uname().nodename
+
+
+def _ctrl(obj: dict) -> bytearray:
+    raw = pack(obj)
+    if len(raw) + 4 > CTRL:
+        raise StoreError(f"control message of {len(raw)} bytes exceeds {CTRL}")
+    buf = bytearray(CTRL)
+    buf[:4] = _LEN.pack(len(raw))
+    buf[4 : 4 + len(raw)] = raw
+    return buf
+
+
+def _parse(buf: bytearray) -> dict:
+    (n,) = _LEN.unpack(buf[:4])
+    if n > CTRL - 4:
+        raise TransferError("malformed control message")
+    return unpack(bytes(buf[4 : 4 + n]))
+
+
+async def _recv_ctrl(tag: int, timeout_s: float) -> dict:
+    import ucxx
+
+    buf = bytearray(CTRL)
+    await asyncio.wait_for(ucxx.recv(buf, tag=tag), timeout_s)
+    return _parse(buf)
+
+
+class LocalUcx:
+    """Both sides of same-host UCX transfers for one node (runs in the node's event loop)."""
+
+    def __init__(self, secret: bytes, timeout_s: float):
+        self.secret, self.timeout_s = secret, timeout_s
+        self._eps: dict[bytes, object] = {}
+        self._task: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        import ucxx
+
+        return ucxx.get_worker_address().tobytes().hex()
+
+    async def _endpoint(self, addr: bytes):
+        import ucxx
+
+        ep = self._eps.get(addr)
+        if ep is None:
+            ep = await ucxx.create_endpoint_from_worker_address(
+                ucxx.get_ucx_address_from_buffer(addr), endpoint_error_handling=False
+            )
+            self._eps[addr] = ep
+        return ep
+
+    # -- server ------------------------------------------------------------------------------
+    def start(self, serve: ServeFn) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._accept(serve))
+
+    async def _accept(self, serve: ServeFn) -> None:
+        import ucxx
+
+        while True:
+            buf = bytearray(CTRL)
+            await ucxx.recv(buf, tag=REQUEST_TAG)
+            asyncio.get_running_loop().create_task(self._session(buf, serve))
+
+    async def _session(self, first: bytearray, serve: ServeFn) -> None:
+        try:
+            hello = _parse(first)
+            ep = await self._endpoint(bytes(hello["addr"]))
+            reply_tag, session_tag = int(hello["reply_tag"]), secrets.randbits(63)
+            nonce = os.urandom(NONCE)
+            proof = mac(self.secret, b"kvrelay-server", bytes(hello["nonce"]), nonce)
+            msg = {"nonce": nonce, "proof": proof, "session_tag": session_tag}
+            await ep.send(_ctrl(msg), tag=reply_tag, force_tag=True)
+            second = await _recv_ctrl(session_tag, self.timeout_s)
+            expect = mac(self.secret, b"kvrelay-client", nonce, bytes(hello["nonce"]))
+            if not hmac.compare_digest(second.get("proof", b""), expect):
+                logger.warning("refused same-host UCX store peer: wrong secret")
+                err = {"ok": False, "error": "peer failed the shared-secret challenge"}
+                await ep.send(_ctrl(err), tag=reply_tag, force_tag=True)
+                return
+            reply, views, release = serve(second.get("request") or {})
+            try:
+                await ep.send(_ctrl(reply), tag=reply_tag, force_tag=True)
+                # Post every page at once: one rendezvous at a time pays a loop wake-up each.
+                sends = [ep.send(view, tag=reply_tag, force_tag=True) for view in views]
+                await asyncio.wait_for(asyncio.gather(*sends), self.timeout_s)
+            finally:
+                release()
+        except Exception as exc:  # noqa: BLE001 - one bad session must not stop the server
+            logger.info("same-host UCX session ended: %r", exc)
+
+    # -- client ------------------------------------------------------------------------------
+    async def fetch(self, peer_addr: str, request: dict, dsts: list[memoryview]) -> int:
+        """Fetch pages from the node whose worker address is `peer_addr` (hex)."""
+        try:
+            return await asyncio.wait_for(self._fetch(peer_addr, request, dsts), self.timeout_s)
+        except TimeoutError as exc:
+            raise TransferTimeoutError(
+                f"same-host UCX fetch timed out after {self.timeout_s}s"
+            ) from exc
+
+    async def _fetch(self, peer_addr: str, request: dict, dsts: list[memoryview]) -> int:
+        import ucxx
+
+        ep = await self._endpoint(bytes.fromhex(peer_addr))
+        reply_tag, nonce = secrets.randbits(63), os.urandom(NONCE)
+        me = bytes.fromhex(self.address)
+        hello = {"addr": me, "reply_tag": reply_tag, "nonce": nonce}
+        await ep.send(_ctrl(hello), tag=REQUEST_TAG, force_tag=True)
+        first = await _recv_ctrl(reply_tag, self.timeout_s)
+        expect = mac(self.secret, b"kvrelay-server", nonce, bytes(first.get("nonce", b"")))
+        if not hmac.compare_digest(first.get("proof", b""), expect):
+            raise AuthError("same-host UCX peer failed the shared-secret challenge")
+        proof = mac(self.secret, b"kvrelay-client", bytes(first["nonce"]), nonce)
+        await ep.send(
+            _ctrl({"proof": proof, "request": request}),
+            tag=int(first["session_tag"]),
+            force_tag=True,
+        )
+        reply = await _recv_ctrl(reply_tag, self.timeout_s)
+        if not reply.get("ok"):
+            error = reply.get("error")
+            if "secret" in str(error):
+                raise AuthError(f"same-host UCX peer refused us: {error}")
+            raise TransferError(f"same-host UCX peer: {error}")
+        found = int(reply.get("found", 0))
+        if found > len(dsts):
+            raise TransferError(f"peer sent {found} pages for {len(dsts)} keys")
+        # Private buffer: after a timeout UCX may still write into it (see module docstring).
+        size = len(dsts[0]) if found else 0
+        buf = memoryview(bytearray(size * found))
+        parts = [buf[i * size : (i + 1) * size] for i in range(found)]
+        await asyncio.gather(*(ucxx.recv(part, tag=reply_tag) for part in parts))
+        for dst, part in zip(dsts, parts, strict=False):
+            dst[:] = part
+        return found
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for ep in self._eps.values():
+            ep.abort()
+        self._eps.clear()

@@ -1,0 +1,105 @@
+"""A whole kvrelay stack started with `kvrelay up --detach` in a fresh run directory (e2e tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from kvrelay.pipeline.keys import MESSAGE_FIELD, Keys
+from kvrelay.pipeline.launch import Supervisor
+from kvrelay.pipeline.messages import TokenChunk
+from tests.conftest import free_port
+
+MODEL = "smollm2-135m-instruct"
+
+
+class Stack:
+    """`kvrelay up --detach` ... `kvrelay down`, with handles on Redis and supervisord."""
+
+    def __init__(self, run_dir: Path, prefill: int = 1, decode: int = 1, env: dict | None = None):
+        self.run_dir = run_dir
+        self.port = free_port()
+        self.prefill, self.decode = prefill, decode
+        self.env = {"KVRELAY_WORKER_LEASE_MS": "2000", "KVRELAY_WORKER_HEARTBEAT_S": "0.5",
+                    **json.loads(os.environ.get("KVRELAY_E2E_ENV", "{}")), **(env or {})}
+        self.state: dict = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def up(self, timeout: float = 240) -> None:
+        cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", "up", "--detach",
+               "--run-dir", str(self.run_dir), "--port", str(self.port),
+               "--prefill", str(self.prefill), "--decode", str(self.decode),
+               "--kv-cache-bytes", str(96 << 20), "--arena-bytes", str(256 << 20),
+               "--timeout", str(timeout)]
+        for key, value in self.env.items():
+            cmd += ["--env", f"{key}={value}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60)
+        if done.returncode != 0:
+            raise RuntimeError(f"kvrelay up failed ({done.returncode}): {done.stderr[-3000:]}"
+                               + self.logs())
+        self.state = json.loads(done.stdout.strip().splitlines()[-1])
+        self.keys = Keys(self.state["key_prefix"])
+        self.redis = redis.Redis.from_url(self.state["redis_url"])
+        self.sup = Supervisor(self.run_dir)
+
+    def down(self) -> None:
+        subprocess.run([sys.executable, "-m", "kvrelay.pipeline.cli", "down", "--run-dir",
+                        str(self.run_dir)], capture_output=True, timeout=120)
+
+    def logs(self, tail: int = 30) -> str:
+        out = []
+        for path in sorted((self.run_dir / "logs").glob("*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-tail:]
+            out.append(f"\n== {path.name}\n" + "\n".join(lines))
+        return "".join(out)
+
+    def pids(self) -> dict[str, int | None]:
+        return {name: pid for name, (_state, pid) in self.sup.status().items()}
+
+    def kill(self, program: str) -> int:
+        """SIGKILL one program; returns the pid it had."""
+        pid = self.pids()[program]
+        assert pid, f"{program} is not running"
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def wait_restarted(self, program: str, old_pid: int, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state, pid = self.sup.status().get(program, ("", None))
+            if state == "RUNNING" and pid and pid != old_pid:
+                return pid
+            time.sleep(0.2)
+        raise TimeoutError(f"{program} did not come back: {self.sup.status()}{self.logs()}")
+
+    def out_tokens(self, request_id: str) -> list[int]:
+        """Token ids in out:{id}, checking the chunk indices leave no gap and no overlap."""
+        tokens: list[int] = []
+        for _eid, fields in self.redis.xrange(self.keys.out(request_id)):
+            chunk = TokenChunk.decode(fields[MESSAGE_FIELD])
+            assert chunk.index == len(tokens), f"chunk at {chunk.index}, expected {len(tokens)}"
+            tokens.extend(chunk.token_ids)
+        return tokens
+
+
+def generate_reference(tmp_path: Path, requests: list[dict], max_tokens: int) -> dict[str, dict]:
+    """`kvrelay generate --json` (the in-process engine) for JSONL requests; results by id."""
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrelay.pipeline.cli", "generate", "--json", "--batch-file",
+         str(batch), "--temperature", "0", "--max-tokens", str(max_tokens),
+         "--num-threads", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {r["id"]: r for r in results}

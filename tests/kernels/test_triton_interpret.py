@@ -1,0 +1,48 @@
+"""Triton kernels checked against the torch reference on CPU with TRITON_INTERPRET=1.
+
+The interpreter must be switched on before triton is imported, so the checks run in a child
+process (tests/kernels/triton_cases.py) and each test reads its case's result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = [
+    "decode_gqa_ragged",
+    "prefill_over_prefix",
+    "mixed_long",
+    "mha_group1",
+    "group3_dim_not_pow2",
+    "decode_and_chunks",
+    "write_kv",
+    "pages",
+]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.triton_cases"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_matches_torch(results: dict, case: str) -> None:
+    assert set(results) == set(CASES)
+    assert results[case]["ok"], results[case]["detail"]

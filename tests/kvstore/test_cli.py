@@ -1,0 +1,166 @@
+"""`kvrelay store` and `kvrelay kv` as operators run them: env config, metrics, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvrelay.config import ConfigError
+from kvrelay.kvstore.cli_store import add_kv_arguments, add_store_arguments, build_config, run_kv
+from kvrelay.kvstore.client import StoreClient
+from kvrelay.kvstore.config import StoreConfig
+from kvrelay.kvstore.server import arena_path
+from tests.conftest import free_port
+from tests.kvstore.conftest import SMALL, keys_for, payload
+
+CLI = [sys.executable, "-m", "kvrelay.pipeline.cli"]
+
+
+def kv(capsys, run_dir: str, *args: str) -> tuple[int, dict | str]:
+    """Run `kvrelay kv ...` in this process (the command only talks to the node's socket)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_kv_arguments(p)
+    capsys.readouterr()
+    code = run_kv(p.parse_args([*args, "--run-dir", run_dir]))
+    out = capsys.readouterr()
+    return code, json.loads(out.out) if code == 0 else out.err
+
+
+def test_config_from_flags_and_env():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_store_arguments(p)
+    args = p.parse_args(["--node-id", "x1", "--arena-bytes", "123456", "--page-bytes", "1024"])
+    env = {
+        "KVRELAY_STORE_NODE_ID": "ignored",
+        "KVRELAY_STORE_TCP_PORT": "-1",
+        "KVRELAY_STORE_SECRET": "s",
+    }
+    old = dict(os.environ)
+    os.environ.update(env)
+    try:
+        cfg = build_config(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert (cfg.node_id, cfg.arena_bytes, cfg.page_bytes, cfg.tcp_port, cfg.secret) == (
+        "x1",
+        123456,
+        1024,
+        -1,
+        "s",
+    )
+    with pytest.raises(ConfigError, match="transport must be auto, ucx or tcp"):
+        StoreConfig(transport="carrier-pigeon")
+    with pytest.raises(ConfigError, match="invalid node id"):
+        StoreConfig(node_id="a:b")
+    with pytest.raises(SystemExit, match="give --page-bytes or --model"):
+        build_config(p.parse_args([]))
+
+
+def test_store_node_and_kv_commands(tmp_path: Path, capsys):
+    run_dir = str(tmp_path / "run")
+    port = free_port()
+    env = dict(
+        os.environ,
+        KVRELAY_STORE_RUN_DIR=run_dir,
+        KVRELAY_STORE_PAGE_BYTES="1024",
+        KVRELAY_STORE_ARENA_BYTES=str(4096 + 2 * 4096),
+    )
+    proc = subprocess.Popen(
+        [
+            *CLI,
+            "store",
+            "--node-id",
+            "cli",
+            "--metrics-port",
+            str(port),
+            "--disk-dir",
+            str(tmp_path / "disk"),
+            "--keep-arena",
+            "false",
+        ],
+        env=env,
+    )
+    cfg = StoreConfig(node_id="cli", run_dir=run_dir)
+    try:
+        client = StoreClient(run_dir, SMALL, timeout_s=0.5)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.connect()
+                break
+            except Exception:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+        keys = keys_for(3)
+        assert client.put(keys, [payload(SMALL, i) for i in range(3)][:2]) == 2
+        assert client.put(keys[2:], [payload(SMALL, 2)]) == 1  # page 0 goes to disk
+        client.close()
+
+        code, stats = kv(capsys, run_dir, "stats")
+        assert code == 0 and stats["node_id"] == "cli"
+        assert stats["pages"] == {
+            "host": 2,
+            "disk": 1,
+            "host_slots": 2,
+            "pinned": 0,
+            "disk_capacity": 13421772,
+        }
+        code, listing = kv(capsys, run_dir, "ls")
+        assert listing == {"host": [keys[1].hex(), keys[2].hex()], "disk": [keys[0].hex()]}
+        code, page = kv(capsys, run_dir, "get", keys[2].hex())
+        assert page["found"] and page["verified"] and page["shape"] == [2, 2, 4, 2, 8]
+        assert page["fingerprint"] == SMALL.fingerprint and page["payload_bytes"] == 1024
+        code, page = kv(capsys, run_dir, "get", "00" * 16)
+        assert page == {"key": "00" * 16, "found": False}
+        code, err = kv(capsys, run_dir, "get", "xyz")
+        assert code == 1 and "not a hex page key: 'xyz'" in err
+        code, out = kv(capsys, run_dir, "evict")
+        assert out == {"evicted": 2}
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        text = text.decode()
+        assert 'kvrelay:store_puts_total{tier="host"} 3.0' in text
+        assert 'kvrelay:store_evictions_total{tier="host"} 3.0' in text
+        assert 'kvrelay:store_pages{tier="disk"} 3.0' in text
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert not cfg.socket_path.exists()
+        assert not arena_path(cfg).exists()  # --keep-arena false
+        code, err = kv(capsys, run_dir, "stats", "--timeout-s", "0.2")
+        assert code == 1 and "did not answer 'stats' within 0.2s" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        arena_path(cfg).unlink(missing_ok=True)
+
+
+def test_model_sets_page_bytes_and_fingerprint():
+    import argparse
+
+    from kvrelay.pipeline.modelref import converted_dir, is_prepared, read_model_info, resolve_model
+
+    ref = resolve_model("smollm2-135m-instruct")
+    if not is_prepared(ref):
+        pytest.skip("SmolLM2 not converted yet (run `kvrelay generate` once)")
+    p = argparse.ArgumentParser()
+    add_store_arguments(p)
+    cfg = build_config(p.parse_args(["--model", "smollm2-135m-instruct"]))
+    assert cfg.page_bytes == 737_280
+    assert cfg.fingerprint == read_model_info(converted_dir(ref), "float32").fingerprint
+    with pytest.raises(SystemExit, match="--page-bytes 1024 contradicts --model"):
+        build_config(p.parse_args(["--model", "smollm2-135m-instruct", "--page-bytes", "1024"]))

@@ -1,0 +1,109 @@
+"""Batch invariance: a token's logits and KV are bitwise identical however it is scheduled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.workers.model import padded_rows
+from tests.workers.conftest import SeqChunk, run_batch
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def seqs(loaded_model):
+    tok = loaded_model.tokenizer
+    a = tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe. 🌊"}])
+    b = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    c = tok.encode("Once upon a time, in a land far away, there lived a dragon who")
+    return a + tok.encode("The Danube, the Rhine"), b, c
+
+
+@pytest.fixture(scope="module")
+def reference(loaded_model, seqs):
+    """Sequence A prefilled alone in one chunk: its logits at every position and its pages."""
+    a = seqs[0]
+    pool = loaded_model.model.allocate_kv_pool(8, PAGE)
+    blocks = [0, 1, 2, 3]
+    logits = run_batch(loaded_model.model, pool, [SeqChunk(blocks, 0, a)], PAGE)
+    return {p: logits[(0, p)] for p in range(len(a))}, pool[blocks].clone()
+
+
+def _pages(pool, blocks):
+    return pool[blocks]
+
+
+def test_padded_rows():
+    assert [padded_rows(n) for n in (0, 1, 15, 16, 17, 33, 512)] == [16, 16, 16, 16, 32, 48, 512]
+
+
+def test_same_logits_alone_and_in_mixed_batch(loaded_model, seqs, reference):
+    a, b, c = seqs
+    ref_logits, ref_pages = reference
+    model = loaded_model.model
+    pool = model.allocate_kv_pool(16, PAGE)
+    a_blocks, b_blocks, c_blocks = [9, 4, 12, 1], [2, 3], [7, 8, 10]
+    run_batch(model, pool, [SeqChunk(c_blocks, 0, c[:-1], all_logits=False)], PAGE)
+    # B prefills, A prefills in one chunk, C decodes: all in one forward.
+    chunks = [
+        SeqChunk(b_blocks, 0, b),
+        SeqChunk(a_blocks, 0, a),
+        SeqChunk(c_blocks, len(c) - 1, c[-1:]),
+    ]
+    got = run_batch(model, pool, chunks, PAGE)
+    for p in range(len(a)):
+        assert torch.equal(got[(1, p)], ref_logits[p]), p
+    assert torch.equal(_pages(pool, a_blocks), ref_pages)
+
+
+@pytest.mark.parametrize("chunk_sizes", [(7, 16, 1, 9), (1,) * 4, (16, 16)])
+def test_same_logits_chunked_prefill_and_decode(loaded_model, seqs, reference, chunk_sizes):
+    a = seqs[0]
+    ref_logits, ref_pages = reference
+    model = loaded_model.model
+    pool = model.allocate_kv_pool(8, PAGE)
+    blocks = [5, 0, 7, 2]
+    start = 0
+    sizes = list(chunk_sizes)
+    while start < len(a):  # the given chunks, then one token at a time (decode)
+        n = min(sizes.pop(0) if sizes else 1, len(a) - start)
+        got = run_batch(model, pool, [SeqChunk(blocks, start, a[start : start + n])], PAGE)
+        for p in range(start, start + n):
+            assert torch.equal(got[(0, p)], ref_logits[p]), (chunk_sizes, p)
+        start += n
+    assert torch.equal(_pages(pool, blocks), ref_pages)
+
+
+def test_same_decode_logits_for_any_batch_size(loaded_model, seqs, reference):
+    a, _, c = seqs
+    ref_logits, _ = reference
+    model = loaded_model.model
+    last = len(a) - 1
+    for batch_size in (1, 3, 17, 33):
+        pool = model.allocate_kv_pool(4 + 2 * batch_size, PAGE)
+        run_batch(model, pool, [SeqChunk([0, 1, 2, 3], 0, a[:-1], all_logits=False)], PAGE)
+        others = [
+            SeqChunk([4 + 2 * k, 5 + 2 * k], 0, c[: 5 + k % 11], all_logits=False)
+            for k in range(batch_size - 1)
+        ]
+        if others:  # the other sequences are prefilled, then all decode together
+            run_batch(model, pool, others, PAGE)
+        decode = [SeqChunk(o.block_ids, len(o.token_ids), [c[k % 7]]) for k, o in enumerate(others)]
+        got = run_batch(model, pool, [*decode, SeqChunk([0, 1, 2, 3], last, [a[-1]])], PAGE)
+        assert torch.equal(got[(batch_size - 1, last)], ref_logits[last]), batch_size
+
+
+def test_same_logits_for_one_and_two_threads(loaded_model, seqs, reference):
+    a = seqs[0]
+    ref_logits, _ = reference
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            pool = loaded_model.model.allocate_kv_pool(4, PAGE)
+            got = run_batch(loaded_model.model, pool, [SeqChunk([0, 1, 2, 3], 0, a)], PAGE)
+            for p in range(len(a)):
+                assert torch.equal(got[(0, p)], ref_logits[p]), (threads, p)
+    finally:
+        torch.set_num_threads(before)

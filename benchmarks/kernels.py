@@ -79,11 +79,17 @@ def bench_decode(batch, ctx, args) -> dict:
     ctx_lens = [ctx - batch // 2 + i for i in range(batch)]  # ragged around ctx
     pool, layer, meta, q, _ = _setup(ctx_lens, [1] * batch, args.layers, args.device, args.dtype)
     ours = _time(
-        lambda: paged_attention(q, pool, layer, meta, 0.125, impl=args.impl), args.repeat, args.device
+        lambda: paged_attention(q, pool, layer, meta, 0.125, impl=args.impl),
+        args.repeat,
+        args.device,
     )
     fresh = _time(
         lambda: paged_attention(
-            q, pool, layer, AttentionMetadata(*[getattr(meta, f) for f in _FIELDS]), 0.125,
+            q,
+            pool,
+            layer,
+            AttentionMetadata(*[getattr(meta, f) for f in _FIELDS]),
+            0.125,
             impl=args.impl,
         ),
         args.repeat,
@@ -103,14 +109,21 @@ def bench_decode(batch, ctx, args) -> dict:
         return F.scaled_dot_product_attention(qs, kk, vv, enable_gqa=True)
 
     hf = _time(dynamic_cache_step, args.repeat, args.device)
-    return {"case": f"decode b{batch} ctx~{ctx}", "ours_ms": ours, "ours_with_plan_ms": fresh,
-            "sdpa_ms": sdpa, "cat_sdpa_ms": hf}
+    return {
+        "case": f"decode b{batch} ctx~{ctx}",
+        "ours_ms": ours,
+        "ours_with_plan_ms": fresh,
+        "sdpa_ms": sdpa,
+        "cat_sdpa_ms": hf,
+    }
 
 
 def bench_prefill(tokens, args) -> dict:
     pool, layer, meta, q, kv = _setup([tokens], [tokens], args.layers, args.device, args.dtype)
     ours = _time(
-        lambda: paged_attention(q, pool, layer, meta, 0.125, impl=args.impl), args.repeat, args.device
+        lambda: paged_attention(q, pool, layer, meta, 0.125, impl=args.impl),
+        args.repeat,
+        args.device,
     )
     qs = q.transpose(0, 1).unsqueeze(0)
     k, v = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
@@ -122,8 +135,14 @@ def bench_prefill(tokens, args) -> dict:
     return {"case": f"prefill {tokens}", "ours_ms": ours, "sdpa_ms": sdpa, "cat_sdpa_ms": sdpa}
 
 
-_FIELDS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "max_query_len",
-           "max_context_len")
+_FIELDS = (
+    "slot_mapping",
+    "block_tables",
+    "context_lens",
+    "query_start_loc",
+    "max_query_len",
+    "max_context_len",
+)
 
 
 def main() -> None:
@@ -143,12 +162,23 @@ def main() -> None:
     rows += [bench_prefill(n, args) for n in (128, 512, 2048)]
     for r in rows:
         r["ratio_vs_cat_sdpa"] = r["cat_sdpa_ms"] / r["ours_ms"]
-    print(json.dumps({"bench": "kernels", "device": args.device, "impl": args.impl,
-                      "threads": torch.get_num_threads(), "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "kernels",
+                "device": args.device,
+                "impl": args.impl,
+                "threads": torch.get_num_threads(),
+                "rows": rows,
+            }
+        )
+    )
     print(f"{'case':<22}{'ours ms':>10}{'sdpa ms':>10}{'cat+sdpa':>10}{'speedup':>9}")
     for r in rows:
-        print(f"{r['case']:<22}{r['ours_ms']:>10.3f}{r['sdpa_ms']:>10.3f}{r['cat_sdpa_ms']:>10.3f}"
-              f"{r['ratio_vs_cat_sdpa']:>9.2f}")
+        print(
+            f"{r['case']:<22}{r['ours_ms']:>10.3f}{r['sdpa_ms']:>10.3f}{r['cat_sdpa_ms']:>10.3f}"
+            f"{r['ratio_vs_cat_sdpa']:>9.2f}"
+        )
 
 
 if __name__ == "__main__":

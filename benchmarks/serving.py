@@ -41,8 +41,9 @@ def inprocess(engine, prompts: list[str], max_tokens: int, concurrency: int
     from kvrelay.pipeline.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    pending = [(f"ip-{time.monotonic_ns()}-{i}", engine.tokenizer.encode(p))
-               for i, p in enumerate(prompts)]
+    pending = [
+        (f"ip-{time.monotonic_ns()}-{i}", engine.tokenizer.encode(p)) for i, p in enumerate(prompts)
+    ]
     active: dict[str, tuple[RequestResult, float, list[float]]] = {}
     results: list[RequestResult] = []
     start = time.monotonic()
@@ -74,8 +75,21 @@ def inprocess(engine, prompts: list[str], max_tokens: int, concurrency: int
 
 
 def up(run_dir: Path, port: int, prefill: int, decode: int) -> dict:
-    cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", "up", "--detach", "--run-dir",
-           str(run_dir), "--port", str(port), "--prefill", str(prefill), "--decode", str(decode)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvrelay.pipeline.cli",
+        "up",
+        "--detach",
+        "--run-dir",
+        str(run_dir),
+        "--port",
+        str(port),
+        "--prefill",
+        str(prefill),
+        "--decode",
+        str(decode),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"kvrelay up failed: {done.stderr[-2000:]}")
@@ -83,17 +97,25 @@ def up(run_dir: Path, port: int, prefill: int, decode: int) -> dict:
 
 
 def down(run_dir: Path) -> None:
-    subprocess.run([sys.executable, "-m", "kvrelay.pipeline.cli", "down", "--run-dir",
-                    str(run_dir)], capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "kvrelay.pipeline.cli", "down", "--run-dir", str(run_dir)],
+        capture_output=True,
+        timeout=120,
+    )
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| concurrency | mode | TTFT p50 (ms) | TTFT p90 (ms) | ITL p50 (ms) | ITL p90 (ms) "
-             "| output tok/s | errors |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| concurrency | mode | TTFT p50 (ms) | TTFT p90 (ms) | ITL p50 (ms) | ITL p90 (ms) "
+        "| output tok/s | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['concurrency']} | {r['mode']} | {r['ttft_ms_p50']} | "
-                     f"{r['ttft_ms_p90']} | {r['itl_ms_p50']} | {r['itl_ms_p90']} | "
-                     f"{r['output_tok_s']} | {r['errors']} |")
+        lines.append(
+            f"| {r['concurrency']} | {r['mode']} | {r['ttft_ms_p50']} | "
+            f"{r['ttft_ms_p90']} | {r['itl_ms_p50']} | {r['itl_ms_p90']} | "
+            f"{r['output_tok_s']} | {r['errors']} |"
+        )
     return "\n".join(lines)
 
 
@@ -104,10 +126,14 @@ def ratios(rows: list[dict]) -> list[dict]:
         p, e = by.get((c, "pipeline")), by.get((c, "in-process"))
         if not p or not e or not p["itl_ms_p50"] or not e["itl_ms_p50"]:
             continue
-        out.append({"concurrency": c,
-                    "itl_ratio": round(p["itl_ms_p50"] / e["itl_ms_p50"], 3),
-                    "ttft_overhead_ms": round(p["ttft_ms_p50"] - e["ttft_ms_p50"], 2),
-                    "throughput_ratio": round(p["output_tok_s"] / e["output_tok_s"], 3)})
+        out.append(
+            {
+                "concurrency": c,
+                "itl_ratio": round(p["itl_ms_p50"] / e["itl_ms_p50"], 3),
+                "ttft_overhead_ms": round(p["ttft_ms_p50"] - e["ttft_ms_p50"], 2),
+                "throughput_ratio": round(p["output_tok_s"] / e["output_tok_s"], 3),
+            }
+        )
     return out
 
 
@@ -166,15 +192,26 @@ def main() -> int:
     text = table(rows)
     print(text)
     if args.write_docs:
-        meta = (f"## Serving: pipeline vs in-process engine\n\n`python benchmarks/serving.py` "
-                f"({time.strftime('%Y-%m-%d')}): {args.prefill} prefill + {args.decode} decode "
-                f"worker(s), {threads} compute thread(s) per engine, greedy, {args.max_tokens} "
-                f"output tokens (ignore_eos), closed loop. ITL = (latency - TTFT) / (tokens - 1)."
-                "\n\n")
-        rtab = "\n".join(["", "| concurrency | ITL ratio (pipeline / in-process) | TTFT "
-                          "overhead p50 (ms) | throughput ratio |", "|---:|---:|---:|---:|"]
-                         + [f"| {r['concurrency']} | {r['itl_ratio']} | {r['ttft_overhead_ms']}"
-                            f" | {r['throughput_ratio']} |" for r in rat])
+        meta = (
+            f"## Serving: pipeline vs in-process engine\n\n`python benchmarks/serving.py` "
+            f"({time.strftime('%Y-%m-%d')}): {args.prefill} prefill + {args.decode} decode "
+            f"worker(s), {threads} compute thread(s) per engine, greedy, {args.max_tokens} "
+            f"output tokens (ignore_eos), closed loop. ITL = (latency - TTFT) / (tokens - 1)."
+            "\n\n"
+        )
+        rtab = "\n".join(
+            [
+                "",
+                "| concurrency | ITL ratio (pipeline / in-process) | TTFT "
+                "overhead p50 (ms) | throughput ratio |",
+                "|---:|---:|---:|---:|",
+            ]
+            + [
+                f"| {r['concurrency']} | {r['itl_ratio']} | {r['ttft_overhead_ms']}"
+                f" | {r['throughput_ratio']} |"
+                for r in rat
+            ]
+        )
         write_docs(meta + text + "\n" + rtab)
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 

@@ -23,6 +23,11 @@ def _backend(impl: str, tensor: torch.Tensor) -> ModuleType:
         from kvrelay.kernels import triton_ops
 
         return triton_ops
+    if tensor.device.type != "cpu":
+        # The invariant torch path is tuned for CPU; elsewhere the simple reference runs.
+        from kvrelay.kernels import torch_ref
+
+        return torch_ref
     from kvrelay.kernels import torch_paged
 
     return torch_paged
@@ -55,6 +60,9 @@ def write_kv(
         )
     if slot_mapping.dtype != torch.int64:
         raise KernelError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    num_slots = kv_pool.shape[0] * kv_pool.shape[3]
+    if not slot_mapping.is_cuda and slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
+        raise KernelError(f"slot {int(slot_mapping.max())} outside the pool's {num_slots} slots")
     _backend(impl, kv_pool).write_kv(kv_pool, layer, key, value, slot_mapping)
 
 

@@ -15,7 +15,7 @@ import torch
 from kvrelay.kernels.errors import KernelError
 from kvrelay.kernels.metadata import AttentionMetadata
 
-TILE_KEYS = 64  # target keys per tile; fixed so every P@V contraction has the same length
+TILE_KEYS = 128  # target keys per tile; fixed so every P@V contraction has the same length
 ROW_ALIGN = 4  # MKL gives bitwise-identical rows when a matmul's row count is a multiple of 4
 SMALL_ROWS = 64  # units with at most this many rows are batched as items
 BLOCK_POSITIONS = 128  # query positions per unit of a long chunk
@@ -60,7 +60,7 @@ class BigUnit:
 
     q_rows: torch.Tensor  # long [rows]
     num_tiles: int
-    mask_start: int  # keys before this column are visible to every row
+    mask_start: int  # tile-aligned; keys before this column are visible to every row
     mask: torch.Tensor  # bool [rows, num_tiles * tile - mask_start]
     out_rows: torch.Tensor  # long [valid rows]; the unit's first rows are the valid ones
 
@@ -83,22 +83,27 @@ class AttentionPlan:
     big: list[BigSeq]
 
 
-def get_plan(meta: AttentionMetadata, page_size: int, group: int) -> AttentionPlan:
+def get_plan(
+    meta: AttentionMetadata, page_size: int, group: int, num_blocks: int, num_tokens: int
+) -> AttentionPlan:
     """The cached plan for this metadata (built on first use, shared by all layers)."""
-    key = ("torch", page_size, group)
+    key = ("torch", page_size, group, num_blocks, num_tokens)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = build_plan(meta, page_size, group)
+        plan = build_plan(meta, page_size, group, num_blocks, num_tokens)
         meta.plans[key] = plan
     return plan
 
 
-def build_plan(meta: AttentionMetadata, page_size: int, group: int) -> AttentionPlan:
+def build_plan(
+    meta: AttentionMetadata, page_size: int, group: int, num_blocks: int, num_tokens: int
+) -> AttentionPlan:
     """Cut every sequence's query rows into units and list their key tiles."""
     ctx = meta.context_lens.tolist()
     qsl = meta.query_start_loc.tolist()
     tables = meta.block_tables.tolist()
-    num_tokens = qsl[-1] if qsl else 0
+    if qsl[0] != 0 or qsl[-1] != num_tokens:
+        raise KernelError(f"query_start_loc must run from 0 to {num_tokens}, got {qsl}")
     tile = tile_keys(page_size)
     small: dict[int, list[tuple]] = {}
     big: dict[int, list[tuple]] = {}
@@ -106,8 +111,14 @@ def build_plan(meta: AttentionMetadata, page_size: int, group: int) -> Attention
         n = qsl[i + 1] - qsl[i]
         if n < 0 or n > length:
             raise KernelError(f"sequence {i}: {n} query rows but context length {length}")
-        if -(-length // page_size) > len(tables[i]):
+        num_pages = -(-length // page_size)
+        if num_pages > len(tables[i]):
             raise KernelError(f"sequence {i}: context {length} exceeds its block table")
+        used = tables[i][:num_pages]
+        if used and not 0 <= min(used) <= max(used) < num_blocks:
+            raise KernelError(f"sequence {i}: block ids {used} outside the pool of {num_blocks}")
+        if n == 0:
+            continue
         step = n if n * group <= SMALL_ROWS else BLOCK_POSITIONS
         for j0 in range(0, n, step):
             npos = min(step, n - j0)
@@ -183,7 +194,7 @@ def _big_seq(units, tables, num_tokens, group, tile, page_size, ppt) -> BigSeq:
     for _, t0, p0, npos, _ in units:
         rows = _align(npos * group)
         num_tiles = (p0 + npos - 1) // tile + 1
-        start = p0 + 1
+        start = (p0 + 1) // tile * tile
         kpos = torch.arange(start, num_tiles * tile)
         big_units.append(
             BigUnit(
@@ -195,5 +206,9 @@ def _big_seq(units, tables, num_tokens, group, tile, page_size, ppt) -> BigSeq:
             )
         )
     num_tiles = max(u.num_tiles for u in big_units)
-    blocks = [b for t in range(num_tiles) for b in _tile_blocks(tables[i], length, t, page_size, ppt)]
-    return BigSeq(blocks=torch.tensor(blocks, dtype=torch.long), context_len=length, units=big_units)
+    blocks = [
+        b for t in range(num_tiles) for b in _tile_blocks(tables[i], length, t, page_size, ppt)
+    ]
+    return BigSeq(
+        blocks=torch.tensor(blocks, dtype=torch.long), context_len=length, units=big_units
+    )

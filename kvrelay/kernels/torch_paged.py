@@ -23,6 +23,9 @@ from kvrelay.kernels.torch_ref import gather_pages, scatter_pages, write_kv
 __all__ = ["gather_pages", "paged_attention", "scatter_pages", "write_kv"]
 
 NEG_INF = float("-inf")
+# exp of -inf or of anything below ~-87 (denormal results) is up to 8x slower on x86: clamp the
+# exponent, then put exact zeros back at masked keys (fully masked tiles must add exact zeros).
+MIN_EXPONENT = -87.0
 
 
 class _Workspace(threading.local):
@@ -59,10 +62,10 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     kv_heads = kv_pool.shape[4]
     group = num_heads // kv_heads
-    plan = get_plan(meta, kv_pool.shape[3], group)
+    plan = get_plan(meta, kv_pool.shape[3], group, kv_pool.shape[0], num_tokens)
     # Per kv head, a table of query rows (token * group + g), plus one zero row for padding.
     qtab = query.new_zeros((kv_heads, num_tokens * group + 1, head_dim), dtype=torch.float32)
-    q = query.view(num_tokens, kv_heads, group, head_dim).transpose(0, 1).float() * scale
+    q = query.reshape(num_tokens, kv_heads, group, head_dim).transpose(0, 1).float() * scale
     qtab[:, : num_tokens * group] = q.reshape(kv_heads, num_tokens * group, head_dim)
     res = query.new_zeros((kv_heads, num_tokens * group, head_dim), dtype=torch.float32)
     keys, values = kv_pool[:, layer, 0], kv_pool[:, layer, 1]
@@ -85,11 +88,9 @@ def _gather(name: str, pages: torch.Tensor, blocks: torch.Tensor) -> torch.Tenso
 def _small(grp: SmallGroup, qtab, keys, values, res, tile: int) -> None:
     kv_heads, head_dim = keys.shape[2], keys.shape[3]
     n, rows, units = grp.num_items, grp.rows, grp.num_units
+    # K is gathered right before its matmul and V right before its own: each copy is then
+    # still in the last-level cache when it is read.
     k = _gather("k", keys, grp.blocks).view(n, tile, kv_heads, head_dim)
-    v = _gather("v", values, grp.blocks).view(n, tile, kv_heads, head_dim)
-    if grp.vzero_rows.numel():
-        # Slots past the context may hold stale values; their weight is 0, keep 0 * v == 0.
-        v.view(n * tile, kv_heads * head_dim).index_fill_(0, grp.vzero_rows, 0.0)
     q = qtab[:, grp.q_rows]  # [kv_heads, items, rows, head_dim]
     s = _ws.get("s", (kv_heads, n, rows, tile))
     for h in range(kv_heads):
@@ -99,8 +100,14 @@ def _small(grp: SmallGroup, qtab, keys, values, res, tile: int) -> None:
     uoi = grp.unit_of_item
     m = s.new_full((kv_heads, units, rows), NEG_INF)
     m.scatter_reduce_(1, uoi[None, :, None].expand(kv_heads, n, rows), s.amax(-1), "amax")
-    s.sub_(m[:, uoi].unsqueeze(-1)).exp_()
+    s.sub_(m[:, uoi].unsqueeze(-1)).clamp_min_(MIN_EXPONENT).exp_()
+    if grp.mask_idx.numel():
+        s.view(kv_heads, -1).index_fill_(1, grp.mask_idx, 0.0)
     denom = s.new_zeros((kv_heads, units, rows)).index_add_(1, uoi, s.sum(-1))
+    v = _gather("v", values, grp.blocks).view(n, tile, kv_heads, head_dim)
+    if grp.vzero_rows.numel():
+        # Slots past the context may hold stale values; their weight is 0, keep 0 * v == 0.
+        v.view(n * tile, kv_heads * head_dim).index_fill_(0, grp.vzero_rows, 0.0)
     o_items = _ws.get("o", (kv_heads, n, rows, head_dim))
     for h in range(kv_heads):
         torch.bmm(s[h], v[:, :, h], out=o_items[h])
@@ -124,12 +131,14 @@ def _big(seq: BigSeq, qtab, keys, values, res, tile: int) -> None:
         q = qtab[:, unit.q_rows]  # [kv_heads, rows, head_dim]
         s = _ws.get("s", (kv_heads, rows, width))
         torch.bmm(q, k[:, :width].transpose(1, 2), out=s)
-        s[:, :, unit.mask_start :].masked_fill_(unit.mask, NEG_INF)
+        s[:, :, unit.mask_start :].masked_fill_(unit.mask, NEG_INF)  # mask_start is tile-aligned
         m = s.amax(-1, keepdim=True)
         # Probabilities laid out per tile [kv_heads, tiles, rows, tile], like the small path.
         p = _ws.get("p", (kv_heads, num_tiles, rows, tile))
         torch.sub(s.view(kv_heads, rows, num_tiles, tile), m.unsqueeze(-1), out=p.transpose(1, 2))
-        p.exp_()
+        p.clamp_min_(MIN_EXPONENT).exp_()
+        masked = num_tiles - unit.mask.shape[1] // tile
+        p.transpose(1, 2)[:, :, masked:].masked_fill_(unit.mask.view(rows, -1, tile), 0.0)
         zeros = torch.zeros(num_tiles, dtype=torch.long)
         denom = s.new_zeros((kv_heads, 1, rows)).index_add_(1, zeros, p.sum(-1))
         o_tiles = _ws.get("o", (kv_heads, num_tiles, rows, head_dim))

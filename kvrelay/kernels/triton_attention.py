@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrelay.kernels.errors import KernelError
 from kvrelay.kernels.metadata import AttentionMetadata
 
 BLOCK_M = 16  # query tokens per program
@@ -76,7 +77,9 @@ def _paged_attention_kernel(
         m = m_new
     out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
     o_off = (q_start + tok)[:, None] * so_t + head[:, None] * so_h + d[None, :]
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :]
+    )
 
 
 def paged_attention(
@@ -91,7 +94,7 @@ def paged_attention(
     page_size, kv_heads = kv_pool.shape[3], kv_pool.shape[4]
     group = num_heads // kv_heads
     if query.stride(2) != 1 or kv_pool.stride(5) != 1:
-        raise ValueError("query and kv_pool need a contiguous last dimension")
+        raise KernelError("query and kv_pool need a contiguous last dimension")
     out = torch.empty_like(query)
     num_seqs = meta.context_lens.shape[0]
     grid = (num_seqs, triton.cdiv(max(meta.max_query_len, 1), BLOCK_M), kv_heads)

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrelay.kernels.errors import KernelError
+
 COPY_BLOCK = 1024  # elements per program in page copies
 
 
@@ -36,7 +38,7 @@ def _write_kv_kernel(
 def write_kv(kv_pool, layer, key, value, slot_mapping) -> None:
     """Store each token's K/V at its slot (one program per token); negative slots are skipped."""
     if key.stride(2) != 1 or value.stride(2) != 1 or kv_pool.stride(5) != 1:
-        raise ValueError("key, value and kv_pool need a contiguous last dimension")
+        raise KernelError("key, value and kv_pool need a contiguous last dimension")
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
@@ -55,7 +57,7 @@ def write_kv(kv_pool, layer, key, value, slot_mapping) -> None:
 @triton.jit
 def _copy_pages_kernel(src_ptr, dst_ptr, ids_ptr, page_numel, TO_POOL: tl.constexpr,
                        BLOCK: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     block = tl.load(ids_ptr + i).to(tl.int64)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -80,7 +82,7 @@ def _launch_copy(src, dst, block_ids, to_pool: bool, page_numel: int) -> None:
 def gather_pages(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Contiguous copy of the pool's blocks block_ids."""
     if not kv_pool.is_contiguous():
-        raise ValueError("the Triton page copy needs a contiguous kv_pool")
+        raise KernelError("the Triton page copy needs a contiguous kv_pool")
     out = kv_pool.new_empty((block_ids.shape[0], *kv_pool.shape[1:]))
     _launch_copy(kv_pool, out, block_ids, False, kv_pool[0].numel())
     return out
@@ -89,5 +91,5 @@ def gather_pages(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
 def scatter_pages(kv_pool: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
     """Copy pages into the pool's blocks block_ids."""
     if not kv_pool.is_contiguous():
-        raise ValueError("the Triton page copy needs a contiguous kv_pool")
+        raise KernelError("the Triton page copy needs a contiguous kv_pool")
     _launch_copy(pages.contiguous(), kv_pool, block_ids, True, kv_pool[0].numel())

@@ -138,8 +138,8 @@ class HostArena:
         return True
 
     def close(self) -> None:
-        self._view.release()
         try:
+            self._view.release()
             self._mm.close()
         except BufferError:
             logger.debug("arena %s still has views; leaving the mapping to the GC", self.path)

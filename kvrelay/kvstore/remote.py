@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from kvrelay.kvstore.arena import HostArena
@@ -68,6 +69,7 @@ class Remote:
         self.local = None  # LocalUcx when this node runs UCX (same-host worker addresses)
         self.host_id: str | None = None
         self.same_host = True
+        self._deadline = 0.0
 
     # -- server side (runs in the node's asyncio thread) -----------------------------------
     def serve(self, req: dict) -> tuple[dict, list[memoryview], Callable[[], None]]:
@@ -103,10 +105,24 @@ class Remote:
             logger.warning("page directory lookup failed: %s", exc)
             return []
         pinned: list[int] = []
+        try:
+            i = self._fetch_prefix(keys, locs, pinned)
+        except Exception:  # noqa: BLE001 - keep what arrived; the caller recomputes the rest
+            logger.exception("remote fetch failed unexpectedly")
+            return pinned
+        if i < len(keys):
+            self.metrics.inc("misses", "remote")
+        return pinned
+
+    def _fetch_prefix(self, keys: list[bytes], locs: list[list[str]], pinned: list[int]) -> int:
         i = 0
+        # One bound for the whole fetch, however many peers it tries: the worker is waiting.
+        self._deadline = time.monotonic() + self.timeout_s
         while i < len(keys) and locs[i]:
             got = wanted = 0
             for node_id in locs[i]:
+                if self._left() <= 0.05:
+                    break
                 j = i
                 while j < len(keys) and node_id in locs[j]:
                     j += 1
@@ -117,9 +133,11 @@ class Remote:
             i += got
             if got < wanted:  # a failure or a short answer: stop at the first missing page
                 break
-        if i < len(keys):
-            self.metrics.inc("misses", "remote")
-        return pinned
+        return i
+
+    def _left(self) -> float:
+        """Seconds left of the current fetch's time bound."""
+        return self._deadline - time.monotonic()
 
     def _same_host(self, info: dict[str, str]) -> bool:
         return (
@@ -138,9 +156,9 @@ class Remote:
                 if kind == "tcp":
                     if peer is None:
                         host, port = address.rsplit(":", 1)
-                        peer = TcpPeer(host, int(port), self.secret, self.timeout_s)
+                        peer = TcpPeer(host, int(port), self.secret, self._left())
                         self._peers[(kind, address)] = peer
-                    return peer.fetch(request, dsts, self.timeout_s)
+                    return peer.fetch(request, dsts, max(self._left(), 0.05))
                 return self._ucx(address, request, dsts)
             except TransferError as exc:
                 dropped = self._peers.pop((kind, address), None)
@@ -159,17 +177,17 @@ class Remote:
             if peer is None:
                 host, port = address.rsplit(":", 1)
                 peer = UcxPeer(host, int(port))
-                await peer.connect(self.secret, self.timeout_s)
+                await peer.connect(self.secret, self._left())
                 self._peers[("ucx", address)] = peer
             try:
-                return await peer.fetch(request, dsts, self.timeout_s)
+                return await peer.fetch(request, dsts, max(self._left(), 0.05))
             except BaseException:
                 peer.close()
                 raise
 
         fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
         try:
-            return fut.result(2 * self.timeout_s + 1)  # connect + fetch, each bounded
+            return fut.result(self._left() + 1)  # the coroutine bounds itself; this is a backstop
         except TimeoutError as exc:
             fut.cancel()
             raise TransferTimeoutError(f"UCX fetch from {address} timed out") from exc
@@ -202,9 +220,9 @@ class Remote:
             if use_ucx and self._same_host(info):
                 via = "ucx_local"
                 fut = asyncio.run_coroutine_threadsafe(
-                    self.local.fetch(info["ucx_addr"], request, dsts), self.loop
+                    self.local.fetch(info["ucx_addr"], request, dsts, self._left()), self.loop
                 )
-                found = fut.result(self.timeout_s + 1)
+                found = fut.result(self._left() + 1)
             else:
                 found = self._transfer(kind, info[kind], request, dsts)
         except (StoreError, KeyError, ValueError, TimeoutError) as exc:

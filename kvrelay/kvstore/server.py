@@ -189,15 +189,19 @@ class StoreNode:
                 self.remote.close()
                 if self.remote.local is not None:
                     self.remote.local.close()
+                tasks = []
                 for srv in self._servers:
                     srv.close()
-                # Open peer sessions (and the same-host UCX accept loop) end with the node.
-                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-                for task in tasks:
+                    tasks += list(getattr(srv, "kv_sessions", ()))
+                for task in tasks:  # open TCP sessions end with the node
                     task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                if tasks:
+                    await asyncio.wait(tasks, timeout=2)
 
-            asyncio.run_coroutine_threadsafe(shut(), self._loop).result(10)
+            try:
+                asyncio.run_coroutine_threadsafe(shut(), self._loop).result(5)
+            except TimeoutError:
+                logger.warning("remote listeners did not close within 5s; stopping anyway")
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(timeout=10)
         self._sock.close()

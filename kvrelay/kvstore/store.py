@@ -21,6 +21,7 @@ from kvrelay.kvstore.disk import DiskTier
 from kvrelay.kvstore.errors import IncompatiblePageError, PageFormatError, StoreError
 from kvrelay.kvstore.metrics import StoreMetrics
 from kvrelay.kvstore.page import unpack_header, verify_page
+from kvrelay.kvstore.store_admin import StoreAdmin
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,10 @@ class _Entry:
     pins: list[float] = field(default_factory=list)  # reader lease deadlines
 
 
-class NodeStore:
+class NodeStore(StoreAdmin):
     """Which key is in which arena slot, the disk tier, LRU eviction and pins."""
+
+    _entry_cls = _Entry
 
     def __init__(
         self,
@@ -58,45 +61,6 @@ class NodeStore:
         self._slot_key: dict[int, bytes] = {}  # last key placed in each slot (checked on use)
         self._next_expiry = 0.0
 
-    # -- start and stop ---------------------------------------------------------------------
-    def rebuild_from_arena(self) -> int:
-        """Index the verified pages already in a reused arena file (a node restart)."""
-        with self.lock:
-            for i in range(self.arena.num_slots):
-                try:
-                    h = verify_page(
-                        self.arena.slot(i), page_bytes=self.page_bytes, fingerprint=self.fingerprint
-                    )
-                except StoreError:
-                    continue
-                if h.key in self._entries:
-                    continue
-                self._free.remove(i)
-                self._entries[h.key] = _Entry(i, True)
-                self._slot_key[i] = h.key
-                self._lru[h.key] = None
-            return len(self._lru)
-
-    def all_keys(self) -> list[bytes]:
-        with self.lock:
-            keys = list(self._lru)
-            if self.disk is not None:
-                keys += [k for k in self.disk.keys() if k not in self._entries]  # noqa: SIM118
-            return keys
-
-    def flush_to_disk(self) -> int:
-        """Copy arena pages missing from disk to disk (clean shutdown); returns pages written."""
-        if self.disk is None:
-            return 0
-        n = 0
-        with self.lock:
-            for key in list(self._lru):
-                if key not in self.disk:
-                    gone = self.disk.put(key, self.arena.slot(self._entries[key].slot))
-                    self._gone([k for k in gone if k not in self._entries])
-                    n += 1
-        return n
-
     # -- slots ------------------------------------------------------------------------------
     def _expire(self, now: float) -> None:
         if now < self._next_expiry:
@@ -111,10 +75,13 @@ class NodeStore:
                 del self._entries[key]
                 self._free.append(e.slot)
 
-    def _gone(self, keys: list[bytes]) -> None:
-        if keys:
-            self.metrics.inc("evictions", "disk", value=len(keys))
-            self.on_gone(keys)
+    def _gone(self, dropped: list[bytes]) -> None:
+        """Pages the disk tier dropped; those not in the arena either have left this node."""
+        if dropped:
+            self.metrics.inc("evictions", "disk", value=len(dropped))
+            gone = [k for k in dropped if k not in self._entries]
+            if gone:
+                self.on_gone(gone)
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -166,26 +133,21 @@ class NodeStore:
         """Publish written slots; per key None or why it was refused (its slot is freed)."""
         errors: list[str | None] = []
         present = []
+        # Check outside the lock (CRCs take a while): a reserved slot is its writer's alone.
+        problems = [
+            self._check_slot(key, slot, verify) for key, slot in zip(keys, slots, strict=True)
+        ]
         now = time.monotonic()
         with self.lock:
-            for key, slot in zip(keys, slots, strict=True):
+            for key, slot, problem in zip(keys, slots, problems, strict=True):
                 e = self._entries.get(key)
                 if e is None or e.ready or e.slot != slot:
                     errors.append(f"page {key.hex()}: no reservation for slot {slot} (expired?)")
                     continue
-                try:
-                    view = self.arena.slot(slot)
-                    if verify:
-                        verify_page(view, key, self.page_bytes, self.fingerprint)
-                    else:
-                        h = unpack_header(view)
-                        if h.key != key:
-                            raise PageFormatError(f"slot holds key {h.key.hex()}")
-                        self._check_header(h)
-                except StoreError as exc:
+                if problem is not None:
                     del self._entries[key]
                     self._free.append(slot)
-                    errors.append(f"page {key.hex()} refused: {exc}")
+                    errors.append(f"page {key.hex()} refused: {problem}")
                     continue
                 e.ready = True
                 if pin:
@@ -198,6 +160,20 @@ class NodeStore:
         if present:
             self.on_present(present)
         return errors
+
+    def _check_slot(self, key: bytes, slot: int, verify: bool) -> str | None:
+        try:
+            view = self.arena.slot(slot)
+            if verify:
+                verify_page(view, key, self.page_bytes, self.fingerprint)
+            else:
+                h = unpack_header(view)
+                if h.key != key:
+                    raise PageFormatError(f"slot holds key {h.key.hex()}")
+                self._check_header(h)
+        except StoreError as exc:
+            return str(exc)
+        return None
 
     def _check_header(self, h) -> None:
         if h.payload_bytes != self.page_bytes:
@@ -284,48 +260,3 @@ class NodeStore:
                 else:
                     break
             return n
-
-    # -- operators --------------------------------------------------------------------------
-    def counts(self) -> dict[str, int]:
-        with self.lock:
-            pinned = sum(1 for e in self._entries.values() if e.pins)
-            return {
-                "host": len(self._lru),
-                "disk": len(self.disk) if self.disk is not None else 0,
-                "host_slots": self.arena.num_slots,
-                "pinned": pinned,
-                "disk_capacity": self.disk.capacity if self.disk is not None else 0,
-            }
-
-    def ls(self, limit: int = 1000) -> dict[str, list[str]]:
-        """Keys per tier, least recently used first."""
-        with self.lock:
-            disk = self.disk.keys() if self.disk is not None else []
-            return {
-                "host": [k.hex() for k in list(self._lru)[:limit]],
-                "disk": [k.hex() for k in disk[:limit]],
-            }
-
-    def evict(self, tier: str) -> int:
-        """`host`: demote every unpinned arena page; `all`: also empty the disk tier."""
-        if tier not in ("host", "all"):
-            raise StoreError(f"evict: tier must be host or all, got {tier!r}")
-        n = 0
-        with self.lock:
-            for key in [k for k in self._lru if not self._entries[k].pins]:
-                e = self._entries.pop(key)
-                del self._lru[key]
-                if self.disk is not None and tier == "host":
-                    self._gone(self.disk.put(key, self.arena.slot(e.slot)))
-                elif self.disk is None or key not in self.disk:
-                    self.on_gone([key])
-                self._free.append(e.slot)
-                self.metrics.inc("evictions", "host")
-                n += 1
-            if tier == "all" and self.disk is not None:
-                dropped = self.disk.keys()
-                for key in dropped:
-                    self.disk.remove(key)
-                self._gone([k for k in dropped if k not in self._entries])
-                n += len(dropped)
-        return n

@@ -90,7 +90,10 @@ async def start_tcp_server(
 ) -> asyncio.AbstractServer:
     """Listen for peers' fetches on `host:port` (0 picks a port)."""
 
+    sessions: set[asyncio.Task] = set()
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sessions.add(asyncio.current_task())
         peer = writer.get_extra_info("peername")
         try:
             nonce = os.urandom(NONCE)
@@ -122,9 +125,12 @@ async def start_tcp_server(
         except (TimeoutError, OSError, asyncio.IncompleteReadError, StoreError) as exc:
             logger.info("store peer %s session ended: %s", peer, exc)
         finally:
+            sessions.discard(asyncio.current_task())
             writer.close()
 
-    return await asyncio.start_server(handle, host, port)
+    server = await asyncio.start_server(handle, host, port)
+    server.kv_sessions = sessions  # the node cancels open sessions when it stops
+    return server
 
 
 # -- TCP client (blocking, called from the node's request thread) --------------------------------

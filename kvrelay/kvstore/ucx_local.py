@@ -130,13 +130,16 @@ class LocalUcx:
             logger.info("same-host UCX session ended: %r", exc)
 
     # -- client ------------------------------------------------------------------------------
-    async def fetch(self, peer_addr: str, request: dict, dsts: list[memoryview]) -> int:
+    async def fetch(
+        self, peer_addr: str, request: dict, dsts: list[memoryview], timeout_s: float | None = None
+    ) -> int:
         """Fetch pages from the node whose worker address is `peer_addr` (hex)."""
+        timeout_s = self.timeout_s if timeout_s is None else max(timeout_s, 0.05)
         try:
-            return await asyncio.wait_for(self._fetch(peer_addr, request, dsts), self.timeout_s)
+            return await asyncio.wait_for(self._fetch(peer_addr, request, dsts), timeout_s)
         except TimeoutError as exc:
             raise TransferTimeoutError(
-                f"same-host UCX fetch timed out after {self.timeout_s}s"
+                f"same-host UCX fetch timed out after {timeout_s:.1f}s"
             ) from exc
 
     async def _fetch(self, peer_addr: str, request: dict, dsts: list[memoryview]) -> int:

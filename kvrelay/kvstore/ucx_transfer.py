@@ -31,7 +31,10 @@ async def start_ucx_server(port: int, secret: bytes, serve: ServeFn, timeout_s: 
     """A UCX listener answering fetches (`port` 0 picks one); returns it (`.port`)."""
     import ucxx
 
+    eps: set = set()
+
     async def handler(ep) -> None:
+        eps.add(ep)
         try:
             nonce = os.urandom(NONCE)
             await ep.send_obj(nonce)
@@ -57,9 +60,24 @@ async def start_ucx_server(port: int, secret: bytes, serve: ServeFn, timeout_s: 
         except Exception as exc:  # noqa: BLE001 - a broken peer must not kill the listener
             logger.info("UCX store peer session ended: %r", exc)
         finally:
+            eps.discard(ep)
             ep.abort()
 
-    return ucxx.create_listener(handler, port=port or None)
+    return UcxServer(ucxx.create_listener(handler, port=port or None), eps)
+
+
+class UcxServer:
+    """A UCX listener and its open peer endpoints."""
+
+    def __init__(self, listener, eps: set):
+        self.listener, self.eps = listener, eps
+        self.port = listener.port
+
+    def close(self) -> None:
+        for ep in list(self.eps):
+            ep.abort()  # fails the session's pending receive, which ends its handler
+        self.eps.clear()
+        self.listener.close()
 
 
 class UcxPeer:

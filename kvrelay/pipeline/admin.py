@@ -49,8 +49,12 @@ def stream_info(r: redis.Redis, stream: str, group: str) -> dict[str, Any]:
     if g is None:
         info.update(pending=0, lag=None, consumers=0)
         return info
-    info.update(pending=int(g["pending"]), lag=g.get("lag"), consumers=int(g["consumers"]),
-                last_delivered=_s(g["last-delivered-id"]))
+    info.update(
+        pending=int(g["pending"]),
+        lag=g.get("lag"),
+        consumers=int(g["consumers"]),
+        last_delivered=_s(g["last-delivered-id"]),
+    )
     return info
 
 
@@ -86,8 +90,10 @@ def status(r: redis.Redis, keys: Keys, store_run_dir: str | None = None) -> dict
     inflight = requests_in_flight(r, keys)
     return {
         "workers": workers(r, keys),
-        "streams": [stream_info(r, keys.prefill_stream, PREFILL_GROUP),
-                    stream_info(r, keys.decode_stream, DECODE_GROUP)],
+        "streams": [
+            stream_info(r, keys.prefill_stream, PREFILL_GROUP),
+            stream_info(r, keys.decode_stream, DECODE_GROUP),
+        ],
         "dlq": r.xlen(keys.dlq),
         "requests": inflight,
         "requests_in_flight": sum(v for k, v in inflight.items() if k in OPEN_STATUSES),
@@ -104,8 +110,10 @@ def show_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any] 
         return None
     tokens = [t for c in chunks for t in c.token_ids]
     return {
-        "request_id": request_id, **record,
-        "output_tokens": len(tokens), "output_chunks": len(chunks),
+        "request_id": request_id,
+        **record,
+        "output_tokens": len(tokens),
+        "output_chunks": len(chunks),
         "output_text": "".join(c.text for c in chunks),
         "finished": any(c.finished for c in chunks),
         "cancel_requested": bool(r.exists(keys.cancel(request_id))),
@@ -163,8 +171,10 @@ def dlq_replay(r: redis.Redis, keys: Keys, dlq_id: str) -> str | None:
     pipe = r.pipeline(transaction=True)
     if request_id:  # the error chunk ended the old output; a replay starts a fresh one
         pipe.delete(keys.out(request_id), keys.cancel(request_id))
-        pipe.hset(keys.request(request_id), mapping={"status": "queued", "emitted": 0,
-                                                     "error": "", "finish_reason": ""})
+        pipe.hset(
+            keys.request(request_id),
+            mapping={"status": "queued", "emitted": 0, "error": "", "finish_reason": ""},
+        )
     pipe.xadd(stream, {MESSAGE_FIELD: fields.get(MESSAGE_FIELD, b"")})
     pipe.xdel(keys.dlq, dlq_id)
     return _s(pipe.execute()[-2])

@@ -28,10 +28,16 @@ def _connect(args: argparse.Namespace):
         from kvrelay.pipeline.launch import read_state
 
         state = read_state(run_dir)
-    url = args.redis_url or state.get("redis_url") or os.environ.get(
-        "KVRELAY_REDIS_URL", "redis://127.0.0.1:6379/0")
-    prefix = args.key_prefix or state.get("key_prefix") or os.environ.get(
-        "KVRELAY_KEY_PREFIX", "kvrelay:")
+    url = (
+        args.redis_url
+        or state.get("redis_url")
+        or os.environ.get("KVRELAY_REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
+    prefix = (
+        args.key_prefix
+        or state.get("key_prefix")
+        or os.environ.get("KVRELAY_KEY_PREFIX", "kvrelay:")
+    )
     store_dir = state.get("store_run_dir") or os.environ.get("KVRELAY_STORE_RUN_DIR")
     return redis.Redis.from_url(url, socket_timeout=5), Keys(prefix), store_dir
 
@@ -55,14 +61,18 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"{'WORKER':<24}{'ROLE':<9}{'PID':>8}{'LOAD':>6}{'TOK/S':>8}{'AGE':>7}  STATE")
     for w in data["workers"]:
         state = "draining" if w.get("draining") == "1" else "ok"
-        print(f"{w.get('name', '?'):<24}{w.get('role', '?'):<9}{w.get('pid', ''):>8}"
-              f"{w.get('load', ''):>6}{w.get('tokens_per_s', ''):>8}{w['age_s']:>6.1f}s  {state}")
+        print(
+            f"{w.get('name', '?'):<24}{w.get('role', '?'):<9}{w.get('pid', ''):>8}"
+            f"{w.get('load', ''):>6}{w.get('tokens_per_s', ''):>8}{w['age_s']:>6.1f}s  {state}"
+        )
     print(f"\n{'STREAM':<34}{'LENGTH':>8}{'PENDING':>9}{'LAG':>6}{'CONSUMERS':>11}")
     for s in data["streams"]:
         lag = "-" if s["lag"] is None else s["lag"]
         print(f"{s['stream']:<34}{s['length']:>8}{s['pending']:>9}{lag:>6}{s['consumers']:>11}")
-    print(f"\nDLQ entries: {data['dlq']}   requests in flight: {data['requests_in_flight']}   "
-          f"by status: {json.dumps(data['requests'])}")
+    print(
+        f"\nDLQ entries: {data['dlq']}   requests in flight: {data['requests_in_flight']}   "
+        f"by status: {json.dumps(data['requests'])}"
+    )
     if data["store"] is not None:
         print("store: " + json.dumps(data["store"], default=str))
     return 0
@@ -118,8 +128,9 @@ def run_dlq(args: argparse.Namespace) -> int:
             return 2
         print(f"purged {admin.dlq_purge(r, keys)} entries")
         return 0
-    ids = [row["dlq_id"] for row in admin.dlq_entries(r, keys, 100000)] if args.all else [
-        args.dlq_id]
+    ids = (
+        [row["dlq_id"] for row in admin.dlq_entries(r, keys, 100000)] if args.all else [args.dlq_id]
+    )
     if not ids or ids == [None]:
         print(f"kvrelay dlq {args.action}: give an entry id", file=sys.stderr)
         return 2

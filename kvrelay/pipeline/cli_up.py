@@ -38,8 +38,13 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="per-worker KV pool bytes")
     p.add_argument("--detach", action="store_true", help="return once /health is good")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment for every program (repeatable)")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for every program (repeatable)",
+    )
 
 
 def add_down_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,10 +81,27 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         port = args.redis_port or _free_port()
         redis_url = f"redis://127.0.0.1:{port}/0"
         (run_dir / "valkey").mkdir(parents=True, exist_ok=True)
-        programs.append(Program("valkey", [
-            str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1",
-            "--dir", str(run_dir / "valkey"), "--appendonly", "yes", "--save", "",
-            "--protected-mode", "no"], priority=10))
+        programs.append(
+            Program(
+                "valkey",
+                [
+                    str(get_binary_path()),
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--dir",
+                    str(run_dir / "valkey"),
+                    "--appendonly",
+                    "yes",
+                    "--save",
+                    "",
+                    "--protected-mode",
+                    "no",
+                ],
+                priority=10,
+            )
+        )
     store_dir = run_dir / "store"
     (store_dir / "disk").mkdir(parents=True, exist_ok=True)
     env = {
@@ -104,8 +126,14 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
             raise SystemExit(f"kvrelay up: --env wants KEY=VALUE, got {item!r}")
         env[key] = value
     programs.append(Program("store", [*py, "store"], env=env, priority=20))
-    programs.append(Program("ingress", [*py, "serve", "--host", args.host,
-                                        "--port", str(args.port)], env=env, priority=30))
+    programs.append(
+        Program(
+            "ingress",
+            [*py, "serve", "--host", args.host, "--port", str(args.port)],
+            env=env,
+            priority=30,
+        )
+    )
     num_workers = args.prefill + args.decode
     threads = threads_per_worker(args.threads or os.cpu_count() or 1, num_workers)
     gpus = _num_gpus()
@@ -115,14 +143,27 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         wenv = dict(env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         if gpus:
             wenv["CUDA_VISIBLE_DEVICES"] = str(n % gpus)  # one GPU per worker, round robin
-        programs.append(Program(f"{role}-{i}", [*py, "worker", role, "--name", f"{role}-{i}",
-                                                "--threads", str(threads)],
-                                env=wenv, priority=40, startsecs=2))
+        programs.append(
+            Program(
+                f"{role}-{i}",
+                [*py, "worker", role, "--name", f"{role}-{i}", "--threads", str(threads)],
+                env=wenv,
+                priority=40,
+                startsecs=2,
+            )
+        )
     state = {
-        "redis_url": redis_url, "key_prefix": args.key_prefix, "host": args.host,
-        "port": args.port, "model": args.model, "run_dir": str(run_dir),
-        "store_run_dir": str(store_dir), "threads_per_worker": threads,
-        "programs": [p.name for p in programs], "prefill": args.prefill, "decode": args.decode,
+        "redis_url": redis_url,
+        "key_prefix": args.key_prefix,
+        "host": args.host,
+        "port": args.port,
+        "model": args.model,
+        "run_dir": str(run_dir),
+        "store_run_dir": str(store_dir),
+        "threads_per_worker": threads,
+        "programs": [p.name for p in programs],
+        "prefill": args.prefill,
+        "decode": args.decode,
     }
     return programs, state
 
@@ -186,8 +227,10 @@ def run_up(args: argparse.Namespace) -> int:
     where = f"http://{args.host}:{args.port}"
     if args.detach:
         if not wait_ready(state, args.timeout):
-            print(f"kvrelay up: not ready after {args.timeout:.0f}s; logs in {run_dir / 'logs'}",
-                  file=sys.stderr)
+            print(
+                f"kvrelay up: not ready after {args.timeout:.0f}s; logs in {run_dir / 'logs'}",
+                file=sys.stderr,
+            )
             sup.stop()
             return 1
         print(json.dumps({"ready": True, "url": where, **state}))

@@ -177,8 +177,7 @@ class Supervisor:
 
     def ctl(self, *args: str) -> str:
         """Run supervisorctl against this stack and return its output."""
-        cmd = [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.config_path),
-               *args]
+        cmd = [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.config_path), *args]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         return done.stdout
 

@@ -29,8 +29,15 @@ class RequestResult:
 
 
 async def _one(client, url: str, model: str, prompt: str, max_tokens: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     res = RequestResult()
     start = time.monotonic()
     last = None

@@ -178,8 +178,18 @@ class Streams:
             fields = {"updated": now, **(em.req_fields or {})}
             self._emit(
                 keys=[em.stream, self.keys.out(em.request_id), self.keys.request(em.request_id)],
-                args=[em.group, self.consumer, em.entry_id, chunk.index, len(chunk.token_ids),
-                      chunk.encode(), final, self.out_ttl_s, self.req_ttl_s, *_flat(fields)],
+                args=[
+                    em.group,
+                    self.consumer,
+                    em.entry_id,
+                    chunk.index,
+                    len(chunk.token_ids),
+                    chunk.encode(),
+                    final,
+                    self.out_ttl_s,
+                    self.req_ttl_s,
+                    *_flat(fields),
+                ],
                 client=pipe,
             )
         return [_fenced(reply) for reply in pipe.execute()]
@@ -199,9 +209,16 @@ class Streams:
         fields = {"updated": f"{time.time():.3f}", **(req_fields or {})}
         reply = self._handoff(
             keys=[stream, next_stream, self.keys.request(request_id), self.keys.out(request_id)],
-            args=[group, self.consumer, entry_id, payload,
-                  chunk.encode() if chunk else b"", chunk.index if chunk else 0,
-                  len(chunk.token_ids) if chunk else 0, *_flat(fields)],
+            args=[
+                group,
+                self.consumer,
+                entry_id,
+                payload,
+                chunk.encode() if chunk else b"",
+                chunk.index if chunk else 0,
+                len(chunk.token_ids) if chunk else 0,
+                *_flat(fields),
+            ],
         )
         return _fenced(reply)
 
@@ -225,13 +242,29 @@ class Streams:
         out_key = self.keys.out(request_id) if request_id else self.keys.dlq
         reply = self._dead_letter(
             keys=[stream, self.keys.dlq, req_key, out_key],
-            args=[group, self.consumer, entry_id, payload or b"", reason, request_id,
-                  chunk_payload, index, self.out_ttl_s, f"{time.time():.3f}", self.dlq_maxlen],
+            args=[
+                group,
+                self.consumer,
+                entry_id,
+                payload or b"",
+                reason,
+                request_id,
+                chunk_payload,
+                index,
+                self.out_ttl_s,
+                f"{time.time():.3f}",
+                self.dlq_maxlen,
+            ],
         )
         if reply in (0, b"0"):
             return None
-        logger.warning("dead-lettered %s entry %s (request %s): %s", stream, entry_id,
-                       request_id or "?", reason)
+        logger.warning(
+            "dead-lettered %s entry %s (request %s): %s",
+            stream,
+            entry_id,
+            request_id or "?",
+            reason,
+        )
         return _s(reply)
 
     # reads of request state

@@ -7,6 +7,7 @@ from kvrelay.pipeline.modelref import ModelNotFoundError
 __all__ = [
     "EngineError",
     "InvalidRequestError",
+    "ModelLoadError",
     "ModelNotFoundError",
     "UnsupportedModelError",
 ]
@@ -26,3 +27,7 @@ class InvalidRequestError(EngineError, ValueError):
 
 class UnsupportedModelError(EngineError):
     """The model's architecture or a feature of it is not implemented."""
+
+
+class ModelLoadError(EngineError):
+    """Converting or reading the model files failed."""

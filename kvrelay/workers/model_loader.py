@@ -35,7 +35,7 @@ from kvrelay.pipeline.modelref import (
     write_meta,
 )
 from kvrelay.pipeline.tokenizer import Tokenizer
-from kvrelay.workers.errors import UnsupportedModelError
+from kvrelay.workers.errors import EngineError, ModelLoadError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,13 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
                     path.chmod(0o644)
             shutil.rmtree(target, ignore_errors=True)  # a stale dir without kvrelay.json
             os.rename(tmp, target)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, EngineError | ModelNotFoundError):
+                raise
+            raise ModelLoadError(
+                f"could not prepare model {ref.name!r} from {ref.source}: {exc}"
+            ) from exc
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -270,13 +277,17 @@ def load_model(
         model = LlamaForCausalLM(config, torch_dtype, torch_device)
         load_weights(model, directory)
     model.eval()
+    try:
+        tokenizer = Tokenizer.from_dir(directory)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {directory}: {exc}") from exc
     dtype_name = str(torch_dtype).removeprefix("torch.")
     loaded = LoadedModel(
         name=resolve_model(name).name,
         dir=directory,
         model=model,
         config=config,
-        tokenizer=Tokenizer.from_dir(directory),
+        tokenizer=tokenizer,
         fingerprint=model_fingerprint(directory, dtype_name),
         dtype=torch_dtype,
         device=torch_device,

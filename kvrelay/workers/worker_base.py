@@ -22,23 +22,16 @@ from typing import Any, ClassVar
 import redis
 
 from kvrelay.pipeline.keys import Keys
-from kvrelay.pipeline.messages import DecodeTask, MessageError, PrefillTask, TokenChunk
-from kvrelay.pipeline.streams import Emission, Entry, Streams
+from kvrelay.pipeline.messages import DecodeTask, PrefillTask, TokenChunk
+from kvrelay.pipeline.streams import Emission, Streams
 from kvrelay.workers.worker_config import WorkerConfig
 from kvrelay.workers.worker_io import Emitter, Heartbeat, Inflight, Outgoing
 from kvrelay.workers.worker_metrics import WorkerMetrics
+from kvrelay.workers.worker_reader import Admission, read_loop
 
 logger = logging.getLogger(__name__)
 
 Task = PrefillTask | DecodeTask
-
-
-@dataclass(slots=True)
-class Admission:
-    entry_id: str
-    task: Task
-    emitted: list[int]  # tokens already in out:{id}
-    cancelled: bool = False
 
 
 @dataclass(slots=True)
@@ -101,7 +94,7 @@ class Worker:
         self.heartbeat = Heartbeat(self.streams, self.name, self.role, self.stream, self.group,
                                    self.inflight, config.heartbeat_s, config.heartbeat_ttl_s,
                                    info, model_entry, stats=self._stats)  # fmt: skip
-        self._reader = threading.Thread(target=self._read_loop, name="reader", daemon=True)
+        self._reader = threading.Thread(target=read_loop, args=(self,), name="reader", daemon=True)
         self._tokens = 0
         self._rate = (time.monotonic(), 0, 0.0)
 
@@ -180,94 +173,6 @@ class Worker:
                 )
         self.heartbeat.stop()
         logger.info("%s worker %s stopped", self.role, self.name)
-
-    # ---- reader thread -----------------------------------------------------------------------
-    def _read_loop(self) -> None:
-        cursor, last_claim, last_cancel = "0-0", 0.0, 0.0
-        claim_every = max(0.2, self.config.lease_ms / 4000)
-        while not self.stop_event.is_set():
-            try:
-                now = time.monotonic()
-                if now - last_cancel >= self.config.cancel_poll_s:
-                    last_cancel = now
-                    for rid in self.streams.cancelled(list(self.inflight.snapshot())):
-                        self.cancels.put(rid)
-                room = self.config.max_num_seqs - len(self.inflight)
-                if self.heartbeat.draining or room <= 0:
-                    time.sleep(self.config.block_ms / 1000)
-                    continue
-                if now - last_claim >= claim_every:
-                    last_claim = now
-                    cursor, entries = self.streams.claim(
-                        self.stream, self.group, self.config.lease_ms, room, cursor
-                    )
-                    for entry in entries:
-                        self._receive(entry, claimed=True)
-                    room = self.config.max_num_seqs - len(self.inflight)
-                    if room <= 0:
-                        continue
-                count = min(room, self.config.read_batch)
-                for entry in self.streams.read(
-                    self.stream, self.group, count, self.config.block_ms
-                ):
-                    self._receive(entry)
-            except redis.ConnectionError as exc:
-                logger.warning("reader: redis unavailable (%s); retrying", exc)
-                time.sleep(0.5)
-            except Exception:  # never let one bad entry or reply stop the reader
-                logger.exception("reader loop error")
-                time.sleep(0.1)
-
-    def _receive(self, entry: Entry, claimed: bool = False) -> None:
-        if entry.payload is None:
-            return self._dead_letter(entry, "entry has no 'm' field", "")
-        try:
-            task = self.message.decode(entry.payload)
-        except MessageError as exc:
-            return self._dead_letter(entry, f"invalid {self.role} task: {exc}", "")
-        if entry.deliveries > self.config.max_deliveries:
-            reason = f"delivered {entry.deliveries} times (limit {self.config.max_deliveries})"
-            return self._dead_letter(entry, reason, task.request_id)
-        if not self.inflight.add(task.request_id, entry.entry_id):
-            return  # our own entry for a request already running here (a lease we renewed late)
-        try:
-            emitted, finished = self.streams.emitted_tokens(task.request_id)
-        except (MessageError, ValueError) as exc:
-            self.inflight.remove(task.request_id, entry.entry_id)
-            return self._dead_letter(entry, f"corrupt output stream: {exc}", task.request_id)
-        if finished:  # finished by a worker whose final write landed: only the ack is left
-            self.r.xack(self.stream, self.group, entry.entry_id)
-            self.inflight.remove(task.request_id, entry.entry_id)
-            return
-        self.r.hset(
-            self.keys.request(task.request_id),
-            mapping={
-                "status": "prefilling" if self.role == "prefill" else "decoding",
-                "stage": self.role,
-                "owner": self.name,
-            },
-        )
-        if claimed:
-            logger.info(
-                "request %s: claimed entry %s with %d tokens already emitted",
-                task.request_id,
-                entry.entry_id,
-                len(emitted),
-            )
-        cancelled = bool(self.streams.cancelled([task.request_id]))
-        self.admissions.put(Admission(entry.entry_id, task, emitted, cancelled))
-
-    def _dead_letter(self, entry: Entry, reason: str, request_id: str) -> None:
-        self.metrics.dead_letters.inc()
-        self.emitter.put(
-            Outgoing(
-                "dead_letter",
-                request_id,
-                entry.entry_id,
-                payload=entry.payload or b"",
-                reason=reason,
-            )
-        )
 
     # ---- compute loop ------------------------------------------------------------------------
     def _control(self) -> None:

@@ -27,8 +27,12 @@ class Stack:
         self.run_dir = run_dir
         self.port = free_port()
         self.prefill, self.decode = prefill, decode
-        self.env = {"KVRELAY_WORKER_LEASE_MS": "2000", "KVRELAY_WORKER_HEARTBEAT_S": "0.5",
-                    **json.loads(os.environ.get("KVRELAY_E2E_ENV", "{}")), **(env or {})}
+        self.env = {
+            "KVRELAY_WORKER_LEASE_MS": "2000",
+            "KVRELAY_WORKER_HEARTBEAT_S": "0.5",
+            **json.loads(os.environ.get("KVRELAY_E2E_ENV", "{}")),
+            **(env or {}),
+        }
         self.state: dict = {}
 
     @property
@@ -36,25 +40,45 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     def up(self, timeout: float = 240) -> None:
-        cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", "up", "--detach",
-               "--run-dir", str(self.run_dir), "--port", str(self.port),
-               "--prefill", str(self.prefill), "--decode", str(self.decode),
-               "--kv-cache-bytes", str(96 << 20), "--arena-bytes", str(256 << 20),
-               "--timeout", str(timeout)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvrelay.pipeline.cli",
+            "up",
+            "--detach",
+            "--run-dir",
+            str(self.run_dir),
+            "--port",
+            str(self.port),
+            "--prefill",
+            str(self.prefill),
+            "--decode",
+            str(self.decode),
+            "--kv-cache-bytes",
+            str(96 << 20),
+            "--arena-bytes",
+            str(256 << 20),
+            "--timeout",
+            str(timeout),
+        ]
         for key, value in self.env.items():
             cmd += ["--env", f"{key}={value}"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60)
         if done.returncode != 0:
-            raise RuntimeError(f"kvrelay up failed ({done.returncode}): {done.stderr[-3000:]}"
-                               + self.logs())
+            raise RuntimeError(
+                f"kvrelay up failed ({done.returncode}): {done.stderr[-3000:]}" + self.logs()
+            )
         self.state = json.loads(done.stdout.strip().splitlines()[-1])
         self.keys = Keys(self.state["key_prefix"])
         self.redis = redis.Redis.from_url(self.state["redis_url"])
         self.sup = Supervisor(self.run_dir)
 
     def down(self) -> None:
-        subprocess.run([sys.executable, "-m", "kvrelay.pipeline.cli", "down", "--run-dir",
-                        str(self.run_dir)], capture_output=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "kvrelay.pipeline.cli", "down", "--run-dir", str(self.run_dir)],
+            capture_output=True,
+            timeout=120,
+        )
 
     def logs(self, tail: int = 30) -> str:
         out = []
@@ -97,9 +121,25 @@ def generate_reference(tmp_path: Path, requests: list[dict], max_tokens: int) ->
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(json.dumps(r) + "\n" for r in requests))
     done = subprocess.run(
-        [sys.executable, "-m", "kvrelay.pipeline.cli", "generate", "--json", "--batch-file",
-         str(batch), "--temperature", "0", "--max-tokens", str(max_tokens),
-         "--num-threads", "1"], capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "kvrelay.pipeline.cli",
+            "generate",
+            "--json",
+            "--batch-file",
+            str(batch),
+            "--temperature",
+            "0",
+            "--max-tokens",
+            str(max_tokens),
+            "--num-threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {r["id"]: r for r in results}

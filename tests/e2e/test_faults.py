@@ -30,8 +30,13 @@ def client(stack):
 
 def stream_text(client, request_id: str, on_token=None) -> tuple[str, str | None]:
     stream = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, stream=True, extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": request_id}, **SAMPLING)
+        model=MODEL,
+        messages=MESSAGES,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": request_id},
+        **SAMPLING,
+    )
     text, reason, n = "", None, 0
     for event in stream:
         if event.choices:
@@ -69,8 +74,9 @@ def _serves(client, timeout: float = 120) -> str:
     last: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            resp = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=3,
-                                             temperature=0)
+            resp = client.completions.create(
+                model=MODEL, prompt="One, two,", max_tokens=3, temperature=0
+            )
             return resp.choices[0].text
         except openai.OpenAIError as exc:  # restarting components answer 5xx or refuse
             last = exc

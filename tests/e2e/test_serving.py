@@ -19,8 +19,10 @@ from kvrelay.pipeline.keys import MESSAGE_FIELD
 from tests.e2e.stack import MODEL, Stack, generate_reference
 
 MAX_TOKENS = 12
-CHATS = [[{"role": "user", "content": "Name three fruits."}],
-         [{"role": "user", "content": "What is the capital of Italy?"}]]
+CHATS = [
+    [{"role": "user", "content": "Name three fruits."}],
+    [{"role": "user", "content": "What is the capital of Italy?"}],
+]
 PROMPT = "The three primary colors are"
 
 
@@ -48,39 +50,60 @@ def test_non_streaming_matches_generate(stack, client, reference):
     for i, messages in enumerate(CHATS):
         rid = f"e2e-chat-{i}"
         resp = client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-            extra_headers={"X-Request-Id": rid})
+            model=MODEL,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_headers={"X-Request-Id": rid},
+        )
         ref = reference[f"chat{i}"]
         assert stack.out_tokens(rid) == ref["token_ids"]
         assert resp.choices[0].message.content == ref["text"]
         assert resp.choices[0].finish_reason == ref["finish_reason"]
         assert resp.usage.completion_tokens == ref["completion_tokens"]
         assert resp.usage.prompt_tokens == ref["prompt_tokens"]
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                     temperature=0, extra_headers={"X-Request-Id": "e2e-cmpl"})
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_headers={"X-Request-Id": "e2e-cmpl"},
+    )
     assert stack.out_tokens("e2e-cmpl") == reference["cmpl"]["token_ids"]
     assert resp.choices[0].text == reference["cmpl"]["text"]
 
 
 def test_streaming_matches_generate(stack, client, reference):
     stream = client.chat.completions.create(
-        model=MODEL, messages=CHATS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_headers={"X-Request-Id": "e2e-schat"})
+        model=MODEL,
+        messages=CHATS[0],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"X-Request-Id": "e2e-schat"},
+    )
     events = list(stream)
     text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
     assert text == reference["chat0"]["text"]
     assert events[-1].usage.completion_tokens == reference["chat0"]["completion_tokens"]
     assert stack.out_tokens("e2e-schat") == reference["chat0"]["token_ids"]
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                       temperature=0, stream=True)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
     assert "".join(e.choices[0].text for e in stream if e.choices) == reference["cmpl"]["text"]
 
 
 def test_32_concurrent_streams_complete(stack, client):
     def one(i: int) -> tuple[str, str | None]:
         stream = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Count to {i % 7 + 2}."}],
-            max_tokens=6, temperature=0.7, seed=i, stream=True)
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Count to {i % 7 + 2}."}],
+            max_tokens=6,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+        )
         text, reason = "", None
         for event in stream:
             if event.choices:
@@ -96,14 +119,19 @@ def test_32_concurrent_streams_complete(stack, client):
 
 def test_second_turn_reuses_pages_written_by_decode(stack, client):
     first = [{"role": "user", "content": "Describe a sunny beach in a few sentences."}]
-    resp1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=48,
-                                           temperature=0)
+    resp1 = client.chat.completions.create(
+        model=MODEL, messages=first, max_tokens=48, temperature=0
+    )
     answer = resp1.choices[0].message.content
     prompt1 = resp1.usage.prompt_tokens
-    second = [*first, {"role": "assistant", "content": answer},
-              {"role": "user", "content": "Now describe it at night."}]
-    resp2 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=4,
-                                           temperature=0)
+    second = [
+        *first,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "Now describe it at night."},
+    ]
+    resp2 = client.chat.completions.create(
+        model=MODEL, messages=second, max_tokens=4, temperature=0
+    )
     cached = resp2.usage.prompt_tokens_details.cached_tokens
     # more than the first prompt's full pages: the rest are answer pages the decode worker saved
     assert cached > prompt1 // 16 * 16, (cached, prompt1, resp2.usage)
@@ -119,8 +147,11 @@ def test_bad_requests_get_openai_errors(stack, client):
     body = exc.value.response.json()
     assert set(body["error"]) >= {"message", "type", "param", "code"}
     assert body["error"]["param"] == "max_tokens"
-    resp = httpx.post(stack.url + "/v1/completions", content=b"{not json",
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(
+        stack.url + "/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     assert resp.status_code == 400 and "message" in resp.json()["error"]
 
 
@@ -139,9 +170,20 @@ def test_poison_entries_dead_lettered_and_serving_continues(stack, client):
 
 
 def test_admin_status_and_worker_metrics(stack):
-    done = subprocess.run([sys.executable, "-m", "kvrelay.pipeline.cli", "status", "--json",
-                           "--run-dir", str(stack.run_dir)], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvrelay.pipeline.cli",
+            "status",
+            "--json",
+            "--run-dir",
+            str(stack.run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
     workers = {w["name"]: w for w in status["workers"]}

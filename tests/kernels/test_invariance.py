@@ -30,17 +30,28 @@ def test_prefill_matches_naive_reference(seq, full) -> None:
 
 
 def test_decode_steps_equal_prefill_rows(seq, full) -> None:
-    for pos in list(range(0, 40)) + list(range(40, LENGTH, 7)) + [LENGTH - 1]:
+    # Every position of the first two tiles (partial pages, tile edges), then a sample.
+    for pos in list(range(0, 20)) + [126, 127, 128, 129] + list(range(40, LENGTH, 23)):
         (row,) = attend_batch([(seq, pos + 1, 1)], seed=pos)
         assert torch.equal(row[0], full[pos]), pos
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 7, 21, 22, 64, 128, 129, 200])
-def test_chunked_prefill_equals_one_shot(seq, full, chunk: int) -> None:
-    rows = []
-    for start in range(0, LENGTH, chunk):
+SCHEDULES = {
+    "by7": [7] * 43,
+    "by22": [22] * 14,  # 22 rows x group 3 > 64: the per-unit path
+    "by129": [129] * 3,
+    "irregular": [1, 2, 3, 21, 22, 50, 1, 128, 72],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_chunked_prefill_equals_one_shot(seq, full, name: str) -> None:
+    rows, start = [], 0
+    for chunk in SCHEDULES[name]:
         end = min(LENGTH, start + chunk)
         rows += attend_batch([(seq, end, end - start)], seed=start)
+        start = end
+    assert start == LENGTH
     assert torch.equal(torch.cat(rows), full)
 
 

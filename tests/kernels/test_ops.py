@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -91,3 +94,33 @@ def test_bad_input_raises_clear_errors() -> None:
         paged_attention(torch.zeros(3, 2, 8), pool, 0, meta, 1.0, impl="cuda")
     with pytest.raises(KernelError, match="pages must be"):
         scatter_pages(pool, torch.tensor([0]), torch.zeros(1, 1, 2, 4, 2, 4))
+    with pytest.raises(KernelError, match="slot 8 outside the pool's 8 slots"):
+        write_kv(pool, 0, torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.tensor([8]))
+    with pytest.raises(KernelError, match=r"block ids \[5\] outside the pool of 2"):
+        paged_attention(torch.zeros(3, 2, 8), pool, 0, build_meta([[5]], [3], [3], 4), 1.0)
+    too_long = build_meta([[0]], [3], [3], 4)
+    too_long.context_lens = torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(KernelError, match="exceeds its block table"):
+        paged_attention(torch.zeros(3, 2, 8), pool, 0, too_long, 1.0)
+    with pytest.raises(KernelError, match="4 query rows but context length 3"):
+        paged_attention(torch.zeros(4, 2, 8), pool, 0, build_meta([[0]], [3], [4], 4), 1.0)
+
+
+def test_sequence_without_query_rows_is_skipped() -> None:
+    ctx, qlen = [9, 6, 11], [2, 0, 3]
+    case = make_case(ctx, qlen)
+    out = paged_attention(case.query, case.kv_pool, 1, case.meta, SCALE)
+    ref = dense_reference(case, qlen, SCALE)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_use_does_not_import_triton() -> None:
+    code = (
+        "import sys, torch\n"
+        "from kvrelay.kernels import gather_pages\n"
+        "gather_pages(torch.zeros(2, 1, 2, 4, 1, 8), torch.tensor([1]))\n"
+        "print('triton' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -38,7 +38,9 @@ def check_decode_and_chunks() -> tuple[bool, str]:
     # bitwise path invariance is checked on a GPU (tests/kernels/test_triton_gpu.py); here: close.
     seq = random_seq(40, heads=6, kv_heads=2, head_dim=16, seed=3)
     full = attend_batch([(seq, 40, 40)], page_size=4, impl="triton")[0]
-    rows = [attend_batch([(seq, p + 1, 1)], page_size=4, seed=p, impl="triton")[0] for p in (0, 17, 39)]
+    rows = [
+        attend_batch([(seq, p + 1, 1)], page_size=4, seed=p, impl="triton")[0] for p in (0, 17, 39)
+    ]
     chunks = torch.cat(attend_batch([(seq, 25, 25), (seq, 40, 15)], page_size=4, impl="triton"))
     err = max((r[0] - full[p]).abs().max().item() for r, p in zip(rows, (0, 17, 39), strict=True))
     err = max(err, (chunks - full).abs().max().item())

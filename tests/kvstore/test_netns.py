@@ -147,6 +147,10 @@ def test_fetch_across_network_namespaces(netns, tmp_path, start_node, transport)
             assert client.stats()["counters"]["hits"] == {"remote": 5.0}
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         arena_path(cfg_a).unlink(missing_ok=True)
         valkey.stop()

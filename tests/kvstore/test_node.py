@@ -135,7 +135,8 @@ def test_four_processes_overlapping_keys(start_node):
         stats = client.stats()
         assert stats["pages"]["pinned"] == 0
         assert stats["counters"]["puts"]["host"] == sum(p for p, _, _ in results)
-        assert stats["counters"]["evictions"]["host"] == stats["counters"]["puts"]["host"] - 16
+        evicted = stats["counters"].get("evictions", {}).get("host", 0)
+        assert evicted == stats["counters"]["puts"]["host"] - 16
 
 
 def test_wrong_fingerprint_page_size_and_bad_requests_are_refused(start_node):

@@ -70,11 +70,18 @@ class NodeProcess:
 
     def stop(self) -> None:
         self.client.close()
+        code = None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.terminate()
-            assert self.proc.wait(timeout=10) == 0  # SIGTERM is a clean stop
+            try:
+                code = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                code = "no exit within 10 s"
         arena_path(self.config).unlink(missing_ok=True)
+        assert code in (None, 0), f"store node exited with {code} on SIGTERM"
 
 
 def start_b(start_node, redis_url: str, transport: str, **overrides):
@@ -138,12 +145,12 @@ def test_frozen_or_killed_peer_fails_cleanly_within_the_timeout(
         node_a.proc.send_signal(signal.SIGSTOP)  # accepts connections, never answers
         start = time.monotonic()
         assert client.get(keys[:2]) == []
-        assert 0.9 < time.monotonic() - start < 2.5
+        assert 0.9 < time.monotonic() - start < 3.0  # the 1 s bound plus scheduling slack
         node_a.proc.send_signal(signal.SIGKILL)
         node_a.proc.wait()
         start = time.monotonic()
         assert client.get(keys[2:]) == []
-        assert time.monotonic() - start < 2.5
+        assert time.monotonic() - start < 3.0
         assert client.stats()["counters"]["transfer_failures"] == {transport[:3]: 2.0}
         assert client.put(keys[:1], [payload(SMALL, 0)]) == 1  # B keeps serving
 

@@ -38,8 +38,10 @@ def seed(r) -> Streams:
         task = PrefillTask(request_id=f"q{i}", prompt_token_ids=[1, 2], sampling={})
         r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
     s.read(KEYS.prefill_stream, PREFILL_GROUP, 2, None)
-    r.hset(KEYS.worker("decode-0"), mapping={"name": "decode-0", "role": "decode", "pid": 7,
-                                             "updated": time.time(), "load": 2})
+    r.hset(
+        KEYS.worker("decode-0"),
+        mapping={"name": "decode-0", "role": "decode", "pid": 7, "updated": time.time(), "load": 2},
+    )
     r.expire(KEYS.worker("decode-0"), 30)
     r.hset(KEYS.request("q0"), mapping={"status": "decoding", "prompt_tokens": 2})
     r.hset(KEYS.request("q1"), mapping={"status": "finished"})
@@ -56,7 +58,11 @@ def test_status_json(r, valkey_session, capsys):
     assert data["workers"][0]["load"] == "2" and 0 < data["workers"][0]["ttl_s"] <= 30
     prefill, decode = data["streams"]
     assert (prefill["length"], prefill["pending"], prefill["lag"], prefill["consumers"]) == (
-        3, 2, 1, 1)
+        3,
+        2,
+        1,
+        1,
+    )
     assert (decode["length"], decode["pending"]) == (0, 0)
     assert data["dlq"] == 0 and data["requests_in_flight"] == 1
     assert data["requests"] == {"decoding": 1, "finished": 1}

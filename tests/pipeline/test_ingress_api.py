@@ -12,6 +12,7 @@ from kvrelay.pipeline.messages import DecodeTask, PrefillTask
 from kvrelay.pipeline.sampling import SamplingParams
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
+    TEST_TIMEOUT_S,
     anyio_backend,
     harness,
     http,
@@ -74,7 +75,7 @@ async def test_chat_non_streaming_body_and_task(harness, smollm_tokenizer):
     assert task.prompt_token_ids == smollm_tokenizer.apply_chat_template(HI)
     expected = SamplingParams(max_tokens=5, temperature=0.0, seed=7, stop=["\n\n"]).to_dict()
     assert task.sampling == expected
-    assert task.deadline == pytest.approx(task.arrival_time + 600.0)
+    assert task.deadline == pytest.approx(task.arrival_time + TEST_TIMEOUT_S)
 
 
 async def test_chat_stream_exact_sse_bytes(harness):

@@ -138,7 +138,7 @@ async def test_request_state_and_cancel(harness):
         expected = ("c-1", "decoding", "decode", "w1", MODEL, 1, 0, 0, "bob", False)
         assert tuple(state[k] for k in fields) == expected
         assert isinstance(state["started"], float)
-        assert state["deadline"] == pytest.approx(state["created"] + 600.0, abs=0.01)
+        assert state["deadline"] == pytest.approx(state["created"] + 30.0, abs=0.01)
         resp = await client.delete("/v1/requests/c-1")
         assert resp.json() == {
             "id": "c-1",

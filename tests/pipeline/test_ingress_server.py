@@ -35,7 +35,14 @@ async def serving(valkey_url: str, tokenizer, **overrides):
     port = free_port()
     app = create_app(make_config(valkey_url, **overrides), tokenizers={MODEL: tokenizer})
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=2,  # a test that failed mid-request must not hang here
+        )
     )
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -101,7 +108,7 @@ async def test_openai_client_stream_and_whole(valkey_session, smollm_tokenizer):
 
 async def _wait_cancel(app, request_id: str) -> bool:
     ing = app.state.ingress
-    for _ in range(100):
+    for _ in range(250):  # up to 5 s on a busy machine
         if await ing.redis.get(ing.keys.cancel(request_id)) == b"1":
             return True
         await asyncio.sleep(0.02)

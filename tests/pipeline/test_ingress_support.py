@@ -24,6 +24,7 @@ from kvrelay.pipeline.messages import DecodeTask, PrefillTask, TokenChunk
 from kvrelay.pipeline.modelref import DEFAULT_MODEL
 
 MODEL = DEFAULT_MODEL
+TEST_TIMEOUT_S = 30.0  # a request whose worker never answers fails the test, not hangs it
 MODEL_INFO = {"fingerprint": "f" * 32, "page_size": 16, "max_model_len": 8192, "vocab_size": 49152}
 
 
@@ -57,6 +58,7 @@ def make_config(valkey_url: str, **overrides) -> IngressConfig:
         models=(MODEL,),
         state_refresh_s=0.0,
         read_block_ms=200,
+        request_timeout_s=TEST_TIMEOUT_S,
     )
     values.update(overrides)
     return IngressConfig(**values)

@@ -36,11 +36,28 @@ def test_render_config_quotes_and_escapes(tmp_path):
 def test_detached_stack_restarts_killed_programs_and_stops(tmp_path):
     port = free_port()
     programs = [
-        Program("valkey", [valkey_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                           "--dir", str(tmp_path), "--appendonly", "yes", "--save", ""],
-                priority=10),
-        Program("sleeper", [sys.executable, "-c", "import time, os; time.sleep(600)"],
-                env={"KVRELAY_X": "1"}),
+        Program(
+            "valkey",
+            [
+                valkey_binary(),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(tmp_path),
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+            ],
+            priority=10,
+        ),
+        Program(
+            "sleeper",
+            [sys.executable, "-c", "import time, os; time.sleep(600)"],
+            env={"KVRELAY_X": "1"},
+        ),
     ]
     sup = Supervisor(tmp_path / "run")
     sup.write(programs, nodaemon=False, state={"redis_url": f"redis://127.0.0.1:{port}/0"})

@@ -83,14 +83,24 @@ def test_stale_consumer_refused_after_claim(r):
     stale = a.emit(Emission(KEYS.prefill_stream, PREFILL_GROUP, eid, "r1", TokenChunk(1, [4])))
     assert stale.status == NOT_OWNER
     task = DecodeTask(request_id="r1", prompt_token_ids=[1], sampling={}).encode()
-    assert a.handoff(KEYS.prefill_stream, PREFILL_GROUP, eid, KEYS.decode_stream, "r1",
-                     task).status == NOT_OWNER
+    assert (
+        a.handoff(KEYS.prefill_stream, PREFILL_GROUP, eid, KEYS.decode_stream, "r1", task).status
+        == NOT_OWNER
+    )
     assert a.renew(KEYS.prefill_stream, PREFILL_GROUP, [eid]) == [eid]
     assert a.dead_letter(KEYS.prefill_stream, PREFILL_GROUP, eid, b"x", "bad") is None
     assert r.xlen(KEYS.decode_stream) == 0 and r.xlen(KEYS.dlq) == 0
     # the new owner continues exactly where the output stopped
-    res = b.handoff(KEYS.prefill_stream, PREFILL_GROUP, eid, KEYS.decode_stream, "r1", task,
-                    chunk=TokenChunk(1, [4]), req_fields={"status": "decoding"})
+    res = b.handoff(
+        KEYS.prefill_stream,
+        PREFILL_GROUP,
+        eid,
+        KEYS.decode_stream,
+        "r1",
+        task,
+        chunk=TokenChunk(1, [4]),
+        req_fields={"status": "decoding"},
+    )
     assert res.status == OK and res.new_entry_id
     assert [c.token_ids for c in out_chunks(r, "r1")] == [[9], [4]]
     assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 0
@@ -103,8 +113,15 @@ def test_handoff_index_mismatch_changes_nothing(r):
     eid = add_task(r)
     a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
     r.hset(KEYS.request("r1"), "emitted", 1)
-    res = a.handoff(KEYS.prefill_stream, PREFILL_GROUP, eid, KEYS.decode_stream, "r1", b"t",
-                    chunk=TokenChunk(0, [4]))
+    res = a.handoff(
+        KEYS.prefill_stream,
+        PREFILL_GROUP,
+        eid,
+        KEYS.decode_stream,
+        "r1",
+        b"t",
+        chunk=TokenChunk(0, [4]),
+    )
     assert (res.status, res.emitted) == (INDEX_MISMATCH, 1)
     assert r.xlen(KEYS.decode_stream) == 0
     assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 1
@@ -144,8 +161,10 @@ def test_emit_many_pipelines_in_order_and_cancel_flags(r):
     a = make(r, "a")
     eids = [add_task(r, f"q{i}") for i in range(3)]
     a.read(KEYS.prefill_stream, PREFILL_GROUP, 3, None)
-    ems = [Emission(KEYS.prefill_stream, PREFILL_GROUP, e, f"q{i}", TokenChunk(0, [i, i]))
-           for i, e in enumerate(eids)]
+    ems = [
+        Emission(KEYS.prefill_stream, PREFILL_GROUP, e, f"q{i}", TokenChunk(0, [i, i]))
+        for i, e in enumerate(eids)
+    ]
     ems.append(Emission(KEYS.prefill_stream, PREFILL_GROUP, eids[0], "q0", TokenChunk(2, [1])))
     assert [(x.status, x.emitted) for x in a.emit_many(ems)] == [(OK, 2)] * 3 + [(OK, 3)]
     r.set(KEYS.cancel("q1"), 1)

@@ -29,11 +29,19 @@ def stack(tmp_path_factory):
     server = ValkeyServer(tmp_path_factory.mktemp("valkey"))
     server.start()
     engine = Engine(EngineConfig(kv_cache_bytes=32 << 20, num_threads=1))
-    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}])
-               for q in QUESTIONS]
+    prompts = [
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS
+    ]
     refs = engine.generate(prompts, SamplingParams(**GREEDY))
-    config = WorkerConfig(redis_url=server.url, key_prefix="dw:", name="decode-t",
-                          lease_ms=600, heartbeat_s=0.2, metrics_port=-1, block_ms=20)
+    config = WorkerConfig(
+        redis_url=server.url,
+        key_prefix="dw:",
+        name="decode-t",
+        lease_ms=600,
+        heartbeat_s=0.2,
+        metrics_port=-1,
+        block_ms=20,
+    )
     worker = DecodeWorker(config, engine)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -46,8 +54,13 @@ def stack(tmp_path_factory):
 
 
 def submit(r, request_id: str, prompt: list[int], outputs: list[int], **fields) -> str:
-    task = DecodeTask(request_id=request_id, prompt_token_ids=prompt, output_token_ids=outputs,
-                      sampling=fields.pop("sampling", GREEDY), **fields)
+    task = DecodeTask(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        output_token_ids=outputs,
+        sampling=fields.pop("sampling", GREEDY),
+        **fields,
+    )
     return r.xadd(KEYS.decode_stream, {MESSAGE_FIELD: task.encode()}).decode()
 
 
@@ -74,19 +87,25 @@ def test_batch_matches_generate(stack):
     for i, prompt in enumerate(prompts):  # decode prefills locally (ingress routed it here)
         submit(r, f"local{i}", prompt, [], prefilled=False)
     for i, prompt in enumerate(prompts):  # after a prefill worker emitted token 0
-        r.xadd(KEYS.out(f"pre{i}"), {MESSAGE_FIELD: TokenChunk(0, refs[i].output_token_ids[:1]
-                                                               ).encode()})
+        r.xadd(
+            KEYS.out(f"pre{i}"),
+            {MESSAGE_FIELD: TokenChunk(0, refs[i].output_token_ids[:1]).encode()},
+        )
         r.hset(KEYS.request(f"pre{i}"), "emitted", 1)
-        submit(r, f"pre{i}", prompt, refs[i].output_token_ids[:1], prefilled=True,
-               num_cached_tokens=32)
+        submit(
+            r, f"pre{i}", prompt, refs[i].output_token_ids[:1], prefilled=True, num_cached_tokens=32
+        )
     for i, ref in enumerate(refs):
         local = chunks(r, f"local{i}")
         assert tokens_of(local) == ref.output_token_ids
         assert "".join(c.text for c in local) == ref.text_delta
         assert local[-1].finish_reason == "length"
         # the reference run left the prompt's full pages in the device prefix cache
-        assert local[-1].usage == {"prompt_tokens": len(prompts[i]), "completion_tokens": 8,
-                                   "cached_tokens": len(prompts[i]) // 16 * 16}
+        assert local[-1].usage == {
+            "prompt_tokens": len(prompts[i]),
+            "completion_tokens": 8,
+            "cached_tokens": len(prompts[i]) // 16 * 16,
+        }
         pre = chunks(r, f"pre{i}")
         assert tokens_of(pre) == ref.output_token_ids
         assert pre[-1].usage["cached_tokens"] == 32  # the prefill worker's report is kept

@@ -108,14 +108,18 @@ def test_shared_prefix_computes_only_unshared_tokens(make_engine):
 
 
 def test_preemption_under_tiny_pool_gives_same_tokens(make_engine):
-    prompts = random_prompts(6, seed=5, lo=30, hi=60)
-    params = [mixed_params(i) for i in range(6)]
-    ids = [f"p{i}" for i in range(6)]
+    # 28-31 prompt tokens (2 blocks) + 12 outputs cross into a third block: with 7 blocks
+    # three requests are admitted, then the growing ones must preempt the newest.
+    prompts = random_prompts(5, seed=5, lo=28, hi=32)
+    params = [mixed_params(i) for i in range(5)]
+    for p in params:
+        p.max_tokens = 12
+    ids = [f"p{i}" for i in range(5)]
     ref = make_engine().generate(prompts, params, ids)
-    tiny = make_engine(num_blocks=9)  # each request needs up to 5 blocks
+    tiny = make_engine(num_blocks=7)
     outs = tiny.generate(prompts, params, ids)
     assert tiny.scheduler.num_preemptions > 0
     assert sum(o.metrics["num_preemptions"] for o in outs) == tiny.scheduler.num_preemptions
     for r, o in zip(ref, outs, strict=True):
         assert same(r, o), (r.request_id, r.new_token_ids, o.new_token_ids)
-    assert tiny.pool.num_free_blocks == 9
+    assert tiny.pool.num_free_blocks == 7

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrelay.kernels import gather_pages, scatter_pages
 from kvrelay.workers.model import padded_rows
 from tests.workers.conftest import SeqChunk, run_batch
 
@@ -34,8 +35,19 @@ def _pages(pool, blocks):
     return pool[blocks]
 
 
+def _run_schedule(model, pool, blocks, tokens, sizes, ref_logits, start=0):
+    """Feed `tokens[start:]` in chunks of `sizes` (0 = the rest); check every row's logits."""
+    for size in sizes:
+        n = size or len(tokens) - start
+        got = run_batch(model, pool, [SeqChunk(blocks, start, tokens[start : start + n])], PAGE)
+        for p in range(start, start + n):
+            assert torch.equal(got[(0, p)], ref_logits[p]), (sizes, p)
+        start += n
+    assert start == len(tokens)
+
+
 def test_padded_rows():
-    assert [padded_rows(n) for n in (0, 1, 15, 16, 17, 33, 512)] == [16, 16, 16, 16, 32, 48, 512]
+    assert [padded_rows(n) for n in (0, 1, 3, 4, 5, 17, 33, 512)] == [4, 4, 4, 4, 8, 20, 36, 512]
 
 
 def test_same_logits_alone_and_in_mixed_batch(loaded_model, seqs, reference):
@@ -57,22 +69,33 @@ def test_same_logits_alone_and_in_mixed_batch(loaded_model, seqs, reference):
     assert torch.equal(_pages(pool, a_blocks), ref_pages)
 
 
-@pytest.mark.parametrize("chunk_sizes", [(7, 16, 1, 9), (1,) * 4, (16, 16)])
-def test_same_logits_chunked_prefill_and_decode(loaded_model, seqs, reference, chunk_sizes):
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        (7, 16, 1, 9, 0),  # uneven prefill chunks over a cached prefix
+        (1, 1, 1, 29, 1, 1, 1, 1, 1, 0),  # decode first, prefill, then decode from its KV
+        (16, 16, 0),  # page-aligned chunks
+    ],
+)
+def test_same_logits_chunked_prefill_and_decode(loaded_model, seqs, reference, sizes):
+    a = seqs[0]
+    ref_logits, ref_pages = reference
+    pool = loaded_model.model.allocate_kv_pool(8, PAGE)
+    blocks = [5, 0, 7, 2]
+    _run_schedule(loaded_model.model, pool, blocks, a, sizes, ref_logits)
+    assert torch.equal(_pages(pool, blocks), ref_pages)
+
+
+def test_same_logits_after_pages_move_between_pools(loaded_model, seqs, reference):
     a = seqs[0]
     ref_logits, ref_pages = reference
     model = loaded_model.model
-    pool = model.allocate_kv_pool(8, PAGE)
-    blocks = [5, 0, 7, 2]
-    start = 0
-    sizes = list(chunk_sizes)
-    while start < len(a):  # the given chunks, then one token at a time (decode)
-        n = min(sizes.pop(0) if sizes else 1, len(a) - start)
-        got = run_batch(model, pool, [SeqChunk(blocks, start, a[start : start + n])], PAGE)
-        for p in range(start, start + n):
-            assert torch.equal(got[(0, p)], ref_logits[p]), (chunk_sizes, p)
-        start += n
-    assert torch.equal(_pages(pool, blocks), ref_pages)
+    src = model.allocate_kv_pool(4, PAGE)
+    run_batch(model, src, [SeqChunk([0, 1, 2, 3], 0, a[:32], all_logits=False)], PAGE)
+    dst = model.allocate_kv_pool(8, PAGE)
+    scatter_pages(dst, torch.tensor([6, 3]), gather_pages(src, torch.tensor([0, 1])))
+    _run_schedule(model, dst, [6, 3, 1, 4], a, (3, 0), ref_logits, start=32)
+    assert torch.equal(_pages(dst, [6, 3, 1, 4]), ref_pages)
 
 
 def test_same_decode_logits_for_any_batch_size(loaded_model, seqs, reference):
@@ -80,9 +103,10 @@ def test_same_decode_logits_for_any_batch_size(loaded_model, seqs, reference):
     ref_logits, _ = reference
     model = loaded_model.model
     last = len(a) - 1
-    for batch_size in (1, 3, 17, 33):
-        pool = model.allocate_kv_pool(4 + 2 * batch_size, PAGE)
-        run_batch(model, pool, [SeqChunk([0, 1, 2, 3], 0, a[:-1], all_logits=False)], PAGE)
+    base = model.allocate_kv_pool(4 + 2 * 33, PAGE)
+    run_batch(model, base, [SeqChunk([0, 1, 2, 3], 0, a[:-1], all_logits=False)], PAGE)
+    for batch_size in (1, 6, 33):
+        pool = base.clone()
         others = [
             SeqChunk([4 + 2 * k, 5 + 2 * k], 0, c[: 5 + k % 11], all_logits=False)
             for k in range(batch_size - 1)

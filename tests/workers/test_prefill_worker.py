@@ -28,8 +28,15 @@ def stack(tmp_path_factory):
     engine = Engine(EngineConfig(kv_cache_bytes=32 << 20, num_threads=1))
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Name a color."}])
     [ref] = engine.generate([prompt], SamplingParams(**GREEDY))
-    config = WorkerConfig(redis_url=server.url, key_prefix="pw:", name="prefill-t",
-                          lease_ms=600, heartbeat_s=0.2, metrics_port=-1, block_ms=20)
+    config = WorkerConfig(
+        redis_url=server.url,
+        key_prefix="pw:",
+        name="prefill-t",
+        lease_ms=600,
+        heartbeat_s=0.2,
+        metrics_port=-1,
+        block_ms=20,
+    )
     worker = PrefillWorker(config, engine)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -42,8 +49,12 @@ def stack(tmp_path_factory):
 
 
 def submit(r, request_id: str, prompt: list[int], **fields) -> None:
-    task = PrefillTask(request_id=request_id, prompt_token_ids=prompt,
-                       sampling=fields.pop("sampling", GREEDY), **fields)
+    task = PrefillTask(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=fields.pop("sampling", GREEDY),
+        **fields,
+    )
     r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
 
 
@@ -65,8 +76,11 @@ def test_handoff_emits_first_token_and_decode_task(stack):
     r, worker, prompt, ref = stack
     submit(r, "h1", prompt, arrival_time=1.5, cache_salt="")
     [chunk] = chunks(r, "h1")
-    assert (chunk.index, chunk.token_ids, chunk.finish_reason) == (0, ref.output_token_ids[:1],
-                                                                   None)
+    assert (chunk.index, chunk.token_ids, chunk.finish_reason) == (
+        0,
+        ref.output_token_ids[:1],
+        None,
+    )
     deadline = time.monotonic() + 10
     while "h1" not in decode_tasks(r) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -132,8 +146,12 @@ def test_deadline_cancel_and_delivery_limit(stack):
     submit(r, "poison", prompt)
     for _ in range(5):
         r.xreadgroup(PREFILL_GROUP, "ghost", {KEYS.prefill_stream: ">"}, count=1) or r.xclaim(
-            KEYS.prefill_stream, PREFILL_GROUP, "ghost", 0,
-            [r.xpending_range(KEYS.prefill_stream, PREFILL_GROUP, "-", "+", 1)[0]["message_id"]])
+            KEYS.prefill_stream,
+            PREFILL_GROUP,
+            "ghost",
+            0,
+            [r.xpending_range(KEYS.prefill_stream, PREFILL_GROUP, "-", "+", 1)[0]["message_id"]],
+        )
     r.hset(KEYS.worker("prefill-t"), "drain", 0)
     [err] = chunks(r, "poison", timeout=30)
     assert err.finish_reason == "error" and err.error == "delivered 6 times (limit 5)"

@@ -1,0 +1,97 @@
+"""Start-up, shutdown and operator views of a NodeStore (a mixin; state lives in store.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from kvrelay.kvstore.errors import StoreError
+from kvrelay.kvstore.page import verify_page
+
+logger = logging.getLogger(__name__)
+
+
+class StoreAdmin:
+    """Rebuild, flush, counts, listing and eviction over NodeStore's index."""
+
+    # -- start and stop ---------------------------------------------------------------------
+    def rebuild_from_arena(self) -> int:
+        """Index the verified pages already in a reused arena file (a node restart)."""
+        with self.lock:
+            for i in range(self.arena.num_slots):
+                try:
+                    h = verify_page(
+                        self.arena.slot(i), page_bytes=self.page_bytes, fingerprint=self.fingerprint
+                    )
+                except StoreError:
+                    continue
+                if h.key in self._entries:
+                    continue
+                self._free.remove(i)
+                self._entries[h.key] = self._entry_cls(i, True)
+                self._slot_key[i] = h.key
+                self._lru[h.key] = None
+            return len(self._lru)
+
+    def all_keys(self) -> list[bytes]:
+        with self.lock:
+            keys = list(self._lru)
+            if self.disk is not None:
+                keys += [k for k in self.disk.keys() if k not in self._entries]  # noqa: SIM118
+            return keys
+
+    def flush_to_disk(self) -> int:
+        """Copy arena pages missing from disk to disk (clean shutdown); returns pages written."""
+        if self.disk is None:
+            return 0
+        n = 0
+        with self.lock:
+            for key in list(self._lru):
+                if key not in self.disk:
+                    self._gone(self.disk.put(key, self.arena.slot(self._entries[key].slot)))
+                    n += 1
+        return n
+
+    # -- operators --------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            pinned = sum(1 for e in self._entries.values() if e.pins)
+            return {
+                "host": len(self._lru),
+                "disk": len(self.disk) if self.disk is not None else 0,
+                "host_slots": self.arena.num_slots,
+                "pinned": pinned,
+                "disk_capacity": self.disk.capacity if self.disk is not None else 0,
+            }
+
+    def ls(self, limit: int = 1000) -> dict[str, list[str]]:
+        """Keys per tier, least recently used first."""
+        with self.lock:
+            disk = self.disk.keys() if self.disk is not None else []
+            return {
+                "host": [k.hex() for k in list(self._lru)[:limit]],
+                "disk": [k.hex() for k in disk[:limit]],
+            }
+
+    def evict(self, tier: str) -> int:
+        """`host`: demote every unpinned arena page; `all`: also empty the disk tier."""
+        if tier not in ("host", "all"):
+            raise StoreError(f"evict: tier must be host or all, got {tier!r}")
+        n = 0
+        with self.lock:
+            for key in [k for k in self._lru if not self._entries[k].pins]:
+                e = self._entries.pop(key)
+                del self._lru[key]
+                if self.disk is not None and tier == "host":
+                    self._gone(self.disk.put(key, self.arena.slot(e.slot)))
+                elif self.disk is None or key not in self.disk:
+                    self.on_gone([key])
+                self._free.append(e.slot)
+                self.metrics.inc("evictions", "host")
+                n += 1
+            if tier == "all" and self.disk is not None:
+                dropped = self.disk.keys()
+                for key in dropped:
+                    self.disk.remove(key)
+                self._gone(dropped)
+                n += len(dropped)
+        return n

@@ -1,0 +1,110 @@
+"""Tiny random Llama / Mistral / Qwen2 checkpoints: our forward vs transformers, and loading."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kvrelay.workers.model_config import ModelConfig
+from kvrelay.workers.model_loader import load_model
+from tests.workers.conftest import SeqChunk, run_batch
+
+PAGE = 16
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=256,
+)
+
+ARCHS = {
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=1)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=32)),
+    "llama3-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            rope_theta=500000.0,
+        ),
+    ),
+    "llama-bias-mha": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(attention_bias=True, mlp_bias=True, num_key_value_heads=4),
+    ),
+}  # fmt: skip
+
+
+def _tiny_checkpoint(arch: str, path, model_dir):
+    import transformers
+
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    torch.manual_seed(len(arch))
+    hf = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # random biases and norms so that every weight matters
+        for name, param in hf.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    hf.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(model_dir / name, path / name)
+    return hf
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_tiny_model_matches_transformers(arch, tmp_path, monkeypatch, model_dir):
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    hf = _tiny_checkpoint(arch, tmp_path / arch, model_dir)
+    loaded = load_model(tmp_path / arch, dtype="float32", device="cpu", progress=False)
+    assert loaded.dir.parent == tmp_path / "cache" / "models"
+    assert (loaded.dir / "model.safetensors").is_symlink()  # safetensors are linked, not copied
+    torch.manual_seed(0)
+    tokens = torch.randint(0, COMMON["vocab_size"], (70,)).tolist()  # > original rope length
+    pool = loaded.model.allocate_kv_pool(8, PAGE)
+    # Chunked: prefill 50 tokens, then a chunk of 17 and 3 decode steps.
+    got = run_batch(loaded.model, pool, [SeqChunk([3, 1, 6, 0, 2], 0, tokens[:50])], PAGE)
+    got |= run_batch(loaded.model, pool, [SeqChunk([3, 1, 6, 0, 2], 50, tokens[50:67])], PAGE)
+    for p in range(67, 70):
+        got |= run_batch(
+            loaded.model, pool, [SeqChunk([3, 1, 6, 0, 2], p, tokens[p : p + 1])], PAGE
+        )
+    with torch.inference_mode():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    ours = torch.stack([got[(0, p)] for p in range(70)])
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_config_reads_architecture_features(tmp_path, model_dir):
+    import json
+
+    for arch in ARCHS:
+        _tiny_checkpoint(arch, tmp_path / arch, model_dir)
+    cfg = {
+        a: ModelConfig.from_hf(json.loads((tmp_path / a / "config.json").read_text()))
+        for a in ARCHS
+    }
+    assert (cfg["qwen2-bias"].qkv_bias, cfg["qwen2-bias"].o_bias) == (True, False)
+    assert cfg["qwen2-bias"].tie_word_embeddings and cfg["qwen2-bias"].rope_theta == 1e6
+    assert cfg["mistral"].head_dim == 32 and cfg["mistral"].q_size == 128
+    assert cfg["llama-bias-mha"].qkv_bias and cfg["llama-bias-mha"].o_bias
+    assert cfg["llama-bias-mha"].mlp_bias and cfg["llama-bias-mha"].num_kv_heads == 4
+    llama3 = cfg["llama3-rope"]
+    assert llama3.rope_scaling["rope_type"] == "llama3" and llama3.rope_theta == 500000.0
+    inv = llama3.inv_freq()
+    plain = [1.0 / 500000.0 ** (i / 16) for i in range(0, 16, 2)]
+    assert inv[0] == plain[0]  # high frequencies unchanged
+    assert inv[-1] == pytest.approx(plain[-1] / 8.0)  # low frequencies divided by factor

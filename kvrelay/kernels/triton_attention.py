@@ -28,7 +28,7 @@ def _paged_attention_kernel(
     sp_b, sp_l, sp_kv, sp_p, sp_h,
     st_s,
     GROUP: tl.constexpr, GPAD: tl.constexpr, HEAD_DIM: tl.constexpr, DPAD: tl.constexpr,
-    PAGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    PAGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -64,7 +64,7 @@ def _paged_attention_kernel(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(pool_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(pool_ptr + sp_kv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         visible = (kpos[None, :] <= pos[:, None]) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -72,7 +72,7 @@ def _paged_attention_kernel(
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m = m_new
     out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
@@ -107,5 +107,7 @@ def paged_attention(
         meta.block_tables.stride(0),
         GROUP=group, GPAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         DPAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size, BM=BLOCK_M, BN=BLOCK_N,
+        # fp32 dots must not drop to TF32; for 16-bit inputs the setting does not apply.
+        PRECISION="ieee" if kv_pool.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out

@@ -125,6 +125,9 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         if not sep:
             raise SystemExit(f"kvrelay up: --env wants KEY=VALUE, got {item!r}")
         env[key] = value
+    gpus = _num_gpus()
+    if gpus:  # workers hold bf16 pages on CUDA (dtype auto); the store must expect that size
+        env.setdefault("KVRELAY_STORE_DTYPE", "bfloat16")
     programs.append(Program("store", [*py, "store"], env=env, priority=20))
     programs.append(
         Program(
@@ -136,7 +139,6 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     )
     num_workers = args.prefill + args.decode
     threads = threads_per_worker(args.threads or os.cpu_count() or 1, num_workers)
-    gpus = _num_gpus()
     roles = [("prefill", i) for i in range(args.prefill)]
     roles += [("decode", i) for i in range(args.decode)]
     for n, (role, i) in enumerate(roles):

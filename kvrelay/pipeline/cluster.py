@@ -95,9 +95,11 @@ class ClusterState:
         return self._load.age_s
 
     async def roles(self, model: str) -> dict[str, int]:
-        """Live workers serving `model` (or not saying which), counted by role."""
+        """Live, not draining workers serving `model` (or not saying which), by role."""
         counts: dict[str, int] = {}
         for w in await self.workers():
+            if w.fields.get("draining", "0") not in ("", "0"):
+                continue  # finishing its work, taking no more
             if not w.model or w.model == model:
                 counts[w.role] = counts.get(w.role, 0) + 1
         return counts

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -88,30 +87,36 @@ class Ingress:
         """Set cancel:{id}; workers drop the request and finish it as cancelled."""
         await self.redis.set(self.keys.cancel(request_id), b"1", ex=self.config.cancel_ttl_s)
 
-    async def client_gone(self, request_id: str) -> None:
-        """The client disconnected: cancel now, or after the grace period unless it returns."""
+    async def client_gone(self, request_id: str, attach_seq: int = 0) -> None:
+        """The client disconnected: cancel now, or after the grace period unless it returns.
+
+        `attach_seq` is the reader's attach number; any later attach means someone came back,
+        even one that arrived before this disconnect was noticed.
+        """
         grace = self.config.disconnect_grace_s
         try:
             if grace <= 0:
                 await self.cancel(request_id)
-                return
-            token = uuid.uuid4().hex
-            await self.redis.hset(self.keys.request(request_id), "detached", token)
-            self._spawn(self._cancel_later(request_id, token, grace))
+            else:
+                self._spawn(self._cancel_later(request_id, attach_seq, grace))
         except RedisError as exc:
-            logger.error("request %s: cannot record the disconnect: %s", request_id, exc)
+            logger.error("request %s: cannot cancel after a disconnect: %s", request_id, exc)
 
-    async def _cancel_later(self, request_id: str, token: str, grace: float) -> None:
+    async def _cancel_later(self, request_id: str, attach_seq: int, grace: float) -> None:
         await asyncio.sleep(grace)
-        current = await self.redis.hget(self.keys.request(request_id), "detached")
-        if current is not None and current.decode() == token:
-            logger.info("request %s: client did not come back; cancelling", request_id)
-            await self.cancel(request_id)
+        try:
+            current = await self.redis.hget(self.keys.request(request_id), "attach")
+            if int(current or 0) == attach_seq:
+                logger.info("request %s: client did not come back; cancelling", request_id)
+                await self.cancel(request_id)
+        except RedisError as exc:
+            logger.error("request %s: cannot cancel after a disconnect: %s", request_id, exc)
 
-    async def reattached(self, request_id: str) -> None:
-        """A client came back for this request: keep it running."""
-        if self.config.disconnect_grace_s > 0:
-            await self.redis.hdel(self.keys.request(request_id), "detached")
+    async def reattached(self, request_id: str) -> int:
+        """A client came back for this request: count the attach, which keeps it running."""
+        if self.config.disconnect_grace_s <= 0:
+            return 0
+        return int(await self.redis.hincrby(self.keys.request(request_id), "attach", 1))
 
     def observe_queue_time(self, request_id: str, model: str) -> None:
         """Record queue time from the record's `created` and `started` (set by the worker)."""

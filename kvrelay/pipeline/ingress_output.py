@@ -45,6 +45,7 @@ class OutputJob:
     start_index: int = 0
     timer: RequestTimer | None = None  # None on a reattach: the first reader measures
     send_role: bool = True
+    attach_seq: int = 0  # which attach of this request this reader is (disconnect grace)
 
     def response(self) -> Response:
         produce = self._stream if self.stream else self._whole
@@ -171,4 +172,4 @@ class OutputJob:
         logger.info("request %s: client disconnected", self.request_id)
         if self.timer:
             self.timer.close()
-        await self.ingress.client_gone(self.request_id)
+        await self.ingress.client_gone(self.request_id, self.attach_seq)

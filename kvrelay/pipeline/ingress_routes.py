@@ -143,7 +143,7 @@ async def _reattach(
     last = _last_event_id(request)
     rec = await _record(ing, request_id, key_id)
     opts: dict[str, Any] = json.loads(rec.get("ingress") or "{}")
-    await ing.reattached(request_id)
+    attach_seq = await ing.reattached(request_id)
     model = rec.get("model", "")
     entry = await ing.registry.get(model)
     created = int(opts.get("created") or float(rec.get("created") or time.time()))
@@ -161,7 +161,14 @@ async def _reattach(
     start = 0 if last is None or not stream else last + 1
     logger.info("request %s: client reattached from token %d", request_id, start)
     job = OutputJob(
-        ing, request_id, fmt, stream, deadline=deadline, start_index=start, send_role=last is None
+        ing,
+        request_id,
+        fmt,
+        stream,
+        deadline=deadline,
+        start_index=start,
+        send_role=last is None,
+        attach_seq=attach_seq,
     )
     return job.response()
 
@@ -197,7 +204,7 @@ async def request_state(request: Request) -> Response:
         return error_response(_unavailable(exc), request_id)
     body: dict[str, Any] = {"id": request_id, "object": "request"}
     for key, value in rec.items():
-        if key in ("ingress", "key_id", "detached"):
+        if key in ("ingress", "key_id", "attach"):
             continue
         if key in _INT_FIELDS and value.lstrip("-").isdigit():
             body[key] = int(value)

@@ -78,7 +78,7 @@ def _stop(body: dict) -> list[str]:
     raise _type_error("stop", "a string or an array of strings")
 
 
-def _token_ids(value: Any, name: str) -> list[int] | None:
+def _token_ids(value: Any) -> list[int] | None:
     if isinstance(value, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
     ):
@@ -99,7 +99,7 @@ def _sampling(body: dict) -> SamplingParams:
     p.stop = _stop(body)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        ids = _token_ids(stop_ids, "stop_token_ids")
+        ids = _token_ids(stop_ids)
         if ids is None:
             raise _type_error("stop_token_ids", "an array of integers")
         p.stop_token_ids = ids
@@ -228,7 +228,7 @@ def parse_completion(body: Any) -> GenerationRequest:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         req.prompt = prompt
-    elif (ids := _token_ids(prompt, "prompt")) is not None and ids:
+    elif (ids := _token_ids(prompt)) is not None and ids:
         req.prompt_token_ids = ids
     elif prompt is None:
         raise bad_request(

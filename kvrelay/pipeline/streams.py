@@ -304,6 +304,15 @@ class Streams:
         # MINID keeps entries >= floor; the last delivered one is kept, which is harmless
         return int(self.r.xtrim(stream, minid=floor, approximate=False))
 
+    def prune_consumers(self, stream: str, group: str, idle_ms: int = 600_000) -> int:
+        """Delete consumers that own nothing and were idle this long (restarted workers)."""
+        removed = 0
+        for info in self.r.xinfo_consumers(stream, group):
+            name = _s(info["name"])
+            if name != self.consumer and not info["pending"] and info["idle"] > idle_ms:
+                removed += int(self.r.xgroup_delconsumer(stream, group, name) == 0)
+        return removed
+
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")

@@ -148,6 +148,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         requests = [{"id": "generate-0", "prompt": args.prompt, "messages": None,
                      "sampling": defaults, "line": 0}]  # fmt: skip
+    from kvrelay.config import ConfigError, from_env
     from kvrelay.pipeline.modelref import ModelNotFoundError
     from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams
     from kvrelay.workers.engine import Engine, EngineConfig
@@ -159,14 +160,14 @@ def _run(args: argparse.Namespace) -> int:
             params[req["id"]] = SamplingParams.from_dict(req["sampling"]).validate()
         except (InvalidSamplingParams, TypeError) as exc:
             raise CLIInputError(f"request {req['id']!r}: {exc}") from exc
-    overrides = {"model": args.model, "max_num_seqs": args.max_num_seqs,
-                 "max_num_batched_tokens": args.max_num_batched_tokens,
-                 "num_threads": args.num_threads}  # fmt: skip
-    config = EngineConfig(**{k: v for k, v in overrides.items() if v is not None})
     try:
+        config = from_env(EngineConfig, "engine", model=args.model,
+                          max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          num_threads=args.num_threads)  # fmt: skip
         engine = Engine(config)
-    except ModelNotFoundError as exc:
-        raise CLIInputError(str(exc).splitlines()[0] if str(exc) else "model not found") from exc
+    except (ModelNotFoundError, ConfigError) as exc:
+        raise CLIInputError(" ".join(str(exc).split()) or "model not found") from exc
     started = time.perf_counter()
     for req in requests:
         ids = _prompt_ids(engine.tokenizer, req, args.chat)

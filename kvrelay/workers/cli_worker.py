@@ -41,7 +41,7 @@ def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:
     spec = PageSpec(fingerprint=engine.fingerprint, dtype=str(pool.dtype).removeprefix("torch."),
                     num_layers=layers, page_size=page_size, kv_heads=kv_heads,
                     head_dim=head_dim)  # fmt: skip
-    client = StoreClient(run_dir, spec)
+    client = StoreClient(run_dir, spec, timeout_s=3.0)  # a dead node must not stall compute long
     node = ""
     try:
         node = str(client.connect().get("node_id", ""))

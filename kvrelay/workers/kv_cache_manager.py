@@ -63,13 +63,10 @@ class KVCacheManager:
         self.pool.acquire(hits)
         seq.block_table = list(hits)
         num_device = len(hits)
-        num_store = 0
         rest = keys[num_device:]
-        if rest and self.connector is not None:
-            num_store = self._load(rest)
-            if num_store:
-                seq.block_table.extend(num_store)
-                num_store = len(num_store)
+        loaded = self._load(rest) if rest and self.connector is not None else []
+        seq.block_table.extend(loaded)
+        num_store = len(loaded)
         n_blocks = num_device + num_store
         seq.num_computed_tokens = n_blocks * self.page_size
         seq.num_registered_blocks = n_blocks

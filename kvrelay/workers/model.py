@@ -141,7 +141,12 @@ class LlamaForCausalLM(nn.Module):
         if rows != num_tokens:  # pad rows: token 0 at position 0, never written nor attended
             ids = F.pad(ids, (0, rows - num_tokens))
             pos = F.pad(pos, (0, rows - num_tokens))
-        cos_table, sin_table = self._rope_table(int(pos.max()) if num_tokens else 0)
+        # On CUDA the metadata bound avoids a device sync; on CPU the exact max is free.
+        if ids.is_cuda:
+            max_pos = int(meta.max_context_len)
+        else:
+            max_pos = int(pos.max()) if num_tokens else 0
+        cos_table, sin_table = self._rope_table(max_pos)
         cos, sin = cos_table[pos][:, None, :], sin_table[pos][:, None, :]
         hidden = F.embedding(ids, self.embed)
         slots = meta.slot_mapping.to(self.device)

@@ -208,6 +208,7 @@ class Heartbeat:
         if time.monotonic() - self._last_trim > 30:
             self._last_trim = time.monotonic()
             self.streams.trim_acked(self.stream, self.group)
+            self.streams.prune_consumers(self.stream, self.group)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -87,14 +87,13 @@ def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
         w.r.xack(w.stream, w.group, entry.entry_id)
         w.inflight.remove(task.request_id, entry.entry_id)
         return
-    w.r.hset(
-        w.keys.request(task.request_id),
-        mapping={
-            "status": "prefilling" if w.role == "prefill" else "decoding",
-            "stage": w.role,
-            "owner": w.name,
-        },
-    )
+    key = w.keys.request(task.request_id)
+    pipe = w.r.pipeline(transaction=False)
+    status = "prefilling" if w.role == "prefill" else "decoding"
+    pipe.hset(key, mapping={"status": status, "stage": w.role, "owner": w.name})
+    pipe.hsetnx(key, "started", f"{time.time():.3f}")  # the ingress's queue-time metric
+    pipe.exists(w.keys.cancel(task.request_id))
+    cancelled = bool(pipe.execute()[-1])
     if claimed:
         logger.info(
             "request %s: claimed entry %s with %d tokens already emitted",
@@ -102,7 +101,6 @@ def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
             entry.entry_id,
             len(emitted),
         )
-    cancelled = bool(w.streams.cancelled([task.request_id]))
     w.admissions.put(Admission(entry.entry_id, task, emitted, cancelled))
 
 

@@ -195,3 +195,13 @@ def test_admin_status_and_worker_metrics(stack):
         text = resp.read().decode()
     assert 'kvrelay:generation_tokens_total{model_name="smollm2-135m-instruct"}' in text
     assert "kvrelay:kv_store_pages_total" in text
+
+
+def test_bench_command_reports_latencies(stack):
+    done = subprocess.run([sys.executable, "-m", "kvrelay.pipeline.cli", "bench", "--url",
+                           stack.url, "--requests", "4", "--concurrency", "2", "--max-tokens",
+                           "4"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (result["requests"], result["errors"], result["concurrency"]) == (4, 0, 2)
+    assert result["ttft_ms_p50"] > 0 and result["itl_ms_p50"] > 0 and result["output_tok_s"] > 0

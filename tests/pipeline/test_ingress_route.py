@@ -87,6 +87,8 @@ async def test_auto_without_prefill_workers_goes_to_decode(harness):
     assert isinstance(await _route(app, role, PROMPT), DecodeTask)
     await role.heartbeat("p1", "prefill")
     assert isinstance(await _route(app, role, PROMPT), PrefillTask)
+    await role.r.hset(app.state.ingress.keys.worker("p1"), "draining", 1)
+    assert isinstance(await _route(app, role, PROMPT), DecodeTask)
 
 
 @pytest.mark.parametrize(

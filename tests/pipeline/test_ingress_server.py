@@ -151,7 +151,7 @@ async def test_disconnect_cancels_the_request(valkey_session, smollm_tokenizer):
 async def test_disconnect_grace_lets_a_client_come_back(valkey_session, smollm_tokenizer):
     from kvrelay.pipeline.messages import TokenChunk
 
-    async with serving(valkey_session.url, smollm_tokenizer, disconnect_grace_s=0.3) as (
+    async with serving(valkey_session.url, smollm_tokenizer, disconnect_grace_s=0.5) as (
         base,
         app,
         role,
@@ -169,7 +169,7 @@ async def test_disconnect_grace_lets_a_client_come_back(valkey_session, smollm_t
             back = asyncio.create_task(
                 http.post("/v1/completions", json={}, headers={"X-Request-Id": "g-1"})
             )
-            await asyncio.sleep(0.6)  # past the grace period
+            await asyncio.sleep(0.8)  # past the grace period
             assert not await ing.redis.exists(ing.keys.cancel("g-1"))
             await role.emit(
                 "g-1", TokenChunk(index=0, token_ids=[1], text="a", finish_reason="stop")

@@ -113,3 +113,55 @@ def test_foreground_stack_stops_everything_on_sigterm(tmp_path):
     assert proc.wait(timeout=30) == 0
     assert sup.pid() is None
     assert not any(_alive(p) for p in pids.values())
+
+
+def test_up_programs_divide_cores_and_share_settings(tmp_path):
+    from kvrelay.pipeline.cli import build_parser
+    from kvrelay.pipeline.cli_up import build_programs, threads_per_worker
+
+    assert [threads_per_worker(c, 3) for c in (1, 2, 6, 16)] == [1, 1, 2, 5]
+    args = build_parser().parse_args(
+        [
+            "up",
+            "--prefill",
+            "2",
+            "--decode",
+            "3",
+            "--threads",
+            "10",
+            "--port",
+            "9001",
+            "--env",
+            "KVRELAY_WORKER_LEASE_MS=500",
+        ]
+    )
+    programs, state = build_programs(args, tmp_path)
+    names = [p.name for p in programs]
+    assert names == [
+        "valkey",
+        "store",
+        "ingress",
+        "prefill-0",
+        "prefill-1",
+        "decode-0",
+        "decode-1",
+        "decode-2",
+    ]
+    by = {p.name: p for p in programs}
+    assert by["decode-2"].command[-4:] == ["--name", "decode-2", "--threads", "2"]
+    assert by["decode-2"].env["OMP_NUM_THREADS"] == "2"
+    assert by["ingress"].command[-4:] == ["--host", "127.0.0.1", "--port", "9001"]
+    assert by["prefill-0"].env["KVRELAY_WORKER_LEASE_MS"] == "500"
+    port = by["valkey"].command[by["valkey"].command.index("--port") + 1]
+    assert state["redis_url"] == f"redis://127.0.0.1:{port}/0"
+    assert by["store"].env["KVRELAY_STORE_RUN_DIR"] == str(tmp_path / "store")
+    assert by["prefill-0"].env["KVRELAY_REDIS_URL"] == state["redis_url"]
+    assert (
+        by["valkey"].priority
+        < by["store"].priority
+        < by["ingress"].priority
+        < by["decode-0"].priority
+    )
+    external = build_parser().parse_args(["up", "--redis-url", "redis://db:6379/2"])
+    programs, state = build_programs(external, tmp_path)
+    assert "valkey" not in [p.name for p in programs] and state["redis_url"] == "redis://db:6379/2"

@@ -178,3 +178,15 @@ def test_trim_acked_keeps_pending_and_undelivered(r):
     r.xack(KEYS.prefill_stream, PREFILL_GROUP, eids[0], eids[2])
     assert a.trim_acked(KEYS.prefill_stream, PREFILL_GROUP) == 1  # only eids[0]
     assert [e.decode() for e, _ in r.xrange(KEYS.prefill_stream)] == eids[1:]
+
+
+def test_prune_consumers_removes_idle_empty_ones(r):
+    a, b = make(r, "a"), make(r, "b")
+    add_task(r)
+    a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)  # "a" owns an entry
+    b.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)  # "b" got nothing
+    make(r, "c").read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
+    time.sleep(0.05)
+    assert b.prune_consumers(KEYS.prefill_stream, PREFILL_GROUP, idle_ms=20) == 1  # only "c"
+    names = {c["name"] for c in r.xinfo_consumers(KEYS.prefill_stream, PREFILL_GROUP)}
+    assert names == {b"a", b"b"}

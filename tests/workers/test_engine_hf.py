@@ -49,9 +49,8 @@ def hf_generate(hf_model, prompts: list[list[int]], pad_id: int):
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS,
         pad_token_id=pad_id, output_logits=True, return_dict_in_generate=True,
     )  # fmt: skip
-    eos = set(hf_model.generation_config.eos_token_id or [])
-    if isinstance(hf_model.generation_config.eos_token_id, int):
-        eos = {hf_model.generation_config.eos_token_id}
+    eos_cfg = hf_model.generation_config.eos_token_id
+    eos = {eos_cfg} if isinstance(eos_cfg, int) else set(eos_cfg or [])
     tokens = []
     for row in out.sequences[:, width:].tolist():
         cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))

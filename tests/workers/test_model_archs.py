@@ -24,7 +24,9 @@ COMMON = dict(
 )
 
 ARCHS = {
-    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=1)),
+    "qwen2-bias": (
+        "Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=32)),
     "llama3-rope": (
         "LlamaConfig",

@@ -93,6 +93,7 @@ def test_handoff_emits_first_token_and_decode_task(stack):
     assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 0
     rec = r.hgetall(KEYS.request("h1"))
     assert rec[b"status"] == b"decoding" and rec[b"emitted"] == b"1"
+    assert abs(float(rec[b"started"]) - time.time()) < 60
     info = r.hgetall(KEYS.worker("prefill-t"))
     assert info[b"role"] == b"prefill" and info[b"model"] == b"smollm2-135m-instruct"
     assert b'"page_size": 16' in r.hget(KEYS.models, "smollm2-135m-instruct")

@@ -1,0 +1,79 @@
+"""`kvrelay generate` as a user runs it (subprocess, real model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris." <eos>
+
+
+def kvrelay(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KVRELAY_ENGINE_KV_CACHE_BYTES": str(24 << 20)}
+    return subprocess.run(
+        [sys.executable, "-m", "kvrelay.pipeline.cli", "--log-level", "WARNING", "generate",
+         *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+
+
+def test_streams_chat_answer():
+    r = kvrelay("What is the capital of France?", "--chat", "--temperature", "0",
+                "--max-tokens", "16")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "The capital of France is Paris.\n"
+
+
+def test_batch_file_json(tmp_path):
+    batch = tmp_path / "batch.jsonl"
+    lines = [
+        {"id": "france", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+         "temperature": 0},
+        {"id": "short", "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0},
+        {"id": "stopped", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+         "temperature": 0, "stop": [" is"]},
+    ]  # fmt: skip
+    batch.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    r = kvrelay("--batch-file", str(batch), "--json", "--max-tokens", "16")
+    assert r.returncode == 0, r.stderr
+    results = {o["id"]: o for o in map(json.loads, r.stdout.splitlines())}
+    assert set(results) == {"france", "short", "stopped"}
+    france = results["france"]
+    assert france["token_ids"] == ANSWER and france["text"] == "The capital of France is Paris."
+    assert france["finish_reason"] == "stop" and france["completion_tokens"] == 8
+    assert france["prompt_tokens"] == results["stopped"]["prompt_tokens"] > 20
+    assert set(france["timings"]) == {"ttft_s", "total_s", "decode_tok_s"}
+    assert results["short"]["finish_reason"] == "length"
+    assert len(results["short"]["token_ids"]) == 3
+    assert results["stopped"]["text"] == "The capital of France"
+    assert results["stopped"]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("args", "lines", "message"),
+    [
+        ((), None, "give a PROMPT or --batch-file"),
+        (("hi", "--max-tokens", "0"), None, "max_tokens must be at least 1"),
+        (("hi", "--model", "no-such-model"), None, "unknown model 'no-such-model'"),
+        ((), ['{"id": "a", "prompt": "x"}', "{oops"], "batch.jsonl:2: invalid JSON"),
+        ((), ['{"id": "a", "prompt": "x", "temprature": 1}'], "unknown field(s) temprature"),
+        ((), ['{"id": "a"}'], "give exactly one of 'prompt' or 'messages'"),
+        ((), ['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}'], "duplicate id 'a'"),
+        ((), ['{"id": "a", "prompt": [1, 99999999]}'], "request 'a': prompt has token id"),
+        ((), ['{"id": "a", "prompt": "x", "top_p": 2}'], "request 'a': top_p must be in"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_with_one_line(tmp_path, args, lines, message):
+    if lines is not None:
+        path = tmp_path / "batch.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        args = ("--batch-file", str(path))
+    r = kvrelay(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("kvrelay generate:")]
+    assert len(errors) == 1 and message in errors[0], r.stderr

@@ -87,6 +87,13 @@ class Ingress:
         """Set cancel:{id}; workers drop the request and finish it as cancelled."""
         await self.redis.set(self.keys.cancel(request_id), b"1", ex=self.config.cancel_ttl_s)
 
+    async def try_cancel(self, request_id: str) -> None:
+        """cancel() that only logs when Redis is unavailable (the deadline stops workers too)."""
+        try:
+            await self.cancel(request_id)
+        except RedisError as exc:
+            logger.error("request %s: cannot set the cancel flag: %s", request_id, exc)
+
     async def client_gone(self, request_id: str, attach_seq: int = 0) -> None:
         """The client disconnected: cancel now, or after the grace period unless it returns.
 

@@ -92,7 +92,7 @@ class OutputJob:
                         timer.finish(chunk.finish_reason or "stop", chunk.usage, now)
                         self.ingress.observe_queue_time(self.request_id, timer.model)
         except OutputTimeout:
-            await self.ingress.cancel(self.request_id)
+            await self.ingress.try_cancel(self.request_id)
             yield fmt.error_event("the request passed its deadline", "timeout", "request_timeout")
         except RedisError as exc:
             logger.error("request %s: lost the output stream: %s", self.request_id, exc)
@@ -138,7 +138,7 @@ class OutputJob:
                     timer.tokens(len(chunk.token_ids), time.monotonic())
                 result.add(chunk)
         except OutputTimeout:
-            await self.ingress.cancel(self.request_id)
+            await self.ingress.try_cancel(self.request_id)
             body = _error("the request passed its deadline", "timeout", "request_timeout")
             await send_json(send, 504, body, self._headers)
             return

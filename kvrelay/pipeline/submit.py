@@ -228,7 +228,8 @@ class Producer:
             "deadline": "" if sub.deadline is None else f"{sub.deadline:.3f}",
         }
         for key, value in (record or {}).items():
-            fields[key] = value if isinstance(value, str | int | float) else json.dumps(value)
+            plain = isinstance(value, str | int | float) and not isinstance(value, bool)
+            fields[key] = value if plain else json.dumps(value)
         flat: list[Any] = []
         for key, value in fields.items():
             flat += [key, value]

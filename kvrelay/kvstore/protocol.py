@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvrelay.kvstore.errors import StoreError
 from kvrelay.kvstore.remote import check_request
+
+
+@dataclass(slots=True)
+class Later:
+    """A reply that needs peers or Redis: the node runs `run()` on a pool thread."""
+
+    run: Callable[[], dict]
 
 
 def _keys(node, req: dict) -> list[bytes]:
@@ -51,11 +60,20 @@ def op_abort(node, req: dict) -> dict:
     return {}
 
 
-def op_get(node, req: dict) -> dict:
+def op_get(node, req: dict) -> dict | Later:
     keys = _keys(node, req)
     slots = node.store.acquire(keys)
     if len(slots) < len(keys) and req.get("remote", True) and node.remote is not None:
-        slots += node.remote.fetch(keys[len(slots) :])
+
+        def fetch() -> dict:
+            try:
+                more = node.remote.fetch(keys[len(slots) :])
+            except BaseException:
+                node.store.release(slots)  # nobody will get these slots to release them
+                raise
+            return {"slots": slots + more, "gen": node.arena_gen}
+
+        return Later(fetch)
     return {"slots": slots, "gen": node.arena_gen}
 
 
@@ -64,12 +82,18 @@ def op_release(node, req: dict) -> dict:
     return {}
 
 
-def op_contains(node, req: dict) -> dict:
+def op_contains(node, req: dict) -> dict | Later:
     keys = _keys(node, req)
     n = node.store.contains_prefix(keys)
     if n < len(keys) and req.get("remote", True) and node.remote is not None:
-        with contextlib.suppress(Exception):  # Redis down: count only local pages
-            n += node.remote.locate_prefix(keys[n:])
+
+        def locate() -> dict:
+            more = 0
+            with contextlib.suppress(Exception):  # Redis down: count only local pages
+                more = node.remote.locate_prefix(keys[n:])
+            return {"n": n + more}
+
+        return Later(locate)
     return {"n": n}
 
 
@@ -94,7 +118,7 @@ def op_evict(node, req: dict) -> dict:
 OPS = {name[3:]: fn for name, fn in globals().items() if name.startswith("op_")}
 
 
-def handle_request(node, req: dict) -> dict:
+def handle_request(node, req: dict) -> dict | Later:
     """Dispatch one request; raise StoreError for anything the caller got wrong."""
     fn = OPS.get(req.get("op"))
     if fn is None:

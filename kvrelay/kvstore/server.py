@@ -9,10 +9,13 @@ listeners served from an asyncio thread; the page directory and heartbeat live i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
+import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgpack
@@ -21,9 +24,12 @@ from kvrelay.kvstore.arena import HostArena
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.errors import StoreError
 from kvrelay.kvstore.metrics import StoreMetrics
+from kvrelay.kvstore.protocol import Later
 from kvrelay.kvstore.store import NodeStore
 
 logger = logging.getLogger(__name__)
+
+FETCH_THREADS = 4  # concurrent remote fetches; local requests never wait for them
 
 
 def arena_path(config: StoreConfig) -> Path:
@@ -48,6 +54,11 @@ class StoreNode:
         self._servers: list = []
         self.addresses: dict[str, str] = {}
         self.ready = threading.Event()
+        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kv-fetch")
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # (ident, reply) from the pool
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -178,6 +189,7 @@ class StoreNode:
         """Flush arena pages to disk, unregister, close listeners and the socket."""
         if getattr(self, "store", None) is None:
             return
+        self._pool.shutdown(wait=True)  # fetches in flight end within the transfer timeout
         n = self.store.flush_to_disk()
         if n:
             logger.info("flushed %d arena pages to disk", n)
@@ -205,6 +217,8 @@ class StoreNode:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(timeout=10)
         self._sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         self.config.socket_path.unlink(missing_ok=True)
         self.arena.close()
         if not self.config.keep_arena:
@@ -213,24 +227,55 @@ class StoreNode:
         logger.info("store node %s stopped", self.config.node_id)
 
     def serve_forever(self) -> None:
-        """Answer local requests until `stop()` (or SIGTERM via the CLI)."""
+        """Answer local requests until `stop()` (or SIGTERM via the CLI).
+
+        Requests that may wait on a peer or Redis (a `get` or `contains` that goes remote) run
+        on a small thread pool; their replies come back through `_done` (a pipe wakes the
+        poller), so one slow fetch never holds up other workers' local requests."""
         import zmq
 
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
+            self._send_done()
             while True:
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 ident, body = frames[0], frames[-1]
-                self._sock.send_multipart([ident, b"", self._handle(body)])
+                reply = self._handle(ident, body)
+                if reply is not None:
+                    self._sock.send_multipart([ident, b"", reply])
+            self._send_done()
+
+    def _send_done(self) -> None:
+        """Send the replies finished by pool threads."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                ident, reply = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self._sock.send_multipart([ident, b"", reply])
+
+    def _finish(self, ident: bytes, req: dict, later: Later) -> None:
+        """Run deferred work on a pool thread and queue its reply for the request loop."""
+        reply = self._reply(req, later.run)
+        self._done.put((ident, reply))
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
 
     # -- requests ---------------------------------------------------------------------------
-    def _handle(self, body: bytes) -> bytes:
+    def _handle(self, ident: bytes, body: bytes) -> bytes | None:
+        """The reply to one request; None when there is none yet (deferred) or none wanted."""
         from kvrelay.kvstore.protocol import handle_request
 
         try:
@@ -239,8 +284,17 @@ class StoreNode:
                 raise StoreError("request must be a msgpack map")
         except Exception as exc:  # noqa: BLE001 - bad input gets an error reply, never a crash
             return msgpack.packb({"ok": False, "error": f"malformed request: {exc}"})
+        reply = self._reply(req, lambda: handle_request(self, req))
+        if isinstance(reply, Later):
+            self._pool.submit(self._finish, ident, req, reply)
+            return None
+        return None if req.get("noreply") else reply  # noreply: fire-and-forget (release)
+
+    def _reply(self, req: dict, fn) -> bytes | Later:
         try:
-            reply = handle_request(self, req)
+            reply = fn()
+            if isinstance(reply, Later):
+                return reply
             reply["ok"] = True
         except StoreError as exc:
             reply = {"ok": False, "error": str(exc), "kind": type(exc).__name__}

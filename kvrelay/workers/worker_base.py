@@ -135,20 +135,22 @@ class Worker:
                 grace_end = time.monotonic() + self.config.stop_grace_s
             if grace_end is not None and (not self.active or time.monotonic() > grace_end):
                 break
-            self._control()
-            if self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # an engine bug must not take every request down twice
-                    logger.exception("engine step failed")
-                    self._fail_all(f"engine error: {exc}")
-                    continue
-                for out in outputs:
-                    self._on_output(out)
-            else:
-                with contextlib.suppress(queue.Empty):
-                    self._admit(self.admissions.get(timeout=0.05))
+            try:
+                self._iteration()
+            except Exception as exc:  # an engine bug must not take the worker down with it
+                logger.exception("compute loop failed")
+                self._fail_all(f"engine error: {exc}")
         self._shutdown()
+
+    def _iteration(self) -> None:
+        """Apply control messages, then one engine step (or wait briefly for work)."""
+        self._control()
+        if self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                self._on_output(out)
+        else:
+            with contextlib.suppress(queue.Empty):
+                self._admit(self.admissions.get(timeout=0.05))
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -265,7 +267,8 @@ class Worker:
 
     def _fail_all(self, reason: str) -> None:
         for rid, act in list(self.active.items()):
-            self.engine.abort_request(rid, "error")
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(rid, "error")
             self.active.pop(rid)
             self.emitter.put(
                 Outgoing("dead_letter", rid, act.entry_id, payload=act.task.encode(), reason=reason)

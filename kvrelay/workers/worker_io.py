@@ -69,14 +69,21 @@ class Emitter:
             if items[-1] is None or None in items:
                 stopping = True
                 items = [i for i in items if i is not None]
-            self._write(items)
+            try:
+                self._write(items)
+            except Exception:  # the emitter must outlive any one bad write
+                logger.exception("emitter: dropping %d writes", len(items))
+                for item in items:
+                    self.inflight.remove(item.request_id, item.entry_id)
+                    self.lost.put(item.request_id)
 
     def _write(self, items: list[Outgoing]) -> None:
         while items:
             try:
                 self._write_once(items)
                 return
-            except redis.ConnectionError as exc:  # Valkey restarting: retry, writes are fenced
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Valkey restarting: retry; the writes are fenced, so a repeat cannot duplicate
                 logger.warning("emitter: redis unavailable (%s); retrying", exc)
                 time.sleep(0.5)
 
@@ -156,6 +163,10 @@ class Inflight:
         with self._lock:
             if entry_id is None or self._entries.get(request_id) == entry_id:
                 self._entries.pop(request_id, None)
+
+    def get(self, request_id: str) -> str | None:
+        with self._lock:
+            return self._entries.get(request_id)
 
     def snapshot(self) -> dict[str, str]:
         with self._lock:

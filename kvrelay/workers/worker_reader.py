@@ -57,7 +57,7 @@ def read_loop(w: Worker) -> None:
             count = min(room, w.config.read_batch)
             for entry in w.streams.read(w.stream, w.group, count, w.config.block_ms):
                 receive(w, entry)
-        except redis.ConnectionError as exc:
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
             logger.warning("reader: redis unavailable (%s); retrying", exc)
             time.sleep(0.5)
         except Exception:  # never let one bad entry or reply stop the reader
@@ -73,11 +73,12 @@ def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
         task = w.message.decode(entry.payload)
     except MessageError as exc:
         return dead_letter(w, entry, f"invalid {w.role} task: {exc}", "")
+    if w.inflight.get(task.request_id) is not None:
+        return  # running here already: our own entry, re-claimed because a renewal came late
     if entry.deliveries > w.config.max_deliveries:
         reason = f"delivered {entry.deliveries} times (limit {w.config.max_deliveries})"
         return dead_letter(w, entry, reason, task.request_id)
-    if not w.inflight.add(task.request_id, entry.entry_id):
-        return  # our own entry for a request already running here (a lease we renewed late)
+    w.inflight.add(task.request_id, entry.entry_id)
     try:
         emitted, finished = w.streams.emitted_tokens(task.request_id)
     except (MessageError, ValueError) as exc:

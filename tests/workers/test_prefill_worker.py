@@ -32,7 +32,7 @@ def stack(tmp_path_factory):
         redis_url=server.url,
         key_prefix="pw:",
         name="prefill-t",
-        lease_ms=600,
+        lease_ms=1500,
         heartbeat_s=0.2,
         metrics_port=-1,
         block_ms=20,

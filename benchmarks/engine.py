@@ -112,22 +112,41 @@ def run(args: argparse.Namespace) -> dict:
         hf_prefill(hf, prompt)
         e = n / best_of(lambda p=prompt: engine_prefill(engine, p), args.repeats)
         h = n / best_of(lambda p=prompt: hf_prefill(hf, p), args.repeats)
-        results["prefill"].append({"tokens": n, "kvrelay_tok_s": round(e, 1),
-                                   "hf_tok_s": round(h, 1), "ratio": round(e / h, 2)})
+        results["prefill"].append(
+            {
+                "tokens": n,
+                "kvrelay_tok_s": round(e, 1),
+                "hf_tok_s": round(h, 1),
+                "ratio": round(e / h, 2),
+            }
+        )
         print(f"prefill {n}: kvrelay {e:.1f} tok/s, transformers {h:.1f} tok/s", file=sys.stderr)
     for b in args.batches:
         prompts = [random_prompt(args.prompt_len, 1000 + b * 100 + i, vocab) for i in range(b)]
         steps = args.decode_tokens - 1
         engine_decode(engine, prompts, 4)  # warm-up
         hf_decode(hf, prompts, 4)
-        e = b * steps / best_of(lambda p=prompts: engine_decode(engine, p, args.decode_tokens),
-                                args.repeats)
-        h = b * steps / best_of(lambda p=prompts: hf_decode(hf, p, args.decode_tokens),
-                                args.repeats)
-        results["decode"].append({"batch": b, "kvrelay_tok_s": round(e, 1),
-                                  "hf_tok_s": round(h, 1), "ratio": round(e / h, 2)})
-        print(f"decode batch {b}: kvrelay {e:.1f} tok/s, transformers {h:.1f} tok/s",
-              file=sys.stderr)
+        e = (
+            b
+            * steps
+            / best_of(lambda p=prompts: engine_decode(engine, p, args.decode_tokens), args.repeats)
+        )
+        h = (
+            b
+            * steps
+            / best_of(lambda p=prompts: hf_decode(hf, p, args.decode_tokens), args.repeats)
+        )
+        results["decode"].append(
+            {
+                "batch": b,
+                "kvrelay_tok_s": round(e, 1),
+                "hf_tok_s": round(h, 1),
+                "ratio": round(e / h, 2),
+            }
+        )
+        print(
+            f"decode batch {b}: kvrelay {e:.1f} tok/s, transformers {h:.1f} tok/s", file=sys.stderr
+        )
     results["config"] = {
         "model": engine.model_name, "dtype": str(engine.loaded.dtype), "threads":
         torch.get_num_threads(), "prompt_len": args.prompt_len, "decode_tokens":

@@ -90,6 +90,7 @@ def timed(fn, repeats: int) -> tuple[list[float], list[float]]:
 
 
 def arena_rows(client: StoreClient, pages: list[np.ndarray], repeats: int, label: str) -> list:
+    repeats = max(repeats, 15)  # a few ms each: more samples steady the median under load
     n = len(pages)
     nbytes = n * SPEC.page_bytes
     dsts = [np.empty_like(p) for p in pages]
@@ -310,7 +311,8 @@ def write_docs(res: dict, command: str) -> None:
         BEGIN, "## KV page store", "",
         f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}  ",
         f"Machine: {os.cpu_count()} cores; batches of {c['pages']} pages of {c['page_bytes']:,} "
-        f"bytes ({c['batch_bytes'] / 1e6:.1f} MB, SmolLM2-135M fp32); median of {c['repeats']}; "
+        f"bytes ({c['batch_bytes'] / 1e6:.1f} MB, SmolLM2-135M fp32); median of {c['repeats']} "
+        f"(arena rows: at least 15); "
         f"load average at start {c['load_average']:.1f}.",
         "", "Each operation moves one batch through the public client API (ZeroMQ request + "
         "header check); memcpy is numpy copying the same number of bytes, timed right after each "

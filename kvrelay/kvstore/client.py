@@ -101,6 +101,19 @@ class StoreClient:
             raise _KINDS.get(reply.get("kind"), StoreError)(reply.get("error", "unknown error"))
         return reply
 
+    def send(self, op: str, **fields) -> None:
+        """Fire-and-forget request (`noreply`): saves a round trip; the node answers nothing."""
+        import zmq
+
+        with self._lock:
+            msg = msgpack.packb(
+                {"id": next(self._ids), "op": op, "noreply": True, **fields}, use_bin_type=True
+            )
+            try:
+                self._socket().send_multipart([b"", msg], zmq.NOBLOCK)
+            except zmq.Again:  # the node is gone; its pins expire with it
+                logger.debug("store node at %s is not taking requests; %s dropped", self.url, op)
+
     def connect(self) -> dict:
         """Say hello (the node checks fingerprint and page size) and map its arena."""
         reply = self.call("hello")
@@ -202,8 +215,8 @@ class StoreClient:
                 views.append(arena.payload(slot))
             yield views
         finally:
-            if slots:
-                self.call("release", slots=slots)
+            if slots:  # the node handles one client's requests in order: no reply needed
+                self.send("release", slots=slots)
 
     def get_into(self, keys: list[bytes], dsts: list, verify: bool = False) -> int:
         """Copy the available prefix into writable buffers `dsts`; returns pages copied."""
@@ -229,7 +242,7 @@ class StoreClient:
 
     def close(self) -> None:
         if self._sock is not None:
-            self._sock.close()
+            self._sock.close(linger=500)  # deliver a last fire-and-forget release
             self._sock = None
         if self.arena is not None:
             self.arena.close()

@@ -66,12 +66,18 @@ def op_get(node, req: dict) -> dict | Later:
     if len(slots) < len(keys) and req.get("remote", True) and node.remote is not None:
 
         def fetch() -> dict:
+            got = list(slots)
             try:
-                more = node.remote.fetch(keys[len(slots) :])
+                got += node.remote.fetch(keys[len(got) :])
+                # Another worker's fetch (or put) of the same pages was under way: wait for it
+                # and take what it brought instead of recomputing.
+                timeout = node.config.transfer_timeout_s
+                if len(got) < len(keys) and node.store.wait_written(keys[len(got)], timeout):
+                    got += node.store.acquire(keys[len(got) :])
             except BaseException:
-                node.store.release(slots)  # nobody will get these slots to release them
+                node.store.release(got)  # nobody will get these slots to release them
                 raise
-            return {"slots": slots + more, "gen": node.arena_gen}
+            return {"slots": got, "gen": node.arena_gen}
 
         return Later(fetch)
     return {"slots": slots, "gen": node.arena_gen}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -65,11 +66,23 @@ class Remote:
         self.store, self.arena, self.directory, self.metrics = store, arena, directory, metrics
         self.secret, self.transport, self.timeout_s = secret, transport, timeout_s
         self.loop, self.ucx_ok = loop, ucx_ok
-        self._peers: dict[tuple[str, str], object] = {}  # (transport, address) -> session
+        # (transport, address) -> idle sessions; a fetch takes one out while it uses it, so
+        # concurrent fetches (the node's pool threads) never share a session.
+        self._peers: dict[tuple[str, str], list] = {}
+        self._peers_lock = threading.Lock()
         self.local = None  # LocalUcx when this node runs UCX (same-host worker addresses)
         self.host_id: str | None = None
         self.same_host = True
-        self._deadline = 0.0
+        self._tls = threading.local()  # the current fetch's deadline, per pool thread
+
+    def _take(self, kind: str, address: str):
+        with self._peers_lock:
+            idle = self._peers.get((kind, address))
+            return idle.pop() if idle else None
+
+    def _give(self, kind: str, address: str, peer) -> None:
+        with self._peers_lock:
+            self._peers.setdefault((kind, address), []).append(peer)
 
     # -- server side (runs in the node's asyncio thread) -----------------------------------
     def serve(self, req: dict) -> tuple[dict, list[memoryview], Callable[[], None]]:
@@ -87,7 +100,7 @@ class Remote:
             lambda: self.store.release(slots),
         )
 
-    # -- client side (runs in the node's request thread) -----------------------------------
+    # -- client side (runs on the node's fetch pool threads) --------------------------------
     def locate_prefix(self, keys: list[bytes]) -> int:
         """How many leading keys some live peer holds, per the directory."""
         n = 0
@@ -117,7 +130,7 @@ class Remote:
     def _fetch_prefix(self, keys: list[bytes], locs: list[list[str]], pinned: list[int]) -> int:
         i = 0
         # One bound for the whole fetch, however many peers it tries: the worker is waiting.
-        self._deadline = time.monotonic() + self.timeout_s
+        self._tls.deadline = time.monotonic() + self.timeout_s
         while i < len(keys) and locs[i]:
             got = wanted = 0
             for node_id in locs[i]:
@@ -137,7 +150,7 @@ class Remote:
 
     def _left(self) -> float:
         """Seconds left of the current fetch's time bound."""
-        return self._deadline - time.monotonic()
+        return self._tls.deadline - time.monotonic()
 
     def _same_host(self, info: dict[str, str]) -> bool:
         return (
@@ -150,53 +163,61 @@ class Remote:
     def _transfer(self, kind: str, address: str, request: dict, dsts: list[memoryview]) -> int:
         """One fetch over a cached session; a stale session is replaced once (not on timeout)."""
         for attempt in (0, 1):
-            peer = self._peers.get((kind, address))
+            peer = self._take(kind, address)
             reused = peer is not None
             try:
                 if kind == "tcp":
                     if peer is None:
                         host, port = address.rsplit(":", 1)
                         peer = TcpPeer(host, int(port), self.secret, self._left())
-                        self._peers[(kind, address)] = peer
-                    return peer.fetch(request, dsts, max(self._left(), 0.05))
-                return self._ucx(address, request, dsts)
+                    found = peer.fetch(request, dsts, max(self._left(), 0.05))
+                else:
+                    found = self._ucx(address, request, dsts)
             except TransferError as exc:
-                dropped = self._peers.pop((kind, address), None)
-                if dropped is not None and kind == "tcp":
-                    dropped.close()
+                if peer is not None and kind == "tcp":
+                    peer.close()
                 if attempt or not reused or isinstance(exc, TransferTimeoutError | AuthError):
                     raise
                 logger.info("session to %s broke (%s); reconnecting", address, exc)
+                continue
+            if kind == "tcp":
+                self._give(kind, address, peer)
+            return found
         raise AssertionError("unreachable")
 
     def _ucx(self, address: str, request: dict, dsts: list[memoryview]) -> int:
         from kvrelay.kvstore.ucx_transfer import UcxPeer
 
+        left = self._left()
+
         async def run() -> int:
-            peer = self._peers.get(("ucx", address))
+            peer = self._take("ucx", address)
             if peer is None:
                 host, port = address.rsplit(":", 1)
                 peer = UcxPeer(host, int(port))
-                await peer.connect(self.secret, self._left())
-                self._peers[("ucx", address)] = peer
+                await peer.connect(self.secret, left)
             try:
-                return await peer.fetch(request, dsts, max(self._left(), 0.05))
+                found = await peer.fetch(request, dsts, max(left, 0.05))
             except BaseException:
                 peer.close()
                 raise
+            self._give("ucx", address, peer)
+            return found
 
         fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
         try:
-            return fut.result(self._left() + 1)  # the coroutine bounds itself; this is a backstop
+            return fut.result(left + 1)  # the coroutine bounds itself; this is a backstop
         except TimeoutError as exc:
             fut.cancel()
             raise TransferTimeoutError(f"UCX fetch from {address} timed out") from exc
 
     def close(self) -> None:
         """Close cached sessions (call from the node's event loop thread)."""
-        for peer in list(self._peers.values()):
-            peer.close()
-        self._peers.clear()
+        with self._peers_lock:
+            for idle in self._peers.values():
+                for peer in idle:
+                    peer.close()
+            self._peers.clear()
 
     def _fetch_from(self, node_id: str, keys: list[bytes], pinned: list[int]) -> int:
         info = self.directory.node_info(node_id)
@@ -219,10 +240,11 @@ class Remote:
                 raise TransferError(f"peer {node_id} has no UCX listener (or ucxx is missing)")
             if use_ucx and self._same_host(info):
                 via = "ucx_local"
+                left = self._left()
                 fut = asyncio.run_coroutine_threadsafe(
-                    self.local.fetch(info["ucx_addr"], request, dsts, self._left()), self.loop
+                    self.local.fetch(info["ucx_addr"], request, dsts, left), self.loop
                 )
-                found = fut.result(self._left() + 1)
+                found = fut.result(left + 1)
             else:
                 found = self._transfer(kind, info[kind], request, dsts)
         except (StoreError, KeyError, ValueError, TimeoutError) as exc:

@@ -56,9 +56,6 @@ class StoreNode:
         self.ready = threading.Event()
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kv-fetch")
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (ident, reply) from the pool
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -98,6 +95,9 @@ class StoreNode:
         self._sock.setsockopt(zmq.LINGER, 0)
         cfg.socket_path.unlink(missing_ok=True)  # a stale socket from a killed node
         self._sock.bind(cfg.socket_url)
+        self._wake_r, self._wake_w = os.pipe()  # pool threads wake the request loop
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         if self.directory is not None:
             self._start_remote()
             self.directory.start(
@@ -199,9 +199,9 @@ class StoreNode:
 
             async def shut() -> None:
                 self.remote.close()
-                if self.remote.local is not None:
-                    self.remote.local.close()
                 tasks = []
+                if self.remote.local is not None:
+                    tasks += self.remote.local.close()
                 for srv in self._servers:
                     srv.close()
                     tasks += list(getattr(srv, "kv_sessions", ()))

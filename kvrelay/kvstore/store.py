@@ -55,6 +55,7 @@ class NodeStore(StoreAdmin):
         self.pin_timeout_s = pin_timeout_s
         self.on_present, self.on_gone = on_present, on_gone
         self.lock = threading.RLock()
+        self._written = threading.Condition(self.lock)  # notified when reservations end
         self._entries: dict[bytes, _Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # ready arena pages, oldest first
         self._free = list(range(arena.num_slots - 1, -1, -1))
@@ -157,6 +158,7 @@ class NodeStore(StoreAdmin):
                 self.metrics.inc("puts", "host")
                 self.metrics.inc("bytes", "host", kind, value=self.page_bytes)
                 errors.append(None)
+            self._written.notify_all()
         if present:
             self.on_present(present)
         return errors
@@ -194,6 +196,23 @@ class NodeStore(StoreAdmin):
                 if e is not None and not e.ready and e.slot == slot:
                     del self._entries[key]
                     self._free.append(slot)
+            self._written.notify_all()
+
+    def wait_written(self, key: bytes, timeout_s: float) -> bool:
+        """If `key` is being written (another fetch or a put), wait until it is committed or
+        aborted (at most `timeout_s`); True if it was being written."""
+        deadline = time.monotonic() + timeout_s
+        with self._written:
+            e = self._entries.get(key)
+            if e is None or e.ready:
+                return False
+            while e is not None and not e.ready:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._written.wait(left)
+                e = self._entries.get(key)
+            return True
 
     # -- reads ------------------------------------------------------------------------------
     def acquire(self, keys: list[bytes]) -> list[int]:

@@ -10,6 +10,9 @@ Session (all tag messages; control messages are padded to CTRL bytes):
   A -> B  tag reply_tag:    {nonce, proof, session_tag}   (A proves the secret first)
   B -> A  tag session_tag:  {proof, request}
   A -> B  tag reply_tag:    {ok, found} then `found` whole pages
+  B -> A  tag session_tag:  {request}    (later fetches reuse the session: one round trip)
+A session serves one fetch at a time; after a failure B never reuses it (its tags may still
+carry late messages), and A ends it after SESSION_IDLE_S without a request.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import logging
 import os
 import secrets
 import struct
+import time
+from dataclasses import dataclass
 
 from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
 from kvrelay.kvstore.transfer import NONCE, ServeFn, mac, pack, unpack
@@ -27,6 +32,7 @@ from kvrelay.kvstore.transfer import NONCE, ServeFn, mac, pack, unpack
 logger = logging.getLogger(__name__)
 
 CTRL = 8192
+SESSION_IDLE_S = 30.0  # A drops a session idle this long; B reuses one for half of it
 REQUEST_TAG = 0x6B7672656C6179  # "kvrelay"
 _LEN = struct.Struct("<I")
 
@@ -57,12 +63,73 @@ def _parse(buf: bytearray) -> dict:
     return unpack(bytes(buf[4 : 4 + n]))
 
 
+class RecvBuffers:
+    """Reusable private receive buffers (pre-faulted, so a fetch does not pay page faults).
+
+    A buffer whose receive failed or timed out is never reused nor freed: UCX may still write
+    into it later (no endpoint error handling), so it is parked in `quarantine` for good."""
+
+    def __init__(self) -> None:
+        self._idle: list[bytearray] = []
+        self.quarantine: list[bytearray] = []
+
+    def take(self, nbytes: int) -> bytearray:
+        for i, buf in enumerate(self._idle):
+            if len(buf) >= nbytes:
+                return self._idle.pop(i)
+        return bytearray(nbytes)
+
+    def give(self, buf: bytearray, ok: bool) -> None:
+        if ok:
+            self._idle = sorted([*self._idle, buf], key=len)[-4:]  # keep the 4 largest
+        else:
+            self.quarantine.append(buf)
+            logger.warning(
+                "parked a %d-byte receive buffer after a failed UCX fetch (%d parked)",
+                len(buf),
+                len(self.quarantine),
+            )
+
+    async def receive(self, recv, dsts: list[memoryview], found: int) -> None:
+        """Receive `found` pages with `recv(view)` into a private buffer, then copy to `dsts`."""
+        size = len(dsts[0]) if found else 0
+        buf = self.take(size * found)
+        ok = False
+        try:
+            view = memoryview(buf)
+            parts = [view[i * size : (i + 1) * size] for i in range(found)]
+            # Post every receive at once, then copy each page out as it lands (overlapping
+            # the copies with the remaining transfers).
+            tasks = [asyncio.ensure_future(recv(part)) for part in parts]
+            try:
+                for task, dst, part in zip(tasks, dsts, parts, strict=False):
+                    await task
+                    dst[:] = part
+            finally:
+                for task in tasks:
+                    task.cancel()
+            ok = True
+        finally:
+            self.give(buf, ok)
+
+
+BUFFERS = RecvBuffers()  # one per process: all UCX fetches run on the node's event loop
+
+
 async def _recv_ctrl(tag: int, timeout_s: float) -> dict:
     import ucxx
 
     buf = bytearray(CTRL)
     await asyncio.wait_for(ucxx.recv(buf, tag=tag), timeout_s)
     return _parse(buf)
+
+
+@dataclass(slots=True)
+class _Session:
+    ep: object
+    session_tag: int
+    reply_tag: int
+    used: float = 0.0
 
 
 class LocalUcx:
@@ -72,6 +139,8 @@ class LocalUcx:
         self.secret, self.timeout_s = secret, timeout_s
         self._eps: dict[bytes, object] = {}
         self._task: asyncio.Task | None = None
+        self._sessions: set[asyncio.Task] = set()  # served sessions (ended on close)
+        self._idle: dict[str, list[_Session]] = {}  # peer address -> sessions ready for reuse
 
     @property
     def address(self) -> str:
@@ -100,7 +169,9 @@ class LocalUcx:
         while True:
             buf = bytearray(CTRL)
             await ucxx.recv(buf, tag=REQUEST_TAG)
-            asyncio.get_running_loop().create_task(self._session(buf, serve))
+            task = asyncio.get_running_loop().create_task(self._session(buf, serve))
+            self._sessions.add(task)
+            task.add_done_callback(self._sessions.discard)
 
     async def _session(self, first: bytearray, serve: ServeFn) -> None:
         try:
@@ -118,14 +189,19 @@ class LocalUcx:
                 err = {"ok": False, "error": "peer failed the shared-secret challenge"}
                 await ep.send(_ctrl(err), tag=reply_tag, force_tag=True)
                 return
-            reply, views, release = serve(second.get("request") or {})
-            try:
-                await ep.send(_ctrl(reply), tag=reply_tag, force_tag=True)
-                # Post every page at once: one rendezvous at a time pays a loop wake-up each.
-                sends = [ep.send(view, tag=reply_tag, force_tag=True) for view in views]
-                await asyncio.wait_for(asyncio.gather(*sends), self.timeout_s)
-            finally:
-                release()
+            while True:
+                reply, views, release = serve(second.get("request") or {})
+                try:
+                    await ep.send(_ctrl(reply), tag=reply_tag, force_tag=True)
+                    # Post every page at once: one rendezvous at a time pays a wake-up each.
+                    sends = [ep.send(view, tag=reply_tag, force_tag=True) for view in views]
+                    await asyncio.wait_for(asyncio.gather(*sends), self.timeout_s)
+                finally:
+                    release()
+                try:
+                    second = await _recv_ctrl(session_tag, SESSION_IDLE_S)
+                except TimeoutError:
+                    return  # idle: B stopped using it (B reuses sessions for half this time)
         except Exception as exc:  # noqa: BLE001 - one bad session must not stop the server
             logger.info("same-host UCX session ended: %r", exc)
 
@@ -142,9 +218,8 @@ class LocalUcx:
                 f"same-host UCX fetch timed out after {timeout_s:.1f}s"
             ) from exc
 
-    async def _fetch(self, peer_addr: str, request: dict, dsts: list[memoryview]) -> int:
-        import ucxx
-
+    async def _open(self, peer_addr: str) -> tuple[_Session, bytes]:
+        """A new authenticated session (A proves the secret); returns it and our proof."""
         ep = await self._endpoint(bytes.fromhex(peer_addr))
         reply_tag, nonce = secrets.randbits(63), os.urandom(NONCE)
         me = bytes.fromhex(self.address)
@@ -155,32 +230,52 @@ class LocalUcx:
         if not hmac.compare_digest(first.get("proof", b""), expect):
             raise AuthError("same-host UCX peer failed the shared-secret challenge")
         proof = mac(self.secret, b"kvrelay-client", bytes(first["nonce"]), nonce)
-        await ep.send(
-            _ctrl({"proof": proof, "request": request}),
-            tag=int(first["session_tag"]),
-            force_tag=True,
-        )
-        reply = await _recv_ctrl(reply_tag, self.timeout_s)
-        if not reply.get("ok"):
-            error = reply.get("error")
-            if "secret" in str(error):
-                raise AuthError(f"same-host UCX peer refused us: {error}")
-            raise TransferError(f"same-host UCX peer: {error}")
-        found = int(reply.get("found", 0))
-        if found > len(dsts):
-            raise TransferError(f"peer sent {found} pages for {len(dsts)} keys")
-        # Private buffer: after a timeout UCX may still write into it (see module docstring).
-        size = len(dsts[0]) if found else 0
-        buf = memoryview(bytearray(size * found))
-        parts = [buf[i * size : (i + 1) * size] for i in range(found)]
-        await asyncio.gather(*(ucxx.recv(part, tag=reply_tag) for part in parts))
-        for dst, part in zip(dsts, parts, strict=False):
-            dst[:] = part
-        return found
+        return _Session(ep, int(first["session_tag"]), reply_tag), proof
 
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+    def _take(self, peer_addr: str) -> _Session | None:
+        idle = self._idle.get(peer_addr, [])
+        while idle:
+            sess = idle.pop()
+            if time.monotonic() - sess.used < SESSION_IDLE_S / 2:
+                return sess
+        return None
+
+    async def _fetch(self, peer_addr: str, request: dict, dsts: list[memoryview]) -> int:
+        import ucxx
+
+        sess = self._take(peer_addr)
+        msg: dict = {"request": request}
+        if sess is None:
+            sess, msg["proof"] = await self._open(peer_addr)
+        ok = False
+        try:
+            await sess.ep.send(_ctrl(msg), tag=sess.session_tag, force_tag=True)
+            reply = await _recv_ctrl(sess.reply_tag, self.timeout_s)
+            if not reply.get("ok"):
+                error = reply.get("error")
+                if "secret" in str(error):
+                    raise AuthError(f"same-host UCX peer refused us: {error}")
+                raise TransferError(f"same-host UCX peer: {error}")
+            found = int(reply.get("found", 0))
+            if found > len(dsts):
+                raise TransferError(f"peer sent {found} pages for {len(dsts)} keys")
+            # Private buffer: after a timeout UCX may still write into it (module docstring).
+            tag = sess.reply_tag
+            await BUFFERS.receive(lambda part: ucxx.recv(part, tag=tag), dsts, found)
+            ok = True
+            return found
+        finally:
+            if ok:  # a failed session may still get late messages: never reuse it
+                sess.used = time.monotonic()
+                self._idle.setdefault(peer_addr, []).append(sess)
+
+    def close(self) -> list[asyncio.Task]:
+        """Stop serving (call in the loop); returns the cancelled tasks to await."""
+        tasks = [t for t in (self._task, *self._sessions) if t is not None]
+        for task in tasks:
+            task.cancel()
+        self._idle.clear()
         for ep in self._eps.values():
             ep.abort()
         self._eps.clear()
+        return tasks

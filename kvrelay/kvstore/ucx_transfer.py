@@ -12,6 +12,7 @@ import os
 
 from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
 from kvrelay.kvstore.transfer import NONCE, ServeFn, check_client, client_proof, pack, unpack
+from kvrelay.kvstore.ucx_local import BUFFERS
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +126,7 @@ class UcxPeer:
                 raise TransferError(f"peer sent {found} pages for {len(dsts)} keys")
             # Receive into a private buffer: after a timeout UCX may still write into it, and
             # it must not be an arena slot that holds another page by then.
-            size = len(dsts[0]) if found else 0
-            buf = memoryview(bytearray(size * found))
-            parts = [buf[i * size : (i + 1) * size] for i in range(found)]
-            await asyncio.gather(*(self.ep.recv(part) for part in parts))
-            for dst, part in zip(dsts, parts, strict=False):
-                dst[:] = part
+            await BUFFERS.receive(self.ep.recv, dsts, found)
             return found
 
         try:

@@ -152,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvrelay.pipeline.modelref import ModelNotFoundError
     from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams
     from kvrelay.workers.engine import Engine, EngineConfig
-    from kvrelay.workers.errors import InvalidRequestError
+    from kvrelay.workers.errors import EngineError, InvalidRequestError
 
     params = {}
     for req in requests:
@@ -166,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           num_threads=args.num_threads)  # fmt: skip
         engine = Engine(config)
-    except (ModelNotFoundError, ConfigError) as exc:
+    except (ModelNotFoundError, ConfigError, EngineError) as exc:
         raise CLIInputError(" ".join(str(exc).split()) or "model not found") from exc
     started = time.perf_counter()
     for req in requests:

@@ -10,15 +10,16 @@ registered and saved once -> a finished (or handed-off) sequence releases its bl
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams, effective_seed
 from kvrelay.workers.block_pool import BlockPool
+from kvrelay.workers.engine_types import EngineConfig, EngineStats, RequestOutput, merge_outputs
 from kvrelay.workers.errors import InvalidRequestError
 from kvrelay.workers.kv_cache_manager import KVCacheManager
 from kvrelay.workers.kv_connector import KVConnector
@@ -33,48 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"
-    device: str = "auto"
-    page_size: int = 16
-    num_blocks: int | None = None  # default: kv_cache_bytes // bytes per block
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    num_threads: int | None = None  # torch intra-op threads (None: torch's default)
-    enable_prefix_caching: bool = True
-    save_to_store: bool = True
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """New tokens of one request from one step (or, from `generate`, all of them)."""
-
-    request_id: str
-    index: int  # output index of new_token_ids[0]
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    handoff: bool
-    output_token_ids: list[int]
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    metrics: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_steps: int = 0
-    num_computed_tokens: int = 0  # tokens whose K/V this engine computed (prefill + decode)
-    num_prompt_tokens_computed: int = 0
-    num_generated_tokens: int = 0
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput"]
 
 
 class Engine:
@@ -201,14 +161,19 @@ class Engine:
         )
 
     def _check_ids(self, ids: Seq[int], what: str, allow_empty: bool = False) -> list[int]:
-        out = list(ids)
-        if not out and not allow_empty:
-            raise InvalidRequestError(f"{what} is empty; give at least one token", param=what)
-        for t in out:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+        out = []
+        for t in ids:
+            try:
+                v = operator.index(t)  # ints and numpy integers; not floats or strings
+            except TypeError:
+                v = -1
+            if isinstance(t, bool) or not 0 <= v < self.vocab_size:
                 raise InvalidRequestError(
                     f"{what} has token id {t!r}, outside the vocabulary [0, {self.vocab_size})",
                     param=what)  # fmt: skip
+            out.append(v)
+        if not out and not allow_empty:
+            raise InvalidRequestError(f"{what} is empty; give at least one token", param=what)
         return out
 
     def abort_request(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
@@ -287,7 +252,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             handoff=seq.handoff,
-            output_token_ids=seq.output_token_ids if finished or seq.handoff else [],
+            output_token_ids=seq.output_token_ids,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=self._metrics(seq) if finished or seq.handoff else {},
@@ -321,16 +286,5 @@ class Engine:
         while self.has_unfinished_requests():
             for out in self.step():
                 prev = merged.get(out.request_id)
-                merged[out.request_id] = out if prev is None else _merge(prev, out)
+                merged[out.request_id] = out if prev is None else merge_outputs(prev, out)
         return [merged[rid] for rid in ids]
-
-
-def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    lps = None
-    if a.new_logprobs is not None or b.new_logprobs is not None:
-        lps = (a.new_logprobs or []) + (b.new_logprobs or [])
-    b.index = a.index
-    b.new_token_ids = a.new_token_ids + b.new_token_ids
-    b.new_logprobs = lps
-    b.text_delta = a.text_delta + b.text_delta
-    return b

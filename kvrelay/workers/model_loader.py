@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -35,7 +34,7 @@ from kvrelay.pipeline.modelref import (
     write_meta,
 )
 from kvrelay.pipeline.tokenizer import Tokenizer
-from kvrelay.workers.errors import EngineError, ModelLoadError, UnsupportedModelError
+from kvrelay.workers.errors import EngineError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -162,89 +161,6 @@ class LoadedModel:
     device: object  # torch.device
 
 
-_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-
-
-def read_safetensors_header(path: Path) -> tuple[int, dict]:
-    """(data start offset, {name: {dtype, shape, data_offsets}}) of a safetensors file."""
-    with path.open("rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    header.pop("__metadata__", None)
-    return 8 + header_len, header
-
-
-def _read_into(f, target, info: dict, base: int, name: str) -> None:
-    import torch
-
-    if info["dtype"] not in _ST_DTYPES:
-        raise UnsupportedModelError(f"weight {name} has unsupported dtype {info['dtype']}")
-    if tuple(target.shape) != tuple(info["shape"]):
-        raise UnsupportedModelError(
-            f"weight {name} has shape {tuple(info['shape'])}, expected {tuple(target.shape)}"
-        )
-    dtype = getattr(torch, _ST_DTYPES[info["dtype"]])
-    start, end = info["data_offsets"]
-    f.seek(base + start)
-    # read() straight into the parameter: faulting fresh pages in from the kernel side is ~8x
-    # faster here than a user-space copy from a memory map into new memory.
-    direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
-    buffer = target if direct else torch.empty(info["shape"], dtype=dtype)
-    view = buffer.view(-1).view(torch.uint8).numpy() if buffer.numel() else None
-    if view is not None and f.readinto(view) != end - start:
-        raise UnsupportedModelError(f"weight {name} is truncated")
-    if not direct:
-        target.copy_(buffer)
-
-
-def _destinations(model) -> dict:
-    """HF weight name -> the slice of our (fused) parameter it fills."""
-    c = model.config
-    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
-    dest = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
-    if not c.tie_word_embeddings:
-        dest["lm_head.weight"] = model.lm_head
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        dest[p + "input_layernorm.weight"] = layer.input_norm
-        dest[p + "post_attention_layernorm.weight"] = layer.post_norm
-        for kind, param in (("weight", layer.qkv), ("bias", layer.qkv_bias)):
-            if param is not None:
-                dest[p + f"self_attn.q_proj.{kind}"] = param[:q]
-                dest[p + f"self_attn.k_proj.{kind}"] = param[q : q + kv]
-                dest[p + f"self_attn.v_proj.{kind}"] = param[q + kv :]
-        for kind, param in (("weight", layer.gate_up), ("bias", layer.gate_up_bias)):
-            if param is not None:
-                dest[p + f"mlp.gate_proj.{kind}"] = param[:inter]
-                dest[p + f"mlp.up_proj.{kind}"] = param[inter:]
-        dest[p + "self_attn.o_proj.weight"] = layer.o
-        dest[p + "mlp.down_proj.weight"] = layer.down
-        if layer.o_bias is not None:
-            dest[p + "self_attn.o_proj.bias"] = layer.o_bias
-        if layer.down_bias is not None:
-            dest[p + "mlp.down_proj.bias"] = layer.down_bias
-    return dest
-
-
-def load_weights(model, directory: Path) -> None:
-    """Read every weight of `directory` into `model`'s (fused) parameters."""
-    dest = _destinations(model)
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"{directory} has no .safetensors weights")
-    for path in files:
-        base, header = read_safetensors_header(path)
-        with path.open("rb", buffering=0) as f:
-            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                target = dest.pop(name, None)
-                if target is None:
-                    logger.debug("ignoring weight %s", name)
-                    continue
-                _read_into(f, target, info, base, name)
-    if dest:
-        raise UnsupportedModelError(f"{directory} lacks weights: {sorted(dest)[:5]}")
-
-
 def resolve_device_dtype(dtype: str = "auto", device: str = "auto"):
     """(torch.dtype, torch.device) for flags: auto = bf16 on CUDA, fp32 on CPU."""
     import torch
@@ -268,6 +184,7 @@ def load_model(
 
     from kvrelay.workers.model import LlamaForCausalLM
     from kvrelay.workers.model_config import ModelConfig
+    from kvrelay.workers.model_weights import load_weights
 
     start = time.monotonic()
     directory = prepare_model(name, progress=progress)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -120,13 +121,17 @@ def test_page_put_on_a_is_fetched_by_b(valkey, node_a, start_node, transport):
     with StoreClient(b.config.run_dir, SMALL) as client:
         assert client.lookup(keys) == 6
         assert client.lookup(keys, remote=False) == 0
-        assert client.get(keys) == [p.tobytes() for p in pages]
+        assert client.get(keys[:3]) == [p.tobytes() for p in pages[:3]]
+        assert client.get(keys) == [p.tobytes() for p in pages]  # 3 local, 3 remote
         assert client.lookup(keys, remote=False) == 6
         counters = client.stats()["counters"]
-        assert counters["hits"] == {"remote": 6.0}
+        assert counters["hits"] == {"remote": 6.0, "host": 3.0}
         via = {"tcp": "tcp", "ucx": "ucx_local", "ucx-listener": "ucx"}[transport]
         assert counters["bytes"][f"remote/fetch_{via}"] == 6 * SMALL.page_bytes
     assert node_a.client.stats()["counters"]["bytes"]["remote/serve"] == 6 * SMALL.page_bytes
+    remote = b.node.remote  # the second fetch reused the first one's session
+    idle = remote.local._idle if transport == "ucx" else remote._peers
+    assert [len(sessions) for sessions in idle.values()] == [1]
     deadline = time.monotonic() + 5
     while r.smembers(Keys().page(keys[5].hex())) != {b"A", b"B"}:
         assert time.monotonic() < deadline
@@ -165,3 +170,51 @@ def test_wrong_secret_is_refused(valkey, node_a, start_node, transport, caplog):
         assert client.get(keys) == []
         assert client.stats()["counters"]["transfer_failures"] == {transport[:3]: 1.0}
     assert "peer failed the shared-secret challenge" in caplog.text
+
+
+def test_local_requests_are_answered_while_a_remote_fetch_waits(valkey, node_a, start_node):
+    keys = keys_for(3)
+    node_a.client.put(keys[:2], [payload(SMALL, i) for i in range(2)])
+    wait_published(valkey.url, keys[1])
+    b = start_b(start_node, valkey.url, "tcp", transfer_timeout_s=2.0)
+    fetched: list[list[bytes]] = []
+    with (
+        StoreClient(b.config.run_dir, SMALL) as fetcher,
+        StoreClient(b.config.run_dir, SMALL) as local,
+    ):
+        assert local.put(keys[2:], [payload(SMALL, 2)]) == 1
+        node_a.proc.send_signal(signal.SIGSTOP)  # the fetch below waits the full 2 s
+        thread = threading.Thread(target=lambda: fetched.append(fetcher.get(keys[:2])))
+        thread.start()
+        time.sleep(0.3)  # let B start the fetch
+        assert local.lookup(keys[2:], remote=False) == 1
+        assert local.get(keys[2:]) == [payload(SMALL, 2).tobytes()]
+        assert local.stats()["pages"]["host"] == 1
+        assert thread.is_alive() and fetched == []  # answered while the fetch was pending
+        thread.join(10)
+        assert fetched == [[]]
+        assert local.stats()["counters"]["transfer_failures"] == {"tcp": 1.0}
+
+
+def test_a_second_worker_waits_for_a_fetch_of_the_same_pages(valkey, node_a, start_node):
+    keys = keys_for(3)
+    pages = [payload(SMALL, i).tobytes() for i in range(3)]
+    node_a.client.put(keys, [payload(SMALL, i) for i in range(3)])
+    wait_published(valkey.url, keys[-1])
+    b = start_b(start_node, valkey.url, "tcp", transfer_timeout_s=2.0)
+    got: list[list[bytes]] = []
+    with (
+        StoreClient(b.config.run_dir, SMALL) as first,
+        StoreClient(b.config.run_dir, SMALL) as second,
+    ):
+        node_a.proc.send_signal(signal.SIGSTOP)  # hold the first fetch in flight
+        thread = threading.Thread(target=lambda: got.append(first.get(keys)))
+        thread.start()
+        time.sleep(0.3)  # B has reserved the three slots and waits on A
+        threading.Timer(0.3, node_a.proc.send_signal, (signal.SIGCONT,)).start()
+        assert second.get(keys) == pages  # waited for the first fetch, no second transfer
+        thread.join(10)
+        assert got == [pages]
+        counters = second.stats()["counters"]
+        assert counters["bytes"]["remote/fetch_tcp"] == 3 * SMALL.page_bytes
+        assert counters["hits"]["remote"] == 3.0

@@ -70,7 +70,8 @@ def test_greedy_matches_transformers_generate(loaded_model, hf_model):
         if got == ref:
             exact += 1
             continue
-        k = next((k for k, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        n = min(len(got), len(ref))
+        k = next((k for k in range(n) if got[k] != ref[k]), n)
         assert k < min(len(got), len(ref)), f"prompt {i}: lengths differ without a token diff"
         top2 = torch.topk(ref_logits[i, k], 2).values
         gap = float(top2[0] - top2[1])

@@ -30,13 +30,12 @@ def test_streams_chat_answer():
 
 def test_batch_file_json(tmp_path):
     batch = tmp_path / "batch.jsonl"
+    france = [{"role": "user", "content": "What is the capital of France?"}]
     lines = [
-        {"id": "france", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-         "temperature": 0},
+        {"id": "france", "messages": france, "temperature": 0},
         {"id": "short", "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0},
-        {"id": "stopped", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-         "temperature": 0, "stop": [" is"]},
-    ]  # fmt: skip
+        {"id": "stopped", "messages": france, "temperature": 0, "stop": [" is"]},
+    ]
     batch.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     r = kvrelay("--batch-file", str(batch), "--json", "--max-tokens", "16")
     assert r.returncode == 0, r.stderr

@@ -47,9 +47,10 @@ def test_loaded_default_model(loaded_model, model_dir):
     assert lm.fingerprint == model_fingerprint(model_dir, "float32")
     assert lm.config == ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     assert (lm.config.num_layers, lm.config.num_kv_heads, lm.config.head_dim) == (30, 3, 64)
-    assert lm.config.tie_word_embeddings and lm.model.lm_head is lm.model.embed
-    assert lm.model.layers[0].qkv.shape == (576 + 2 * 192, 576)  # fused q/k/v
-    assert lm.model.layers[0].gate_up.shape == (2 * 1536, 576)  # fused gate/up
+    assert lm.config.tie_word_embeddings
+    assert lm.model.lm_head.packed is not None and lm.model.layers[0].qkv.weight is None  # oneDNN
+    assert lm.model.layers[0].qkv.out_features == 576 + 2 * 192  # fused q/k/v
+    assert lm.model.layers[0].gate_up.out_features == 2 * 1536  # fused gate/up
     assert lm.tokenizer.eos_token_ids == (2,)
     meta = json.loads((model_dir / META_FILE).read_text())
     assert meta["kind"] == "gguf" and meta["source"] == str(resolve_model(None).source)
@@ -63,11 +64,14 @@ def test_loaded_default_model(loaded_model, model_dir):
 def test_weights_equal_transformers(loaded_model, hf_model):
     ours, ref = loaded_model.model.layers[3], hf_model.model.layers[3]
     q, kv = 576, 192
-    assert torch.equal(ours.qkv[:q], ref.self_attn.q_proj.weight)
-    assert torch.equal(ours.qkv[q + kv :], ref.self_attn.v_proj.weight)
-    assert torch.equal(ours.gate_up[1536:], ref.mlp.up_proj.weight)
+    qkv = ours.qkv.dense_weight()  # unpacked from the oneDNN layout
+    assert torch.equal(qkv[:q], ref.self_attn.q_proj.weight)
+    assert torch.equal(qkv[q + kv :], ref.self_attn.v_proj.weight)
+    assert torch.equal(ours.gate_up.dense_weight()[1536:], ref.mlp.up_proj.weight)
+    assert torch.equal(ours.down.dense_weight(), ref.mlp.down_proj.weight)
     assert torch.equal(ours.post_norm, ref.post_attention_layernorm.weight)
     assert torch.equal(loaded_model.model.embed, hf_model.model.embed_tokens.weight)
+    assert torch.equal(loaded_model.model.lm_head.dense_weight(), hf_model.lm_head.weight)
 
 
 def test_concurrent_prepare_converts_once(tmp_path, monkeypatch, capsys, model_dir):

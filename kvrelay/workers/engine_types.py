@@ -1,0 +1,61 @@
+"""Engine configuration and output dataclasses (see docs/internals.md "Engine")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 16
+    num_blocks: int | None = None  # default: kv_cache_bytes // bytes per block
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    num_threads: int | None = None  # torch intra-op threads (None: torch's default)
+    enable_prefix_caching: bool = True
+    save_to_store: bool = True
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """New tokens of one request from one step (or, from `generate`, all of them)."""
+
+    request_id: str
+    index: int  # output index of new_token_ids[0]
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    handoff: bool
+    output_token_ids: list[int]  # every output so far (resumed ones included)
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V this engine computed (prefill + decode)
+    num_prompt_tokens_computed: int = 0
+    num_generated_tokens: int = 0
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """`b` extended with the earlier tokens, logprobs and text of `a` (same request)."""
+    lps = None
+    if a.new_logprobs is not None or b.new_logprobs is not None:
+        lps = (a.new_logprobs or []) + (b.new_logprobs or [])
+    b.index = a.index
+    b.new_token_ids = a.new_token_ids + b.new_token_ids
+    b.new_logprobs = lps
+    b.text_delta = a.text_delta + b.text_delta
+    return b

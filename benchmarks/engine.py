@@ -93,6 +93,8 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
+    load_at_start = os.getloadavg()[0]
+
     from kvrelay.workers.engine import Engine, EngineConfig
 
     if args.num_threads:
@@ -151,6 +153,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": engine.model_name, "dtype": str(engine.loaded.dtype), "threads":
         torch.get_num_threads(), "prompt_len": args.prompt_len, "decode_tokens":
         args.decode_tokens, "repeats": args.repeats, "page_size": engine.config.page_size,
+        "load_average_at_start": round(load_at_start, 2),
     }  # fmt: skip
     return results
 
@@ -183,7 +186,8 @@ def write_docs(res: dict, command: str) -> None:
     section = "\n".join([
         BEGIN, "## Engine vs transformers (CPU, fp32)", "",
         f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}  ",
-        f"Machine: {machine()}, {c['threads']} torch threads  ",
+        f"Machine: {machine()}, {c['threads']} torch threads; load average at start "
+        f"{c['load_average_at_start']} (other jobs share the cores: rerun on a quiet machine)  ",
         f"Model: {c['model']} ({c['dtype']}); decode: {c['prompt_len']}-token prompts, "
         f"{c['decode_tokens']} new tokens, greedy; best of {c['repeats']}.", "",
         "transformers runs the same weights with its `DynamicCache` in the same process. Decode "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -161,6 +162,7 @@ def main() -> int:
     ap.add_argument("--write-docs", action="store_true", help=f"update {DOC.relative_to(ROOT)}")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    load = os.getloadavg()[0]
 
     run_dir = Path(tempfile.mkdtemp(prefix="kvrelay-bench-"))
     state = None if args.url else up(run_dir, args.port, args.prefill, args.decode)
@@ -196,7 +198,8 @@ def main() -> int:
             f"## Serving: pipeline vs in-process engine\n\n`python benchmarks/serving.py` "
             f"({time.strftime('%Y-%m-%d')}): {args.prefill} prefill + {args.decode} decode "
             f"worker(s), {threads} compute thread(s) per engine, greedy, {args.max_tokens} "
-            f"output tokens (ignore_eos), closed loop. ITL = (latency - TTFT) / (tokens - 1)."
+            f"output tokens (ignore_eos), closed loop. ITL = (latency - TTFT) / (tokens - 1). "
+            f"Load average at start {load:.1f} on {os.cpu_count()} cores."
             "\n\n"
         )
         rtab = "\n".join(

@@ -2,8 +2,8 @@
 
 Local workers send batched msgpack requests over a ZeroMQ IPC socket (`<run_dir>/kvstore.sock`):
 hello, put (reserve slots) -> commit/abort, get (pin a prefix) -> release, contains, stats, ls,
-evict. Page bytes move through the shared arena, never through ZeroMQ. Peers fetch over TCP/UCX
-listeners served from an asyncio thread; the page directory and heartbeat live in Redis.
+evict. Page bytes move through the shared arena, never through ZeroMQ. Peers fetch over TCP
+(server threads) and UCX (an asyncio thread); the page directory and heartbeat live in Redis.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class StoreNode:
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
-        self._servers: list = []
+        self._servers: list = []  # UCX listeners (closed in the event loop)
+        self._tcp = None
         self.addresses: dict[str, str] = {}
         self.ready = threading.Event()
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kv-fetch")
@@ -125,7 +126,7 @@ class StoreNode:
 
     def _start_remote(self) -> None:
         from kvrelay.kvstore.remote import Remote
-        from kvrelay.kvstore.transfer import start_tcp_server
+        from kvrelay.kvstore.transfer import TcpServer
 
         cfg = self.config
         if not cfg.secret:
@@ -158,12 +159,6 @@ class StoreNode:
         host = cfg.advertise_host or cfg.listen_host
 
         async def listen() -> None:
-            if cfg.tcp_port >= 0:
-                srv = await start_tcp_server(
-                    cfg.listen_host, cfg.tcp_port, secret, self.remote.serve, cfg.transfer_timeout_s
-                )
-                self._servers.append(srv)
-                self.addresses["tcp"] = f"{host}:{srv.sockets[0].getsockname()[1]}"
             if ucx_ok and cfg.ucx_port >= 0:
                 from kvrelay.kvstore.ucx_local import LocalUcx, host_id
                 from kvrelay.kvstore.ucx_transfer import start_ucx_server
@@ -180,6 +175,11 @@ class StoreNode:
                 self._servers.append(lis)
                 self.addresses["ucx"] = f"{host}:{lis.port}"
 
+        if cfg.tcp_port >= 0:
+            self._tcp = TcpServer(
+                cfg.listen_host, cfg.tcp_port, secret, self.remote.serve, cfg.transfer_timeout_s
+            )
+            self.addresses["tcp"] = f"{host}:{self._tcp.port}"
         asyncio.run_coroutine_threadsafe(listen(), self._loop).result(30)
 
     def stop(self) -> None:
@@ -195,6 +195,8 @@ class StoreNode:
             logger.info("flushed %d arena pages to disk", n)
         if self.directory is not None:
             self.directory.stop()
+        if self._tcp is not None:
+            self._tcp.close()  # open TCP sessions end with the node
         if self._loop is not None:
 
             async def shut() -> None:
@@ -204,9 +206,6 @@ class StoreNode:
                     tasks += self.remote.local.close()
                 for srv in self._servers:
                     srv.close()
-                    tasks += list(getattr(srv, "kv_sessions", ()))
-                for task in tasks:  # open TCP sessions end with the node
-                    task.cancel()
                 if tasks:
                     await asyncio.wait(tasks, timeout=2)
 

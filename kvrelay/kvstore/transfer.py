@@ -9,13 +9,14 @@ payload) for the leading keys. TCP frames messages with a 4-byte length; pages g
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 
@@ -63,6 +64,10 @@ def pack(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+class PeerClosedError(TransferError):
+    """The peer closed the connection."""
+
+
 def unpack(raw: bytes) -> dict:
     try:
         obj = msgpack.unpackb(raw, raw=False)
@@ -73,80 +78,106 @@ def unpack(raw: bytes) -> dict:
     return obj
 
 
-# -- TCP server (asyncio streams) ---------------------------------------------------------------
-async def _read_msg(reader: asyncio.StreamReader) -> bytes:
-    (n,) = _LEN.unpack(await reader.readexactly(4))
-    if n > MAX_MSG:
-        raise TransferError(f"message of {n} bytes exceeds the {MAX_MSG}-byte limit")
-    return await reader.readexactly(n)
-
-
 def _frame(raw: bytes) -> bytes:
     return _LEN.pack(len(raw)) + raw
 
 
-async def start_tcp_server(
-    host: str, port: int, secret: bytes, serve: ServeFn, timeout_s: float
-) -> asyncio.AbstractServer:
-    """Listen for peers' fetches on `host:port` (0 picks a port)."""
+# -- TCP server (blocking, a thread per peer session) -------------------------------------------
+class TcpServer:
+    """Answers peers' fetches on `host:port` (0 picks a port); `port` is the bound port.
 
-    sessions: set[asyncio.Task] = set()
+    Blocking sockets on threads: pages go from arena slots to the kernel with `sendall`, no
+    user-space copy (an asyncio transport copies whatever the socket does not take at once)."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sessions.add(asyncio.current_task())
-        peer = writer.get_extra_info("peername")
-        try:
-            nonce = os.urandom(NONCE)
-            writer.write(_frame(nonce))
-            msg = await asyncio.wait_for(_read_msg(reader), timeout_s)
+    def __init__(self, host: str, port: int, secret: bytes, serve: ServeFn, timeout_s: float):
+        self.secret, self.serve, self.timeout_s = secret, serve, timeout_s
+        self.sock = socket.create_server((host, port))
+        self.port = self.sock.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="kv-tcp", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
             try:
-                proof = check_client(secret, nonce, msg)
+                conn, peer = self.sock.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(
+                target=self._session, args=(conn, peer), name="kv-tcp-peer", daemon=True
+            ).start()
+
+    def _session(self, conn: socket.socket, peer) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self.timeout_s)
+            nonce = os.urandom(NONCE)
+            conn.sendall(_frame(nonce))
+            msg = _recv_msg(conn, time.monotonic() + self.timeout_s)
+            try:
+                proof = check_client(self.secret, nonce, msg)
             except AuthError as exc:
-                writer.write(_frame(pack({"ok": False, "error": str(exc)})))
-                await writer.drain()
+                conn.sendall(_frame(pack({"ok": False, "error": str(exc)})))
                 logger.warning("refused store peer %s: %s", peer, exc)
                 return
-            writer.write(_frame(pack({"ok": True, "proof": proof})))
+            conn.sendall(_frame(pack({"ok": True, "proof": proof})))
             while True:
                 try:
-                    raw = await _read_msg(reader)
-                except asyncio.IncompleteReadError:
-                    return  # peer closed the session
-                reply, views, release = serve(unpack(raw))
+                    raw = _recv_msg(conn, None)  # a session may idle between fetches
+                except PeerClosedError:
+                    return
+                reply, views, release = self.serve(unpack(raw))
                 try:
-                    writer.write(_frame(pack(reply)))
-                    # Drain after each page: Python 3.11's transport buffers unsent data in one
-                    # bytearray and trims it from the front, quadratic for a large backlog.
+                    conn.settimeout(self.timeout_s)
+                    conn.sendall(_frame(pack(reply)))
                     for view in views:
-                        writer.write(view)
-                        await asyncio.wait_for(writer.drain(), timeout_s)
+                        conn.sendall(view)
                 finally:
                     release()
-        except (TimeoutError, OSError, asyncio.IncompleteReadError, StoreError) as exc:
+        except (TimeoutError, OSError, StoreError) as exc:
             logger.info("store peer %s session ended: %s", peer, exc)
         finally:
-            sessions.discard(asyncio.current_task())
-            writer.close()
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
 
-    server = await asyncio.start_server(handle, host, port)
-    server.kv_sessions = sessions  # the node cancels open sessions when it stops
-    return server
+    def close(self) -> None:
+        """Stop listening and end open sessions."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        for sock in (self.sock, *conns):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept/recv
+        self.sock.close()
+        self._thread.join(timeout=2)
 
 
 # -- TCP client (blocking, called from the node's request thread) --------------------------------
-def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
+    """Fill `view`; `deadline` None waits as long as it takes (an idle session)."""
     while view:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransferTimeoutError("transfer timed out")
-        sock.settimeout(left)
+        if deadline is None:
+            sock.settimeout(None)
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeoutError("transfer timed out")
+            sock.settimeout(left)
         n = sock.recv_into(view)
         if n == 0:
-            raise TransferError("peer closed the connection mid-transfer")
+            raise PeerClosedError("peer closed the connection mid-transfer")
         view = view[n:]
 
 
-def _recv_msg(sock: socket.socket, deadline: float) -> bytes:
+def _recv_msg(sock: socket.socket, deadline: float | None) -> bytes:
     head = bytearray(4)
     _recv_exact(sock, memoryview(head), deadline)
     (n,) = _LEN.unpack(head)

@@ -30,7 +30,7 @@ ROW_ALIGN = 4
 
 
 def padded_rows(n: int) -> int:
-    """Rows a batch of `n` tokens is padded to (a multiple of ROW_ALIGN, at least one block)."""
+    """Rows a batch of `n` tokens is padded to (a positive multiple of ROW_ALIGN)."""
     return max(ROW_ALIGN, -(-n // ROW_ALIGN) * ROW_ALIGN)
 
 
@@ -176,6 +176,17 @@ class LlamaForCausalLM(nn.Module):
         """fp32 logits [S, vocab] of the rows `logits_indices` of this step's T tokens."""
         c = self.config
         num_tokens = int(input_ids.shape[0])
+        if positions.shape != input_ids.shape or meta.slot_mapping.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)} and "
+                f"slot_mapping {tuple(meta.slot_mapping.shape)} must all be [T]"
+            )
+        if (
+            not input_ids.is_cuda
+            and num_tokens
+            and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < c.vocab_size
+        ):  # on CUDA this check would cost a device sync; the engine validates
+            raise ValueError(f"token ids must be in [0, {c.vocab_size})")
         rows = padded_rows(num_tokens)
         ids = input_ids.to(self.device, torch.long)
         pos = positions.to(self.device, torch.long)

@@ -116,20 +116,25 @@ def test_batch_matches_generate(stack):
 
 def test_claimed_request_resumes_without_gaps_or_duplicates(stack):
     r, worker, prompts, refs = stack
-    r.hset(KEYS.worker("decode-t"), "drain", 1)
-    deadline = time.monotonic() + 10
-    while not worker.heartbeat.draining and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.1)
-    eid = submit(r, "resume", prompts[1], refs[1].output_token_ids[:1], prefilled=True)
+    task = DecodeTask(
+        request_id="resume",
+        prompt_token_ids=prompts[1],
+        sampling=GREEDY,
+        output_token_ids=refs[1].output_token_ids[:1],
+        prefilled=True,
+    )
+    pipe = r.pipeline(transaction=True)  # the ghost gets the entry before the live worker can
+    pipe.xadd(KEYS.decode_stream, {MESSAGE_FIELD: task.encode()})
+    pipe.xreadgroup(DECODE_GROUP, "ghost", {KEYS.decode_stream: ">"}, count=1)
+    eid_raw, [(_stream, [(got, _fields)])] = pipe.execute()
+    eid = eid_raw.decode()
+    assert got.decode() == eid
     ghost = Streams(r, KEYS, "ghost")  # a worker that dies after emitting three tokens
-    assert [e.entry_id for e in ghost.read(KEYS.decode_stream, DECODE_GROUP, 1, None)] == [eid]
     done = refs[1].output_token_ids[:3]
     r.xadd(KEYS.out("resume"), {MESSAGE_FIELD: TokenChunk(0, done[:1]).encode()})
     r.hset(KEYS.request("resume"), "emitted", 1)
     em = Emission(KEYS.decode_stream, DECODE_GROUP, eid, "resume", TokenChunk(1, done[1:]))
     assert ghost.emit(em).ok
-    r.hset(KEYS.worker("decode-t"), "drain", 0)
     got = chunks(r, "resume")
     assert tokens_of(got) == refs[1].output_token_ids
     assert [c.index for c in got[:2]] == [0, 1] and got[2].index == 3

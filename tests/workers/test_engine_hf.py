@@ -80,6 +80,7 @@ def test_greedy_matches_transformers_generate(loaded_model, hf_model):
             f"{ref[k]}, transformers' top-two gap {gap:.2e} >= {TIE_TOL}"
         )
         ties.append(f"prompt {i} token {k}: ours {got[k]} vs {ref[k]}, top-two gap {gap:.2e}")
+    print(f"engine vs transformers generate: {exact}/{len(QUESTIONS)} token-identical")
     for tie in ties:
         print(f"near-tie accepted: {tie}")
         warnings.warn(f"engine vs transformers near-tie: {tie}", stacklevel=1)

@@ -7,7 +7,7 @@ import torch
 
 from kvrelay.kernels import gather_pages, scatter_pages
 from kvrelay.workers.model import padded_rows
-from tests.workers.conftest import SeqChunk, run_batch
+from tests.workers.conftest import SeqChunk, make_batch, run_batch
 
 PAGE = 16
 
@@ -131,3 +131,28 @@ def test_same_logits_for_one_and_two_threads(loaded_model, seqs, reference):
                 assert torch.equal(got[(0, p)], ref_logits[p]), (threads, p)
     finally:
         torch.set_num_threads(before)
+
+
+def test_every_linear_is_row_invariant(loaded_model):
+    """Each weight shape gives the same row for any padded row count (oneDNN packed path)."""
+    model = loaded_model.model
+    layer = model.layers[0]
+    torch.manual_seed(0)
+    for linear in (*layer.linears(), model.lm_head):
+        in_features = linear.dense_weight().shape[1]
+        x = torch.randn(516, in_features)
+        ref = linear(x[:4])
+        for rows in (8, 12, 36, 132, 516):
+            assert torch.equal(linear(x[:rows])[:4], ref), (in_features, rows)
+        assert torch.equal(linear(x[512:516]), linear(x)[512:]), in_features
+
+
+def test_bad_inputs_raise_clear_errors(loaded_model):
+    model = loaded_model.model
+    pool = model.allocate_kv_pool(2, PAGE)
+    batch = make_batch([SeqChunk([0, 1], 0, [1, 2, 3])], PAGE)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 49152\)"):
+        model(torch.tensor([1, 2, 49152]), batch.positions, pool, batch.meta, batch.logits_indices)
+    with pytest.raises(ValueError, match="must all be"):
+        model(batch.input_ids, batch.positions[:2], pool, batch.meta, batch.logits_indices)
+    assert torch.count_nonzero(pool) == 0  # nothing written

@@ -11,16 +11,16 @@ TOL = 1e-3
 
 CHATS = [
     ("What is the capital of France?", "The capital of France is Paris."),
-    ("Write a haiku about the sea.", "Waves fold into foam,\nsalt wind carries gull voices,\nthe tide keeps its time."),
+    ("Write a haiku about the sea.", "Waves fold,\nsalt wind and gulls,\nthe tide keeps time."),
     ("2+2=?", "4"),
     ("Translate 'good morning' to German.", "Guten Morgen."),
-    ("Explain recursion in one sentence.", "Recursion is when a function solves a problem by calling itself on a smaller part of it."),
+    ("Explain recursion briefly.", "A function calling itself on a smaller problem."),
     ("List three primes.", "2, 3 and 5."),
-    ("Qu'est-ce que la photosynthèse ?", "C'est le processus par lequel les plantes produisent du sucre grâce à la lumière."),
+    ("Qu'est-ce que la photosynthèse ?", "Les plantes font du sucre grâce à la lumière."),
     ("用一句话介绍长城。", "长城是中国古代修建的防御工事。"),
     ("Give me an emoji for happiness", "😀 or 🎉"),
     ("def add(a, b):", "```python\ndef add(a, b):\n    return a + b\n```"),
-    ("Tell me a joke.", "Why did the scarecrow win an award? Because he was outstanding in his field."),
+    ("Tell me a joke.", "The scarecrow won an award: outstanding in his field."),
     ("", "It looks like your message is empty."),
     ("What's 17 * 23?", "17 * 23 = 391."),
     ("Name a color.", "Blue."),
@@ -28,7 +28,7 @@ CHATS = [
     ("Is the earth flat?", "No, the Earth is an oblate spheroid."),
     ("Write JSON with a name field.", '{"name": "SmolLM"}'),
     ("Count to ten.", "1 2 3 4 5 6 7 8 9 10"),
-    ("How do I boil an egg?", "Place the egg in boiling water for 9 minutes, then cool it in cold water."),
+    ("How do I boil an egg?", "Boil it for 9 minutes, then cool it in cold water."),
     ("Say hi in Japanese.", "こんにちは"),
 ]  # fmt: skip
 

@@ -138,21 +138,32 @@ def test_deadline_cancel_and_delivery_limit(stack):
     assert [(c.index, c.finish_reason) for c in chunks(r, "gone")] == [(0, "cancelled")]
     assert r.hget(KEYS.request("gone"), "status") == b"cancelled"
     # an entry delivered more often than max_deliveries (5) is dead-lettered on its next claim
-    r.hset(KEYS.worker("prefill-t"), "drain", 1)  # keep the live worker from reading it first
-    deadline = time.monotonic() + 10
-    while not worker.heartbeat.draining and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.1)  # let a read already blocking return empty
-    assert r.hget(KEYS.worker("prefill-t"), "draining") == b"1"
-    submit(r, "poison", prompt)
-    for _ in range(5):
-        r.xreadgroup(PREFILL_GROUP, "ghost", {KEYS.prefill_stream: ">"}, count=1) or r.xclaim(
-            KEYS.prefill_stream,
-            PREFILL_GROUP,
-            "ghost",
-            0,
-            [r.xpending_range(KEYS.prefill_stream, PREFILL_GROUP, "-", "+", 1)[0]["message_id"]],
-        )
-    r.hset(KEYS.worker("prefill-t"), "drain", 0)
+    task = PrefillTask(request_id="poison", prompt_token_ids=prompt, sampling=GREEDY)
+    pipe = r.pipeline(transaction=True)  # a ghost consumer gets it before the live worker can
+    pipe.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
+    pipe.xreadgroup(PREFILL_GROUP, "ghost", {KEYS.prefill_stream: ">"}, count=1)
+    eid = pipe.execute()[0]
+    for _ in range(4):  # each XCLAIM counts one more delivery
+        r.xclaim(KEYS.prefill_stream, PREFILL_GROUP, "ghost", 0, [eid])
     [err] = chunks(r, "poison", timeout=30)
     assert err.finish_reason == "error" and err.error == "delivered 6 times (limit 5)"
+
+
+def test_drain_stops_reading_until_undone(stack):
+    r, worker, prompt, ref = stack
+    r.hset(KEYS.worker("prefill-t"), "drain", 1)
+    try:
+        deadline = time.monotonic() + 10
+        while not worker.heartbeat.draining and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # let a read that was already blocking return
+        assert r.hget(KEYS.worker("prefill-t"), "draining") == b"1"
+        submit(r, "drained", prompt, sampling={"max_tokens": 1, "temperature": 0.0})
+        time.sleep(0.5)
+        assert r.xlen(KEYS.out("drained")) == 0
+        [group] = r.xinfo_groups(KEYS.prefill_stream)
+        assert group["lag"] == 1
+    finally:
+        r.hset(KEYS.worker("prefill-t"), "drain", 0)
+    [chunk] = chunks(r, "drained")
+    assert chunk.token_ids == ref.output_token_ids[:1]

@@ -34,8 +34,17 @@ def connector(tmp_path, loaded_model):
     node.start()
     thread = threading.Thread(target=node.serve_forever, daemon=True)
     thread.start()
+    class CountingConnector(StoreConnector):
+        """The real connector, recording every key the engine asks to save."""
+
+        saved: list[bytes] = []
+
+        def save(self, keys, block_ids, kv_pool):
+            self.saved.extend(keys)
+            super().save(keys, block_ids, kv_pool)
+
     client = StoreClient(config.run_dir, spec)
-    yield StoreConnector(client)
+    yield CountingConnector(client)
     client.close()
     node.stop()
     thread.join(timeout=10)
@@ -55,6 +64,7 @@ def test_resume_from_store_pages_and_recomputed_tail(loaded_model, connector):
     keys = page_keys(tokens[:-1], PAGE, loaded_model.fingerprint)
     assert len(keys) == (140 - 1) // PAGE == 8
     assert connector.lookup(keys) == 8
+    assert connector.saved == keys  # each full page saved exactly once, in order
     # a fresh engine (empty device cache) resumes after 30 outputs: 129 tokens known,
     # 8 pages (128 tokens) come from the store, 1 token is recomputed, then decoding goes on
     second = Engine(EngineConfig(num_blocks=16), connector, loaded=loaded_model)
@@ -71,3 +81,4 @@ def test_resume_from_store_pages_and_recomputed_tail(loaded_model, connector):
     again = second.generate([prompt], [sp], ["r2"])[0]
     assert again.num_cached_tokens == 96 and again.metrics["num_device_cached_tokens"] == 96
     assert again.new_token_ids == full.new_token_ids
+    assert connector.saved == keys  # loaded and device-cached pages are never saved again

@@ -1,8 +1,9 @@
 """DiskTier: content-addressed page files (`<dir>/<k0k1>/<key hex>.kvp`) with an LRU size cap.
 
-Files are written atomically (temporary file, fsync, rename) and the index is rebuilt from the
-directory at start (oldest modification time = least recently used), so the cache survives
-restarts. Every read verifies the page; a corrupt or truncated file is a miss, counted and deleted.
+Files are written atomically (temporary file, fsync except for demotions, rename) and the index
+is rebuilt from the directory at start (oldest modification time = least recently used), so the
+cache survives restarts. Every read verifies the page; a corrupt or truncated file is a miss,
+counted and deleted.
 """
 
 from __future__ import annotations
@@ -80,8 +81,12 @@ class DiskTier:
         """Keys from least to most recently used."""
         return list(self._lru)
 
-    def put(self, key: bytes, page) -> list[bytes]:
-        """Store a page (no-op if present); returns the keys dropped to make room (LRU first)."""
+    def put(self, key: bytes, page, sync: bool = True) -> list[bytes]:
+        """Store a page (no-op if present); returns the keys dropped to make room (LRU first).
+
+        `sync=False` skips the fsync (demotions on the request path): a file a power cut tears
+        fails its CRC on read and is a counted miss, so only durability is traded, never
+        correctness."""
         if key in self._lru:
             self._lru.move_to_end(key)
             return []
@@ -95,7 +100,8 @@ class DiskTier:
             view = memoryview(page)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)

@@ -24,7 +24,7 @@ from kvrelay.kvstore.arena import HostArena
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.errors import StoreError
 from kvrelay.kvstore.metrics import StoreMetrics
-from kvrelay.kvstore.protocol import Later
+from kvrelay.kvstore.protocol import Later, handle_request
 from kvrelay.kvstore.store import NodeStore
 
 logger = logging.getLogger(__name__)
@@ -253,11 +253,9 @@ class StoreNode:
 
     def _send_done(self) -> None:
         """Send the replies finished by pool threads."""
-        try:
+        with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_r, 4096):
                 pass
-        except BlockingIOError:
-            pass
         while True:
             try:
                 ident, reply = self._done.get_nowait()
@@ -275,8 +273,6 @@ class StoreNode:
     # -- requests ---------------------------------------------------------------------------
     def _handle(self, ident: bytes, body: bytes) -> bytes | None:
         """The reply to one request; None when there is none yet (deferred) or none wanted."""
-        from kvrelay.kvstore.protocol import handle_request
-
         try:
             req = msgpack.unpackb(body, raw=False)
             if not isinstance(req, dict):

@@ -97,7 +97,7 @@ class NodeStore(StoreAdmin):
             if self.disk is not None:
                 if key not in self.disk:
                     self.metrics.inc("bytes", "disk", "demote", value=self.page_bytes)
-                self._gone(self.disk.put(key, self.arena.slot(e.slot)))
+                self._gone(self.disk.put(key, self.arena.slot(e.slot), sync=False))
             else:
                 self.on_gone([key])
             return e.slot

@@ -82,7 +82,7 @@ class StoreAdmin:
                 e = self._entries.pop(key)
                 del self._lru[key]
                 if self.disk is not None and tier == "host":
-                    self._gone(self.disk.put(key, self.arena.slot(e.slot)))
+                    self._gone(self.disk.put(key, self.arena.slot(e.slot), sync=False))
                 elif self.disk is None or key not in self.disk:
                     self.on_gone([key])
                 self._free.append(e.slot)

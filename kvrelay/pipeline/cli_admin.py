@@ -74,8 +74,24 @@ def run_status(args: argparse.Namespace) -> int:
         f"by status: {json.dumps(data['requests'])}"
     )
     if data["store"] is not None:
-        print("store: " + json.dumps(data["store"], default=str))
+        print(_store_line(data["store"]))
     return 0
+
+
+def _store_line(store: dict[str, Any]) -> str:
+    """Tier usage and hit rates of the local store node in one line."""
+    if "error" in store:
+        return f"store: unavailable ({store['error']})"
+    pages = store.get("pages", {})
+    parts = [f"store {store.get('node_id', '?')}: host {pages.get('host', 0)}/"
+             f"{pages.get('host_slots', '?')} pages, disk {pages.get('disk', 0)}/"
+             f"{pages.get('disk_capacity', '?')} pages"]  # fmt: skip
+    counters = store.get("counters", {})
+    hits, misses = counters.get("hits", {}), counters.get("misses", {})
+    for tier in sorted(set(hits) | set(misses)):
+        h, m = hits.get(tier, 0), misses.get(tier, 0)
+        parts.append(f"{tier} hit rate {h / (h + m):.0%} ({int(h)}/{int(h + m)})")
+    return ", ".join(parts)
 
 
 def add_requests_arguments(p: argparse.ArgumentParser) -> None:

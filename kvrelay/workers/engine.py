@@ -20,7 +20,7 @@ import torch
 from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams, effective_seed
 from kvrelay.workers.block_pool import BlockPool
 from kvrelay.workers.engine_types import EngineConfig, EngineStats, RequestOutput, merge_outputs
-from kvrelay.workers.errors import InvalidRequestError
+from kvrelay.workers.errors import EngineError, InvalidRequestError
 from kvrelay.workers.kv_cache_manager import KVCacheManager
 from kvrelay.workers.kv_connector import KVConnector
 from kvrelay.workers.model_runner import ModelRunner
@@ -210,17 +210,7 @@ class Engine:
             self.stats.num_computed_tokens += s.num_new_tokens
             seq.num_computed_tokens += s.num_new_tokens
             self.kv.commit(seq)
-        rows = [
-            SampleRow(
-                params=seq.sampling,
-                seed=seq.seed,
-                index=seq.num_output_tokens,
-                prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-                output_token_ids=seq.token_ids[seq.num_prompt_tokens :],
-                banned_token_ids=self.outputs.banned_tokens(seq),
-            )
-            for seq in sampling_seqs
-        ]
+        rows = [self._sample_row(seq) for seq in sampling_seqs]
         results = self.sampler(logits, rows) if rows else []
         now = time.time()
         outs = []
@@ -238,6 +228,17 @@ class Engine:
             lps = [res.logprobs] if res.logprobs is not None else None
             outs.append(self._output(seq, [res.token_id], lps, text))
         return outs
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        p = seq.sampling
+        row = SampleRow(p, seq.seed, seq.num_output_tokens,
+                        banned_token_ids=self.outputs.banned_tokens(seq))  # fmt: skip
+        # Token lists only when a penalty reads them (copying a long prompt every step costs).
+        if p.repetition_penalty != 1.0:
+            row.prompt_token_ids = seq.token_ids[: seq.num_prompt_tokens]
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            row.output_token_ids = seq.token_ids[seq.num_prompt_tokens :]
+        return row
 
     def _output(self, seq: Sequence, new: list[int], lps: list[dict] | None, text: str
                 ) -> RequestOutput:  # fmt: skip
@@ -278,6 +279,9 @@ class Engine:
         request_ids: list[str] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion as one batch; one merged RequestOutput per prompt."""
+        if self.has_unfinished_requests():
+            # generate() consumes every step's outputs; other requests' tokens would be lost.
+            raise EngineError("generate() needs an idle engine (requests are still running)")
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = request_ids or [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params, strict=True):

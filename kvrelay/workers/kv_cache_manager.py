@@ -122,22 +122,25 @@ class KVCacheManager:
         seq.num_registered_blocks = 0
 
     def commit(self, seq: Sequence) -> None:
-        """After a step: key newly full computed blocks, register and save each once."""
+        """After a step: key newly full computed blocks, register them and save each page once."""
         num_full = seq.num_computed_tokens // self.page_size
-        if num_full <= seq.num_registered_blocks and num_full <= seq.num_saved_blocks:
+        start = seq.num_registered_blocks
+        if num_full <= start:
             return
         keys = self._keys(seq, num_full)
-        for i in range(seq.num_registered_blocks, num_full):
-            self.pool.cache_block(seq.block_table[i], keys[i])
-        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
-        if not self.save_to_store or num_full <= seq.num_saved_blocks:
+        new_keys, new_blocks = [], []
+        for i in range(start, num_full):
+            block_id = seq.block_table[i]
+            # False with caching on: another block already holds this page, and it was saved
+            # (or loaded from the store) when it was cached, so it is not saved again.
+            if self.pool.cache_block(block_id, keys[i]) or not self.pool.enable_prefix_caching:
+                new_keys.append(keys[i])
+                new_blocks.append(block_id)
+        seq.num_registered_blocks = seq.num_saved_blocks = num_full
+        if not self.save_to_store or not new_keys:
             return
-        start = seq.num_saved_blocks
         try:
-            self.connector.save(
-                keys[start:num_full], seq.block_table[start:num_full], self._kv_pool()
-            )
+            self.connector.save(new_keys, new_blocks, self._kv_pool())
         except Exception:  # the store is a cache: a failed save loses nothing
             logger.exception("kv connector save failed for request %s", seq.request_id)
             self.num_store_errors += 1
-        seq.num_saved_blocks = num_full

@@ -190,6 +190,10 @@ def test_admin_status_and_worker_metrics(stack):
     assert set(workers) == {"prefill-0", "decode-0"}
     assert [s["pending"] for s in status["streams"]] == [0, 0]
     assert status["store"]["pages"]["host"] > 0
+    human = subprocess.run([sys.executable, "-m", "kvrelay.pipeline.cli", "status",
+                            "--run-dir", str(stack.run_dir)], capture_output=True, text=True,
+                           timeout=60).stdout  # fmt: skip
+    assert "decode-0" in human and "store node0: host " in human
     port = workers["decode-0"]["metrics_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()

@@ -8,7 +8,7 @@ import torch
 from kvrelay.pipeline.modelref import ModelNotFoundError
 from kvrelay.pipeline.sampling import SamplingParams
 from kvrelay.workers.engine import Engine, EngineConfig
-from kvrelay.workers.errors import InvalidRequestError
+from kvrelay.workers.errors import EngineError, InvalidRequestError
 
 # Greedy answer of SmolLM2-135M-Instruct to the chat "What is the capital of France?"
 ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris." <eos>
@@ -146,6 +146,8 @@ def test_duplicate_request_id_and_pool_too_small(engine, loaded_model, prompt):
     engine.add_request("dup", prompt, greedy())
     with pytest.raises(InvalidRequestError, match="already running"):
         engine.add_request("dup", prompt, greedy())
+    with pytest.raises(EngineError, match="needs an idle engine"):
+        engine.generate([prompt], greedy())
     engine.abort_request("dup")
     small = Engine(EngineConfig(num_blocks=2), loaded=loaded_model)
     with pytest.raises(InvalidRequestError, match="needs up to 4 KV blocks but the engine has 2"):
@@ -161,3 +163,11 @@ def test_unknown_model_and_threads(loaded_model):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_penalties_reach_the_sampler(engine, prompt):
+    sp = greedy(max_tokens=12, ignore_eos=True, repetition_penalty=1.5, presence_penalty=1.0)
+    plain = engine.generate([prompt], greedy(max_tokens=12, ignore_eos=True))[0]
+    a, b = engine.generate([prompt, prompt], [sp, sp])
+    assert a.new_token_ids == b.new_token_ids != plain.new_token_ids
+    assert len(set(a.new_token_ids)) > len(set(plain.new_token_ids))

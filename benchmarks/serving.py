@@ -154,6 +154,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--requests", type=int, default=None, help="per level (default 2x c, >= 4)")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=1, help="alternating runs per level")
     ap.add_argument("--prefill", type=int, default=1)
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--port", type=int, default=18321)
@@ -177,12 +178,17 @@ def main() -> int:
         inprocess(engine, prompts_for(4, "warm"), args.max_tokens, 2)
         for c in levels:
             n = args.requests or max(4, 2 * c)
-            prompts = prompts_for(n, f"c{c}")
-            for mode in ("pipeline", "in-process"):
-                if mode == "pipeline":
-                    run = run_load(url, MODEL, prompts, args.max_tokens, c)
-                else:
-                    run = inprocess(engine, prompts, args.max_tokens, c)
+            runs: dict[str, tuple[list[RequestResult], float]] = {
+                "pipeline": ([], 0.0), "in-process": ([], 0.0)}  # fmt: skip
+            for rep in range(args.repeats):  # alternate the modes so load drift hits both
+                prompts = prompts_for(n, f"c{c}r{rep}")
+                for mode in runs:
+                    if mode == "pipeline":
+                        res, wall = run_load(url, MODEL, prompts, args.max_tokens, c)
+                    else:
+                        res, wall = inprocess(engine, prompts, args.max_tokens, c)
+                    runs[mode] = (runs[mode][0] + res, runs[mode][1] + wall)
+            for mode, run in runs.items():
                 row = {"mode": mode, **summarize(run, c)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -198,7 +204,8 @@ def main() -> int:
             f"## Serving: pipeline vs in-process engine\n\n`python benchmarks/serving.py` "
             f"({time.strftime('%Y-%m-%d')}): {args.prefill} prefill + {args.decode} decode "
             f"worker(s), {threads} compute thread(s) per engine, greedy, {args.max_tokens} "
-            f"output tokens (ignore_eos), closed loop. ITL = (latency - TTFT) / (tokens - 1). "
+            f"output tokens (ignore_eos), closed loop, {args.repeats} alternating run(s) per "
+            "level. ITL = (latency - TTFT) / (tokens - 1). "
             f"Load average at start {load:.1f} on {os.cpu_count()} cores."
             "\n\n"
         )

@@ -118,6 +118,8 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "KVRELAY_WORKER_MODEL": args.model,
         "PYTHONUNBUFFERED": "1",
     }
+    if args.prefill == 0:  # no prefill workers: the ingress sends everything to decode
+        env["KVRELAY_INGRESS_MODE"] = "colocated"
     if args.kv_cache_bytes:
         env["KVRELAY_WORKER_KV_CACHE_BYTES"] = str(args.kv_cache_bytes)
     for item in args.env:
@@ -200,23 +202,53 @@ def _workers_ready(state: dict) -> bool:
     return want <= ready
 
 
-def wait_ready(state: dict, timeout: float, alive=lambda: True) -> bool:
-    """Poll /health and the worker heartbeats until both are good (or time runs out)."""
+class CrashLoopError(RuntimeError):
+    """A program keeps dying before the stack became ready."""
+
+
+def wait_ready(state: dict, timeout: float, alive=lambda: True, sup: Supervisor | None = None
+               ) -> bool:  # fmt: skip
+    """Poll /health and the worker heartbeats until both are good (or time runs out).
+
+    With `sup`, a program restarted twice already (or FATAL) raises CrashLoopError with the
+    tail of its log instead of waiting out the timeout."""
     deadline = time.monotonic() + timeout
+    pids: dict[str, set[int]] = {}
+    polls = 0
     while time.monotonic() < deadline and alive():
         if _health_ok(state["host"], state["port"]) and _workers_ready(state):
             return True
+        polls += 1
+        checking = sup is not None and polls % 4 == 0  # supervisorctl is a process: not often
+        for name, (status, pid) in (sup.status() if checking else {}).items():
+            if pid:
+                pids.setdefault(name, set()).add(pid)
+            if len(pids.get(name, ())) >= 3 or status == "FATAL":
+                log = _log_tail(sup.run_dir / "logs" / f"{name}.log")
+                raise CrashLoopError(f"{name} keeps exiting; the end of its log:\n{log}")
         time.sleep(0.5)
     return False
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 def run_up(args: argparse.Namespace) -> int:
     if args.prefill < 0 or args.decode < 1:
         print("kvrelay up: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
         return 2
+    from kvrelay.pipeline.modelref import ModelNotFoundError
     from kvrelay.workers.model_loader import prepare_model
 
-    prepare_model(args.model)  # convert once here so workers never race to do it
+    try:
+        prepare_model(args.model)  # convert once here so workers never race to do it
+    except ModelNotFoundError as exc:
+        print(f"kvrelay up: {exc}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     sup = Supervisor(run_dir)
@@ -228,12 +260,15 @@ def run_up(args: argparse.Namespace) -> int:
     sup.start(detach=args.detach)
     where = f"http://{args.host}:{args.port}"
     if args.detach:
-        if not wait_ready(state, args.timeout):
-            print(
-                f"kvrelay up: not ready after {args.timeout:.0f}s; logs in {run_dir / 'logs'}",
-                file=sys.stderr,
-            )
+        try:
+            ready = wait_ready(state, args.timeout, sup=sup)
+        except CrashLoopError as exc:
+            print(f"kvrelay up: {exc}", file=sys.stderr)
+            ready = False
+        if not ready:
+            print(f"kvrelay up: not ready; stopping. Logs in {run_dir / 'logs'}", file=sys.stderr)
             sup.stop()
+            _remove_arena(state)
             return 1
         print(json.dumps({"ready": True, "url": where, **state}))
         return 0

@@ -80,8 +80,7 @@ def serve(role: str, config: Any, engine: Any) -> int:
     metrics = WorkerMetrics(engine.model_name)
     node = attach_store(engine, config.store_run_dir, metrics) if config.store_run_dir else ""
     cls = PrefillWorker if role == "prefill" else DecodeWorker
-    worker = cls(config, engine, store_node=node)
-    worker.metrics = metrics
+    worker = cls(config, engine, store_node=node, metrics=metrics)
     metrics.serve(config.metrics_port)
 
     def on_signal(signum, _frame):

@@ -57,6 +57,7 @@ class Worker:
         engine: Any,
         client: redis.Redis | None = None,
         store_node: str = "",
+        metrics: WorkerMetrics | None = None,
     ):
         self.config = config
         self.store_node = store_node
@@ -73,7 +74,7 @@ class Worker:
         self.admissions: queue.Queue[Admission] = queue.Queue()
         self.cancels: queue.Queue[str] = queue.Queue()
         self.active: dict[str, Active] = {}
-        self.metrics = WorkerMetrics(engine.model_name)
+        self.metrics = metrics or WorkerMetrics(engine.model_name)
         self.stop_event = threading.Event()
         self.page_size = getattr(engine.config, "page_size", config.page_size)
         model_entry = (

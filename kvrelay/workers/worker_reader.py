@@ -80,7 +80,11 @@ def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
         return dead_letter(w, entry, reason, task.request_id)
     w.inflight.add(task.request_id, entry.entry_id)
     try:
-        emitted, finished = w.streams.emitted_tokens(task.request_id)
+        if claimed or entry.deliveries > 1:
+            emitted, finished = w.streams.emitted_tokens(task.request_id)
+        else:  # first delivery: out:{id} holds exactly what the task says (saves a round trip;
+            # were it otherwise, the fenced emit refuses and the entry is claimed and re-read)
+            emitted, finished = list(getattr(task, "output_token_ids", ())), False
     except (MessageError, ValueError) as exc:
         w.inflight.remove(task.request_id, entry.entry_id)
         return dead_letter(w, entry, f"corrupt output stream: {exc}", task.request_id)

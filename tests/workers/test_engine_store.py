@@ -34,6 +34,7 @@ def connector(tmp_path, loaded_model):
     node.start()
     thread = threading.Thread(target=node.serve_forever, daemon=True)
     thread.start()
+
     class CountingConnector(StoreConnector):
         """The real connector, recording every key the engine asks to save."""
 

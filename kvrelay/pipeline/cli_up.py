@@ -214,16 +214,20 @@ def wait_ready(state: dict, timeout: float, alive=lambda: True, sup: Supervisor 
     tail of its log instead of waiting out the timeout."""
     deadline = time.monotonic() + timeout
     pids: dict[str, set[int]] = {}
+    backoffs: dict[str, int] = {}
     polls = 0
     while time.monotonic() < deadline and alive():
         if _health_ok(state["host"], state["port"]) and _workers_ready(state):
             return True
         polls += 1
-        checking = sup is not None and polls % 4 == 0  # supervisorctl is a process: not often
+        checking = sup is not None and polls % 2 == 0  # supervisorctl is a process: not often
         for name, (status, pid) in (sup.status() if checking else {}).items():
             if pid:
                 pids.setdefault(name, set()).add(pid)
-            if len(pids.get(name, ())) >= 3 or status == "FATAL":
+            # BACKOFF: the program exited before `startsecs`; a quick crash shows no pid.
+            if status == "BACKOFF":
+                backoffs[name] = backoffs.get(name, 0) + 1
+            if len(pids.get(name, ())) >= 3 or backoffs.get(name, 0) >= 2 or status == "FATAL":
                 log = _log_tail(sup.run_dir / "logs" / f"{name}.log")
                 raise CrashLoopError(f"{name} keeps exiting; the end of its log:\n{log}")
         time.sleep(0.5)

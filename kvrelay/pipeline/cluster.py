@@ -47,21 +47,56 @@ class StreamLoad:
 
 
 class _Cached(Generic[T]):
-    """A value refreshed by `fetch` when older than `ttl_s`; one fetch at a time."""
+    """A value refreshed by `fetch` when older than `ttl_s`; callers share one fetch in flight."""
 
-    def __init__(self, fetch: Callable[[], Awaitable[T]], ttl_s: float):
-        self._fetch, self._ttl = fetch, ttl_s
+    def __init__(self, fetch: Callable[[], Awaitable[T]], ttl_s: float, stale_s: float = 0.0):
+        # up to `stale_s` past its ttl a value is still served while a refresh runs behind it
+        self._fetch, self._ttl, self._stale_s = fetch, ttl_s, stale_s
         self._value: T | None = None
         self._at = -1e18
-        self._lock = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+
+    def _stale(self) -> bool:
+        return self._value is None or time.monotonic() - self._at > self._ttl
+
+    def prefetch(self) -> None:
+        """Start a refresh now if the value is stale, so a later get() finds it done or going."""
+        if self._task is None and self._stale():
+            self._start()
+
+    def _start(self) -> asyncio.Task:
+        task = asyncio.create_task(self._refresh())
+        self._task = task
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        if self._task is task:
+            self._task = None
+        if not task.cancelled():
+            task.exception()  # retrieved: a request that failed early never awaited it
+
+    async def _refresh(self) -> T:
+        value = await self._fetch()
+        self._value, self._at = value, time.monotonic()
+        return value
 
     async def get(self, fresh: bool = False) -> T:
-        if fresh or time.monotonic() - self._at > self._ttl or self._value is None:
-            async with self._lock:
-                if fresh or time.monotonic() - self._at > self._ttl or self._value is None:
-                    self._value = await self._fetch()
-                    self._at = time.monotonic()
-        return self._value
+        if fresh:
+            if self._task is not None:
+                await asyncio.shield(self._task)  # let a running refresh land first
+            return await asyncio.shield(self._start())
+        if self._task is None and not self._stale():
+            return self._value  # type: ignore[return-value]
+        if self._value is not None and self.age_s <= self._ttl + self._stale_s:
+            self.prefetch()
+            return self._value
+        # shield: one caller going away must not cancel the fetch the others wait for
+        return await asyncio.shield(self._task or self._start())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
     @property
     def age_s(self) -> float:
@@ -74,9 +109,22 @@ class ClusterState:
     def __init__(self, redis: aioredis.Redis, keys: Keys, refresh_s: float = 0.25):
         self.redis, self.keys = redis, keys
         self._models = _Cached(self._fetch_models, refresh_s)
-        # SCANning for heartbeats walks the keyspace: refresh them less often
-        self._workers = _Cached(self._fetch_workers, refresh_s * 4)
+        # SCANning for heartbeats walks the whole keyspace (page directory included), which
+        # takes milliseconds: refresh less often, and behind the requests rather than before
+        # them: heartbeats live 30 s, so a snapshot up to that old tells little less)
+        self._workers = _Cached(self._fetch_workers, refresh_s * 4, stale_s=refresh_s * 120)
         self._load = _Cached(self._fetch_load, refresh_s)
+
+    def prefetch(self, workers: bool = True) -> None:
+        """Start refreshing the stale snapshots a request will need, all at once."""
+        self._models.prefetch()
+        self._load.prefetch()
+        if workers:
+            self._workers.prefetch()
+
+    def close(self) -> None:
+        for cached in (self._models, self._workers, self._load):
+            cached.close()
 
     async def models(self, fresh: bool = False) -> dict[str, dict[str, Any]]:
         """Model name -> {fingerprint, page_size, max_model_len, vocab_size} from workers."""
@@ -117,7 +165,7 @@ class ClusterState:
         return out
 
     async def _fetch_workers(self) -> list[WorkerInfo]:
-        names = [k async for k in self.redis.scan_iter(match=self.keys.worker_pattern, count=1000)]
+        names = [k async for k in self.redis.scan_iter(match=self.keys.worker_pattern, count=10000)]
         if not names:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -137,19 +185,27 @@ class ClusterState:
         return workers
 
     async def _fetch_load(self) -> dict[str, StreamLoad]:
-        return {
-            "prefill": await self._stream_load(self.keys.prefill_stream, PREFILL_GROUP),
-            "decode": await self._stream_load(self.keys.decode_stream, DECODE_GROUP),
-        }
+        # one round trip for both streams; a stream that does not exist yet answers an error
+        pipe = self.redis.pipeline(transaction=False)
+        streams = (self.keys.prefill_stream, self.keys.decode_stream)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+            pipe.xlen(stream)
+        replies = await pipe.execute(raise_on_error=False)
+        out = {}
+        for i, (name, group) in enumerate((("prefill", PREFILL_GROUP), ("decode", DECODE_GROUP))):
+            groups, length = replies[2 * i], replies[2 * i + 1]
+            out[name] = await self._stream_load(streams[i], group, groups, length)
+        return out
 
-    async def _stream_load(self, stream: str, group: str) -> StreamLoad:
-        try:
-            groups = await self.redis.xinfo_groups(stream)
-        except ResponseError:  # no such stream: nothing queued
+    async def _stream_load(self, stream: str, group: str, groups: Any, length: Any) -> StreamLoad:
+        if isinstance(groups, ResponseError):  # no such stream: nothing queued
             return StreamLoad()
+        if isinstance(groups, Exception):
+            raise groups
         info = next((g for g in groups if _s(g["name"]) == group), None)
         if info is None:  # no consumer ever joined: everything queued is waiting
-            return StreamLoad(waiting=int(await self.redis.xlen(stream)))
+            return StreamLoad(waiting=int(length))
         lag = info.get("lag")
         if lag is None:
             # Redis cannot tell after deletions; count what lies past the last delivered id.

@@ -159,6 +159,7 @@ class Ingress:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.cluster.close()
         await self.redis.aclose()
 
 

@@ -59,6 +59,8 @@ async def _generate(request: Request, api: str) -> Response:
     arrival = time.monotonic()
     header_id = request.headers.get(REQUEST_ID_HEADER)
     request_id = new_request_id("chatcmpl" if api == CHAT else "cmpl")
+    # the snapshots admission, the registry and routing read: fetch them while we parse
+    ing.cluster.prefetch(workers=ing.config.mode == "auto")
     try:
         key_id = check_api_key(request, ing.config.api_keys)
         if header_id is not None:

@@ -1,0 +1,289 @@
+"""Ingress overhead at concurrency 1: per-stage medians over sequential chat requests.
+
+Real pieces: valkey-server, the SmolLM2 tokenizer, the Starlette/Uvicorn ingress over TCP, and a
+stand-in worker thread that XREADGROUPs stream:prefill/stream:decode and XADDs TokenChunks to
+out:{id} at once (so everything measured is ingress + Redis). Stages are timed by wrapping the
+ingress's own functions with time.perf_counter (one clock for server, worker and client).
+
+    python benchmarks/ingress.py [--requests 200] [--tokens 16] [--fill-keys 20000]
+
+Prints one JSON line, then a table of medians in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import redis
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import ValkeyServer, free_port  # noqa: E402
+
+from kvrelay.pipeline import ingress_routes, submit  # noqa: E402
+from kvrelay.pipeline.ingress import create_app  # noqa: E402
+from kvrelay.pipeline.ingress_config import IngressConfig  # noqa: E402
+from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys  # noqa: E402
+from kvrelay.pipeline.messages import DecodeTask, PrefillTask, TokenChunk  # noqa: E402
+from kvrelay.pipeline.modelref import DEFAULT_MODEL  # noqa: E402
+
+MODEL_INFO = {"fingerprint": "f" * 32, "page_size": 16, "max_model_len": 8192, "vocab_size": 49152}
+# ~150 tokens with SmolLM2's chat template
+SYSTEM = "You are a helpful assistant who answers questions about distributed systems briefly."
+USER = (
+    "Explain how a disaggregated LLM serving system splits prefill and decode across "
+    "workers, why the KV cache pages need to be transferred between them, and what the "
+    "trade-offs are when the prompt is short versus long. Mention how a page directory in "
+    "Redis helps the router decide whether a prompt is mostly cached already, and give a "
+    "short example with numbers for a prompt of about one hundred and fifty tokens."
+)
+
+T: dict[str, dict[str, float]] = {}  # request id -> stage name -> perf_counter
+NEXT_ID = [""]
+
+
+def mark(rid: str, name: str) -> None:
+    T.setdefault(rid, {})[name] = time.perf_counter()
+
+
+def instrument(app) -> None:
+    """Wrap the ingress's stages so each records its start/end time per request."""
+    ing = app.state.ingress
+    current: dict[str, str] = {}
+
+    def timed_async(obj, attr, name, rid_of=None):
+        fn = getattr(obj, attr)
+
+        async def wrapper(*a, **kw):
+            rid = current.get("rid", "?")
+            mark(rid, name + "<")
+            try:
+                return await fn(*a, **kw)
+            finally:
+                mark(rid, name + ">")
+
+        setattr(obj, attr, wrapper)
+
+    def timed_sync(obj, attr, name):
+        fn = getattr(obj, attr)
+
+        def wrapper(*a, **kw):
+            rid = current.get("rid", "?")
+            mark(rid, name + "<")
+            try:
+                return fn(*a, **kw)
+            finally:
+                mark(rid, name + ">")
+
+        setattr(obj, attr, wrapper)
+
+    gen = ingress_routes._generate
+    # the client picks the id the ingress "generates", so it need not send X-Request-Id
+    # (which costs the ingress an extra EXISTS)
+    ingress_routes.new_request_id = lambda prefix="req": NEXT_ID[0]
+
+    async def generate(request, api):
+        rid = NEXT_ID[0]
+        current["rid"] = rid
+        mark(rid, "handler<")
+        return await gen(request, api)
+
+    ingress_routes._generate = generate
+    timed_async(ingress_routes, "read_json", "read_json")
+    timed_sync(ingress_routes, "parse_chat", "parse")
+    timed_async(ing.backpressure, "check", "backpressure")
+    timed_async(ing.registry, "get", "registry")
+    timed_sync(submit, "tokenize", "tokenize")
+    timed_async(ing.router, "route", "route")
+    timed_async(ing.producer, "_submit", "submit_lua")
+
+
+def worker(
+    url: str, keys: Keys, stage: str, tokens: int, stop: threading.Event
+) -> None:
+    """Answer every task of one stream at once: one chunk per token, then the final chunk."""
+    r = redis.Redis.from_url(url)
+    if stage == "prefill":
+        stream, group, kind = keys.prefill_stream, PREFILL_GROUP, PrefillTask
+    else:
+        stream, group, kind = keys.decode_stream, DECODE_GROUP, DecodeTask
+    while not stop.is_set():
+        if True:
+            reply = r.xreadgroup(group, "w1", {stream: ">"}, count=1, block=100)
+            if not reply:
+                continue
+            entry_id, fields = reply[0][1][0]
+            task = kind.decode(fields[MESSAGE_FIELD])
+            rid = task.request_id
+            mark(rid, "worker_took")
+            r.hset(keys.request(rid), mapping={"status": "decoding", "started": time.time()})
+            out = keys.out(rid)
+            for i in range(tokens):
+                if i == 0:
+                    mark(rid, "first_xadd")
+                r.xadd(out, {MESSAGE_FIELD: TokenChunk(index=i, token_ids=[42], text="a").encode()})
+            n = len(task.prompt_token_ids)
+            usage = {"prompt_tokens": n, "completion_tokens": tokens, "cached_tokens": 0}
+            final = TokenChunk(index=tokens, finish_reason="length", usage=usage)
+            mark(rid, "final_xadd")
+            r.xadd(out, {MESSAGE_FIELD: final.encode()})
+            r.xack(stream, group, entry_id)
+            r.hset(keys.request(rid), "status", "finished")
+    r.close()
+
+
+def run_client(port: int, n: int, stream: bool, gap_s: float) -> list[dict[str, float]]:
+    body = {
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
+        "max_tokens": 32,
+        "stream": stream,
+    }
+    payload = json.dumps(body).encode()
+    rows = []
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        for i in range(n + 5):  # 5 warm-up requests
+            rid = f"bench-{uuid.uuid4().hex[:12]}"
+            headers = {"content-type": "application/json"}
+            NEXT_ID[0] = rid
+            mark(rid, "send")
+            with client.stream("POST", "/v1/chat/completions", content=payload, headers=headers) as resp:
+                first = True
+                for data in resp.iter_raw():
+                    if first and stream and b'"content":"a"' in data:
+                        mark(rid, "first_bytes")
+                        first = False
+                mark(rid, "done")
+                assert resp.status_code == 200, resp.status_code
+                assert resp.headers["x-request-id"] == rid
+            if i >= 5:
+                rows.append(T[rid])
+            time.sleep(gap_s)
+    return rows
+
+
+STAGES = [
+    ("client send -> handler", "send", "handler<"),
+    ("read_json", "read_json<", "read_json>"),
+    ("parse", "parse<", "parse>"),
+    ("backpressure", "backpressure<", "backpressure>"),
+    ("registry", "registry<", "registry>"),
+    ("tokenize", "tokenize<", "tokenize>"),
+    ("route", "route<", "route>"),
+    ("submit lua", "submit_lua<", "submit_lua>"),
+    ("handler -> queued (ingress)", "handler<", "submit_lua>"),
+    ("queued -> worker took", "submit_lua>", "worker_took"),
+    ("first xadd -> first bytes", "first_xadd", "first_bytes"),
+    ("final xadd -> done", "final_xadd", "done"),
+    ("send -> first bytes (TTFT)", "send", "first_bytes"),
+    ("send -> done", "send", "done"),
+]
+
+
+def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
+    out = {}
+    for label, a, b in STAGES:
+        vals = [(r[b] - r[a]) * 1000 for r in rows if a in r and b in r]
+        if vals:
+            out[label] = round(statistics.median(vals), 3)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--tokens", type=int, default=16, help="tokens each stand-in answer has")
+    p.add_argument(
+        "--state-refresh-s",
+        type=float,
+        default=0.25,
+        help="ingress snapshot TTL (its default)",
+    )
+    p.add_argument(
+        "--gap-ms",
+        type=float,
+        default=300.0,
+        help="pause between requests: with real generation times requests are this far "
+        "apart, so the ingress finds its snapshots stale",
+    )
+    p.add_argument("--fill-keys", type=int, default=20000, help="extra keys (a real keyspace)")
+    args = p.parse_args()
+    from kvrelay.pipeline import modelref
+    from kvrelay.pipeline.tokenizer import Tokenizer
+
+    ref = modelref.resolve_model(DEFAULT_MODEL)
+    tok = Tokenizer.from_dir(modelref.converted_dir(ref))
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ValkeyServer(Path(tmp))
+        server.start()
+        try:
+            result = bench(server.url, tok, args)
+        finally:
+            server.stop()
+    print(json.dumps({"benchmark": "ingress", **result}))
+    print(f"{'stage (median ms)':34} {'stream':>9} {'json':>9}")
+    for label, _, _ in STAGES:
+        s, j = result["stream"].get(label), result["json"].get(label)
+        fmt = lambda v: f"{v:9.3f}" if v is not None else f"{'-':>9}"  # noqa: E731
+        print(f"{label:34} {fmt(s)} {fmt(j)}")
+
+
+def bench(url: str, tok, args) -> dict:
+    keys = Keys("bench:")
+    r = redis.Redis.from_url(url)
+    r.hset(keys.models, DEFAULT_MODEL, json.dumps(MODEL_INFO))
+    for wid, role in (("p1", "prefill"), ("d1", "decode")):
+        r.hset(keys.worker(wid), mapping={"role": role, "model": DEFAULT_MODEL, "pid": 1})
+    pipe = r.pipeline(transaction=False)
+    for i in range(args.fill_keys):
+        pipe.set(f"fill:{i}", b"x")
+    pipe.execute()
+    n_prompt = len(
+        tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}])
+    )
+    port = free_port()
+    config = IngressConfig(redis_url=url, key_prefix="bench:", models=(DEFAULT_MODEL,), port=port,
+        state_refresh_s=args.state_refresh_s)
+    app = create_app(config, tokenizers={DEFAULT_MODEL: tok})
+    instrument(app)
+    srv = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning", lifespan="on"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    stop = threading.Event()
+    r.xgroup_create(keys.prefill_stream, PREFILL_GROUP, id="0", mkstream=True)
+    r.xgroup_create(keys.decode_stream, DECODE_GROUP, id="0", mkstream=True)
+    workers = [
+        threading.Thread(target=worker, args=(url, keys, s, args.tokens, stop), daemon=True)
+        for s in ("prefill", "decode")
+    ]
+    for wk in workers:
+        wk.start()
+    while not srv.started:
+        time.sleep(0.01)
+    try:
+        res = {"prompt_tokens": n_prompt, "requests": args.requests, "tokens": args.tokens}
+        res["stream"] = summarize(run_client(port, args.requests, True, args.gap_ms / 1000))
+        res["json"] = summarize(run_client(port, args.requests, False, args.gap_ms / 1000))
+    finally:
+        stop.set()
+        srv.should_exit = True
+        th.join(5)
+        for wk in workers:
+            wk.join(5)
+        r.close()
+    return res
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    main()

@@ -50,7 +50,7 @@ class _Cached(Generic[T]):
     """A value refreshed by `fetch` when older than `ttl_s`; callers share one fetch in flight."""
 
     def __init__(self, fetch: Callable[[], Awaitable[T]], ttl_s: float, stale_s: float = 0.0):
-        # up to `stale_s` past its ttl a value is still served while a refresh runs behind it
+        # up to `stale_s` past its ttl a value is still served; prefetch() refreshes it
         self._fetch, self._ttl, self._stale_s = fetch, ttl_s, stale_s
         self._value: T | None = None
         self._at = -1e18
@@ -59,10 +59,21 @@ class _Cached(Generic[T]):
     def _stale(self) -> bool:
         return self._value is None or time.monotonic() - self._at > self._ttl
 
-    def prefetch(self) -> None:
-        """Start a refresh now if the value is stale, so a later get() finds it done or going."""
-        if self._task is None and self._stale():
+    def prefetch(self, only_if_blocking: bool = False) -> None:
+        """Start a refresh now if the value is stale, so a later get() finds it done or going.
+
+        `only_if_blocking`: only when get() would have to wait for it (no servable value).
+        """
+        blocking = not only_if_blocking or not self._servable()
+        if self._task is None and self._stale() and blocking:
             self._start()
+
+    @property
+    def serves_stale(self) -> bool:
+        return self._stale_s > 0
+
+    def _servable(self) -> bool:
+        return self._value is not None and self.age_s <= self._ttl + self._stale_s
 
     def _start(self) -> asyncio.Task:
         task = asyncio.create_task(self._refresh())
@@ -88,9 +99,8 @@ class _Cached(Generic[T]):
             return await asyncio.shield(self._start())
         if self._task is None and not self._stale():
             return self._value  # type: ignore[return-value]
-        if self._value is not None and self.age_s <= self._ttl + self._stale_s:
-            self.prefetch()
-            return self._value
+        if self._servable():
+            return self._value  # refreshed by prefetch(), called once the request is queued
         # shield: one caller going away must not cancel the fetch the others wait for
         return await asyncio.shield(self._task or self._start())
 
@@ -120,6 +130,12 @@ class ClusterState:
         self._models.prefetch()
         self._load.prefetch()
         if workers:
+            # a servable snapshot is refreshed by refresh_behind(), once the request is queued
+            self._workers.prefetch(only_if_blocking=True)
+
+    def refresh_behind(self) -> None:
+        """Refresh stale snapshots that were served anyway (call when a request is queued)."""
+        if self._workers.serves_stale:
             self._workers.prefetch()
 
     def close(self) -> None:
@@ -165,7 +181,7 @@ class ClusterState:
         return out
 
     async def _fetch_workers(self) -> list[WorkerInfo]:
-        names = [k async for k in self.redis.scan_iter(match=self.keys.worker_pattern, count=10000)]
+        names = [k async for k in self.redis.scan_iter(match=self.keys.worker_pattern, count=1000)]
         if not names:
             return []
         pipe = self.redis.pipeline(transaction=False)

@@ -98,6 +98,7 @@ async def _generate(request: Request, api: str) -> Response:
     except RedisError as exc:
         return error_response(_unavailable(exc), request_id)
     ing.backpressure.queued()
+    ing.cluster.refresh_behind()
     ing.metrics.request_route.labels(sub.model, route.stage).inc()
     fmt = ResponseFormatter(
         api,

@@ -46,6 +46,9 @@ class OutputJob:
     timer: RequestTimer | None = None  # None on a reattach: the first reader measures
     send_role: bool = True
     attach_seq: int = 0  # which attach of this request this reader is (disconnect grace)
+    # Set when the ingress itself ends the response (Redis lost): a client that then hangs up
+    # did not abandon the request, so it is not cancelled; it can reattach by its id.
+    server_ended: bool = False
 
     def response(self) -> Response:
         produce = self._stream if self.stream else self._whole
@@ -95,6 +98,7 @@ class OutputJob:
             await self.ingress.try_cancel(self.request_id)
             yield fmt.error_event("the request passed its deadline", "timeout", "request_timeout")
         except RedisError as exc:
+            self.server_ended = True
             logger.error("request %s: lost the output stream: %s", self.request_id, exc)
             yield fmt.error_event(
                 "the request queue (Redis) is unavailable",
@@ -143,6 +147,7 @@ class OutputJob:
             await send_json(send, 504, body, self._headers)
             return
         except RedisError as exc:
+            self.server_ended = True
             logger.error("request %s: lost the output stream: %s", self.request_id, exc)
             body = _error(
                 "the request queue (Redis) is unavailable",
@@ -172,4 +177,6 @@ class OutputJob:
         logger.info("request %s: client disconnected", self.request_id)
         if self.timer:
             self.timer.close()
+        if self.server_ended:
+            return
         await self.ingress.client_gone(self.request_id, self.attach_seq)

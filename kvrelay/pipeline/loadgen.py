@@ -55,7 +55,10 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int) -> Re
                     res.output_tokens = event["usage"]["completion_tokens"]
                     details = event["usage"].get("prompt_tokens_details") or {}
                     res.cached_tokens = details.get("cached_tokens") or 0
-                if event.get("choices") and event["choices"][0].get("text"):
+                # Every choices event carries tokens (SSE `id:` = token index); token 0 may be a
+                # special token with empty text, and it still counts as the first token, as it
+                # does for the in-process engine.
+                if event.get("choices"):
                     if last is None:
                         res.ttft = now - start
                     else:

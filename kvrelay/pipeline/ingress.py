@@ -31,6 +31,7 @@ from kvrelay.pipeline.ingress_http import check_api_key, error_response
 from kvrelay.pipeline.keys import Keys
 from kvrelay.pipeline.metrics import CONTENT_TYPE, Metrics
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
+from kvrelay.pipeline.redis_options import RESILIENT
 from kvrelay.pipeline.route import Router
 from kvrelay.pipeline.submit import Producer
 
@@ -48,7 +49,7 @@ class Ingress:
     ):
         self.config = config
         self.keys = Keys(config.key_prefix)
-        self.redis = redis or aioredis.Redis.from_url(config.redis_url)
+        self.redis = redis or aioredis.Redis.from_url(config.redis_url, **RESILIENT)
         self.cluster = ClusterState(self.redis, self.keys, config.state_refresh_s)
         self.registry = ModelRegistry(config.models, self.cluster, tokenizers)
         self.router = Router(

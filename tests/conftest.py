@@ -26,9 +26,10 @@ def valkey_binary() -> str:
 class ValkeyServer:
     """A valkey-server child process with append-only persistence in `data_dir`."""
 
-    def __init__(self, data_dir: Path, port: int | None = None):
+    def __init__(self, data_dir: Path, port: int | None = None, extra_binds: tuple[str, ...] = ()):
         self.data_dir = data_dir
         self.port = port or free_port()
+        self.extra_binds = extra_binds  # addresses besides loopback (e.g. a veth end)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -44,6 +45,7 @@ class ValkeyServer:
                 str(self.port),
                 "--bind",
                 "127.0.0.1",
+                *self.extra_binds,
                 "--dir",
                 str(self.data_dir),
                 "--appendonly",

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.server import arena_path
-from tests.conftest import ValkeyServer, free_port, valkey_binary
+from tests.conftest import ValkeyServer
 from tests.kvstore.conftest import SMALL, keys_for, payload
 from tests.kvstore.test_remote import SECRET, start_b, wait_published
 
@@ -54,49 +52,10 @@ def netns() -> tuple[str, str, str]:
         _ip("netns", "del", ns, check=False)
 
 
-class _Valkey(ValkeyServer):
-    """Valkey listening on loopback and on our end of the veth link."""
-
-    def __init__(self, data_dir: Path, extra_bind: str):
-        super().__init__(data_dir, free_port())
-        self.extra_bind = extra_bind
-
-    def start(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [
-                valkey_binary(),
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                self.extra_bind,
-                "--dir",
-                str(self.data_dir),
-                "--save",
-                "",
-                "--protected-mode",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                assert time.monotonic() < deadline, "valkey did not start"
-                time.sleep(0.02)
-
-
 @pytest.mark.parametrize("transport", ["tcp", "ucx-listener"])
 def test_fetch_across_network_namespaces(netns, tmp_path, start_node, transport):
     ns, ours, theirs = netns
-    valkey = _Valkey(tmp_path / "valkey", ours)
+    valkey = ValkeyServer(tmp_path / "valkey", extra_binds=(ours,))
     valkey.start()
     cfg_a = StoreConfig(node_id="A", run_dir=str(tmp_path / "run-A"))
     proc = subprocess.Popen(

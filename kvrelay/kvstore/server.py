@@ -3,7 +3,8 @@
 Local workers send batched msgpack requests over a ZeroMQ IPC socket (`<run_dir>/kvstore.sock`):
 hello, put (reserve slots) -> commit/abort, get (pin a prefix) -> release, contains, stats, ls,
 evict. Page bytes move through the shared arena, never through ZeroMQ. Peers fetch over TCP
-(server threads) and UCX (an asyncio thread); the page directory and heartbeat live in Redis.
+(server threads) and UCX (the process's UCX loop, `ucx_runtime`); the page directory and
+heartbeat live in Redis.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ class StoreNode:
         self.remote = None
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
         self._servers: list = []  # UCX listeners (closed in the event loop)
         self._tcp = None
         self.addresses: dict[str, str] = {}
@@ -134,16 +134,13 @@ class StoreNode:
         secret = (cfg.secret or "").encode()
         ucx_ok = False
         if cfg.ucx_port >= 0 or cfg.transport == "ucx":
-            from kvrelay.kvstore import ucx_transfer
+            from kvrelay.kvstore import ucx_runtime, ucx_transfer
 
             ucx_ok = ucx_transfer.available()
             if not ucx_ok:
                 logger.warning("ucxx is not installed; remote fetches use TCP")
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(
-            target=self._loop.run_forever, name="kv-remote", daemon=True
-        )
-        self._loop_thread.start()
+        if ucx_ok:
+            self._loop = ucx_runtime.loop()  # shared by the process (one ucxx context)
         self.remote = Remote(
             self.store,
             self.arena,
@@ -180,7 +177,8 @@ class StoreNode:
                 cfg.listen_host, cfg.tcp_port, secret, self.remote.serve, cfg.transfer_timeout_s
             )
             self.addresses["tcp"] = f"{host}:{self._tcp.port}"
-        asyncio.run_coroutine_threadsafe(listen(), self._loop).result(30)
+        if self._loop is not None:
+            asyncio.run_coroutine_threadsafe(listen(), self._loop).result(30)
 
     def stop(self) -> None:
         self._stop.set()
@@ -209,12 +207,10 @@ class StoreNode:
                 if tasks:
                     await asyncio.wait(tasks, timeout=2)
 
-            try:
+            try:  # the loop itself is the process's UCX loop: it keeps running
                 asyncio.run_coroutine_threadsafe(shut(), self._loop).result(5)
             except TimeoutError:
                 logger.warning("remote listeners did not close within 5s; stopping anyway")
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop_thread.join(timeout=10)
         self._sock.close()
         os.close(self._wake_r)
         os.close(self._wake_w)

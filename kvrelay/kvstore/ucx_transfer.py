@@ -10,17 +10,12 @@ import hmac
 import logging
 import os
 
+from kvrelay.kvstore import ucx_runtime  # noqa: F401 - sets the UCX environment for ucxx
 from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
 from kvrelay.kvstore.transfer import NONCE, ServeFn, check_client, client_proof, pack, unpack
 from kvrelay.kvstore.ucx_local import BUFFERS
 
 logger = logging.getLogger(__name__)
-
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-# UCX over TCP (the listener; hosts without RDMA): 1 MiB segments let a page go by zero-copy
-# rendezvous instead of 16 KiB bounce fragments (~1.3x on loopback). Set before ucxx starts.
-os.environ.setdefault("UCX_TCP_TX_SEG_SIZE", "1m")
-os.environ.setdefault("UCX_TCP_RX_SEG_SIZE", "1m")
 
 
 def available() -> bool:

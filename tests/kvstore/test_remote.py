@@ -138,6 +138,26 @@ def test_page_put_on_a_is_fetched_by_b(valkey, node_a, start_node, transport):
         time.sleep(0.02)
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.parametrize("transport", ["ucx", "ucx-listener"])
+def test_an_idle_node_with_open_ucx_sessions_does_not_spin(valkey, node_a, start_node, transport):
+    """Waiting UCX receives (the accept loop, a peer's open session) must not busy-poll."""
+    keys = keys_for(2)
+    assert node_a.client.put(keys, [payload(SMALL, i) for i in range(2)]) == 2
+    wait_published(valkey.url, keys[-1])
+    b = start_b(start_node, valkey.url, transport)
+    with StoreClient(b.config.run_dir, SMALL) as client:
+        assert len(client.get(keys)) == 2  # pulled from A over UCX; the session stays open
+    before = cpu_seconds(node_a.proc.pid)
+    time.sleep(2.0)
+    # A busy-polling loop thread burns about a core (2 s here); idle housekeeping is far below.
+    assert cpu_seconds(node_a.proc.pid) - before < 0.5
+
+
 @pytest.mark.parametrize("transport", ["tcp", "ucx", "ucx-listener"])
 def test_frozen_or_killed_peer_fails_cleanly_within_the_timeout(
     valkey, node_a, start_node, transport

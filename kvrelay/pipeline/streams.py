@@ -268,17 +268,20 @@ class Streams:
         return _s(reply)
 
     # reads of request state
-    def emitted_tokens(self, request_id: str) -> tuple[list[int], bool]:
-        """Token ids already in out:{id} (in order) and whether a final chunk was written."""
+    def emitted_tokens(self, request_id: str) -> tuple[list[int], int, bool]:
+        """What out:{id} already holds: the token ids (in order), the length of their text in
+        characters, and whether a final chunk was written."""
         tokens: list[int] = []
+        text_len = 0
         finished = False
         for _eid, fields in self.r.xrange(self.keys.out(request_id)):
             chunk = TokenChunk.decode(fields[MESSAGE_FIELD])
             if chunk.index != len(tokens):
                 raise ValueError(f"out:{request_id} has a gap at index {len(tokens)}")
             tokens.extend(chunk.token_ids)
+            text_len += len(chunk.text)
             finished = finished or chunk.finished
-        return tokens, finished
+        return tokens, text_len, finished
 
     def cancelled(self, request_ids: list[str]) -> set[str]:
         """The subset of request ids with a cancel:{id} flag set."""

@@ -106,8 +106,13 @@ class Engine:
         output_token_ids: Seq[int] = (),
         cache_salt: str = "",
         handoff_after: int | None = None,
+        emitted_text_len: int | None = None,
     ) -> None:
-        """Queue a request; raises InvalidRequestError for input no engine could serve."""
+        """Queue a request; raises InvalidRequestError for input no engine could serve.
+
+        `output_token_ids` resumes a request whose first outputs were produced elsewhere;
+        `emitted_text_len` is how many characters of their text the client has already been
+        sent (default: all that those tokens decode to, as after a hand-off)."""
         sampling = sampling if sampling is not None else SamplingParams()
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
@@ -150,7 +155,7 @@ class Engine:
             handoff_after=handoff_after,
             num_resumed_tokens=len(outputs),
         )
-        self.outputs.start(seq)
+        self.outputs.start(seq, emitted_text_len)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         logger.debug(

@@ -24,15 +24,23 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.max_model_len = max_model_len
 
-    def start(self, seq: Sequence) -> None:
-        """Create the detokenizer; replay resumed outputs as already-sent text."""
+    def start(self, seq: Sequence, emitted_text_len: int | None = None) -> None:
+        """Create the detokenizer; replay resumed outputs as already-sent text.
+
+        The replay adds one token at a time, as the worker that produced them did, so the
+        detokenizer ends in the same state: bytes of a character that the last resumed token
+        left unfinished are still held back and come out with the token that completes it.
+        `emitted_text_len` (characters the client already has) covers text another worker
+        held back before it died, e.g. a possible stop-string prefix."""
         p = seq.sampling
         seq.detokenizer = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, skip_special_tokens=p.skip_special_tokens
         )
         if seq.num_resumed_tokens:
-            seq.output_text = seq.detokenizer.add(seq.output_token_ids)
-            seq.emitted_text_len = len(seq.output_text)
+            text = [seq.detokenizer.add((t,)) for t in seq.output_token_ids]
+            seq.output_text = "".join(text)
+            sent = len(seq.output_text) if emitted_text_len is None else emitted_text_len
+            seq.emitted_text_len = max(0, min(sent, len(seq.output_text)))
 
     def banned_tokens(self, seq: Sequence) -> list[int]:
         """Stop tokens to mask while fewer than min_tokens outputs exist."""

@@ -215,6 +215,7 @@ class Worker:
                 output_token_ids=adm.emitted,
                 cache_salt=task.cache_salt,
                 handoff_after=self.handoff_after,
+                emitted_text_len=adm.emitted_text_len if task.detokenize else None,
             )
         except Exception as exc:  # InvalidRequestError and anything else input can provoke
             self.inflight.remove(rid, adm.entry_id)

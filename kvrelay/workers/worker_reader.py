@@ -27,6 +27,7 @@ class Admission:
     task: Task
     emitted: list[int]  # tokens already in out:{id}
     cancelled: bool = False
+    emitted_text_len: int | None = None  # characters in out:{id} (None: all of `emitted`'s)
 
 
 def read_loop(w: Worker) -> None:
@@ -79,9 +80,10 @@ def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
         reason = f"delivered {entry.deliveries} times (limit {w.config.max_deliveries})"
         return dead_letter(w, entry, reason, task.request_id)
     w.inflight.add(task.request_id, entry.entry_id)
+    text_len: int | None = None
     try:
         if claimed or entry.deliveries > 1:
-            emitted, finished = w.streams.emitted_tokens(task.request_id)
+            emitted, text_len, finished = w.streams.emitted_tokens(task.request_id)
         else:  # first delivery: out:{id} holds exactly what the task says (saves a round trip;
             # were it otherwise, the fenced emit refuses and the entry is claimed and re-read)
             emitted, finished = list(getattr(task, "output_token_ids", ())), False
@@ -106,7 +108,7 @@ def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
             entry.entry_id,
             len(emitted),
         )
-    w.admissions.put(Admission(entry.entry_id, task, emitted, cancelled))
+    w.admissions.put(Admission(entry.entry_id, task, emitted, cancelled, text_len))
 
 
 def dead_letter(w: Worker, entry: Entry, reason: str, request_id: str) -> None:

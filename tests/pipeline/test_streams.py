@@ -52,13 +52,13 @@ def test_emit_checks_index_and_final_acks_and_expires(r):
     a = make(r, "a")
     eid = add_task(r)
     a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
-    em = Emission(KEYS.prefill_stream, PREFILL_GROUP, eid, "r1", TokenChunk(0, [5, 6]))
+    em = Emission(KEYS.prefill_stream, PREFILL_GROUP, eid, "r1", TokenChunk(0, [5, 6], "ab"))
     res = a.emit(em)
     assert (res.status, res.emitted) == (OK, 2)
     em.chunk = TokenChunk(1, [7])  # duplicate of an index already emitted
     res = a.emit(em)
     assert (res.status, res.emitted) == (INDEX_MISMATCH, 2)
-    em.chunk = TokenChunk(2, [7], finish_reason="stop", usage={"completion_tokens": 3})
+    em.chunk = TokenChunk(2, [7], "ç", finish_reason="stop", usage={"completion_tokens": 3})
     em.req_fields = {"status": "finished", "finish_reason": "stop"}
     assert a.emit(em).emitted == 3
     assert [(c.index, c.token_ids) for c in out_chunks(r, "r1")] == [(0, [5, 6]), (2, [7])]
@@ -67,7 +67,7 @@ def test_emit_checks_index_and_final_acks_and_expires(r):
     assert 50 < r.ttl(KEYS.request("r1")) <= 100
     req = r.hgetall(KEYS.request("r1"))
     assert req[b"status"] == b"finished" and req[b"completion_tokens"] == b"3"
-    assert a.emitted_tokens("r1") == ([5, 6, 7], True)
+    assert a.emitted_tokens("r1") == ([5, 6, 7], 3, True)
 
 
 def test_stale_consumer_refused_after_claim(r):
@@ -78,7 +78,7 @@ def test_stale_consumer_refused_after_claim(r):
     time.sleep(0.06)
     cursor, claimed = b.claim(KEYS.prefill_stream, PREFILL_GROUP, 50, 10)
     assert [(e.entry_id, e.deliveries) for e in claimed] == [(eid, 2)]
-    assert b.emitted_tokens("r1") == ([9], False)
+    assert b.emitted_tokens("r1") == ([9], 0, False)
     # the stale owner can no longer emit, hand off, renew or dead-letter
     stale = a.emit(Emission(KEYS.prefill_stream, PREFILL_GROUP, eid, "r1", TokenChunk(1, [4])))
     assert stale.status == NOT_OWNER

@@ -105,6 +105,41 @@ def test_handoff_then_resume_elsewhere(engine, loaded_model, prompt):
     assert rest[0].index == 1
 
 
+def test_resume_inside_a_multibyte_character_loses_and_repeats_no_text(engine, loaded_model):
+    """Japanese output: most tokens carry part of a character's UTF-8 bytes. Handing off after
+    any token (the next worker replays the outputs) gives exactly the uninterrupted text."""
+    chat = [{"role": "user", "content": "Translate 'good morning' into Japanese and Chinese."}]
+    jp = engine.tokenizer.apply_chat_template(chat)
+    sp = greedy(max_tokens=12)
+    full = stream(engine, "jp", jp, sp)
+    tokens = [t for o in full for t in o.new_token_ids]
+    text = "".join(o.text_delta for o in full)
+    assert text == "わら・わら・"  # 12 tokens: every character spans two or three of them
+    assert any(o.text_delta == "" for o in full)  # tokens that end inside a character
+    other = Engine(EngineConfig(num_blocks=16), loaded=loaded_model)
+    for k in range(1, len(tokens)):
+        head = stream(engine, f"jp{k}", jp, sp, handoff_after=k)
+        assert [t for o in head for t in o.new_token_ids] == tokens[:k]
+        rest = stream(other, f"jp{k}", jp, sp, output_token_ids=tokens[:k])
+        assert [t for o in rest for t in o.new_token_ids] == tokens[k:]
+        sent = "".join(o.text_delta for o in head)
+        assert sent + "".join(o.text_delta for o in rest) == text, k
+
+
+def test_resume_sends_the_text_a_dead_worker_held_back(engine, loaded_model, prompt):
+    """A worker that died held back a possible stop-string prefix: the client has fewer
+    characters than the resumed tokens decode to, and the next worker sends the rest."""
+    sp = greedy(stop=["Paris!"])
+    first = stream(engine, "s", prompt, sp, handoff_after=5)  # stands in for the dead worker
+    tokens = [t for o in first for t in o.new_token_ids]
+    assert tokens == ANSWER[:5]
+    assert "".join(o.text_delta for o in first) == "The capital of France is"
+    other = Engine(EngineConfig(num_blocks=16), loaded=loaded_model)
+    sent = "The capital of Fr"  # what reached out:{id} before the crash (the rest held back)
+    rest = stream(other, "s", prompt, sp, output_token_ids=tokens, emitted_text_len=len(sent))
+    assert sent + "".join(o.text_delta for o in rest) == TEXT
+
+
 def test_abort_frees_blocks(engine, prompt):
     engine.add_request("x", prompt, greedy())
     engine.step()

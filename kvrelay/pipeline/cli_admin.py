@@ -78,6 +78,9 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+TIERS = {"host", "disk", "remote"}
+
+
 def _store_line(store: dict[str, Any]) -> str:
     """Tier usage and hit rates of the local store node in one line."""
     if "error" in store:
@@ -88,9 +91,10 @@ def _store_line(store: dict[str, Any]) -> str:
              f"{pages.get('disk_capacity', '?')} pages"]  # fmt: skip
     counters = store.get("counters", {})
     hits, misses = counters.get("hits", {}), counters.get("misses", {})
-    for tier in sorted(set(hits) | set(misses)):
+    for tier in ["host", "disk", "remote"] + sorted((set(hits) | set(misses)) - TIERS):
         h, m = hits.get(tier, 0), misses.get(tier, 0)
-        parts.append(f"{tier} hit rate {h / (h + m):.0%} ({int(h)}/{int(h + m)})")
+        rate = f"{h / (h + m):.0%}" if h + m else "-"  # "-": no lookups reached the tier yet
+        parts.append(f"{tier} hit rate {rate} ({int(h)}/{int(h + m)})")
     return ", ".join(parts)
 
 

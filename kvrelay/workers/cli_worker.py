@@ -47,9 +47,7 @@ def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:
         node = str(client.connect().get("node_id", ""))
     except StoreError as exc:  # the node may still be starting; the connector retries per call
         logger.warning("store node in %s not reachable yet (%s)", run_dir, exc)
-    # the engine is built before its page spec is known, so the connector is attached after
-    engine.kv.connector = CountingConnector(StoreConnector(client), metrics)
-    engine.kv.save_to_store = engine.config.save_to_store
+    engine.set_kv_connector(CountingConnector(StoreConnector(client), metrics))
     return node
 
 

@@ -96,6 +96,12 @@ class Engine:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    def set_kv_connector(self, connector: KVConnector | None) -> None:
+        """Attach (or detach) the store after construction, e.g. once the page spec, which
+        needs the built KV pool, is known. Call before the first request."""
+        self.kv.connector = connector
+        self.kv.save_to_store = self.config.save_to_store and connector is not None
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(
         self,

@@ -114,3 +114,18 @@ def test_drain_and_undo(r, valkey_session, capsys):
     assert r.hget(KEYS.worker("decode-0"), "drain") == b"0"
     code, _, err = cli(capsys, valkey_session, "drain", "ghost")
     assert code == 1 and "no live worker 'ghost'" in err
+
+
+def test_store_line_shows_every_tier_even_before_lookups():
+    from kvrelay.pipeline.cli_admin import _store_line
+
+    stats = {
+        "node_id": "n0",
+        "pages": {"host": 3, "host_slots": 8, "disk": 1, "disk_capacity": 100},
+        "counters": {"hits": {"host": 3.0}, "misses": {"host": 1.0, "disk": 1.0}},
+    }
+    assert _store_line(stats) == (
+        "store n0: host 3/8 pages, disk 1/100 pages, host hit rate 75% (3/4), "
+        "disk hit rate 0% (0/1), remote hit rate - (0/0)"
+    )
+    assert _store_line({"error": "no node"}) == "store: unavailable (no node)"

@@ -90,7 +90,9 @@ def run_store(args: argparse.Namespace) -> int:
 def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["stats", "ls", "get", "evict"], help="what to do")
     p.add_argument("key", nargs="?", help="page key (hex) for `get`")
-    p.add_argument("--run-dir", default=None, help="the store node's run dir")
+    p.add_argument(
+        "--run-dir", default=None, help="the store node's run dir, or a `kvrelay up` run dir"
+    )
     p.add_argument("--limit", type=int, default=100, help="keys per tier for `ls`")
     p.add_argument(
         "--tier",
@@ -101,12 +103,52 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=5.0)
 
 
+def store_run_dir(run_dir: str | None) -> str:
+    """The store node's run dir: a stack's (`<run_dir>/stack.json`), else `run_dir` itself."""
+    from pathlib import Path
+
+    from kvrelay.kvstore.client import default_run_dir
+    from kvrelay.pipeline.launch import STATE_NAME
+
+    if run_dir is None:
+        return default_run_dir()
+    state_file = Path(run_dir) / STATE_NAME
+    if not state_file.is_file():
+        return run_dir
+    try:
+        store_dir = json.loads(state_file.read_text()).get("store_run_dir")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"cannot read {state_file}: {exc}") from None
+    return store_dir or run_dir
+
+
+def _page_key(args: argparse.Namespace) -> bytes | None:
+    """The page key of `get` (required there, refused elsewhere); ValueError says why."""
+    if args.action != "get":
+        if args.key:  # stats/ls/evict work on whole tiers; never ignore a key silently
+            hint = " (it works on a whole tier: --tier host|all)" if args.action == "evict" else ""
+            raise ValueError(f"takes no page key, got {args.key!r}{hint}")
+        return None
+    if not args.key:
+        raise ValueError("give a page key (hex), as `kvrelay kv ls` prints it")
+    try:
+        return bytes.fromhex(args.key)
+    except ValueError:
+        raise ValueError(f"not a hex page key: {args.key!r}") from None
+
+
 def run_kv(args: argparse.Namespace) -> int:
-    from kvrelay.kvstore.client import StoreClient, default_run_dir
+    from kvrelay.kvstore.client import StoreClient
     from kvrelay.kvstore.errors import StoreError
     from kvrelay.kvstore.page import unpack_header, verify_page
 
-    client = StoreClient(args.run_dir or default_run_dir(), timeout_s=args.timeout_s)
+    try:
+        key = _page_key(args)
+        run_dir = store_run_dir(args.run_dir)
+    except ValueError as exc:  # bad usage: one line, exit 2 (an unreachable node is 1)
+        print(f"kvrelay kv {args.action}: {exc}", file=sys.stderr)
+        return 2
+    client = StoreClient(run_dir, timeout_s=args.timeout_s)
     try:
         if args.action == "stats":
             out = client.stats()
@@ -115,12 +157,6 @@ def run_kv(args: argparse.Namespace) -> int:
         elif args.action == "evict":
             out = {"evicted": client.evict(args.tier)}
         else:
-            if not args.key:
-                raise StoreError("kv get needs a page key (hex)")
-            try:
-                key = bytes.fromhex(args.key)
-            except ValueError:
-                raise StoreError(f"not a hex page key: {args.key!r}") from None
             reply = client.call("get", keys=[key], remote=False)
             out = {"key": args.key, "found": bool(reply["slots"])}
             if reply["slots"]:

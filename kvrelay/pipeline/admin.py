@@ -14,6 +14,14 @@ from kvrelay.pipeline.messages import DecodeTask, MessageError, PrefillTask, Tok
 logger = logging.getLogger(__name__)
 
 OPEN_STATUSES = {"queued", "prefilling", "decoding"}
+# worker:{name} fields that hold numbers (Redis keeps strings); "" (e.g. metrics off) -> None
+INT_FIELDS = {"pid", "load", "running", "waiting", "draining", "drain", "max_num_seqs",
+              "metrics_port"}  # fmt: skip
+FLOAT_FIELDS = {"updated", "tokens_per_s"}
+
+
+class NotReplayable(ValueError):
+    """A DLQ entry that cannot go back on a stream (no payload, unknown stream)."""
 
 
 def _s(v: Any) -> Any:
@@ -32,10 +40,23 @@ def workers(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
         info: dict[str, Any] = _hash(r, key)
         if not info:
             continue
+        for name, value in info.items():
+            if name in INT_FIELDS or name in FLOAT_FIELDS:
+                info[name] = _number(value, int if name in INT_FIELDS else float)
         info["age_s"] = round(now - float(info.get("updated", now)), 2)
         info["ttl_s"] = r.ttl(key)
         out.append(info)
     return out
+
+
+def _number(value: str, kind: type) -> Any:
+    """The field as int/float; None when empty; the string itself when it is not a number."""
+    if value == "":
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        return value
 
 
 def stream_info(r: redis.Redis, stream: str, group: str) -> dict[str, Any]:
@@ -166,7 +187,9 @@ def dlq_replay(r: redis.Redis, keys: Keys, dlq_id: str) -> str | None:
     fields = rows[0][1]
     stream = _s(fields.get(b"stream", b"")) or keys.prefill_stream
     if stream not in (keys.prefill_stream, keys.decode_stream):
-        raise ValueError(f"DLQ entry {dlq_id} names an unknown stream {stream!r}")
+        raise NotReplayable(f"DLQ entry {dlq_id} names an unknown stream {stream!r}")
+    if not fields.get(MESSAGE_FIELD):  # the entry arrived without `m`: nothing to run again
+        raise NotReplayable(f"DLQ entry {dlq_id} has no payload to replay (purge it instead)")
     request_id = _s(fields.get(b"request_id", b""))
     pipe = r.pipeline(transaction=True)
     if request_id:  # the error chunk ended the old output; a replay starts a fresh one
@@ -175,7 +198,7 @@ def dlq_replay(r: redis.Redis, keys: Keys, dlq_id: str) -> str | None:
             keys.request(request_id),
             mapping={"status": "queued", "emitted": 0, "error": "", "finish_reason": ""},
         )
-    pipe.xadd(stream, {MESSAGE_FIELD: fields.get(MESSAGE_FIELD, b"")})
+    pipe.xadd(stream, {MESSAGE_FIELD: fields[MESSAGE_FIELD]})
     pipe.xdel(keys.dlq, dlq_id)
     return _s(pipe.execute()[-2])
 
@@ -194,3 +217,20 @@ def drain(r: redis.Redis, keys: Keys, worker: str, undo: bool = False) -> bool:
         return False
     r.hset(key, "drain", 0 if undo else 1)
     return True
+
+
+def wait_draining(
+    r: redis.Redis, keys: Keys, worker: str, draining: bool, timeout_s: float
+) -> bool | None:
+    """Wait until the worker's heartbeat publishes `draining`; False on timeout, None if gone."""
+    key, want = keys.worker(worker), b"1" if draining else b"0"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = r.hget(key, "draining")
+        if value == want:
+            return True
+        if value is None and not r.exists(key):
+            return None
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)

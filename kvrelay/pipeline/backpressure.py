@@ -2,7 +2,9 @@
 
 The bound is on entries no worker has read yet (stream lag of the prefill and decode groups),
 plus requests this ingress queued since the last snapshot, so a burst between two snapshots
-cannot overshoot; and on requests this ingress is currently serving.
+cannot overshoot; and on requests this ingress is currently serving. A request takes its
+in-flight slot in the same step as the check (no await between), so a burst cannot all pass
+the check before any of them is counted; the slot is given back exactly once on every exit.
 """
 
 from __future__ import annotations
@@ -41,17 +43,43 @@ class Backpressure:
         self._snapshot_age = age
         return sum(s.waiting for s in load.values()) + self._queued_since
 
-    async def check(self) -> None:
-        """Raise a 429 RequestError when a bound is exceeded."""
+    def slot(self) -> Slot:
+        """Count one open request without checking the bound (a reattaching client)."""
+        self.inflight += 1
+        return Slot(self)
+
+    async def admit(self) -> Slot:
+        """Take an in-flight slot for a new request, or raise a 429 RequestError."""
         if self.inflight >= self.max_inflight:
             raise overloaded(f"{self.inflight} requests in flight", self.retry_after_s)
-        waiting = await self.waiting()
+        slot = self.slot()  # taken before the first await: the check and the count are one step
+        try:
+            waiting = await self.waiting()
+        except BaseException:
+            slot.release()
+            raise
         if waiting >= self.max_waiting:
+            slot.release()
             logger.warning(
                 "refusing a request: %d queued entries (bound %d)", waiting, self.max_waiting
             )
             raise overloaded(f"{waiting} requests waiting for a worker", self.retry_after_s)
+        return slot
 
     def queued(self) -> None:
         """Count a request this ingress just queued."""
         self._queued_since += 1
+
+
+class Slot:
+    """One request's in-flight place; release() is idempotent."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: Backpressure):
+        self._owner: Backpressure | None = owner
+
+    def release(self) -> None:
+        if self._owner is not None:
+            self._owner.inflight -= 1
+            self._owner = None

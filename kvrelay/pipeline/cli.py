@@ -10,7 +10,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import re
 import sys
+
+
+class CommandError(Exception):
+    """A failure reported as one line `kvrelay <cmd>: message` on stderr with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+EXIT_USAGE, EXIT_UNAVAILABLE = 2, 1
 
 # (command, module, help). A module may define `add_subcommands(subparsers)` instead of
 # `add_arguments` when the command has its own sub-commands (for example `worker prefill`).
@@ -60,10 +73,50 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
+        sys.stdout.flush()  # surface a broken pipe here, not as a traceback at exit
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`kvrelay status | head`): stop quietly, like other CLIs do;
+        # stdout goes to /dev/null so the interpreter's final flush cannot complain again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
+    except CommandError as exc:
+        _fail(args, str(exc))
+        return exc.exit_code
+    except Exception as exc:
+        message = _redis_unavailable(args, exc)
+        if message is None:
+            raise
+        _fail(args, message)
+        return EXIT_UNAVAILABLE
+
+
+def _fail(args: argparse.Namespace, message: str) -> None:
+    print(f"kvrelay {args.command}: {' '.join(message.split())}", file=sys.stderr)
+
+
+def _redis_unavailable(args: argparse.Namespace, exc: Exception) -> str | None:
+    """A one-line message when `exc` says Redis is down or not answering, else None."""
+    redis = sys.modules.get("redis")  # never imported: the error cannot come from redis
+    if redis is None or not isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        return None
+    url = getattr(args, "redis_url", None)
+    where = f"Redis at {_redact(url)}" if url else "Redis"
+    if isinstance(exc, redis.TimeoutError):
+        return f"{where} did not answer in time ({exc}); is it overloaded or stopped?"
+    return f"{where} is not reachable ({exc}); is the stack running?"
+
+
+def _redact(url: str) -> str:
+    """The URL without its password."""
+    return re.sub(r"//([^:/@]*):[^@/]*@", r"//\1:***@", url)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main: commands raise *its* CommandError, not __main__'s
+    from kvrelay.pipeline.cli import main as _main
+
+    sys.exit(_main())

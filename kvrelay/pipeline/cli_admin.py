@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any
+
+from kvrelay.pipeline.cli import CommandError
+
+ENTRY_ID = re.compile(r"\d+-\d+")  # a full stream entry id, as `kvrelay dlq ls` prints it
 
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
@@ -14,6 +19,25 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="Redis URL (env KVRELAY_REDIS_URL)")
     p.add_argument("--key-prefix", default=None, help="Redis key prefix (default kvrelay:)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--timeout-s", type=float, default=2.0, help="wait this long for Redis (default 2)"
+    )
+
+
+def stack_state(run_dir: str | None) -> dict[str, Any]:
+    """`<run_dir>/stack.json` of `kvrelay up`; ./kvrelay-run when it holds one; else {}."""
+    from kvrelay.pipeline.launch import STATE_NAME, read_state
+
+    if run_dir is None:
+        if not os.path.isfile(os.path.join("kvrelay-run", STATE_NAME)):
+            return {}
+        run_dir = "kvrelay-run"
+    try:
+        return read_state(run_dir)
+    except FileNotFoundError as exc:  # read_state's message names the run dir and the file
+        raise CommandError(str(exc), 2) from None
+    except (OSError, ValueError) as exc:  # unreadable or not JSON
+        raise CommandError(f"cannot read {run_dir}/{STATE_NAME}: {exc}", 2) from None
 
 
 def _connect(args: argparse.Namespace):
@@ -23,11 +47,8 @@ def _connect(args: argparse.Namespace):
     from kvrelay.pipeline.keys import Keys
 
     state: dict[str, Any] = {}
-    run_dir = args.run_dir or (os.path.isdir("kvrelay-run") and "kvrelay-run") or None
-    if run_dir and not args.redis_url:
-        from kvrelay.pipeline.launch import read_state
-
-        state = read_state(run_dir)
+    if args.run_dir or not args.redis_url:
+        state = stack_state(args.run_dir)
     url = (
         args.redis_url
         or state.get("redis_url")
@@ -39,7 +60,10 @@ def _connect(args: argparse.Namespace):
         or os.environ.get("KVRELAY_KEY_PREFIX", "kvrelay:")
     )
     store_dir = state.get("store_run_dir") or os.environ.get("KVRELAY_STORE_RUN_DIR")
-    return redis.Redis.from_url(url, socket_timeout=5), Keys(prefix), store_dir
+    args.redis_url = url  # named by the one-line error of `kvrelay.pipeline.cli.main`
+    timeout = max(0.1, args.timeout_s)
+    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    return client, Keys(prefix), store_dir
 
 
 def _print(args: argparse.Namespace, data: Any) -> None:
@@ -48,6 +72,9 @@ def _print(args: argparse.Namespace, data: Any) -> None:
 
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
     _connection_args(p)
+
+
+NUMBER_COLUMNS = ("pid", "load", "tokens_per_s")  # None (field empty or missing) prints blank
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -60,10 +87,11 @@ def run_status(args: argparse.Namespace) -> int:
         return 0
     print(f"{'WORKER':<24}{'ROLE':<9}{'PID':>8}{'LOAD':>6}{'TOK/S':>8}{'AGE':>7}  STATE")
     for w in data["workers"]:
-        state = "draining" if w.get("draining") == "1" else "ok"
+        state = "draining" if w.get("draining") else "ok"
+        pid, load, rate = ("" if w.get(k) is None else str(w[k]) for k in NUMBER_COLUMNS)
         print(
-            f"{w.get('name', '?'):<24}{w.get('role', '?'):<9}{w.get('pid', ''):>8}"
-            f"{w.get('load', ''):>6}{w.get('tokens_per_s', ''):>8}{w['age_s']:>6.1f}s  {state}"
+            f"{w.get('name', '?'):<24}{w.get('role', '?'):<9}{pid:>8}"
+            f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {state}"
         )
     print(f"\n{'STREAM':<34}{'LENGTH':>8}{'PENDING':>9}{'LAG':>6}{'CONSUMERS':>11}")
     for s in data["streams"]:
@@ -148,35 +176,54 @@ def run_dlq(args: argparse.Namespace) -> int:
             return 2
         print(f"purged {admin.dlq_purge(r, keys)} entries")
         return 0
-    ids = (
-        [row["dlq_id"] for row in admin.dlq_entries(r, keys, 100000)] if args.all else [args.dlq_id]
-    )
-    if not ids or ids == [None]:
-        print(f"kvrelay dlq {args.action}: give an entry id", file=sys.stderr)
-        return 2
+    if args.all and args.action == "replay":
+        ids = [row["dlq_id"] for row in admin.dlq_entries(r, keys, 100000)]
+    elif args.dlq_id is None:
+        raise CommandError(f"give an entry id{' (or --all)' if args.action == 'replay' else ''}")
+    elif not ENTRY_ID.fullmatch(args.dlq_id):
+        raise CommandError(f"not a DLQ entry id: {args.dlq_id!r} (like 1712345678901-0)")
+    else:
+        ids = [args.dlq_id]
     if args.action == "show":
         entry = admin.dlq_entry(r, keys, ids[0])
         if entry is None:
-            print(f"kvrelay dlq: no entry {ids[0]}", file=sys.stderr)
-            return 1
+            raise CommandError(f"no entry {ids[0]}", 1)
         _print(args, entry)
         return 0
+    return _replay(r, keys, ids, args.all)
+
+
+def _replay(r, keys, ids: list[str], replay_all: bool) -> int:
+    from kvrelay.pipeline import admin
+
+    skipped = []
     for dlq_id in ids:
         try:
             new_id = admin.dlq_replay(r, keys, dlq_id)
-        except ValueError as exc:
-            print(f"kvrelay dlq replay: {exc}", file=sys.stderr)
-            return 1
+        except admin.NotReplayable as exc:
+            if not replay_all:
+                raise CommandError(str(exc), 1) from None
+            skipped.append(dlq_id)
+            continue
         if new_id is None:
-            print(f"kvrelay dlq: no entry {dlq_id}", file=sys.stderr)
-            return 1
+            raise CommandError(f"no entry {dlq_id}", 1)
         print(f"replayed {dlq_id} as {new_id}")
+    if skipped:  # they stay in the DLQ for `dlq show` / `dlq purge`
+        what = "entry" if len(skipped) == 1 else "entries"
+        print(f"kvrelay dlq replay: skipped {len(skipped)} {what} without a payload: "
+              f"{' '.join(skipped)}", file=sys.stderr)  # fmt: skip
     return 0
 
 
 def add_drain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("worker", help="worker name as `kvrelay status` shows it")
     p.add_argument("--undo", action="store_true", help="let the worker take work again")
+    p.add_argument(
+        "--wait-s",
+        type=float,
+        default=3.0,
+        help="wait this long for the worker's heartbeat to acknowledge (default 3; 0 = no wait)",
+    )
     _connection_args(p)
 
 
@@ -185,9 +232,19 @@ def run_drain(args: argparse.Namespace) -> int:
 
     r, keys, _ = _connect(args)
     if not admin.drain(r, keys, args.worker, undo=args.undo):
-        print(f"kvrelay drain: no live worker {args.worker!r}", file=sys.stderr)
-        return 1
-    print(f"{args.worker}: {'taking work again' if args.undo else 'draining'}")
+        raise CommandError(f"no live worker {args.worker!r}", 1)
+    state = "taking work again" if args.undo else "draining"
+    if args.wait_s > 0:
+        ack = admin.wait_draining(r, keys, args.worker, not args.undo, args.wait_s)
+        if ack is None:
+            raise CommandError(f"{args.worker} stopped (its heartbeat is gone) while waiting", 1)
+        if not ack:
+            raise CommandError(
+                f"{args.worker} did not acknowledge within {args.wait_s:g}s (the flag is set; "
+                "it applies at the worker's next heartbeat)",
+                1,
+            )
+    print(f"{args.worker}: {state}")
     return 0
 
 

@@ -18,20 +18,23 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
+from kvrelay.pipeline import ingress_info as info
 from kvrelay.pipeline import ingress_routes as routes
 from kvrelay.pipeline.backpressure import Backpressure
 from kvrelay.pipeline.cluster import ClusterState
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.ingress_config import IngressConfig, load_config
-from kvrelay.pipeline.ingress_http import check_api_key, error_response
+from kvrelay.pipeline.ingress_http import error_response
+from kvrelay.pipeline.ingress_middleware import RequestIdMiddleware
 from kvrelay.pipeline.keys import Keys
-from kvrelay.pipeline.metrics import CONTENT_TYPE, Metrics
+from kvrelay.pipeline.metrics import Metrics
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
-from kvrelay.pipeline.redis_options import RESILIENT
+from kvrelay.pipeline.redis_options import resilient
 from kvrelay.pipeline.route import Router
 from kvrelay.pipeline.submit import Producer
 
@@ -49,7 +52,11 @@ class Ingress:
     ):
         self.config = config
         self.keys = Keys(config.key_prefix)
-        self.redis = redis or aioredis.Redis.from_url(config.redis_url, **RESILIENT)
+        # Bounded reads: a hung Redis (stopped, not dead) gives 503s within seconds.
+        self.redis = redis or aioredis.Redis.from_url(
+            config.redis_url,
+            **resilient(config.redis_socket_timeout_s, config.redis_timeout_s),
+        )
         self.cluster = ClusterState(self.redis, self.keys, config.state_refresh_s)
         self.registry = ModelRegistry(config.models, self.cluster, tokenizers)
         self.router = Router(
@@ -95,28 +102,37 @@ class Ingress:
         except RedisError as exc:
             logger.error("request %s: cannot set the cancel flag: %s", request_id, exc)
 
-    async def client_gone(self, request_id: str, attach_seq: int = 0) -> None:
+    async def client_gone(
+        self, request_id: str, attach_seq: int = 0, on_cancel: Callable[[], None] | None = None
+    ) -> None:
         """The client disconnected: cancel now, or after the grace period unless it returns.
 
         `attach_seq` is the reader's attach number; any later attach means someone came back,
-        even one that arrived before this disconnect was noticed.
+        even one that arrived before this disconnect was noticed. `on_cancel` runs once the
+        cancel flag is set.
         """
         grace = self.config.disconnect_grace_s
         try:
             if grace <= 0:
                 await self.cancel(request_id)
+                if on_cancel:
+                    on_cancel()
             else:
-                self._spawn(self._cancel_later(request_id, attach_seq, grace))
+                self._spawn(self._cancel_later(request_id, attach_seq, grace, on_cancel))
         except RedisError as exc:
             logger.error("request %s: cannot cancel after a disconnect: %s", request_id, exc)
 
-    async def _cancel_later(self, request_id: str, attach_seq: int, grace: float) -> None:
+    async def _cancel_later(
+        self, request_id: str, attach_seq: int, grace: float, on_cancel: Callable[[], None] | None
+    ) -> None:
         await asyncio.sleep(grace)
         try:
             current = await self.redis.hget(self.keys.request(request_id), "attach")
             if int(current or 0) == attach_seq:
                 logger.info("request %s: client did not come back; cancelling", request_id)
                 await self.cancel(request_id)
+                if on_cancel:
+                    on_cancel()
         except RedisError as exc:
             logger.error("request %s: cannot cancel after a disconnect: %s", request_id, exc)
 
@@ -164,45 +180,6 @@ class Ingress:
         await self.redis.aclose()
 
 
-async def list_models(request: Request) -> Response:
-    ing: Ingress = request.app.state.ingress
-    try:
-        check_api_key(request, ing.config.api_keys)
-        names = await ing.registry.served()
-    except RequestError as err:
-        return error_response(err)
-    except RedisError:
-        names = list(ing.config.models)
-    data = [
-        {"id": n, "object": "model", "created": ing.started, "owned_by": "kvrelay"} for n in names
-    ]
-    return JSONResponse({"object": "list", "data": data})
-
-
-async def health(request: Request) -> Response:
-    """200 when Redis answers and a decode-capable worker is alive, 503 otherwise."""
-    ing: Ingress = request.app.state.ingress
-    body: dict[str, Any] = {"status": "ok", "redis": True, "workers": {}}
-    try:
-        await ing.redis.ping()
-        for w in await ing.cluster.workers(fresh=True):
-            body["workers"][w.role] = body["workers"].get(w.role, 0) + 1
-        load = await ing.cluster.load()
-        body["waiting"] = {name: s.waiting for name, s in load.items()}
-    except RedisError as exc:
-        body.update(status="unavailable", redis=False, error=str(exc))
-        return JSONResponse(body, status_code=503)
-    if not body["workers"].get("decode"):
-        body.update(status="unavailable", error="no live decode worker")
-        return JSONResponse(body, status_code=503)
-    return JSONResponse(body)
-
-
-async def metrics(request: Request) -> Response:
-    ing: Ingress = request.app.state.ingress
-    return Response(ing.metrics.render(), media_type=CONTENT_TYPE)
-
-
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
@@ -238,13 +215,15 @@ def create_app(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
-            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models", info.list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", info.retrieve_model, methods=["GET"]),
             Route("/v1/requests/{request_id}", routes.request_state, methods=["GET"]),
             Route("/v1/requests/{request_id}", routes.cancel_request, methods=["DELETE"]),
             Route("/v1/requests/{request_id}/stream", routes.resume_stream, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
+            Route("/health", info.health, methods=["GET"]),
+            Route("/metrics", info.metrics, methods=["GET"]),
         ],
+        middleware=[Middleware(RequestIdMiddleware, metrics=ingress.metrics)],
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
     )

@@ -41,6 +41,9 @@ class IngressConfig:
     disconnect_grace_s: float = 0.0  # > 0: a client may reconnect this long before cancelling
     read_block_ms: int = 1000  # XREAD BLOCK slice; the deadline is checked between slices
     state_refresh_s: float = 0.25  # how stale worker/lag/model snapshots may be
+    # A Redis command answering later than this fails (503); blocking XREADs get read_block_ms
+    # on top, so a healthy but quiet output stream is never cut off.
+    redis_timeout_s: float = 2.0
 
     def validate(self) -> IngressConfig:
         """Raise ConfigError for values the ingress cannot run with; return self."""
@@ -58,9 +61,16 @@ class IngressConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+        if self.redis_timeout_s <= 0:
+            raise ConfigError("redis_timeout_s must be > 0")
         if self.route_threshold < 0 or self.request_timeout_s <= 0:
             raise ConfigError("route_threshold must be >= 0 and request_timeout_s > 0")
         return self
+
+    @property
+    def redis_socket_timeout_s(self) -> float:
+        """Read timeout of a pooled connection: longer than the longest XREAD BLOCK."""
+        return self.redis_timeout_s + self.read_block_ms / 1000
 
 
 def load_config(environ: dict[str, str] | None = None, **overrides) -> IngressConfig:

@@ -100,11 +100,20 @@ class WatchedResponse(Response):
         self,
         produce: Callable[[Send], Awaitable[None]],
         on_disconnect: Callable[[], Awaitable[None]],
+        on_close: Callable[[], None] | None = None,
     ):
         super().__init__()
-        self.produce, self.on_disconnect = produce, on_disconnect
+        self.produce, self.on_disconnect, self.on_close = produce, on_disconnect, on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._run(receive, send)
+        finally:
+            # here, not in produce(): a task cancelled before it started never runs its finally
+            if self.on_close is not None:
+                self.on_close()
+
+    async def _run(self, receive: Receive, send: Send) -> None:
         work = asyncio.ensure_future(self.produce(send))
         watch = asyncio.ensure_future(wait_disconnect(receive))
         try:

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from starlette.responses import Response
 from starlette.types import Send
 
+from kvrelay.pipeline.backpressure import Slot
 from kvrelay.pipeline.ingress_http import REQUEST_ID_HEADER, WatchedResponse, send_json, sse_start
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai_responses import DONE, ResponseFormatter
@@ -49,10 +50,17 @@ class OutputJob:
     # Set when the ingress itself ends the response (Redis lost): a client that then hangs up
     # did not abandon the request, so it is not cancelled; it can reattach by its id.
     server_ended: bool = False
+    slot: Slot | None = None  # this request's in-flight place, given back when the reply ends
 
     def response(self) -> Response:
         produce = self._stream if self.stream else self._whole
-        return WatchedResponse(produce, self._disconnected)
+        return WatchedResponse(produce, self._disconnected, self._closed)
+
+    def _closed(self) -> None:
+        if self.slot is not None:
+            self.slot.release()
+        if self.timer:
+            self.timer.close()
 
     @property
     def _headers(self) -> dict[str, str]:
@@ -83,7 +91,7 @@ class OutputJob:
                 if chunk.index >= self.start_index or chunk.token_ids:
                     event = fmt.chunk_event(chunk)
                     if event:
-                        yield event
+                        yield event if chunk.token_ids or chunk.text else _without_id(event)
                 if chunk.finished:
                     if chunk.finish_reason == "error":
                         yield fmt.error_event(
@@ -114,27 +122,12 @@ class OutputJob:
         yield DONE
 
     async def _stream(self, send: Send) -> None:
-        self.ingress.backpressure.inflight += 1
-        try:
-            await send(sse_start(self._headers))
-            async for event in self._events():
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            self.ingress.backpressure.inflight -= 1
-            if self.timer:
-                self.timer.close()
+        await send(sse_start(self._headers))
+        async for event in self._events():
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _whole(self, send: Send) -> None:
-        self.ingress.backpressure.inflight += 1
-        try:
-            await self._send_whole(send)
-        finally:
-            self.ingress.backpressure.inflight -= 1
-            if self.timer:
-                self.timer.close()
-
-    async def _send_whole(self, send: Send) -> None:
         result, timer = Completion(self.request_id), self.timer
         try:
             async for chunk in self._chunks():
@@ -175,8 +168,24 @@ class OutputJob:
 
     async def _disconnected(self) -> None:
         logger.info("request %s: client disconnected", self.request_id)
-        if self.timer:
-            self.timer.close()
+        timer = self.timer
+        if timer:
+            timer.close()
         if self.server_ended:
             return
-        await self.ingress.client_gone(self.request_id, self.attach_seq)
+
+        def cancelled() -> None:
+            if timer:  # counted once the cancel flag is set (after the grace period, if any)
+                timer.finish("cancelled", None, time.monotonic())
+
+        await self.ingress.client_gone(self.request_id, self.attach_seq, cancelled)
+
+
+def _without_id(event: bytes) -> bytes:
+    """A token-less event (a cancelled/timeout ending) carries no `id:`: no token to resume at.
+
+    A resuming client then sends the id of its last token and gets this ending again.
+    """
+    if event.startswith(b"id: "):
+        return event.split(b"\n", 1)[1]
+    return event

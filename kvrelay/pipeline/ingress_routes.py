@@ -1,14 +1,13 @@
 """Request endpoints: chat/text completions, request state, cancel and resumed streams.
 
-POST lifecycle: API key -> request id -> body (size limit, JSON) -> OpenAI fields -> admission
-(429) -> tokenize + limits -> route -> req:{id} + XADD (one script) -> output job. A POST whose
-X-Request-Id names an existing request, or GET /v1/requests/{id}/stream, reattaches to it from
-Last-Event-ID instead of submitting again.
+POST lifecycle: API key -> request id -> body (size limit, JSON) -> OpenAI fields -> same id
+already used? (reattach when it is the same request, else 409) -> admission (429; takes an
+in-flight slot) -> tokenize + limits -> route -> req:{id} + XADD (one script) -> output job,
+which gives the slot back when the reply ends. GET /v1/requests/{id}/stream reattaches too.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -17,18 +16,27 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvrelay.pipeline.errors import RequestError, bad_request
+from kvrelay.pipeline.backpressure import Slot
+from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.ingress_attach import (
+    check_same,
+    owned_record,
+    raw_record,
+    reattach,
+    request_digest,
+)
 from kvrelay.pipeline.ingress_http import (
     REQUEST_ID_HEADER,
     check_api_key,
     error_response,
     read_json,
 )
+from kvrelay.pipeline.ingress_middleware import omit_request_id
 from kvrelay.pipeline.ingress_output import OutputJob
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai_protocol import CHAT, COMPLETION, parse_chat, parse_completion
 from kvrelay.pipeline.openai_responses import ResponseFormatter
-from kvrelay.pipeline.submit import check_request_id, new_request_id
+from kvrelay.pipeline.submit import check_request_id, new_request_id, valid_request_id
 
 if TYPE_CHECKING:
     from kvrelay.pipeline.ingress import Ingress
@@ -37,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 def _unavailable(exc: Exception) -> RequestError:
-    logger.error("redis unavailable: %s", exc)
+    logger.error("redis unavailable: %s", exc or type(exc).__name__)
     return RequestError(
         "the request queue (Redis) is unavailable",
         503,
@@ -58,19 +66,26 @@ async def _generate(request: Request, api: str) -> Response:
     ing: Ingress = request.app.state.ingress
     arrival = time.monotonic()
     header_id = request.headers.get(REQUEST_ID_HEADER)
-    request_id = new_request_id("chatcmpl" if api == CHAT else "cmpl")
+    if header_id is not None and not valid_request_id(header_id):
+        omit_request_id(request.scope)  # no request was created: send no id back
+        return error_response(_bad_id(header_id, REQUEST_ID_HEADER))
+    request_id = header_id or new_request_id("chatcmpl" if api == CHAT else "cmpl")
     # the snapshots admission, the registry and routing read: fetch them while we parse
     ing.cluster.prefetch(workers=ing.config.mode == "auto")
+    slot: Slot | None = None
     try:
         key_id = check_api_key(request, ing.config.api_keys)
-        if header_id is not None:
-            request_id = check_request_id(header_id)
         body = await read_json(request, ing.config.max_body_bytes)
-        if header_id is not None and await ing.redis.exists(ing.keys.request(request_id)):
-            wants_stream = isinstance(body, dict) and body.get("stream") is True
-            return await _reattach(request, ing, request_id, wants_stream, key_id)
         parsed = parse_chat(body) if api == CHAT else parse_completion(body)
-        await ing.backpressure.check()
+        digest = request_digest(parsed)
+        if header_id is not None:
+            rec = await raw_record(ing, request_id)
+            if rec is not None:
+                check_same(rec, request_id, digest, key_id)
+                return await reattach(
+                    request, ing, request_id, rec, parsed.stream, parsed.include_usage
+                )
+        slot = await ing.backpressure.admit()
         sub, entry = await ing.producer.prepare(
             parsed.model,
             parsed.sampling,
@@ -87,16 +102,29 @@ async def _generate(request: Request, api: str) -> Response:
             "stream": parsed.stream,
             "include_usage": parsed.include_usage,
             "logprobs": parsed.logprobs,
+            "digest": digest,
         }
         record = {"ingress": options, "user": parsed.user or "", "key_id": key_id}
         route = await ing.producer.enqueue(sub, entry, record)
         if route is None:  # the same id raced in from another connection
-            return await _reattach(request, ing, request_id, parsed.stream, key_id)
+            slot.release()
+            rec = await owned_record(ing, request_id, key_id)
+            check_same(rec, request_id, digest, key_id)
+            return await reattach(
+                request, ing, request_id, rec, parsed.stream, parsed.include_usage
+            )
     except RequestError as err:
-        ing.metrics.requests_rejected.labels(str(err.status)).inc()
+        if slot is not None:
+            slot.release()
         return error_response(err, request_id)
     except RedisError as exc:
+        if slot is not None:
+            slot.release()
         return error_response(_unavailable(exc), request_id)
+    except BaseException:
+        if slot is not None:
+            slot.release()
+        raise
     ing.backpressure.queued()
     ing.cluster.refresh_behind()
     ing.metrics.request_route.labels(sub.model, route.stage).inc()
@@ -111,78 +139,38 @@ async def _generate(request: Request, api: str) -> Response:
         token_text=ing.token_text(entry),
     )
     timer = RequestTimer(ing.metrics, sub.model, arrival)
-    job = OutputJob(ing, request_id, fmt, parsed.stream, deadline=sub.deadline, timer=timer)
-    return job.response()
-
-
-def _last_event_id(request: Request) -> int | None:
-    raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
-    if raw is None or raw == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise bad_request("Last-Event-ID must be a token index", param="Last-Event-ID") from None
-    if value < 0:
-        raise bad_request("Last-Event-ID must be a token index", param="Last-Event-ID")
-    return value
-
-
-async def _record(ing: Ingress, request_id: str, key_id: str) -> dict[str, str]:
-    """The req:{id} record; another API key's request reads as missing."""
-    raw = await ing.redis.hgetall(ing.keys.request(request_id))
-    owner = raw.get(b"key_id", b"").decode() if raw else ""
-    if not raw or (owner and owner != key_id):
-        raise RequestError(
-            f"no request with id {request_id!r}", 404, param="request_id", code="request_not_found"
-        )
-    return {k.decode(): v.decode() for k, v in raw.items()}
-
-
-async def _reattach(
-    request: Request, ing: Ingress, request_id: str, stream: bool, key_id: str
-) -> Response:
-    """Continue delivering an existing request after the client's last event."""
-    last = _last_event_id(request)
-    rec = await _record(ing, request_id, key_id)
-    opts: dict[str, Any] = json.loads(rec.get("ingress") or "{}")
-    attach_seq = await ing.reattached(request_id)
-    model = rec.get("model", "")
-    entry = await ing.registry.get(model)
-    created = int(opts.get("created") or float(rec.get("created") or time.time()))
-    fmt = ResponseFormatter(
-        opts.get("api", COMPLETION),
-        request_id,
-        model,
-        created,
-        int(rec.get("prompt_tokens", 0)),
-        logprobs=bool(opts.get("logprobs")),
-        include_usage=bool(opts.get("include_usage")),
-        token_text=ing.token_text(entry),
-    )
-    deadline = float(rec["deadline"]) if rec.get("deadline") else None
-    start = 0 if last is None or not stream else last + 1
-    logger.info("request %s: client reattached from token %d", request_id, start)
     job = OutputJob(
-        ing,
-        request_id,
-        fmt,
-        stream,
-        deadline=deadline,
-        start_index=start,
-        send_role=last is None,
-        attach_seq=attach_seq,
+        ing, request_id, fmt, parsed.stream, deadline=sub.deadline, timer=timer, slot=slot
     )
     return job.response()
+
+
+def _bad_id(value: str, param: str) -> RequestError:
+    try:
+        check_request_id(value, param)
+    except RequestError as err:
+        return err
+    raise AssertionError("valid id")  # pragma: no cover
+
+
+def _path_id(request: Request) -> str:
+    """The {request_id} path parameter, 400 invalid_request_id (and no id sent) when invalid."""
+    request_id = request.path_params["request_id"]
+    if not valid_request_id(request_id):
+        omit_request_id(request.scope)
+        raise _bad_id(request_id, "request_id")
+    return request_id
 
 
 async def resume_stream(request: Request) -> Response:
     """GET /v1/requests/{id}/stream: SSE from Last-Event-ID (or from the start)."""
     ing: Ingress = request.app.state.ingress
-    request_id = request.path_params["request_id"]
+    request_id = None
     try:
+        request_id = _path_id(request)
         key_id = check_api_key(request, ing.config.api_keys)
-        return await _reattach(request, ing, request_id, True, key_id)
+        rec = await owned_record(ing, request_id, key_id)
+        return await reattach(request, ing, request_id, rec, True)
     except RequestError as err:
         return error_response(err, request_id)
     except RedisError as exc:
@@ -196,10 +184,11 @@ _FLOAT_FIELDS = ("created", "updated", "started", "deadline")
 async def request_state(request: Request) -> Response:
     """GET /v1/requests/{id}: the req:{id} record."""
     ing: Ingress = request.app.state.ingress
-    request_id = request.path_params["request_id"]
+    request_id = None
     try:
+        request_id = _path_id(request)
         key_id = check_api_key(request, ing.config.api_keys)
-        rec = await _record(ing, request_id, key_id)
+        rec = await owned_record(ing, request_id, key_id)
         cancel_requested = bool(await ing.redis.exists(ing.keys.cancel(request_id)))
     except RequestError as err:
         return error_response(err, request_id)
@@ -222,10 +211,11 @@ async def request_state(request: Request) -> Response:
 async def cancel_request(request: Request) -> Response:
     """DELETE /v1/requests/{id}: ask the workers to stop it (idempotent)."""
     ing: Ingress = request.app.state.ingress
-    request_id = request.path_params["request_id"]
+    request_id = None
     try:
+        request_id = _path_id(request)
         key_id = check_api_key(request, ing.config.api_keys)
-        rec = await _record(ing, request_id, key_id)
+        rec = await owned_record(ing, request_id, key_id)
         status = rec.get("status", "")
         done = status in ("finished", "cancelled", "failed")
         if not done:

@@ -36,7 +36,11 @@ class Message:
         return data
 
     def encode(self) -> bytes:
-        return msgpack.packb(self.to_dict(), use_bin_type=True)
+        """MessagePack bytes; MessageError for values msgpack cannot carry (huge ints, bad str)."""
+        try:
+            return msgpack.packb(self.to_dict(), use_bin_type=True)
+        except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as exc:
+            raise MessageError(f"{self.kind} cannot be encoded: {exc}") from exc
 
     @classmethod
     def decode(cls: type[M], payload: bytes) -> M:

@@ -171,7 +171,7 @@ class Metrics:
         )
         self.requests_rejected = Counter(
             PREFIX + "requests_rejected",
-            "Requests refused before queueing, by HTTP status.",
+            "Completion requests answered with an error status (4xx, 5xx), by status.",
             ["status"],
             registry=r,
         )
@@ -184,13 +184,14 @@ class Metrics:
 class RequestTimer:
     """Follows one request's tokens and records its latency metrics (waiting -> running -> done)."""
 
-    __slots__ = ("metrics", "model", "arrival", "last_token", "first_token", "done")
+    __slots__ = ("metrics", "model", "arrival", "last_token", "first_token", "done", "finished")
 
     def __init__(self, metrics: Metrics, model: str, arrival: float):
         self.metrics, self.model, self.arrival = metrics, model, arrival
         self.first_token: float | None = None
         self.last_token: float | None = None
-        self.done = False
+        self.done = False  # left the running/waiting gauges
+        self.finished = False  # counted in request_success (at most once)
         metrics.num_requests_waiting.labels(model).inc()
 
     def tokens(self, count: int, now: float) -> None:
@@ -212,9 +213,14 @@ class RequestTimer:
         m.generation_tokens.labels(self.model).inc(count)
 
     def finish(self, reason: str, usage: dict[str, int] | None, now: float) -> None:
-        """Record the end of the request (once); `reason` is the finish reason or 'error'."""
-        if self.done:
+        """Record the end of the request (once); `reason` is the finish reason or 'error'.
+
+        Also after close(): a client that disconnected is counted 'cancelled' once its request
+        is actually cancelled, which with a disconnect grace period happens later.
+        """
+        if self.finished:
             return
+        self.finished = True
         self.close()
         m, model = self.metrics, self.model
         m.e2e_request_latency.labels(model).observe(now - self.arrival)

@@ -7,6 +7,9 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+# Integer fields travel as MessagePack int64 (seed: signed 64-bit, like vLLM's torch.long bound)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 class InvalidSamplingParams(ValueError):
     """A sampling value is out of range; `param` names the offending field."""
@@ -43,6 +46,10 @@ class SamplingParams:
         def bad(msg: str, param: str) -> None:
             raise InvalidSamplingParams(msg, param)
 
+        for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+                bad(f"{name} must be between {INT64_MIN} and {INT64_MAX}", name)
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
@@ -72,10 +79,12 @@ class SamplingParams:
             bad("min_tokens must not exceed max_tokens", "min_tokens")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be at most 16 non-empty strings", "stop")
+        if any(not s.isascii() and not _utf8(s) for s in self.stop):
+            bad("stop strings must be valid Unicode (no lone UTF-16 surrogates)", "stop")
         for tok in self.stop_token_ids:
             if (
                 not isinstance(tok, int)
-                or tok < 0
+                or not 0 <= tok <= INT64_MAX
                 or (vocab_size is not None and tok >= vocab_size)
             ):
                 bad(f"stop_token_ids has an invalid token id {tok!r}", "stop_token_ids")
@@ -97,6 +106,14 @@ class SamplingParams:
         """Build from a dict, ignoring unknown keys (forward compatibility)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def derive_seed(request_id: str) -> int:

@@ -109,6 +109,7 @@ class Streams:
         self._handoff = client.register_script(_script_source("handoff"))
         self._dead_letter = client.register_script(_script_source("dead_letter"))
         self._renew = client.register_script(_script_source("renew"))
+        self._prune = client.register_script(_PRUNE_LUA)
 
     # groups and reads
     def ensure_group(self, stream: str, group: str) -> None:
@@ -307,14 +308,35 @@ class Streams:
         # MINID keeps entries >= floor; the last delivered one is kept, which is harmless
         return int(self.r.xtrim(stream, minid=floor, approximate=False))
 
-    def prune_consumers(self, stream: str, group: str, idle_ms: int = 600_000) -> int:
-        """Delete consumers that own nothing and were idle this long (restarted workers)."""
+    def live_consumers(self) -> set[str]:
+        """Consumer names the live workers publish in their worker:{name} hashes."""
+        pipe = self.r.pipeline(transaction=False)
+        for key in self.r.scan_iter(match=self.keys.worker_pattern, count=1000):
+            pipe.hget(key, "consumer")
+        return {_s(name) for name in pipe.execute() if name}
+
+    def prune_consumers(
+        self, stream: str, group: str, idle_ms: int = 600_000, dead_idle_ms: int = 30_000
+    ) -> int:
+        """Delete consumers that own nothing and were idle `dead_idle_ms` while no live worker
+        names them (a restart makes a new consumer), or `idle_ms` in any case."""
+        live = self.live_consumers()
         removed = 0
         for info in self.r.xinfo_consumers(stream, group):
             name = _s(info["name"])
-            if name != self.consumer and not info["pending"] and info["idle"] > idle_ms:
-                removed += int(self.r.xgroup_delconsumer(stream, group, name) == 0)
+            if name == self.consumer or info["pending"]:
+                continue  # entries of a dead consumer are claimed after the lease; prune later
+            if info["idle"] > (idle_ms if name in live else min(idle_ms, dead_idle_ms)):
+                removed += int(self._prune(keys=[stream], args=[group, name]) == 0)
         return removed
+
+
+# Delete a consumer only if it still owns nothing, checked atomically: DELCONSUMER drops the
+# consumer's pending entries from the group, so an entry read in between would be lost.
+_PRUNE_LUA = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return -1 end
+return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+"""
 
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams
 logger = logging.getLogger(__name__)
 
 _INLINE_TOKENIZE_CHARS = 16384
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 # KEYS: req:{id}, work stream. ARGV: ttl, payload, field/value pairs.
 # Returns the new entry id, or false when req:{id} already exists (a duplicate submission).
@@ -44,12 +44,17 @@ def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_request_id(request_id: str) -> str:
+def valid_request_id(request_id: str) -> bool:
+    """1-128 characters of [A-Za-z0-9._:-] (fullmatch: `$` would let a trailing newline in)."""
+    return _REQUEST_ID.fullmatch(request_id) is not None
+
+
+def check_request_id(request_id: str, param: str = "X-Request-Id") -> str:
     """A caller-chosen id must be 1-128 characters of [A-Za-z0-9._:-]."""
-    if not _REQUEST_ID.match(request_id):
+    if not valid_request_id(request_id):
         raise bad_request(
             "request id must be 1-128 characters of letters, digits and ._:-",
-            param="X-Request-Id",
+            param=param,
             code="invalid_request_id",
         )
     return request_id

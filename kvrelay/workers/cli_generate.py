@@ -148,18 +148,19 @@ def _run(args: argparse.Namespace) -> int:
     else:
         requests = [{"id": "generate-0", "prompt": args.prompt, "messages": None,
                      "sampling": defaults, "line": 0}]  # fmt: skip
-    from kvrelay.config import ConfigError, from_env
-    from kvrelay.pipeline.modelref import ModelNotFoundError
     from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams
-    from kvrelay.workers.engine import Engine, EngineConfig
-    from kvrelay.workers.errors import EngineError, InvalidRequestError
 
-    params = {}
+    params = {}  # checked before torch and the model load, so a bad flag fails at once
     for req in requests:
         try:
             params[req["id"]] = SamplingParams.from_dict(req["sampling"]).validate()
         except (InvalidSamplingParams, TypeError) as exc:
             raise CLIInputError(f"request {req['id']!r}: {exc}") from exc
+    from kvrelay.config import ConfigError, from_env
+    from kvrelay.pipeline.modelref import ModelNotFoundError
+    from kvrelay.workers.engine import Engine, EngineConfig
+    from kvrelay.workers.errors import EngineError, InvalidRequestError
+
     try:
         config = from_env(EngineConfig, "engine", model=args.model,
                           max_num_seqs=args.max_num_seqs,

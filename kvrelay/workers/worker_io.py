@@ -135,12 +135,12 @@ class Emitter:
             if item.done:
                 self.inflight.remove(item.request_id, item.entry_id)
             return
-        logger.warning(
-            "request %s: write refused (%s, emitted %d); dropping it",
-            item.request_id,
-            status,
-            emitted,
-        )
+        at = f"chunk at token {chunk.index}" if chunk else item.kind
+        if status == INDEX_MISMATCH:  # `emitted` is the count out:{id} holds: worth showing
+            why = f"index-mismatch: {at}, {emitted} tokens already emitted"
+        else:  # not-owner: the script stops at the fence, so it reports no token count
+            why = f"not-owner: entry {item.entry_id} was claimed by another worker; {at}"
+        logger.warning("request %s: write refused (%s); dropping it", item.request_id, why)
         self.inflight.remove(item.request_id, item.entry_id)
         self.lost.put(item.request_id)
 
@@ -190,7 +190,7 @@ class Heartbeat:
         self.draining = False
         self.lost: queue.Queue[str] = queue.Queue()
         self._stop = threading.Event()
-        self._last_trim = 0.0
+        self._last_trim = float("-inf")  # trim and prune on the first beat after a (re)start
         self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def beat(self) -> None:

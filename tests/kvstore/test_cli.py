@@ -126,8 +126,13 @@ def test_store_node_and_kv_commands(tmp_path: Path, capsys):
         code, page = kv(capsys, run_dir, "get", "00" * 16)
         assert page == {"key": "00" * 16, "found": False}
         code, err = kv(capsys, run_dir, "get", "xyz")
-        assert code == 1 and "not a hex page key: 'xyz'" in err
-        code, out = kv(capsys, run_dir, "evict")
+        assert (code, err) == (2, "kvrelay kv get: not a hex page key: 'xyz'\n")
+        stack = tmp_path / "stack"  # a `kvrelay up` run dir: stack.json names the store's dir
+        stack.mkdir()
+        (stack / "stack.json").write_text(json.dumps({"store_run_dir": run_dir}))
+        code, listing = kv(capsys, str(stack), "ls", "--timeout-s", "2")
+        assert listing == {"host": [keys[1].hex(), keys[2].hex()], "disk": [keys[0].hex()]}
+        code, out = kv(capsys, str(stack), "evict")
         assert out == {"evicted": 2}
 
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
@@ -164,3 +169,26 @@ def test_model_sets_page_bytes_and_fingerprint():
     assert cfg.fingerprint == read_model_info(converted_dir(ref), "float32").fingerprint
     with pytest.raises(SystemExit, match="--page-bytes 1024 contradicts --model"):
         build_config(p.parse_args(["--model", "smollm2-135m-instruct", "--page-bytes", "1024"]))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("get",), "kvrelay kv get: give a page key (hex), as `kvrelay kv ls` prints it"),
+        (("evict", "zzz"), "kvrelay kv evict: takes no page key, got 'zzz' (it works on a "
+                           "whole tier: --tier host|all)"),
+        (("stats", "ab"), "kvrelay kv stats: takes no page key, got 'ab'"),
+    ],
+)  # fmt: skip
+def test_kv_usage_errors_exit_2(tmp_path: Path, capsys, args, message):
+    assert kv(capsys, str(tmp_path), *args) == (2, message + "\n")
+
+
+def test_kv_names_an_unreadable_stack_state(tmp_path: Path, capsys):
+    (tmp_path / "stack.json").write_text("{oops")
+    code, err = kv(capsys, str(tmp_path), "stats")
+    assert (code, err) == (
+        2,
+        f"kvrelay kv stats: cannot read {tmp_path / 'stack.json'}: Expecting property name "
+        "enclosed in double quotes: line 1 column 2 (char 1)\n",
+    )

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -11,7 +15,9 @@ import redis
 from kvrelay.pipeline.cli import main
 from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.pipeline.messages import PrefillTask, TokenChunk
-from kvrelay.pipeline.streams import Streams
+from kvrelay.pipeline.streams import Emission, Streams
+from kvrelay.workers.worker_io import Emitter, Heartbeat, Inflight, Outgoing
+from tests.conftest import free_port
 
 KEYS = Keys("adm:")
 
@@ -40,8 +46,9 @@ def seed(r) -> Streams:
     s.read(KEYS.prefill_stream, PREFILL_GROUP, 2, None)
     r.hset(
         KEYS.worker("decode-0"),
-        mapping={"name": "decode-0", "role": "decode", "pid": 7, "updated": time.time(), "load": 2},
-    )
+        mapping={"name": "decode-0", "role": "decode", "pid": 7, "updated": time.time(), "load": 2,
+                 "draining": 1, "tokens_per_s": "3.5", "metrics_port": "", "model": "m"},
+    )  # fmt: skip
     r.expire(KEYS.worker("decode-0"), 30)
     r.hset(KEYS.request("q0"), mapping={"status": "decoding", "prompt_tokens": 2})
     r.hset(KEYS.request("q1"), mapping={"status": "finished"})
@@ -54,8 +61,15 @@ def test_status_json(r, valkey_session, capsys):
     code, out, _ = cli(capsys, valkey_session, "status", "--json")
     assert code == 0
     data = json.loads(out)
-    assert [w["name"] for w in data["workers"]] == ["decode-0"]
-    assert data["workers"][0]["load"] == "2" and 0 < data["workers"][0]["ttl_s"] <= 30
+    [worker] = data["workers"]
+    assert (worker["name"], worker["pid"], worker["load"], worker["draining"]) == (
+        "decode-0",
+        7,
+        2,
+        1,
+    )
+    assert (worker["tokens_per_s"], worker["metrics_port"], worker["model"]) == (3.5, None, "m")
+    assert isinstance(worker["updated"], float) and 0 < worker["ttl_s"] <= 30
     prefill, decode = data["streams"]
     assert (prefill["length"], prefill["pending"], prefill["lag"], prefill["consumers"]) == (
         3,
@@ -67,7 +81,14 @@ def test_status_json(r, valkey_session, capsys):
     assert data["dlq"] == 0 and data["requests_in_flight"] == 1
     assert data["requests"] == {"decoding": 1, "finished": 1}
     code, out, _ = cli(capsys, valkey_session, "status")
-    assert code == 0 and "decode-0" in out and "DLQ entries: 0" in out
+    assert code == 0 and "DLQ entries: 0" in out
+    row = out.splitlines()[1]
+    assert row.startswith(f"{'decode-0':<24}{'decode':<9}{7:>8}{2:>6}{'3.5':>8}")
+    assert row.endswith("s  draining")
+    r.hset(KEYS.worker("prefill-0"), mapping={"name": "prefill-0", "pid": "", "updated": 0})
+    code, out, _ = cli(capsys, valkey_session, "status")
+    assert code == 0 and out.splitlines()[2].startswith(f"{'prefill-0':<24}{'?':<9}{'':>22}")
+    assert out.splitlines()[2].endswith("s  ok")
 
 
 def test_requests_show_and_cancel(r, valkey_session, capsys):
@@ -106,14 +127,42 @@ def test_dlq_ls_show_replay_purge(r, valkey_session, capsys):
     assert out.strip() == "purged 1 entries" and r.xlen(KEYS.dlq) == 0
 
 
-def test_drain_and_undo(r, valkey_session, capsys):
+def test_drain_waits_for_the_heartbeat_to_acknowledge(r, valkey_session, capsys):
     seed(r)
-    assert cli(capsys, valkey_session, "drain", "decode-0")[0] == 0
-    assert r.hget(KEYS.worker("decode-0"), "drain") == b"1"
-    assert cli(capsys, valkey_session, "drain", "decode-0", "--undo")[0] == 0
+    streams = Streams(redis.Redis.from_url(valkey_session.url), KEYS, "decode-9.1")
+    hb = Heartbeat(streams, "decode-9", "decode", KEYS.decode_stream, DECODE_GROUP, Inflight(),
+                   0.3, 5, {}, None)  # fmt: skip
+    hb.beat()
+    hb.start()
+    try:
+        code, out, err = cli(capsys, valkey_session, "drain", "decode-9")
+        assert (code, out, err) == (0, "decode-9: draining\n", "")
+        assert hb.draining is True  # the reader stops taking entries from now on
+        assert r.hget(KEYS.worker("decode-9"), "draining") == b"1"
+        code, out, err = cli(capsys, valkey_session, "drain", "decode-9", "--undo")
+        assert (code, out, err) == (0, "decode-9: taking work again\n", "")
+        assert hb.draining is False
+    finally:
+        hb.stop()
+        streams.r.close()
+
+
+def test_drain_without_acknowledgement(r, valkey_session, capsys):
+    seed(r)  # decode-0's hash has no heartbeat behind it
+    started = time.monotonic()
+    code, out, err = cli(capsys, valkey_session, "drain", "decode-0", "--undo", "--wait-s", "0.3")
+    assert (code, out) == (1, "")
+    assert err == (
+        "kvrelay drain: decode-0 did not acknowledge within 0.3s (the flag is set; it applies "
+        "at the worker's next heartbeat)\n"
+    )
+    assert 0.3 <= time.monotonic() - started < 2
     assert r.hget(KEYS.worker("decode-0"), "drain") == b"0"
+    code, out, _ = cli(capsys, valkey_session, "drain", "decode-0", "--wait-s", "0")
+    assert (code, out) == (0, "decode-0: draining\n")
+    assert r.hget(KEYS.worker("decode-0"), "drain") == b"1"
     code, _, err = cli(capsys, valkey_session, "drain", "ghost")
-    assert code == 1 and "no live worker 'ghost'" in err
+    assert (code, err) == (1, "kvrelay drain: no live worker 'ghost'\n")
 
 
 def test_store_line_shows_every_tier_even_before_lookups():
@@ -129,3 +178,125 @@ def test_store_line_shows_every_tier_even_before_lookups():
         "disk hit rate 0% (0/1), remote hit rate - (0/0)"
     )
     assert _store_line({"error": "no node"}) == "store: unavailable (no node)"
+
+
+def test_dlq_refuses_bad_ids_and_entries_without_payload(r, valkey_session, capsys):
+    s = seed(r)
+    for action in ("show", "replay"):
+        code, out, err = cli(capsys, valkey_session, "dlq", action, "nope")
+        assert (code, out) == (2, "")
+        assert err == "kvrelay dlq: not a DLQ entry id: 'nope' (like 1712345678901-0)\n"
+    code, _, err = cli(capsys, valkey_session, "dlq", "replay")
+    assert (code, err) == (2, "kvrelay dlq: give an entry id (or --all)\n")
+    code, _, err = cli(capsys, valkey_session, "dlq", "show", "1-0")
+    assert (code, err) == (1, "kvrelay dlq: no entry 1-0\n")
+    [good] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 5, None)  # q2
+    r.xadd(KEYS.prefill_stream, {"x": b"no m field"})
+    [bad] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 5, None)
+    assert bad.payload is None
+    bad_id = s.dead_letter(KEYS.prefill_stream, PREFILL_GROUP, bad.entry_id, None, "no payload")
+    good_id = s.dead_letter(KEYS.prefill_stream, PREFILL_GROUP, good.entry_id, good.payload, "x")
+    code, out, err = cli(capsys, valkey_session, "dlq", "replay", bad_id)
+    assert (code, out) == (1, "")
+    assert err == f"kvrelay dlq: DLQ entry {bad_id} has no payload to replay (purge it instead)\n"
+    code, out, err = cli(capsys, valkey_session, "dlq", "replay", "--all")
+    assert code == 0 and out.startswith(f"replayed {good_id} as ") and out.count("\n") == 1
+    assert err == f"kvrelay dlq replay: skipped 1 entry without a payload: {bad_id}\n"
+    assert [eid.decode() for eid, _ in r.xrange(KEYS.dlq)] == [bad_id]
+
+
+def test_status_errors_are_one_line(r, valkey_session, capsys, tmp_path):
+    code, out, err = cli(capsys, valkey_session, "status", "--run-dir", str(tmp_path / "none"))
+    assert (code, out) == (2, "")
+    assert err == (
+        f"kvrelay status: no kvrelay stack in {tmp_path / 'none'} "
+        f"({tmp_path / 'none' / 'stack.json'} is missing)\n"
+    )
+    port = free_port()  # a stack after `kvrelay down`: stack.json names a Redis that is gone
+    url = f"redis://127.0.0.1:{port}/0"
+    (tmp_path / "stack.json").write_text(json.dumps({"redis_url": url, "key_prefix": "adm:"}))
+    code = main(["status", "--run-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert (code, out) == (1, "")
+    assert err == (
+        f"kvrelay status: Redis at {url} is not reachable (Error 111 connecting to "
+        f"127.0.0.1:{port}. Connection refused.); is the stack running?\n"
+    )
+    seed(r)
+    url = valkey_session.url
+    (tmp_path / "stack.json").write_text(json.dumps({"redis_url": url, "key_prefix": "adm:"}))
+    assert main(["status", "--run-dir", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["workers"][0]["name"] == "decode-0"
+
+
+def test_status_on_a_stopped_valkey_times_out_quickly(valkey, capsys):
+    valkey.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        code = main(["status", "--redis-url", valkey.url, "--timeout-s", "0.5"])
+        elapsed = time.monotonic() - started
+    finally:
+        valkey.proc.send_signal(signal.SIGCONT)
+    out, err = capsys.readouterr()
+    assert (code, out) == (1, "")
+    assert err == (
+        f"kvrelay status: Redis at {valkey.url} did not answer in time (Timeout reading from "
+        "socket); is it overloaded or stopped?\n"
+    )
+    assert 0.5 <= elapsed < 2
+
+
+def test_status_into_a_closed_pipe_is_quiet(r, valkey_session):
+    seed(r)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvrelay.pipeline.cli", "status", "--redis-url",
+         valkey_session.url, "--key-prefix", "adm:"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    proc.stdout.close()  # the reader is gone before the first line (like `| head -0`)
+    assert proc.wait(timeout=60) == 141
+    assert proc.stderr.read() == b""
+    proc.stderr.close()
+
+
+def test_consumers_of_dead_workers_are_pruned(r, valkey_session, capsys):
+    seed(r)  # consumer w1 (of no live worker) holds q0 and q1
+    stream = KEYS.prefill_stream
+    for name in ("old.1", "old.2", "live.3"):  # a worker restarted twice, then its current self
+        Streams(r, KEYS, name).read(stream, PREFILL_GROUP, 1, None)  # q2 goes to old.1
+    r.hset(KEYS.worker("prefill-0"), mapping={"name": "prefill-0", "consumer": "live.3"})
+    time.sleep(0.15)
+    pruner = Streams(r, KEYS, "me.4")
+    assert pruner.live_consumers() == {"live.3"}
+    # old.2 owns nothing and no live worker names it; old.1 and w1 still hold entries
+    assert pruner.prune_consumers(stream, PREFILL_GROUP, dead_idle_ms=100) == 1
+    names = [c["name"].decode() for c in r.xinfo_consumers(stream, PREFILL_GROUP)]
+    assert names == ["live.3", "old.1", "w1"]
+    # after the lease another worker claims their entries; then they go too
+    assert len(pruner.claim(stream, PREFILL_GROUP, 0, 10)[1]) == 3
+    time.sleep(0.15)
+    assert pruner.prune_consumers(stream, PREFILL_GROUP, dead_idle_ms=100) == 2
+    code, out, _ = cli(capsys, valkey_session, "status", "--json")
+    assert json.loads(out)["streams"][0]["consumers"] == 2  # live.3 and me.4
+    assert pruner.prune_consumers(stream, PREFILL_GROUP, idle_ms=100) == 1  # idle even if live
+    assert [c["name"] for c in r.xinfo_consumers(stream, PREFILL_GROUP)] == [b"me.4"]
+
+
+def test_fenced_out_write_logs_what_happened(r, caplog):
+    s = seed(r)
+    [entry] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
+    Streams(r, KEYS, "w2").claim(KEYS.prefill_stream, PREFILL_GROUP, 0, 10)  # w1 is fenced out
+    inflight = Inflight()
+    inflight.add("q2", entry.entry_id)
+    emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight)
+    emitter.thread.start()
+    chunk = TokenChunk(0, [5, 6], text="hi")
+    emission = Emission(KEYS.prefill_stream, PREFILL_GROUP, entry.entry_id, "q2", chunk)
+    with caplog.at_level(logging.WARNING, logger="kvrelay.workers.worker_io"):
+        emitter.put(Outgoing("emit", "q2", entry.entry_id, emission))
+        emitter.close()
+    assert emitter.lost.get_nowait() == "q2" and len(inflight) == 0
+    assert caplog.messages == [
+        f"request q2: write refused (not-owner: entry {entry.entry_id} was claimed by another "
+        "worker; chunk at token 0); dropping it"
+    ]

@@ -58,13 +58,14 @@ async def test_resume_with_last_event_id(harness):
         resp = await client.get("/v1/requests/r-1/stream")
         assert parse_sse(resp.content) == full  # no id: from the start, role event included
         # the same request id posted again reattaches instead of queueing a second request
+        same = {"model": MODEL, "messages": HI}
         resp = await client.post(
             "/v1/chat/completions",
-            json={"stream": True},
+            json={**same, "stream": True, "stream_options": {"include_usage": True}},
             headers={"X-Request-Id": "r-1", "Last-Event-ID": "1"},
         )
         assert parse_sse(resp.content) == full[3:]
-        resp = await client.post("/v1/chat/completions", json={}, headers={"X-Request-Id": "r-1"})
+        resp = await client.post("/v1/chat/completions", json=same, headers={"X-Request-Id": "r-1"})
         body = resp.json()
         assert body["choices"][0]["message"]["content"] == "Hello world!"
         assert body["created"] == json.loads(full[0][1])["created"]

@@ -102,6 +102,10 @@ async def test_openai_client_stream_and_whole(valkey_session, smollm_tokenizer):
         with pytest.raises(openai.AuthenticationError):
             await bad_key.models.list()
         assert [m.id for m in (await client.models.list()).data] == [MODEL]
+        assert (await client.models.retrieve(MODEL)).id == MODEL
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.models.retrieve("gpt-17")
+        assert missing.value.code == "model_not_found"
         await client.close()
         await bad_key.close()
 
@@ -144,6 +148,9 @@ async def test_disconnect_cancels_the_request(valkey_session, smollm_tokenizer):
                 timeout=0.5,
             )
         assert await _wait_cancel(app, "d-2")
+        text = app.state.ingress.metrics.render().decode()
+        label = f'finished_reason="cancelled",model_name="{MODEL}"'
+        assert f"kvrelay:request_success_total{{{label}}} 2.0" in text
         ing = app.state.ingress
         assert not await ing.redis.exists(ing.keys.cancel("d-3"))
 
@@ -167,7 +174,11 @@ async def test_disconnect_grace_lets_a_client_come_back(valkey_session, smollm_t
                 )
             taken = await role.take()
             back = asyncio.create_task(
-                http.post("/v1/completions", json={}, headers={"X-Request-Id": "g-1"})
+                http.post(  # the same request again: reattaches
+                    "/v1/completions",
+                    json={"model": MODEL, "prompt": "Hi"},
+                    headers={"X-Request-Id": "g-1"},
+                )
             )
             await asyncio.sleep(0.8)  # past the grace period
             assert not await ing.redis.exists(ing.keys.cancel("g-1"))

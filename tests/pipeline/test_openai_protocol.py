@@ -17,7 +17,8 @@ def test_chat_fields_map_to_sampling():
         {
             "model": "m",
             "messages": [
-                {"role": "system", "content": None},
+                {"role": "system", "content": "s"},
+                {"role": "assistant", "content": None},
                 {
                     "role": "user",
                     "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
@@ -50,7 +51,8 @@ def test_chat_fields_map_to_sampling():
         }
     )
     assert req.messages == [
-        {"role": "system", "content": ""},
+        {"role": "system", "content": "s"},
+        {"role": "assistant", "content": ""},
         {"role": "user", "content": "ab", "name": "ann"},
     ]
     assert req.sampling == SamplingParams(
@@ -76,6 +78,7 @@ def test_chat_fields_map_to_sampling():
         "u",
         "t",
     )
+    assert req.max_tokens_param == "max_completion_tokens"
 
 
 def test_completion_prompt_forms():
@@ -108,24 +111,126 @@ def test_completion_type_errors(body, param):
 
 
 @pytest.mark.parametrize(
-    ("messages", "param"),
+    ("messages", "code", "param"),
     [
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
-            "messages[0].content",
+            "unsupported_value",
+            "messages[0].content[0].type",
         ),
-        ([{"role": "user", "content": 5}], "messages[0].content"),
-        (["hello"], "messages[0]"),
+        ([{"role": "user", "content": 5}], "invalid_type", "messages[0].content"),
+        (["hello"], "invalid_type", "messages[0]"),
         (
             [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}],
+            "unsupported_value",
             "messages[0].tool_calls",
         ),
+        ([{"role": "user", "content": None}], "invalid_type", "messages[0].content"),
+        ([{"role": "system", "content": None}], "invalid_type", "messages[0].content"),
+        ([{"role": "tool", "content": None}], "invalid_type", "messages[0].content"),
+        ([{"role": "user"}], "missing_required_parameter", "messages[0].content"),
+        (
+            [{"role": "user", "content": [{"type": "text"}]}],
+            "missing_required_parameter",
+            "messages[0].content[0].text",
+        ),
+        (
+            [{"role": "user", "content": "a"}, {"role": "user", "content": [{"text": "x"}]}],
+            "missing_required_parameter",
+            "messages[1].content[0].type",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": 3}]}],
+            "invalid_type",
+            "messages[0].content[0].text",
+        ),
+        ([{"role": "user", "content": ["a"]}], "invalid_type", "messages[0].content[0]"),
+        ([{"role": "user", "content": "a", "name": 7}], "invalid_type", "messages[0].name"),
     ],
 )
-def test_chat_message_errors(messages, param):
+def test_chat_message_errors(messages, code, param):
     with pytest.raises(RequestError) as info:
         parse_chat({"model": "m", "messages": messages})
-    assert info.value.param == param
+    assert (info.value.status, info.value.code, info.value.param) == (400, code, param)
+
+
+def test_content_part_messages():
+    with pytest.raises(RequestError) as info:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]})
+    assert info.value.message == "'messages[0].content[0].text' is a required property"
+    with pytest.raises(RequestError) as info:
+        parse_chat(
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}
+        )
+    assert info.value.message == "content part type 'input_audio' is not supported by this server"
+
+
+INT64_RANGE = "must be an integer between -9223372036854775808 and 9223372036854775807"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"top_k": 2**70}, "top_k"),
+        ({"max_tokens": 2**64}, "max_tokens"),
+        ({"max_completion_tokens": -(2**64)}, "max_completion_tokens"),
+        ({"min_tokens": 2**64}, "min_tokens"),
+        ({"top_logprobs": 2**64, "logprobs": True}, "top_logprobs"),
+        ({"n": 2**64}, "n"),
+        ({"stop_token_ids": [1, 2**64]}, "stop_token_ids[1]"),
+    ],
+)
+def test_chat_integers_must_fit_64_bits(extra, param):
+    with pytest.raises(RequestError) as info:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
+    err = info.value
+    assert (err.status, err.code, err.param, err.message) == (
+        400,
+        None,
+        param,
+        f"'{param}' {INT64_RANGE}",
+    )
+
+
+def test_integer_edges_and_huge_numbers():
+    base = {"model": "m", "prompt": "x"}
+    assert parse_completion({**base, "seed": 2**63 - 1}).sampling.seed == 2**63 - 1
+    assert parse_completion({**base, "seed": -(2**63)}).sampling.seed == -(2**63)
+    for extra, param in (
+        ({"prompt": [5, 2**64]}, "prompt[1]"),
+        ({"prompt": [[-(2**64)]]}, "prompt[0][0]"),
+        ({"logprobs": 2**64}, "logprobs"),
+        ({"best_of": 2**64}, "best_of"),
+    ):
+        with pytest.raises(RequestError) as info:
+            parse_completion({**base, **extra})
+        assert (info.value.status, info.value.param) == (400, param)
+    with pytest.raises(RequestError) as info:  # float() of this integer would overflow
+        parse_completion({**base, "temperature": 10**400})
+    assert (info.value.param, info.value.message) == (
+        "temperature",
+        "'temperature' is out of range",
+    )
+
+
+def test_max_tokens_errors_name_the_field_sent():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    for extra, param in (
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 5, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ):
+        with pytest.raises(RequestError) as info:
+            parse_chat({**chat, **extra})
+        assert (info.value.status, info.value.code, info.value.param) == (400, None, param)
+        assert info.value.message == f"{param} must be at least 1, got {extra[param]}"
+    req = parse_chat({**chat, "max_tokens": 3})
+    assert (req.sampling.max_tokens, req.max_tokens_param) == (3, "max_tokens")
+    req = parse_completion({"model": "m", "prompt": "x", "max_completion_tokens": 0})
+    assert (req.sampling.max_tokens, req.max_tokens_param) == (None, "max_tokens")  # chat only
 
 
 def test_sse_framing_and_usage():

@@ -76,3 +76,17 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, lines, message):
     assert "Traceback" not in r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("kvrelay generate:")]
     assert len(errors) == 1 and message in errors[0], r.stderr
+
+
+def test_bad_sampling_is_rejected_before_torch_loads():
+    code = (
+        "import sys\n"
+        "from kvrelay.pipeline.cli import main\n"
+        "code = main(['generate', 'x', '--temperature', '-1'])\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout == "2 False\n"
+    assert r.stderr == (
+        "kvrelay generate: error: request 'generate-0': temperature must be in [0, 100], got -1.0\n"
+    )

@@ -1,0 +1,222 @@
+"""Ingress robustness: request ids in paths and headers, admission bursts, id conflicts,
+X-Request-Id on every response, model retrieval, reattach delivery options, a hung Redis."""
+# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
+    MODEL,
+    anyio_backend,
+    harness,
+    http,
+    make_config,
+    parse_sse,
+    smollm_tokenizer,
+)
+
+pytestmark = pytest.mark.anyio
+
+HI = [{"role": "user", "content": "Hi"}]
+CHAT = {"model": MODEL, "messages": HI, "max_tokens": 4}
+
+
+def _error(resp) -> tuple[int, str | None, str | None]:
+    err = resp.json()["error"]
+    return resp.status_code, err["code"], err["param"]
+
+
+async def test_invalid_request_ids_give_400_and_no_id_header(harness):
+    factory, _worker = harness
+    app = factory()
+    async with http(app) as client:
+        for path in (
+            "/v1/requests/%C3%A9%F0%9F%98%80",
+            "/v1/requests/a%0d%0aSet-Cookie:%20x",
+            "/v1/requests/a%0a",  # a trailing newline must not slip through a `$` anchor
+            "/v1/requests/%0a/stream",
+            "/v1/requests/" + "a" * 129,
+        ):
+            for method in ("GET", "DELETE") if not path.endswith("/stream") else ("GET",):
+                resp = await client.request(method, path)
+                assert _error(resp) == (400, "invalid_request_id", "request_id"), path
+                assert "x-request-id" not in resp.headers
+        for bad in ("bad id", "a" * 129, "é".encode()):
+            resp = await client.post(
+                "/v1/chat/completions", json=CHAT, headers={"X-Request-Id": bad}
+            )
+            assert _error(resp) == (400, "invalid_request_id", "X-Request-Id")
+            assert "x-request-id" not in resp.headers
+        resp = await client.get("/v1/requests/ok-but-unknown")
+        assert _error(resp) == (404, "request_not_found", "request_id")
+        assert resp.headers["x-request-id"] == "ok-but-unknown"
+
+
+async def test_every_response_carries_x_request_id(harness):
+    factory, _worker = harness
+    app = factory()
+    async with http(app) as client:
+        for method, path, status in (
+            ("GET", "/health", 503),  # no decode worker
+            ("GET", "/v1/models", 200),
+            ("GET", "/metrics", 200),
+            ("GET", "/nope", 404),
+            ("PUT", "/v1/models", 405),
+        ):
+            resp = await client.request(method, path, headers={"X-Request-Id": "mine-1"})
+            assert (resp.status_code, resp.headers["x-request-id"]) == (status, "mine-1"), path
+            resp = await client.request(method, path)
+            assert resp.headers["x-request-id"].startswith("req-"), path
+            assert len(resp.headers["x-request-id"]) == 36
+        resp = await client.put("/v1/models")
+        assert _error(resp) == (405, "method_not_allowed", None)
+
+
+async def test_retrieve_model(harness):
+    factory, _worker = harness
+    app = factory()
+    async with http(app) as client:
+        resp = await client.get(f"/v1/models/{MODEL}")
+        assert resp.status_code == 200
+        assert resp.json() == {
+            "id": MODEL,
+            "object": "model",
+            "created": app.state.ingress.started,
+            "owned_by": "kvrelay",
+        }
+        resp = await client.get("/v1/models/org/gpt-17")
+        assert _error(resp) == (404, "model_not_found", "model")
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_max_inflight_holds_for_a_burst(harness):
+    factory, worker = harness
+    app = factory(max_inflight=2, retry_after_s=3)
+    role = await worker(app)
+    ing = app.state.ingress
+    async with http(app) as client:
+        posts = [
+            asyncio.create_task(
+                client.post("/v1/completions", json={"model": MODEL, "prompt": f"p{i}"})
+            )
+            for i in range(8)
+        ]
+        end = time.monotonic() + 10
+        while sum(t.done() for t in posts) < 6 and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # a seventh answer would show up now
+        done = [t for t in posts if t.done()]
+        refused = [t.result() for t in done]
+        assert len(refused) == 6
+        for resp in refused:
+            assert _error(resp) == (429, "overloaded", None)
+            assert resp.headers["retry-after"] == "3"
+        assert ing.backpressure.inflight == 2
+        for _ in range(2):
+            await role.serve_one([(1, "a")])
+        results = await asyncio.gather(*posts)
+    assert sorted(r.status_code for r in results) == [200] * 2 + [429] * 6
+    assert ing.backpressure.inflight == 0
+    text = ing.metrics.render().decode()
+    assert 'kvrelay:requests_rejected_total{status="429"} 6.0' in text
+
+
+async def test_reposting_an_id_must_be_the_same_request(harness):
+    factory, worker = harness
+    app = factory(api_keys=("k1", "k2"))
+    role = await worker(app)
+    k1 = {"Authorization": "Bearer k1", "X-Request-Id": "same-1"}
+    k2 = {"Authorization": "Bearer k2", "X-Request-Id": "same-1"}
+    async with http(app) as client:
+        serve = asyncio.create_task(role.serve_one([(19556, "Hello")], usage={"prompt_tokens": 31}))
+        first = await client.post("/v1/chat/completions", json=CHAT, headers=k1)
+        await serve
+        assert first.status_code == 200
+        for path, body, headers in (
+            ("/v1/chat/completions", {**CHAT, "max_tokens": 5}, k1),
+            ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "Ho"}]}, k1),
+            ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4}, k1),
+            ("/v1/chat/completions", CHAT, k2),
+        ):
+            resp = await client.post(path, json=body, headers=headers)
+            assert _error(resp) == (409, "duplicate_request_id", "X-Request-Id"), body
+            assert resp.json()["error"]["type"] == "invalid_request_error"
+            assert resp.headers["x-request-id"] == "same-1"
+        again = await client.post("/v1/chat/completions", json=CHAT, headers=k1)
+        assert again.status_code == 200
+        assert again.json()["choices"] == first.json()["choices"]
+        # the same request, now streamed without stream_options: no usage anywhere
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=k1)
+        events = parse_sse(resp.content)
+        assert [e[0] for e in events] == [None, "0", None]
+        for _, data in events[:-1]:
+            assert "usage" not in json.loads(data)
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+            headers=k1,
+        )
+        events = parse_sse(resp.content)
+        assert json.loads(events[-2][1])["usage"]["prompt_tokens"] == 31
+        assert [json.loads(d)["usage"] for _, d in events[:-2]] == [None, None]
+
+
+async def test_generation_failure_is_counted_as_rejected(harness):
+    from kvrelay.pipeline.messages import TokenChunk
+
+    factory, worker = harness
+    app = factory()
+    role = await worker(app)
+
+    async def fail() -> None:
+        taken = await role.take()
+        chunk = TokenChunk(index=0, finish_reason="error", error="boom")
+        await role.emit(taken.task.request_id, chunk)
+        await role.finish(taken, status="failed")
+
+    async with http(app) as client:
+        serve = asyncio.create_task(fail())
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+        await serve
+    assert _error(resp) == (500, "generation_failed", None)
+    text = app.state.ingress.metrics.render().decode()
+    assert 'kvrelay:requests_rejected_total{status="500"} 1.0' in text
+
+
+async def test_a_hung_redis_gives_503_within_seconds(valkey, smollm_tokenizer):
+    from kvrelay.pipeline.ingress import create_app
+
+    config = make_config(valkey.url, redis_timeout_s=1.0)
+    app = create_app(config, tokenizers={MODEL: smollm_tokenizer})
+    try:
+        async with http(app) as client:
+            assert (await client.get("/health")).status_code == 503  # up, but no worker
+            os.kill(valkey.proc.pid, signal.SIGSTOP)
+            try:
+                for method, path, body, code in (
+                    ("GET", "/health", None, None),
+                    ("POST", "/v1/chat/completions", CHAT, "queue_unavailable"),
+                    ("GET", "/v1/requests/r-1", None, "queue_unavailable"),
+                    ("GET", "/v1/requests/r-1/stream", None, "queue_unavailable"),
+                ):
+                    start = time.monotonic()
+                    resp = await client.request(method, path, json=body)
+                    took = time.monotonic() - start
+                    assert resp.status_code == 503, path
+                    assert took < 4.0, (path, took)  # one 1.2 s read timeout, no retries
+                    if code:
+                        assert resp.json()["error"]["code"] == code
+                    else:
+                        assert resp.json()["redis"] is False
+            finally:
+                os.kill(valkey.proc.pid, signal.SIGCONT)
+            assert (await client.get("/health")).json()["redis"] is True
+    finally:
+        await app.state.ingress.aclose()

@@ -75,7 +75,7 @@ async def read_json(request: Request, limit: int) -> Any:
             raise _too_large(limit)
     try:
         return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # deep nesting: recursion
         raise RequestError(
             f"We could not parse the JSON body of your request: {exc}", 400, code="invalid_json"
         ) from exc

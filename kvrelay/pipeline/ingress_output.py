@@ -91,7 +91,7 @@ class OutputJob:
                 if chunk.index >= self.start_index or chunk.token_ids:
                     event = fmt.chunk_event(chunk)
                     if event:
-                        yield event if chunk.token_ids or chunk.text else _without_id(event)
+                        yield event
                 if chunk.finished:
                     if chunk.finish_reason == "error":
                         yield fmt.error_event(
@@ -179,13 +179,3 @@ class OutputJob:
                 timer.finish("cancelled", None, time.monotonic())
 
         await self.ingress.client_gone(self.request_id, self.attach_seq, cancelled)
-
-
-def _without_id(event: bytes) -> bytes:
-    """A token-less event (a cancelled/timeout ending) carries no `id:`: no token to resume at.
-
-    A resuming client then sends the id of its last token and gets this ending again.
-    """
-    if event.startswith(b"id: "):
-        return event.split(b"\n", 1)[1]
-    return event

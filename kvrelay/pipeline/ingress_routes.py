@@ -94,6 +94,7 @@ async def _generate(request: Request, api: str) -> Response:
             prompt=parsed.prompt,
             prompt_token_ids=parsed.prompt_token_ids,
             cache_salt=parsed.cache_salt,
+            max_tokens_param=parsed.max_tokens_param,
         )
         created = int(time.time())
         options = {

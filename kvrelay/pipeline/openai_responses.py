@@ -128,7 +128,9 @@ class ResponseFormatter:
         return sse(self._envelope([choice]))
 
     def chunk_event(self, chunk: TokenChunk) -> bytes | None:
-        """The event for one TokenChunk, `id:` = index of its first token (None: nothing new)."""
+        """The event for one TokenChunk (None: nothing new). `id:` = index of its first token;
+        a token-less ending (cancelled, timeout) has none: there is no token to resume at, so a
+        client resuming from its last token's id gets the ending again."""
         self.completion_tokens = chunk.index + len(chunk.token_ids)
         has_output = bool(chunk.token_ids or chunk.text)
         if not has_output and (not chunk.finished or chunk.finish_reason == "error"):
@@ -149,7 +151,7 @@ class ResponseFormatter:
                 "logprobs": self._text_logprobs(chunk),
                 "finish_reason": finish,
             }
-        return sse(self._envelope([choice]), chunk.index)
+        return sse(self._envelope([choice]), chunk.index if has_output else None)
 
     def usage_event(self, usage: dict[str, int] | None) -> bytes:
         body = self._envelope([])

@@ -133,6 +133,7 @@ def check_lengths(
     max_prompt_tokens: int,
     max_tokens_limit: int,
     param: str = "prompt",
+    max_tokens_param: str = "max_tokens",
 ) -> None:
     """Refuse prompts or max_tokens that cannot fit; fill max_tokens when not given."""
     n = len(prompt_ids)
@@ -150,8 +151,8 @@ def check_lengths(
         sampling.max_tokens = min(max_tokens_limit, limit - n)
     elif sampling.max_tokens > max_tokens_limit:
         raise bad_request(
-            f"max_tokens must be at most {max_tokens_limit}, got {sampling.max_tokens}",
-            param="max_tokens",
+            f"{max_tokens_param} must be at most {max_tokens_limit}, got {sampling.max_tokens}",
+            param=max_tokens_param,
         )
     elif n + sampling.max_tokens > limit:
         raise context_length_exceeded(limit, n, sampling.max_tokens, param)
@@ -188,6 +189,7 @@ class Producer:
         prompt_token_ids: list[int] | None = None,
         cache_salt: str = "",
         detokenize: bool = True,
+        max_tokens_param: str = "max_tokens",
     ) -> tuple[Submission, ModelEntry]:
         """Tokenize and check one request; raise RequestError when it cannot be served."""
         entry = await self.registry.get(model)
@@ -204,6 +206,7 @@ class Producer:
             max_prompt_tokens=self.max_prompt_tokens,
             max_tokens_limit=self.max_tokens_limit,
             param="messages" if messages is not None else "prompt",
+            max_tokens_param=max_tokens_param,
         )
         try:
             sampling.validate(entry.vocab_size)

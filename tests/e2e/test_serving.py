@@ -169,7 +169,9 @@ def test_poison_entries_dead_lettered_and_serving_continues(stack, client):
     assert resp.choices[0].text
 
 
-def test_admin_status_and_worker_metrics(stack):
+def test_admin_status_and_worker_metrics(stack, client):
+    long = "Describe the sea, the sky and the mountains in one long sentence."  # > 1 KV page
+    client.completions.create(model=MODEL, prompt=long * 2, max_tokens=2, temperature=0)
     done = subprocess.run(
         [
             sys.executable,

@@ -38,6 +38,14 @@ def text(extra: str, prompt: str = '"hi"') -> str:
 
 # (path, raw JSON body, code, param, message); bodies are raw text so "\ud83d" stays an escape
 CASES = [
+    (
+        CHAT,
+        chat(', "max_completion_tokens": 100000'),
+        None,
+        "max_completion_tokens",
+        "max_completion_tokens must be at most 4096, got 100000",
+    ),  # fmt: skip
+    (TEXT, "[" * 100_000, "invalid_json", None, None),  # nesting too deep for json.loads
     (CHAT, chat(', "seed": 18446744073709551616'), None, "seed", f"'seed' {RANGE}"),
     (CHAT, chat(', "seed": -9223372036854775809'), None, "seed", f"'seed' {RANGE}"),
     (CHAT, chat(', "top_k": 1180591620717411303424'), None, "top_k", f"'top_k' {RANGE}"),

@@ -248,12 +248,14 @@ def test_formatter_chat_events():
     fmt = ResponseFormatter("chat", "r", "m", 100, 4)
     assert fmt.chunk_event(TokenChunk(index=0)) is None  # nothing new, not final
     assert fmt.chunk_event(TokenChunk(index=0, finish_reason="error", error="x")) is None
-    ev = fmt.chunk_event(TokenChunk(index=2, finish_reason="stop"))
+    ev = fmt.chunk_event(TokenChunk(index=2, finish_reason="stop"))  # token-less: no id line
     assert ev == (
-        b'id: 2\ndata: {"id":"r","object":"chat.completion.chunk","created":100,'
+        b'data: {"id":"r","object":"chat.completion.chunk","created":100,'
         b'"model":"m","choices":[{"index":0,"delta":{},"logprobs":null,'
         b'"finish_reason":"stop"}]}\n\n'
     )
+    ev = fmt.chunk_event(TokenChunk(index=2, token_ids=[7], text="a"))
+    assert ev.startswith(b'id: 2\ndata: {"id":"r"')
     done = Completion("r", token_ids=[1, 2], text="hi", finish_reason="length")
     assert fmt.response(done)["usage"]["total_tokens"] == 6
 

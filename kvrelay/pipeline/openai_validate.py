@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from kvrelay.pipeline.errors import RequestError, bad_request, unsupported
-from kvrelay.pipeline.sampling import INT64_MAX, INT64_MIN
+from kvrelay.pipeline.sampling import INT64_MAX, INT64_MIN, encodes_utf8
 
 _EXPECTED = {
     "bool": "a boolean",
@@ -83,16 +83,6 @@ def _path(parent: str, key: str | int) -> str:
     return f"{parent}.{key}" if parent else key
 
 
-def _encodes(text: str) -> bool:
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def check_unicode(body: Any) -> None:
     """Refuse a body holding a string UTF-8 cannot encode (a lone surrogate like "\\ud83d")."""
     try:  # fast path: the whole body in one C call
@@ -103,7 +93,7 @@ def check_unicode(body: Any) -> None:
     stack: list[tuple[str, Any]] = [("", body)]  # iterative: any nesting depth json.loads took
     while stack:
         where, value = stack.pop()
-        if isinstance(value, str) and not _encodes(value):
+        if isinstance(value, str) and not encodes_utf8(value):
             raise bad_request(
                 f"'{where}' is not valid Unicode: it holds a lone UTF-16 surrogate",
                 param=where or None,
@@ -111,7 +101,7 @@ def check_unicode(body: Any) -> None:
             )
         if isinstance(value, dict):
             for key, item in value.items():
-                if not _encodes(key):
+                if not encodes_utf8(key):
                     raise bad_request(
                         f"a field name in '{where or 'the body'}' holds a lone UTF-16 surrogate",
                         param=where or None,

@@ -79,7 +79,7 @@ class SamplingParams:
             bad("min_tokens must not exceed max_tokens", "min_tokens")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be at most 16 non-empty strings", "stop")
-        if any(not s.isascii() and not _utf8(s) for s in self.stop):
+        if not all(encodes_utf8(s) for s in self.stop):
             bad("stop strings must be valid Unicode (no lone UTF-16 surrogates)", "stop")
         for tok in self.stop_token_ids:
             if (
@@ -108,7 +108,10 @@ class SamplingParams:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-def _utf8(text: str) -> bool:
+def encodes_utf8(text: str) -> bool:
+    """False for a string holding a lone UTF-16 surrogate (UTF-8 cannot encode it)."""
+    if text.isascii():
+        return True
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

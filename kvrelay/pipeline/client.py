@@ -28,7 +28,7 @@ from kvrelay.pipeline.messages import TokenChunk
 from kvrelay.pipeline.model_registry import ModelRegistry
 from kvrelay.pipeline.modelref import DEFAULT_MODEL
 from kvrelay.pipeline.output import Completion, OutputTimeout, RequestNotFound, read_chunks
-from kvrelay.pipeline.redis_options import RESILIENT
+from kvrelay.pipeline.redis_options import async_redis
 from kvrelay.pipeline.route import Router
 from kvrelay.pipeline.sampling import SamplingParams
 from kvrelay.pipeline.submit import Producer, check_request_id, new_request_id
@@ -62,11 +62,13 @@ class AsyncClient:
         block_ms: int = 1000,
         tokenizers: dict[str, Any] | None = None,
         redis: aioredis.Redis | None = None,
+        max_connections: int = 1024,
     ):
         self.model = model
         self.keys = Keys(key_prefix)
         self._own_redis = redis is None
-        self.redis = redis or aioredis.Redis.from_url(redis_url, **RESILIENT)
+        # each request being read holds a connection: beyond max_connections, callers wait
+        self.redis = redis or async_redis(redis_url, max_connections)
         self.cluster = ClusterState(self.redis, self.keys)
         self.registry = ModelRegistry((model,), self.cluster, tokenizers)
         router = Router(self.redis, self.keys, mode, route_threshold, self.cluster)

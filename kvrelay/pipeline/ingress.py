@@ -34,7 +34,7 @@ from kvrelay.pipeline.ingress_middleware import RequestIdMiddleware
 from kvrelay.pipeline.keys import Keys
 from kvrelay.pipeline.metrics import Metrics
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
-from kvrelay.pipeline.redis_options import resilient
+from kvrelay.pipeline.redis_options import async_redis, resilient
 from kvrelay.pipeline.route import Router
 from kvrelay.pipeline.submit import Producer
 
@@ -53,9 +53,13 @@ class Ingress:
         self.config = config
         self.keys = Keys(config.key_prefix)
         # Bounded reads: a hung Redis (stopped, not dead) gives 503s within seconds.
-        self.redis = redis or aioredis.Redis.from_url(
+        # One connection per open request (its blocking output read) plus headroom for the
+        # rest; --max-inflight bounds the open requests, so the pool never runs dry by design.
+        self.redis = redis or async_redis(
             config.redis_url,
-            **resilient(config.redis_socket_timeout_s, config.redis_timeout_s),
+            max_connections=config.max_inflight + 256,
+            pool_timeout_s=config.redis_timeout_s,
+            options=resilient(config.redis_socket_timeout_s, config.redis_timeout_s),
         )
         self.cluster = ClusterState(self.redis, self.keys, config.state_refresh_s)
         self.registry = ModelRegistry(config.models, self.cluster, tokenizers)

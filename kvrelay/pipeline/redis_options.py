@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError
@@ -35,3 +36,18 @@ def resilient(
 
 
 RESILIENT = resilient()  # no timeouts: callers that block on XREAD without a bound of their own
+
+
+def async_redis(
+    url: str,
+    max_connections: int,
+    pool_timeout_s: float | None = None,
+    options: dict[str, Any] | None = None,
+) -> aioredis.Redis:
+    """An asyncio client whose pool waits for a free connection (up to `pool_timeout_s`;
+    None: as long as it takes) instead of failing: redis-py's default pool raises "Too many
+    connections" past 100, and every open request holds one for its blocking output read."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=pool_timeout_s, **(options or RESILIENT)
+    )
+    return aioredis.Redis.from_pool(pool)

@@ -20,18 +20,32 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
+from kvrelay.pipeline.client_validate import (
+    checked_id,
+    parse_request,
+    sampling_fields,
+    unavailable,
+)
 from kvrelay.pipeline.cluster import ClusterState
-from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.errors import RequestError, bad_request
 from kvrelay.pipeline.keys import Keys
 from kvrelay.pipeline.messages import TokenChunk
 from kvrelay.pipeline.model_registry import ModelRegistry
 from kvrelay.pipeline.modelref import DEFAULT_MODEL
-from kvrelay.pipeline.output import Completion, OutputTimeout, RequestNotFound, read_chunks
+from kvrelay.pipeline.openai_validate import type_error
+from kvrelay.pipeline.output import (
+    Completion,
+    OutputExpired,
+    OutputTimeout,
+    RequestNotFound,
+    read_chunks,
+)
 from kvrelay.pipeline.redis_options import async_redis
 from kvrelay.pipeline.route import Router
 from kvrelay.pipeline.sampling import SamplingParams
-from kvrelay.pipeline.submit import Producer, check_request_id, new_request_id
+from kvrelay.pipeline.submit import Producer, new_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +53,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "Completion",
+    "OutputExpired",
     "OutputTimeout",
     "RequestError",
     "RequestNotFound",
@@ -101,7 +116,7 @@ class AsyncClient:
         *,
         messages: list[dict[str, Any]] | None = None,
         prompt_token_ids: list[int] | None = None,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None,
         model: str | None = None,
         request_id: str | None = None,
         cache_salt: str = "",
@@ -109,24 +124,32 @@ class AsyncClient:
     ) -> str:
         """Queue one request (text, chat messages or token ids); return its id.
 
-        Raises RequestError for a request that cannot be served or an id already in use.
+        Raises RequestError (as the HTTP API would answer) for a request that cannot be served,
+        an id already in use (409) or Redis unreachable (503); nothing is queued then.
         """
         if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
             raise RequestError("give exactly one of prompt, messages or prompt_token_ids")
-        request_id = check_request_id(request_id) if request_id else new_request_id()
-        model = model or self.model
-        params = SamplingParams.from_dict((sampling or SamplingParams()).to_dict())
-        sub, entry = await self.producer.prepare(
-            model,
-            params,
-            request_id=request_id,
-            messages=messages,
-            prompt=prompt,
-            prompt_token_ids=prompt_token_ids,
-            cache_salt=cache_salt,
-            detokenize=detokenize,
-        )
-        route = await self.producer.enqueue(sub, entry, {"source": "client"})
+        request_id = new_request_id() if request_id is None else checked_id(request_id)
+        if not isinstance(detokenize, bool):
+            raise type_error("detokenize", "a boolean")
+        body = sampling_fields(sampling)
+        body.update(model=model or self.model, cache_salt=cache_salt)
+        parsed = parse_request(body, prompt, messages, prompt_token_ids)
+        try:
+            sub, entry = await self.producer.prepare(
+                parsed.model,
+                parsed.sampling,
+                request_id=request_id,
+                messages=parsed.messages,
+                prompt=parsed.prompt,
+                prompt_token_ids=parsed.prompt_token_ids,
+                cache_salt=parsed.cache_salt,
+                detokenize=detokenize,
+                max_tokens_param=parsed.max_tokens_param,
+            )
+            route = await self.producer.enqueue(sub, entry, {"source": "client"})
+        except RedisError as exc:
+            raise unavailable(exc) from exc
         if route is None:
             raise RequestError(
                 f"request id {request_id!r} is already in use",
@@ -135,7 +158,7 @@ class AsyncClient:
                 code="duplicate_request_id",
             )
         self._deadlines[request_id] = sub.deadline
-        self._models[request_id] = model
+        self._models[request_id] = parsed.model
         return request_id
 
     async def _retext(self, request_id: str):
@@ -154,23 +177,35 @@ class AsyncClient:
     async def stream(self, request_id: str, start_index: int = 0) -> AsyncIterator[TokenChunk]:
         """The request's chunks from token `start_index` on, ending with the final chunk.
 
-        A chunk that began before `start_index` is cut there (its text re-decoded).
+        A chunk that began before `start_index` is cut there (its text re-decoded). Raises
+        RequestNotFound (no record), OutputExpired (ended, output no longer kept), OutputTimeout
+        (deadline passed), RequestError (bad argument 400, Redis unreachable 503).
         """
-        deadline = self._deadlines.get(request_id)
-        if deadline is None and request_id not in self._deadlines:
-            raw = await self.redis.hget(self.keys.request(request_id), "deadline")
-            deadline = float(raw) if raw else None
-        retext = await self._retext(request_id) if start_index else None
-        async for chunk in read_chunks(
-            self.redis,
-            self.keys,
-            request_id,
-            start_index=start_index,
-            block_ms=self.block_ms,
-            deadline=deadline + 2.0 if deadline else None,
-            retext=retext,
-        ):
-            yield chunk
+        checked_id(request_id)
+        if isinstance(start_index, bool) or not isinstance(start_index, int) or start_index < 0:
+            raise bad_request(
+                f"start_index must be a non-negative integer, got {start_index!r}",
+                param="start_index",
+                code="invalid_value",
+            )
+        try:
+            deadline = self._deadlines.get(request_id)
+            if deadline is None and request_id not in self._deadlines:
+                raw = await self.redis.hget(self.keys.request(request_id), "deadline")
+                deadline = float(raw) if raw else None
+            retext = await self._retext(request_id) if start_index else None
+            async for chunk in read_chunks(
+                self.redis,
+                self.keys,
+                request_id,
+                start_index=start_index,
+                block_ms=self.block_ms,
+                deadline=deadline + 2.0 if deadline else None,
+                retext=retext,
+            ):
+                yield chunk
+        except RedisError as exc:
+            raise unavailable(exc) from exc
 
     async def result(self, request_id: str, start_index: int = 0) -> Completion:
         """Wait for the request to finish and return everything from `start_index` on."""
@@ -185,11 +220,19 @@ class AsyncClient:
 
     async def cancel(self, request_id: str, ttl_s: int = 3600) -> None:
         """Ask the workers to stop the request (it finishes with finish_reason 'cancelled')."""
-        await self.redis.set(self.keys.cancel(request_id), b"1", ex=ttl_s)
+        checked_id(request_id)
+        try:
+            await self.redis.set(self.keys.cancel(request_id), b"1", ex=ttl_s)
+        except RedisError as exc:
+            raise unavailable(exc) from exc
 
     async def status(self, request_id: str) -> dict[str, str] | None:
         """The req:{id} record, or None when unknown or expired."""
-        raw = await self.redis.hgetall(self.keys.request(request_id))
+        checked_id(request_id)
+        try:
+            raw = await self.redis.hgetall(self.keys.request(request_id))
+        except RedisError as exc:
+            raise unavailable(exc) from exc
         return {k.decode(): v.decode() for k, v in raw.items()} if raw else None
 
 

@@ -17,9 +17,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvrelay.pipeline.errors import RequestError, bad_request
-from kvrelay.pipeline.ingress_output import OutputJob
+from kvrelay.pipeline.ingress_output import OutputJob, output_expired
 from kvrelay.pipeline.openai_protocol import COMPLETION, GenerationRequest
 from kvrelay.pipeline.openai_responses import ResponseFormatter
+from kvrelay.pipeline.output import ENDED, output_gone
 
 if TYPE_CHECKING:
     from kvrelay.pipeline.ingress import Ingress
@@ -109,8 +110,14 @@ async def reattach(
     """Continue delivering an existing request after the client's last event.
 
     `include_usage` None: as the request was first posted (the /stream endpoint).
+    An ended request whose out:{id} expired is a 410 here, before any response starts.
     """
     last = last_event_id(request)
+    status = rec.get("status", "")
+    if status in ENDED:
+        exists = bool(await ing.redis.exists(ing.keys.out(request_id)))
+        if output_gone(status, rec.get("emitted"), exists):
+            raise output_expired(request_id)
     opts = _options(rec)
     if include_usage is None:
         include_usage = bool(opts.get("include_usage"))

@@ -17,10 +17,17 @@ from starlette.responses import Response
 from starlette.types import Send
 
 from kvrelay.pipeline.backpressure import Slot
+from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.ingress_http import REQUEST_ID_HEADER, WatchedResponse, send_json, sse_start
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai_responses import DONE, ResponseFormatter
-from kvrelay.pipeline.output import Completion, OutputTimeout, RequestNotFound, read_chunks
+from kvrelay.pipeline.output import (
+    Completion,
+    OutputExpired,
+    OutputTimeout,
+    RequestNotFound,
+    read_chunks,
+)
 
 if TYPE_CHECKING:
     from kvrelay.pipeline.ingress import Ingress
@@ -32,6 +39,16 @@ DEADLINE_GRACE_S = 2.0  # workers finish a request at its deadline; give their c
 
 def _error(message: str, type_: str, code: str) -> dict:
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def output_expired(request_id: str) -> RequestError:
+    """410: the request ended and its output stream expired (its state record remains)."""
+    return RequestError(
+        f"request {request_id} has ended and its output has expired; its state is still at "
+        f"GET /v1/requests/{request_id}",
+        410,
+        code="output_expired",
+    )
 
 
 @dataclass(slots=True)
@@ -113,6 +130,9 @@ class OutputJob:
                 "service_unavailable",
                 "queue_unavailable",
             )
+        except OutputExpired:
+            err = output_expired(self.request_id)
+            yield fmt.error_event(err.message, err.type, err.code)
         except RequestNotFound:
             yield fmt.error_event(
                 f"request {self.request_id} is unknown or expired",
@@ -148,6 +168,10 @@ class OutputJob:
                 "queue_unavailable",
             )
             await send_json(send, 503, body, self._headers)
+            return
+        except OutputExpired:
+            err = output_expired(self.request_id)
+            await send_json(send, err.status, err.body(), self._headers)
             return
         except RequestNotFound:
             body = _error(

@@ -187,6 +187,8 @@ def parse_completion(body: Any) -> GenerationRequest:
         req.prompt_token_ids = ids
     elif prompt is None:
         raise missing("prompt")
+    elif isinstance(prompt, list) and not prompt:
+        raise bad_request("'prompt' must not be empty", param="prompt", code="invalid_value")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise unsupported("prompt", "more than one prompt per request")
     else:

@@ -3,6 +3,8 @@
 Chunks come in token order; `start_index` resumes after tokens the reader already has. If the
 stream stays quiet while `req:{id}` says the request ended (failed, cancelled) without a final
 chunk, a final chunk is made up from the record so readers never wait for the deadline.
+`out:{id}` expires (workers' out_ttl, 10 min) long before `req:{id}` (24 h): a request that
+ended and whose stream is gone raises OutputExpired, never a deadline timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvrelay.pipeline.messages import MessageError, TokenChunk
 logger = logging.getLogger(__name__)
 
 TERMINAL = {"failed": "error", "cancelled": "cancelled", "finished": "error"}
+ENDED = tuple(TERMINAL)
 
 
 class OutputTimeout(TimeoutError):
@@ -31,8 +34,34 @@ class RequestNotFound(LookupError):
     """No `req:{id}` record: the id is unknown or its record expired."""
 
 
+class OutputExpired(LookupError):
+    """The request ended and its output stream `out:{id}` has expired (its record remains)."""
+
+    def __init__(self, request_id: str, status: str):
+        super().__init__(f"request {request_id} {status} and its output has expired")
+        self.request_id, self.status = request_id, status
+
+
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def output_gone(status: str, emitted: Any, out_exists: bool) -> bool:
+    """Whether an ended request's output existed and has expired."""
+    if out_exists or status not in ENDED:
+        return False
+    # finished and cancelled requests always wrote a final chunk; a failed one (dead-lettered
+    # before any token) may never have had a stream: its record alone tells the outcome
+    return status != "failed" or int(emitted or 0) > 0
+
+
+async def check_output(redis: aioredis.Redis, keys: Keys, request_id: str) -> None:
+    """Raise OutputExpired when req:{id} says the request ended and out:{id} is gone."""
+    status, emitted = await redis.hmget(keys.request(request_id), "status", "emitted")
+    if status is None or _s(status) not in ENDED:
+        return
+    if output_gone(_s(status), emitted, bool(await redis.exists(keys.out(request_id)))):
+        raise OutputExpired(request_id, _s(status))
 
 
 def trim_chunk(
@@ -68,7 +97,8 @@ async def read_chunks(
 ) -> AsyncIterator[TokenChunk]:
     """Yield the chunks covering tokens >= start_index, ending with the final chunk.
 
-    `deadline` is unix seconds; past it OutputTimeout is raised.
+    `deadline` is unix seconds; past it OutputTimeout is raised (OutputExpired instead when
+    the request ended and its stream expired; RequestNotFound when there is no record).
     """
     out_key, last_id, next_index = keys.out(request_id), "0-0", 0
     while True:
@@ -76,6 +106,7 @@ async def read_chunks(
         if deadline is not None:
             left = deadline - time.time()
             if left <= 0:
+                await check_output(redis, keys, request_id)
                 raise OutputTimeout(f"request {request_id} passed its deadline")
             timeout = max(1, min(block_ms, int(left * 1000)))
         reply = await redis.xread({out_key: last_id}, count=256, block=timeout)
@@ -116,6 +147,8 @@ async def _ended_without_chunk(
     reason = TERMINAL.get(_s(status))
     if reason is None:
         return None
+    if output_gone(_s(status), emitted, bool(await redis.exists(out_key))):
+        raise OutputExpired(request_id, _s(status))
     # The final chunk may have landed between the empty read and the record check.
     if await redis.xread({out_key: last_id}, count=1):
         return None

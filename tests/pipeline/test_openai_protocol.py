@@ -91,6 +91,19 @@ def test_completion_prompt_forms():
     assert parse_completion({"model": "m", "prompt": "x"}).sampling.logprobs is None
 
 
+@pytest.mark.parametrize("prompt", [[], [[]]])
+def test_empty_prompt_array_says_empty(prompt):
+    with pytest.raises(RequestError) as info:
+        parse_completion({"model": "m", "prompt": prompt})
+    err = info.value
+    assert (err.status, err.code, err.param, err.message) == (
+        400,
+        "invalid_value",
+        "prompt",
+        "'prompt' must not be empty",
+    )
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

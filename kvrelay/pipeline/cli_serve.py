@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         ", ".join(config.models),
         "required" if config.api_keys else "off",
     )
+    # uvicorn stops gracefully on SIGTERM and then re-raises it to the handler it found; without
+    # this one the process dies by the signal (supervisord warns on every stop) instead of 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(
         create_app(config),
         host=config.host,

@@ -11,36 +11,81 @@ import argparse
 import json
 import os
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-from kvrelay.pipeline.launch import Program, Supervisor, read_state
+from kvrelay.pipeline.cli import EXIT_UNAVAILABLE, CommandError
+from kvrelay.pipeline.ingress_config import MODES
+from kvrelay.pipeline.launch import Program, Supervisor, check_port_free, read_state
+from kvrelay.pipeline.up_ready import CrashLoopError, check_redis, wait_ready
 
 DEFAULT_RUN_DIR = "kvrelay-run"
+MODE_ENV = "KVRELAY_INGRESS_MODE"
+
+
+def _number(kind: type, low: float, high: float | None = None, what: str = "value"):
+    """An argparse type: `kind` within [low, high], else a one-line usage error (exit 2)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {what}: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"{low}-{high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"{what} must be {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def _env_item(text: str) -> str:
+    key, sep, _value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {text!r}")
+    return text
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
+    count, size = _number(int, 0, what="count"), _number(int, 1, what="size")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--prefill", type=count, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=count, default=1, help="decode workers (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="ingress bind address")
-    p.add_argument("--port", type=int, default=8000, help="ingress port (default 8000)")
+    p.add_argument(
+        "--port", type=_number(int, 1, 65535, "port"), default=8000, help="ingress port (8000)"
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default=None,
+        help="ingress routing (default auto; colocated with --prefill 0)",
+    )
     p.add_argument(
         "--run-dir", default=DEFAULT_RUN_DIR, help="config, logs, data (default ./kvrelay-run)"
     )
     p.add_argument("--redis-url", default=None, help="use this Redis instead of embedded Valkey")
-    p.add_argument("--redis-port", type=int, default=0, help="embedded Valkey port (0: free port)")
+    p.add_argument(
+        "--redis-port",
+        type=_number(int, 0, 65535, "port"),
+        default=0,
+        help="embedded Valkey port (0: a free port)",
+    )
     p.add_argument("--key-prefix", default="kvrelay:", help="Redis key prefix")
-    p.add_argument("--threads", type=int, default=None, help="cores to divide (default: all)")
-    p.add_argument("--arena-bytes", type=int, default=1 << 30, help="store host-tier bytes")
-    p.add_argument("--disk-bytes", type=int, default=8 << 30, help="store disk-tier bytes")
-    p.add_argument("--kv-cache-bytes", type=int, default=None, help="per-worker KV pool bytes")
-    p.add_argument("--detach", action="store_true", help="return once /health is good")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    p.add_argument("--threads", type=size, default=None, help="cores to divide (default: all)")
+    p.add_argument("--arena-bytes", type=size, default=1 << 30, help="store host-tier bytes")
+    p.add_argument("--disk-bytes", type=count, default=8 << 30, help="store disk-tier bytes")
+    p.add_argument("--kv-cache-bytes", type=size, default=None, help="per-worker KV pool bytes")
+    p.add_argument("--detach", action="store_true", help="return once the stack is ready")
+    p.add_argument(
+        "--timeout",
+        type=_number(float, 0.1, what="number of seconds"),
+        default=600.0,
+        help="seconds to wait for readiness",
+    )
     p.add_argument(
         "--env",
         action="append",
+        type=_env_item,
         default=[],
         metavar="KEY=VALUE",
         help="extra environment for every program (repeatable)",
@@ -62,12 +107,27 @@ def threads_per_worker(cores: int, num_workers: int) -> int:
     return max(1, cores // max(1, num_workers))
 
 
-def _free_port() -> int:
+def _free_port(avoid: int) -> int:
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] != avoid:  # the ingress port is free too until it starts
+                return s.getsockname()[1]
+
+
+def ingress_mode(args: argparse.Namespace) -> str:
+    """The ingress routing mode for these `up` arguments (CommandError when they disagree)."""
+    env = dict(item.partition("=")[::2] for item in args.env)
+    mode = args.mode or env.get(MODE_ENV) or ("colocated" if args.prefill == 0 else "auto")
+    if args.mode and env.get(MODE_ENV, args.mode) != args.mode:
+        raise CommandError(f"--mode {args.mode} disagrees with --env {MODE_ENV}={env[MODE_ENV]}")
+    if mode not in MODES:
+        raise CommandError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
+    if args.prefill == 0 and mode != "colocated":
+        raise CommandError(f"--prefill 0 needs mode colocated (no prefill worker), got {mode}")
+    return mode
 
 
 def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Program], dict]:
@@ -78,7 +138,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     programs: list[Program] = []
     redis_url = args.redis_url
     if redis_url is None:
-        port = args.redis_port or _free_port()
+        port = args.redis_port or _free_port(avoid=args.port)
         redis_url = f"redis://127.0.0.1:{port}/0"
         (run_dir / "valkey").mkdir(parents=True, exist_ok=True)
         programs.append(
@@ -118,15 +178,12 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "KVRELAY_WORKER_MODEL": args.model,
         "PYTHONUNBUFFERED": "1",
     }
-    if args.prefill == 0:  # no prefill workers: the ingress sends everything to decode
-        env["KVRELAY_INGRESS_MODE"] = "colocated"
     if args.kv_cache_bytes:
         env["KVRELAY_WORKER_KV_CACHE_BYTES"] = str(args.kv_cache_bytes)
-    for item in args.env:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"kvrelay up: --env wants KEY=VALUE, got {item!r}")
+    for item in args.env:  # KEY=VALUE, checked by argparse
+        key, _sep, value = item.partition("=")
         env[key] = value
+    mode = ingress_mode(args)
     gpus = _num_gpus()
     if gpus:  # workers hold bf16 pages on CUDA (dtype auto); the store must expect that size
         env.setdefault("KVRELAY_STORE_DTYPE", "bfloat16")
@@ -135,7 +192,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         Program(
             "ingress",
             [*py, "serve", "--host", args.host, "--port", str(args.port)],
-            env=env,
+            env=dict(env, **{MODE_ENV: mode}),
             priority=30,
         )
     )
@@ -162,6 +219,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "host": args.host,
         "port": args.port,
         "model": args.model,
+        "mode": mode,
         "run_dir": str(run_dir),
         "store_run_dir": str(store_dir),
         "threads_per_worker": threads,
@@ -172,105 +230,49 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     return programs, state
 
 
-def _health_ok(host: str, port: int) -> bool:
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/health"
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
-def _workers_ready(state: dict) -> bool:
-    """Every worker of the stack has a live heartbeat saying it is ready."""
-    import redis
-
-    from kvrelay.pipeline.keys import Keys
-
-    keys = Keys(state["key_prefix"])
-    try:
-        client = redis.Redis.from_url(state["redis_url"], socket_timeout=2)
-        try:
-            names = [k.decode() for k in client.scan_iter(match=keys.worker_pattern, count=1000)]
-            ready = {client.hget(k, "name") for k in names}
-        finally:
-            client.close()
-    except redis.RedisError:
-        return False
-    want = {f"prefill-{i}".encode() for i in range(state["prefill"])}
-    want |= {f"decode-{i}".encode() for i in range(state["decode"])}
-    return want <= ready
-
-
-class CrashLoopError(RuntimeError):
-    """A program keeps dying before the stack became ready."""
-
-
-def wait_ready(state: dict, timeout: float, alive=lambda: True, sup: Supervisor | None = None
-               ) -> bool:  # fmt: skip
-    """Poll /health and the worker heartbeats until both are good (or time runs out).
-
-    With `sup`, a program restarted twice already (or FATAL) raises CrashLoopError with the
-    tail of its log instead of waiting out the timeout."""
-    deadline = time.monotonic() + timeout
-    pids: dict[str, set[int]] = {}
-    backoffs: dict[str, int] = {}
-    polls = 0
-    while time.monotonic() < deadline and alive():
-        if _health_ok(state["host"], state["port"]) and _workers_ready(state):
-            return True
-        polls += 1
-        checking = sup is not None and polls % 2 == 0  # supervisorctl is a process: not often
-        for name, (status, pid) in (sup.status() if checking else {}).items():
-            if pid:
-                pids.setdefault(name, set()).add(pid)
-            # BACKOFF: the program exited before `startsecs`; a quick crash shows no pid.
-            if status == "BACKOFF":
-                backoffs[name] = backoffs.get(name, 0) + 1
-            if len(pids.get(name, ())) >= 3 or backoffs.get(name, 0) >= 2 or status == "FATAL":
-                log = _log_tail(sup.run_dir / "logs" / f"{name}.log")
-                raise CrashLoopError(f"{name} keeps exiting; the end of its log:\n{log}")
-        time.sleep(0.5)
-    return False
-
-
-def _log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+def _preflight(args: argparse.Namespace, run_dir: Path) -> None:
+    """Refuse, before launching anything, what would make the stack fail or join another one."""
+    ingress_mode(args)
+    if Supervisor(run_dir).pid() is not None:
+        raise CommandError(f"a stack is already running in {run_dir}", EXIT_UNAVAILABLE)
+    check_port_free(args.host, args.port)
+    if args.redis_url is not None:
+        check_redis(args.redis_url)
+    elif args.redis_port == args.port:
+        raise CommandError(f"--port and --redis-port are both {args.port}")
+    elif args.redis_port:
+        check_port_free("127.0.0.1", args.redis_port)
 
 
 def run_up(args: argparse.Namespace) -> int:
-    if args.prefill < 0 or args.decode < 1:
-        print("kvrelay up: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
-        return 2
+    if args.decode < 1:
+        raise CommandError("need --decode >= 1 (and --prefill >= 0)")
+    run_dir = Path(args.run_dir).resolve()
+    _preflight(args, run_dir)
     from kvrelay.pipeline.modelref import ModelNotFoundError
     from kvrelay.workers.model_loader import prepare_model
 
     try:
         prepare_model(args.model)  # convert once here so workers never race to do it
     except ModelNotFoundError as exc:
-        print(f"kvrelay up: {exc}", file=sys.stderr)
-        return 2
-    run_dir = Path(args.run_dir).resolve()
+        raise CommandError(str(exc)) from None
     run_dir.mkdir(parents=True, exist_ok=True)
     sup = Supervisor(run_dir)
-    if sup.pid() is not None:
-        print(f"kvrelay up: a stack is already running in {run_dir}", file=sys.stderr)
-        return 1
     programs, state = build_programs(args, run_dir)
     sup.write(programs, nodaemon=not args.detach, state=state)
     sup.start(detach=args.detach)
     where = f"http://{args.host}:{args.port}"
+    logs = run_dir / "logs"
     if args.detach:
         try:
-            ready = wait_ready(state, args.timeout, sup=sup)
+            reason = wait_ready(state, args.timeout, sup)
+            if reason is not None:
+                reason = f"not ready after {args.timeout:g}s ({reason})"
         except CrashLoopError as exc:
             print(f"kvrelay up: {exc}", file=sys.stderr)
-            ready = False
-        if not ready:
-            print(f"kvrelay up: not ready; stopping. Logs in {run_dir / 'logs'}", file=sys.stderr)
+            reason = "not ready"
+        if reason is not None:
+            print(f"kvrelay up: {reason}; stopping. Logs in {logs}", file=sys.stderr)
             sup.stop()
             _remove_arena(state)
             return 1
@@ -278,8 +280,16 @@ def run_up(args: argparse.Namespace) -> int:
         return 0
     try:
         proc = sup.proc
-        if wait_ready(state, args.timeout, alive=lambda: proc is not None and proc.poll() is None):
+        try:
+            reason = wait_ready(state, args.timeout, sup, alive=lambda: proc.poll() is None)
+        except CrashLoopError as exc:
+            print(f"kvrelay up: {exc}\nkvrelay up: stopping. Logs in {logs}", file=sys.stderr)
+            sup.stop()
+            return 1
+        if reason is None:
             print(f"kvrelay: serving {args.model} at {where} (Ctrl-C stops)", file=sys.stderr)
+        elif proc.poll() is None:
+            print(f"kvrelay up: not ready after {args.timeout:g}s ({reason})", file=sys.stderr)
         return sup.wait()
     except KeyboardInterrupt:
         sup.stop()
@@ -293,8 +303,7 @@ def run_down(args: argparse.Namespace) -> int:
     try:
         read_state(run_dir)
     except FileNotFoundError as exc:
-        print(f"kvrelay down: {exc}", file=sys.stderr)
-        return 1
+        raise CommandError(str(exc)) from None  # a wrong --run-dir is bad usage: exit 2
     sup = Supervisor(run_dir)
     if sup.pid() is None:
         print(f"kvrelay down: nothing running in {run_dir}", file=sys.stderr)

@@ -14,12 +14,14 @@ import signal
 import subprocess
 import sys
 import time
+import xmlrpc.client
 from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "supervisord.conf"
+SOCKET_NAME = "supervisor.sock"
 STATE_NAME = "stack.json"
 
 
@@ -49,7 +51,7 @@ def render_config(run_dir: Path, programs: list[Program], nodaemon: bool) -> str
     logs = run_dir / "logs"
     lines = [
         "[unix_http_server]",
-        f"file={run_dir / 'supervisor.sock'}",
+        f"file={run_dir / SOCKET_NAME}",
         "chmod=0700",
         "",
         "[supervisord]",
@@ -69,7 +71,7 @@ def render_config(run_dir: Path, programs: list[Program], nodaemon: bool) -> str
         "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
         "",
         "[supervisorctl]",
-        f"serverurl=unix://{run_dir / 'supervisor.sock'}",
+        f"serverurl=unix://{run_dir / SOCKET_NAME}",
         "",
     ]
     for prog in programs:
@@ -182,17 +184,19 @@ class Supervisor:
         return done.stdout
 
     def status(self) -> dict[str, tuple[str, int | None]]:
-        """Program name -> (state, pid) as supervisord reports it."""
-        out: dict[str, tuple[str, int | None]] = {}
-        for line in self.ctl("status").splitlines():
-            parts = line.split()
-            if len(parts) < 2:
-                continue
-            pid = None
-            if "pid" in parts:
-                pid = int(parts[parts.index("pid") + 1].rstrip(","))
-            out[parts[0]] = (parts[1], pid)
-        return out
+        """Program name -> (state, pid) as supervisord reports it ({} while it is not up)."""
+        from xmlrpc.client import ServerProxy
+
+        from supervisor.xmlrpc import SupervisorTransport
+
+        # XML-RPC over the config's unix socket: no supervisorctl process per query
+        transport = SupervisorTransport(serverurl=f"unix://{self.run_dir / SOCKET_NAME}")
+        try:
+            with ServerProxy("http://127.0.0.1", transport=transport) as proxy:
+                infos = proxy.supervisor.getAllProcessInfo()
+        except (OSError, xmlrpc.client.Error):
+            return {}
+        return {i["name"]: (i["statename"], i["pid"] or None) for i in infos}
 
     def wait_running(self, names: list[str], timeout: float = 60.0) -> dict[str, int]:
         """Wait until every named program is RUNNING; return their pids."""
@@ -212,3 +216,59 @@ def read_state(run_dir: str | Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"no kvrelay stack in {run_dir} ({path} is missing)")
     return json.loads(path.read_text())
+
+
+def listens(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds a TCP socket listening on `port` (None: no /proc to tell)."""
+    inodes: set[str] = set()
+    tables = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        tables += 1
+        for row in rows:
+            f = row.split()  # sl local_address rem_address st ... inode
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    if not tables:
+        return None
+    if not inodes:
+        return False
+    fd_dir = Path(f"/proc/{pid}/fd")
+    try:
+        fds = list(fd_dir.iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) in inodes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise CommandError (exit 2) unless a TCP listener could bind `host:port` now."""
+    import errno
+    import socket
+
+    from kvrelay.pipeline.cli import CommandError
+
+    try:
+        family, kind, proto, _name, addr = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise CommandError(f"cannot listen on {host}: {exc}") from None
+    with socket.socket(family, kind, proto) as sock:
+        # SO_REUSEADDR as uvicorn and valkey set it: a port in TIME_WAIT is free, a listener not
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CommandError(f"port {port} on {host} is in use") from None
+            raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None

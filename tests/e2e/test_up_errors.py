@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvrelay.pipeline.launch import Supervisor
 from tests.conftest import free_port
 
 
@@ -48,3 +49,13 @@ def test_crash_looping_worker_fails_fast_with_its_log(tmp_path):
         timeout=60,
     )
     assert "nothing running" in status.stderr  # `up` already stopped the stack
+
+
+def test_up_is_not_ready_while_a_program_other_than_workers_fails(tmp_path):
+    # not only workers: any program of the stack that keeps exiting fails `up` with its log
+    done = up(tmp_path, "--prefill", "0", "--env", "KVRELAY_STORE_TRANSPORT=bogus")
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("kvrelay up: store keeps exiting; the end of its log:\n")
+    assert "transport must be auto, ucx or tcp, got 'bogus'" in done.stderr
+    assert done.stderr.endswith(f"kvrelay up: not ready; stopping. Logs in {tmp_path / 'logs'}\n")
+    assert Supervisor(tmp_path).pid() is None

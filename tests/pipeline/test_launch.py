@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 
+import pytest
 import redis
 
 from kvrelay.pipeline.launch import Program, Supervisor, read_state, render_config
@@ -165,3 +167,145 @@ def test_up_programs_divide_cores_and_share_settings(tmp_path):
     external = build_parser().parse_args(["up", "--redis-url", "redis://db:6379/2"])
     programs, state = build_programs(external, tmp_path)
     assert "valkey" not in [p.name for p in programs] and state["redis_url"] == "redis://db:6379/2"
+
+
+def _main(capsys, *argv: str) -> tuple[int, str]:
+    """Run the real `kvrelay` entry in-process; (exit code, last stderr line)."""
+    from kvrelay.pipeline.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code
+    return code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "0"], "kvrelay up: error: argument --port: port must be 1-65535, got 0"),
+        (
+            ["--port", "70000"],
+            "kvrelay up: error: argument --port: port must be 1-65535, got 70000",
+        ),
+        (["--port", "x"], "kvrelay up: error: argument --port: not a port: 'x'"),
+        (
+            ["--redis-port", "65536"],
+            "kvrelay up: error: argument --redis-port: port must be 0-65535, got 65536",
+        ),
+        (
+            ["--env", "NOEQUALS"],
+            "kvrelay up: error: argument --env: wants KEY=VALUE, got 'NOEQUALS'",
+        ),
+        (["--env", "=1"], "kvrelay up: error: argument --env: wants KEY=VALUE, got '=1'"),
+        (
+            ["--prefill", "-1"],
+            "kvrelay up: error: argument --prefill: count must be at least 0, got -1",
+        ),
+        (["--decode", "0"], "kvrelay up: need --decode >= 1 (and --prefill >= 0)"),
+        (
+            ["--prefill", "0", "--mode", "auto"],
+            "kvrelay up: --prefill 0 needs mode colocated (no prefill worker), got auto",
+        ),
+        (
+            ["--mode", "auto", "--env", "KVRELAY_INGRESS_MODE=colocated"],
+            "kvrelay up: --mode auto disagrees with --env KVRELAY_INGRESS_MODE=colocated",
+        ),
+        (
+            ["--env", "KVRELAY_INGRESS_MODE=fast"],
+            "kvrelay up: KVRELAY_INGRESS_MODE must be one of auto, disaggregated, colocated, "
+            "got 'fast'",
+        ),
+        (
+            ["--port", "7001", "--redis-port", "7001"],
+            "kvrelay up: --port and --redis-port are both 7001",
+        ),
+    ],
+)
+def test_up_usage_errors_exit_2_before_launching(tmp_path, capsys, argv, message):
+    code, line = _main(capsys, "up", "--detach", "--run-dir", str(tmp_path / "run"), *argv)
+    assert (code, line) == (2, message)
+    assert not (tmp_path / "run").exists()
+
+
+def test_up_refuses_ports_in_use_and_unreachable_redis(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        for argv in (
+            ["--port", str(busy)],
+            ["--port", str(free_port()), "--redis-port", str(busy)],
+        ):
+            code, line = _main(capsys, "up", "--detach", "--run-dir", run, *argv)
+            assert (code, line) == (2, f"kvrelay up: port {busy} on 127.0.0.1 is in use")
+        code, line = _main(capsys, "up", "--run-dir", run, "--host", "0.0.0.0", "--port", str(busy))
+        assert (code, line) == (2, f"kvrelay up: port {busy} on 0.0.0.0 is in use")
+    closed = free_port()
+    url = f"redis://app:s3cret@127.0.0.1:{closed}/0"
+    started = time.monotonic()
+    code, line = _main(capsys, "up", "--detach", "--run-dir", run, "--port", str(free_port()),
+                       "--redis-url", url)  # fmt: skip
+    assert time.monotonic() - started < 3
+    assert (code, line) == (
+        1,
+        f"kvrelay up: Redis at redis://app:***@127.0.0.1:{closed}/0 is not reachable: "
+        f"Error 111 connecting to 127.0.0.1:{closed}. Connection refused.",
+    )
+    assert not (tmp_path / "run").exists()
+    code, line = _main(capsys, "down", "--run-dir", str(tmp_path / "none"))
+    none = tmp_path / "none"
+    assert (code, line) == (
+        2,
+        f"kvrelay down: no kvrelay stack in {none} ({none / 'stack.json'} is missing)",
+    )
+
+
+def test_up_mode_reaches_the_ingress_only(tmp_path):
+    from kvrelay.pipeline.cli import build_parser
+    from kvrelay.pipeline.cli_up import build_programs
+
+    cases = [
+        ([], "auto"),
+        (["--mode", "disaggregated"], "disaggregated"),
+        (["--prefill", "0"], "colocated"),
+        (["--env", "KVRELAY_INGRESS_MODE=disaggregated"], "disaggregated"),
+    ]
+    for argv, mode in cases:
+        programs, state = build_programs(build_parser().parse_args(["up", *argv]), tmp_path)
+        by = {p.name: p for p in programs}
+        assert (by["ingress"].env["KVRELAY_INGRESS_MODE"], state["mode"]) == (mode, mode)
+        assert "KVRELAY_INGRESS_MODE" not in by["decode-0"].env or argv[:1] == ["--env"]
+        assert by["ingress"].command[1:4] == ["-m", "kvrelay.pipeline.cli", "serve"]
+
+
+def test_readiness_wants_this_stacks_programs_running_and_listening(tmp_path):
+    import subprocess
+
+    from kvrelay.pipeline.launch import listens
+    from kvrelay.pipeline.up_ready import not_ready_reason
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with socket.socket() as served:  # another process (this one) holds the ingress port
+            served.bind(("127.0.0.1", 0))
+            served.listen()
+            port = served.getsockname()[1]
+            assert listens(os.getpid(), port) is True
+            assert listens(os.getpid(), free_port()) is False
+            assert listens(other.pid, port) is False
+            state = {"programs": ["ingress", "decode-0"], "port": port, "host": "127.0.0.1",
+                     "prefill": 0, "decode": 1}  # fmt: skip
+            running = {"ingress": ("RUNNING", other.pid), "decode-0": ("RUNNING", 7)}
+            assert not_ready_reason(state, {}, {}) == "supervisord does not answer"
+            backoff = dict(running, ingress=("BACKOFF", None))
+            assert not_ready_reason(state, backoff, {}) == "ingress is BACKOFF"
+            moved = dict(running, ingress=("RUNNING", 1))
+            assert not_ready_reason(state, running, moved) == "ingress restarted"
+            assert not_ready_reason(state, running, running) == (
+                f"ingress (pid {other.pid}) is not listening on port {port}"
+            )
+    finally:
+        other.kill()
+        other.wait()

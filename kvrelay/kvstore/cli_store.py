@@ -73,9 +73,14 @@ def build_config(args: argparse.Namespace):
 
 
 def run_store(args: argparse.Namespace) -> int:
+    from kvrelay.config import ConfigError
     from kvrelay.kvstore.server import StoreNode
+    from kvrelay.pipeline.cli import CommandError
 
-    cfg = build_config(args)
+    try:
+        cfg = build_config(args)
+    except ConfigError as exc:  # a bad flag or KVRELAY_STORE_* value: one line, not a traceback
+        raise CommandError(str(exc)) from exc
     node = StoreNode(cfg, cfg.page_bytes)
     signal.signal(signal.SIGTERM, lambda *_: node.stop())
     signal.signal(signal.SIGINT, lambda *_: node.stop())

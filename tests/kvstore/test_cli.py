@@ -192,3 +192,12 @@ def test_kv_names_an_unreadable_stack_state(tmp_path: Path, capsys):
         f"kvrelay kv stats: cannot read {tmp_path / 'stack.json'}: Expecting property name "
         "enclosed in double quotes: line 1 column 2 (char 1)\n",
     )
+
+
+def test_bad_store_setting_is_one_line_and_exit_2(tmp_path: Path):
+    env = dict(os.environ, KVRELAY_STORE_ARENA_BYTES="abc")
+    cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", "store", "--run-dir", str(tmp_path),
+           "--page-bytes", "4096"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "kvrelay store: invalid value 'abc' for KVRELAY_STORE_ARENA_BYTES\n"

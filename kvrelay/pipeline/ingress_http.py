@@ -119,13 +119,27 @@ class WatchedResponse(Response):
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not work.done():
+            gone = not work.done()
+            if gone:
                 work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
+                work.add_done_callback(_retrieve)
+                # The reader may take a while to wind down (seen under heavy load: a cancelled
+                # redis-py read still closing its connection), but the client is gone either
+                # way: tell the worker now rather than after the reader has finished.
+                await asyncio.wait({work}, timeout=CANCEL_WAIT_S)
                 await self.on_disconnect()
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
-        work.result()
+        if not gone:
+            work.result()
+
+
+CANCEL_WAIT_S = 0.5
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: an error after the client left is not worth a warning
 
 
 async def send_json(send: Send, status: int, body: Any, headers: dict[str, str]) -> None:

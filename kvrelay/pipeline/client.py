@@ -26,10 +26,9 @@ from kvrelay.pipeline.client_validate import (
     checked_id,
     parse_request,
     sampling_fields,
-    unavailable,
 )
 from kvrelay.pipeline.cluster import ClusterState
-from kvrelay.pipeline.errors import RequestError, bad_request
+from kvrelay.pipeline.errors import RequestError, bad_request, queue_unavailable
 from kvrelay.pipeline.keys import Keys
 from kvrelay.pipeline.messages import TokenChunk
 from kvrelay.pipeline.model_registry import ModelRegistry
@@ -136,20 +135,12 @@ class AsyncClient:
         body.update(model=model or self.model, cache_salt=cache_salt)
         parsed = parse_request(body, prompt, messages, prompt_token_ids)
         try:
-            sub, entry = await self.producer.prepare(
-                parsed.model,
-                parsed.sampling,
-                request_id=request_id,
-                messages=parsed.messages,
-                prompt=parsed.prompt,
-                prompt_token_ids=parsed.prompt_token_ids,
-                cache_salt=parsed.cache_salt,
-                detokenize=detokenize,
-                max_tokens_param=parsed.max_tokens_param,
+            sub, entry = await self.producer.prepare_parsed(
+                parsed, request_id=request_id, detokenize=detokenize
             )
             route = await self.producer.enqueue(sub, entry, {"source": "client"})
         except RedisError as exc:
-            raise unavailable(exc) from exc
+            raise queue_unavailable(exc) from exc
         if route is None:
             raise RequestError(
                 f"request id {request_id!r} is already in use",
@@ -205,7 +196,7 @@ class AsyncClient:
             ):
                 yield chunk
         except RedisError as exc:
-            raise unavailable(exc) from exc
+            raise queue_unavailable(exc) from exc
 
     async def result(self, request_id: str, start_index: int = 0) -> Completion:
         """Wait for the request to finish and return everything from `start_index` on."""
@@ -224,7 +215,7 @@ class AsyncClient:
         try:
             await self.redis.set(self.keys.cancel(request_id), b"1", ex=ttl_s)
         except RedisError as exc:
-            raise unavailable(exc) from exc
+            raise queue_unavailable(exc) from exc
 
     async def status(self, request_id: str) -> dict[str, str] | None:
         """The req:{id} record, or None when unknown or expired."""
@@ -232,7 +223,7 @@ class AsyncClient:
         try:
             raw = await self.redis.hgetall(self.keys.request(request_id))
         except RedisError as exc:
-            raise unavailable(exc) from exc
+            raise queue_unavailable(exc) from exc
         return {k.decode(): v.decode() for k, v in raw.items()} if raw else None
 
 

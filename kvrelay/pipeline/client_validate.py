@@ -3,18 +3,13 @@ carry, so a bad argument raises the RequestError (status, code, param) HTTP woul
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from kvrelay.pipeline.errors import RequestError, bad_request
+from kvrelay.pipeline.errors import bad_request
 from kvrelay.pipeline.openai_protocol import GenerationRequest, parse_chat, parse_completion
 from kvrelay.pipeline.openai_validate import int_list, type_error
 from kvrelay.pipeline.sampling import SamplingParams
 from kvrelay.pipeline.submit import check_request_id
-
-logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 
@@ -22,16 +17,6 @@ _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 def checked_id(request_id: Any) -> str:
     """The client's `request_id` argument: 1-128 characters of [A-Za-z0-9._:-] (400 otherwise)."""
     return check_request_id(request_id if isinstance(request_id, str) else "", "request_id")
-
-
-def unavailable(exc: RedisError) -> RequestError:
-    logger.error("redis unavailable: %s", exc or type(exc).__name__)
-    return RequestError(
-        "the request queue (Redis) is unavailable",
-        503,
-        type="service_unavailable",
-        code="queue_unavailable",
-    )
 
 
 def sampling_fields(sampling: Any) -> dict[str, Any]:

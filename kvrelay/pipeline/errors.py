@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class RequestError(Exception):
@@ -76,4 +79,15 @@ def overloaded(reason: str, retry_after_s: int) -> RequestError:
         type="rate_limit_error",
         code="overloaded",
         headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def queue_unavailable(exc: BaseException) -> RequestError:
+    """503 queue_unavailable for a Redis failure (logged here, once for both API paths)."""
+    logger.error("redis unavailable: %s", exc or type(exc).__name__)
+    return RequestError(
+        "the request queue (Redis) is unavailable",
+        503,
+        type="service_unavailable",
+        code="queue_unavailable",
     )

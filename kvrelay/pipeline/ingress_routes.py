@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvrelay.pipeline.backpressure import Slot
-from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.errors import RequestError, queue_unavailable
 from kvrelay.pipeline.ingress_attach import (
     check_same,
     owned_record,
@@ -42,16 +42,6 @@ if TYPE_CHECKING:
     from kvrelay.pipeline.ingress import Ingress
 
 logger = logging.getLogger(__name__)
-
-
-def _unavailable(exc: Exception) -> RequestError:
-    logger.error("redis unavailable: %s", exc or type(exc).__name__)
-    return RequestError(
-        "the request queue (Redis) is unavailable",
-        503,
-        type="service_unavailable",
-        code="queue_unavailable",
-    )
 
 
 async def chat_completions(request: Request) -> Response:
@@ -86,16 +76,7 @@ async def _generate(request: Request, api: str) -> Response:
                     request, ing, request_id, rec, parsed.stream, parsed.include_usage
                 )
         slot = await ing.backpressure.admit()
-        sub, entry = await ing.producer.prepare(
-            parsed.model,
-            parsed.sampling,
-            request_id=request_id,
-            messages=parsed.messages,
-            prompt=parsed.prompt,
-            prompt_token_ids=parsed.prompt_token_ids,
-            cache_salt=parsed.cache_salt,
-            max_tokens_param=parsed.max_tokens_param,
-        )
+        sub, entry = await ing.producer.prepare_parsed(parsed, request_id=request_id)
         created = int(time.time())
         options = {
             "api": api,
@@ -121,7 +102,7 @@ async def _generate(request: Request, api: str) -> Response:
     except RedisError as exc:
         if slot is not None:
             slot.release()
-        return error_response(_unavailable(exc), request_id)
+        return error_response(queue_unavailable(exc), request_id)
     except BaseException:
         if slot is not None:
             slot.release()
@@ -175,7 +156,7 @@ async def resume_stream(request: Request) -> Response:
     except RequestError as err:
         return error_response(err, request_id)
     except RedisError as exc:
-        return error_response(_unavailable(exc), request_id)
+        return error_response(queue_unavailable(exc), request_id)
 
 
 _INT_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "emitted")
@@ -194,7 +175,7 @@ async def request_state(request: Request) -> Response:
     except RequestError as err:
         return error_response(err, request_id)
     except RedisError as exc:
-        return error_response(_unavailable(exc), request_id)
+        return error_response(queue_unavailable(exc), request_id)
     body: dict[str, Any] = {"id": request_id, "object": "request"}
     for key, value in rec.items():
         if key in ("ingress", "key_id", "attach"):
@@ -225,6 +206,6 @@ async def cancel_request(request: Request) -> Response:
     except RequestError as err:
         return error_response(err, request_id)
     except RedisError as exc:
-        return error_response(_unavailable(exc), request_id)
+        return error_response(queue_unavailable(exc), request_id)
     body = {"id": request_id, "object": "request.cancel", "cancelled": not done, "status": status}
     return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})

@@ -22,6 +22,7 @@ from kvrelay.pipeline.errors import RequestError, bad_request, context_length_ex
 from kvrelay.pipeline.keys import Keys
 from kvrelay.pipeline.messages import DecodeTask, PrefillTask
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
+from kvrelay.pipeline.openai_protocol import GenerationRequest
 from kvrelay.pipeline.route import DECODE, Route, Router
 from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams
 
@@ -216,6 +217,22 @@ class Producer:
         deadline = now + self.timeout_s if self.timeout_s else None
         sub = Submission(request_id, model, ids, sampling, cache_salt, now, deadline, detokenize)
         return sub, entry
+
+    async def prepare_parsed(
+        self, parsed: GenerationRequest, *, request_id: str, detokenize: bool = True
+    ) -> tuple[Submission, ModelEntry]:
+        """prepare() for a parsed OpenAI body (the ingress and the producer client)."""
+        return await self.prepare(
+            parsed.model,
+            parsed.sampling,
+            request_id=request_id,
+            messages=parsed.messages,
+            prompt=parsed.prompt,
+            prompt_token_ids=parsed.prompt_token_ids,
+            cache_salt=parsed.cache_salt,
+            detokenize=detokenize,
+            max_tokens_param=parsed.max_tokens_param,
+        )
 
     async def enqueue(
         self, sub: Submission, entry: ModelEntry, record: dict[str, Any] | None = None

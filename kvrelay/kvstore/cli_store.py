@@ -113,7 +113,7 @@ def store_run_dir(run_dir: str | None) -> str:
     from pathlib import Path
 
     from kvrelay.kvstore.client import default_run_dir
-    from kvrelay.pipeline.launch import STATE_NAME
+    from kvrelay.pipeline.launch import STATE_NAME, read_state
 
     if run_dir is None:
         return default_run_dir()
@@ -121,7 +121,7 @@ def store_run_dir(run_dir: str | None) -> str:
     if not state_file.is_file():
         return run_dir
     try:
-        store_dir = json.loads(state_file.read_text()).get("store_run_dir")
+        store_dir = read_state(run_dir).get("store_run_dir")
     except (OSError, ValueError, AttributeError) as exc:
         raise ValueError(f"cannot read {state_file}: {exc}") from None
     return store_dir or run_dir

@@ -104,13 +104,13 @@ def _redis_unavailable(args: argparse.Namespace, exc: Exception) -> str | None:
     if redis is None or not isinstance(exc, redis.ConnectionError | redis.TimeoutError):
         return None
     url = getattr(args, "redis_url", None)
-    where = f"Redis at {_redact(url)}" if url else "Redis"
+    where = f"Redis at {redact_url(url)}" if url else "Redis"
     if isinstance(exc, redis.TimeoutError):
         return f"{where} did not answer in time ({exc}); is it overloaded or stopped?"
     return f"{where} is not reachable ({exc}); is the stack running?"
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
     """The URL without its password."""
     return re.sub(r"//([^:/@]*):[^@/]*@", r"//\1:***@", url)
 

@@ -106,7 +106,7 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
-TIERS = {"host", "disk", "remote"}
+TIERS = ("host", "disk", "remote")  # always listed, in this order
 
 
 def _store_line(store: dict[str, Any]) -> str:
@@ -119,7 +119,7 @@ def _store_line(store: dict[str, Any]) -> str:
              f"{pages.get('disk_capacity', '?')} pages"]  # fmt: skip
     counters = store.get("counters", {})
     hits, misses = counters.get("hits", {}), counters.get("misses", {})
-    for tier in ["host", "disk", "remote"] + sorted((set(hits) | set(misses)) - TIERS):
+    for tier in [*TIERS, *sorted((set(hits) | set(misses)) - set(TIERS))]:
         h, m = hits.get(tier, 0), misses.get(tier, 0)
         rate = f"{h / (h + m):.0%}" if h + m else "-"  # "-": no lookups reached the tier yet
         parts.append(f"{tier} hit rate {rate} ({int(h)}/{int(h + m)})")

@@ -35,6 +35,7 @@ from kvrelay.pipeline.model_registry import ModelRegistry
 from kvrelay.pipeline.modelref import DEFAULT_MODEL
 from kvrelay.pipeline.openai_validate import type_error
 from kvrelay.pipeline.output import (
+    DEADLINE_GRACE_S,
     Completion,
     OutputExpired,
     OutputTimeout,
@@ -191,7 +192,7 @@ class AsyncClient:
                 request_id,
                 start_index=start_index,
                 block_ms=self.block_ms,
-                deadline=deadline + 2.0 if deadline else None,
+                deadline=deadline + DEADLINE_GRACE_S if deadline else None,
                 retext=retext,
             ):
                 yield chunk

@@ -190,11 +190,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(RequestError(str(exc.detail), exc.status_code, code=code))
 
 
-async def _server_error(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return error_response(RequestError("internal server error", 500, type="server_error"))
-
-
 def create_app(
     config: IngressConfig | None = None,
     *,
@@ -228,7 +223,8 @@ def create_app(
             Route("/metrics", info.metrics, methods=["GET"]),
         ],
         middleware=[Middleware(RequestIdMiddleware, metrics=ingress.metrics)],
-        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+        # unexpected errors become OpenAI-shaped 500s in RequestIdMiddleware
+        exception_handlers={HTTPException: _http_error},
         lifespan=lifespan,
     )
     app.state.ingress = ingress

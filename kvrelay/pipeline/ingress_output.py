@@ -22,6 +22,7 @@ from kvrelay.pipeline.ingress_http import REQUEST_ID_HEADER, WatchedResponse, se
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai_responses import DONE, ResponseFormatter
 from kvrelay.pipeline.output import (
+    DEADLINE_GRACE_S,
     Completion,
     OutputExpired,
     OutputTimeout,
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
     from kvrelay.pipeline.ingress import Ingress
 
 logger = logging.getLogger(__name__)
-
-DEADLINE_GRACE_S = 2.0  # workers finish a request at its deadline; give their chunk time to land
 
 
 def _error(message: str, type_: str, code: str) -> dict:

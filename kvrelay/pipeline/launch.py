@@ -185,14 +185,12 @@ class Supervisor:
 
     def status(self) -> dict[str, tuple[str, int | None]]:
         """Program name -> (state, pid) as supervisord reports it ({} while it is not up)."""
-        from xmlrpc.client import ServerProxy
-
         from supervisor.xmlrpc import SupervisorTransport
 
         # XML-RPC over the config's unix socket: no supervisorctl process per query
         transport = SupervisorTransport(serverurl=f"unix://{self.run_dir / SOCKET_NAME}")
         try:
-            with ServerProxy("http://127.0.0.1", transport=transport) as proxy:
+            with xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport) as proxy:
                 infos = proxy.supervisor.getAllProcessInfo()
         except (OSError, xmlrpc.client.Error):
             return {}

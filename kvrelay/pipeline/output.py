@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 TERMINAL = {"failed": "error", "cancelled": "cancelled", "finished": "error"}
 ENDED = tuple(TERMINAL)
+DEADLINE_GRACE_S = 2.0  # workers finish a request at its deadline; give their chunk time to land
 
 
 class OutputTimeout(TimeoutError):

@@ -7,7 +7,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvrelay.pipeline.cli import EXIT_UNAVAILABLE, CommandError, _redact
+from kvrelay.pipeline.cli import EXIT_UNAVAILABLE, CommandError, redact_url
 from kvrelay.pipeline.launch import Supervisor, listens
 
 
@@ -15,7 +15,7 @@ def check_redis(url: str) -> None:
     """PING the Redis at `url` (2 s); CommandError (exit 1) when it does not answer."""
     import redis
 
-    shown = _redact(url)
+    shown = redact_url(url)
     try:
         client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
     except ValueError as exc:
@@ -39,9 +39,7 @@ def _health(host: str, port: int) -> dict | None:
 
 
 def _worker_names(state: dict) -> list[str]:
-    return [f"prefill-{i}" for i in range(state["prefill"])] + [
-        f"decode-{i}" for i in range(state["decode"])
-    ]
+    return [n for n in state["programs"] if n.startswith(("prefill-", "decode-"))]
 
 
 def _heartbeat_pids(state: dict, names: list[str]) -> list[bytes | None]:

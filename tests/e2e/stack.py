@@ -20,6 +20,14 @@ from tests.conftest import free_port
 MODEL = "smollm2-135m-instruct"
 
 
+def kvrelay_up(run_dir: Path, port: int, *extra: str, timeout: float = 180
+               ) -> subprocess.CompletedProcess:  # fmt: skip
+    """`kvrelay up --detach --run-dir RUN_DIR --port PORT EXTRA...` as a finished process."""
+    cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", "up", "--detach",
+           "--run-dir", str(run_dir), "--port", str(port), *extra]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
 class Stack:
     """`kvrelay up --detach` ... `kvrelay down`, with handles on Redis and supervisord."""
 
@@ -40,16 +48,7 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     def up(self, timeout: float = 240) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvrelay.pipeline.cli",
-            "up",
-            "--detach",
-            "--run-dir",
-            str(self.run_dir),
-            "--port",
-            str(self.port),
+        extra = [
             "--prefill",
             str(self.prefill),
             "--decode",
@@ -62,8 +61,8 @@ class Stack:
             str(timeout),
         ]
         for key, value in self.env.items():
-            cmd += ["--env", f"{key}={value}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60)
+            extra += ["--env", f"{key}={value}"]
+        done = kvrelay_up(self.run_dir, self.port, *extra, timeout=timeout + 60)
         if done.returncode != 0:
             raise RuntimeError(
                 f"kvrelay up failed ({done.returncode}): {done.stderr[-3000:]}" + self.logs()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import free_port
+from tests.e2e.stack import kvrelay_up
 
 
 def kvrelay(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -17,9 +18,8 @@ def kvrelay(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 
 def up(run_dir: Path, port: int, *extra: str) -> subprocess.CompletedProcess:
-    return kvrelay("up", "--detach", "--run-dir", str(run_dir), "--port", str(port),
-                   "--prefill", "0", "--arena-bytes", str(64 << 20),
-                   "--kv-cache-bytes", str(96 << 20), "--timeout", "150", *extra)  # fmt: skip
+    return kvrelay_up(run_dir, port, "--prefill", "0", "--arena-bytes", str(64 << 20),
+                      "--kv-cache-bytes", str(96 << 20), "--timeout", "150", *extra)  # fmt: skip
 
 
 def test_second_stack_is_refused_and_first_stops_cleanly(tmp_path):

@@ -8,24 +8,12 @@ from pathlib import Path
 
 from kvrelay.pipeline.launch import Supervisor
 from tests.conftest import free_port
+from tests.e2e.stack import kvrelay_up
 
 
 def up(run_dir: Path, *extra: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvrelay.pipeline.cli",
-        "up",
-        "--detach",
-        "--run-dir",
-        str(run_dir),
-        "--port",
-        str(free_port()),
-        "--arena-bytes",
-        str(64 << 20),
-        *extra,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return kvrelay_up(run_dir, free_port(), "--arena-bytes", str(64 << 20), *extra,
+                      timeout=timeout)  # fmt: skip
 
 
 def test_unknown_model_is_refused_before_launching(tmp_path):

@@ -220,3 +220,26 @@ async def test_a_hung_redis_gives_503_within_seconds(valkey, smollm_tokenizer):
             assert (await client.get("/health")).json()["redis"] is True
     finally:
         await app.state.ingress.aclose()
+
+
+async def test_an_unexpected_error_is_an_openai_500_with_a_request_id(harness, monkeypatch):
+    from kvrelay.pipeline import ingress_info
+
+    async def broken(request):
+        raise RuntimeError("a bug in an endpoint")
+
+    monkeypatch.setattr(ingress_info, "metrics", broken)  # before the app binds its routes
+    factory, _worker = harness
+    app = factory()
+    async with http(app) as client:
+        resp = await client.get("/metrics", headers={"X-Request-Id": "oops-1"})
+    assert resp.status_code == 500
+    assert resp.headers["x-request-id"] == "oops-1"
+    assert resp.json() == {
+        "error": {
+            "message": "internal server error",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }

@@ -23,6 +23,7 @@ from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai_responses import DONE, ResponseFormatter
 from kvrelay.pipeline.output import (
     DEADLINE_GRACE_S,
+    DEADLINE_PASSED,
     Completion,
     OutputExpired,
     OutputTimeout,
@@ -113,6 +114,8 @@ class OutputJob:
                         yield fmt.error_event(
                             chunk.error or "generation failed", code="generation_failed"
                         )
+                    elif chunk.finish_reason == "timeout":  # the worker ended it at the deadline
+                        yield fmt.error_event(DEADLINE_PASSED, "timeout", "request_timeout")
                     if fmt.include_usage:
                         yield fmt.usage_event(chunk.usage)
                     if timer:
@@ -120,7 +123,7 @@ class OutputJob:
                         self.ingress.observe_queue_time(self.request_id, timer.model)
         except OutputTimeout:
             await self.ingress.try_cancel(self.request_id)
-            yield fmt.error_event("the request passed its deadline", "timeout", "request_timeout")
+            yield fmt.error_event(DEADLINE_PASSED, "timeout", "request_timeout")
         except RedisError as exc:
             self.server_ended = True
             logger.error("request %s: lost the output stream: %s", self.request_id, exc)
@@ -155,7 +158,7 @@ class OutputJob:
                 result.add(chunk)
         except OutputTimeout:
             await self.ingress.try_cancel(self.request_id)
-            body = _error("the request passed its deadline", "timeout", "request_timeout")
+            body = _error(DEADLINE_PASSED, "timeout", "request_timeout")
             await send_json(send, 504, body, self._headers)
             return
         except RedisError as exc:
@@ -183,6 +186,10 @@ class OutputJob:
         if timer:
             timer.finish(result.finish_reason or "stop", result.usage, time.monotonic())
             self.ingress.observe_queue_time(self.request_id, timer.model)
+        if result.finish_reason == "timeout":  # as the SSE error event and the record say
+            body = _error(DEADLINE_PASSED, "timeout", "request_timeout")
+            await send_json(send, 504, body, self._headers)
+            return
         if result.finish_reason == "error":
             body = _error(result.error or "generation failed", "server_error", "generation_failed")
             await send_json(send, 500, body, self._headers)

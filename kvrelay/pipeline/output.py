@@ -9,6 +9,7 @@ ended and whose stream is gone raises OutputExpired, never a deadline timeout.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvrelay.pipeline.keys import MESSAGE_FIELD, Keys
 from kvrelay.pipeline.messages import MessageError, TokenChunk
@@ -25,6 +28,11 @@ logger = logging.getLogger(__name__)
 TERMINAL = {"failed": "error", "cancelled": "cancelled", "finished": "error"}
 ENDED = tuple(TERMINAL)
 DEADLINE_GRACE_S = 2.0  # workers finish a request at its deadline; give their chunk time to land
+DEADLINE_PASSED = "the request passed its deadline"  # the same words from workers and ingress
+# A Valkey restart (supervisord brings it back in milliseconds, then it loads its append-only
+# file) must not end the streams being read; an outage longer than this is reported.
+REDIS_RETRY_S = 30.0
+REDIS_RETRY_PAUSE_S = 0.25
 
 
 class OutputTimeout(TimeoutError):
@@ -95,31 +103,37 @@ async def read_chunks(
     block_ms: int = 1000,
     deadline: float | None = None,
     retext: Callable[[list[int]], str] | None = None,
+    redis_retry_s: float = REDIS_RETRY_S,
 ) -> AsyncIterator[TokenChunk]:
     """Yield the chunks covering tokens >= start_index, ending with the final chunk.
 
     `deadline` is unix seconds; past it OutputTimeout is raised (OutputExpired instead when
     the request ended and its stream expired; RequestNotFound when there is no record).
+    Redis unreachable (a Valkey restart) is waited out for `redis_retry_s` before the
+    connection error is raised: the request lives on in the append-only file.
     """
-    out_key, last_id, next_index = keys.out(request_id), "0-0", 0
+    last_id, next_index = "0-0", 0
+    outage: float | None = None  # monotonic time Redis was first found unreachable
     while True:
-        timeout = block_ms
-        if deadline is not None:
-            left = deadline - time.time()
-            if left <= 0:
-                await check_output(redis, keys, request_id)
-                raise OutputTimeout(f"request {request_id} passed its deadline")
-            timeout = max(1, min(block_ms, int(left * 1000)))
-        reply = await redis.xread({out_key: last_id}, count=256, block=timeout)
-        entries = reply[0][1] if reply else []
-        if not entries:
-            final = await _ended_without_chunk(redis, keys, request_id, out_key, last_id)
-            if final is not None:
-                final.index = max(final.index, next_index)
-                yield final
-                return
+        try:
+            reply, final = await _poll(redis, keys, request_id, last_id, block_ms, deadline)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            now = time.monotonic()
+            if outage is None:
+                outage = now
+                logger.warning("request %s: redis unavailable (%s); waiting", request_id, exc)
+            if now - outage > redis_retry_s:
+                raise
+            await asyncio.sleep(REDIS_RETRY_PAUSE_S)
             continue
-        for entry_id, fields in entries:
+        if outage is not None:
+            logger.info("request %s: redis back after %.1fs", request_id, time.monotonic() - outage)
+            outage = None
+        if final is not None:
+            final.index = max(final.index, next_index)
+            yield final
+            return
+        for entry_id, fields in reply:
             last_id = entry_id
             try:
                 chunk = TokenChunk.decode(fields[MESSAGE_FIELD])
@@ -127,11 +141,37 @@ async def read_chunks(
                 # A worker wrote it through the fenced script, so this is a bug worth shouting.
                 logger.error("request %s: unreadable out entry %s: %s", request_id, entry_id, exc)
                 continue
-            next_index = chunk.index + len(chunk.token_ids)
+            end = chunk.index + len(chunk.token_ids)
+            if chunk.token_ids and end <= next_index:
+                continue  # tokens this reader already yielded (never expected: fenced emits)
+            next_index = max(next_index, end)
             if next_index > start_index or chunk.finished:
                 yield trim_chunk(chunk, start_index, retext)
             if chunk.finished:
                 return
+
+
+async def _poll(
+    redis: aioredis.Redis,
+    keys: Keys,
+    request_id: str,
+    last_id: Any,
+    block_ms: int,
+    deadline: float | None,
+) -> tuple[list, TokenChunk | None]:
+    """One blocking read of out:{id}: (entries, None), or ([], made-up final chunk)."""
+    out_key, timeout = keys.out(request_id), block_ms
+    if deadline is not None:
+        left = deadline - time.time()
+        if left <= 0:
+            await check_output(redis, keys, request_id)
+            raise OutputTimeout(f"request {request_id} passed its deadline")
+        timeout = max(1, min(block_ms, int(left * 1000)))
+    reply = await redis.xread({out_key: last_id}, count=256, block=timeout)
+    entries = reply[0][1] if reply else []
+    if entries:
+        return entries, None
+    return [], await _ended_without_chunk(redis, keys, request_id, out_key, last_id)
 
 
 async def _ended_without_chunk(

@@ -109,6 +109,8 @@ class Streams:
         self._handoff = client.register_script(_script_source("handoff"))
         self._dead_letter = client.register_script(_script_source("dead_letter"))
         self._renew = client.register_script(_script_source("renew"))
+        self._strikes = client.register_script(_script_source("strikes"))
+        self._release = client.register_script(_script_source("release"))
         self._prune = client.register_script(_PRUNE_LUA)
 
     # groups and reads
@@ -155,12 +157,36 @@ class Streams:
                 out[eid] = int(rows[0]["times_delivered"])
         return out
 
+    def strikes(
+        self,
+        request_id: str,
+        entry_id: str,
+        deliveries: int,
+        queued_tokens: int,
+        alive: bool = False,
+    ) -> int:
+        """Deliveries of the entry since the last one that found new tokens in out:{id}.
+
+        `queued_tokens`: the tokens the task carried when queued (its first delivery's count);
+        `alive`: the claimant already holds it (a late renewal), which proves no crash.
+        Recorded in req:{id} (claim_entry, claim_emitted, claim_delivery) at every claim."""
+        args = [entry_id, deliveries, queued_tokens, "1" if alive else "0"]
+        return int(self._strikes(keys=[self.keys.request(request_id)], args=args))
+
     def renew(self, stream: str, group: str, entry_ids: list[str]) -> list[str]:
         """Reset the lease of entries still owned; return the ids another consumer took."""
         if not entry_ids:
             return []
         lost = self._renew(keys=[stream], args=[group, self.consumer, *entry_ids])
         return [_s(x) for x in lost or []]
+
+    def release(self, stream: str, group: str, entry_ids: list[str], lease_ms: int) -> None:
+        """Mark entries this consumer holds as idle for a whole lease: claimable at once.
+
+        Fenced by the renew script's owner check, so an entry already claimed by another
+        consumer is left alone (XCLAIM JUSTID does not count a delivery)."""
+        if entry_ids:
+            self._release(keys=[stream], args=[group, self.consumer, lease_ms, *entry_ids])
 
     # fenced writes
     def emit(self, emission: Emission) -> FencedResult:

@@ -23,6 +23,7 @@ import redis
 
 from kvrelay.pipeline.keys import Keys
 from kvrelay.pipeline.messages import DecodeTask, PrefillTask, TokenChunk
+from kvrelay.pipeline.output import DEADLINE_PASSED
 from kvrelay.pipeline.streams import Emission, Streams
 from kvrelay.workers.worker_config import WorkerConfig
 from kvrelay.workers.worker_io import Emitter, Heartbeat, Inflight, Outgoing
@@ -70,7 +71,9 @@ class Worker:
             self.r, self.keys, self.consumer, out_ttl_s=config.out_ttl_s, req_ttl_s=config.req_ttl_s
         )
         self.inflight = Inflight()
-        self.emitter = Emitter(self.streams, self.stream, self.group, self.inflight)
+        self.emitter = Emitter(
+            self.streams, self.stream, self.group, self.inflight, config.lease_ms
+        )
         self.admissions: queue.Queue[Admission] = queue.Queue()
         self.cancels: queue.Queue[str] = queue.Queue()
         self.active: dict[str, Active] = {}
@@ -140,7 +143,7 @@ class Worker:
                 self._iteration()
             except Exception as exc:  # an engine bug must not take the worker down with it
                 logger.exception("compute loop failed")
-                self._fail_all(f"engine error: {exc}")
+                self._release_all(f"engine error: {exc!r}")
         self._shutdown()
 
     def _iteration(self) -> None:
@@ -163,17 +166,9 @@ class Worker:
         self.active.clear()
         self.emitter.close()
         # make what is left claimable at once instead of after a lease
-        for entry_id in self.inflight.snapshot().values():
-            with contextlib.suppress(redis.RedisError):
-                self.r.xclaim(
-                    self.stream,
-                    self.group,
-                    self.consumer,
-                    0,
-                    [entry_id],
-                    idle=self.config.lease_ms,
-                    justid=True,
-                )
+        with contextlib.suppress(redis.RedisError):
+            entry_ids = list(self.inflight.snapshot().values())
+            self.streams.release(self.stream, self.group, entry_ids, self.config.lease_ms)
         self.heartbeat.stop()
         logger.info("%s worker %s stopped", self.role, self.name)
 
@@ -204,8 +199,11 @@ class Worker:
     def _admit(self, adm: Admission) -> None:
         task, rid = adm.task, adm.task.request_id
         act = Active(task, adm.entry_id, len(adm.emitted), time.time())
-        if adm.cancelled or (task.deadline is not None and time.time() > task.deadline):
-            self._finish(act, "cancelled" if adm.cancelled else "timeout", 0)
+        late = task.deadline is not None and time.time() > task.deadline
+        if adm.cancelled or late:
+            # past its deadline it is a timeout even when the ingress, giving up at the
+            # deadline, also set the cancel flag: the record says what the client was told
+            self._finish(act, "timeout" if late else "cancelled", 0)
             return
         try:
             self.engine.add_request(
@@ -242,12 +240,17 @@ class Worker:
             self._finish(act, reason, out.num_cached_tokens if out else 0)
 
     def _finish(self, act: Active, reason: str, cached: int) -> None:
+        # A deadline ending is the system's, not a finish: the record says failed with the
+        # reason, as the SSE error event, the 504 body and the client's Completion.error do.
+        timeout = reason == "timeout"
         chunk = TokenChunk(
             index=act.next_index,
             finish_reason=reason,
             usage=self._usage(act, act.next_index, cached),
+            error=DEADLINE_PASSED if timeout else None,
         )
-        self._emit(act, chunk, done=True, status="cancelled" if reason == "cancelled" else None)
+        status = "cancelled" if reason == "cancelled" else "failed" if timeout else None
+        self._emit(act, chunk, done=True, status=status)
 
     def _usage(self, act: Active, completion: int, cached: int) -> dict[str, int]:
         return {
@@ -260,6 +263,8 @@ class Worker:
         fields: dict[str, str | int | float] = {"owner": self.name, "stage": self.role}
         if done:
             fields.update(status=status or "finished", finish_reason=chunk.finish_reason or "")
+            if chunk.error:
+                fields["error"] = chunk.error
             if chunk.usage:
                 fields["cached_tokens"] = chunk.usage.get("cached_tokens", 0)
         em = Emission(self.stream, self.group, act.entry_id, act.task.request_id, chunk, fields)
@@ -267,14 +272,18 @@ class Worker:
             Outgoing("emit", act.task.request_id, act.entry_id, emission=em, done=done)
         )
 
-    def _fail_all(self, reason: str) -> None:
+    def _release_all(self, reason: str) -> None:
+        """Give every active entry back (claimable at once) after an engine failure.
+
+        Not the DLQ: the failure may be the store or the machine, not the requests. Each entry
+        is claimed again; one that fails every worker before making progress runs out of
+        strikes and is dead-lettered by the reader (see worker_reader.receive)."""
         for rid, act in list(self.active.items()):
             with contextlib.suppress(Exception):
-                self.engine.abort_request(rid, "error")
+                self.engine.abort_request(rid, "abort")
             self.active.pop(rid)
-            self.emitter.put(
-                Outgoing("dead_letter", rid, act.entry_id, payload=act.task.encode(), reason=reason)
-            )
+            logger.warning("request %s: released after %s", rid, reason)
+            self.emitter.put(Outgoing("release", rid, act.entry_id, reason=reason))
 
     def _on_output(self, out: Any) -> None:
         raise NotImplementedError

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 class Outgoing:
     """One write for the emitter: a chunk, a hand-off (chunk + next task) or a dead letter."""
 
-    kind: str  # "emit" | "handoff" | "dead_letter"
+    kind: str  # "emit" | "handoff" | "dead_letter" | "release"
     request_id: str
     entry_id: str
     emission: Emission | None = None
@@ -42,8 +42,11 @@ class Outgoing:
 class Emitter:
     """Writes Outgoing items in order from its own thread; refused requests go to `lost`."""
 
-    def __init__(self, streams: Streams, stream: str, group: str, inflight: Inflight):
+    def __init__(
+        self, streams: Streams, stream: str, group: str, inflight: Inflight, lease_ms: int = 0
+    ):
         self.streams, self.stream, self.group = streams, stream, group
+        self.lease_ms = lease_ms  # a released entry looks idle this long: claimable at once
         self.inflight = inflight
         self.queue: queue.Queue[Outgoing | None] = queue.Queue()
         self.lost: queue.Queue[str] = queue.Queue()
@@ -107,6 +110,9 @@ class Emitter:
                     item.req_fields,
                 )
                 self._settle(item, res.status, res.emitted)
+            elif item.kind == "release":  # after the writes queued before it
+                self.streams.release(self.stream, self.group, [item.entry_id], self.lease_ms)
+                self.inflight.remove(item.request_id, item.entry_id)
             else:
                 self.streams.dead_letter(
                     self.stream,

@@ -74,12 +74,35 @@ def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
         task = w.message.decode(entry.payload)
     except MessageError as exc:
         return dead_letter(w, entry, f"invalid {w.role} task: {exc}", "")
+    queued = len(getattr(task, "output_token_ids", ()))
     if w.inflight.get(task.request_id) is not None:
-        return  # running here already: our own entry, re-claimed because a renewal came late
-    if entry.deliveries > w.config.max_deliveries:
-        reason = f"delivered {entry.deliveries} times (limit {w.config.max_deliveries})"
-        return dead_letter(w, entry, reason, task.request_id)
+        # running here already: our own entry, re-claimed because a renewal came late; a live
+        # holder is no crash, so this delivery is no strike
+        w.streams.strikes(task.request_id, entry.entry_id, entry.deliveries, queued, alive=True)
+        return
+    if entry.deliveries > 1:
+        # Poison is an entry whose holders die (or wedge) before it makes progress; a request
+        # that emitted tokens since its last claim is churn, however often it was claimed.
+        strikes = w.streams.strikes(task.request_id, entry.entry_id, entry.deliveries, queued)
+        if strikes >= w.config.max_deliveries:
+            reason = (
+                f"delivered {entry.deliveries} times, {strikes} times in a row without "
+                f"progress (limit {w.config.max_deliveries})"
+            )
+            return dead_letter(w, entry, reason, task.request_id)
     w.inflight.add(task.request_id, entry.entry_id)
+    try:
+        admission = _admission(w, entry, task, claimed)
+    except BaseException:
+        # not queued for admission: stop renewing the lease so the entry is claimed again
+        w.inflight.remove(task.request_id, entry.entry_id)
+        raise
+    if admission is not None:
+        w.admissions.put(admission)
+
+
+def _admission(w: Worker, entry: Entry, task: Task, claimed: bool) -> Admission | None:
+    """Read what out:{id} holds, mark the request as ours; None when nothing is left to do."""
     text_len: int | None = None
     try:
         if claimed or entry.deliveries > 1:
@@ -89,11 +112,12 @@ def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
             emitted, finished = list(getattr(task, "output_token_ids", ())), False
     except (MessageError, ValueError) as exc:
         w.inflight.remove(task.request_id, entry.entry_id)
-        return dead_letter(w, entry, f"corrupt output stream: {exc}", task.request_id)
+        dead_letter(w, entry, f"corrupt output stream: {exc}", task.request_id)
+        return None
     if finished:  # finished by a worker whose final write landed: only the ack is left
         w.r.xack(w.stream, w.group, entry.entry_id)
         w.inflight.remove(task.request_id, entry.entry_id)
-        return
+        return None
     key = w.keys.request(task.request_id)
     pipe = w.r.pipeline(transaction=False)
     status = "prefilling" if w.role == "prefill" else "decoding"
@@ -103,12 +127,13 @@ def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
     cancelled = bool(pipe.execute()[-1])
     if claimed:
         logger.info(
-            "request %s: claimed entry %s with %d tokens already emitted",
+            "request %s: claimed entry %s (delivery %d) with %d tokens already emitted",
             task.request_id,
             entry.entry_id,
+            entry.deliveries,
             len(emitted),
         )
-    w.admissions.put(Admission(entry.entry_id, task, emitted, cancelled, text_len))
+    return Admission(entry.entry_id, task, emitted, cancelled, text_len)
 
 
 def dead_letter(w: Worker, entry: Entry, reason: str, request_id: str) -> None:

@@ -8,7 +8,6 @@ import time
 
 import openai
 import pytest
-import redis
 
 from tests.e2e.stack import MODEL, Stack
 
@@ -95,12 +94,13 @@ def test_killed_process_is_restarted_and_serving_resumes(stack, client, program)
 
 def test_request_in_flight_survives_valkey_restart(stack, client):
     ref_text, _ = stream_text(client, "fault-vk-ref")
+    results: list[tuple[str, str | None]] = []
     errors: list[Exception] = []
 
     def victim() -> None:
         try:
-            stream_text(client, "fault-vk")
-        except openai.APIError as exc:  # the ingress ends open streams while Redis is away
+            results.append(stream_text(client, "fault-vk"))
+        except openai.APIError as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=victim)
@@ -108,14 +108,13 @@ def test_request_in_flight_survives_valkey_restart(stack, client):
     time.sleep(1.0)
     stack.wait_restarted("valkey", stack.kill("valkey"))
     thread.join(180)
-    # reattach by request id: the workers finished it from the append-only file's state
-    deadline = time.monotonic() + 120
-    while len(_tokens_or_none(stack, "fault-vk") or ()) < SAMPLING["max_tokens"]:
-        assert time.monotonic() < deadline, stack.logs()
-        time.sleep(0.2)
+    # the ingress waits the restart out: the open stream goes on, nothing is cut or repeated
+    assert not errors, f"{errors!r}{stack.logs()}"
+    assert results == [(ref_text, "length")]
     assert stack.out_tokens("fault-vk") == stack.out_tokens("fault-vk-ref")
+    # reattaching by request id after the end gives the same text again
     deadline = time.monotonic() + 60
-    while True:  # reattach by request id; a 5xx right after the restart is retried, as clients do
+    while True:  # a 5xx right after the restart is retried, as clients do
         try:
             text, reason = stream_text(client, "fault-vk")
             break
@@ -123,10 +122,3 @@ def test_request_in_flight_survives_valkey_restart(stack, client):
             assert time.monotonic() < deadline, stack.logs()
             time.sleep(0.5)
     assert (text, reason) == (ref_text, "length")
-
-
-def _tokens_or_none(stack, request_id: str) -> list[int] | None:
-    try:
-        return stack.out_tokens(request_id)
-    except redis.ConnectionError:  # Valkey may still be loading its append-only file
-        return None

@@ -159,3 +159,28 @@ def test_cancel_mid_request(stack):
     assert 2 <= n < 200 and got[-1].usage["completion_tokens"] == n
     assert r.hget(KEYS.request("stopme"), "status") == b"cancelled"
     assert r.xpending(KEYS.decode_stream, DECODE_GROUP)["pending"] == 0
+
+
+def test_many_claims_with_progress_between_are_churn_not_poison(stack):
+    r, _, prompts, refs = stack
+    ref = refs[2].output_token_ids
+    task = DecodeTask(
+        request_id="churn", prompt_token_ids=prompts[2], sampling=GREEDY,
+        output_token_ids=ref[:1], prefilled=True,
+    )  # fmt: skip
+    pipe = r.pipeline(transaction=True)  # the ghost gets the entry before the live worker can
+    pipe.xadd(KEYS.decode_stream, {MESSAGE_FIELD: task.encode()})
+    pipe.xreadgroup(DECODE_GROUP, "ghost", {KEYS.decode_stream: ">"}, count=1)
+    eid = pipe.execute()[0].decode()
+    r.xadd(KEYS.out("churn"), {MESSAGE_FIELD: TokenChunk(0, ref[:1]).encode()})
+    r.hset(KEYS.request("churn"), mapping={"status": "decoding", "emitted": 1})
+    ghost = Streams(r, KEYS, "ghost")  # holders that emit two tokens, then are killed
+    em = Emission(KEYS.decode_stream, DECODE_GROUP, eid, "churn", TokenChunk(1, ref[1:3]))
+    assert ghost.emit(em).ok
+    for _ in range(6):  # claimed by six more holders: 7 deliveries, more than max_deliveries
+        r.xclaim(KEYS.decode_stream, DECODE_GROUP, "ghost", 0, [eid])
+    got = chunks(r, "churn")
+    assert tokens_of(got) == ref and got[-1].finish_reason == "length"
+    rec = r.hmget(KEYS.request("churn"), "status", "claim_emitted", "claim_delivery")
+    assert rec == [b"finished", b"3", b"8"]  # progress seen at the 8th delivery: no strike
+    assert [f[b"request_id"] for _, f in r.xrange(KEYS.dlq)].count(b"churn") == 0

@@ -134,10 +134,16 @@ def test_deadline_cancel_and_delivery_limit(stack):
     submit(r, "late", prompt, deadline=time.time() - 1)
     r.set(KEYS.cancel("gone"), 1)
     submit(r, "gone", prompt)
-    assert [(c.index, c.finish_reason) for c in chunks(r, "late")] == [(0, "timeout")]
+    [late] = chunks(r, "late")
+    assert (late.index, late.finish_reason, late.error) == (
+        0, "timeout", "the request passed its deadline"
+    )  # fmt: skip
+    # ended by the system at its deadline: failed with the reason, never "finished"
+    rec = r.hmget(KEYS.request("late"), "status", "finish_reason", "error")
+    assert rec == [b"failed", b"timeout", b"the request passed its deadline"]
     assert [(c.index, c.finish_reason) for c in chunks(r, "gone")] == [(0, "cancelled")]
     assert r.hget(KEYS.request("gone"), "status") == b"cancelled"
-    # an entry delivered more often than max_deliveries (5) is dead-lettered on its next claim
+    # an entry redelivered max_deliveries (5) times without progress is dead-lettered
     task = PrefillTask(request_id="poison", prompt_token_ids=prompt, sampling=GREEDY)
     pipe = r.pipeline(transaction=True)  # a ghost consumer gets it before the live worker can
     pipe.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
@@ -146,7 +152,8 @@ def test_deadline_cancel_and_delivery_limit(stack):
     for _ in range(4):  # each XCLAIM counts one more delivery
         r.xclaim(KEYS.prefill_stream, PREFILL_GROUP, "ghost", 0, [eid])
     [err] = chunks(r, "poison", timeout=30)
-    assert err.finish_reason == "error" and err.error == "delivered 6 times (limit 5)"
+    assert err.finish_reason == "error"
+    assert err.error == "delivered 6 times, 5 times in a row without progress (limit 5)"
 
 
 def test_drain_stops_reading_until_undone(stack):

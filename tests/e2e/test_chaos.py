@@ -1,0 +1,252 @@
+"""No request lost under churn: 2 prefill + 2 decode workers and the store node, a random one
+SIGKILLed every ~1.5 s and Valkey restarted at least once, while streaming chat requests (greedy
+and seeded sampling) run 8 at a time. Every request must end exactly as it did undisturbed.
+
+Also: an entry that kills every worker that takes it still ends in the DLQ after a bounded
+number of crashes, every interface reports the same failure for it, and the workers live on.
+
+The load is a closed loop of 8 streams that keeps sending new requests for the whole churn
+window (KVRELAY_CHAOS_S, default 40 s, and at least KVRELAY_CHAOS_REQUESTS, default 16), so the
+kill schedule runs its course however fast the engine is; afterwards the same requests run
+undisturbed (another cache_salt) as the reference.
+
+Replay a schedule with KVRELAY_CHAOS_SEED=<printed seed>; a harsher manual run:
+KVRELAY_CHAOS_S=300 KVRELAY_CHAOS_REQUESTS=80 (more kills and Valkey restarts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from kvrelay.pipeline.client import AsyncClient
+from kvrelay.pipeline.keys import DECODE_GROUP, PREFILL_GROUP
+from tests.e2e.chaos_client import StreamResult, stream_chat
+from tests.e2e.stack import MODEL, Stack
+
+SEED = int(os.environ.get("KVRELAY_CHAOS_SEED") or random.SystemRandom().randrange(1 << 31))
+MIN_REQUESTS = int(os.environ.get("KVRELAY_CHAOS_REQUESTS", "16"))
+CHAOS_S = float(os.environ.get("KVRELAY_CHAOS_S", "40"))  # new requests start for this long
+CONCURRENCY = 8
+KILL_EVERY_S = (1.0, 2.0)  # uniform: ~1.5 s on average
+CHAOS_MAX_S = CHAOS_S + 60  # then the churn stops, so the last requests can finish
+VICTIMS = ("prefill-0", "prefill-1", "decode-0", "decode-1", "store")
+TOPICS = ["a lighthouse", "the moon", "a small dog", "rain in the city", "an old clock",
+          "the ocean", "a mountain road", "a library at night"]  # fmt: skip
+
+
+# Long enough, and different from the first words on, that no request's prompt is mostly
+# cached: more than the 64-token route threshold stays uncached, so requests go through the
+# prefill workers and their hand-off. Each run has its own cache_salt for the same reason.
+BRIEF = ("You write for a children's magazine that likes gentle rhymes, simple words, bright "
+         "colours and happy endings. Keep every line short, avoid the names of real people or "
+         "places, never use more than four lines for one stanza, and end with a line that "
+         "makes a small child smile before going to sleep on a quiet evening. ")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("chaos"), prefill=2, decode=2)
+    s.up(timeout=300)
+    yield s
+    s.down()
+
+
+def chat_body(i: int, salt: str = "") -> dict:
+    """Request i: half greedy, half seeded sampling; varied lengths, some may stop early."""
+    content = f"Poem number {i} is about {TOPICS[i % 8]}. {BRIEF}Write it now."
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 24 + (i * 5) % 41,
+        "cache_salt": salt,
+    }
+    if i % 2:
+        body.update(temperature=0.8, top_p=0.95, seed=1000 + i)
+    else:
+        body.update(temperature=0.0)
+    return body
+
+
+def run_all(stack: Stack, tag: str, indices: list[int]) -> dict[int, StreamResult]:
+    """Requests `indices`, 8 at a time."""
+    with httpx.Client() as client, ThreadPoolExecutor(CONCURRENCY) as pool:
+        futures = {
+            i: pool.submit(stream_chat, client, stack.url, chat_body(i, tag), f"{tag}-{SEED}-{i}")
+            for i in indices
+        }
+        return {i: f.result() for i, f in futures.items()}
+
+
+def run_for(stack: Stack, tag: str, seconds: float, min_requests: int) -> dict[int, StreamResult]:
+    """A closed loop of 8 streams sending requests 0, 1, 2, ... until `seconds` have passed
+    and at least `min_requests` were sent; waits for every request to end."""
+    results: dict[int, StreamResult] = {}
+    lock, counter, t0 = threading.Lock(), iter(range(1 << 30)), time.monotonic()
+
+    def stream() -> None:
+        with httpx.Client() as client:
+            while True:
+                with lock:
+                    i = next(counter)
+                    if time.monotonic() - t0 > seconds and i >= min_requests:
+                        return
+                results[i] = stream_chat(client, stack.url, chat_body(i, tag), f"{tag}-{SEED}-{i}")
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        for f in [pool.submit(stream) for _ in range(CONCURRENCY)]:
+            f.result()
+    return results
+
+
+class Chaos:
+    """Kills a random running victim every ~1.5 s and Valkey at random times, from one seed."""
+
+    def __init__(self, stack: Stack, seed: int):
+        self.stack, self.rng = stack, random.Random(seed)
+        self.kills: list[tuple[float, str]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        # one Valkey restart per ~40 s of churn, the first early on
+        self.valkey_at = sorted(self.rng.uniform(2, 5) + 40 * k
+                                for k in range(max(1, int(CHAOS_S // 40))))  # fmt: skip
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        while not self.stop.wait(self.rng.uniform(*KILL_EVERY_S)):
+            now = time.monotonic() - t0
+            if now > CHAOS_MAX_S:
+                return
+            states = self.stack.sup.status()
+            victim = self.rng.choice(VICTIMS)
+            if self.valkey_at and now >= self.valkey_at[0]:
+                self.valkey_at.pop(0)
+                victim = "valkey"
+            state, pid = states.get(victim, ("", None))
+            if state == "RUNNING" and pid:  # one still starting is not killed again
+                os.kill(pid, 9)
+                self.kills.append((round(now, 1), victim))
+
+    def __enter__(self) -> Chaos:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_no_request_lost_under_churn(stack):
+    print(f"\nchaos seed {SEED} (replay: KVRELAY_CHAOS_SEED={SEED}), {CHAOS_S:.0f} s of churn")
+    t0 = time.monotonic()
+    with Chaos(stack, SEED) as chaos:
+        got = run_for(stack, "chaos", CHAOS_S, MIN_REQUESTS)
+    t_chaos = time.monotonic() - t0
+    ref = run_all(stack, "ref", sorted(got))  # undisturbed: nothing is killed any more
+    t_ref = time.monotonic() - t0 - t_chaos
+    for i, r in ref.items():
+        assert r.error is None and r.finish_reason and not r.index_errors, (i, r, stack.logs())
+    kills = chaos.kills
+    identical = sum(
+        (g.text, g.finish_reason, g.num_tokens) == (ref[i].text, ref[i].finish_reason,
+                                                    ref[i].num_tokens)
+        for i, g in got.items()
+    )  # fmt: skip
+    print(
+        f"chaos {t_chaos:.0f}s, reference {t_ref:.0f}s; kills {len(kills)} "
+        f"(valkey {sum(v == 'valkey' for _, v in kills)}): {kills}; identical "
+        f"{identical}/{len(got)}; retries {sum(g.retries for g in got.values())}, "
+        f"reattaches {sum(g.reattaches for g in got.values())}"
+    )
+    # the schedule ran its course: about one kill per 1.5 s (a victim still restarting is
+    # skipped), Valkey among them
+    assert any(v == "valkey" for _, v in kills) and len(kills) >= CHAOS_S / 4, kills
+    for i, g in got.items():
+        assert not g.index_errors, (i, g.index_errors)
+        assert g.error is None, (i, g.error)
+        assert (g.text, g.finish_reason) == (ref[i].text, ref[i].finish_reason), i
+    assert identical == len(got)
+    assert stack.redis.xlen(stack.keys.dlq) == 0
+
+
+def _kill_every_holder(stack: Stack, request_id: str, stop: threading.Event) -> list[str]:
+    """SIGKILL each worker process that admits the request, once per process: the one whose
+    consumer holds the pending entry and that wrote itself into req:{id}.owner."""
+    killed: list[str] = []
+    r, keys = stack.redis, stack.keys
+    streams = {b"prefilling": (keys.prefill_stream, PREFILL_GROUP),
+               b"decoding": (keys.decode_stream, DECODE_GROUP)}  # fmt: skip
+    while not stop.is_set():
+        status, owner = r.hmget(keys.request(request_id), "status", "owner")
+        if status in streams and owner:
+            consumer, pid = r.hmget(keys.worker(owner.decode()), "consumer", "pid")
+            pending = r.xpending_range(*streams[status], "-", "+", 100)
+            held = {p["consumer"] for p in pending}
+            if consumer in held and consumer.decode() not in killed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), 9)
+                killed.append(consumer.decode())
+        time.sleep(0.01)
+    return killed
+
+
+def _all_running(stack: Stack, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while any(stack.sup.status()[p][0] != "RUNNING" for p in VICTIMS):
+        assert time.monotonic() < deadline, stack.sup.status()
+        time.sleep(0.5)
+
+
+def test_entry_that_kills_every_holder_goes_to_dlq_and_workers_live_on(stack):
+    rid = f"poison-{SEED}"
+    # a long prompt: prefill takes seconds, so each holder dies before it can hand off
+    long = " ".join(f"Item {n}: a line about {TOPICS[n % 8]}." for n in range(120))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": long}], "max_tokens": 4,
+            "temperature": 0.0}  # fmt: skip
+    _all_running(stack)  # after the churn test: every worker back
+    time.sleep(3)  # and heartbeating, so the ingress routes the long prompt to prefill
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=lambda: killed.extend(_kill_every_holder(stack, rid, stop)))
+    killer.start()
+    try:
+        with httpx.Client() as client:
+            sse = stream_chat(client, stack.url, body, rid, give_up_s=400)
+    finally:
+        stop.set()
+        killer.join(10)
+    print(f"\npoison {rid}: {len(killed)} holders killed: {killed}")
+    assert sse.error is not None and sse.error["code"] == "generation_failed", sse
+    # bounded: one crash per strike (limit 5), maybe one more of the claimant dead-lettering it
+    assert 5 <= len(killed) <= 7, killed
+    reason = sse.error["message"]
+    assert "without progress (limit 5)" in reason, reason
+    [(_, dlq)] = stack.redis.xrange(stack.keys.dlq)
+    assert (dlq[b"request_id"].decode(), dlq[b"reason"].decode()) == (rid, reason)
+    # every interface tells the same story: record, non-streaming reattach, producer client
+    state = httpx.get(f"{stack.url}/v1/requests/{rid}").json()
+    assert (state["status"], state["finish_reason"], state["error"]) == ("failed", "error", reason)
+    whole = httpx.post(f"{stack.url}/v1/chat/completions", json={**body, "logprobs": True},
+                       headers={"X-Request-Id": rid}, timeout=60)  # fmt: skip
+    assert whole.status_code == 500, whole.text
+    assert whole.json()["error"]["code"] == "generation_failed"
+    assert whole.json()["error"]["message"] == reason
+
+    async def produced():
+        async with AsyncClient(stack.state["redis_url"], key_prefix=stack.state["key_prefix"]) as c:
+            return await c.result(rid)
+
+    done = asyncio.run(produced())
+    assert (done.finish_reason, done.error) == ("error", reason)
+    # the workers live on: each killed one came back and the stack serves
+    _all_running(stack)
+    with httpx.Client() as client:
+        after = stream_chat(client, stack.url, chat_body(0), f"after-{SEED}")
+    assert after.error is None and after.finish_reason in ("stop", "length")

@@ -1,0 +1,73 @@
+"""Reading out:{id} across a Valkey restart: the reader waits the outage out (the request lives
+on in the append-only file) and yields every token once; a longer outage is reported."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from kvrelay.pipeline.keys import MESSAGE_FIELD, Keys
+from kvrelay.pipeline.messages import TokenChunk
+from kvrelay.pipeline.output import read_chunks
+from kvrelay.pipeline.redis_options import async_redis
+
+KEYS = Keys("oo:")
+
+
+def _add(url: str, chunk: TokenChunk) -> None:
+    r = redis.Redis.from_url(url)
+    r.xadd(KEYS.out("q"), {MESSAGE_FIELD: chunk.encode()})
+    r.hset(KEYS.request("q"), mapping={"status": "decoding", "emitted": chunk.index + 1})
+    r.close()
+
+
+async def _read(url: str, retry_s: float, got: list[TokenChunk]) -> None:
+    client = async_redis(url, 8)
+    try:
+        async for chunk in read_chunks(client, KEYS, "q", block_ms=100, redis_retry_s=retry_s):
+            got.append(chunk)
+    finally:
+        await client.aclose()
+
+
+def test_reader_survives_a_valkey_restart(valkey):
+    _add(valkey.url, TokenChunk(0, [11], "a"))
+    got: list[TokenChunk] = []
+
+    async def scenario() -> None:
+        reader = asyncio.create_task(_read(valkey.url, 30.0, got))
+        await asyncio.sleep(0.5)
+        assert [c.index for c in got] == [0]
+        valkey.stop(kill=True)  # SIGKILL: what the chaos test does to it
+        await asyncio.sleep(1.0)  # the reader is now failing to reach it, and waiting
+        await asyncio.to_thread(valkey.start)
+        await asyncio.to_thread(_add, valkey.url, TokenChunk(1, [12], "b"))
+        await asyncio.to_thread(_add, valkey.url, TokenChunk(2, [13], "c", finish_reason="length"))
+        await asyncio.wait_for(reader, 20)
+
+    asyncio.run(scenario())
+    assert [(c.index, c.token_ids, c.text) for c in got] == [(0, [11], "a"), (1, [12], "b"),
+                                                             (2, [13], "c")]  # fmt: skip
+    assert got[-1].finish_reason == "length"
+
+
+def test_an_outage_longer_than_the_retry_window_is_raised(valkey):
+    _add(valkey.url, TokenChunk(0, [11], "a"))
+    got: list[TokenChunk] = []
+
+    async def scenario() -> float:
+        reader = asyncio.create_task(_read(valkey.url, 1.0, got))
+        await asyncio.sleep(0.5)
+        valkey.stop(kill=True)
+        t0 = time.monotonic()
+        with pytest.raises(RedisConnectionError):
+            await asyncio.wait_for(reader, 20)
+        return time.monotonic() - t0
+
+    waited = asyncio.run(scenario())
+    assert [c.index for c in got] == [0]
+    assert 1.0 <= waited < 5.0

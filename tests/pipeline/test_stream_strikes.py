@@ -1,0 +1,55 @@
+"""Poison versus churn on a real Valkey: strikes count only redeliveries without progress;
+released entries are claimable at once, never taken from another consumer."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from kvrelay.pipeline.keys import PREFILL_GROUP, Keys
+from tests.pipeline.test_streams import add_task, make
+
+KEYS = Keys("t:")
+
+
+@pytest.fixture
+def r(valkey_session):
+    client = redis.Redis.from_url(valkey_session.url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+def test_strikes_restart_with_progress_and_with_a_new_entry(r):
+    s = make(r, "a")
+    r.hset(KEYS.request("q"), mapping={"status": "decoding", "emitted": 0})
+    assert s.strikes("q", "1-0", 2, 0) == 1  # claimed again, nothing emitted since delivery 1
+    r.hset(KEYS.request("q"), "emitted", 3)
+    assert s.strikes("q", "1-0", 3, 0) == 0  # 3 tokens since the last claim: churn, not poison
+    assert s.strikes("q", "1-0", 4, 0) == 1
+    assert s.strikes("q", "1-0", 7, 0) == 4  # ghost claims count too (delivery count jumps)
+    rec = r.hmget(KEYS.request("q"), "claim_entry", "claim_emitted", "claim_delivery")
+    assert rec == [b"1-0", b"3", b"3"]
+    # the hand-off's decode entry starts its own count from the tokens the task carried
+    assert s.strikes("q", "2-0", 2, 3) == 1
+    r.hset(KEYS.request("q"), "emitted", 4)
+    assert s.strikes("q", "2-0", 3, 3) == 0
+    # the live holder re-claiming its own entry (a late renewal) is no crash: count restarts
+    assert s.strikes("q", "2-0", 5, 3, alive=True) == 0
+    assert s.strikes("q", "2-0", 6, 3) == 1
+    # no record to keep a baseline in: every redelivery is a strike
+    assert s.strikes("gone", "1-0", 6, 0) == 5
+    assert not r.exists(KEYS.request("gone"))
+
+
+def test_release_makes_owned_entries_claimable_at_once(r):
+    a, b = make(r, "a"), make(r, "b")
+    e1, e2 = add_task(r, "r1"), add_task(r, "r2")
+    a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)  # a holds e1
+    b.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)  # b holds e2
+    a.release(KEYS.prefill_stream, PREFILL_GROUP, [e1, e2], 60_000)  # e2 is not a's: untouched
+    _, got = b.claim(KEYS.prefill_stream, PREFILL_GROUP, 60_000, 10)
+    assert [(e.entry_id, e.deliveries) for e in got] == [(e1, 2)]  # release counted no delivery
+    assert {p["message_id"].decode(): p["consumer"].decode() for p in
+            r.xpending_range(KEYS.prefill_stream, PREFILL_GROUP, "-", "+", 10)} == {
+        e1: "b", e2: "b"}  # fmt: skip

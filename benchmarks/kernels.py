@@ -1,8 +1,11 @@
 """Per-call cost of kvrelay's paged attention vs torch SDPA on contiguous K/V (one layer).
 
-Usage: python benchmarks/kernels.py [--impl torch|triton] [--device cpu|cuda] [--repeat N]
+Usage: python benchmarks/kernels.py [--impl auto|torch|triton|cpp] [--device cpu|cuda]
+       [--repeat N] [--suite all|ops|cpu]
 Prints one JSON line, then a table. Shapes are SmolLM2-135M's (9 heads, 3 KV heads, head_dim 64,
-page 16); multiply per-call times by 30 for a whole forward pass.
+page 16); multiply per-call times by 30 for a whole forward pass. The `cpu` suite compares the
+torch and C++ CPU paths: batch-32 decode at context 64/512/2048, and 8 sequences sharing a
+1,500-token prefix (shared block ids vs the same contexts in private blocks).
 """
 
 from __future__ import annotations
@@ -135,6 +138,69 @@ def bench_prefill(tokens, args) -> dict:
     return {"case": f"prefill {tokens}", "ours_ms": ours, "sdpa_ms": sdpa, "cat_sdpa_ms": sdpa}
 
 
+def bench_cpu_decode(ctx: int, args) -> dict:
+    ctx_lens = [ctx - 16 + i for i in range(32)]
+    pool, layer, meta, q, _ = _setup(ctx_lens, [1] * 32, 4, "cpu", torch.float32)
+    times = {
+        impl: _time(
+            lambda i=impl: paged_attention(q, pool, layer, meta, 0.125, impl=i), args.repeat, "cpu"
+        )
+        for impl in ("torch", "cpp")
+    }
+    return {"case": f"decode b32 ctx~{ctx}", "torch_ms": times["torch"], "cpp_ms": times["cpp"]}
+
+
+def bench_shared_prefix(args, prefix: int = 1500, tail: int = 100, batch: int = 8) -> dict:
+    """cpp on 8 sequences whose first 1,500 tokens are the same blocks vs private copies."""
+    ctx = prefix + tail
+    pages = -(-ctx // PAGE)
+    shared_pages = prefix // PAGE  # whole pages only can be shared
+    num_blocks = shared_pages + batch * (pages - shared_pages) + batch * pages + 1
+    pool = torch.randn(num_blocks, 4, 2, PAGE, KV_HEADS, HEAD_DIM)
+    free = list(range(1, num_blocks))
+    common = [free.pop() for _ in range(shared_pages)]
+    shared = [common + [free.pop() for _ in range(pages - shared_pages)] for _ in range(batch)]
+    private = [[free.pop() for _ in range(pages)] for _ in range(batch)]
+    q = torch.randn(batch, HEADS, HEAD_DIM)
+    ctx_lens = [ctx - i for i in range(batch)]
+
+    def meta(tables):
+        return AttentionMetadata(
+            slot_mapping=torch.zeros(batch, dtype=torch.int64),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+            max_query_len=1,
+            max_context_len=ctx,
+        )
+
+    ms, mp = meta(shared), meta(private)
+    row = {"case": f"shared {prefix} b{batch}"}
+    row["torch_ms"] = _time(
+        lambda: paged_attention(q, pool, 1, ms, 0.125, impl="torch"), args.repeat, "cpu"
+    )
+    row["cpp_ms"] = _time(
+        lambda: paged_attention(q, pool, 1, ms, 0.125, impl="cpp"), args.repeat, "cpu"
+    )
+    row["cpp_private_ms"] = _time(
+        lambda: paged_attention(q, pool, 1, mp, 0.125, impl="cpp"), args.repeat, "cpu"
+    )
+    return row
+
+
+def cpu_suite(args) -> None:
+    rows = [bench_cpu_decode(c, args) for c in (64, 512, 2048)] + [bench_shared_prefix(args)]
+    for r in rows:
+        r["speedup"] = r["torch_ms"] / r["cpp_ms"]
+    print(json.dumps({"bench": "kernels_cpu", "threads": torch.get_num_threads(), "rows": rows}))
+    print(f"{'case':<22}{'torch ms':>10}{'cpp ms':>10}{'speedup':>9}{'cpp private ms':>16}")
+    for r in rows:
+        private = f"{r['cpp_private_ms']:>16.3f}" if "cpp_private_ms" in r else ""
+        print(
+            f"{r['case']:<22}{r['torch_ms']:>10.3f}{r['cpp_ms']:>10.3f}{r['speedup']:>9.2f}{private}"
+        )
+
+
 _FIELDS = (
     "slot_mapping",
     "block_tables",
@@ -147,7 +213,8 @@ _FIELDS = (
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--impl", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--impl", default="auto", choices=["auto", "torch", "triton", "cpp"])
+    p.add_argument("--suite", default="all", choices=["all", "ops", "cpu"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--repeat", type=int, default=10)
@@ -158,6 +225,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.suite in ("all", "cpu") and args.device == "cpu":
+        cpu_suite(args)
+    if args.suite == "cpu":
+        return
     rows = [bench_decode(32, 600, args), bench_decode(8, 600, args), bench_decode(1, 600, args)]
     rows += [bench_prefill(n, args) for n in (128, 512, 2048)]
     for r in rows:

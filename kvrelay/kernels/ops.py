@@ -1,4 +1,4 @@
-"""Public kernel ops: validate arguments, then dispatch to Triton (CUDA) or torch."""
+"""Public kernel ops: validate arguments, then dispatch to Triton (CUDA), C++ (CPU fp32), torch."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kvrelay.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-_IMPLS = ("auto", "torch", "triton")
+_IMPLS = ("auto", "torch", "triton", "cpp")
 
 
 def _backend(impl: str, tensor: torch.Tensor) -> ModuleType:
@@ -23,6 +23,15 @@ def _backend(impl: str, tensor: torch.Tensor) -> ModuleType:
         from kvrelay.kernels import triton_ops
 
         return triton_ops
+    if impl == "cpp" or (impl == "auto" and tensor.dtype == torch.float32):
+        from kvrelay.kernels import cpu_build
+
+        if tensor.device.type == "cpu" and cpu_build.load() is not None:
+            from kvrelay.kernels import cpu_paged
+
+            return cpu_paged
+        if impl == "cpp":
+            raise KernelError("impl='cpp' needs CPU tensors and the built C++ CPU kernels")
     if tensor.device.type != "cpu":
         # The invariant torch path is tuned for CPU; elsewhere the simple reference runs.
         from kvrelay.kernels import torch_ref
@@ -64,6 +73,44 @@ def write_kv(
     if not slot_mapping.is_cuda and slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
         raise KernelError(f"slot {int(slot_mapping.max())} outside the pool's {num_slots} slots")
     _backend(impl, kv_pool).write_kv(kv_pool, layer, key, value, slot_mapping)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """RoPE (rotate_half) on q and k of qkv [T, (heads + 2 kv_heads) * D] at positions [T]
+    with cos/sin tables [N, D/2]; k and v are written at slot_mapping; returns q [T, heads, D].
+    """
+    _check_pool(kv_pool, layer)
+    kv_heads, head_dim = kv_pool.shape[4:]
+    num_tokens = slot_mapping.shape[0]
+    width = (num_heads + 2 * kv_heads) * head_dim
+    if qkv.dim() != 2 or tuple(qkv.shape) != (num_tokens, width):
+        raise KernelError(f"qkv must be [{num_tokens}, {width}], got {tuple(qkv.shape)}")
+    if positions.shape != slot_mapping.shape or slot_mapping.dtype != torch.int64:
+        raise KernelError("positions and slot_mapping must both be [T]; slot_mapping int64")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim // 2:
+        raise KernelError(f"cos/sin must be [N, {head_dim // 2}], got {tuple(cos.shape)}")
+    if not qkv.is_cuda and num_tokens:
+        if not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
+            raise KernelError(f"positions must be in [0, {cos.shape[0]})")
+        if int(slot_mapping.max()) >= kv_pool.shape[0] * kv_pool.shape[3]:
+            raise KernelError(f"slot {int(slot_mapping.max())} outside the pool")
+    backend = _backend(impl, kv_pool)
+    fn = getattr(backend, "rope_write_kv", None)
+    if fn is None:
+        from kvrelay.kernels import torch_ref
+
+        fn = torch_ref.rope_write_kv
+    return fn(qkv, positions, cos, sin, kv_pool, layer, slot_mapping, num_heads)
 
 
 def paged_attention(

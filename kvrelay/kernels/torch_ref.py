@@ -69,3 +69,27 @@ def gather_pages(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
 def scatter_pages(kv_pool: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
     """Copy whole pages into the pool's blocks."""
     kv_pool.index_copy_(0, block_ids.to(torch.long), pages.to(kv_pool.dtype))
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """Rotate q and k of a fused QKV row (HF rotate_half), write k and v; return q [T, H, D]."""
+    kv_heads, head_dim = kv_pool.shape[4:]
+    num_tokens, half = qkv.shape[0], head_dim // 2
+    x = qkv[:, : (num_heads + kv_heads) * head_dim].reshape(num_tokens, -1, head_dim)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    out[..., :half] = x1 * c - x2 * s
+    out[..., half:] = x2 * c + x1 * s
+    v = qkv[:, (num_heads + kv_heads) * head_dim :].reshape(num_tokens, kv_heads, head_dim)
+    write_kv(kv_pool, layer, out[:, num_heads:], v, slot_mapping)
+    return out[:, :num_heads]

@@ -96,7 +96,7 @@ def test_bad_input_raises_clear_errors() -> None:
         scatter_pages(pool, torch.tensor([0]), torch.zeros(1, 1, 2, 4, 2, 4))
     with pytest.raises(KernelError, match="slot 8 outside the pool's 8 slots"):
         write_kv(pool, 0, torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.tensor([8]))
-    with pytest.raises(KernelError, match=r"block ids \[5\] outside the pool of 2"):
+    with pytest.raises(KernelError, match=r"block ids? \[?5\]? outside the pool of 2"):
         paged_attention(torch.zeros(3, 2, 8), pool, 0, build_meta([[5]], [3], [3], 4), 1.0)
     too_long = build_meta([[0]], [3], [3], 4)
     too_long.context_lens = torch.tensor([5], dtype=torch.int32)

@@ -1,0 +1,159 @@
+"""The C++ CPU path (fp32, AVX2): paged attention reading pages in place, and KV writes.
+
+Shapes the extension does not cover (other dtypes, head_dim not in HEAD_DIMS, pages over 256
+keys, non-CPU tensors) go to the torch path, which stays the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.kernels import cpu_build, torch_paged, torch_ref
+from kvrelay.kernels.errors import KernelError
+from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.kernels.torch_ref import gather_pages, scatter_pages
+
+__all__ = ["gather_pages", "paged_attention", "rope_write_kv", "scatter_pages", "write_kv"]
+
+CHUNK_KEYS = 256  # keys per chunk: the unit of parallel work and of the final merge
+HEAD_DIMS = (8, 16, 32, 64, 128)
+MAX_PAGE_SIZE = 256
+
+
+@dataclass(slots=True)
+class CppPlan:
+    """The extension's work items for one step's metadata (shared by all layers)."""
+
+    block_tables: torch.Tensor  # int32 [S, max_blocks], contiguous
+    items: torch.Tensor  # int32 [N, 3]: chunk, first entry, end entry
+    entries: torch.Tensor  # int32 [M, 4]: sequence, first token, positions, first position
+    positions: torch.Tensor  # int32 [T]
+    chunk_offsets: torch.Tensor  # int32 [T + 1]: first partial of each token
+    chunk_pages: int
+
+
+def _f32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with each token's [H, D] contiguous (a view of a fused QKV row is fine)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def write_kv(
+    kv_pool: torch.Tensor,
+    layer: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Copy each token's K/V to its slot (negative slots skipped); bitwise the torch result."""
+    ext = cpu_build.load()
+    if ext is None or not _f32_cpu(kv_pool, key, value) or not kv_pool.is_contiguous():
+        torch_ref.write_kv(kv_pool, layer, key, value, slot_mapping)
+        return
+    ext.write_kv(
+        kv_pool, layer, _rows_contiguous(key), _rows_contiguous(value), slot_mapping.contiguous()
+    )
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """RoPE on q and k of a fused QKV [T, (heads + 2 kv_heads) * D]; k and v go to the pool."""
+    ext = cpu_build.load()
+    if ext is None or not _f32_cpu(qkv, cos, sin, kv_pool) or not kv_pool.is_contiguous():
+        return torch_ref.rope_write_kv(
+            qkv, positions, cos, sin, kv_pool, layer, slot_mapping, num_heads
+        )
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    return ext.rope_write_kv(
+        qkv,
+        positions.to(torch.int64).contiguous(),
+        cos.contiguous(),
+        sin.contiguous(),
+        kv_pool,
+        layer,
+        slot_mapping.contiguous(),
+        num_heads,
+    )
+
+
+def supports(query: torch.Tensor, kv_pool: torch.Tensor) -> bool:
+    """True when the extension can run this attention call."""
+    return (
+        _f32_cpu(query, kv_pool)
+        and kv_pool.is_contiguous()
+        and query.shape[2] in HEAD_DIMS
+        and kv_pool.shape[3] <= MAX_PAGE_SIZE
+    )
+
+
+def get_plan(meta: AttentionMetadata, page_size: int, num_blocks: int, num_tokens: int):
+    """The cached plan for this metadata (built on the first layer's call)."""
+    key = ("cpp", page_size, num_blocks, num_tokens)
+    plan = meta.plans.get(key)
+    if plan is None:
+        plan = _build_plan(meta, page_size, num_blocks, num_tokens)
+        meta.plans[key] = plan
+    return plan
+
+
+def _build_plan(meta: AttentionMetadata, page_size: int, num_blocks: int, num_tokens: int):
+    ext = cpu_build.load()
+    chunk_pages = max(1, CHUNK_KEYS // page_size)
+    tables = meta.block_tables.to("cpu", torch.int32).contiguous()
+    if tables.dim() != 2:
+        raise KernelError(f"block_tables must be 2-D, got {tuple(tables.shape)}")
+    try:
+        items, entries, positions, offsets = ext.build_plan(
+            tables,
+            meta.context_lens.to("cpu", torch.int32).contiguous(),
+            meta.query_start_loc.to("cpu", torch.int32).contiguous(),
+            num_tokens,
+            page_size,
+            chunk_pages,
+            num_blocks,
+        )
+    except ValueError as exc:
+        raise KernelError(str(exc)) from None
+    return CppPlan(tables, items, entries, positions, offsets, chunk_pages)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal paged attention, bitwise independent of batch, chunking and thread count."""
+    ext = cpu_build.load()
+    if ext is None or not supports(query, kv_pool):
+        return torch_paged.paged_attention(query, kv_pool, layer, meta, scale)
+    plan = get_plan(meta, kv_pool.shape[3], kv_pool.shape[0], query.shape[0])
+    return ext.paged_attention(
+        query.contiguous(),
+        kv_pool,
+        layer,
+        plan.block_tables,
+        plan.items,
+        plan.entries,
+        plan.positions,
+        plan.chunk_offsets,
+        plan.chunk_pages,
+        scale,
+    )

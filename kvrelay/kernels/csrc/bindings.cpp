@@ -1,0 +1,88 @@
+// Python bindings of the kvrelay CPU kernels: tensors in, raw pointers to the kernels.
+// Callers (kvrelay/kernels/cpu_paged.py) pass contiguous fp32 CPU tensors of checked shapes.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "ops.h"
+#include "parallel.h"
+
+namespace kvr {
+
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
+  at::parallel_for(0, n, grain, body);
+}
+
+namespace {
+
+torch::Tensor to_tensor(const std::vector<int>& v, int64_t cols) {
+  auto t = torch::empty({(int64_t)v.size() / cols, cols}, torch::kInt32);
+  std::copy(v.begin(), v.end(), t.data_ptr<int>());
+  return cols == 1 ? t.view(-1) : t;
+}
+
+std::vector<torch::Tensor> plan(const torch::Tensor& tables, const torch::Tensor& ctx,
+                                const torch::Tensor& qsl, int64_t num_tokens, int64_t page_size,
+                                int64_t chunk_pages, int64_t num_blocks) {
+  PlanOut p = build_plan(tables.data_ptr<int>(), ctx.size(0), tables.size(1),
+                         ctx.data_ptr<int>(), qsl.data_ptr<int>(), num_tokens, page_size,
+                         chunk_pages, num_blocks);
+  return {to_tensor(p.items, 3), to_tensor(p.entries, 4), to_tensor(p.positions, 1),
+          to_tensor(p.chunk_off, 1)};
+}
+
+torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& pool, int64_t layer,
+                        const torch::Tensor& tables, const torch::Tensor& items,
+                        const torch::Tensor& entries, const torch::Tensor& positions,
+                        const torch::Tensor& chunk_off, int64_t chunk_pages, double scale) {
+  auto out = torch::empty_like(query);
+  AttentionArgs a{query.data_ptr<float>(), pool.data_ptr<float>(), out.data_ptr<float>(),
+                  tables.data_ptr<int>(), items.data_ptr<int>(), entries.data_ptr<int>(),
+                  positions.data_ptr<int>(), chunk_off.data_ptr<int>(), tables.size(1), layer,
+                  (int)items.size(0), (int)query.size(0), (int)pool.size(1), (int)query.size(1),
+                  (int)pool.size(4), (int)query.size(2), (int)pool.size(3), (int)chunk_pages,
+                  (float)scale};
+  paged_attention(a, at::get_num_threads());
+  return out;
+}
+
+KVWriteArgs kv_args(torch::Tensor& pool, int64_t layer, const torch::Tensor& slots) {
+  return KVWriteArgs{pool.data_ptr<float>(), layer, pool.size(1), pool.size(3),
+                     pool.size(4) * pool.size(5), nullptr, nullptr, 0, 0,
+                     slots.data_ptr<int64_t>(), slots.size(0)};
+}
+
+void kv_write(torch::Tensor& pool, int64_t layer, const torch::Tensor& key,
+              const torch::Tensor& value, const torch::Tensor& slots) {
+  KVWriteArgs a = kv_args(pool, layer, slots);
+  a.key = key.data_ptr<float>();
+  a.value = value.data_ptr<float>();
+  a.key_stride = key.stride(0);
+  a.value_stride = value.stride(0);
+  write_kv(a);
+}
+
+torch::Tensor rope_kv_write(const torch::Tensor& qkv, const torch::Tensor& positions,
+                            const torch::Tensor& cos, const torch::Tensor& sin,
+                            torch::Tensor& pool, int64_t layer, const torch::Tensor& slots,
+                            int64_t heads) {
+  const int64_t kv_heads = pool.size(4), head_dim = pool.size(5);
+  auto q = torch::empty({qkv.size(0), heads, head_dim}, qkv.options());
+  RopeArgs r{qkv.data_ptr<float>(), qkv.stride(0), positions.data_ptr<int64_t>(),
+             cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(), qkv.size(0),
+             heads, kv_heads, head_dim};
+  rope_write_kv(r, kv_args(pool, layer, slots));
+  return q;
+}
+
+}  // namespace
+
+}  // namespace kvr
+
+// The compute ops release the GIL, like torch's own ops: the engine's IO threads keep running.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("build_plan", &kvr::plan, "Work items of a step's paged attention");
+  m.def("paged_attention", &kvr::attention, release(), "Causal paged attention, pages in place");
+  m.def("write_kv", &kvr::kv_write, release(), "Write K/V rows into the pool at their slots");
+  m.def("rope_write_kv", &kvr::rope_kv_write, release(), "RoPE on q and k, k and v to the pool");
+}

@@ -1,0 +1,62 @@
+// Entry points of the kvrelay CPU kernels (fp32, AVX2/FMA). Torch-free: only bindings.cpp
+// includes the (slow to compile) torch headers.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace kvr {
+
+struct PlanOut {
+  std::vector<int> items;      // [N, 3]: chunk, first entry, end entry
+  std::vector<int> entries;    // [M, 4]: sequence, first token, positions, first position
+  std::vector<int> positions;  // [T]
+  std::vector<int> chunk_off;  // [T + 1]: first partial of each token
+};
+
+// Throws std::invalid_argument (a Python ValueError) on inconsistent metadata.
+PlanOut build_plan(const int* block_tables, int num_seqs, int width, const int* context_lens,
+                   const int* query_start_loc, int num_tokens, int page_size, int chunk_pages,
+                   int64_t num_blocks);
+
+struct AttentionArgs {
+  const float* query;  // [T, heads, head_dim] contiguous
+  const float* pool;   // [blocks, layers, 2, page, kv_heads, head_dim] contiguous
+  float* out;          // [T, heads, head_dim]
+  const int* block_tables;
+  const int* items;
+  const int* entries;
+  const int* positions;
+  const int* chunk_off;
+  int64_t width, layer;
+  int num_items, num_tokens, num_layers, num_heads, kv_heads, head_dim, page_size, chunk_pages;
+  float scale;
+};
+
+void paged_attention(const AttentionArgs& args, int num_threads);
+
+struct KVWriteArgs {
+  float* pool;
+  int64_t layer, num_layers, page_size, row;  // row = kv_heads * head_dim
+  const float* key;
+  const float* value;
+  int64_t key_stride, value_stride;  // between tokens; a token's row is contiguous
+  const int64_t* slots;
+  int64_t num_tokens;
+};
+
+void write_kv(const KVWriteArgs& args);
+
+struct RopeArgs {
+  const float* qkv;  // [T, (heads + 2 * kv_heads) * head_dim], rows at qkv_stride
+  int64_t qkv_stride;
+  const int64_t* positions;
+  const float* cos;  // [N, head_dim / 2]
+  const float* sin;
+  float* query_out;  // [T, heads, head_dim]
+  int64_t num_tokens, heads, kv_heads, head_dim;
+};
+
+// Rotates q (into query_out) and k (in the KV write); v is copied as is.
+void rope_write_kv(const RopeArgs& rope, const KVWriteArgs& kv);
+
+}  // namespace kvr

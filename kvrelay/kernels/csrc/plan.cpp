@@ -1,0 +1,114 @@
+// Work plan of the C++ paged attention: which query rows meet which fixed key chunk.
+//
+// Keys are cut into chunks of `chunk_pages` pages from position 0. A sequence's query rows are
+// cut into row blocks of at most kRowBlock positions. An item is one chunk for one or more row
+// blocks whose pages in that chunk are the same block ids (a shared prefix): its thread reads
+// those pages once for all of them. Items are built once per step and reused by every layer.
+#include <algorithm>
+#include <array>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+
+namespace kvr {
+
+namespace {
+
+constexpr int kRowBlock = 16;  // query positions per row block
+constexpr int kItemPositions = 16;  // cap on positions sharing one item
+
+struct Item {
+  int chunk;
+  int positions = 0;
+  int pages = 0;
+  std::vector<std::array<int, 4>> entries;  // seq, first token, positions, first position
+};
+
+void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+}  // namespace
+
+PlanOut build_plan(const int* tables, int num_seqs, int width, const int* ctx, const int* qsl,
+                   int num_tokens, int page_size, int chunk_pages, int64_t num_blocks) {
+  if (qsl[0] != 0 || qsl[num_seqs] != num_tokens)
+    fail("query_start_loc must run from 0 to " + std::to_string(num_tokens));
+  const int chunk_keys = page_size * chunk_pages;
+  PlanOut out;
+  out.positions.resize(num_tokens);
+  out.chunk_off.resize(num_tokens + 1);
+  int* pos_of = out.positions.data();
+  int* off_of = out.chunk_off.data();
+  std::vector<Item> items;
+  std::map<std::vector<int>, int> open;  // (chunk, block ids...) -> item still taking rows
+  std::vector<int> key;
+  int total = 0;
+  for (int i = 0; i < num_seqs; ++i) {
+    const int n = qsl[i + 1] - qsl[i], len = ctx[i];
+    if (n < 0 || n > len)
+      fail("sequence " + std::to_string(i) + ": " + std::to_string(n) +
+           " query rows but context length " + std::to_string(len));
+    const int num_pages = (len + page_size - 1) / page_size;
+    if (num_pages > width)
+      fail("sequence " + std::to_string(i) + ": context " + std::to_string(len) +
+           " exceeds its block table");
+    const int* table = tables + (int64_t)i * width;
+    for (int p = 0; p < num_pages; ++p)
+      if (table[p] < 0 || table[p] >= num_blocks)
+        fail("sequence " + std::to_string(i) + ": block id " + std::to_string(table[p]) +
+             " outside the pool of " + std::to_string(num_blocks));
+    for (int j0 = 0; j0 < n; j0 += kRowBlock) {
+      const int npos = std::min(kRowBlock, n - j0), t0 = qsl[i] + j0, p0 = len - n + j0;
+      const int plast = p0 + npos - 1;
+      for (int j = 0; j < npos; ++j) {
+        pos_of[t0 + j] = p0 + j;
+        off_of[t0 + j] = total;
+        total += (p0 + j) / chunk_keys + 1;
+      }
+      for (int c = 0; c <= plast / chunk_keys; ++c) {
+        const int first = c * chunk_pages;
+        const int last = std::min<int>(plast / page_size, first + chunk_pages - 1);
+        key.assign(1, c);
+        key.insert(key.end(), table + first, table + last + 1);
+        auto it = open.find(key);
+        if (it == open.end() || items[it->second].positions + npos > kItemPositions) {
+          items.push_back(Item{c});
+          open[key] = (int)items.size() - 1;
+          it = open.find(key);
+        }
+        Item& item = items[it->second];
+        item.positions += npos;
+        item.pages = last - first + 1;
+        item.entries.push_back({i, t0, npos, p0});
+      }
+    }
+  }
+  off_of[num_tokens] = total;
+  // Costliest items first, so the dynamic queue ends with small ones (results do not depend
+  // on which thread runs which item).
+  std::vector<int> order(items.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = (int)k;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    const Item &x = items[a], &y = items[b];
+    return (int64_t)x.positions * x.pages > (int64_t)y.positions * y.pages;
+  });
+  size_t num_entries = 0;
+  for (auto& it : items) num_entries += it.entries.size();
+  out.items.resize(3 * items.size());
+  out.entries.resize(4 * num_entries);
+  int* it_out = out.items.data();
+  int* en_out = out.entries.data();
+  int e = 0;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const Item& item = items[order[k]];
+    it_out[3 * k] = item.chunk;
+    it_out[3 * k + 1] = e;
+    for (auto& en : item.entries) std::copy(en.begin(), en.end(), en_out + 4 * e++);
+    it_out[3 * k + 2] = e;
+  }
+  return out;
+}
+
+}  // namespace kvr

@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> dict:
         model=args.model, max_num_seqs=max(args.batches), num_threads=args.num_threads,
         max_num_batched_tokens=max(max_len, args.prompt_len * max(args.batches)),
         kv_cache_bytes=args.kv_cache_mib << 20, save_to_store=False,
+        quantization=args.quantization,
     ))  # fmt: skip
     hf = AutoModelForCausalLM.from_pretrained(engine.loaded.dir, dtype=torch.float32).eval()
     vocab = engine.vocab_size
@@ -154,6 +155,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.get_num_threads(), "prompt_len": args.prompt_len, "decode_tokens":
         args.decode_tokens, "repeats": args.repeats, "page_size": engine.config.page_size,
         "load_average_at_start": round(load_at_start, 2),
+        "quantization": engine.config.quantization,
     }  # fmt: skip
     return results
 
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="the engine's weights (transformers stays fp32: the baseline)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script works")
     p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     args = p.parse_args(argv)

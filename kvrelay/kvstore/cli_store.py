@@ -22,6 +22,7 @@ _FLAGS = [  # (flag, type, help); every flag is also KVRELAY_STORE_<NAME>
     ("--model", str, "model whose pages this node stores (sets page bytes and fingerprint)"),
     ("--dtype", str, "page dtype with --model (default float32)"),
     ("--page-size", int, "tokens per page with --model (default 16)"),
+    ("--quantization", str, "workers' weight quantization with --model: none or int8"),
     ("--fingerprint", str, "accept only pages of this model fingerprint"),
     ("--listen-host", str, "address of the remote-transfer listeners (default 127.0.0.1)"),
     ("--advertise-host", str, "address peers dial (default the listen host)"),
@@ -57,7 +58,12 @@ def build_config(args: argparse.Namespace):
     if cfg.model is not None:
         from kvrelay.pipeline.modelref import converted_dir, read_model_info, resolve_model
 
-        info = read_model_info(converted_dir(resolve_model(cfg.model)), cfg.dtype)
+        try:
+            info = read_model_info(
+                converted_dir(resolve_model(cfg.model)), cfg.dtype, cfg.quantization
+            )
+        except ValueError as exc:
+            raise SystemExit(f"kvrelay store: {exc}") from None
         page_bytes = info.page_bytes(cfg.dtype, cfg.page_size)
         if cfg.page_bytes not in (None, page_bytes):
             raise SystemExit(

@@ -25,6 +25,7 @@ class StoreConfig:
     model: str | None = None
     dtype: str = "float32"  # with `model`: the page dtype
     page_size: int = 16  # with `model`: tokens per page
+    quantization: str = "none"  # with `model`: the workers' weight quantization (fingerprint)
     fingerprint: str | None = None  # None: accept any model whose pages have page_bytes
     listen_host: str = "127.0.0.1"
     advertise_host: str | None = None  # address peers dial; default listen_host

@@ -202,8 +202,27 @@ def write_meta(directory: Path, meta: dict) -> None:
     os.replace(tmp, Path(directory) / META_FILE)
 
 
-def model_fingerprint(directory: str | os.PathLike, dtype: str = "float32") -> str:
-    """Hex fingerprint of (config, weights, dtype); the weight digest is cached in kvrelay.json."""
+# --quantization value -> the scheme's name in the fingerprint ("none" adds nothing, so fp32
+# fingerprints are unchanged); a changed scheme gets a new name so old KV pages never match.
+QUANTIZATION_SCHEMES = {"none": "", "int8": "int8-qkv-o-gateup-lmhead-w7a8-v1"}
+
+
+def normalize_quantization(quantization: str | None) -> str:
+    """`none` or `int8` from a flag value; ValueError naming the choices otherwise."""
+    name = "none" if quantization is None else str(quantization).strip().lower()
+    if name not in QUANTIZATION_SCHEMES:
+        raise ValueError(
+            f"unsupported quantization {quantization!r}; use one of "
+            f"{', '.join(QUANTIZATION_SCHEMES)}"
+        )
+    return name
+
+
+def model_fingerprint(
+    directory: str | os.PathLike, dtype: str = "float32", quantization: str = "none"
+) -> str:
+    """Hex fingerprint of (config, weights, dtype, quantization); the weight digest is cached
+    in kvrelay.json."""
     directory = Path(directory)
     meta = read_meta(directory)
     digest = meta.get("weights_digest")
@@ -218,6 +237,9 @@ def model_fingerprint(directory: str | os.PathLike, dtype: str = "float32") -> s
     h.update(digest.encode())
     h.update(b"|")
     h.update(normalize_dtype(dtype).encode())
+    scheme = QUANTIZATION_SCHEMES[normalize_quantization(quantization)]
+    if scheme:
+        h.update(b"|" + scheme.encode())
     return h.hexdigest()
 
 
@@ -227,7 +249,9 @@ def read_config(directory: str | os.PathLike) -> dict:
     return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
 
 
-def read_model_info(directory: str | os.PathLike, dtype: str = "float32") -> ModelInfo:
+def read_model_info(
+    directory: str | os.PathLike, dtype: str = "float32", quantization: str = "none"
+) -> ModelInfo:
     """Architecture numbers and fingerprint of a converted model directory."""
     cfg = read_config(directory)
     heads = int(cfg["num_attention_heads"])
@@ -242,5 +266,5 @@ def read_model_info(directory: str | os.PathLike, dtype: str = "float32") -> Mod
         vocab_size=int(cfg["vocab_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         dtype=normalize_dtype(dtype),
-        fingerprint=model_fingerprint(directory, dtype),
+        fingerprint=model_fingerprint(directory, dtype, quantization),
     )

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch compute threads")
+    p.add_argument("--quantization", default=None, choices=["none", "int8"],
+                   help="int8: int8 weights and activations (CPU fp32; default none)")  # fmt: skip
 
 
 def _sampling_fields() -> set[str]:
@@ -165,7 +167,8 @@ def _run(args: argparse.Namespace) -> int:
         config = from_env(EngineConfig, "engine", model=args.model,
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          num_threads=args.num_threads)  # fmt: skip
+                          num_threads=args.num_threads,
+                          quantization=args.quantization)  # fmt: skip
         engine = Engine(config)
     except (ModelNotFoundError, ConfigError, EngineError) as exc:
         raise CLIInputError(" ".join(str(exc).split()) or "model not found") from exc

@@ -20,6 +20,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
     enable_prefix_caching: bool = True
     save_to_store: bool = True
+    quantization: str = "none"  # none | int8 (CPU fp32: int8 weights, per-token int8 activations)
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from kvrelay.pipeline.modelref import (
     is_prepared,
     model_fingerprint,
     normalize_dtype,
+    normalize_quantization,
     read_config,
     resolve_model,
     weights_digest,
@@ -159,6 +160,7 @@ class LoadedModel:
     fingerprint: str
     dtype: object  # torch.dtype
     device: object  # torch.device
+    quantization: str = "none"
 
 
 def resolve_device_dtype(dtype: str = "auto", device: str = "auto"):
@@ -178,21 +180,37 @@ def load_model(
     dtype: str = "auto",
     device: str = "auto",
     progress: bool = True,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Prepare (convert once) and load a model with its tokenizer and fingerprint."""
+    """Prepare (convert once) and load a model with its tokenizer and fingerprint;
+    `quantization` "int8" replaces its linears by int8 ones (`kvrelay.workers.quant`)."""
     import torch
 
     from kvrelay.workers.model import LlamaForCausalLM
     from kvrelay.workers.model_config import ModelConfig
     from kvrelay.workers.model_weights import load_weights
 
+    try:
+        quantization = normalize_quantization(quantization)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
     start = time.monotonic()
     directory = prepare_model(name, progress=progress)
     torch_dtype, torch_device = resolve_device_dtype(dtype, device)
+    if quantization != "none" and (torch_device.type, torch_dtype) != ("cpu", torch.float32):
+        raise ModelLoadError(
+            f"--quantization {quantization} runs on CPU with float32 only "
+            f"(got {torch_device.type}, {str(torch_dtype).removeprefix('torch.')})"
+        )
     config = ModelConfig.from_hf(read_config(directory))
     with torch.inference_mode():
         model = LlamaForCausalLM(config, torch_dtype, torch_device)
-        load_weights(model, directory)
+        if quantization == "none":
+            load_weights(model, directory)
+        else:  # quantize from the dense fp32 weights, then pack what stays fp32
+            load_weights(model, directory, pack=False)
+            model.quantize(quantization)
+            model.pack_weights()
     model.eval()
     try:
         tokenizer = Tokenizer.from_dir(directory)
@@ -205,12 +223,14 @@ def load_model(
         model=model,
         config=config,
         tokenizer=tokenizer,
-        fingerprint=model_fingerprint(directory, dtype_name),
+        fingerprint=model_fingerprint(directory, dtype_name, quantization),
         dtype=torch_dtype,
         device=torch_device,
+        quantization=quantization,
     )
     logger.info(
-        "loaded %s (%s, %s) from %s in %.2f s",
-        loaded.name, dtype_name, torch_device, directory, time.monotonic() - start,
+        "loaded %s (%s, %s, quantization %s) from %s in %.2f s",
+        loaded.name, dtype_name, torch_device, quantization, directory,
+        time.monotonic() - start,
     )  # fmt: skip
     return loaded

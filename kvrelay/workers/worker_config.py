@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from kvrelay.config import ConfigError, env_name, from_env
+from kvrelay.pipeline.modelref import normalize_quantization
 
 SECTION = "WORKER"
 # Names every component reads; the WORKER-specific variable wins when both are set.
@@ -24,6 +25,7 @@ class WorkerConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str = "none"  # none | int8 (CPU fp32 only; see kvrelay.workers.quant)
     threads: int | None = None  # compute threads (torch); None: torch's default
     page_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -32,7 +34,8 @@ class WorkerConfig:
     max_model_len: int | None = None
     store_run_dir: str | None = None  # the local store node's run dir; None: no store
     lease_ms: int = 10000  # an entry idle this long is claimed by another worker
-    max_deliveries: int = 5  # more deliveries than this -> DLQ
+    # redeliveries in a row with no new token in between (poison, not churn) -> DLQ
+    max_deliveries: int = 5
     read_batch: int = 16  # entries per XREADGROUP
     block_ms: int = 50  # XREADGROUP BLOCK slice (stop/drain checks happen between slices)
     heartbeat_s: float = 1.0
@@ -56,6 +59,10 @@ class WorkerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+        try:
+            normalize_quantization(self.quantization)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads must be at least 1")
         if self.name is not None and (not self.name or any(c in self.name for c in " {}:")):

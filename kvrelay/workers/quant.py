@@ -1,0 +1,85 @@
+"""Int8 linear layers (`--quantization int8`): int8 weights, per-token dynamic int8 activations.
+
+y = (q(x) . Wq^T) * s_x * s_w, with per-output-channel symmetric weight scales (set once at
+load) and a symmetric scale per token row computed from that row alone. The int8 GEMM is
+oneDNN's `qlinear_pointwise` over a weight pre-packed by `qlinear_prepack`: it accumulates in
+int32, exactly, so a row's output depends only on that row, whatever the batch, the thread
+count or the CPU's instruction set. Exactness needs weights in [-63, 63]: without AVX-512
+VNNI oneDNN multiplies with `vpmaddubsw`, whose int16 pair sums saturate for |w| > 63 against
+the uint8 activations (measured: 8-bit weights give wrong sums under ONEDNN_MAX_CPU_ISA=AVX2,
+7-bit weights exact on AVX2 and VNNI alike). Activations keep the full 8 bits (zero point 128).
+`LlamaForCausalLM.quantize` says which layers use it. Measured here, the alternatives were
+slower or not invariant: `torch._int_mm` reorders its weight on every call (~0.5-1.8 ms fixed
+cost per layer on AVX2), `_weight_int8pack_mm` is 5-50x slower than fp32, fbgemm's
+`linear_dynamic` quantises activations per tensor (rows then depend on their batch).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvrelay.pipeline.modelref import QUANTIZATION_SCHEMES
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = tuple(QUANTIZATION_SCHEMES)  # flag values: none, int8
+WEIGHT_MAX = 63  # 7-bit weights: exact int32 sums on AVX2 (see the module docstring)
+ACT_MAX = 127
+ACT_ZERO_POINT = 128
+
+
+def can_quantize(weight: torch.Tensor) -> bool:
+    """True where the int8 path runs: CPU fp32 with oneDNN's quantized linear available."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and hasattr(torch.ops.onednn, "qlinear_prepack")
+    )
+
+
+def quantize_weight(
+    weight: torch.Tensor, qmax: int = WEIGHT_MAX
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight [out, in], fp32 scale [out]): symmetric, one scale per output channel."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / qmax
+    q = torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    return q, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 x with zero point 128, fp32 scale [rows, 1]): symmetric per row (token)."""
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).div_(ACT_MAX)
+    q = torch.round(x / scale).add_(ACT_ZERO_POINT).to(torch.uint8)
+    return q, scale
+
+
+class Int8Linear:
+    """Drop-in for `model.Linear` (same call): y = x W^T + b through oneDNN's int8 GEMM."""
+
+    __slots__ = ("packed", "scale", "bias", "out_features", "in_features", "_zero_points")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 weight_max: int = WEIGHT_MAX):  # fmt: skip
+        if not can_quantize(weight):
+            raise ValueError(
+                f"int8 quantization needs CPU float32 weights (got {weight.dtype} on "
+                f"{weight.device.type}) and a torch with oneDNN's quantized linear"
+            )
+        q, self.scale = quantize_weight(weight, weight_max)
+        self.out_features, self.in_features = (int(n) for n in q.shape)
+        self.packed = torch.ops.onednn.qlinear_prepack(q, None)
+        self.bias = None if bias is None else bias.detach().float().clone()
+        self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xq, x_scale = quantize_rows(x)
+        # x scale 1.0: the per-row scale is applied after, elementwise, to the fp32 result.
+        y = torch.ops.onednn.qlinear_pointwise(
+            xq, 1.0, ACT_ZERO_POINT, self.packed, self.scale, self._zero_points, None,
+            1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+        y.mul_(x_scale)
+        return y if self.bias is None else y.add_(self.bias)

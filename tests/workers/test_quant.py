@@ -1,0 +1,142 @@
+"""`--quantization int8`: exact int8 GEMM, batch/chunk invariance of the int8 engine, fixed greedy
+output, its own fingerprint, and clear errors for a bad value."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvrelay.config import ConfigError
+from kvrelay.pipeline.modelref import model_fingerprint
+from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.workers.engine import Engine, EngineConfig
+from kvrelay.workers.quant import ACT_ZERO_POINT, Int8Linear, quantize_rows, quantize_weight
+from kvrelay.workers.worker_config import load_worker_config
+
+# Greedy answer of the int8 model to "What is the capital of France?" (chat template): "The
+# capital of France is Paris." <eos>, as fp32's, but with "The" at logprob -1.35 (fp32: -1.88).
+INT8_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]
+
+
+@pytest.fixture(scope="module")
+def int8_model(model_dir):
+    from kvrelay.workers.model_loader import load_model
+
+    return load_model(progress=False, dtype="float32", device="cpu", quantization="int8")
+
+
+@pytest.fixture(scope="module")
+def make_engine(int8_model):
+    def make(**kw) -> Engine:
+        kw.setdefault("num_blocks", 64)
+        return Engine(EngineConfig(quantization="int8", **kw), loaded=int8_model)
+
+    return make
+
+
+def test_int8_linear_is_exact_and_row_invariant():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 1536, generator=g) * 0.05
+    x = torch.randn(13, 1536, generator=g) * 3
+    lin = Int8Linear(weight)
+    wq, w_scale = quantize_weight(weight)
+    assert int(wq.abs().max()) == 63  # 7-bit weights: exact sums without VNNI too
+    xq, x_scale = quantize_rows(x)
+    acc = (xq.long() - ACT_ZERO_POINT) @ wq.long().t()  # exact integer reference
+    expected = acc.float() * w_scale * x_scale
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            assert torch.equal(lin(x), expected)
+            for start, rows in ((0, 1), (3, 4), (5, 8), (1, 12)):
+                assert torch.equal(lin(x[start : start + rows]), expected[start : start + rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_greedy_answer_is_fixed(make_engine):
+    engine = make_engine()
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1)
+    out = engine.generate([prompt], params)[0]
+    assert out.output_token_ids == INT8_ANSWER
+    assert round(out.new_logprobs[0][504], 2) == -1.35
+
+
+def test_alone_equals_in_batch_of_8_and_chunked(make_engine):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 60, (8,), generator=g)]  # fmt: skip
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True)
+    batch = make_engine().generate(prompts, params)
+    engine = make_engine(max_num_batched_tokens=16)  # prompts prefill in chunks of <= 16
+    for i in (0, 5):
+        alone = engine.generate([prompts[i]], params)[0]
+        assert alone.output_token_ids == batch[i].output_token_ids
+        assert alone.new_logprobs == batch[i].new_logprobs
+
+
+def test_decoded_tokens_prefill_to_the_same_logprobs(make_engine):
+    prompt = list(range(1000, 1020))
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    decoded = make_engine().generate([prompt], params)[0]
+    # the first 3 outputs were decoded one at a time; here they are prefilled with the prompt
+    rest = make_engine().generate(
+        [prompt + decoded.output_token_ids[:3]],
+        SamplingParams(max_tokens=3, temperature=0.0, logprobs=3, ignore_eos=True),
+    )[0]
+    assert rest.output_token_ids == decoded.output_token_ids[3:]
+    assert rest.new_logprobs == decoded.new_logprobs[3:]
+
+
+def test_fingerprint_differs_from_fp32(make_engine, model_dir, loaded_model):
+    fp32 = model_fingerprint(model_dir, "float32")
+    assert loaded_model.fingerprint == fp32  # unchanged for unquantized models
+    int8 = model_fingerprint(model_dir, "float32", "int8")
+    assert make_engine().fingerprint == int8 != fp32
+    with pytest.raises(ValueError, match="config asks for 'none'"):
+        Engine(EngineConfig(num_blocks=8), loaded=make_engine().loaded)
+
+
+def test_worker_config_rejects_unknown_quantization():
+    env = {"KVRELAY_WORKER_QUANTIZATION": "int4"}
+    with pytest.raises(ConfigError, match="unsupported quantization 'int4'; use one of none, int8"):
+        load_worker_config(environ=env)
+    assert load_worker_config(environ={}, quantization="int8").quantization == "int8"
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvrelay.pipeline.cli", "--log-level", "WARNING", *args],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["worker", "decode"]])
+def test_cli_rejects_unknown_quantization_flag(command):
+    r = _cli(*command, "--quantization", "int4")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "argument --quantization: invalid choice: 'int4'" in r.stderr
+
+
+def test_generate_rejects_unknown_quantization_env():
+    r = _cli("generate", "hi", env={"KVRELAY_ENGINE_QUANTIZATION": "int4"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "kvrelay generate: error: unsupported quantization 'int4'; use one of none, int8"
+    ]
+
+
+def test_worker_rejects_unknown_quantization_env():
+    r = _cli("worker", "decode", env={"KVRELAY_WORKER_QUANTIZATION": "int4"})
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "kvrelay worker: unsupported quantization 'int4'; use one of none, int8"
+    ]

@@ -60,10 +60,23 @@ def _connect(args: argparse.Namespace):
         or os.environ.get("KVRELAY_KEY_PREFIX", "kvrelay:")
     )
     store_dir = state.get("store_run_dir") or os.environ.get("KVRELAY_STORE_RUN_DIR")
+    args.stack_state = state  # `status` shows the topology `kvrelay up` chose
     args.redis_url = url  # named by the one-line error of `kvrelay.pipeline.cli.main`
     timeout = max(0.1, args.timeout_s)
     client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     return client, Keys(prefix), store_dir
+
+
+def topology_of(workers: list[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
+    """Live worker counts by role, and what `kvrelay up` chose (when its stack.json is known)."""
+    live = {role: sum(w.get("role") == role for w in workers) for role in ("prefill", "decode")}
+    layout = "disaggregated" if live["prefill"] else "colocated"
+    summary = f"{live['prefill']} prefill + {live['decode']} decode live ({layout}"
+    summary += ")" if live["prefill"] else ": decode workers prefill locally)"
+    chosen = state.get("topology") or {}
+    if chosen.get("summary"):
+        summary += f"; kvrelay up: {chosen['summary']}"
+    return {**live, "layout": layout, "chosen": chosen or None, "summary": summary}
 
 
 def _print(args: argparse.Namespace, data: Any) -> None:
@@ -82,6 +95,7 @@ def run_status(args: argparse.Namespace) -> int:
 
     r, keys, store_dir = _connect(args)
     data = admin.status(r, keys, store_dir)
+    data["topology"] = topology_of(data["workers"], getattr(args, "stack_state", {}))
     if args.json:
         _print(args, data)
         return 0
@@ -103,6 +117,7 @@ def run_status(args: argparse.Namespace) -> int:
     )
     if data["store"] is not None:
         print(_store_line(data["store"]))
+    print(f"topology: {data['topology']['summary']}")
     return 0
 
 

@@ -1,8 +1,9 @@
 """`kvrelay up` / `kvrelay down`: the whole stack on one host under supervisord.
 
 Programs: valkey (embedded, append-only, unless --redis-url), one store node, the ingress, N
-prefill and M decode workers. The model is prepared (converted) once before any worker starts,
-and the host's cores are divided between the workers so they do not oversubscribe the CPU.
+prefill and M decode workers (chosen for the host unless given: `kvrelay.pipeline.topology`).
+The model is prepared (converted) once before any worker starts, and the host's cores are
+divided between the workers so they do not oversubscribe the CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from kvrelay.pipeline.cli import EXIT_UNAVAILABLE, CommandError
 from kvrelay.pipeline.ingress_config import MODES
 from kvrelay.pipeline.launch import Program, Supervisor, check_port_free, read_state
+from kvrelay.pipeline.topology import Topology, choose, threads_per_worker  # noqa: F401
 from kvrelay.pipeline.up_ready import CrashLoopError, check_redis, wait_ready
 
 DEFAULT_RUN_DIR = "kvrelay-run"
@@ -48,8 +50,12 @@ def _env_item(text: str) -> str:
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
     count, size = _number(int, 0, what="count"), _number(int, 1, what="size")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
-    p.add_argument("--prefill", type=count, default=1, help="prefill workers (default 1)")
-    p.add_argument("--decode", type=count, default=1, help="decode workers (default 1)")
+    p.add_argument(
+        "--prefill", type=count, default=None, help="prefill workers (default: chosen for the host)"
+    )
+    p.add_argument(
+        "--decode", type=count, default=None, help="decode workers (default: chosen for the host)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="ingress bind address")
     p.add_argument(
         "--port", type=_number(int, 1, 65535, "port"), default=8000, help="ingress port (8000)"
@@ -75,6 +81,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arena-bytes", type=size, default=1 << 30, help="store host-tier bytes")
     p.add_argument("--disk-bytes", type=count, default=8 << 30, help="store disk-tier bytes")
     p.add_argument("--kv-cache-bytes", type=size, default=None, help="per-worker KV pool bytes")
+    p.add_argument(
+        "--quantization",
+        choices=("none", "int8"),
+        default="none",
+        help="worker weights: none (model dtype) or int8 (CPU; opt-in, see docs/benchmarks.md)",
+    )
     p.add_argument("--detach", action="store_true", help="return once the stack is ready")
     p.add_argument(
         "--timeout",
@@ -102,9 +114,17 @@ def _num_gpus() -> int:
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
-def threads_per_worker(cores: int, num_workers: int) -> int:
-    """Cores each worker's compute pool gets so the workers together fill, not oversubscribe."""
-    return max(1, cores // max(1, num_workers))
+def resolve_topology(args: argparse.Namespace) -> Topology:
+    """Fill in --prefill/--decode for the host (once) and return the topology."""
+    topo = getattr(args, "topology", None)
+    if topo is not None:
+        return topo
+    env = dict(item.partition("=")[::2] for item in args.env)
+    asked = args.mode or env.get(MODE_ENV)
+    topo = choose(args.threads or os.cpu_count() or 1, _num_gpus(), args.prefill, args.decode,
+                  wants_prefill=asked in ("auto", "disaggregated"))  # fmt: skip
+    args.prefill, args.decode, args.topology = topo.prefill, topo.decode, topo
+    return topo
 
 
 def _free_port(avoid: int) -> int:
@@ -119,6 +139,7 @@ def _free_port(avoid: int) -> int:
 
 def ingress_mode(args: argparse.Namespace) -> str:
     """The ingress routing mode for these `up` arguments (CommandError when they disagree)."""
+    resolve_topology(args)
     env = dict(item.partition("=")[::2] for item in args.env)
     mode = args.mode or env.get(MODE_ENV) or ("colocated" if args.prefill == 0 else "auto")
     if args.mode and env.get(MODE_ENV, args.mode) != args.mode:
@@ -180,11 +201,15 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     }
     if args.kv_cache_bytes:
         env["KVRELAY_WORKER_KV_CACHE_BYTES"] = str(args.kv_cache_bytes)
+    if args.quantization != "none":  # the store must expect the quantized model's fingerprint
+        env["KVRELAY_WORKER_QUANTIZATION"] = args.quantization
+        env["KVRELAY_STORE_QUANTIZATION"] = args.quantization
     for item in args.env:  # KEY=VALUE, checked by argparse
         key, _sep, value = item.partition("=")
         env[key] = value
     mode = ingress_mode(args)
-    gpus = _num_gpus()
+    topo = resolve_topology(args)
+    gpus = topo.gpus
     if gpus:  # workers hold bf16 pages on CUDA (dtype auto); the store must expect that size
         env.setdefault("KVRELAY_STORE_DTYPE", "bfloat16")
     programs.append(Program("store", [*py, "store"], env=env, priority=20))
@@ -196,8 +221,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
             priority=30,
         )
     )
-    num_workers = args.prefill + args.decode
-    threads = threads_per_worker(args.threads or os.cpu_count() or 1, num_workers)
+    threads = topo.threads
     roles = [("prefill", i) for i in range(args.prefill)]
     roles += [("decode", i) for i in range(args.decode)]
     for n, (role, i) in enumerate(roles):
@@ -226,6 +250,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "programs": [p.name for p in programs],
         "prefill": args.prefill,
         "decode": args.decode,
+        "topology": topo.to_dict(),
     }
     return programs, state
 
@@ -245,7 +270,7 @@ def _preflight(args: argparse.Namespace, run_dir: Path) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    if args.decode < 1:
+    if args.decode is not None and args.decode < 1:
         raise CommandError("need --decode >= 1 (and --prefill >= 0)")
     run_dir = Path(args.run_dir).resolve()
     _preflight(args, run_dir)
@@ -260,6 +285,7 @@ def run_up(args: argparse.Namespace) -> int:
     sup = Supervisor(run_dir)
     programs, state = build_programs(args, run_dir)
     sup.write(programs, nodaemon=not args.detach, state=state)
+    print(f"kvrelay: topology: {args.topology.describe()}", file=sys.stderr)
     sup.start(detach=args.detach)
     where = f"http://{args.host}:{args.port}"
     logs = run_dir / "logs"

@@ -10,6 +10,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+LOADER_THREADS = 4  # concurrent store fetches of one worker (the node fetches 4 remotely too)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("role", choices=["prefill", "decode"], help="which stream this worker serves")
@@ -20,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="compute threads")
     p.add_argument("--device", default=None, help="auto | cpu | cuda[:n]")
     p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--quantization", default=None, choices=["none", "int8"],
+                   help="int8: int8 weights and activations (CPU fp32; default none)")  # fmt: skip
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool bytes")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -47,25 +51,40 @@ def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:
         node = str(client.connect().get("node_id", ""))
     except StoreError as exc:  # the node may still be starting; the connector retries per call
         logger.warning("store node in %s not reachable yet (%s)", run_dir, exc)
-    engine.set_kv_connector(CountingConnector(StoreConnector(client), metrics))
+    # Loads run on the engine's loader threads, each over its own socket: a slow fetch must
+    # not queue the compute loop's saves, or other requests' fetches, behind it (one
+    # StoreClient serves one call at a time).
+    loads = [StoreClient(run_dir, spec, timeout_s=10.0) for _ in range(LOADER_THREADS)]
+    engine.set_kv_connector(
+        CountingConnector(StoreConnector(client), metrics),
+        [CountingConnector(StoreConnector(c), metrics) for c in loads],
+    )
     return node
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvrelay.config import ConfigError
+    from kvrelay.pipeline.cli import CommandError
     from kvrelay.workers.engine import Engine, EngineConfig
     from kvrelay.workers.worker_config import load_worker_config
 
-    config = load_worker_config(
-        name=args.name, model=args.model, redis_url=args.redis_url, key_prefix=args.key_prefix,
-        threads=args.threads, device=args.device, dtype=args.dtype,
-        kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, store_run_dir=args.store_run_dir,
-        lease_ms=args.lease_ms, metrics_port=args.metrics_port)  # fmt: skip
+    try:
+        config = load_worker_config(
+            name=args.name, model=args.model, redis_url=args.redis_url,
+            key_prefix=args.key_prefix, threads=args.threads, device=args.device,
+            dtype=args.dtype, quantization=args.quantization,
+            kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            store_run_dir=args.store_run_dir, lease_ms=args.lease_ms,
+            metrics_port=args.metrics_port)  # fmt: skip
+    except ConfigError as exc:  # a bad setting is one line and exit 2, not a traceback
+        raise CommandError(str(exc)) from exc
     engine = Engine(EngineConfig(
         model=config.model, dtype=config.dtype, device=config.device, page_size=config.page_size,
         kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len, num_threads=config.threads))  # fmt: skip
+        max_model_len=config.max_model_len, num_threads=config.threads,
+        quantization=config.quantization))  # fmt: skip
     return serve(args.role, config, engine)
 
 

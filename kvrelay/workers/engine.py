@@ -57,7 +57,13 @@ class Engine:
         if config.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {config.page_size}")
         if loaded is None:
-            loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+            loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                                quantization=config.quantization)  # fmt: skip
+        elif loaded.quantization != config.quantization:
+            raise ValueError(
+                f"the loaded model has quantization {loaded.quantization!r}, "
+                f"the config asks for {config.quantization!r}"
+            )
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -96,11 +102,15 @@ class Engine:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def set_kv_connector(self, connector: KVConnector | None) -> None:
+    def set_kv_connector(
+        self, connector: KVConnector | None, load_connectors: list[KVConnector] | None = None
+    ) -> None:
         """Attach (or detach) the store after construction, e.g. once the page spec, which
-        needs the built KV pool, is known. Call before the first request."""
-        self.kv.connector = connector
-        self.kv.save_to_store = self.config.save_to_store and connector is not None
+        needs the built KV pool, is known. Call before the first request. `load_connectors`
+        (default: `connector`) serve lookups and loads, one loader thread each; give them
+        store sockets of their own so a slow fetch never queues the compute loop's saves (or,
+        with several, other requests' fetches) behind it."""
+        self.kv.set_connector(connector, load_connectors, self.config.save_to_store)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -210,6 +220,8 @@ class Engine:
         """Run one scheduler iteration; returns the new tokens of every request that got one."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if self.kv.has_pending_fetches():  # nothing to compute until a store fetch lands
+                self.kv.wait_fetches(0.01)
             return []
         logits = self.runner.run(sched.scheduled)
         self.stats.num_steps += 1

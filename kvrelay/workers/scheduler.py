@@ -10,6 +10,8 @@ of `waiting` keeping every token it has produced.
 Each step every running sequence is visited in admission order (the decodes of older requests
 come first), each taking `min(remaining tokens, budget left)`; waiting requests are admitted
 only with the budget and sequence slots left over, and not in a step that had to preempt.
+A waiting request whose prefix pages are still coming from the store keeps its place (and a
+sequence slot) but does not hold up the requests behind it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.store_checked = False  # its pages may be in the store by now
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -86,6 +89,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv.start_admission()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         i = 0
@@ -113,14 +117,20 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        slots = self.max_num_seqs - len(self.running)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and slots > 0:
+            seq = self.waiting[i]
+            slots -= 1
+            if not self.kv.ready(seq):  # its store fetch is in flight: admit the next one
+                i += 1
+                continue
             self.kv.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv.allocate_slots(seq, n):
                 self.kv.free(seq)  # its hits stay cached (free, keyed) for the next try
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.admitted = True
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:

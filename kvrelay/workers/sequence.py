@@ -39,6 +39,10 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks registered in the device prefix cache
     num_preemptions: int = 0
     admitted: bool = False
+    # Store prefix fetch (KVCacheManager.ready): in flight, settled, blocks loaded for it.
+    fetch: Any = None
+    store_checked: bool = False
+    loaded_blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     handoff: bool = False

@@ -196,6 +196,11 @@ def test_admin_status_and_worker_metrics(stack, client):
                             "--run-dir", str(stack.run_dir)], capture_output=True, text=True,
                            timeout=60).stdout  # fmt: skip
     assert "decode-0" in human and "store node0: host " in human
+    assert status["topology"]["summary"].startswith(
+        "1 prefill + 1 decode live (disaggregated); kvrelay up: 1 prefill + 1 decode workers, "
+    )  # given explicitly: this stack tests the prefill -> decode hand-off
+    assert status["topology"]["summary"].endswith("(given: --prefill 1 --decode 1)")
+    assert human.splitlines()[-1] == f"topology: {status['topology']['summary']}"
     port = workers["decode-0"]["metrics_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()

@@ -4,6 +4,7 @@ and the running stack stops cleanly (every program exits 0 on SIGTERM)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ def kvrelay(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 
 def up(run_dir: Path, port: int, *extra: str) -> subprocess.CompletedProcess:
-    return kvrelay_up(run_dir, port, "--prefill", "0", "--arena-bytes", str(64 << 20),
+    return kvrelay_up(run_dir, port, "--arena-bytes", str(64 << 20),
                       "--kv-cache-bytes", str(96 << 20), "--timeout", "150", *extra)  # fmt: skip
 
 
@@ -29,6 +30,11 @@ def test_second_stack_is_refused_and_first_stops_cleanly(tmp_path):
         assert first.returncode == 0, first.stderr
         state = json.loads(first.stdout.strip().splitlines()[-1])
         assert (state["ready"], state["mode"], state["port"]) == (True, "colocated", port)
+        # no --prefill/--decode on a CPU host: one decode worker with every core
+        topo = state["topology"]
+        cores = os.cpu_count() or 1
+        assert (topo["prefill"], topo["decode"], topo["auto"]) == (0, (cores // 16) or 1, True)
+        assert f"kvrelay: topology: {topo['summary']}\n" in first.stderr
         redis_port = int(state["redis_url"].rsplit(":", 1)[1].split("/")[0])
         for extra_port, extra in ((port, ()), (free_port(), ("--redis-port", str(redis_port)))):
             done = up(tmp_path / "b", extra_port, *extra)

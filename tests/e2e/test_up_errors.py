@@ -43,7 +43,10 @@ def test_up_is_not_ready_while_a_program_other_than_workers_fails(tmp_path):
     # not only workers: any program of the stack that keeps exiting fails `up` with its log
     done = up(tmp_path, "--prefill", "0", "--env", "KVRELAY_STORE_TRANSPORT=bogus")
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.startswith("kvrelay up: store keeps exiting; the end of its log:\n")
+    topology, rest = done.stderr.split("\n", 1)  # `up` names its topology before launching
+    assert topology.startswith("kvrelay: topology: 1 decode worker, ")
+    assert topology.endswith(" (given: --prefill 0 --decode 1)")
+    assert rest.startswith("kvrelay up: store keeps exiting; the end of its log:\n")
     assert "transport must be auto, ucx or tcp, got 'bogus'" in done.stderr
     assert done.stderr.endswith(f"kvrelay up: not ready; stopping. Logs in {tmp_path / 'logs'}\n")
     assert Supervisor(tmp_path).pid() is None

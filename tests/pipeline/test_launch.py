@@ -169,6 +169,35 @@ def test_up_programs_divide_cores_and_share_settings(tmp_path):
     assert "valkey" not in [p.name for p in programs] and state["redis_url"] == "redis://db:6379/2"
 
 
+def test_topology_is_chosen_for_the_host_unless_given():
+    from kvrelay.pipeline.topology import choose
+
+    def counts(cores, gpus, prefill=None, decode=None, wants=False):
+        t = choose(cores, gpus, prefill, decode, wants)
+        return t.prefill, t.decode, t.threads, t.auto
+
+    # CPU: never a dedicated prefill worker; one decode worker per 16 cores, all cores used
+    assert [counts(c, 0) for c in (1, 2, 8, 16, 40)] == [
+        (0, 1, 1, True), (0, 1, 2, True), (0, 1, 8, True), (0, 1, 16, True), (0, 2, 20, True)
+    ]  # fmt: skip
+    # GPUs: one worker per GPU, one in four prefills (at least one once there are two)
+    assert [counts(16, g)[:2] for g in (1, 2, 4, 8)] == [(0, 1), (1, 1), (1, 3), (2, 6)]
+    assert counts(2, 0, prefill=1) == (1, 1, 1, False)  # given counts win, cores divided
+    assert counts(2, 0, decode=3) == (0, 3, 1, False)
+    assert counts(2, 0, wants=True) == (1, 1, 1, True)  # --mode auto|disaggregated asked for
+    t = choose(2, 0, None, None)
+    assert t.describe() == (
+        "1 decode worker, 2 threads each, decode prefills locally "
+        "(auto: 2 CPU cores, no GPU: a prefill worker would take cores decode needs)"
+    )
+    assert choose(4, 0, 1, 1).describe() == (
+        "1 prefill + 1 decode workers, 2 threads each (given: --prefill 1 --decode 1)"
+    )
+    assert t.to_dict()["layout"] == "colocated" and choose(4, 2, None, None).layout == (
+        "disaggregated"
+    )
+
+
 def _main(capsys, *argv: str) -> tuple[int, str]:
     """Run the real `kvrelay` entry in-process; (exit code, last stderr line)."""
     from kvrelay.pipeline.cli import main
@@ -267,13 +296,17 @@ def test_up_mode_reaches_the_ingress_only(tmp_path):
     from kvrelay.pipeline.cli_up import build_programs
 
     cases = [
-        ([], "auto"),
+        ([], "colocated"),  # a CPU host: one decode worker that prefills locally
+        (["--prefill", "1"], "auto"),
+        (["--mode", "auto"], "auto"),  # the mode asked for needs a prefill worker: one comes
         (["--mode", "disaggregated"], "disaggregated"),
         (["--prefill", "0"], "colocated"),
         (["--env", "KVRELAY_INGRESS_MODE=disaggregated"], "disaggregated"),
     ]
     for argv, mode in cases:
-        programs, state = build_programs(build_parser().parse_args(["up", *argv]), tmp_path)
+        args = build_parser().parse_args(["up", "--threads", "2", *argv])
+        programs, state = build_programs(args, tmp_path)
+        assert state["topology"]["prefill"] == (mode != "colocated")
         by = {p.name: p for p in programs}
         assert (by["ingress"].env["KVRELAY_INGRESS_MODE"], state["mode"]) == (mode, mode)
         assert "KVRELAY_INGRESS_MODE" not in by["decode-0"].env or argv[:1] == ["--env"]
@@ -309,3 +342,24 @@ def test_readiness_wants_this_stacks_programs_running_and_listening(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_status_topology_counts_live_workers_and_names_the_choice():
+    from kvrelay.pipeline.cli_admin import topology_of
+    from kvrelay.pipeline.topology import choose
+
+    workers = [{"role": "decode"}, {"role": "decode"}, {"role": "prefill"}]
+    assert topology_of(workers, {}) == {
+        "prefill": 1,
+        "decode": 2,
+        "layout": "disaggregated",
+        "chosen": None,
+        "summary": "1 prefill + 2 decode live (disaggregated)",
+    }
+    state = {"topology": choose(2, 0, None, None).to_dict()}
+    got = topology_of([{"role": "decode"}], state)
+    assert got["summary"] == (
+        "0 prefill + 1 decode live (colocated: decode workers prefill locally); kvrelay up: "
+        "1 decode worker, 2 threads each, decode prefills locally (auto: 2 CPU cores, no GPU: "
+        "a prefill worker would take cores decode needs)"
+    )

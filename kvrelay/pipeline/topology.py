@@ -1,0 +1,87 @@
+"""Which workers `kvrelay up` runs when no `--prefill`/`--decode` is given (see docs/operations.md).
+
+A prefill worker only pays when it has hardware of its own to use while decode keeps running:
+on one CPU host prefill and decode share the same cores and memory bandwidth, so a dedicated
+prefill worker idles whenever prompts are short or cached while decode (the bottleneck) gets
+half the cores; measured on 2 cores, one decode worker with both cores that prefills locally
+served 1.4-1.7x the 1+1 split. With GPUs, a worker per GPU and a prefill GPU keeps long prompts
+from stalling the decode batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# One CPU engine scales poorly past this many threads on small models (GEMMs of a few hundred
+# rows, a Python step loop); beyond it another decode worker (its own batch) uses cores better.
+CPU_CORES_PER_WORKER = 16
+GPUS_PER_PREFILL = 4  # with 2+ GPUs: one prefill GPU per this many GPUs, the rest decode
+
+
+@dataclass(slots=True)
+class Topology:
+    """Worker counts and compute threads for one `kvrelay up`."""
+
+    prefill: int
+    decode: int
+    threads: int  # compute threads per worker
+    cores: int
+    gpus: int
+    auto: bool  # chosen for the host (no --prefill/--decode), else given
+    reason: str
+
+    @property
+    def layout(self) -> str:
+        return "disaggregated" if self.prefill else "colocated"
+
+    def describe(self) -> str:
+        """One line for `kvrelay up` and `kvrelay status`."""
+        parts = []
+        if self.prefill:
+            parts.append(f"{self.prefill} prefill")
+        parts.append(f"{self.decode} decode worker{'s' if self.decode + self.prefill > 1 else ''}")
+        unit = "GPU each" if self.gpus else f"thread{'s' if self.threads > 1 else ''} each"
+        text = " + ".join(parts) + (f", 1 {unit}" if self.gpus else f", {self.threads} {unit}")
+        if not self.prefill:
+            text += ", decode prefills locally"
+        how = "auto" if self.auto else "given"
+        return f"{text} ({how}: {self.reason})"
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), layout=self.layout, summary=self.describe())
+
+
+def threads_per_worker(cores: int, num_workers: int) -> int:
+    """Cores each worker's compute pool gets so the workers together fill, not oversubscribe."""
+    return max(1, cores // max(1, num_workers))
+
+
+def auto_counts(cores: int, gpus: int) -> tuple[int, int, str]:
+    """(prefill, decode, why) for a host with `cores` CPU cores and `gpus` GPUs."""
+    if gpus >= 2:
+        prefill = max(1, gpus // GPUS_PER_PREFILL)
+        return prefill, gpus - prefill, f"{gpus} GPUs: one worker per GPU, prefill on its own GPU"
+    if gpus == 1:
+        return 0, 1, "1 GPU: a second worker would time-share it"
+    decode = max(1, cores // CPU_CORES_PER_WORKER)
+    why = f"{cores} CPU cores, no GPU: a prefill worker would take cores decode needs"
+    return 0, decode, why
+
+
+def choose(
+    cores: int, gpus: int, prefill: int | None, decode: int | None, wants_prefill: bool = False
+) -> Topology:
+    """The topology for these counts (None = pick for the host); `wants_prefill`: the routing
+    mode was asked for explicitly and needs a prefill worker."""
+    auto_p, auto_d, why = auto_counts(cores, gpus)
+    given = prefill is not None or decode is not None
+    if prefill is None:
+        prefill = max(auto_p, 1) if wants_prefill else auto_p
+        if wants_prefill and not auto_p:
+            why = "the routing mode asked for needs a prefill worker"
+    if decode is None:
+        decode = auto_d
+    if given:
+        why = f"--prefill {prefill} --decode {decode}"
+    threads = threads_per_worker(cores, prefill + decode)
+    return Topology(prefill, decode, threads, cores, gpus, not given, why)

@@ -17,7 +17,8 @@ from pathlib import Path
 from kvrelay.pipeline.cli import EXIT_UNAVAILABLE, CommandError
 from kvrelay.pipeline.ingress_config import MODES
 from kvrelay.pipeline.launch import Program, Supervisor, check_port_free, read_state
-from kvrelay.pipeline.topology import Topology, choose, threads_per_worker  # noqa: F401
+from kvrelay.pipeline.modelref import QUANTIZATION_SCHEMES
+from kvrelay.pipeline.topology import Topology, choose
 from kvrelay.pipeline.up_ready import CrashLoopError, check_redis, wait_ready
 
 DEFAULT_RUN_DIR = "kvrelay-run"
@@ -83,7 +84,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=size, default=None, help="per-worker KV pool bytes")
     p.add_argument(
         "--quantization",
-        choices=("none", "int8"),
+        choices=tuple(QUANTIZATION_SCHEMES),
         default="none",
         help="worker weights: none (model dtype) or int8 (CPU; opt-in, see docs/benchmarks.md)",
     )

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvrelay.pipeline.modelref import QUANTIZATION_SCHEMES
+
 EXIT_BAD_INPUT = 2
 _REQUEST_KEYS = {"id", "prompt", "messages"}
 
@@ -40,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch compute threads")
-    p.add_argument("--quantization", default=None, choices=["none", "int8"],
+    p.add_argument("--quantization", default=None, choices=tuple(QUANTIZATION_SCHEMES),
                    help="int8: int8 weights and activations (CPU fp32; default none)")  # fmt: skip
 
 

@@ -8,6 +8,8 @@ import os
 import signal
 from typing import Any
 
+from kvrelay.pipeline.modelref import QUANTIZATION_SCHEMES
+
 logger = logging.getLogger(__name__)
 
 LOADER_THREADS = 4  # concurrent store fetches of one worker (the node fetches 4 remotely too)
@@ -22,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="compute threads")
     p.add_argument("--device", default=None, help="auto | cpu | cuda[:n]")
     p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--quantization", default=None, choices=["none", "int8"],
+    p.add_argument("--quantization", default=None, choices=tuple(QUANTIZATION_SCHEMES),
                    help="int8: int8 weights and activations (CPU fp32; default none)")  # fmt: skip
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool bytes")
     p.add_argument("--max-num-seqs", type=int, default=None)

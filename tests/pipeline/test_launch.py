@@ -119,7 +119,8 @@ def test_foreground_stack_stops_everything_on_sigterm(tmp_path):
 
 def test_up_programs_divide_cores_and_share_settings(tmp_path):
     from kvrelay.pipeline.cli import build_parser
-    from kvrelay.pipeline.cli_up import build_programs, threads_per_worker
+    from kvrelay.pipeline.cli_up import build_programs
+    from kvrelay.pipeline.topology import threads_per_worker
 
     assert [threads_per_worker(c, 3) for c in (1, 2, 6, 16)] == [1, 1, 2, 5]
     args = build_parser().parse_args(

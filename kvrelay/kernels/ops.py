@@ -6,6 +6,7 @@ import logging
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from kvrelay.kernels.errors import KernelError
 from kvrelay.kernels.metadata import AttentionMetadata
@@ -158,3 +159,53 @@ def scatter_pages(
             f"got {tuple(pages.shape)}"
         )
     _backend(impl, kv_pool).scatter_pages(kv_pool, block_ids, pages)
+
+
+def _cpp_rows(*tensors: torch.Tensor) -> ModuleType | None:
+    """The C++ extension when every tensor is a CPU fp32 tensor it can take, else None."""
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1:
+            return None
+    from kvrelay.kernels import cpu_build
+
+    return cpu_build.load()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x [T, D] (a new tensor)."""
+    ext = _cpp_rows(x, weight)
+    if ext is None:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return ext.rms_norm(x, weight.contiguous(), eps)
+
+
+def add_rms_norm(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += delta (in place), then RMSNorm of each row of the sum (a new tensor)."""
+    if residual.shape != delta.shape:
+        raise KernelError(f"delta {tuple(delta.shape)} must match {tuple(residual.shape)}")
+    ext = _cpp_rows(residual, delta, weight)
+    if ext is None or not residual.is_contiguous():
+        residual.add_(delta)
+        return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+    return ext.add_rms_norm(residual, delta, weight.contiguous(), eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for rows [gate | up] of gate_up [T, 2I]; returns [T, I]."""
+    ext = _cpp_rows(gate_up)
+    if ext is None:
+        half = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :half]) * gate_up[:, half:]
+    return ext.silu_mul(gate_up)
+
+
+def quantize_rows(x: torch.Tensor, qmax: int, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 q, fp32 scale [T, 1]): scale = max|row| / qmax, q = round(x / scale) + zero_point.
+    Round half to even, like torch.round: both paths give the same bits."""
+    ext = _cpp_rows(x)
+    if ext is None:
+        scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).div_(qmax)
+        return torch.round(x / scale).add_(zero_point).to(torch.uint8), scale
+    return tuple(ext.quantize_rows(x, float(qmax), zero_point))

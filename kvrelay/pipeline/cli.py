@@ -13,17 +13,37 @@ import logging
 import os
 import re
 import sys
+from typing import NoReturn
 
 
 class CommandError(Exception):
-    """A failure reported as one line `kvrelay <cmd>: message` on stderr with `exit_code`."""
+    """A failure reported as one line `kvrelay <cmd>: [error: ]message` on stderr."""
 
     def __init__(self, message: str, exit_code: int = 2):
         super().__init__(message)
         self.exit_code = exit_code
 
 
-EXIT_USAGE, EXIT_UNAVAILABLE = 2, 1
+# Exit codes of the CLI contract (docs/operations.md, "Exit codes").
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
+EXIT_UNAVAILABLE = EXIT_FAILURE  # Redis or the store node down or not answering
+
+# Commands whose errors follow the contract: one line `kvrelay <cmd>: error: <message>`, usage
+# errors included. The others keep `kvrelay <cmd>: <message>` until their tests move too.
+CONTRACT_COMMANDS = frozenset({"status", "requests", "dlq", "drain", "kv"})
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser; with `one_line` its usage errors are one line (exit 2)."""
+
+    one_line = False
+
+    def error(self, message: str) -> NoReturn:
+        if not self.one_line:
+            super().error(message)
+        line = " ".join(message.split())
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {line} (see `{self.prog} --help`)\n")
+
 
 # (command, module, help). A module may define `add_subcommands(subparsers)` instead of
 # `add_arguments` when the command has its own sub-commands (for example `worker prefill`).
@@ -34,12 +54,12 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("worker", "kvrelay.workers.cli_worker", "run a prefill or decode worker"),
     ("store", "kvrelay.kvstore.cli_store", "run this host's KV page store node"),
     ("status", "kvrelay.pipeline.cli_admin", "workers, streams, lag, DLQ and store usage"),
-    ("requests", "kvrelay.pipeline.cli_admin", "show or cancel a request"),
-    ("dlq", "kvrelay.pipeline.cli_admin", "list, show, replay or purge dead-lettered entries"),
+    ("requests", "kvrelay.pipeline.cli_requests", "show or cancel a request"),
+    ("dlq", "kvrelay.pipeline.cli_requests", "list, show, replay or purge dead-lettered entries"),
     ("drain", "kvrelay.pipeline.cli_admin", "stop a worker from taking new work"),
     ("kv", "kvrelay.kvstore.cli_store", "inspect the KV page store"),
     ("generate", "kvrelay.workers.cli_generate", "generate text in-process (no Redis)"),
-    ("bench", "kvrelay.pipeline.cli_admin", "send a load of requests to a running stack"),
+    ("bench", "kvrelay.bench.cli", "benchmark an OpenAI-compatible server"),
 ]
 
 
@@ -48,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvrelay", description="Disaggregated LLM serving over Redis streams."
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     sub.required = True
     for name, module_name, help_text in COMMANDS:
         try:
@@ -59,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue  # command not built yet
         hook = getattr(module, f"add_{name}_arguments", None) or module.add_arguments
         cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.one_line = name in CONTRACT_COMMANDS
         hook(cmd)
         runner = getattr(module, f"run_{name}", None) or module.run
         cmd.set_defaults(_run=runner)
@@ -95,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(args: argparse.Namespace, message: str) -> None:
-    print(f"kvrelay {args.command}: {' '.join(message.split())}", file=sys.stderr)
+    tag = "error: " if args.command in CONTRACT_COMMANDS else ""
+    print(f"kvrelay {args.command}: {tag}{' '.join(message.split())}", file=sys.stderr)
 
 
 def _redis_unavailable(args: argparse.Namespace, exc: Exception) -> str | None:

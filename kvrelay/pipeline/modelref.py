@@ -204,11 +204,15 @@ def write_meta(directory: Path, meta: dict) -> None:
 
 # --quantization value -> the scheme's name in the fingerprint ("none" adds nothing, so fp32
 # fingerprints are unchanged); a changed scheme gets a new name so old KV pages never match.
-QUANTIZATION_SCHEMES = {"none": "", "int8": "int8-qkv-o-gateup-lmhead-w7a8-v1"}
+QUANTIZATION_SCHEMES = {
+    "none": "",
+    "int8": "int8-qkv-o-gateup-lmhead-w7a8-v1",
+    "fp16": "fp16-weights-all-linears-lmhead-v1",
+}
 
 
 def normalize_quantization(quantization: str | None) -> str:
-    """`none` or `int8` from a flag value; ValueError naming the choices otherwise."""
+    """`none`, `int8` or `fp16` from a flag value; ValueError naming the choices otherwise."""
     name = "none" if quantization is None else str(quantization).strip().lower()
     if name not in QUANTIZATION_SCHEMES:
         raise ValueError(

@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.kernels import AttentionMetadata, paged_attention, rope_write_kv
+from kvrelay.kernels import (
+    AttentionMetadata,
+    add_rms_norm,
+    paged_attention,
+    rms_norm,
+    rope_write_kv,
+    silu_mul,
+)
 from kvrelay.workers.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -140,23 +147,26 @@ class LlamaForCausalLM(nn.Module):
             list(pool.map(Linear.pack, linears))
 
     def quantize(self, method: str, lm_head: bool = True) -> None:
-        """Replace the QKV, O and gate/up linears (and the LM head unless `lm_head` is False) by
-        `method`'s (see `kvrelay.workers.quant`); "none" keeps fp32. Call once after loading."""
-        from kvrelay.workers.quant import QUANTIZATIONS, Int8Linear
+        """Replace linears by `method`'s (see `kvrelay.workers.quant`); "none" keeps fp32.
+        int8: QKV, O, gate/up and the LM head (unless `lm_head` is False); fp16: every linear
+        and the LM head. Call once after loading."""
+        from kvrelay.workers.quant import QUANTIZATIONS, quantized_linear
 
         if method not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {method!r}; use one of {QUANTIZATIONS}")
         if method == "none":
             return
-        # `down` stays fp32: its input (SiLU(gate) * up) has outlier channels that per-token int8
-        # rounds away (measured perplexity vs fp32: +5.2% with `down` in int8, +2.6% without)
-        slots = [(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up")]
+        # int8 keeps `down` fp32: its input (SiLU(gate) * up) has outlier channels that per-token
+        # int8 rounds away (measured perplexity vs fp32: +5.2% with `down` in int8, +2.6%
+        # without). fp16 weights keep fp32 activations: nothing is rounded but the weights.
+        names = ("qkv", "o", "gate_up", "down") if method == "fp16" else ("qkv", "o", "gate_up")
+        slots = [(layer, name) for layer in self.layers for name in names]
         if lm_head:
             slots.append((self, "lm_head"))
 
         def convert(slot: tuple) -> None:
             lin = getattr(*slot)
-            setattr(*slot, Int8Linear(lin.dense_weight(), lin.bias))
+            setattr(*slot, quantized_linear(method, lin.dense_weight(), lin.bias))
 
         with ThreadPoolExecutor(2) as pool:  # the torch ops release the GIL: ~2x on 2 cores
             list(pool.map(convert, slots))
@@ -217,8 +227,8 @@ class LlamaForCausalLM(nn.Module):
         slots = meta.slot_mapping.to(self.device)
         token_pos = pos[:num_tokens]
         attn_rows = hidden.new_zeros(rows, c.q_size) if rows != num_tokens else None
+        x = rms_norm(hidden, self.layers[0].input_norm, c.rms_norm_eps) if self.layers else hidden
         for index, layer in enumerate(self.layers):
-            x = F.rms_norm(hidden, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
             # RoPE on q and k, k and v into the pool: one fused op (C++ on CPU fp32).
             q = rope_write_kv(
@@ -237,11 +247,13 @@ class LlamaForCausalLM(nn.Module):
             else:
                 attn_rows[:num_tokens] = attn.reshape(num_tokens, c.q_size)
                 attn_in = attn_rows
-            hidden = hidden + layer.o(attn_in)
-            x = F.rms_norm(hidden, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
-            gate_up = layer.gate_up(x)
-            act = F.silu(gate_up[:, : c.intermediate_size]) * gate_up[:, c.intermediate_size :]
-            hidden = hidden + layer.down(act)
+            # The residual adds run in place, fused with the next norm (one op each).
+            x = add_rms_norm(hidden, layer.o(attn_in), layer.post_norm, c.rms_norm_eps)
+            down = layer.down(silu_mul(layer.gate_up(x)))
+            if index + 1 < len(self.layers):
+                x = add_rms_norm(hidden, down, self.layers[index + 1].input_norm, c.rms_norm_eps)
+            else:
+                hidden.add_(down)
         return self.compute_logits(hidden, logits_indices)
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -250,5 +262,5 @@ class LlamaForCausalLM(nn.Module):
         selected = hidden[logits_indices.to(self.device, torch.long)]
         if padded_rows(num) != num:
             selected = F.pad(selected, (0, 0, 0, padded_rows(num) - num))
-        x = F.rms_norm(selected, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        x = rms_norm(selected, self.norm, self.config.rms_norm_eps)
         return self.lm_head(x)[:num].float()

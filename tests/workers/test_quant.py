@@ -18,7 +18,7 @@ from kvrelay.workers.quant import ACT_ZERO_POINT, Int8Linear, quantize_rows, qua
 from kvrelay.workers.worker_config import load_worker_config
 
 # Greedy answer of the int8 model to "What is the capital of France?" (chat template): "The
-# capital of France is Paris." <eos>, as fp32's, but with "The" at logprob -1.35 (fp32: -1.88).
+# capital of France is Paris." <eos>, as fp32's, but with "The" at logprob -1.41 (fp32: -1.88).
 INT8_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]
 
 
@@ -67,7 +67,9 @@ def test_greedy_answer_is_fixed(make_engine):
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1)
     out = engine.generate([prompt], params)[0]
     assert out.output_token_ids == INT8_ANSWER
-    assert round(out.new_logprobs[0][504], 2) == -1.35
+    # -1.41 with the C++ RMSNorm (its sum of squares rounds differently from torch's; int8
+    # rounding of the activations magnifies it); it was -1.35 with torch's.
+    assert round(out.new_logprobs[0][504], 2) == -1.41
 
 
 def test_alone_equals_in_batch_of_8_and_chunked(make_engine):
@@ -107,7 +109,8 @@ def test_fingerprint_differs_from_fp32(make_engine, model_dir, loaded_model):
 
 def test_worker_config_rejects_unknown_quantization():
     env = {"KVRELAY_WORKER_QUANTIZATION": "int4"}
-    with pytest.raises(ConfigError, match="unsupported quantization 'int4'; use one of none, int8"):
+    message = "unsupported quantization 'int4'; use one of none, int8, fp16"
+    with pytest.raises(ConfigError, match=message):
         load_worker_config(environ=env)
     assert load_worker_config(environ={}, quantization="int8").quantization == "int8"
 
@@ -130,7 +133,7 @@ def test_generate_rejects_unknown_quantization_env():
     r = _cli("generate", "hi", env={"KVRELAY_ENGINE_QUANTIZATION": "int4"})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
-        "kvrelay generate: error: unsupported quantization 'int4'; use one of none, int8"
+        "kvrelay generate: error: unsupported quantization 'int4'; use one of none, int8, fp16"
     ]
 
 
@@ -138,5 +141,5 @@ def test_worker_rejects_unknown_quantization_env():
     r = _cli("worker", "decode", env={"KVRELAY_WORKER_QUANTIZATION": "int4"})
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "kvrelay worker: unsupported quantization 'int4'; use one of none, int8"
+        "kvrelay worker: unsupported quantization 'int4'; use one of none, int8, fp16"
     ]

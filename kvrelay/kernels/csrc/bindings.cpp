@@ -74,6 +74,42 @@ torch::Tensor rope_kv_write(const torch::Tensor& qkv, const torch::Tensor& posit
   return q;
 }
 
+RowArgs rows_of(const torch::Tensor& x, int64_t dim, torch::Tensor& out) {
+  return RowArgs{x.data_ptr<float>(), x.stride(0), nullptr, 0, out.data_ptr<float>(),
+                 out.stride(0), x.size(0), dim};
+}
+
+torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  auto out = torch::empty_like(x);
+  rms_norm(rows_of(x, x.size(1), out), weight.data_ptr<float>(), (float)eps);
+  return out;
+}
+
+torch::Tensor add_norm(torch::Tensor& residual, const torch::Tensor& delta,
+                       const torch::Tensor& weight, double eps) {
+  auto out = torch::empty_like(residual);
+  RowArgs a = rows_of(residual, residual.size(1), out);
+  a.delta = delta.data_ptr<float>();
+  a.delta_stride = delta.stride(0);
+  rms_norm(a, weight.data_ptr<float>(), (float)eps);
+  return out;
+}
+
+torch::Tensor swiglu(const torch::Tensor& gate_up) {
+  const int64_t dim = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), dim}, gate_up.options());
+  silu_mul(rows_of(gate_up, dim, out));
+  return out;
+}
+
+std::vector<torch::Tensor> quantize(const torch::Tensor& x, double qmax, int64_t zero_point) {
+  auto q = torch::empty({x.size(0), x.size(1)}, x.options().dtype(torch::kUInt8));
+  auto scales = torch::empty({x.size(0), 1}, x.options());
+  RowArgs a{x.data_ptr<float>(), x.stride(0), nullptr, 0, nullptr, 0, x.size(0), x.size(1)};
+  quantize_rows(a, q.data_ptr<uint8_t>(), scales.data_ptr<float>(), (float)qmax, (int)zero_point);
+  return {q, scales};
+}
+
 }  // namespace
 
 }  // namespace kvr
@@ -85,4 +121,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &kvr::attention, release(), "Causal paged attention, pages in place");
   m.def("write_kv", &kvr::kv_write, release(), "Write K/V rows into the pool at their slots");
   m.def("rope_write_kv", &kvr::rope_kv_write, release(), "RoPE on q and k, k and v to the pool");
+  m.def("rms_norm", &kvr::norm, release(), "RMSNorm of each row");
+  m.def("add_rms_norm", &kvr::add_norm, release(), "residual += delta, then RMSNorm of each row");
+  m.def("silu_mul", &kvr::swiglu, release(), "SiLU(gate) * up of rows [gate | up]");
+  m.def("quantize_rows", &kvr::quantize, release(), "Symmetric int8 per row: (uint8 q, scale)");
 }

@@ -59,4 +59,19 @@ struct RopeArgs {
 // Rotates q (into query_out) and k (in the KV write); v is copied as is.
 void rope_write_kv(const RopeArgs& rope, const KVWriteArgs& kv);
 
+// Row-wise ops over `rows` rows of `dim` floats (strides in floats between rows).
+struct RowArgs {
+  float* x;            // input rows (rms_norm with delta: updated in place, x += delta)
+  int64_t x_stride;
+  const float* delta;  // optional residual to add first (nullptr: none)
+  int64_t delta_stride;
+  float* out;
+  int64_t out_stride;
+  int64_t rows, dim;
+};
+
+void rms_norm(const RowArgs& args, const float* weight, float eps);
+void silu_mul(const RowArgs& args);  // x rows [gate | up], each dim wide
+void quantize_rows(const RowArgs& args, uint8_t* q, float* scales, float qmax, int zero_point);
+
 }  // namespace kvr

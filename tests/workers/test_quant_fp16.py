@@ -1,0 +1,83 @@
+"""`--quantization fp16`: fp16 weights (fbgemm), fp32 activations; row, batch and chunk
+invariance, the greedy answer of fp32, its own fingerprint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.pipeline.modelref import model_fingerprint
+from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.workers.engine import Engine, EngineConfig
+from kvrelay.workers.quant import Fp16Linear, can_quantize
+
+if not can_quantize(torch.zeros(1, 1), "fp16"):
+    pytest.skip("this torch has no fbgemm (fp16 weights)", allow_module_level=True)
+
+# fp32's greedy answer to "What is the capital of France?": "The capital of France is Paris."
+FP32_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]
+
+
+@pytest.fixture(scope="module")
+def fp16_model(model_dir):
+    from kvrelay.workers.model_loader import load_model
+
+    return load_model(progress=False, dtype="float32", device="cpu", quantization="fp16")
+
+
+@pytest.fixture(scope="module")
+def make_engine(fp16_model):
+    def make(**kw) -> Engine:
+        kw.setdefault("num_blocks", 64)
+        return Engine(EngineConfig(quantization="fp16", **kw), loaded=fp16_model)
+
+    return make
+
+
+def test_fp16_linear_rounds_only_the_weights_and_rows_stand_alone():
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 1536, generator=g) * 0.05, torch.randn(96, generator=g)
+    x = torch.randn(70, 1536, generator=g) * 3
+    lin = Fp16Linear(weight, bias)
+    full = lin(x)
+    torch.testing.assert_close(full, x @ weight.half().float().T + bias, rtol=1e-5, atol=1e-4)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            assert torch.equal(lin(x), full)
+            for start, rows in ((0, 1), (3, 4), (5, 8), (1, 12), (2, 64), (69, 1)):
+                assert torch.equal(lin(x[start : start + rows]), full[start : start + rows])
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="fp16 weights need CPU float32 weights"):
+        Fp16Linear(weight.double())
+
+
+def test_greedy_answer_is_fp32s(make_engine):
+    engine = make_engine()
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert out.output_token_ids == FP32_ANSWER
+
+
+def test_alone_equals_in_batch_of_8_and_chunked(make_engine):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 60, (8,), generator=g)]  # fmt: skip
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True)
+    batch = make_engine().generate(prompts, params)
+    engine = make_engine(max_num_batched_tokens=16)  # prompts prefill in chunks of <= 16
+    for i in (0, 5):
+        alone = engine.generate([prompts[i]], params)[0]
+        assert alone.output_token_ids == batch[i].output_token_ids
+        assert alone.new_logprobs == batch[i].new_logprobs
+
+
+def test_fingerprint_is_its_own(make_engine, model_dir):
+    fp16 = model_fingerprint(model_dir, "float32", "fp16")
+    assert make_engine().fingerprint == fp16
+    assert fp16 not in (model_fingerprint(model_dir, "float32"),
+                        model_fingerprint(model_dir, "float32", "int8"))  # fmt: skip

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--kv-cache-mib", type=int, default=512)
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "fp16"],
                    help="the engine's weights (transformers stays fp32: the baseline)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script works")
     p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")

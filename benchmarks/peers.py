@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--quantization",
-        choices=("none", "int8"),
+        choices=("none", "int8", "fp16"),
         default="none",
         help="kvrelay's linears (`kvrelay up --quantization`)",
     )

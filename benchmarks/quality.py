@@ -1,4 +1,4 @@
-"""Quality of `--quantization int8` vs fp32: perplexity on a held-out text, greedy agreement.
+"""Quality of `--quantization int8`/`fp16` vs fp32: perplexity on a held-out text, greedy agreement.
 
 Perplexity follows llama.cpp's `llama-perplexity` (tools/perplexity/perplexity.cpp) so the
 numbers compare: the text is tokenized whole (no BOS: the GGUF's add_bos_token is false), cut
@@ -124,6 +124,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-perplexity", type=Path, default=None,
                     help="llama.cpp binary (default: on PATH, else the peers' build)")  # fmt: skip
+    ap.add_argument("--variants", default="",
+                    help="comma-separated subset (fp32 always runs: the reference)")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     binary = args.llama_perplexity or Path(shutil.which("llama-perplexity") or LLAMA_PERPLEXITY)
@@ -131,7 +133,14 @@ def main() -> int:
         "fp32": ("none", False),
         "int8": ("int8", True),
         "int8, fp32 lm_head": ("int8", False),
+        "fp16": ("fp16", True),
     }
+    if args.variants:
+        wanted = ["fp32", *(v.strip() for v in args.variants.split(",") if v.strip() != "fp32")]
+        unknown = [v for v in wanted if v not in variants]
+        if unknown:
+            ap.error(f"unknown variants {unknown}; choose from {list(variants)}")
+        variants = {v: variants[v] for v in wanted}
     results, reference = [], None
     for name, (quantization, lm_head) in variants.items():
         loaded = load_model(progress=False, dtype="float32", device="cpu")

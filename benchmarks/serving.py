@@ -11,6 +11,7 @@ inter-token latency (median, p90) and output tokens/s, and the pipeline/in-proce
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -23,7 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvrelay.pipeline.loadgen import RequestResult, run_load, summarize  # noqa: E402
+from kvrelay.bench.datasets import Dataset, Session  # noqa: E402
+from kvrelay.bench.request import RequestOptions, RequestRecord, Target  # noqa: E402
+from kvrelay.bench.runner import Load  # noqa: E402
+from kvrelay.bench.runner import run_load as bench_load  # noqa: E402
+from kvrelay.bench.stats import Slo  # noqa: E402
+from kvrelay.bench.stats import summarize as bench_summarize  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -36,8 +42,34 @@ def prompts_for(n: int, salt: str) -> list[str]:
     return [f"[{salt}-{i}] Write a short poem about {topics[i % len(topics)]}." for i in range(n)]
 
 
+def run_load(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int
+             ) -> tuple[list[RequestRecord], float]:  # fmt: skip
+    """`prompts` streamed to /v1/completions with `concurrency` in flight (kvrelay bench's loop)."""
+    sessions = [Session(prompt=p) for p in prompts]
+    target = Target("pipeline", url.rstrip("/"), model)
+    opts = RequestOptions("completions", max_tokens, ignore_eos=True)
+    load = Load(concurrency=concurrency, num_requests=len(prompts))
+    dataset = Dataset("serving", lambda i: sessions[i])
+    res = asyncio.run(bench_load(target, dataset, load, opts, 0, lambda _rec: None))
+    return res.records, res.duration_s
+
+
+def summarize(run: tuple[list[RequestRecord], float], concurrency: int) -> dict:
+    """Median/p90 TTFT and ITL (per-request TPOT) in ms, output tokens/s, errors."""
+    records, wall = run
+    s = bench_summarize(records, wall, Slo(), server="", url="", mode="concurrency",
+                        point=concurrency, rounds=1)  # fmt: skip
+    return {
+        "concurrency": concurrency, "requests": s.num_requests, "errors": s.num_errors,
+        "ttft_ms_p50": s.ttft_ms.p50, "ttft_ms_p90": s.ttft_ms.p90,
+        "itl_ms_p50": s.tpot_ms.p50, "itl_ms_p90": s.tpot_ms.p90,
+        "output_tok_s": round(s.output_throughput, 2),
+        "first_error": s.errors[0] if s.errors else None,
+    }  # fmt: skip
+
+
 def inprocess(engine, prompts: list[str], max_tokens: int, concurrency: int
-              ) -> tuple[list[RequestResult], float]:  # fmt: skip
+              ) -> tuple[list[RequestRecord], float]:  # fmt: skip
     """The same closed loop against an in-process Engine."""
     from kvrelay.pipeline.sampling import SamplingParams
 
@@ -45,15 +77,17 @@ def inprocess(engine, prompts: list[str], max_tokens: int, concurrency: int
     pending = [
         (f"ip-{time.monotonic_ns()}-{i}", engine.tokenizer.encode(p)) for i, p in enumerate(prompts)
     ]
-    active: dict[str, tuple[RequestResult, float, list[float]]] = {}
-    results: list[RequestResult] = []
+    active: dict[str, tuple[RequestRecord, float, list[float]]] = {}
+    results: list[RequestRecord] = []
     start = time.monotonic()
 
     def admit() -> None:
         while pending and len(active) < concurrency:
             rid, ids = pending.pop(0)
             engine.add_request(rid, ids, params)
-            active[rid] = (RequestResult(), time.monotonic(), [])
+            session = int(rid.rsplit("-", 1)[1])
+            active[rid] = (RequestRecord("in-process", concurrency, 0, session, 0),
+                           time.monotonic(), [])  # fmt: skip
 
     admit()
     while active:
@@ -62,13 +96,13 @@ def inprocess(engine, prompts: list[str], max_tokens: int, concurrency: int
         for out in outs:
             res, t0, last = active[out.request_id]
             if res.output_tokens == 0:
-                res.ttft = now - t0
+                res.ttft_s = now - t0
             else:
-                res.gaps.append(now - last[0])
+                res.itl_s.append(now - last[0])
             last[:] = [now]
             res.output_tokens += len(out.new_token_ids)
             if out.finished:
-                res.latency = now - t0
+                res.e2e_s = now - t0
                 results.append(res)
                 del active[out.request_id]
         admit()
@@ -178,7 +212,7 @@ def main() -> int:
         inprocess(engine, prompts_for(4, "warm"), args.max_tokens, 2)
         for c in levels:
             n = args.requests or max(4, 2 * c)
-            runs: dict[str, tuple[list[RequestResult], float]] = {
+            runs: dict[str, tuple[list[RequestRecord], float]] = {
                 "pipeline": ([], 0.0), "in-process": ([], 0.0)}  # fmt: skip
             for rep in range(args.repeats):  # alternate the modes so load drift hits both
                 prompts = prompts_for(n, f"c{c}r{rep}")

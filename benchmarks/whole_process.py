@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--quantization", default="none", choices=["none", "int8"])
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "fp16"])
     args = p.parse_args(argv)
     from kvrelay.pipeline.modelref import converted_dir, resolve_model
 

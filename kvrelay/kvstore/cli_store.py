@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import signal
-import sys
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +110,8 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
         choices=["host", "all"],
         help="`evict`: demote the arena to disk (host) or drop everything (all)",
     )
-    p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument("--timeout-s", type=float, default=5.0, help="wait this long for the node")
+    p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def store_run_dir(run_dir: str | None) -> str:
@@ -135,30 +135,39 @@ def store_run_dir(run_dir: str | None) -> str:
 
 def _page_key(args: argparse.Namespace) -> bytes | None:
     """The page key of `get` (required there, refused elsewhere); ValueError says why."""
+    from kvrelay.kvstore.keys import KEY_BYTES
+
     if args.action != "get":
         if args.key:  # stats/ls/evict work on whole tiers; never ignore a key silently
             hint = " (it works on a whole tier: --tier host|all)" if args.action == "evict" else ""
-            raise ValueError(f"takes no page key, got {args.key!r}{hint}")
+            raise ValueError(f"kv {args.action} takes no page key, got {args.key!r}{hint}")
         return None
     if not args.key:
         raise ValueError("give a page key (hex), as `kvrelay kv ls` prints it")
     try:
-        return bytes.fromhex(args.key)
+        key = bytes.fromhex(args.key)
     except ValueError:
-        raise ValueError(f"not a hex page key: {args.key!r}") from None
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise ValueError(
+            f"not a page key: {args.key!r} ({2 * KEY_BYTES} hex digits, as `kvrelay kv ls` "
+            "prints them)"
+        )
+    return key
 
 
 def run_kv(args: argparse.Namespace) -> int:
     from kvrelay.kvstore.client import StoreClient
     from kvrelay.kvstore.errors import StoreError
-    from kvrelay.kvstore.page import unpack_header, verify_page
+    from kvrelay.pipeline.cli import EXIT_FAILURE, EXIT_NOT_FOUND, CommandError
 
+    if args.limit < 1 or args.timeout_s <= 0:
+        raise CommandError("--limit must be at least 1 and --timeout-s above 0")
     try:
         key = _page_key(args)
         run_dir = store_run_dir(args.run_dir)
     except ValueError as exc:  # bad usage: one line, exit 2 (an unreachable node is 1)
-        print(f"kvrelay kv {args.action}: {exc}", file=sys.stderr)
-        return 2
+        raise CommandError(str(exc)) from None
     client = StoreClient(run_dir, timeout_s=args.timeout_s)
     try:
         if args.action == "stats":
@@ -166,37 +175,63 @@ def run_kv(args: argparse.Namespace) -> int:
         elif args.action == "ls":
             out = client.ls(args.limit)
         elif args.action == "evict":
-            out = {"evicted": client.evict(args.tier)}
+            out = {"evicted": client.evict(args.tier), "tier": args.tier}
         else:
-            reply = client.call("get", keys=[key], remote=False)
-            out = {"key": args.key, "found": bool(reply["slots"])}
-            if reply["slots"]:
-                try:
-                    arena = client._map(reply)
-                    page = arena.slot(reply["slots"][0])
-                    h = unpack_header(page)
-                    out.update(
-                        fingerprint=h.fingerprint,
-                        dtype=h.dtype,
-                        shape=list(h.shape),
-                        num_tokens=h.num_tokens,
-                        payload_bytes=h.payload_bytes,
-                        checksum=f"{h.checksum:08x}",
-                    )
-                    try:
-                        verify_page(page, key)
-                        out["verified"] = True
-                    except StoreError as exc:
-                        out["verified"] = False
-                        out["error"] = str(exc)
-                finally:
-                    client.call("release", slots=reply["slots"])
-        out.pop("ok", None)
-        out.pop("id", None)
-        print(json.dumps(out, indent=2))
-        return 0
+            out = _get(client, key, args.key)
+            if out is None:
+                raise CommandError(f"no page {args.key} in the store at {run_dir}", EXIT_NOT_FOUND)
     except StoreError as exc:
-        print(f"kvrelay kv {args.action}: {exc}", file=sys.stderr)
-        return 1
+        raise CommandError(f"store node at {run_dir}: {exc}", EXIT_FAILURE) from None
     finally:
         client.close()
+    out.pop("ok", None)
+    out.pop("id", None)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _print_human(args.action, out)
+    return 0
+
+
+def _get(client, key: bytes, key_hex: str) -> dict | None:
+    """The header of one page in the arena (verified), None when the store has no such page."""
+    from kvrelay.kvstore.errors import StoreError
+    from kvrelay.kvstore.page import unpack_header, verify_page
+
+    reply = client.call("get", keys=[key], remote=False)
+    if not reply["slots"]:
+        return None
+    out: dict = {"key": key_hex, "found": True}
+    try:
+        page = client._map(reply).slot(reply["slots"][0])
+        h = unpack_header(page)
+        out.update(fingerprint=h.fingerprint, dtype=h.dtype, shape=list(h.shape),
+                   num_tokens=h.num_tokens, payload_bytes=h.payload_bytes,
+                   checksum=f"{h.checksum:08x}")  # fmt: skip
+        try:
+            verify_page(page, key)
+            out["verified"] = True
+        except StoreError as exc:
+            out["verified"] = False
+            out["error"] = str(exc)
+    finally:
+        client.call("release", slots=reply["slots"])
+    return out
+
+
+def _print_human(action: str, out: dict) -> None:
+    if action == "stats":
+        from kvrelay.pipeline.cli_admin import store_line
+
+        print(store_line(out))
+    elif action == "ls":
+        for tier, keys in out.items():
+            print(f"{tier}: {len(keys)} page{'s' * (len(keys) != 1)}")
+            for key in keys:
+                print(f"  {key}")
+    elif action == "evict":
+        print(f"evicted {out['evicted']} pages ({out['tier']})")
+    else:
+        width = max(map(len, out))
+        for name, value in out.items():
+            print(f"{name:<{width}}  {value}")

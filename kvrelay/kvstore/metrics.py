@@ -46,8 +46,19 @@ class StoreMetrics:
             out.setdefault(name, {})["/".join(labels)] = v
         return out
 
+    def hit_rates(self) -> dict[str, float]:
+        """Lifetime hits / lookups by tier (tiers that saw a lookup)."""
+        with self._lock:
+            items = list(self.values.items())
+        tally: dict[str, list[float]] = {}
+        for (name, labels), v in items:
+            if name in ("hits", "misses"):
+                tally.setdefault(labels[0], [0.0, 0.0])[name == "misses"] += v
+        return {tier: h / (h + m) for tier, (h, m) in sorted(tally.items()) if h + m}
+
     def prometheus(self, gauges):
-        """A CollectorRegistry with every counter plus `gauges() -> {tier: pages}` as a gauge."""
+        """A CollectorRegistry with every counter plus `gauges()` (StoreAdmin.counts: pages by
+        tier and capacities) as page, usage and hit-rate gauges."""
         from prometheus_client import CollectorRegistry, Counter
         from prometheus_client.core import GaugeMetricFamily
 
@@ -59,12 +70,29 @@ class StoreMetrics:
         for (name, labels), v in self.values.items():
             self._prom[name].labels(*labels).inc(v)
 
+        metrics = self
+
         class _Pages:
             def collect(self):
+                counts = gauges()
                 g = GaugeMetricFamily("kvrelay:store_pages", "pages held, by tier", labels=["tier"])
-                for tier, n in gauges().items():
+                for tier, n in counts.items():
                     g.add_metric([tier], n)
                 yield g
+                # like vLLM's kv_cache_usage_perc (0-1), per store tier
+                usage = GaugeMetricFamily(
+                    "kvrelay:store_usage_perc", "Store tier usage. 1 means 100 percent usage.",
+                    labels=["tier"])  # fmt: skip
+                for tier, capacity in (("host", "host_slots"), ("disk", "disk_capacity")):
+                    if counts.get(capacity):
+                        usage.add_metric([tier], counts.get(tier, 0) / counts[capacity])
+                yield usage
+                rate = GaugeMetricFamily(
+                    "kvrelay:store_hit_rate", "Page lookup hits / lookups by tier, since start.",
+                    labels=["tier"])  # fmt: skip
+                for tier, value in metrics.hit_rates().items():
+                    rate.add_metric([tier], value)
+                yield rate
 
         registry.register(_Pages())
         return registry

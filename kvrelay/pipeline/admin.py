@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from typing import Any
 
 import redis
 
 from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
-from kvrelay.pipeline.messages import DecodeTask, MessageError, PrefillTask, TokenChunk
+from kvrelay.pipeline.messages import MessageError, TokenChunk
 
 logger = logging.getLogger(__name__)
 
 OPEN_STATUSES = {"queued", "prefilling", "decoding"}
+DONE_STATUSES = {"finished", "cancelled", "failed"}
+# the rule of kvrelay.pipeline.submit.valid_request_id (not imported: it pulls in pydantic)
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# req:{id} fields that hold numbers; `ingress` holds JSON
+REQUEST_INT_FIELDS = {"prompt_tokens", "completion_tokens", "cached_tokens", "emitted", "attach",
+                      "claim_emitted", "claim_delivery"}  # fmt: skip
+REQUEST_FLOAT_FIELDS = {"created", "updated", "started", "deadline"}
 # worker:{name} fields that hold numbers (Redis keeps strings); "" (e.g. metrics off) -> None
 INT_FIELDS = {"pid", "load", "running", "waiting", "draining", "drain", "max_num_seqs",
               "metrics_port"}  # fmt: skip
 FLOAT_FIELDS = {"updated", "tokens_per_s"}
-
-
-class NotReplayable(ValueError):
-    """A DLQ entry that cannot go back on a stream (no payload, unknown stream)."""
 
 
 def _s(v: Any) -> Any:
@@ -122,12 +127,44 @@ def status(r: redis.Redis, keys: Keys, store_run_dir: str | None = None) -> dict
     }
 
 
+def valid_request_id(request_id: str) -> bool:
+    """True for ids a request can have (1-128 characters of [A-Za-z0-9._:-])."""
+    return REQUEST_ID.fullmatch(request_id) is not None
+
+
+def request_record(raw: dict[str, str]) -> dict[str, Any]:
+    """A req:{id} hash with numbers as numbers ("" -> None) and `ingress` as an object."""
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name in REQUEST_INT_FIELDS or name in REQUEST_FLOAT_FIELDS:
+            out[name] = _number(value, int if name in REQUEST_INT_FIELDS else float)
+        elif name == "ingress" and value:
+            try:
+                out[name] = json.loads(value)
+            except ValueError:
+                out[name] = value
+        else:
+            out[name] = value
+    return out
+
+
+def _chunks(r: redis.Redis, out_key: str) -> tuple[list[TokenChunk], int]:
+    """The output stream's chunks, and how many entries did not decode (shown, not fatal)."""
+    chunks, bad = [], 0
+    for _, fields in r.xrange(out_key):
+        try:
+            chunks.append(TokenChunk.decode(fields.get(MESSAGE_FIELD, b"")))
+        except MessageError:
+            bad += 1
+    return chunks, bad
+
+
 def show_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any] | None:
-    """The req:{id} record plus what its output stream holds."""
-    record = _hash(r, keys.request(request_id))
+    """The req:{id} record plus what its output stream holds; None when neither exists."""
+    record = request_record(_hash(r, keys.request(request_id)))
     out_key = keys.out(request_id)
-    chunks = [TokenChunk.decode(f[MESSAGE_FIELD]) for _, f in r.xrange(out_key)]
-    if not record and not chunks:
+    chunks, bad = _chunks(r, out_key)
+    if not record and not chunks and not bad:
         return None
     tokens = [t for c in chunks for t in c.token_ids]
     return {
@@ -135,6 +172,7 @@ def show_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any] 
         **record,
         "output_tokens": len(tokens),
         "output_chunks": len(chunks),
+        "output_bad_chunks": bad,
         "output_text": "".join(c.text for c in chunks),
         "finished": any(c.finished for c in chunks),
         "cancel_requested": bool(r.exists(keys.cancel(request_id))),
@@ -142,72 +180,31 @@ def show_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any] 
     }
 
 
-def cancel_request(r: redis.Redis, keys: Keys, request_id: str, ttl_s: int = 3600) -> bool:
-    """Set cancel:{id}; workers finish the request with 'cancelled'. False if unknown."""
-    if not r.exists(keys.request(request_id)) and not r.exists(keys.out(request_id)):
-        return False
-    r.set(keys.cancel(request_id), 1, ex=ttl_s)
-    return True
+def cancel_request(
+    r: redis.Redis, keys: Keys, request_id: str, ttl_s: int = 3600
+) -> dict[str, Any] | None:
+    """Set cancel:{id} unless the request already ended; None if unknown.
 
-
-def dlq_entries(r: redis.Redis, keys: Keys, limit: int = 100) -> list[dict[str, Any]]:
-    """Newest-last DLQ entries without their payloads."""
-    out = []
-    for eid, fields in r.xrange(keys.dlq, count=limit):
-        row = {k: _s(v) for k, v in fields.items() if k != MESSAGE_FIELD}
-        out.append({"dlq_id": _s(eid), **{_s(k): v for k, v in row.items()}})
-    return out
-
-
-def dlq_entry(r: redis.Redis, keys: Keys, dlq_id: str) -> dict[str, Any] | None:
-    """One DLQ entry with its payload decoded when it is a valid task."""
-    rows = r.xrange(keys.dlq, min=dlq_id, max=dlq_id)
-    if not rows:
+    Returns {request_id, cancelled, status, finish_reason}: `cancelled` is False when the
+    request had already ended (nothing to stop; the HTTP DELETE answers the same way).
+    """
+    raw = _hash(r, keys.request(request_id))
+    out_key = keys.out(request_id)
+    if not raw and not r.exists(out_key):
         return None
-    fields = rows[0][1]
-    payload = fields.get(MESSAGE_FIELD, b"")
-    entry: dict[str, Any] = {"dlq_id": dlq_id}
-    entry.update({_s(k): _s(v) for k, v in fields.items() if k != MESSAGE_FIELD})
-    for cls in (PrefillTask, DecodeTask):
-        try:
-            entry["task"] = cls.decode(payload).to_dict()
-            break
-        except MessageError:
-            continue
-    else:
-        entry["payload_hex"] = payload[:512].hex()
-    return entry
-
-
-def dlq_replay(r: redis.Redis, keys: Keys, dlq_id: str) -> str | None:
-    """Put a dead-lettered entry back on its stream as a fresh request; returns the new id."""
-    rows = r.xrange(keys.dlq, min=dlq_id, max=dlq_id)
-    if not rows:
-        return None
-    fields = rows[0][1]
-    stream = _s(fields.get(b"stream", b"")) or keys.prefill_stream
-    if stream not in (keys.prefill_stream, keys.decode_stream):
-        raise NotReplayable(f"DLQ entry {dlq_id} names an unknown stream {stream!r}")
-    if not fields.get(MESSAGE_FIELD):  # the entry arrived without `m`: nothing to run again
-        raise NotReplayable(f"DLQ entry {dlq_id} has no payload to replay (purge it instead)")
-    request_id = _s(fields.get(b"request_id", b""))
-    pipe = r.pipeline(transaction=True)
-    if request_id:  # the error chunk ended the old output; a replay starts a fresh one
-        pipe.delete(keys.out(request_id), keys.cancel(request_id))
-        pipe.hset(
-            keys.request(request_id),
-            mapping={"status": "queued", "emitted": 0, "error": "", "finish_reason": ""},
-        )
-    pipe.xadd(stream, {MESSAGE_FIELD: fields[MESSAGE_FIELD]})
-    pipe.xdel(keys.dlq, dlq_id)
-    return _s(pipe.execute()[-2])
-
-
-def dlq_purge(r: redis.Redis, keys: Keys) -> int:
-    """Delete every DLQ entry; returns how many there were."""
-    n = r.xlen(keys.dlq)
-    r.delete(keys.dlq)
-    return n
+    status = raw.get("status", "")
+    ended = status in DONE_STATUSES
+    if not ended and not raw:  # no record (expired): the output stream tells whether it ended
+        ended = any(c.finished for c in _chunks(r, out_key)[0])
+        status = "finished" if ended else ""
+    if not ended:
+        r.set(keys.cancel(request_id), 1, ex=ttl_s)
+    return {
+        "request_id": request_id,
+        "cancelled": not ended,
+        "status": status or None,
+        "finish_reason": raw.get("finish_reason") or None,
+    }
 
 
 def drain(r: redis.Redis, keys: Keys, worker: str, undo: bool = False) -> bool:

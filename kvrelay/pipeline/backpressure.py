@@ -1,10 +1,12 @@
 """Refuse new requests (429 + Retry-After) while the work streams are backed up.
 
-The bound is on entries no worker has read yet (stream lag of the prefill and decode groups),
-plus requests this ingress queued since the last snapshot, so a burst between two snapshots
-cannot overshoot; and on requests this ingress is currently serving. A request takes its
-in-flight slot in the same step as the check (no await between), so a burst cannot all pass
-the check before any of them is counted; the slot is given back exactly once on every exit.
+Two bounds. Requests this ingress is serving (`max_inflight`): a request takes its in-flight
+slot in the same step as the check (no await between), so a burst cannot all pass the check
+before any of them is counted; the slot is given back exactly once on every exit. Entries no
+worker has read yet (`max_waiting`): checked here against the last snapshot of the stream lag
+(plus what this ingress queued since), which refuses early, before a request is tokenized; the
+exact check is made again by the submit script in Redis as the entry is added
+(`submit._SUBMIT_LUA`), because concurrent requests all read the same snapshot.
 """
 
 from __future__ import annotations

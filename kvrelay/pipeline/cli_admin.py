@@ -1,20 +1,16 @@
-"""`kvrelay status | requests | dlq | drain | bench`: look at and steer a running pipeline."""
+"""`kvrelay status | drain` and what every admin command shares (connection, output)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
-import sys
 from typing import Any
 
-from kvrelay.pipeline.cli import CommandError
-
-ENTRY_ID = re.compile(r"\d+-\d+")  # a full stream entry id, as `kvrelay dlq ls` prints it
+from kvrelay.pipeline.cli import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, CommandError
 
 
-def _connection_args(p: argparse.ArgumentParser) -> None:
+def connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default=None, help="stack run dir (`kvrelay up`)")
     p.add_argument("--redis-url", default=None, help="Redis URL (env KVRELAY_REDIS_URL)")
     p.add_argument("--key-prefix", default=None, help="Redis key prefix (default kvrelay:)")
@@ -35,12 +31,12 @@ def stack_state(run_dir: str | None) -> dict[str, Any]:
     try:
         return read_state(run_dir)
     except FileNotFoundError as exc:  # read_state's message names the run dir and the file
-        raise CommandError(str(exc), 2) from None
+        raise CommandError(str(exc), EXIT_USAGE) from None
     except (OSError, ValueError) as exc:  # unreadable or not JSON
-        raise CommandError(f"cannot read {run_dir}/{STATE_NAME}: {exc}", 2) from None
+        raise CommandError(f"cannot read {run_dir}/{STATE_NAME}: {exc}", EXIT_USAGE) from None
 
 
-def _connect(args: argparse.Namespace):
+def connect(args: argparse.Namespace):
     """(redis client, Keys, store run dir) from --run-dir, flags or the environment."""
     import redis
 
@@ -79,33 +75,53 @@ def topology_of(workers: list[dict[str, Any]], state: dict[str, Any]) -> dict[st
     return {**live, "layout": layout, "chosen": chosen or None, "summary": summary}
 
 
-def _print(args: argparse.Namespace, data: Any) -> None:
+def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
-    _connection_args(p)
+    connection_args(p)
+    p.add_argument("--watch", action="store_true", help="a live view, refreshed until Ctrl-C")
+    p.add_argument(
+        "--interval", type=float, default=1.0, help="--watch refresh period in s (default 1)"
+    )
 
 
 NUMBER_COLUMNS = ("pid", "load", "tokens_per_s")  # None (field empty or missing) prints blank
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from kvrelay.pipeline import admin
+    from kvrelay.pipeline import status_data
 
-    r, keys, store_dir = _connect(args)
-    data = admin.status(r, keys, store_dir)
-    data["topology"] = topology_of(data["workers"], getattr(args, "stack_state", {}))
+    if not 0.05 <= args.interval <= 3600:
+        raise CommandError(f"--interval must be 0.05-3600 s, got {args.interval:g}")
+    if args.watch and args.json:
+        raise CommandError("--watch and --json do not go together (--json prints once)")
+    r, keys, store_dir = connect(args)
+    state = getattr(args, "stack_state", {})
+    sampler = status_data.RateSampler() if args.watch else None
+
+    def snapshot() -> dict[str, Any]:
+        data = status_data.collect(r, keys, store_dir, sampler)
+        data["topology"] = topology_of(data["workers"], state)
+        return data
+
+    if args.watch:
+        from kvrelay.pipeline.cli import redact_url
+        from kvrelay.pipeline.status_watch import watch
+
+        return watch(snapshot, redact_url(args.redis_url), args.interval)
+    data = snapshot()
     if args.json:
-        _print(args, data)
+        print_json(data)
         return 0
     print(f"{'WORKER':<24}{'ROLE':<9}{'PID':>8}{'LOAD':>6}{'TOK/S':>8}{'AGE':>7}  STATE")
     for w in data["workers"]:
-        state = "draining" if w.get("draining") else "ok"
+        shown = "draining" if w.get("draining") else "ok"
         pid, load, rate = ("" if w.get(k) is None else str(w[k]) for k in NUMBER_COLUMNS)
         print(
             f"{w.get('name', '?'):<24}{w.get('role', '?'):<9}{pid:>8}"
-            f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {state}"
+            f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {shown}"
         )
     print(f"\n{'STREAM':<34}{'LENGTH':>8}{'PENDING':>9}{'LAG':>6}{'CONSUMERS':>11}")
     for s in data["streams"]:
@@ -113,10 +129,10 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"{s['stream']:<34}{s['length']:>8}{s['pending']:>9}{lag:>6}{s['consumers']:>11}")
     print(
         f"\nDLQ entries: {data['dlq']}   requests in flight: {data['requests_in_flight']}   "
-        f"by status: {json.dumps(data['requests'])}"
+        f"by status: {json.dumps(data['requests'])}   tokens/s: {data['tokens_per_s']:.1f}"
     )
     if data["store"] is not None:
-        print(_store_line(data["store"]))
+        print(store_line(data["store"]))
     print(f"topology: {data['topology']['summary']}")
     return 0
 
@@ -124,7 +140,7 @@ def run_status(args: argparse.Namespace) -> int:
 TIERS = ("host", "disk", "remote")  # always listed, in this order
 
 
-def _store_line(store: dict[str, Any]) -> str:
+def store_line(store: dict[str, Any]) -> str:
     """Tier usage and hit rates of the local store node in one line."""
     if "error" in store:
         return f"store: unavailable ({store['error']})"
@@ -141,95 +157,6 @@ def _store_line(store: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def add_requests_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["show", "cancel"])
-    p.add_argument("request_id")
-    _connection_args(p)
-
-
-def run_requests(args: argparse.Namespace) -> int:
-    from kvrelay.pipeline import admin
-
-    r, keys, _ = _connect(args)
-    if args.action == "show":
-        data = admin.show_request(r, keys, args.request_id)
-        if data is None:
-            print(f"kvrelay requests: no request {args.request_id!r}", file=sys.stderr)
-            return 1
-        _print(args, data)
-        return 0
-    if not admin.cancel_request(r, keys, args.request_id):
-        print(f"kvrelay requests: no request {args.request_id!r}", file=sys.stderr)
-        return 1
-    print(f"cancel requested for {args.request_id}")
-    return 0
-
-
-def add_dlq_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["ls", "show", "replay", "purge"])
-    p.add_argument("dlq_id", nargs="?", help="DLQ entry id (show, replay); replay --all for all")
-    p.add_argument("--all", action="store_true", help="replay every entry")
-    p.add_argument("--limit", type=int, default=100, help="entries to list")
-    p.add_argument("--yes", action="store_true", help="purge without asking")
-    _connection_args(p)
-
-
-def run_dlq(args: argparse.Namespace) -> int:
-    from kvrelay.pipeline import admin
-
-    r, keys, _ = _connect(args)
-    if args.action == "ls":
-        rows = admin.dlq_entries(r, keys, args.limit)
-        if args.json:
-            _print(args, rows)
-        for row in [] if args.json else rows:
-            print(f"{row['dlq_id']:<22}{row.get('request_id') or '-':<28}{row.get('reason', '')}")
-        return 0
-    if args.action == "purge":
-        if not args.yes:
-            print("kvrelay dlq purge: add --yes to delete every entry", file=sys.stderr)
-            return 2
-        print(f"purged {admin.dlq_purge(r, keys)} entries")
-        return 0
-    if args.all and args.action == "replay":
-        ids = [row["dlq_id"] for row in admin.dlq_entries(r, keys, 100000)]
-    elif args.dlq_id is None:
-        raise CommandError(f"give an entry id{' (or --all)' if args.action == 'replay' else ''}")
-    elif not ENTRY_ID.fullmatch(args.dlq_id):
-        raise CommandError(f"not a DLQ entry id: {args.dlq_id!r} (like 1712345678901-0)")
-    else:
-        ids = [args.dlq_id]
-    if args.action == "show":
-        entry = admin.dlq_entry(r, keys, ids[0])
-        if entry is None:
-            raise CommandError(f"no entry {ids[0]}", 1)
-        _print(args, entry)
-        return 0
-    return _replay(r, keys, ids, args.all)
-
-
-def _replay(r, keys, ids: list[str], replay_all: bool) -> int:
-    from kvrelay.pipeline import admin
-
-    skipped = []
-    for dlq_id in ids:
-        try:
-            new_id = admin.dlq_replay(r, keys, dlq_id)
-        except admin.NotReplayable as exc:
-            if not replay_all:
-                raise CommandError(str(exc), 1) from None
-            skipped.append(dlq_id)
-            continue
-        if new_id is None:
-            raise CommandError(f"no entry {dlq_id}", 1)
-        print(f"replayed {dlq_id} as {new_id}")
-    if skipped:  # they stay in the DLQ for `dlq show` / `dlq purge`
-        what = "entry" if len(skipped) == 1 else "entries"
-        print(f"kvrelay dlq replay: skipped {len(skipped)} {what} without a payload: "
-              f"{' '.join(skipped)}", file=sys.stderr)  # fmt: skip
-    return 0
-
-
 def add_drain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("worker", help="worker name as `kvrelay status` shows it")
     p.add_argument("--undo", action="store_true", help="let the worker take work again")
@@ -239,43 +166,33 @@ def add_drain_arguments(p: argparse.ArgumentParser) -> None:
         default=3.0,
         help="wait this long for the worker's heartbeat to acknowledge (default 3; 0 = no wait)",
     )
-    _connection_args(p)
+    connection_args(p)
 
 
 def run_drain(args: argparse.Namespace) -> int:
     from kvrelay.pipeline import admin
 
-    r, keys, _ = _connect(args)
+    if args.wait_s < 0:
+        raise CommandError(f"--wait-s must be >= 0, got {args.wait_s:g}")
+    r, keys, _ = connect(args)
     if not admin.drain(r, keys, args.worker, undo=args.undo):
-        raise CommandError(f"no live worker {args.worker!r}", 1)
+        raise CommandError(f"no live worker {args.worker!r}", EXIT_NOT_FOUND)
     state = "taking work again" if args.undo else "draining"
+    acknowledged = None
     if args.wait_s > 0:
-        ack = admin.wait_draining(r, keys, args.worker, not args.undo, args.wait_s)
-        if ack is None:
-            raise CommandError(f"{args.worker} stopped (its heartbeat is gone) while waiting", 1)
-        if not ack:
+        acknowledged = admin.wait_draining(r, keys, args.worker, not args.undo, args.wait_s)
+        if acknowledged is None:
+            raise CommandError(
+                f"{args.worker} stopped (its heartbeat is gone) while waiting", EXIT_FAILURE
+            )
+        if not acknowledged:
             raise CommandError(
                 f"{args.worker} did not acknowledge within {args.wait_s:g}s (the flag is set; "
                 "it applies at the worker's next heartbeat)",
-                1,
+                EXIT_FAILURE,
             )
-    print(f"{args.worker}: {state}")
-    return 0
-
-
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="ingress base URL")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--requests", type=int, default=32, help="requests to send")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    from kvrelay.pipeline.loadgen import run_load, summarize
-
-    prompts = [f"{args.prompt} (variant {i})" for i in range(args.requests)]
-    results = run_load(args.url, args.model, prompts, args.max_tokens, args.concurrency)
-    print(json.dumps(summarize(results, args.concurrency)))
+    if args.json:
+        print_json({"worker": args.worker, "draining": not args.undo, "acknowledged": acknowledged})
+    else:
+        print(f"{args.worker}: {state}")
     return 0

@@ -36,7 +36,8 @@ _FLAGS: list[tuple[str, str, type, str]] = [
         "--disconnect-grace",
         "disconnect_grace_s",
         float,
-        "seconds a disconnected client may reconnect before its request is cancelled (0)",
+        "seconds a disconnected client may reconnect (Last-Event-ID) before its request "
+        "is cancelled; 0 cancels at once (default 10)",
     ),
 ]
 

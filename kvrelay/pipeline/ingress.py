@@ -37,6 +37,7 @@ from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.redis_options import async_redis, resilient
 from kvrelay.pipeline.route import Router
 from kvrelay.pipeline.submit import Producer
+from kvrelay.pipeline.submit_tokens import max_chars_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class Ingress:
             max_tokens_limit=config.max_tokens_limit,
             timeout_s=config.request_timeout_s,
             record_ttl_s=config.record_ttl_s,
+            max_waiting=config.max_waiting,
+            retry_after_s=config.retry_after_s,
         )
         self.metrics = Metrics()
         self.backpressure = Backpressure(
@@ -169,10 +172,12 @@ class Ingress:
         task.add_done_callback(self._tasks.discard)
 
     async def warm_up(self) -> None:
-        """Load the configured models' tokenizers now rather than on the first request."""
+        """Load the configured models' tokenizers (and their numbers) now, not on a request."""
         for name in self.config.models:
             try:
-                await self.registry.get(name)
+                entry = await self.registry.get(name)
+                # the bound that refuses hopelessly long prompts before tokenizing them
+                await asyncio.to_thread(max_chars_per_token, entry.tokenizer)
             except (RequestError, RedisError, OSError) as exc:
                 logger.warning("model %s not loaded yet: %s", name, exc)
 

@@ -38,7 +38,10 @@ class IngressConfig:
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     record_ttl_s: int = 86400  # req:{id} expiry set at submission
     cancel_ttl_s: int = 3600
-    disconnect_grace_s: float = 0.0  # > 0: a client may reconnect this long before cancelling
+    # A client that loses its connection may reconnect (Last-Event-ID) this long before its
+    # request is cancelled; 0 cancels at once. Long enough for a prompt retry, short enough
+    # that an abandoned request does not hold a worker's batch slot for long.
+    disconnect_grace_s: float = 10.0
     read_block_ms: int = 1000  # XREAD BLOCK slice; the deadline is checked between slices
     state_refresh_s: float = 0.25  # how stale worker/lag/model snapshots may be
     # A Redis command answering later than this fails (503); blocking XREADs get read_block_ms
@@ -63,6 +66,8 @@ class IngressConfig:
                 raise ConfigError(f"{name} must be at least 1")
         if self.redis_timeout_s <= 0:
             raise ConfigError("redis_timeout_s must be > 0")
+        if self.disconnect_grace_s < 0:
+            raise ConfigError("disconnect_grace_s must be >= 0")
         if self.route_threshold < 0 or self.request_timeout_s <= 0:
             raise ConfigError("route_threshold must be >= 0 and request_timeout_s > 0")
         return self

@@ -73,6 +73,15 @@ async def read_json(request: Request, limit: int) -> Any:
         body += part
         if len(body) > limit:
             raise _too_large(limit)
+    if len(body) > THREAD_PARSE_BYTES:  # tens of milliseconds: let other requests run around it
+        return await asyncio.to_thread(_loads, body)
+    return _loads(body)
+
+
+THREAD_PARSE_BYTES = 1 << 20
+
+
+def _loads(body: bytes | bytearray) -> Any:
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # deep nesting: recursion

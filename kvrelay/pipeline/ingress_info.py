@@ -8,9 +8,11 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvrelay.pipeline.cluster import WorkerInfo
 from kvrelay.pipeline.errors import RequestError, model_not_found
 from kvrelay.pipeline.ingress_http import check_api_key, error_response
 from kvrelay.pipeline.metrics import CONTENT_TYPE
+from kvrelay.pipeline.route import DECODE, PREFILL
 
 if TYPE_CHECKING:
     from kvrelay.pipeline.ingress import Ingress
@@ -52,21 +54,54 @@ async def retrieve_model(request: Request) -> Response:
     return JSONResponse(_model(ing, name))
 
 
+def _drained(fields: dict[str, str]) -> bool:
+    """Draining (acknowledged) or asked to drain: the worker takes no new entry."""
+    return any(fields.get(name, "0") not in ("", "0") for name in ("draining", "drain"))
+
+
+def stage_readiness(workers: list[WorkerInfo], mode: str) -> dict[str, dict[str, Any]]:
+    """Per stage: whether a live, non-draining worker will take its entries, and which role.
+
+    Prefill runs on decode workers in colocated mode, and in auto mode when no prefill worker
+    is available (the router then sends every prompt to decode; see route.py).
+    """
+    serving = {PREFILL: 0, DECODE: 0}
+    for w in workers:
+        if w.role in serving and not _drained(w.fields):
+            serving[w.role] += 1
+    decode = serving[DECODE]
+    prefill_by = PREFILL
+    if mode == "colocated" or (mode == "auto" and not serving[PREFILL]):
+        prefill_by = DECODE
+    prefill = serving[prefill_by]
+    return {
+        PREFILL: {"ready": prefill > 0, "workers": prefill, "served_by": prefill_by},
+        DECODE: {"ready": decode > 0, "workers": decode, "served_by": DECODE},
+    }
+
+
 async def health(request: Request) -> Response:
-    """200 when Redis answers and a decode-capable worker is alive, 503 otherwise."""
+    """200 when Redis answers and every stage has a live, non-draining worker; 503 otherwise."""
     ing: Ingress = request.app.state.ingress
     body: dict[str, Any] = {"status": "ok", "redis": True, "workers": {}}
     try:
         await ing.redis.ping()
-        for w in await ing.cluster.workers(fresh=True):
+        workers = await ing.cluster.workers(fresh=True)
+        for w in workers:
             body["workers"][w.role] = body["workers"].get(w.role, 0) + 1
         load = await ing.cluster.load()
         body["waiting"] = {name: s.waiting for name, s in load.items()}
     except RedisError as exc:
         body.update(status="unavailable", redis=False, error=str(exc) or type(exc).__name__)
         return JSONResponse(body, status_code=503)
-    if not body["workers"].get("decode"):
-        body.update(status="unavailable", error="no live decode worker")
+    body["stages"] = stages = stage_readiness(workers, ing.config.mode)
+    down = [name for name, stage in stages.items() if not stage["ready"]]
+    if down:
+        why = "; ".join(
+            f"stage {name} cannot serve: no live, non-draining {stages[name]['served_by']} worker"
+            for name in down
+        )
+        body.update(status="unavailable", unavailable_stages=down, error=why)
         return JSONResponse(body, status_code=503)
     return JSONResponse(body)
 

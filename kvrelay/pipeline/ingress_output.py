@@ -22,7 +22,6 @@ from kvrelay.pipeline.ingress_http import REQUEST_ID_HEADER, WatchedResponse, se
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai_responses import DONE, ResponseFormatter
 from kvrelay.pipeline.output import (
-    DEADLINE_GRACE_S,
     DEADLINE_PASSED,
     Completion,
     OutputExpired,
@@ -84,15 +83,15 @@ class OutputJob:
         return {REQUEST_ID_HEADER: self.request_id}
 
     def _chunks(self):
-        cfg = self.ingress.config
-        deadline = self.deadline + DEADLINE_GRACE_S if self.deadline else None
+        # The reply ends at the deadline itself (the 504 is due then): a worker's own timeout
+        # chunk that lands later would say the same thing, and the reader cancels the request.
         return read_chunks(
             self.ingress.redis,
             self.ingress.keys,
             self.request_id,
             start_index=self.start_index,
-            block_ms=cfg.read_block_ms,
-            deadline=deadline,
+            block_ms=self.ingress.config.read_block_ms,
+            deadline=self.deadline,
         )
 
     async def _events(self) -> AsyncIterator[bytes]:

@@ -2,12 +2,15 @@
 
 POST lifecycle: API key -> request id -> body (size limit, JSON) -> OpenAI fields -> same id
 already used? (reattach when it is the same request, else 409) -> admission (429; takes an
-in-flight slot) -> tokenize + limits -> route -> req:{id} + XADD (one script) -> output job,
-which gives the slot back when the reply ends. GET /v1/requests/{id}/stream reattaches too.
+in-flight slot) -> tokenize + limits -> route -> req:{id} + XADD, or 429 when max_waiting
+entries wait (one script) -> output job, which gives the slot back when the reply ends.
+Big bodies are parsed and long prompts tokenized on worker threads, off the event loop.
+GET /v1/requests/{id}/stream reattaches too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -27,6 +30,7 @@ from kvrelay.pipeline.ingress_attach import (
 )
 from kvrelay.pipeline.ingress_http import (
     REQUEST_ID_HEADER,
+    THREAD_PARSE_BYTES,
     check_api_key,
     error_response,
     read_json,
@@ -34,7 +38,13 @@ from kvrelay.pipeline.ingress_http import (
 from kvrelay.pipeline.ingress_middleware import omit_request_id
 from kvrelay.pipeline.ingress_output import OutputJob
 from kvrelay.pipeline.metrics import RequestTimer
-from kvrelay.pipeline.openai_protocol import CHAT, COMPLETION, parse_chat, parse_completion
+from kvrelay.pipeline.openai_protocol import (
+    CHAT,
+    COMPLETION,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+)
 from kvrelay.pipeline.openai_responses import ResponseFormatter
 from kvrelay.pipeline.submit import check_request_id, new_request_id, valid_request_id
 
@@ -66,8 +76,11 @@ async def _generate(request: Request, api: str) -> Response:
     try:
         key_id = check_api_key(request, ing.config.api_keys)
         body = await read_json(request, ing.config.max_body_bytes)
-        parsed = parse_chat(body) if api == CHAT else parse_completion(body)
-        digest = request_digest(parsed)
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > THREAD_PARSE_BYTES:  # off the event loop, as above
+            parsed, digest = await asyncio.to_thread(_parse, body, api)
+        else:
+            parsed, digest = _parse(body, api)
         if header_id is not None:
             rec = await raw_record(ing, request_id)
             if rec is not None:
@@ -125,6 +138,12 @@ async def _generate(request: Request, api: str) -> Response:
         ing, request_id, fmt, parsed.stream, deadline=sub.deadline, timer=timer, slot=slot
     )
     return job.response()
+
+
+def _parse(body: Any, api: str) -> tuple[GenerationRequest, str]:
+    """The validated request and its digest (what a re-post must match)."""
+    parsed = parse_chat(body) if api == CHAT else parse_completion(body)
+    return parsed, request_digest(parsed)
 
 
 def _bad_id(value: str, param: str) -> RequestError:

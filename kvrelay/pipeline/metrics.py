@@ -151,6 +151,28 @@ class Metrics:
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "Generated tokens.", m, registry=r
         )
+        # vLLM v1's prefix-cache series, in prompt tokens: queries = tokens looked up, hits =
+        # tokens found cached; hit rate = rate(hits) / rate(queries). The gauge below is the
+        # lifetime ratio, like vLLM v0's gpu_prefix_cache_hit_rate, for a quick look.
+        self.prefix_cache_queries = Counter(
+            PREFIX + "prefix_cache_queries",
+            "Prefix cache queries, in prompt tokens looked up.",
+            m,
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            PREFIX + "prefix_cache_hits",
+            "Prefix cache hits, in prompt tokens found cached.",
+            m,
+            registry=r,
+        )
+        self.prefix_cache_hit_rate = Gauge(
+            PREFIX + "prefix_cache_hit_rate",
+            "Prefix cache hits / queries (tokens) since the process started.",
+            m,
+            registry=r,
+        )
+        self._cache_tally: dict[str, list[float]] = {}  # model -> [queries, hits]
         self.prefix_cache_hit_tokens = Counter(
             PREFIX + "prefix_cache_hit_tokens",
             "Prompt tokens served from the KV cache.",
@@ -175,6 +197,17 @@ class Metrics:
             ["status"],
             registry=r,
         )
+
+    def count_prefix_cache(self, model: str, queries: int, hits: int) -> None:
+        """Count one prompt's prefix-cache lookup (`queries` tokens, `hits` of them cached)."""
+        if queries <= 0:
+            return
+        self.prefix_cache_queries.labels(model).inc(queries)
+        self.prefix_cache_hits.labels(model).inc(hits)
+        tally = self._cache_tally.setdefault(model, [0.0, 0.0])
+        tally[0] += queries
+        tally[1] += hits
+        self.prefix_cache_hit_rate.labels(model).set(tally[1] / tally[0])
 
     def render(self) -> bytes:
         """Text exposition of every metric in this registry."""
@@ -232,7 +265,9 @@ class RequestTimer:
             m.request_generation_tokens.labels(model).observe(
                 int(usage.get("completion_tokens", 0))
             )
-            m.prefix_cache_hit_tokens.labels(model).inc(int(usage.get("cached_tokens", 0)))
+            cached = int(usage.get("cached_tokens", 0))
+            m.prefix_cache_hit_tokens.labels(model).inc(cached)
+            m.count_prefix_cache(model, prompt, cached)
 
     def close(self) -> None:
         """Leave the running/waiting gauges (also for requests the client abandoned)."""

@@ -1,7 +1,8 @@
 """Parse and validate OpenAI `/v1/chat/completions` and `/v1/completions` bodies (strict types).
 
-Unknown fields are ignored (clients send extras), but a known field of the wrong type or a
-value this server does not implement (n > 1, tools, echo, ...) is a 400 naming the field.
+A field this server neither honours nor lists as a harmless pass-through is a 400 naming it
+(a silently ignored field would change the output unnoticed), and so is a known field of the
+wrong type or a value this server does not implement (n > 1, tools, echo, ...).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from kvrelay.pipeline.errors import bad_request, unsupported
 from kvrelay.pipeline.openai_validate import (
+    check_known_fields,
     check_unicode,
     content_text,
     get_field,
@@ -82,6 +84,7 @@ def _common(body: dict, api: str) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_body")
     check_unicode(body)  # msgpack, Redis and the tokenizer all need UTF-8: refuse it up front
+    check_known_fields(body, api)
     model = get_field(body, "model", "str")
     if not model:
         raise bad_request(

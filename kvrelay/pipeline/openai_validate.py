@@ -145,3 +145,96 @@ def content_text(msg: dict[str, Any], index: int, role: str) -> str:
     if not isinstance(content, list):
         raise type_error(name, "a string or an array of text parts")
     return "".join(_part_text(part, f"{name}[{j}]") for j, part in enumerate(content))
+
+
+# Fields honoured on both endpoints (OpenAI's plus the vLLM extensions we implement).
+_COMMON = frozenset(
+    [
+        "model",
+        "stream",
+        "stream_options",
+        "user",
+        "n",
+        "logit_bias",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+        "cache_salt",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+    ]
+)
+HONOURED = {
+    "chat": _COMMON
+    | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+    | {"response_format"},
+    "completion": _COMMON | {"prompt", "echo", "best_of", "suffix"},
+}
+# Accepted and not acted on: they change nothing in the output (docs/api.md lists them).
+PASS_THROUGH = {
+    "chat": frozenset(
+        [
+            "metadata",
+            "store",
+            "service_tier",
+            "safety_identifier",
+            "prompt_cache_key",
+            "parallel_tool_calls",
+            "modalities",
+        ]
+    ),
+    "completion": frozenset(["metadata", "service_tier", "safety_identifier", "prompt_cache_key"]),
+}
+# OpenAI fields we do not implement: named as unsupported rather than unknown.
+_OPENAI_UNSUPPORTED = {
+    "functions": "functions (legacy function calling)",
+    "function_call": "function_call (legacy function calling)",
+    "audio": "audio output",
+    "prediction": "predicted outputs",
+    "reasoning_effort": "reasoning_effort",
+    "verbosity": "verbosity",
+    "web_search_options": "web search",
+}
+
+
+def check_known_fields(body: dict[str, Any], api: str) -> None:
+    """400 for a field this server neither honours nor may safely ignore (null means absent)."""
+    honoured, passed = HONOURED[api], PASS_THROUGH[api]
+    for name, value in body.items():
+        if value is None or name in honoured:
+            continue
+        if name not in passed:
+            if name in _OPENAI_UNSUPPORTED:
+                raise unsupported(name, _OPENAI_UNSUPPORTED[name])
+            raise bad_request(
+                f"Unrecognized request argument supplied: {name[:64]} (this server does not "
+                "implement it)",
+                param=name[:256],
+                code="unknown_parameter",
+            )
+        _check_pass_through(body, name, value)
+
+
+def _check_pass_through(body: dict[str, Any], name: str, value: Any) -> None:
+    """Pass-through fields are only harmless with values that ask for nothing we lack."""
+    if name == "store" and get_field(body, name, "bool"):
+        raise unsupported(name, "store=true (stored completions)")
+    if name == "modalities" and value != ["text"]:
+        raise unsupported(name, 'output modalities other than ["text"]')
+    if name == "metadata":
+        get_field(body, name, "dict")
+    if name in ("service_tier", "safety_identifier", "prompt_cache_key"):
+        get_field(body, name, "str")
+    if name == "parallel_tool_calls":
+        get_field(body, name, "bool")

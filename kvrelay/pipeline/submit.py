@@ -18,24 +18,54 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from kvrelay.pipeline.errors import RequestError, bad_request, context_length_exceeded
-from kvrelay.pipeline.keys import Keys
+from kvrelay.pipeline.errors import RequestError, bad_request, overloaded
+from kvrelay.pipeline.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from kvrelay.pipeline.messages import DecodeTask, PrefillTask
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.openai_protocol import GenerationRequest
 from kvrelay.pipeline.route import DECODE, Route, Router
 from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams
+from kvrelay.pipeline.submit_tokens import (
+    check_lengths,
+    known_max_chars,
+    max_chars_per_token,
+    tokenize,
+)
 
 logger = logging.getLogger(__name__)
 
 _INLINE_TOKENIZE_CHARS = 16384
+_HOPELESS_MARGIN = 2  # normalizers (NFKC) may fold characters: never refuse one that fits
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
-# KEYS: req:{id}, work stream. ARGV: ttl, payload, field/value pairs.
-# Returns the new entry id, or false when req:{id} already exists (a duplicate submission).
+# KEYS: req:{id}, work stream, prefill stream, decode stream. ARGV: ttl, payload, max_waiting
+# (0: no bound), prefill group, decode group, then field/value pairs. Returns the new entry id;
+# false when req:{id} already exists (a duplicate submission); the number of entries no worker
+# has read yet when that reaches max_waiting. Checking and queueing in one script makes the
+# bound exact under any burst, from any number of ingress processes.
 _SUBMIT_LUA = """
+local function waiting(stream, group, bound)
+  if redis.call('EXISTS', stream) == 0 then return 0 end
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == group then
+      if type(info['lag']) == 'number' then return info['lag'] end
+      -- lag unknown after deletions: count what lies past the last delivered id
+      local after = '(' .. info['last-delivered-id']
+      return #redis.call('XRANGE', stream, after, '+', 'COUNT', bound)
+    end
+  end
+  return redis.call('XLEN', stream)  -- no consumer ever joined: everything waits
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+local bound = tonumber(ARGV[3])
+if bound > 0 then
+  local n = waiting(KEYS[3], ARGV[4], bound)
+  if n < bound then n = n + waiting(KEYS[4], ARGV[5], bound - n) end
+  if n >= bound then return n end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 return redis.call('XADD', KEYS[2], '*', 'm', ARGV[2])
 """
@@ -93,72 +123,6 @@ def build_task(sub: Submission, route: Route) -> PrefillTask | DecodeTask:
     return PrefillTask(**common)
 
 
-def tokenize(
-    model: ModelEntry,
-    *,
-    messages: list[dict[str, Any]] | None = None,
-    prompt: str | None = None,
-    prompt_token_ids: list[int] | None = None,
-) -> list[int]:
-    """Prompt token ids: chat template for messages, plain encoding for text, ids as given."""
-    from kvrelay.pipeline.tokenizer import ChatTemplateError
-
-    if messages is not None:
-        try:
-            return model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), param="messages") from exc
-    if prompt is not None:
-        # Like vLLM's completions: special tokens (a BOS, for models that use one) are added.
-        ids = model.tokenizer.encode(prompt, add_special_tokens=True)
-        if not ids:
-            raise bad_request("the prompt is empty", param="prompt")
-        return ids
-    if not prompt_token_ids:
-        raise bad_request("a prompt is required", param="prompt")
-    bad = next((t for t in prompt_token_ids if not 0 <= t < model.vocab_size), None)
-    if bad is not None:
-        raise bad_request(
-            f"token id {bad} is outside the vocabulary (size {model.vocab_size})",
-            param="prompt",
-            code="invalid_token_id",
-        )
-    return list(prompt_token_ids)
-
-
-def check_lengths(
-    model: ModelEntry,
-    prompt_ids: list[int],
-    sampling: SamplingParams,
-    *,
-    max_prompt_tokens: int,
-    max_tokens_limit: int,
-    param: str = "prompt",
-    max_tokens_param: str = "max_tokens",
-) -> None:
-    """Refuse prompts or max_tokens that cannot fit; fill max_tokens when not given."""
-    n = len(prompt_ids)
-    limit = model.max_model_len
-    if n > max_prompt_tokens:
-        raise RequestError(
-            f"the prompt has {n} tokens, more than this server accepts ({max_prompt_tokens})",
-            400,
-            param=param,
-            code="context_length_exceeded",
-        )
-    if n >= limit:
-        raise context_length_exceeded(limit, n, 1, param)
-    if sampling.max_tokens is None:
-        sampling.max_tokens = min(max_tokens_limit, limit - n)
-    elif sampling.max_tokens > max_tokens_limit:
-        raise bad_request(
-            f"{max_tokens_param} must be at most {max_tokens_limit}, got {sampling.max_tokens}",
-            param=max_tokens_param,
-        )
-    elif n + sampling.max_tokens > limit:
-        raise context_length_exceeded(limit, n, sampling.max_tokens, param)
-
-
 class Producer:
     """Prepares and queues requests for the ingress and the producer client alike."""
 
@@ -173,10 +137,14 @@ class Producer:
         max_tokens_limit: int = 4096,
         timeout_s: float | None = 600.0,
         record_ttl_s: int = 86400,
+        max_waiting: int = 0,
+        retry_after_s: int = 1,
     ):
         self.redis, self.keys, self.registry, self.router = redis, keys, registry, router
         self.max_prompt_tokens, self.max_tokens_limit = max_prompt_tokens, max_tokens_limit
         self.timeout_s, self.record_ttl_s = timeout_s, record_ttl_s
+        # 0: no bound (the producer client); the ingress refuses with 429 at this many
+        self.max_waiting, self.retry_after_s = max_waiting, retry_after_s
         self._submit = redis.register_script(_SUBMIT_LUA)
 
     async def prepare(
@@ -195,9 +163,11 @@ class Producer:
         """Tokenize and check one request; raise RequestError when it cannot be served."""
         entry = await self.registry.get(model)
         size = len(prompt or "") + sum(len(str(m.get("content", ""))) for m in messages or ())
+        param = "messages" if messages is not None else "prompt"
+        await self._refuse_hopeless(entry, size, param)
         args = dict(messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids)
-        if size > _INLINE_TOKENIZE_CHARS:  # milliseconds of work: keep the event loop free
-            ids = await asyncio.to_thread(tokenize, entry, **args)
+        if size > _INLINE_TOKENIZE_CHARS:  # milliseconds of work or more: off the event loop
+            ids = await asyncio.to_thread(tokenize, entry, **args, threaded=True)
         else:
             ids = tokenize(entry, **args)
         check_lengths(
@@ -206,7 +176,7 @@ class Producer:
             sampling,
             max_prompt_tokens=self.max_prompt_tokens,
             max_tokens_limit=self.max_tokens_limit,
-            param="messages" if messages is not None else "prompt",
+            param=param,
             max_tokens_param=max_tokens_param,
         )
         try:
@@ -217,6 +187,29 @@ class Producer:
         deadline = now + self.timeout_s if self.timeout_s else None
         sub = Submission(request_id, model, ids, sampling, cache_salt, now, deadline, detokenize)
         return sub, entry
+
+    async def _refuse_hopeless(self, entry: ModelEntry, chars: int, param: str) -> None:
+        """400 context_length_exceeded, before tokenizing, for text no allowed prompt can hold.
+
+        Each token stands for at most `max_chars_per_token` characters, so longer text cannot
+        fit; the margin covers normalizers that fold characters together (NFKC).
+        """
+        limit = min(self.max_prompt_tokens, entry.max_model_len - 1)
+        if chars <= limit:  # cannot be hopeless: skip computing the per-token bound
+            return
+        tok = entry.tokenizer
+        per_token = known_max_chars(tok)
+        if not per_token:
+            per_token = await asyncio.to_thread(max_chars_per_token, tok)
+        if chars > limit * per_token * _HOPELESS_MARGIN:
+            raise RequestError(
+                f"'{param}' has {chars} characters: more than {limit} tokens (the longest "
+                f"prompt accepted here) can hold, at {per_token} characters per token at most. "
+                f"Please reduce the length of the {param}.",
+                400,
+                param=param,
+                code="context_length_exceeded",
+            )
 
     async def prepare_parsed(
         self, parsed: GenerationRequest, *, request_id: str, detokenize: bool = True
@@ -237,7 +230,10 @@ class Producer:
     async def enqueue(
         self, sub: Submission, entry: ModelEntry, record: dict[str, Any] | None = None
     ) -> Route | None:
-        """Route and queue `sub`; None when a request with this id already exists."""
+        """Route and queue `sub`; None when a request with this id already exists.
+
+        Raises a 429 RequestError when `max_waiting` entries already wait in the streams.
+        """
         route = await self.router.route(entry, sub.prompt_token_ids, sub.cache_salt)
         task = build_task(sub, route)
         stream = self.keys.decode_stream if route.stage == DECODE else self.keys.prefill_stream
@@ -258,12 +254,28 @@ class Producer:
         flat: list[Any] = []
         for key, value in fields.items():
             flat += [key, value]
+        keys = self.keys
         entry_id = await self._submit(
-            keys=[self.keys.request(sub.request_id), stream],
-            args=[self.record_ttl_s, task.encode(), *flat],
+            keys=[keys.request(sub.request_id), stream, keys.prefill_stream, keys.decode_stream],
+            args=[
+                self.record_ttl_s,
+                task.encode(),
+                self.max_waiting,
+                PREFILL_GROUP,
+                DECODE_GROUP,
+                *flat,
+            ],
         )
         if not entry_id:
             return None
+        if isinstance(entry_id, int):  # the bound was reached: nothing was queued
+            logger.warning(
+                "request %s refused: %d queued entries (bound %d)",
+                sub.request_id,
+                entry_id,
+                self.max_waiting,
+            )
+            raise overloaded(f"{entry_id} requests waiting for a worker", self.retry_after_s)
         logger.info(
             "request %s queued to %s (%d prompt tokens, %d cached: %s)",
             sub.request_id,

@@ -97,7 +97,7 @@ def serve(role: str, config: Any, engine: Any) -> int:
     from kvrelay.workers.prefill_worker import PrefillWorker
     from kvrelay.workers.worker_metrics import WorkerMetrics
 
-    metrics = WorkerMetrics(engine.model_name)
+    metrics = WorkerMetrics(engine.model_name, engine)
     node = attach_store(engine, config.store_run_dir, metrics) if config.store_run_dir else ""
     cls = PrefillWorker if role == "prefill" else DecodeWorker
     worker = cls(config, engine, store_node=node, metrics=metrics)

@@ -77,7 +77,7 @@ class Worker:
         self.admissions: queue.Queue[Admission] = queue.Queue()
         self.cancels: queue.Queue[str] = queue.Queue()
         self.active: dict[str, Active] = {}
-        self.metrics = metrics or WorkerMetrics(engine.model_name)
+        self.metrics = metrics or WorkerMetrics(engine.model_name, engine)
         self.stop_event = threading.Event()
         self.page_size = getattr(engine.config, "page_size", config.page_size)
         model_entry = (

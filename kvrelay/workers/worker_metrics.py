@@ -1,7 +1,8 @@
 """Prometheus metrics of one worker process (names like vLLM's), served on its own port.
 
-Request-level series come from `kvrelay.pipeline.metrics.Metrics`; a worker adds prefix-cache
-queries/hits (tokens), KV store traffic (counted by `CountingConnector`) and dead letters.
+Request-level series come from `kvrelay.pipeline.metrics.Metrics`; a worker counts prefix-cache
+queries/hits (tokens) there, and adds its KV pool usage (`kv_cache_usage_perc`, read from the
+engine's block pool at scrape time), KV store traffic (`CountingConnector`) and dead letters.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from kvrelay.pipeline.metrics import PREFIX, Metrics
 
@@ -19,17 +20,20 @@ logger = logging.getLogger(__name__)
 class WorkerMetrics:
     """All series of one worker; `serve(port)` exposes them over HTTP."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, engine: Any = None):
         self.model = model
         self.base = Metrics()
         r = self.base.registry
         self.port: int | None = None
-        self.prefix_cache_queries = Counter(
-            PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-            ["model_name"], registry=r).labels(model)  # fmt: skip
-        self.prefix_cache_hits = Counter(
-            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-            ["model_name"], registry=r).labels(model)  # fmt: skip
+        self._server: Any = None
+        self.prefix_cache_queries = self.base.prefix_cache_queries.labels(model)
+        self.prefix_cache_hits = self.base.prefix_cache_hits.labels(model)
+        # vLLM's name and meaning: the fraction of KV blocks in use (free = unreferenced,
+        # cached blocks included, since any of them can be handed out)
+        # (no series until track_engine: a worker without its engine reports nothing, not 0)
+        self.kv_cache_usage = Gauge(
+            PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+            ["model_name"], registry=r)  # fmt: skip
         self.store_bytes = Counter(
             PREFIX + "kv_store_bytes", "KV page bytes moved between this worker and the store.",
             ["model_name", "op"], registry=r)  # fmt: skip
@@ -41,6 +45,17 @@ class WorkerMetrics:
             ["model_name"], registry=r).labels(model)  # fmt: skip
         self.generation_tokens = self.base.generation_tokens.labels(model)
         self.prompt_tokens = self.base.prompt_tokens.labels(model)
+        if engine is not None:
+            self.track_engine(engine)
+
+    def track_engine(self, engine: Any) -> None:
+        """Report `engine`'s block pool usage in `kv_cache_usage_perc` (read at each scrape)
+        and its size in `cache_config_info` (vLLM's info gauge: labels, value 1). Call once."""
+        self.kv_cache_usage.labels(self.model).set_function(lambda: kv_cache_usage(engine.pool))
+        page_size = getattr(getattr(engine, "config", None), "page_size", "")
+        Gauge(PREFIX + "cache_config_info", "Information of the KV cache config.",
+              ["model_name", "block_size", "num_gpu_blocks"], registry=self.base.registry,
+              ).labels(self.model, str(page_size), str(engine.pool.num_blocks)).set(1)  # fmt: skip
 
     def admitted(self, task: Any, num_resumed: int) -> None:
         """Count the prompt of a newly admitted request."""
@@ -48,8 +63,7 @@ class WorkerMetrics:
 
     def finished(self, prompt_tokens: int, cached_tokens: int) -> None:
         """Count a prompt's prefix-cache outcome (once per request, where it was prefilled)."""
-        self.prefix_cache_queries.inc(prompt_tokens)
-        self.prefix_cache_hits.inc(cached_tokens)
+        self.base.count_prefix_cache(self.model, prompt_tokens, cached_tokens)
         self.base.prefix_cache_hit_tokens.labels(self.model).inc(cached_tokens)
 
     def set_load(self, running: int, waiting: int) -> None:
@@ -67,9 +81,17 @@ class WorkerMetrics:
         from prometheus_client import start_http_server
 
         server, _thread = start_http_server(port, addr="0.0.0.0", registry=self.base.registry)
+        self._server = server
         self.port = server.server_address[1]
         logger.info("metrics on port %d", self.port)
         return self.port
+
+    def close(self) -> None:
+        """Stop the /metrics HTTP server, if serving."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
 
 class CountingConnector:
@@ -95,6 +117,11 @@ class CountingConnector:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def kv_cache_usage(pool: Any) -> float:
+    """Fraction of a BlockPool's blocks in use: 1 - free / total (vLLM's kv_cache_usage_perc)."""
+    return 1.0 - pool.num_free_blocks / pool.num_blocks if pool.num_blocks else 0.0
 
 
 def _block_bytes(kv_pool: Any) -> int:

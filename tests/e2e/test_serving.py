@@ -210,9 +210,11 @@ def test_admin_status_and_worker_metrics(stack, client):
 
 def test_bench_command_reports_latencies(stack):
     done = subprocess.run([sys.executable, "-m", "kvrelay.pipeline.cli", "bench", "--url",
-                           stack.url, "--requests", "4", "--concurrency", "2", "--max-tokens",
-                           "4"], capture_output=True, text=True, timeout=120)  # fmt: skip
+                           stack.url, "--num-requests", "4", "--concurrency", "2",
+                           "--max-tokens", "4", "--json"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (result["requests"], result["errors"], result["concurrency"]) == (4, 0, 2)
-    assert result["ttft_ms_p50"] > 0 and result["itl_ms_p50"] > 0 and result["output_tok_s"] > 0
+    (summary,) = json.loads(done.stdout)["summaries"]
+    assert (summary["num_requests"], summary["num_errors"], summary["point"]) == (4, 0, 2)
+    assert summary["ttft_ms"]["p50"] > 0 and summary["itl_ms"]["p50"] > 0
+    assert summary["output_throughput"] > 0

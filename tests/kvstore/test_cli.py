@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.config import ConfigError
-from kvrelay.kvstore.cli_store import add_kv_arguments, add_store_arguments, build_config, run_kv
+from kvrelay.kvstore.cli_store import add_store_arguments, build_config
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.server import arena_path
@@ -25,13 +25,11 @@ CLI = [sys.executable, "-m", "kvrelay.pipeline.cli"]
 
 
 def kv(capsys, run_dir: str, *args: str) -> tuple[int, dict | str]:
-    """Run `kvrelay kv ...` in this process (the command only talks to the node's socket)."""
-    import argparse
+    """Run `kvrelay kv ... --json` in this process (the command only talks to the node)."""
+    from kvrelay.pipeline.cli import main
 
-    p = argparse.ArgumentParser()
-    add_kv_arguments(p)
     capsys.readouterr()
-    code = run_kv(p.parse_args([*args, "--run-dir", run_dir]))
+    code = main(["kv", *args, "--run-dir", run_dir, "--json"])
     out = capsys.readouterr()
     return code, json.loads(out.out) if code == 0 else out.err
 
@@ -123,17 +121,24 @@ def test_store_node_and_kv_commands(tmp_path: Path, capsys):
         code, page = kv(capsys, run_dir, "get", keys[2].hex())
         assert page["found"] and page["verified"] and page["shape"] == [2, 2, 4, 2, 8]
         assert page["fingerprint"] == SMALL.fingerprint and page["payload_bytes"] == 1024
-        code, page = kv(capsys, run_dir, "get", "00" * 16)
-        assert page == {"key": "00" * 16, "found": False}
+        code, err = kv(capsys, run_dir, "get", "00" * 16)
+        assert (code, err) == (
+            3,
+            f"kvrelay kv: error: no page {'00' * 16} in the store at {run_dir}\n",
+        )
         code, err = kv(capsys, run_dir, "get", "xyz")
-        assert (code, err) == (2, "kvrelay kv get: not a hex page key: 'xyz'\n")
+        assert (code, err) == (
+            2,
+            "kvrelay kv: error: not a page key: 'xyz' (32 hex digits, as `kvrelay kv ls` prints "
+            "them)\n",
+        )
         stack = tmp_path / "stack"  # a `kvrelay up` run dir: stack.json names the store's dir
         stack.mkdir()
         (stack / "stack.json").write_text(json.dumps({"store_run_dir": run_dir}))
         code, listing = kv(capsys, str(stack), "ls", "--timeout-s", "2")
         assert listing == {"host": [keys[1].hex(), keys[2].hex()], "disk": [keys[0].hex()]}
         code, out = kv(capsys, str(stack), "evict")
-        assert out == {"evicted": 2}
+        assert out == {"evicted": 2, "tier": "host"}
 
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
         text = text.decode()
@@ -174,10 +179,10 @@ def test_model_sets_page_bytes_and_fingerprint():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("get",), "kvrelay kv get: give a page key (hex), as `kvrelay kv ls` prints it"),
-        (("evict", "zzz"), "kvrelay kv evict: takes no page key, got 'zzz' (it works on a "
-                           "whole tier: --tier host|all)"),
-        (("stats", "ab"), "kvrelay kv stats: takes no page key, got 'ab'"),
+        (("get",), "kvrelay kv: error: give a page key (hex), as `kvrelay kv ls` prints it"),
+        (("evict", "zzz"), "kvrelay kv: error: kv evict takes no page key, got 'zzz' (it works "
+                           "on a whole tier: --tier host|all)"),
+        (("stats", "ab"), "kvrelay kv: error: kv stats takes no page key, got 'ab'"),
     ],
 )  # fmt: skip
 def test_kv_usage_errors_exit_2(tmp_path: Path, capsys, args, message):
@@ -189,7 +194,7 @@ def test_kv_names_an_unreadable_stack_state(tmp_path: Path, capsys):
     code, err = kv(capsys, str(tmp_path), "stats")
     assert (code, err) == (
         2,
-        f"kvrelay kv stats: cannot read {tmp_path / 'stack.json'}: Expecting property name "
+        f"kvrelay kv: error: cannot read {tmp_path / 'stack.json'}: Expecting property name "
         "enclosed in double quotes: line 1 column 2 (char 1)\n",
     )
 

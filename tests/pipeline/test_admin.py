@@ -80,8 +80,13 @@ def test_status_json(r, valkey_session, capsys):
     assert (decode["length"], decode["pending"]) == (0, 0)
     assert data["dlq"] == 0 and data["requests_in_flight"] == 1
     assert data["requests"] == {"decoding": 1, "finished": 1}
+    # added keys: stage per stream, scraped counters (none: no metrics port), tiers, rate
+    assert [s["stage"] for s in data["streams"]] == ["prefill", "decode"]
+    assert worker["metrics"] is None and data["tokens_per_s"] == 3.5
+    assert data["tiers"] == [{"tier": "device", "pages": None, "capacity": None, "usage": None,
+                              "hits": 0, "lookups": 0, "hit_rate": None}]  # fmt: skip
     code, out, _ = cli(capsys, valkey_session, "status")
-    assert code == 0 and "DLQ entries: 0" in out
+    assert code == 0 and "DLQ entries: 0" in out and out.count("tokens/s: 3.5\n") == 1
     row = out.splitlines()[1]
     assert row.startswith(f"{'decode-0':<24}{'decode':<9}{7:>8}{2:>6}{'3.5':>8}")
     assert row.endswith("s  draining")
@@ -93,14 +98,15 @@ def test_status_json(r, valkey_session, capsys):
 
 def test_requests_show_and_cancel(r, valkey_session, capsys):
     seed(r)
-    code, out, _ = cli(capsys, valkey_session, "requests", "show", "q0")
+    code, out, _ = cli(capsys, valkey_session, "requests", "show", "q0", "--json")
     data = json.loads(out)
     assert (data["status"], data["output_tokens"], data["output_text"]) == ("decoding", 2, "hi")
+    assert data["prompt_tokens"] == 2  # a number, not "2"
     assert data["finished"] is False and data["cancel_requested"] is False
     assert cli(capsys, valkey_session, "requests", "cancel", "q0")[0] == 0
     assert r.get(KEYS.cancel("q0")) == b"1"
     code, _, err = cli(capsys, valkey_session, "requests", "cancel", "nope")
-    assert code == 1 and "no request 'nope'" in err
+    assert (code, err) == (3, "kvrelay requests: error: no request 'nope'\n")
 
 
 def test_dlq_ls_show_replay_purge(r, valkey_session, capsys):
@@ -111,12 +117,13 @@ def test_dlq_ls_show_replay_purge(r, valkey_session, capsys):
     code, out, _ = cli(capsys, valkey_session, "dlq", "ls", "--json")
     [row] = json.loads(out)
     assert (row["reason"], row["request_id"]) == ("boom", "q2")
-    code, out, _ = cli(capsys, valkey_session, "dlq", "show", row["dlq_id"])
+    code, out, _ = cli(capsys, valkey_session, "dlq", "show", row["dlq_id"], "--json")
     shown = json.loads(out)
     assert shown["task"]["request_id"] == "q2" and shown["task"]["prompt_token_ids"] == [1, 2]
     assert r.xlen(KEYS.out("q2")) == 1  # the error chunk
     code, out, _ = cli(capsys, valkey_session, "dlq", "replay", row["dlq_id"])
-    assert code == 0 and out.startswith(f"replayed {row['dlq_id']} as ")
+    assert code == 0 and out.startswith(f"replayed {row['dlq_id']} (request q2) to ")
+    assert out.endswith("; it had failed: boom\n")
     assert r.xlen(KEYS.dlq) == 0 and not r.exists(KEYS.out("q2"))
     assert r.hget(KEYS.request("q2"), "status") == b"queued"
     [replayed] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 5, None)
@@ -153,8 +160,8 @@ def test_drain_without_acknowledgement(r, valkey_session, capsys):
     code, out, err = cli(capsys, valkey_session, "drain", "decode-0", "--undo", "--wait-s", "0.3")
     assert (code, out) == (1, "")
     assert err == (
-        "kvrelay drain: decode-0 did not acknowledge within 0.3s (the flag is set; it applies "
-        "at the worker's next heartbeat)\n"
+        "kvrelay drain: error: decode-0 did not acknowledge within 0.3s (the flag is set; it "
+        "applies at the worker's next heartbeat)\n"
     )
     assert 0.3 <= time.monotonic() - started < 2
     assert r.hget(KEYS.worker("decode-0"), "drain") == b"0"
@@ -162,22 +169,22 @@ def test_drain_without_acknowledgement(r, valkey_session, capsys):
     assert (code, out) == (0, "decode-0: draining\n")
     assert r.hget(KEYS.worker("decode-0"), "drain") == b"1"
     code, _, err = cli(capsys, valkey_session, "drain", "ghost")
-    assert (code, err) == (1, "kvrelay drain: no live worker 'ghost'\n")
+    assert (code, err) == (3, "kvrelay drain: error: no live worker 'ghost'\n")
 
 
 def test_store_line_shows_every_tier_even_before_lookups():
-    from kvrelay.pipeline.cli_admin import _store_line
+    from kvrelay.pipeline.cli_admin import store_line
 
     stats = {
         "node_id": "n0",
         "pages": {"host": 3, "host_slots": 8, "disk": 1, "disk_capacity": 100},
         "counters": {"hits": {"host": 3.0}, "misses": {"host": 1.0, "disk": 1.0}},
     }
-    assert _store_line(stats) == (
+    assert store_line(stats) == (
         "store n0: host 3/8 pages, disk 1/100 pages, host hit rate 75% (3/4), "
         "disk hit rate 0% (0/1), remote hit rate - (0/0)"
     )
-    assert _store_line({"error": "no node"}) == "store: unavailable (no node)"
+    assert store_line({"error": "no node"}) == "store: unavailable (no node)"
 
 
 def test_dlq_refuses_bad_ids_and_entries_without_payload(r, valkey_session, capsys):
@@ -185,11 +192,11 @@ def test_dlq_refuses_bad_ids_and_entries_without_payload(r, valkey_session, caps
     for action in ("show", "replay"):
         code, out, err = cli(capsys, valkey_session, "dlq", action, "nope")
         assert (code, out) == (2, "")
-        assert err == "kvrelay dlq: not a DLQ entry id: 'nope' (like 1712345678901-0)\n"
+        assert err == "kvrelay dlq: error: not a DLQ entry id: 'nope' (like 1712345678901-0)\n"
     code, _, err = cli(capsys, valkey_session, "dlq", "replay")
-    assert (code, err) == (2, "kvrelay dlq: give an entry id (or --all)\n")
+    assert (code, err) == (2, "kvrelay dlq: error: give an entry id (or --all)\n")
     code, _, err = cli(capsys, valkey_session, "dlq", "show", "1-0")
-    assert (code, err) == (1, "kvrelay dlq: no entry 1-0\n")
+    assert (code, err) == (3, "kvrelay dlq: error: no entry 1-0\n")
     [good] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 5, None)  # q2
     r.xadd(KEYS.prefill_stream, {"x": b"no m field"})
     [bad] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 5, None)
@@ -198,10 +205,19 @@ def test_dlq_refuses_bad_ids_and_entries_without_payload(r, valkey_session, caps
     good_id = s.dead_letter(KEYS.prefill_stream, PREFILL_GROUP, good.entry_id, good.payload, "x")
     code, out, err = cli(capsys, valkey_session, "dlq", "replay", bad_id)
     assert (code, out) == (1, "")
-    assert err == f"kvrelay dlq: DLQ entry {bad_id} has no payload to replay (purge it instead)\n"
+    assert err == (
+        f"kvrelay dlq: error: DLQ entry {bad_id} has no payload to replay (purge it instead)\n"
+    )
     code, out, err = cli(capsys, valkey_session, "dlq", "replay", "--all")
-    assert code == 0 and out.startswith(f"replayed {good_id} as ") and out.count("\n") == 1
-    assert err == f"kvrelay dlq replay: skipped 1 entry without a payload: {bad_id}\n"
+    assert out == (
+        f"replayed {good_id} (request q2) to {KEYS.prefill_stream} as {out.split()[-5][:-1]}; "
+        "it had failed: x\n"
+    )
+    assert code == 0 and out.count("\n") == 1
+    assert err == (
+        "kvrelay dlq: warning: skipped 1 entry that cannot be replayed (no payload, or "
+        f"poison/invalid without --force; see `kvrelay dlq show`): {bad_id}\n"
+    )
     assert [eid.decode() for eid, _ in r.xrange(KEYS.dlq)] == [bad_id]
 
 
@@ -209,7 +225,7 @@ def test_status_errors_are_one_line(r, valkey_session, capsys, tmp_path):
     code, out, err = cli(capsys, valkey_session, "status", "--run-dir", str(tmp_path / "none"))
     assert (code, out) == (2, "")
     assert err == (
-        f"kvrelay status: no kvrelay stack in {tmp_path / 'none'} "
+        f"kvrelay status: error: no kvrelay stack in {tmp_path / 'none'} "
         f"({tmp_path / 'none' / 'stack.json'} is missing)\n"
     )
     port = free_port()  # a stack after `kvrelay down`: stack.json names a Redis that is gone
@@ -219,7 +235,7 @@ def test_status_errors_are_one_line(r, valkey_session, capsys, tmp_path):
     out, err = capsys.readouterr()
     assert (code, out) == (1, "")
     assert err == (
-        f"kvrelay status: Redis at {url} is not reachable (Error 111 connecting to "
+        f"kvrelay status: error: Redis at {url} is not reachable (Error 111 connecting to "
         f"127.0.0.1:{port}. Connection refused.); is the stack running?\n"
     )
     seed(r)
@@ -240,8 +256,8 @@ def test_status_on_a_stopped_valkey_times_out_quickly(valkey, capsys):
     out, err = capsys.readouterr()
     assert (code, out) == (1, "")
     assert err == (
-        f"kvrelay status: Redis at {valkey.url} did not answer in time (Timeout reading from "
-        "socket); is it overloaded or stopped?\n"
+        f"kvrelay status: error: Redis at {valkey.url} did not answer in time (Timeout reading "
+        "from socket); is it overloaded or stopped?\n"
     )
     assert 0.5 <= elapsed < 2
 

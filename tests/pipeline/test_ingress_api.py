@@ -261,7 +261,11 @@ async def test_models_health_and_metrics(harness):
         assert models["object"] == "list" and models["data"][0]["owned_by"] == "kvrelay"
         resp = await client.get("/health")
         assert resp.status_code == 503
-        assert resp.json()["error"] == "no live decode worker"
+        assert resp.json()["error"] == (
+            "stage prefill cannot serve: no live, non-draining decode worker; "
+            "stage decode cannot serve: no live, non-draining decode worker"
+        )
+        assert resp.json()["unavailable_stages"] == ["prefill", "decode"]
         await role.heartbeat("d1", "decode")
         await role.heartbeat("p1", "prefill")
         resp = await client.get("/health")
@@ -271,6 +275,10 @@ async def test_models_health_and_metrics(harness):
             "redis": True,
             "workers": {"decode": 1, "prefill": 1},
             "waiting": {"prefill": 0, "decode": 0},
+            "stages": {
+                "prefill": {"ready": True, "workers": 1, "served_by": "prefill"},
+                "decode": {"ready": True, "workers": 1, "served_by": "decode"},
+            },
         }
         serve = asyncio.create_task(
             role.serve_one([(19556, "Hello"), (905, " world")], usage=USAGE)

@@ -122,8 +122,8 @@ async def _wait_cancel(app, request_id: str) -> bool:
 async def test_disconnect_cancels_the_request(valkey_session, smollm_tokenizer):
     from kvrelay.pipeline.messages import TokenChunk
 
-    async with (
-        serving(valkey_session.url, smollm_tokenizer) as (base, app, role),
+    async with (  # grace 0: cancelled at once (the default grace is in test_ingress_hardening)
+        serving(valkey_session.url, smollm_tokenizer, disconnect_grace_s=0) as (base, app, role),
         httpx.AsyncClient(base_url=base) as http,
     ):
         # streaming, gone after the first token

@@ -47,7 +47,7 @@ def test_chat_fields_map_to_sampling():
             "stream_options": {"include_usage": True},
             "tool_choice": "none",
             "response_format": {"type": "text"},
-            "unknown_extra": {"x": 1},
+            "metadata": {"x": "1"},  # a pass-through field (unknown ones are refused)
         }
     )
     assert req.messages == [
@@ -242,8 +242,9 @@ def test_max_tokens_errors_name_the_field_sent():
         assert info.value.message == f"{param} must be at least 1, got {extra[param]}"
     req = parse_chat({**chat, "max_tokens": 3})
     assert (req.sampling.max_tokens, req.max_tokens_param) == (3, "max_tokens")
-    req = parse_completion({"model": "m", "prompt": "x", "max_completion_tokens": 0})
-    assert (req.sampling.max_tokens, req.max_tokens_param) == (None, "max_tokens")  # chat only
+    with pytest.raises(RequestError) as info:  # chat only: unknown to /v1/completions
+        parse_completion({"model": "m", "prompt": "x", "max_completion_tokens": 0})
+    assert (info.value.code, info.value.param) == ("unknown_parameter", "max_completion_tokens")
 
 
 def test_sse_framing_and_usage():

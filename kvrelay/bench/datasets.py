@@ -1,0 +1,215 @@
+"""Prompt sets for `kvrelay bench`: built-in synthetic ones and user JSONL files.
+
+Every set is deterministic for a given seed and needs no tokenizer, so the same requests go to
+any OpenAI-compatible server. Sizes in tokens are measured with the SmolLM2 tokenizer; other
+tokenizers give somewhat different counts.
+
+JSONL files hold one request per line, either `{"messages": [{"role": ..., "content": ...}]}`
+(chat) or `{"prompt": "..."}` (text), each with an optional `"max_tokens"`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BUILTIN = ("short", "shared-prefix", "long", "multi-turn")
+TOPICS = [
+    "the sea",
+    "mountains",
+    "a city at night",
+    "a robot",
+    "a garden",
+    "the moon",
+    "a library",
+    "winter",
+    "trains",
+    "a bakery",
+    "the desert",
+    "rain",
+]
+TASKS = [
+    "Write a short poem about {}.",
+    "Give three facts about {}.",
+    "Describe {} in two sentences.",
+    "Tell a very short story about {}.",
+    "What should a child know about {}?",
+    "List four words that remind you of {}.",
+]
+_WORD_TEXT = (
+    "the a of and to in is was it for on with as at by from this that which be are were an or "
+    "river stone light house market winter harbor engine garden window letter music paper road "
+    "machine forest city table village ship station morning evening bridge tower field cloud "
+    "teacher worker doctor farmer sailor painter writer builder runner keeper merchant pilot "
+    "quiet bright old new small large warm cold slow quick careful early late green red golden "
+    "walks carries builds opens watches follows keeps finds brings turns holds reads paints "
+    "slowly often always never again together alone nearly almost suddenly gently"
+)
+WORDS = _WORD_TEXT.split()  # the vocabulary of synthetic sentences
+SHARED_PREFIX_RULES = 34  # about 1,500 SmolLM2 tokens
+LONG_WORDS = 1800  # about 2,000 SmolLM2 tokens
+MULTI_TURN_TURNS = 4
+
+
+class DatasetError(ValueError):
+    """A prompt set that cannot be built (unknown name, unreadable or malformed file)."""
+
+
+@dataclass(slots=True)
+class Session:
+    """Requests sent one after another: the first with `messages`, then one per follow-up.
+
+    Each follow-up is sent as the conversation so far plus the server's previous answer plus
+    the new user message, so later requests share a prefix with earlier ones.
+    """
+
+    messages: list[dict[str, str]] = field(default_factory=list)
+    prompt: str | None = None  # a text prompt instead of messages (JSONL `prompt`)
+    follow_ups: list[str] = field(default_factory=list)
+    max_tokens: int | None = None  # per-request output budget from a JSONL file
+
+    @property
+    def num_requests(self) -> int:
+        return 1 + len(self.follow_ups)
+
+
+@dataclass(slots=True)
+class Dataset:
+    """A named, deterministic source of sessions: `session(i)` is the same for one seed."""
+
+    name: str
+    make: Callable[[int], Session]
+
+    def session(self, index: int) -> Session:
+        return self.make(index)
+
+    def sessions(self, num_requests: int) -> list[Session]:
+        """Sessions holding exactly `num_requests` requests (the last one cut short if needed)."""
+        out: list[Session] = []
+        left = num_requests
+        while left > 0:
+            s = self.session(len(out))
+            if s.num_requests > left:
+                s.follow_ups = s.follow_ups[: left - 1]
+            out.append(s)
+            left -= s.num_requests
+        return out
+
+
+def _sentence(rng: random.Random, n: int) -> str:
+    words = [rng.choice(WORDS) for _ in range(n)]
+    return " ".join(words).capitalize() + "."
+
+
+def _text(rng: random.Random, num_words: int) -> str:
+    parts, used = [], 0
+    while used < num_words:
+        n = min(rng.randint(8, 18), num_words - used)
+        parts.append(_sentence(rng, n))
+        used += n
+    return " ".join(parts)
+
+
+def shared_system_prompt() -> str:
+    """The ~1,500-token system prompt every `shared-prefix` request starts with."""
+    lines = ["You are the support assistant of Harbor Tools. Follow every rule below."]
+    for i in range(1, SHARED_PREFIX_RULES + 1):
+        lines.append(
+            f"Rule {i}: when a customer asks about {TOPICS[i % len(TOPICS)]}, answer politely, "
+            f"cite section {i * 7 % 97} of the handbook, offer the {WORDS[40 + i % 60]} option "
+            f"first, and never promise delivery before day {i % 28 + 1} of the month."
+        )
+    return "\n".join(lines)
+
+
+def _question(rng: random.Random, index: int) -> str:
+    return f"({index}) " + rng.choice(TASKS).format(rng.choice(TOPICS))
+
+
+def builtin(name: str, seed: int) -> Dataset:
+    """One of BUILTIN; `seed` varies the user turns (and long documents), not the shape."""
+    system = shared_system_prompt() if name == "shared-prefix" else None
+
+    def make(index: int) -> Session:
+        rng = random.Random(f"{seed}:{name}:{index}")
+        if name == "short":
+            return Session(messages=[{"role": "user", "content": _question(rng, index)}])
+        if name == "shared-prefix":
+            return Session(
+                messages=[
+                    {"role": "system", "content": system or ""},
+                    {"role": "user", "content": _question(rng, index)},
+                ]
+            )
+        if name == "long":
+            doc = _text(rng, LONG_WORDS)
+            ask = "Summarize the text above in one sentence."
+            return Session(messages=[{"role": "user", "content": f"{doc}\n\n{ask}"}])
+        topic = rng.choice(TOPICS)
+        first = f"({index}) Let us talk about {topic}. What is it?"
+        follow = [f"Tell me more about {topic}, point {t}." for t in range(2, MULTI_TURN_TURNS + 1)]
+        return Session(messages=[{"role": "user", "content": first}], follow_ups=follow)
+
+    if name not in BUILTIN:
+        raise DatasetError(f"unknown dataset {name!r} (one of {', '.join(BUILTIN)} or a .jsonl)")
+    return Dataset(name, make)
+
+
+def _record(line: str, where: str) -> Session:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{where}: not JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise DatasetError(f"{where}: expected an object with 'messages' or 'prompt'")
+    max_tokens = obj.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise DatasetError(f"{where}: max_tokens must be a positive integer")
+    messages, prompt = obj.get("messages"), obj.get("prompt")
+    if isinstance(prompt, str) and messages is None:
+        return Session(prompt=prompt, max_tokens=max_tokens)
+    ok = (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
+    if not ok or prompt is not None:
+        raise DatasetError(
+            f"{where}: needs either 'prompt' (a string) or 'messages' "
+            "(a non-empty list of {role, content} strings)"
+        )
+    return Session(messages=[dict(m) for m in messages], max_tokens=max_tokens)
+
+
+def from_jsonl(path: str) -> Dataset:
+    """Requests from a JSONL file, used in file order and repeated when more are needed."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"cannot read {path}: {exc}") from None
+    records = [_record(ln, f"{path}:{i + 1}") for i, ln in enumerate(lines) if ln.strip()]
+    if not records:
+        raise DatasetError(f"{path} holds no requests")
+
+    def make(index: int) -> Session:
+        r = records[index % len(records)]
+        return Session(list(r.messages), r.prompt, [], r.max_tokens)
+
+    return Dataset(Path(path).name, make)
+
+
+def load(name: str, seed: int) -> Dataset:
+    """A built-in set by name, or a JSONL file when `name` is not one."""
+    if name in BUILTIN:
+        return builtin(name, seed)
+    if name.endswith(".jsonl") or Path(name).exists():
+        return from_jsonl(name)
+    return builtin(name, seed)  # raises with the list of names

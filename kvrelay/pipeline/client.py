@@ -35,7 +35,6 @@ from kvrelay.pipeline.model_registry import ModelRegistry
 from kvrelay.pipeline.modelref import DEFAULT_MODEL
 from kvrelay.pipeline.openai_validate import type_error
 from kvrelay.pipeline.output import (
-    DEADLINE_GRACE_S,
     Completion,
     OutputExpired,
     OutputTimeout,
@@ -192,7 +191,7 @@ class AsyncClient:
                 request_id,
                 start_index=start_index,
                 block_ms=self.block_ms,
-                deadline=deadline + DEADLINE_GRACE_S if deadline else None,
+                deadline=deadline,  # met at the deadline itself, as the ingress does
                 retext=retext,
             ):
                 yield chunk

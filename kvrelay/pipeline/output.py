@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 
 TERMINAL = {"failed": "error", "cancelled": "cancelled", "finished": "error"}
 ENDED = tuple(TERMINAL)
-DEADLINE_GRACE_S = 2.0  # workers finish a request at its deadline; give their chunk time to land
 DEADLINE_PASSED = "the request passed its deadline"  # the same words from workers and ingress
 # A Valkey restart (supervisord brings it back in milliseconds, then it loads its append-only
 # file) must not end the streams being read; an outage longer than this is reported.

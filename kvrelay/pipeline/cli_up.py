@@ -15,14 +15,19 @@ import sys
 from pathlib import Path
 
 from kvrelay.pipeline.cli import EXIT_UNAVAILABLE, CommandError
+from kvrelay.pipeline.cli_serve import _FLAGS as SERVE_FLAGS
 from kvrelay.pipeline.ingress_config import MODES
 from kvrelay.pipeline.launch import Program, Supervisor, check_port_free, read_state
 from kvrelay.pipeline.modelref import QUANTIZATION_SCHEMES
 from kvrelay.pipeline.topology import Topology, choose
+from kvrelay.pipeline.up_progress import UpProgress
 from kvrelay.pipeline.up_ready import CrashLoopError, check_redis, wait_ready
 
 DEFAULT_RUN_DIR = "kvrelay-run"
 MODE_ENV = "KVRELAY_INGRESS_MODE"
+# `kvrelay serve`'s limit flags, passed through to the ingress as they are: one definition, so
+# `up` cannot drift from `serve`; connection flags stay `up`'s own (it binds and wires them).
+INGRESS_FLAGS = [f for f in SERVE_FLAGS if f[1] not in ("redis_url", "key_prefix", "host", "port")]
 
 
 def _number(kind: type, low: float, high: float | None = None, what: str = "value"):
@@ -103,6 +108,32 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="extra environment for every program (repeatable)",
     )
+    limits = p.add_argument_group("ingress limits (as `kvrelay serve`; default: its defaults)")
+    for flag, dest, kind, help_text in INGRESS_FLAGS:
+        limits.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
+
+
+def ingress_flags(args: argparse.Namespace) -> list[str]:
+    """The `kvrelay serve` arguments for the ingress limits given to `up`."""
+    out: list[str] = []
+    for flag, dest, _kind, _help in INGRESS_FLAGS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def check_ingress_config(args: argparse.Namespace, mode: str) -> None:
+    """Refuse ingress limits the ingress would refuse (CommandError, exit 2) before launching."""
+    from kvrelay.config import ConfigError
+    from kvrelay.pipeline.ingress_config import load_config
+
+    env = dict(os.environ, **{k: v for k, _s, v in (item.partition("=") for item in args.env)})
+    overrides = {dest: getattr(args, dest, None) for _f, dest, _k, _h in INGRESS_FLAGS}
+    try:
+        load_config(environ=env, mode=mode, **overrides)
+    except ConfigError as exc:
+        raise CommandError(f"ingress: {exc}") from None
 
 
 def add_down_arguments(p: argparse.ArgumentParser) -> None:
@@ -217,7 +248,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     programs.append(
         Program(
             "ingress",
-            [*py, "serve", "--host", args.host, "--port", str(args.port)],
+            [*py, "serve", "--host", args.host, "--port", str(args.port), *ingress_flags(args)],
             env=dict(env, **{MODE_ENV: mode}),
             priority=30,
         )
@@ -249,6 +280,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "store_run_dir": str(store_dir),
         "threads_per_worker": threads,
         "programs": [p.name for p in programs],
+        "store_node": env.get("KVRELAY_STORE_NODE_ID", "node0"),
         "prefill": args.prefill,
         "decode": args.decode,
         "topology": topo.to_dict(),
@@ -258,7 +290,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
 
 def _preflight(args: argparse.Namespace, run_dir: Path) -> None:
     """Refuse, before launching anything, what would make the stack fail or join another one."""
-    ingress_mode(args)
+    check_ingress_config(args, ingress_mode(args))
     if Supervisor(run_dir).pid() is not None:
         raise CommandError(f"a stack is already running in {run_dir}", EXIT_UNAVAILABLE)
     check_port_free(args.host, args.port)
@@ -287,12 +319,13 @@ def run_up(args: argparse.Namespace) -> int:
     programs, state = build_programs(args, run_dir)
     sup.write(programs, nodaemon=not args.detach, state=state)
     print(f"kvrelay: topology: {args.topology.describe()}", file=sys.stderr)
+    progress = UpProgress(state, run_dir / "logs")  # before the start: log sizes of earlier runs
     sup.start(detach=args.detach)
     where = f"http://{args.host}:{args.port}"
     logs = run_dir / "logs"
     if args.detach:
         try:
-            reason = wait_ready(state, args.timeout, sup)
+            reason = wait_ready(state, args.timeout, sup, progress=progress)
             if reason is not None:
                 reason = f"not ready after {args.timeout:g}s ({reason})"
         except CrashLoopError as exc:
@@ -308,7 +341,9 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         proc = sup.proc
         try:
-            reason = wait_ready(state, args.timeout, sup, alive=lambda: proc.poll() is None)
+            reason = wait_ready(
+                state, args.timeout, sup, alive=lambda: proc.poll() is None, progress=progress
+            )
         except CrashLoopError as exc:
             print(f"kvrelay up: {exc}\nkvrelay up: stopping. Logs in {logs}", file=sys.stderr)
             sup.stop()

@@ -100,12 +100,23 @@ class CrashLoopError(RuntimeError):
     """A program keeps dying before the stack became ready."""
 
 
-def wait_ready(state: dict, timeout: float, sup: Supervisor, alive=lambda: True) -> str | None:
+def wait_ready(
+    state: dict, timeout: float, sup: Supervisor, alive=lambda: True, progress=None
+) -> str | None:
     """Poll until the stack is ready (None) or time runs out (the last reason it was not).
 
     A program seen with three pids, entering BACKOFF twice, or FATAL raises CrashLoopError with
-    the tail of its log instead of waiting out the timeout."""
+    the tail of its log instead of waiting out the timeout. `progress` (an UpProgress) is told
+    every status it polls and when the stack is ready."""
     deadline = time.monotonic() + timeout
+    try:
+        return _poll(state, deadline, sup, alive, progress)
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+def _poll(state: dict, deadline: float, sup: Supervisor, alive, progress) -> str | None:
     pids: dict[str, set[int]] = {}
     backoffs: dict[str, int] = {}
     previous: dict[str, tuple[str, int | None]] = {}
@@ -126,6 +137,11 @@ def wait_ready(state: dict, timeout: float, sup: Supervisor, alive=lambda: True)
                 log = _log_tail(sup.run_dir / "logs" / f"{name}.log")
                 raise CrashLoopError(f"{name} keeps exiting; the end of its log:\n{log}")
         reason = not_ready_reason(state, status, previous)
+        if progress is not None:
+            if reason is None:
+                progress.ready()
+            else:
+                progress.update(status)
         if reason is None:
             return None
         previous = status

@@ -44,6 +44,9 @@ def test_up_is_not_ready_while_a_program_other_than_workers_fails(tmp_path):
     done = up(tmp_path, "--prefill", "0", "--env", "KVRELAY_STORE_TRANSPORT=bogus")
     assert done.returncode == 1 and done.stdout == ""
     topology, rest = done.stderr.split("\n", 1)  # `up` names its topology before launching
+    waiting = [line for line in rest.split("\n") if line.startswith("kvrelay up: waiting: ")]
+    assert all(", store up," not in line for line in waiting), waiting  # progress, never up
+    rest = "\n".join(line for line in rest.split("\n") if line not in waiting)
     assert topology.startswith("kvrelay: topology: 1 decode worker, ")
     assert topology.endswith(" (given: --prefill 0 --decode 1)")
     assert rest.startswith("kvrelay up: store keeps exiting; the end of its log:\n")

@@ -14,7 +14,7 @@ import sys
 logger = logging.getLogger(__name__)
 
 # (flag, config field, type, help)
-_FLAGS: list[tuple[str, str, type, str]] = [
+SERVE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--redis-url", "redis_url", str, "Redis/Valkey URL (default redis://127.0.0.1:6379/0)"),
     ("--key-prefix", "key_prefix", str, "prefix of every Redis key (default kvrelay:)"),
     ("--host", "host", str, "address to listen on (default 127.0.0.1)"),
@@ -43,7 +43,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for flag, dest, kind, help_text in _FLAGS:
+    for flag, dest, kind, help_text in SERVE_FLAGS:
         parser.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
     parser.add_argument(
         "--model",
@@ -73,7 +73,7 @@ def config_from_args(args: argparse.Namespace):
     """IngressConfig from flags over the environment."""
     from kvrelay.pipeline.ingress_config import load_config
 
-    overrides = {dest: getattr(args, dest, None) for _f, dest, _k, _h in _FLAGS}
+    overrides = {dest: getattr(args, dest, None) for _f, dest, _k, _h in SERVE_FLAGS}
     overrides["mode"] = args.mode
     overrides["models"] = tuple(args.models) if args.models else None
     overrides["api_keys"] = tuple(args.api_keys) if args.api_keys else None

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from kvrelay.pipeline.cli import EXIT_UNAVAILABLE, CommandError
-from kvrelay.pipeline.cli_serve import _FLAGS as SERVE_FLAGS
+from kvrelay.pipeline.cli_serve import SERVE_FLAGS
 from kvrelay.pipeline.ingress_config import MODES
 from kvrelay.pipeline.launch import Program, Supervisor, check_port_free, read_state
 from kvrelay.pipeline.modelref import QUANTIZATION_SCHEMES

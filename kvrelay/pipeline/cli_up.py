@@ -19,7 +19,7 @@ from kvrelay.pipeline.cli_serve import SERVE_FLAGS
 from kvrelay.pipeline.ingress_config import MODES
 from kvrelay.pipeline.launch import Program, Supervisor, check_port_free, read_state
 from kvrelay.pipeline.modelref import QUANTIZATION_SCHEMES
-from kvrelay.pipeline.topology import Topology, choose
+from kvrelay.pipeline.topology import Topology, choose, default_weights
 from kvrelay.pipeline.up_progress import UpProgress
 from kvrelay.pipeline.up_ready import CrashLoopError, check_redis, wait_ready
 
@@ -89,9 +89,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=size, default=None, help="per-worker KV pool bytes")
     p.add_argument(
         "--quantization",
-        choices=tuple(QUANTIZATION_SCHEMES),
-        default="none",
-        help="worker weights: none (model dtype) or int8 (CPU; opt-in, see docs/benchmarks.md)",
+        choices=("auto", *QUANTIZATION_SCHEMES),
+        default="auto",
+        help="worker weights: auto (fp16 on x86-64 CPU hosts, else the model's), none (model "
+        "dtype), fp16 or int8 (CPU only; see docs/benchmarks.md)",
     )
     p.add_argument("--detach", action="store_true", help="return once the stack is ready")
     p.add_argument(
@@ -144,6 +145,13 @@ def add_down_arguments(p: argparse.ArgumentParser) -> None:
 def _num_gpus() -> int:
     gpus = Path("/proc/driver/nvidia/gpus")
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+def resolve_quantization(args: argparse.Namespace) -> str:
+    """The workers' weights: --quantization, or for `auto` what the host runs fastest."""
+    if args.quantization == "auto":
+        args.quantization, args.quantization_why = default_weights(resolve_topology(args).gpus)
+    return args.quantization
 
 
 def resolve_topology(args: argparse.Namespace) -> Topology:
@@ -233,9 +241,10 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     }
     if args.kv_cache_bytes:
         env["KVRELAY_WORKER_KV_CACHE_BYTES"] = str(args.kv_cache_bytes)
-    if args.quantization != "none":  # the store must expect the quantized model's fingerprint
-        env["KVRELAY_WORKER_QUANTIZATION"] = args.quantization
-        env["KVRELAY_STORE_QUANTIZATION"] = args.quantization
+    quantization = resolve_quantization(args)
+    if quantization != "none":  # the store must expect the quantized model's fingerprint
+        env["KVRELAY_WORKER_QUANTIZATION"] = quantization
+        env["KVRELAY_STORE_QUANTIZATION"] = quantization
     for item in args.env:  # KEY=VALUE, checked by argparse
         key, _sep, value = item.partition("=")
         env[key] = value
@@ -284,6 +293,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "prefill": args.prefill,
         "decode": args.decode,
         "topology": topo.to_dict(),
+        "quantization": quantization,
     }
     return programs, state
 
@@ -319,6 +329,8 @@ def run_up(args: argparse.Namespace) -> int:
     programs, state = build_programs(args, run_dir)
     sup.write(programs, nodaemon=not args.detach, state=state)
     print(f"kvrelay: topology: {args.topology.describe()}", file=sys.stderr)
+    why = getattr(args, "quantization_why", "given")
+    print(f"kvrelay: weights: {state['quantization']} ({why})", file=sys.stderr)
     progress = UpProgress(state, run_dir / "logs")  # before the start: log sizes of earlier runs
     sup.start(detach=args.detach)
     where = f"http://{args.host}:{args.port}"

@@ -10,6 +10,7 @@ from stalling the decode batches.
 
 from __future__ import annotations
 
+import platform
 from dataclasses import asdict, dataclass
 
 # One CPU engine scales poorly past this many threads on small models (GEMMs of a few hundred
@@ -85,3 +86,17 @@ def choose(
         why = f"--prefill {prefill} --decode {decode}"
     threads = threads_per_worker(cores, prefill + decode)
     return Topology(prefill, decode, threads, cores, gpus, not given, why)
+
+
+def default_weights(gpus: int, machine: str | None = None) -> tuple[str, str]:
+    """(quantization, why) for `kvrelay up --quantization auto` on a host with `gpus` GPUs.
+
+    On x86-64 CPUs fp16 weights (fp32 activations and sums, fbgemm) halve the bytes a decode
+    step reads, with perplexity unchanged to four digits (docs/benchmarks.md); elsewhere, and
+    on GPUs (bf16 models), the model's own weights."""
+    if gpus:
+        return "none", "GPU workers keep the model's weights"
+    arch = (machine or platform.machine()).lower()
+    if arch in ("x86_64", "amd64"):
+        return "fp16", "CPU host: fp16 weights, fp32 activations"
+    return "none", f"no fp16 GEMM on {arch}: fp32 weights"

@@ -115,8 +115,11 @@ class Stack:
         return tokens
 
 
-def generate_reference(tmp_path: Path, requests: list[dict], max_tokens: int) -> dict[str, dict]:
-    """`kvrelay generate --json` (the in-process engine) for JSONL requests; results by id."""
+def generate_reference(
+    tmp_path: Path, requests: list[dict], max_tokens: int, quantization: str = "none"
+) -> dict[str, dict]:
+    """`kvrelay generate --json` (the in-process engine, with the stack's weights) for JSONL
+    requests; results by id."""
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(json.dumps(r) + "\n" for r in requests))
     done = subprocess.run(
@@ -134,6 +137,8 @@ def generate_reference(tmp_path: Path, requests: list[dict], max_tokens: int) ->
             str(max_tokens),
             "--num-threads",
             "1",
+            "--quantization",
+            quantization,
         ],
         capture_output=True,
         text=True,

@@ -40,10 +40,11 @@ def client(stack):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(stack, tmp_path_factory):
     reqs = [{"id": f"chat{i}", "messages": m} for i, m in enumerate(CHATS)]
     reqs.append({"id": "cmpl", "prompt": PROMPT})
-    return generate_reference(tmp_path_factory.mktemp("gen"), reqs, MAX_TOKENS)
+    weights = stack.state["quantization"]  # `up` picks them for the host (fp16 on x86 CPUs)
+    return generate_reference(tmp_path_factory.mktemp("gen"), reqs, MAX_TOKENS, weights)
 
 
 def test_non_streaming_matches_generate(stack, client, reference):

@@ -43,7 +43,9 @@ def test_up_is_not_ready_while_a_program_other_than_workers_fails(tmp_path):
     # not only workers: any program of the stack that keeps exiting fails `up` with its log
     done = up(tmp_path, "--prefill", "0", "--env", "KVRELAY_STORE_TRANSPORT=bogus")
     assert done.returncode == 1 and done.stdout == ""
-    topology, rest = done.stderr.split("\n", 1)  # `up` names its topology before launching
+    # `up` names its topology and weights before launching
+    topology, weights, rest = done.stderr.split("\n", 2)
+    assert weights.startswith("kvrelay: weights: ")
     waiting = [line for line in rest.split("\n") if line.startswith("kvrelay up: waiting: ")]
     assert all(", store up," not in line for line in waiting), waiting  # progress, never up
     rest = "\n".join(line for line in rest.split("\n") if line not in waiting)

@@ -47,8 +47,9 @@ def test_up_prints_progress_and_runs_the_ingress_with_its_limits(tmp_path: Path)
         top = next(i for i, line in enumerate(lines) if line.startswith("kvrelay: topology: "))
         assert all(line.startswith("kvrelay: ") for line in lines[:top]), lines[:top]
         assert lines[top].startswith("kvrelay: topology: 1 decode worker, ")
+        assert lines[top + 1].startswith("kvrelay: weights: ")
         assert READY.match(lines[-1]), lines[-1]
-        steps = [parse(line) for line in lines[top + 1 : -1]]
+        steps = [parse(line) for line in lines[top + 2 : -1]]
         assert steps, done.stderr
         # the first line shows the worker not up yet: `up` waited for it
         assert steps[0][0]["decode-0"] != "up"

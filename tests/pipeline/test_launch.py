@@ -170,6 +170,25 @@ def test_up_programs_divide_cores_and_share_settings(tmp_path):
     assert "valkey" not in [p.name for p in programs] and state["redis_url"] == "redis://db:6379/2"
 
 
+def test_weights_are_chosen_for_the_host_unless_given(tmp_path):
+    from kvrelay.pipeline.cli import build_parser
+    from kvrelay.pipeline.cli_up import build_programs
+    from kvrelay.pipeline.topology import default_weights
+
+    assert default_weights(0, "x86_64") == ("fp16", "CPU host: fp16 weights, fp32 activations")
+    assert default_weights(2, "x86_64") == ("none", "GPU workers keep the model's weights")
+    assert default_weights(0, "aarch64") == ("none", "no fp16 GEMM on aarch64: fp32 weights")
+    for flag, want in (([], default_weights(0)[0]), (["--quantization", "none"], "none")):
+        args = build_parser().parse_args(["up", "--threads", "2", *flag])
+        programs, state = build_programs(args, tmp_path / str(len(flag)))
+        assert state["quantization"] == want
+        for program in programs:
+            if program.name in ("store", "decode-0"):
+                assert program.env.get("KVRELAY_STORE_QUANTIZATION") == (
+                    None if want == "none" else want
+                )
+
+
 def test_topology_is_chosen_for_the_host_unless_given():
     from kvrelay.pipeline.topology import choose
 

@@ -156,8 +156,7 @@ class KvrelayServer(Server):
         cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", "up", "--run-dir",
                str(self.dir / "run"), "--port", str(self.port), "--threads",
                str(self.args.threads), "--timeout", "900"]  # fmt: skip
-        if self.args.quantization != "none":
-            cmd += ["--quantization", self.args.quantization]
+        cmd += ["--quantization", self.args.quantization]
         return cmd + self.args.kvrelay_extra, {}
 
 
@@ -212,8 +211,13 @@ SERVERS: dict[str, type[Server]] = {"kvrelay": KvrelayServer, "llama": LlamaServ
 def precision(name: str, args) -> str:
     """What each server computes in, as configured by peers.py."""
     if name == "kvrelay":
-        q = "" if args.quantization == "none" else f", {args.quantization} linears"
-        return f"fp32 weights and KV{q}"
+        from kvrelay.pipeline.topology import default_weights
+
+        q = default_weights(0)[0] if args.quantization == "auto" else args.quantization
+        how = " (`kvrelay up` default)" if args.quantization == "auto" else ""
+        weights = {"none": "fp32 weights", "fp16": "fp16 weights (fp32 activations)",
+                   "int8": "int8 linears (down fp32), int8 activations"}[q]  # fmt: skip
+        return f"{weights}{how}, fp32 KV"
     if name == "llama":
         model = args.llama_model or "SmolLM2-135M-Instruct.Q4_1.gguf"
         return f"weights as stored in {Path(model).name} (Q4_1 by default), f16 KV (default)"

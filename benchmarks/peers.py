@@ -288,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--quantization",
-        choices=("none", "int8", "fp16"),
-        default="none",
-        help="kvrelay's linears (`kvrelay up --quantization`)",
+        choices=("auto", "none", "int8", "fp16"),
+        default="auto",
+        help="kvrelay's weights (`kvrelay up --quantization`; auto: its default for the host)",
     )
     p.add_argument("--kvrelay-extra", default="", help="more `kvrelay up` arguments (one string)")
     p.add_argument("--llama-server", default="/work/peers/llama_cpp_python-0.3.36/vendor/"

@@ -4,8 +4,9 @@ Usage: python benchmarks/kernels.py [--impl auto|torch|triton|cpp] [--device cpu
        [--repeat N] [--suite all|ops|cpu]
 Prints one JSON line, then a table. Shapes are SmolLM2-135M's (9 heads, 3 KV heads, head_dim 64,
 page 16); multiply per-call times by 30 for a whole forward pass. The `cpu` suite compares the
-torch and C++ CPU paths: batch-32 decode at context 64/512/2048, and 8 sequences sharing a
-1,500-token prefix (shared block ids vs the same contexts in private blocks).
+torch and C++ CPU paths: batch-32 decode at context 64/512/2048, 8 sequences sharing a
+1,500-token prefix (shared block ids vs the same contexts in private blocks), and a 512-token
+prefill.
 """
 
 from __future__ import annotations
@@ -150,6 +151,18 @@ def bench_cpu_decode(ctx: int, args) -> dict:
     return {"case": f"decode b32 ctx~{ctx}", "torch_ms": times["torch"], "cpp_ms": times["cpp"]}
 
 
+def bench_cpu_prefill(tokens: int, args) -> dict:
+    """One sequence's prompt of `tokens` rows at once (causal): compute-bound."""
+    pool, layer, meta, q, _ = _setup([tokens], [tokens], 4, "cpu", torch.float32)
+    times = {
+        impl: _time(
+            lambda i=impl: paged_attention(q, pool, layer, meta, 0.125, impl=i), args.repeat, "cpu"
+        )
+        for impl in ("torch", "cpp")
+    }
+    return {"case": f"prefill {tokens}", "torch_ms": times["torch"], "cpp_ms": times["cpp"]}
+
+
 def bench_shared_prefix(args, prefix: int = 1500, tail: int = 100, batch: int = 8) -> dict:
     """cpp on 8 sequences whose first 1,500 tokens are the same blocks vs private copies."""
     ctx = prefix + tail
@@ -190,6 +203,7 @@ def bench_shared_prefix(args, prefix: int = 1500, tail: int = 100, batch: int = 
 
 def cpu_suite(args) -> None:
     rows = [bench_cpu_decode(c, args) for c in (64, 512, 2048)] + [bench_shared_prefix(args)]
+    rows.append(bench_cpu_prefill(512, args))
     for r in rows:
         r["speedup"] = r["torch_ms"] / r["cpp_ms"]
     print(json.dumps({"bench": "kernels_cpu", "threads": torch.get_num_threads(), "rows": rows}))

@@ -7,6 +7,17 @@
 // - per chunk of chunk_pages pages, starting fresh: the state is stored as a partial;
 // - the partials of chunks 0..c are merged in chunk order at the end.
 // Which thread runs which (chunk, rows) item, and which rows share it, changes nothing.
+//
+// Work split (plan.cpp): an item is one key chunk for the row blocks of one or more sequences
+// whose block ids in that chunk are the same (a shared prefix), so its K/V is read once for all
+// of them. Within an item: page by page, KV head by KV head, the GQA rows of each query token
+// go through the page together in tiles of up to 3 rows (rows_page; 4 = 2 + 2, single rows use
+// row_page): each K and V vector is loaded once and feeds every row of the tile, while each row
+// keeps row_page's operations in the same order (same FMA chains per key, reduce8's tree,
+// masking, softmax update and P.V order), so tiles change no bit. Decode reads a page once per
+// layer and step from memory: a page is prefetched into L2 during the page before it (across
+// items too: a thread claims its next item before running the current one), and each head's
+// K/V rows into L1 while the previous head computes.
 #include <algorithm>
 #include <atomic>
 #include <limits>
@@ -107,8 +118,182 @@ inline void row_page(const float* qrow, __m256 scale, const float* k, const floa
   for (int d = 0; d < ND; ++d) _mm256_storeu_ps(st + 2 + 8 * d, acc[d]);
 }
 
+alignas(32) const float kZeroKey[128] = {};  // stands in for keys past nvalid (read, then masked)
+
+// scores8 for R rows at once: each K vector is loaded once and used by every row. Per row and
+// key the operations are scores8's (mul, FMAs over d in order, reduce8's tree, then the same
+// masking add on a partial tile), so each lane is bitwise scores8's.
+template <int ND, int R>
+inline void scores8_rows(const float* qs, const float* k, int64_t stride, int j0, int nvalid,
+                         __m256* out) {
+  const float* kp[8];
+  for (int jj = 0; jj < 8; ++jj) kp[jj] = j0 + jj < nvalid ? k + (j0 + jj) * stride : kZeroKey;
+  // Keys in passes of KP: R * KP accumulators, R q vectors and KP K vectors in registers.
+  // hadd of key pairs, then of the pairs, then low + high half: reduce8's tree per key.
+  constexpr int KP = R >= 3 ? 2 : 4;
+  __m128 half[R][2];
+  for (int hf = 0; hf < 2; ++hf) {
+    __m256 t[R][2];
+    for (int p0 = 0; p0 < 4; p0 += KP) {
+      const float* const* kk = kp + 4 * hf + p0;
+      __m256 acc[R][KP];
+      {
+        __m256 kv[KP];
+        for (int jj = 0; jj < KP; ++jj) kv[jj] = _mm256_loadu_ps(kk[jj]);
+        for (int r = 0; r < R; ++r) {
+          const __m256 qv = _mm256_load_ps(qs + r * 8 * ND);
+          for (int jj = 0; jj < KP; ++jj) acc[r][jj] = _mm256_mul_ps(qv, kv[jj]);
+        }
+      }
+      for (int d = 1; d < ND; ++d) {
+        __m256 kv[KP];
+        for (int jj = 0; jj < KP; ++jj) kv[jj] = _mm256_loadu_ps(kk[jj] + 8 * d);
+        for (int r = 0; r < R; ++r) {
+          const __m256 qv = _mm256_load_ps(qs + r * 8 * ND + 8 * d);
+          for (int jj = 0; jj < KP; ++jj) acc[r][jj] = _mm256_fmadd_ps(qv, kv[jj], acc[r][jj]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int jj = 0; jj < KP; jj += 2)
+          t[r][(p0 + jj) / 2] = _mm256_hadd_ps(acc[r][jj], acc[r][jj + 1]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 u = _mm256_hadd_ps(t[r][0], t[r][1]);
+      half[r][hf] = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm256_set_m128(half[r][1], half[r][0]);
+  if (j0 + 8 <= nvalid) return;
+  alignas(32) float valid[8];
+  alignas(32) int invalid[8];
+  for (int jj = 0; jj < 8; ++jj) {
+    valid[jj] = j0 + jj < nvalid ? 0.0f : kNegInf;
+    invalid[jj] = j0 + jj < nvalid ? 0 : -1;
+  }
+  const __m256 vadd = _mm256_load_ps(valid);
+  const __m256 mask = _mm256_castsi256_ps(_mm256_load_si256((const __m256i*)invalid));
+  // scores8 reduces zero accumulators for invalid keys: 0 + -inf; valid lanes get + 0.
+  for (int r = 0; r < R; ++r)
+    out[r] = _mm256_add_ps(_mm256_blendv_ps(out[r], _mm256_setzero_ps(), mask), vadd);
+}
+
+// row_page for R rows of one KV head (consecutive query rows and states) on the same keys: the
+// rows share every K and V load; each row's arithmetic is row_page's, in the same order.
+template <int ND, int R>
+inline void rows_page(const float* qrow, __m256 scale, const float* k, const float* v,
+                      int64_t stride, int nvalid, float* st0) {
+  constexpr int kD = 8 * ND, kState = 2 + kD;
+  alignas(32) float qs[R * kD];
+  for (int r = 0; r < R; ++r)
+    for (int d = 0; d < ND; ++d)
+      _mm256_store_ps(qs + r * kD + 8 * d,
+                      _mm256_mul_ps(_mm256_loadu_ps(qrow + r * kD + 8 * d), scale));
+  alignas(32) float s[R][kMaxPage];
+  __m256 mx[R];
+  for (int r = 0; r < R; ++r) mx[r] = _mm256_set1_ps(kNegInf);
+  for (int j0 = 0; j0 < nvalid; j0 += 8) {
+    __m256 sv[R];
+    scores8_rows<ND, R>(qs, k, stride, j0, nvalid, sv);
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(s[r] + j0, sv[r]);
+      mx[r] = _mm256_max_ps(mx[r], sv[r]);
+    }
+  }
+  float corr[R];
+  bool rescale[R];
+  for (int r = 0; r < R; ++r) {
+    float* st = st0 + r * kState;
+    const float m_old = st[0];
+    const float m_new = std::max(m_old, hmax8(mx[r]));
+    float l = st[1];
+    rescale[r] = m_new > m_old;
+    if (rescale[r]) {
+      corr[r] = exp1(m_old - m_new);
+      l = l * corr[r];
+    }
+    const __m256 m = _mm256_set1_ps(m_new);
+    __m256 lsum = _mm256_setzero_ps();
+    for (int j0 = 0; j0 < nvalid; j0 += 8) {
+      __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s[r] + j0), m));
+      _mm256_store_ps(s[r] + j0, p);
+      lsum = _mm256_add_ps(lsum, p);
+    }
+    st[0] = m_new;
+    st[1] = l + hsum8(lsum);
+  }
+  constexpr int kB = ND < 4 ? ND : 4;  // d-vectors per pass: R * kB accumulators in registers
+  for (int d0 = 0; d0 < ND; d0 += kB) {
+    __m256 acc[R][kB];
+    for (int r = 0; r < R; ++r) {
+      const float* st = st0 + r * kState + 2 + 8 * d0;
+      for (int i = 0; i < kB; ++i) acc[r][i] = _mm256_loadu_ps(st + 8 * i);
+      if (rescale[r]) {
+        const __m256 c = _mm256_set1_ps(corr[r]);
+        for (int i = 0; i < kB; ++i) acc[r][i] = _mm256_mul_ps(acc[r][i], c);
+      }
+    }
+    for (int j = 0; j < nvalid; ++j) {
+      const float* vj = v + j * stride + 8 * d0;
+      for (int i = 0; i < kB; ++i) {
+        const __m256 vv = _mm256_loadu_ps(vj + 8 * i);
+        for (int r = 0; r < R; ++r)
+          acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(s[r][j]), vv, acc[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < kB; ++i)
+        _mm256_storeu_ps(st0 + r * kState + 2 + 8 * (d0 + i), acc[r][i]);
+  }
+}
+
+// The G query rows of one KV head, in tiles of up to 3 rows (4 = 2 + 2).
 template <int ND>
-void run_item(const Args& a, int index) {
+inline void group_page(const float* qrow, int group, __m256 scale, const float* k, const float* v,
+                       int64_t stride, int nvalid, float* st) {
+  constexpr int kD = 8 * ND, kState = 2 + kD;
+  for (int g = 0; g < group;) {
+    const int left = group - g, r = left == 4 ? 2 : std::min(3, left);
+    const float* q = qrow + g * kD;
+    float* s = st + g * kState;
+    if (r == 3)
+      rows_page<ND, 3>(q, scale, k, v, stride, nvalid, s);
+    else if (r == 2)
+      rows_page<ND, 2>(q, scale, k, v, stride, nvalid, s);
+    else
+      row_page<ND>(q, scale, k, v, stride, nvalid, s);
+    g += r;
+  }
+}
+
+// Start of a page's K and V for this layer.
+inline const char* page_span(const Args& a, const int* table, int page) {
+  return (const char*)(a.pool + table[page] * a.block_stride + a.layer_stride);
+}
+
+inline void prefetch_l2(const char* base, int64_t from, int64_t to) {
+  for (int64_t off = from; off < to; off += 64) _mm_prefetch(base + off, _MM_HINT_T1);
+}
+
+// One KV head's K and V rows of a page into L1.
+inline void prefetch_head(const Args& a, const char* base, int h) {
+  const int64_t row = (int64_t)a.kv_heads * a.head_dim * 4, kv = a.kv_stride * 4;
+  const char* k = base + (int64_t)h * a.head_dim * 4;
+  for (int j = 0; j < a.page_size; ++j, k += row)
+    for (int off = 0; off < a.head_dim * 4; off += 64) {
+      _mm_prefetch(k + off, _MM_HINT_T0);
+      _mm_prefetch(k + kv + off, _MM_HINT_T0);
+    }
+}
+
+// The first page's K and V of an item.
+inline const char* first_span(const Args& a, int index) {
+  const int* item = a.items + 3 * index;
+  const int* table = a.tables + a.width * a.entries[4 * item[1]];
+  return page_span(a, table, item[0] * a.chunk_pages);
+}
+
+template <int ND>
+void run_item(const Args& a, int index, bool prefetched, int after) {
   const int* item = a.items + 3 * index;
   const int chunk = item[0], e0 = item[1], e1 = item[2];
   const int state = 2 + a.head_dim;
@@ -131,16 +316,28 @@ void run_item(const Args& a, int index) {
   const int last = std::min(pmax / a.page_size, first + a.chunk_pages - 1);
   const __m256 scale = _mm256_set1_ps(a.scale);
   const int64_t stride = (int64_t)a.kv_heads * a.head_dim;
+  const int64_t span = 2 * a.kv_stride * 4;  // bytes of a page's K and V (contiguous)
+  const int64_t share = (span / 64 + a.kv_heads - 1) / a.kv_heads * 64;
+  // Memory-bound in decode: keep misses in flight. A page goes to L2 one head's share at a time
+  // during the page before it (an item's first page during the thread's previous item), and
+  // each head's K/V rows go to L1 while the previous head computes. No arithmetic changes.
+  if (!prefetched) {  // the thread's first item
+    prefetch_l2(page_span(a, table, first), 0, span);
+    prefetch_head(a, page_span(a, table, first), 0);
+  }
+  const char* following = after >= 0 ? first_span(a, after) : nullptr;
   for (int page = first; page <= last; ++page) {
-    if (page + 1 <= last) {  // the next page's K and V: one contiguous span
-      const char* next = (const char*)(a.pool + table[page + 1] * a.block_stride + a.layer_stride);
-      for (int64_t off = 0; off < 2 * a.kv_stride * 4; off += 64)
-        _mm_prefetch(next + off, _MM_HINT_T0);
-    }
-    const float* kbase = a.pool + table[page] * a.block_stride + a.layer_stride;
+    const char* base = page_span(a, table, page);
+    const char* next = page < last ? page_span(a, table, page + 1) : following;
+    const float* kbase = (const float*)base;
     const float* vbase = kbase + a.kv_stride;
     const int kstart = page * a.page_size;
     for (int h = 0; h < a.kv_heads; ++h) {
+      if (next) prefetch_l2(next, h * share, std::min(span, (h + 1) * share));
+      if (h + 1 < a.kv_heads)
+        prefetch_head(a, base, h + 1);
+      else if (next)
+        prefetch_head(a, next, 0);
       for (int e = e0; e < e1; ++e) {
         const int* en = a.entries + 4 * e;
         for (int j = 0; j < en[2]; ++j) {
@@ -150,9 +347,8 @@ void run_item(const Args& a, int index) {
           const int64_t row0 = (int64_t)(a.chunk_off[t] + chunk) * a.num_heads + h * a.group;
           float* st = a.partial + row0 * state;
           const float* qrow = a.query + ((int64_t)t * a.num_heads + h * a.group) * a.head_dim;
-          for (int g = 0; g < a.group; ++g, st += state, qrow += a.head_dim)
-            row_page<ND>(qrow, scale, kbase + h * a.head_dim, vbase + h * a.head_dim, stride,
-                         nvalid, st);
+          group_page<ND>(qrow, a.group, scale, kbase + h * a.head_dim, vbase + h * a.head_dim,
+                         stride, nvalid, st);
         }
       }
     }
@@ -191,7 +387,14 @@ void run(const Args& a, int num_items, int num_tokens, int num_threads, float* o
   std::atomic<int> next{0};
   const int threads = std::max(1, std::min(num_threads, num_items));
   parallel_for(threads, 1, [&](int64_t, int64_t) {
-    for (int i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) run_item<ND>(a, i);
+    // Each thread claims its next item before running the current one, so that the current
+    // item's last page can prefetch the next item's first page.
+    int i = next.fetch_add(1);
+    for (bool prefetched = false; i < num_items; prefetched = true) {
+      const int after = next.fetch_add(1);
+      run_item<ND>(a, i, prefetched, after < num_items ? after : -1);
+      i = after;
+    }
   });
   parallel_for(num_tokens, 4, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) merge_row<ND>(a, (int)t, out);

@@ -190,7 +190,7 @@ class VllmServer(Server):
     ready_timeout_s = 900.0  # the first start compiles for minutes
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        from kvrelay.pipeline.modelref import converted_dir, resolve_model
+        from kvrelay.core.modelref import converted_dir, resolve_model
 
         model_dir = converted_dir(resolve_model("smollm2-135m-instruct"))
         if not Path(self.args.vllm_python).is_file():

@@ -38,7 +38,7 @@ def best_of(fn, repeats: int) -> float:
 
 # ---- kvrelay engine --------------------------------------------------------------------------
 def engine_prefill(engine, prompt: list[int]) -> float:
-    from kvrelay.pipeline.sampling import SamplingParams
+    from kvrelay.core.sampling import SamplingParams
 
     engine.pool.reset_prefix_cache()
     t = time.perf_counter()
@@ -48,7 +48,7 @@ def engine_prefill(engine, prompt: list[int]) -> float:
 
 def engine_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
     """Seconds for the decode steps after every request has its first token."""
-    from kvrelay.pipeline.sampling import SamplingParams
+    from kvrelay.core.sampling import SamplingParams
 
     engine.pool.reset_prefix_cache()
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

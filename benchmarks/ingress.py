@@ -30,12 +30,12 @@ import uvicorn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import ValkeyServer, free_port  # noqa: E402
 
+from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys  # noqa: E402
+from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk  # noqa: E402
+from kvrelay.core.modelref import DEFAULT_MODEL  # noqa: E402
 from kvrelay.pipeline import ingress_routes, submit  # noqa: E402
 from kvrelay.pipeline.ingress import create_app  # noqa: E402
 from kvrelay.pipeline.ingress_config import IngressConfig  # noqa: E402
-from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys  # noqa: E402
-from kvrelay.pipeline.messages import DecodeTask, PrefillTask, TokenChunk  # noqa: E402
-from kvrelay.pipeline.modelref import DEFAULT_MODEL  # noqa: E402
 
 MODEL_INFO = {"fingerprint": "f" * 32, "page_size": 16, "max_model_len": 8192, "vocab_size": 49152}
 # ~150 tokens with SmolLM2's chat template
@@ -218,8 +218,8 @@ def main() -> None:
     )
     p.add_argument("--fill-keys", type=int, default=20000, help="extra keys (a real keyspace)")
     args = p.parse_args()
-    from kvrelay.pipeline import modelref
-    from kvrelay.pipeline.tokenizer import Tokenizer
+    from kvrelay.core import modelref
+    from kvrelay.core.tokenizer import Tokenizer
 
     ref = modelref.resolve_model(DEFAULT_MODEL)
     tok = Tokenizer.from_dir(modelref.converted_dir(ref))

@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvrelay.core.page_keys import page_keys  # noqa: E402
 from kvrelay.kvstore.client import StoreClient  # noqa: E402
 from kvrelay.kvstore.config import StoreConfig  # noqa: E402
-from kvrelay.kvstore.keys import page_keys  # noqa: E402
 from kvrelay.kvstore.page import HEADER_BYTES, PageSpec, checksum, pack_header  # noqa: E402
 from kvrelay.kvstore.server import StoreNode, arena_path  # noqa: E402
 

@@ -45,7 +45,7 @@ def system_prompt(salt: str, target: int = 1500) -> tuple[str, int]:
     """A deterministic system prompt of about `target` tokens (SmolLM2 tokenizer) and its size."""
     from tokenizers import Tokenizer
 
-    from kvrelay.pipeline.modelref import converted_dir, resolve_model
+    from kvrelay.core.modelref import converted_dir, resolve_model
 
     tok = Tokenizer.from_file(str(Path(converted_dir(resolve_model(MODEL))) / "tokenizer.json"))
     lines = [f"You are the support assistant of Harbor Tools ({salt}). Policy follows."]

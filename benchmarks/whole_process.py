@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--quantization", default="none", choices=["none", "int8", "fp16"])
     args = p.parse_args(argv)
-    from kvrelay.pipeline.modelref import converted_dir, resolve_model
+    from kvrelay.core.modelref import converted_dir, resolve_model
 
     model_dir = str(converted_dir(resolve_model(MODEL)))
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))

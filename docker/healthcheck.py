@@ -42,7 +42,7 @@ def _redis():
 
 
 def check_worker() -> str:
-    from kvrelay.pipeline.keys import Keys
+    from kvrelay.core.keys import Keys
 
     keys = Keys(os.environ.get("KVRELAY_KEY_PREFIX", "kvrelay:"))
     host, now = socket.gethostname(), time.time()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvrelay.pipeline.keys import Keys
+from kvrelay.core.keys import Keys
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,7 @@
 """The kernels package's error type."""
 
+from kvrelay.core.errors import KvrelayError
 
-class KernelError(ValueError):
+
+class KernelError(KvrelayError, ValueError):
     """Bad arguments to a kernel op (shape, dtype, device or index out of range)."""

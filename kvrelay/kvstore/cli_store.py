@@ -44,7 +44,7 @@ def build_config(args: argparse.Namespace):
     """StoreConfig from defaults, KVRELAY_STORE_* and flags; resolves --model to a page size."""
     from dataclasses import replace
 
-    from kvrelay.config import from_env
+    from kvrelay.core.config import from_env
     from kvrelay.kvstore.config import StoreConfig
 
     overrides = {
@@ -55,7 +55,7 @@ def build_config(args: argparse.Namespace):
         overrides["keep_arena"] = keep.strip().lower() not in ("0", "false", "no", "off")
     cfg = from_env(StoreConfig, "store", **overrides)
     if cfg.model is not None:
-        from kvrelay.pipeline.modelref import converted_dir, read_model_info, resolve_model
+        from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
 
         try:
             info = read_model_info(
@@ -78,7 +78,7 @@ def build_config(args: argparse.Namespace):
 
 
 def run_store(args: argparse.Namespace) -> int:
-    from kvrelay.config import ConfigError
+    from kvrelay.core.config import ConfigError
     from kvrelay.kvstore.server import StoreNode
     from kvrelay.pipeline.cli import CommandError
 
@@ -135,7 +135,7 @@ def store_run_dir(run_dir: str | None) -> str:
 
 def _page_key(args: argparse.Namespace) -> bytes | None:
     """The page key of `get` (required there, refused elsewhere); ValueError says why."""
-    from kvrelay.kvstore.keys import KEY_BYTES
+    from kvrelay.core.page_keys import KEY_BYTES
 
     if args.action != "get":
         if args.key:  # stats/ls/evict work on whole tiers; never ignore a key silently

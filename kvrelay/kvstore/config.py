@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrelay.config import ConfigError
+from kvrelay.core.config import ConfigError
 
 SOCKET_NAME = "kvstore.sock"
 

@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 
-from kvrelay.pipeline.keys import Keys
+from kvrelay.core.keys import Keys
 
 logger = logging.getLogger(__name__)
 

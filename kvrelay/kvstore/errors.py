@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from kvrelay.core.errors import KvrelayError
 
-class StoreError(Exception):
+
+class StoreError(KvrelayError):
     """Base class of every kvstore error."""
 
 

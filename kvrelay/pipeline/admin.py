@@ -10,13 +10,12 @@ from typing import Any
 
 import redis
 
-from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
-from kvrelay.pipeline.messages import MessageError, TokenChunk
+from kvrelay.core.enums import DONE_STATUSES, OPEN_STATUSES
+from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
+from kvrelay.core.messages import MessageError, TokenChunk
 
 logger = logging.getLogger(__name__)
 
-OPEN_STATUSES = {"queued", "prefilling", "decoding"}
-DONE_STATUSES = {"finished", "cancelled", "failed"}
 # the rule of kvrelay.pipeline.submit.valid_request_id (not imported: it pulls in pydantic)
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # req:{id} fields that hold numbers; `ingress` holds JSON

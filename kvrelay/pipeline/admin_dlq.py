@@ -9,8 +9,8 @@ from typing import Any
 
 import redis
 
-from kvrelay.pipeline.keys import MESSAGE_FIELD, Keys
-from kvrelay.pipeline.messages import DecodeTask, MessageError, PrefillTask
+from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.messages import DecodeTask, MessageError, PrefillTask
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ def connect(args: argparse.Namespace):
     """(redis client, Keys, store run dir) from --run-dir, flags or the environment."""
     import redis
 
-    from kvrelay.pipeline.keys import Keys
+    from kvrelay.core.keys import Keys
 
     state: dict[str, Any] = {}
     if args.run_dir or not args.redis_url:

@@ -83,7 +83,7 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvrelay.config import ConfigError
+    from kvrelay.core.config import ConfigError
     from kvrelay.pipeline.ingress import create_app
 
     try:

@@ -14,11 +14,11 @@ import os
 import sys
 from pathlib import Path
 
+from kvrelay.core.modelref import QUANTIZATION_SCHEMES
 from kvrelay.pipeline.cli import EXIT_UNAVAILABLE, CommandError
 from kvrelay.pipeline.cli_serve import SERVE_FLAGS
 from kvrelay.pipeline.ingress_config import MODES
 from kvrelay.pipeline.launch import Program, Supervisor, check_port_free, read_state
-from kvrelay.pipeline.modelref import QUANTIZATION_SCHEMES
 from kvrelay.pipeline.topology import Topology, choose, default_weights
 from kvrelay.pipeline.up_progress import UpProgress
 from kvrelay.pipeline.up_ready import CrashLoopError, check_redis, wait_ready
@@ -126,7 +126,7 @@ def ingress_flags(args: argparse.Namespace) -> list[str]:
 
 def check_ingress_config(args: argparse.Namespace, mode: str) -> None:
     """Refuse ingress limits the ingress would refuse (CommandError, exit 2) before launching."""
-    from kvrelay.config import ConfigError
+    from kvrelay.core.config import ConfigError
     from kvrelay.pipeline.ingress_config import load_config
 
     env = dict(os.environ, **{k: v for k, _s, v in (item.partition("=") for item in args.env)})
@@ -317,7 +317,7 @@ def run_up(args: argparse.Namespace) -> int:
         raise CommandError("need --decode >= 1 (and --prefill >= 0)")
     run_dir = Path(args.run_dir).resolve()
     _preflight(args, run_dir)
-    from kvrelay.pipeline.modelref import ModelNotFoundError
+    from kvrelay.core.modelref import ModelNotFoundError
     from kvrelay.workers.model_loader import prepare_model
 
     try:

@@ -22,6 +22,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from kvrelay.core.keys import Keys
+from kvrelay.core.messages import TokenChunk
+from kvrelay.core.modelref import DEFAULT_MODEL
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.client_validate import (
     checked_id,
     parse_request,
@@ -29,10 +33,7 @@ from kvrelay.pipeline.client_validate import (
 )
 from kvrelay.pipeline.cluster import ClusterState
 from kvrelay.pipeline.errors import RequestError, bad_request, queue_unavailable
-from kvrelay.pipeline.keys import Keys
-from kvrelay.pipeline.messages import TokenChunk
 from kvrelay.pipeline.model_registry import ModelRegistry
-from kvrelay.pipeline.modelref import DEFAULT_MODEL
 from kvrelay.pipeline.openai_validate import type_error
 from kvrelay.pipeline.output import (
     Completion,
@@ -43,7 +44,6 @@ from kvrelay.pipeline.output import (
 )
 from kvrelay.pipeline.redis_options import async_redis
 from kvrelay.pipeline.route import Router
-from kvrelay.pipeline.sampling import SamplingParams
 from kvrelay.pipeline.submit import Producer, new_request_id
 
 logger = logging.getLogger(__name__)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.errors import bad_request
 from kvrelay.pipeline.openai_protocol import GenerationRequest, parse_chat, parse_completion
 from kvrelay.pipeline.openai_validate import int_list, type_error
-from kvrelay.pipeline.sampling import SamplingParams
 from kvrelay.pipeline.submit import check_request_id
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from kvrelay.pipeline.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 
 logger = logging.getLogger(__name__)
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvrelay.core.errors import KvrelayError
+
 logger = logging.getLogger(__name__)
 
 
-class RequestError(Exception):
+class RequestError(KvrelayError):
     """A request the pipeline refuses; rendered by the ingress as an OpenAI error body."""
 
     def __init__(

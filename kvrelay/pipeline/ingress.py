@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvrelay.core.keys import Keys
 from kvrelay.pipeline import ingress_info as info
 from kvrelay.pipeline import ingress_routes as routes
 from kvrelay.pipeline.backpressure import Backpressure
@@ -31,7 +32,6 @@ from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.ingress_config import IngressConfig, load_config
 from kvrelay.pipeline.ingress_http import error_response
 from kvrelay.pipeline.ingress_middleware import RequestIdMiddleware
-from kvrelay.pipeline.keys import Keys
 from kvrelay.pipeline.metrics import Metrics
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.redis_options import async_redis, resilient

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvrelay.config import ConfigError, env_name, from_env
+from kvrelay.core.config import ConfigError, env_name, from_env
 
 SECTION = "INGRESS"
 MODES = ("auto", "disaggregated", "colocated")

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.kvstore.keys import DEFAULT_PAGE_SIZE
+from kvrelay.core.page_keys import DEFAULT_PAGE_SIZE
 from kvrelay.pipeline.cluster import ClusterState
 from kvrelay.pipeline.errors import RequestError, model_not_found
 
@@ -23,7 +23,7 @@ class ModelEntry:
     """What the producer needs to know about one served model."""
 
     name: str
-    tokenizer: Any  # kvrelay.pipeline.tokenizer.Tokenizer
+    tokenizer: Any  # kvrelay.core.tokenizer.Tokenizer
     vocab_size: int
     max_model_len: int
     fingerprint: str | None  # None: cached pages cannot be looked up
@@ -40,8 +40,8 @@ class _Local:
 
 def _load_local(name: str) -> _Local:
     """Tokenizer and config numbers from the model's converted directory (torch-free)."""
-    from kvrelay.pipeline import modelref
-    from kvrelay.pipeline.tokenizer import Tokenizer
+    from kvrelay.core import modelref
+    from kvrelay.core.tokenizer import Tokenizer
 
     try:
         ref = modelref.resolve_model(name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.errors import bad_request, unsupported
 from kvrelay.pipeline.openai_validate import (
     check_known_fields,
@@ -20,7 +21,6 @@ from kvrelay.pipeline.openai_validate import (
     missing,
     type_error,
 )
-from kvrelay.pipeline.sampling import SamplingParams
 
 CHAT, COMPLETION = "chat", "completion"
 ROLES = ("system", "developer", "user", "assistant", "tool")

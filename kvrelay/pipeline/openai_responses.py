@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.pipeline.messages import TokenChunk
+from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.openai_protocol import CHAT
 from kvrelay.pipeline.output import Completion
 

@@ -10,8 +10,8 @@ import json
 import math
 from typing import Any
 
+from kvrelay.core.sampling import INT64_MAX, INT64_MIN, encodes_utf8
 from kvrelay.pipeline.errors import RequestError, bad_request, unsupported
-from kvrelay.pipeline.sampling import INT64_MAX, INT64_MIN, encodes_utf8
 
 _EXPECTED = {
     "bool": "a boolean",

@@ -20,12 +20,18 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvrelay.pipeline.keys import MESSAGE_FIELD, Keys
-from kvrelay.pipeline.messages import MessageError, TokenChunk
+from kvrelay.core.enums import FinishReason, RequestStatus
+from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.messages import MessageError, TokenChunk
 
 logger = logging.getLogger(__name__)
 
-TERMINAL = {"failed": "error", "cancelled": "cancelled", "finished": "error"}
+# a request hash that ended without its final chunk: the finish reason to report
+TERMINAL = {
+    RequestStatus.FAILED: FinishReason.ERROR,
+    RequestStatus.CANCELLED: FinishReason.CANCELLED,
+    RequestStatus.FINISHED: FinishReason.ERROR,
+}
 ENDED = tuple(TERMINAL)
 DEADLINE_PASSED = "the request passed its deadline"  # the same words from workers and ingress
 # A Valkey restart (supervisord brings it back in milliseconds, then it loads its append-only

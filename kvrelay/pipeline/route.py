@@ -14,21 +14,22 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from kvrelay.kvstore.keys import page_keys
+from kvrelay.core.enums import Stage
+from kvrelay.core.keys import Keys
+from kvrelay.core.page_keys import page_keys
 from kvrelay.pipeline.cluster import ClusterState
-from kvrelay.pipeline.keys import Keys
 from kvrelay.pipeline.model_registry import ModelEntry
 
 logger = logging.getLogger(__name__)
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL, DECODE = Stage.PREFILL, Stage.DECODE
 
 
 @dataclass(slots=True)
 class Route:
     """Where a request goes and how much of its prompt was found cached when routing."""
 
-    stage: str  # prefill | decode
+    stage: Stage
     cached_pages: int = 0
     cached_tokens: int = 0
     reason: str = ""

@@ -15,8 +15,8 @@ from importlib import resources
 
 import redis
 
-from kvrelay.pipeline.keys import MESSAGE_FIELD, Keys
-from kvrelay.pipeline.messages import TokenChunk
+from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.messages import TokenChunk
 
 logger = logging.getLogger(__name__)
 

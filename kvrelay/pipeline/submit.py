@@ -18,13 +18,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from kvrelay.core.messages import DecodeTask, PrefillTask
+from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
 from kvrelay.pipeline.errors import RequestError, bad_request, overloaded
-from kvrelay.pipeline.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from kvrelay.pipeline.messages import DecodeTask, PrefillTask
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.openai_protocol import GenerationRequest
 from kvrelay.pipeline.route import DECODE, Route, Router
-from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams
 from kvrelay.pipeline.submit_tokens import (
     check_lengths,
     known_max_chars,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.errors import RequestError, bad_request, context_length_exceeded
 from kvrelay.pipeline.model_registry import ModelEntry
-from kvrelay.pipeline.sampling import SamplingParams
 
 
 def max_chars_per_token(tokenizer: Any) -> int:
@@ -54,7 +54,7 @@ def tokenize(
 
     `threaded`: running off the event loop, so encode without holding the GIL.
     """
-    from kvrelay.pipeline.tokenizer import ChatTemplateError
+    from kvrelay.core.tokenizer import ChatTemplateError
 
     tok = model.tokenizer
     if messages is not None:

@@ -111,7 +111,7 @@ class UpProgress:
         """Pid in the store node's registration and in each worker's heartbeat (when present)."""
         import redis
 
-        from kvrelay.pipeline.keys import Keys
+        from kvrelay.core.keys import Keys
 
         keys = Keys(self.state["key_prefix"])
         names = ["store", *self.workers]

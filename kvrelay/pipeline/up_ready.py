@@ -46,7 +46,7 @@ def _heartbeat_pids(state: dict, names: list[str]) -> list[bytes | None]:
     """The pid each named worker's heartbeat carries (None: no heartbeat)."""
     import redis
 
-    from kvrelay.pipeline.keys import Keys
+    from kvrelay.core.keys import Keys
 
     keys = Keys(state["key_prefix"])
     try:

@@ -1,7 +1,7 @@
 """KV block pool: reference-counted blocks, a prefix cache keyed by page keys, LRU eviction.
 
 A block holds `page_size` tokens of K/V. A *full* block may carry a key (the chained
-`kvrelay.kvstore.keys.page_key` of its tokens), which makes it findable by later requests with
+`kvrelay.core.page_keys.page_key` of its tokens), which makes it findable by later requests with
 the same prefix. Blocks whose reference count drops to zero go to the free queue but keep their
 key and contents until they are handed out again, so a freed prefix can still be hit.
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrelay.pipeline.modelref import QUANTIZATION_SCHEMES
+from kvrelay.core.modelref import QUANTIZATION_SCHEMES
 
 EXIT_BAD_INPUT = 2
 _REQUEST_KEYS = {"id", "prompt", "messages"}
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_fields() -> set[str]:
-    from kvrelay.pipeline.sampling import SamplingParams
+    from kvrelay.core.sampling import SamplingParams
 
     return {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -102,7 +102,7 @@ def _read_batch(path: Path, defaults: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _prompt_ids(tokenizer, req: dict[str, Any], chat: bool) -> list[int]:
-    from kvrelay.pipeline.tokenizer import ChatTemplateError
+    from kvrelay.core.tokenizer import ChatTemplateError
 
     where = f"request {req['id']!r}"
     try:
@@ -153,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         requests = [{"id": "generate-0", "prompt": args.prompt, "messages": None,
                      "sampling": defaults, "line": 0}]  # fmt: skip
-    from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams
+    from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
 
     params = {}  # checked before torch and the model load, so a bad flag fails at once
     for req in requests:
@@ -161,8 +161,8 @@ def _run(args: argparse.Namespace) -> int:
             params[req["id"]] = SamplingParams.from_dict(req["sampling"]).validate()
         except (InvalidSamplingParams, TypeError) as exc:
             raise CLIInputError(f"request {req['id']!r}: {exc}") from exc
-    from kvrelay.config import ConfigError, from_env
-    from kvrelay.pipeline.modelref import ModelNotFoundError
+    from kvrelay.core.config import ConfigError, from_env
+    from kvrelay.core.modelref import ModelNotFoundError
     from kvrelay.workers.engine import Engine, EngineConfig
     from kvrelay.workers.errors import EngineError, InvalidRequestError
 

@@ -8,7 +8,7 @@ import os
 import signal
 from typing import Any
 
-from kvrelay.pipeline.modelref import QUANTIZATION_SCHEMES
+from kvrelay.core.modelref import QUANTIZATION_SCHEMES
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrelay.config import ConfigError
+    from kvrelay.core.config import ConfigError
     from kvrelay.pipeline.cli import CommandError
     from kvrelay.workers.engine import Engine, EngineConfig
     from kvrelay.workers.worker_config import load_worker_config

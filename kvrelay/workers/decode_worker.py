@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvrelay.pipeline.messages import DecodeTask
+from kvrelay.core.messages import DecodeTask
 from kvrelay.workers.worker_base import Worker
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams, effective_seed
+from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams, effective_seed
 from kvrelay.workers.block_pool import BlockPool
 from kvrelay.workers.engine_types import EngineConfig, EngineStats, RequestOutput, merge_outputs
 from kvrelay.workers.errors import EngineError, InvalidRequestError

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvrelay.pipeline.modelref import ModelNotFoundError
+from kvrelay.core.errors import KvrelayError
+from kvrelay.core.modelref import ModelNotFoundError
 
 __all__ = [
     "EngineError",
@@ -13,7 +14,7 @@ __all__ = [
 ]
 
 
-class EngineError(Exception):
+class EngineError(KvrelayError):
     """Base class of engine and model errors."""
 
 

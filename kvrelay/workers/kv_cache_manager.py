@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvrelay.kvstore.keys import page_key
+from kvrelay.core.page_keys import page_key
 from kvrelay.workers.block_pool import BlockPool
 from kvrelay.workers.kv_connector import KVConnector
 from kvrelay.workers.kv_loader import Fetch, KVLoader

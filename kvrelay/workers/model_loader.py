@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrelay.pipeline.modelref import (
+from kvrelay.core.modelref import (
     META_FILE,
     META_FORMAT,
     ModelNotFoundError,
@@ -34,7 +34,7 @@ from kvrelay.pipeline.modelref import (
     weights_digest,
     write_meta,
 )
-from kvrelay.pipeline.tokenizer import Tokenizer
+from kvrelay.core.tokenizer import Tokenizer
 from kvrelay.workers.errors import EngineError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class LoadedModel:
     dir: Path
     model: object  # kvrelay.workers.model.LlamaForCausalLM
     config: object  # kvrelay.workers.model.ModelConfig
-    tokenizer: object  # kvrelay.pipeline.tokenizer.Tokenizer
+    tokenizer: object  # kvrelay.core.tokenizer.Tokenizer
     fingerprint: str
     dtype: object  # torch.dtype
     device: object  # torch.device

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvrelay.pipeline.modelref import ModelNotFoundError
+from kvrelay.core.modelref import ModelNotFoundError
 from kvrelay.workers.errors import UnsupportedModelError
 from kvrelay.workers.model import DecoderLayer, LlamaForCausalLM
 

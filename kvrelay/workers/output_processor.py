@@ -12,7 +12,7 @@ never sent; a finished or handed-off request sends everything it has.
 
 from __future__ import annotations
 
-from kvrelay.pipeline.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvrelay.core.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvrelay.workers.sequence import Sequence
 
 

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from kvrelay.pipeline.messages import DecodeTask, PrefillTask
+from kvrelay.core.messages import DecodeTask, PrefillTask
 from kvrelay.pipeline.streams import Emission
 from kvrelay.workers.worker_base import Worker
 from kvrelay.workers.worker_io import Outgoing

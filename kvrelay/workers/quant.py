@@ -28,7 +28,7 @@ import logging
 import torch
 
 from kvrelay import kernels
-from kvrelay.pipeline.modelref import QUANTIZATION_SCHEMES
+from kvrelay.core.modelref import QUANTIZATION_SCHEMES
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.sampling import SamplingParams
 
 # Top-p without top-k: sort only the best `k` tokens, growing k until they hold top_p of the
 # mass (a full sort of a 49k vocabulary costs ~4 ms per row on this CPU).

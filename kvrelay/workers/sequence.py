@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 
 import redis
 
-from kvrelay.pipeline.keys import Keys
-from kvrelay.pipeline.messages import DecodeTask, PrefillTask, TokenChunk
+from kvrelay.core.keys import Keys
+from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
 from kvrelay.pipeline.output import DEADLINE_PASSED
 from kvrelay.pipeline.streams import Emission, Streams
 from kvrelay.workers.worker_config import WorkerConfig

@@ -6,8 +6,8 @@ import os
 import socket
 from dataclasses import dataclass
 
-from kvrelay.config import ConfigError, env_name, from_env
-from kvrelay.pipeline.modelref import normalize_quantization
+from kvrelay.core.config import ConfigError, env_name, from_env
+from kvrelay.core.modelref import normalize_quantization
 
 SECTION = "WORKER"
 # Names every component reads; the WORKER-specific variable wins when both are set.

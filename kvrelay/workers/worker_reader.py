@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from kvrelay.pipeline.messages import MessageError
+from kvrelay.core.messages import MessageError
 from kvrelay.pipeline.streams import Entry
 from kvrelay.workers.worker_io import Outgoing
 

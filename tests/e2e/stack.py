@@ -12,9 +12,9 @@ from pathlib import Path
 
 import redis
 
-from kvrelay.pipeline.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.launch import Supervisor
-from kvrelay.pipeline.messages import TokenChunk
 from tests.conftest import free_port
 
 MODEL = "smollm2-135m-instruct"

@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP
 from kvrelay.pipeline.client import AsyncClient
-from kvrelay.pipeline.keys import DECODE_GROUP, PREFILL_GROUP
 from tests.e2e.chaos_client import StreamResult, stream_chat
 from tests.e2e.stack import MODEL, Stack
 

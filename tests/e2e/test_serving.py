@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.pipeline.keys import MESSAGE_FIELD
+from kvrelay.core.keys import MESSAGE_FIELD
 from tests.e2e.stack import MODEL, Stack, generate_reference
 
 MAX_TOKENS = 12

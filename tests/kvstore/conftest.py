@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvrelay.core.page_keys import page_keys
 from kvrelay.kvstore.config import StoreConfig
-from kvrelay.kvstore.keys import page_keys
 from kvrelay.kvstore.page import PageSpec
 from kvrelay.kvstore.server import StoreNode, arena_path
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.config import ConfigError
+from kvrelay.core.config import ConfigError
 from kvrelay.kvstore.cli_store import add_store_arguments, build_config
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.config import StoreConfig
@@ -162,7 +162,7 @@ def test_store_node_and_kv_commands(tmp_path: Path, capsys):
 def test_model_sets_page_bytes_and_fingerprint():
     import argparse
 
-    from kvrelay.pipeline.modelref import converted_dir, is_prepared, read_model_info, resolve_model
+    from kvrelay.core.modelref import converted_dir, is_prepared, read_model_info, resolve_model
 
     ref = resolve_model("smollm2-135m-instruct")
     if not is_prepared(ref):

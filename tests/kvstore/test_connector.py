@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from kvrelay.core.page_keys import page_keys
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.connector import StoreConnector
-from kvrelay.kvstore.keys import page_keys
 from kvrelay.kvstore.page import PageSpec
 from kvrelay.workers.kv_connector import KVConnector
 

@@ -11,11 +11,11 @@ import pytest
 import redis
 import zmq
 
+from kvrelay.core.keys import Keys
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.errors import IncompatiblePageError, StoreError
 from kvrelay.kvstore.page import HEADER_BYTES, PageSpec
 from kvrelay.kvstore.server import arena_path
-from kvrelay.pipeline.keys import Keys
 from tests.kvstore import procs
 from tests.kvstore.conftest import FP, SMALL, keys_for, payload
 

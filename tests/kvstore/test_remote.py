@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvrelay.core.keys import Keys
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.server import arena_path
-from kvrelay.pipeline.keys import Keys
 from tests.kvstore.conftest import SMALL, keys_for, payload
 
 SECRET = "correct horse"

@@ -12,9 +12,9 @@ import time
 import pytest
 import redis
 
+from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
+from kvrelay.core.messages import PrefillTask, TokenChunk
 from kvrelay.pipeline.cli import main
-from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
-from kvrelay.pipeline.messages import PrefillTask, TokenChunk
 from kvrelay.pipeline.streams import Emission, Streams
 from kvrelay.workers.worker_io import Emitter, Heartbeat, Inflight, Outgoing
 from tests.conftest import free_port

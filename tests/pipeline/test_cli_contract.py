@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
+from kvrelay.core.messages import PrefillTask, TokenChunk
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.server import arena_path
 from kvrelay.pipeline.cli import main
-from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
-from kvrelay.pipeline.messages import PrefillTask, TokenChunk
 from kvrelay.pipeline.streams import Streams
 from tests.conftest import free_port
 from tests.kvstore.conftest import SMALL, RunningNode, keys_for, payload

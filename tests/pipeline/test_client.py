@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
+from kvrelay.core.keys import Keys
+from kvrelay.core.messages import PrefillTask, TokenChunk
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.client import AsyncClient, Client
 from kvrelay.pipeline.errors import RequestError
-from kvrelay.pipeline.keys import Keys
-from kvrelay.pipeline.messages import PrefillTask, TokenChunk
-from kvrelay.pipeline.sampling import SamplingParams
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     WorkerRole,

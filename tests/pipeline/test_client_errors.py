@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from kvrelay.core.keys import Keys
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.client import AsyncClient, Client
 from kvrelay.pipeline.errors import RequestError
-from kvrelay.pipeline.keys import Keys
-from kvrelay.pipeline.sampling import SamplingParams
 from tests.conftest import free_port
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,

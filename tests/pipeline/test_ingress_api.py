@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from kvrelay.pipeline.messages import DecodeTask, PrefillTask
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.messages import DecodeTask, PrefillTask
+from kvrelay.core.sampling import SamplingParams
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     TEST_TIMEOUT_S,
@@ -122,7 +122,7 @@ async def test_completion_stream_without_usage_and_separate_final_chunk(harness)
     role = await worker(app)
 
     async def answer():
-        from kvrelay.pipeline.messages import TokenChunk
+        from kvrelay.core.messages import TokenChunk
 
         taken = await role.take()
         rid = taken.task.request_id
@@ -213,7 +213,7 @@ async def test_logprobs_in_chat_and_completion_shapes(harness, smollm_tokenizer)
 
 
 async def test_worker_error_gives_500_and_stream_error_event(harness):
-    from kvrelay.pipeline.messages import TokenChunk
+    from kvrelay.core.messages import TokenChunk
 
     factory, worker = harness
     app = factory()

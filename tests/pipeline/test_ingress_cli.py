@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvrelay.config import ConfigError
+from kvrelay.core.config import ConfigError
 from kvrelay.pipeline.cli import build_parser
 from kvrelay.pipeline.cli_serve import config_from_args
 

@@ -15,9 +15,9 @@ import pytest
 import redis.asyncio as aioredis
 import uvicorn
 
+from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.ingress import create_app
-from kvrelay.pipeline.keys import MESSAGE_FIELD, Keys
-from kvrelay.pipeline.messages import TokenChunk
 from tests.conftest import free_port
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,

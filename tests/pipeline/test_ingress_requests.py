@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvrelay.pipeline.messages import TokenChunk
+from kvrelay.core.messages import TokenChunk
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     anyio_backend,

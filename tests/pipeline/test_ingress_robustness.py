@@ -169,7 +169,7 @@ async def test_reposting_an_id_must_be_the_same_request(harness):
 
 
 async def test_generation_failure_is_counted_as_rejected(harness):
-    from kvrelay.pipeline.messages import TokenChunk
+    from kvrelay.core.messages import TokenChunk
 
     factory, worker = harness
     app = factory()

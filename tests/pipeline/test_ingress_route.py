@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from kvrelay.kvstore.keys import page_keys
-from kvrelay.pipeline.messages import DecodeTask, PrefillTask
+from kvrelay.core.messages import DecodeTask, PrefillTask
+from kvrelay.core.page_keys import page_keys
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     MODEL_INFO,

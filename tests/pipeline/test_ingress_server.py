@@ -120,7 +120,7 @@ async def _wait_cancel(app, request_id: str) -> bool:
 
 
 async def test_disconnect_cancels_the_request(valkey_session, smollm_tokenizer):
-    from kvrelay.pipeline.messages import TokenChunk
+    from kvrelay.core.messages import TokenChunk
 
     async with (  # grace 0: cancelled at once (the default grace is in test_ingress_hardening)
         serving(valkey_session.url, smollm_tokenizer, disconnect_grace_s=0) as (base, app, role),
@@ -156,7 +156,7 @@ async def test_disconnect_cancels_the_request(valkey_session, smollm_tokenizer):
 
 
 async def test_disconnect_grace_lets_a_client_come_back(valkey_session, smollm_tokenizer):
-    from kvrelay.pipeline.messages import TokenChunk
+    from kvrelay.core.messages import TokenChunk
 
     async with serving(valkey_session.url, smollm_tokenizer, disconnect_grace_s=0.5) as (
         base,

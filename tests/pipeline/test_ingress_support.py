@@ -17,11 +17,11 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
+from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
+from kvrelay.core.modelref import DEFAULT_MODEL
 from kvrelay.pipeline.ingress import create_app
 from kvrelay.pipeline.ingress_config import IngressConfig
-from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
-from kvrelay.pipeline.messages import DecodeTask, PrefillTask, TokenChunk
-from kvrelay.pipeline.modelref import DEFAULT_MODEL
 
 MODEL = DEFAULT_MODEL
 TEST_TIMEOUT_S = 30.0  # a request whose worker never answers fails the test, not hangs it
@@ -36,8 +36,8 @@ def anyio_backend():
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
     """The real SmolLM2 tokenizer from the converted model directory (converted once if needed)."""
-    from kvrelay.pipeline import modelref
-    from kvrelay.pipeline.tokenizer import Tokenizer
+    from kvrelay.core import modelref
+    from kvrelay.core.tokenizer import Tokenizer
 
     ref = modelref.resolve_model(MODEL)
     if not modelref.is_prepared(ref):

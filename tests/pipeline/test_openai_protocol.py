@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvrelay.core.messages import TokenChunk
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.errors import RequestError
-from kvrelay.pipeline.messages import TokenChunk
 from kvrelay.pipeline.openai_protocol import parse_chat, parse_completion
 from kvrelay.pipeline.openai_responses import ResponseFormatter, sse, usage_dict
 from kvrelay.pipeline.output import Completion, trim_chunk
-from kvrelay.pipeline.sampling import SamplingParams
 
 
 def test_chat_fields_map_to_sampling():

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.client import AsyncClient, OutputExpired, OutputTimeout
-from kvrelay.pipeline.messages import TokenChunk
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     anyio_backend,

@@ -10,8 +10,8 @@ import pytest
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from kvrelay.pipeline.keys import MESSAGE_FIELD, Keys
-from kvrelay.pipeline.messages import TokenChunk
+from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.output import read_chunks
 from kvrelay.pipeline.redis_options import async_redis
 

@@ -20,11 +20,11 @@ from types import SimpleNamespace
 import pytest
 import redis
 
+from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
+from kvrelay.core.messages import PrefillTask
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.server import arena_path
-from kvrelay.pipeline.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
-from kvrelay.pipeline.messages import PrefillTask
 from kvrelay.pipeline.status_data import RateSampler, parse_metrics
 from kvrelay.pipeline.streams import Streams
 from kvrelay.workers.block_pool import BlockPool

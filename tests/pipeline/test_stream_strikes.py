@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from kvrelay.pipeline.keys import PREFILL_GROUP, Keys
+from kvrelay.core.keys import PREFILL_GROUP, Keys
 from tests.pipeline.test_streams import add_task, make
 
 KEYS = Keys("t:")

@@ -7,8 +7,8 @@ import time
 import pytest
 import redis
 
-from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
-from kvrelay.pipeline.messages import DecodeTask, PrefillTask, TokenChunk
+from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
+from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
 from kvrelay.pipeline.streams import INDEX_MISMATCH, NOT_OWNER, OK, Emission, Streams
 
 KEYS = Keys("t:")

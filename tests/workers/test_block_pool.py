@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.kvstore.keys import page_keys
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.page_keys import page_keys
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.block_pool import BlockPool, NoFreeBlocksError
 from kvrelay.workers.kv_cache_manager import KVCacheManager
 from kvrelay.workers.sequence import Sequence

@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 
-from kvrelay.pipeline.keys import DECODE_GROUP, MESSAGE_FIELD, Keys
-from kvrelay.pipeline.messages import DecodeTask, TokenChunk
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, Keys
+from kvrelay.core.messages import DecodeTask, TokenChunk
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.streams import NOT_OWNER, Emission, Streams
 from kvrelay.workers.worker_config import WorkerConfig
 

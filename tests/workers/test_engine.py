@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine import Engine, EngineConfig, RequestOutput
 
 NUM = 32

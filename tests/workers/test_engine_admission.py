@@ -16,9 +16,9 @@ import pytest
 import redis
 import torch
 
-from kvrelay.kvstore.keys import page_keys
-from kvrelay.pipeline.keys import Keys
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.keys import Keys
+from kvrelay.core.page_keys import page_keys
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine import Engine, EngineConfig
 
 PAGE = 16

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.pipeline.modelref import ModelNotFoundError
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.modelref import ModelNotFoundError
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine import Engine, EngineConfig
 from kvrelay.workers.errors import EngineError, InvalidRequestError
 

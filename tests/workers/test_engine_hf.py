@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine import Engine, EngineConfig
 
 NEW_TOKENS = 64

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from kvrelay.kvstore.keys import page_keys
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.page_keys import page_keys
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine import Engine, EngineConfig
 
 PAGE = 16

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from kvrelay.pipeline.modelref import META_FILE, model_fingerprint, resolve_model
+from kvrelay.core.modelref import META_FILE, model_fingerprint, resolve_model
 from kvrelay.workers.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from kvrelay.workers.model_config import ModelConfig
 from kvrelay.workers.model_loader import load_model, prepare_model

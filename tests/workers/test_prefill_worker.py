@@ -8,9 +8,9 @@ import time
 import pytest
 import redis
 
-from kvrelay.pipeline.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
-from kvrelay.pipeline.messages import DecodeTask, PrefillTask, TokenChunk
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
+from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.worker_config import WorkerConfig
 
 KEYS = Keys("pw:")

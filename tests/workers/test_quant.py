@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from kvrelay.config import ConfigError
-from kvrelay.pipeline.modelref import model_fingerprint
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.config import ConfigError
+from kvrelay.core.modelref import model_fingerprint
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine import Engine, EngineConfig
 from kvrelay.workers.quant import ACT_ZERO_POINT, Int8Linear, quantize_rows, quantize_weight
 from kvrelay.workers.worker_config import load_worker_config

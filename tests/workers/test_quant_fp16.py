@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.pipeline.modelref import model_fingerprint
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.modelref import model_fingerprint
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine import Engine, EngineConfig
 from kvrelay.workers.quant import Fp16Linear, can_quantize
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.sampler import Sampler, SampleRow, _apply_penalties, uniform
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrelay.pipeline.sampling import SamplingParams
+from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.block_pool import BlockPool
 from kvrelay.workers.kv_cache_manager import KVCacheManager
 from kvrelay.workers.scheduler import Scheduler, SchedulerOutput

@@ -8,12 +8,14 @@ import types
 import typing
 from typing import Any, TypeVar
 
+from kvrelay.core.errors import KvrelayError
+
 T = TypeVar("T")
 
 ENV_PREFIX = "KVRELAY_"
 
 
-class ConfigError(ValueError):
+class ConfigError(KvrelayError, ValueError):
     """A configuration value (flag or environment variable) is invalid."""
 
 

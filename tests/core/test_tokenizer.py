@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvrelay.pipeline.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from kvrelay.core.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a terse pirate."}
 CHATS = [
@@ -159,7 +159,7 @@ def test_incremental_detokenizer_flushes_unfinished_character(tokenizer):
 
 def test_import_is_torch_free():
     code = (
-        "import sys, kvrelay.pipeline.tokenizer, kvrelay.pipeline.modelref;"
+        "import sys, kvrelay.core.tokenizer, kvrelay.core.modelref;"
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules];"
         "assert not bad, bad"
     )

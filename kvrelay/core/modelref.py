@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay.core.errors import KvrelayError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -35,7 +37,7 @@ _DTYPE_ALIASES = {
 }  # fmt: skip
 
 
-class ModelNotFoundError(Exception):
+class ModelNotFoundError(KvrelayError):
     """The model name or path does not resolve to usable model files."""
 
 

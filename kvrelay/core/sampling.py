@@ -7,11 +7,13 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.core.errors import KvrelayError
+
 # Integer fields travel as MessagePack int64 (seed: signed 64-bit, like vLLM's torch.long bound)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-class InvalidSamplingParams(ValueError):
+class InvalidSamplingParams(KvrelayError, ValueError):
     """A sampling value is out of range; `param` names the offending field."""
 
     def __init__(self, message: str, param: str):

@@ -20,13 +20,15 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from kvrelay.core.errors import KvrelayError
+
 logger = logging.getLogger(__name__)
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                  "mask_token")  # fmt: skip
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(KvrelayError, ValueError):
     """The chat template is missing or failed to render these messages."""
 
 

@@ -13,15 +13,17 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
-from kvrelay.pipeline.sampling import InvalidSamplingParams, SamplingParams
+from kvrelay.core.enums import FinishReason
+from kvrelay.core.errors import KvrelayError
+from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
 
 WIRE_VERSION = 1
-FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error", "abort")
+FINISH_REASONS = tuple(FinishReason)
 
 M = TypeVar("M", bound="Message")
 
 
-class MessageError(ValueError):
+class MessageError(KvrelayError, ValueError):
     """A stream entry that cannot be decoded or validated; never retried."""
 
 

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from kvrelay.pipeline import modelref
-from kvrelay.pipeline.modelref import (
+from kvrelay.core import modelref
+from kvrelay.core.modelref import (
     DEFAULT_MODEL,
     ModelNotFoundError,
     converted_dir,

@@ -1,0 +1,1 @@
+"""Torch-free contracts every other package builds on; imports nothing else of kvrelay."""

@@ -25,11 +25,12 @@ class WorkerConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"
     device: str = "auto"
-    quantization: str = "none"  # none | int8 (CPU fp32 only; see kvrelay.workers.quant)
+    quantization: str = "none"  # none | int8 | fp16 (CPU fp32 only; see kvrelay.workers.quant)
     threads: int | None = None  # compute threads (torch); None: torch's default
     page_size: int = 16
     kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 32
+    # 64: a CPU box at 64 streams serves 1.17x the tokens of 32 with TTFT 1.5 s instead of 17 s
+    max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     store_run_dir: str | None = None  # the local store node's run dir; None: no store

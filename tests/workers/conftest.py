@@ -93,3 +93,41 @@ def run_batch(model, kv_pool: torch.Tensor, chunks: list[SeqChunk], page_size: i
     batch = make_batch(chunks, page_size)
     logits = model(batch.input_ids, batch.positions, kv_pool, batch.meta, batch.logits_indices)
     return {row: logits[k] for k, row in enumerate(batch.rows)}
+
+
+def quantized_engine_factory(quantization: str):
+    """A module-scoped `make_engine` fixture: make(**kw) builds an Engine (64 blocks unless
+    given) over the model loaded once with `quantization`."""
+
+    @pytest.fixture(scope="module")
+    def make_engine(model_dir):
+        from kvrelay.workers.engine import Engine, EngineConfig
+        from kvrelay.workers.model_loader import load_model
+
+        loaded = load_model(progress=False, dtype="float32", device="cpu",
+                            quantization=quantization)  # fmt: skip
+
+        def make(**kw):
+            kw.setdefault("num_blocks", 64)
+            return Engine(EngineConfig(quantization=quantization, **kw), loaded=loaded)
+
+        return make
+
+    return make_engine
+
+
+def check_alone_equals_in_batch_of_8_and_chunked(make_engine) -> None:
+    """Greedy tokens and logprobs of a prompt alone (prefilled in chunks of <= 16) equal its
+    row in a batch of 8."""
+    from kvrelay.core.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 60, (8,), generator=g)]  # fmt: skip
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True)
+    batch = make_engine().generate(prompts, params)
+    engine = make_engine(max_num_batched_tokens=16)
+    for i in (0, 5):
+        alone = engine.generate([prompts[i]], params)[0]
+        assert alone.output_token_ids == batch[i].output_token_ids
+        assert alone.new_logprobs == batch[i].new_logprobs

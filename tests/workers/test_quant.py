@@ -16,26 +16,17 @@ from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine import Engine, EngineConfig
 from kvrelay.workers.quant import ACT_ZERO_POINT, Int8Linear, quantize_rows, quantize_weight
 from kvrelay.workers.worker_config import load_worker_config
+from tests.workers.conftest import (
+    check_alone_equals_in_batch_of_8_and_chunked,
+    quantized_engine_factory,
+)
 
 # Greedy answer of the int8 model to "What is the capital of France?" (chat template): "The
 # capital of France is Paris." <eos>, as fp32's, but with "The" at logprob -1.41 (fp32: -1.88).
 INT8_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]
 
 
-@pytest.fixture(scope="module")
-def int8_model(model_dir):
-    from kvrelay.workers.model_loader import load_model
-
-    return load_model(progress=False, dtype="float32", device="cpu", quantization="int8")
-
-
-@pytest.fixture(scope="module")
-def make_engine(int8_model):
-    def make(**kw) -> Engine:
-        kw.setdefault("num_blocks", 64)
-        return Engine(EngineConfig(quantization="int8", **kw), loaded=int8_model)
-
-    return make
+make_engine = quantized_engine_factory("int8")
 
 
 def test_int8_linear_is_exact_and_row_invariant():
@@ -73,16 +64,7 @@ def test_greedy_answer_is_fixed(make_engine):
 
 
 def test_alone_equals_in_batch_of_8_and_chunked(make_engine):
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist()
-               for n in torch.randint(5, 60, (8,), generator=g)]  # fmt: skip
-    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True)
-    batch = make_engine().generate(prompts, params)
-    engine = make_engine(max_num_batched_tokens=16)  # prompts prefill in chunks of <= 16
-    for i in (0, 5):
-        alone = engine.generate([prompts[i]], params)[0]
-        assert alone.output_token_ids == batch[i].output_token_ids
-        assert alone.new_logprobs == batch[i].new_logprobs
+    check_alone_equals_in_batch_of_8_and_chunked(make_engine)
 
 
 def test_decoded_tokens_prefill_to_the_same_logprobs(make_engine):

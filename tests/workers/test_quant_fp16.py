@@ -8,8 +8,11 @@ import torch
 
 from kvrelay.core.modelref import model_fingerprint
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.workers.engine import Engine, EngineConfig
 from kvrelay.workers.quant import Fp16Linear, can_quantize
+from tests.workers.conftest import (
+    check_alone_equals_in_batch_of_8_and_chunked,
+    quantized_engine_factory,
+)
 
 if not can_quantize(torch.zeros(1, 1), "fp16"):
     pytest.skip("this torch has no fbgemm (fp16 weights)", allow_module_level=True)
@@ -18,20 +21,7 @@ if not can_quantize(torch.zeros(1, 1), "fp16"):
 FP32_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]
 
 
-@pytest.fixture(scope="module")
-def fp16_model(model_dir):
-    from kvrelay.workers.model_loader import load_model
-
-    return load_model(progress=False, dtype="float32", device="cpu", quantization="fp16")
-
-
-@pytest.fixture(scope="module")
-def make_engine(fp16_model):
-    def make(**kw) -> Engine:
-        kw.setdefault("num_blocks", 64)
-        return Engine(EngineConfig(quantization="fp16", **kw), loaded=fp16_model)
-
-    return make
+make_engine = quantized_engine_factory("fp16")
 
 
 def test_fp16_linear_rounds_only_the_weights_and_rows_stand_alone():
@@ -64,16 +54,7 @@ def test_greedy_answer_is_fp32s(make_engine):
 
 
 def test_alone_equals_in_batch_of_8_and_chunked(make_engine):
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist()
-               for n in torch.randint(5, 60, (8,), generator=g)]  # fmt: skip
-    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True)
-    batch = make_engine().generate(prompts, params)
-    engine = make_engine(max_num_batched_tokens=16)  # prompts prefill in chunks of <= 16
-    for i in (0, 5):
-        alone = engine.generate([prompts[i]], params)[0]
-        assert alone.output_token_ids == batch[i].output_token_ids
-        assert alone.new_logprobs == batch[i].new_logprobs
+    check_alone_equals_in_batch_of_8_and_chunked(make_engine)
 
 
 def test_fingerprint_is_its_own(make_engine, model_dir):

@@ -199,7 +199,9 @@ class Metrics:
         )
 
     def count_prefix_cache(self, model: str, queries: int, hits: int) -> None:
-        """Count one prompt's prefix-cache lookup (`queries` tokens, `hits` of them cached)."""
+        """Count one prompt's prefix-cache lookup (`queries` tokens, `hits` of them cached), in
+        vLLM's series and in `prefix_cache_hit_tokens`."""
+        self.prefix_cache_hit_tokens.labels(model).inc(hits)
         if queries <= 0:
             return
         self.prefix_cache_queries.labels(model).inc(queries)
@@ -265,9 +267,7 @@ class RequestTimer:
             m.request_generation_tokens.labels(model).observe(
                 int(usage.get("completion_tokens", 0))
             )
-            cached = int(usage.get("cached_tokens", 0))
-            m.prefix_cache_hit_tokens.labels(model).inc(cached)
-            m.count_prefix_cache(model, prompt, cached)
+            m.count_prefix_cache(model, prompt, int(usage.get("cached_tokens", 0)))
 
     def close(self) -> None:
         """Leave the running/waiting gauges (also for requests the client abandoned)."""

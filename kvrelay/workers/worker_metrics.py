@@ -64,7 +64,6 @@ class WorkerMetrics:
     def finished(self, prompt_tokens: int, cached_tokens: int) -> None:
         """Count a prompt's prefix-cache outcome (once per request, where it was prefilled)."""
         self.base.count_prefix_cache(self.model, prompt_tokens, cached_tokens)
-        self.base.prefix_cache_hit_tokens.labels(self.model).inc(cached_tokens)
 
     def set_load(self, running: int, waiting: int) -> None:
         self.base.num_requests_running.labels(self.model).set(running)

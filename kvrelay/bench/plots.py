@@ -43,10 +43,16 @@ def latency_cdfs(path: Path, cfg: BenchConfig, result: BenchResult) -> None:
             _cdf(ax, values(recs), f"{server} {cfg.mode}={point:g}")
         ax.set_xlabel(title)
         ax.set_ylabel("fraction of requests" if "ITL" not in title else "fraction of gaps")
+    _finish(plt, fig, axes, f"kvrelay bench: {cfg.dataset}, latency CDFs", path)
+
+
+def _finish(plt, fig, axes, title: str, path: Path) -> None:
+    """Grid and legend on each axis, the title, then write the PNG and free the figure."""
+    for ax in axes:
         ax.grid(True, alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=8)
-    fig.suptitle(f"kvrelay bench: {cfg.dataset}, latency CDFs")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -73,13 +79,7 @@ def sweep_plot(path: Path, cfg: BenchConfig, result: BenchResult) -> None:
         ax.set_xlabel("concurrency" if cfg.mode == "concurrency" else "request rate (req/s)")
         if max(cfg.points) >= 8 * min(cfg.points):  # 1,8,32: equal room for each point
             ax.set_xscale("log", base=2)
-        ax.grid(True, alpha=0.3)
-        if ax.has_data():
-            ax.legend(fontsize=8)
-    fig.suptitle(f"kvrelay bench: {cfg.dataset}, {cfg.mode} sweep")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _finish(plt, fig, (ax_t, ax_l), f"kvrelay bench: {cfg.dataset}, {cfg.mode} sweep", path)
 
 
 def write_plots(out_dir: Path, cfg: BenchConfig, result: BenchResult) -> list[Path]:

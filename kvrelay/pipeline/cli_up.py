@@ -114,6 +114,11 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         limits.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
 
 
+def extra_env(args: argparse.Namespace) -> dict[str, str]:
+    """The `--env KEY=VALUE` items (checked by argparse) as a dict; a later KEY wins."""
+    return dict(item.partition("=")[::2] for item in args.env)
+
+
 def ingress_flags(args: argparse.Namespace) -> list[str]:
     """The `kvrelay serve` arguments for the ingress limits given to `up`."""
     out: list[str] = []
@@ -129,7 +134,7 @@ def check_ingress_config(args: argparse.Namespace, mode: str) -> None:
     from kvrelay.core.config import ConfigError
     from kvrelay.pipeline.ingress_config import load_config
 
-    env = dict(os.environ, **{k: v for k, _s, v in (item.partition("=") for item in args.env)})
+    env = dict(os.environ, **extra_env(args))
     overrides = {dest: getattr(args, dest, None) for _f, dest, _k, _h in INGRESS_FLAGS}
     try:
         load_config(environ=env, mode=mode, **overrides)
@@ -159,7 +164,7 @@ def resolve_topology(args: argparse.Namespace) -> Topology:
     topo = getattr(args, "topology", None)
     if topo is not None:
         return topo
-    env = dict(item.partition("=")[::2] for item in args.env)
+    env = extra_env(args)
     asked = args.mode or env.get(MODE_ENV)
     topo = choose(args.threads or os.cpu_count() or 1, _num_gpus(), args.prefill, args.decode,
                   wants_prefill=asked in ("auto", "disaggregated"))  # fmt: skip
@@ -180,7 +185,7 @@ def _free_port(avoid: int) -> int:
 def ingress_mode(args: argparse.Namespace) -> str:
     """The ingress routing mode for these `up` arguments (CommandError when they disagree)."""
     resolve_topology(args)
-    env = dict(item.partition("=")[::2] for item in args.env)
+    env = extra_env(args)
     mode = args.mode or env.get(MODE_ENV) or ("colocated" if args.prefill == 0 else "auto")
     if args.mode and env.get(MODE_ENV, args.mode) != args.mode:
         raise CommandError(f"--mode {args.mode} disagrees with --env {MODE_ENV}={env[MODE_ENV]}")
@@ -245,9 +250,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     if quantization != "none":  # the store must expect the quantized model's fingerprint
         env["KVRELAY_WORKER_QUANTIZATION"] = quantization
         env["KVRELAY_STORE_QUANTIZATION"] = quantization
-    for item in args.env:  # KEY=VALUE, checked by argparse
-        key, _sep, value = item.partition("=")
-        env[key] = value
+    env.update(extra_env(args))
     mode = ingress_mode(args)
     topo = resolve_topology(args)
     gpus = topo.gpus

@@ -153,7 +153,7 @@ class KvrelayServer(Server):
     def command(self) -> tuple[list[str], dict[str, str]]:
         import sys
 
-        cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", "up", "--run-dir",
+        cmd = [sys.executable, "-m", "kvrelay.cli.main", "up", "--run-dir",
                str(self.dir / "run"), "--port", str(self.port), "--threads",
                str(self.args.threads), "--timeout", "900"]  # fmt: skip
         cmd += ["--quantization", self.args.quantization]
@@ -211,7 +211,7 @@ SERVERS: dict[str, type[Server]] = {"kvrelay": KvrelayServer, "llama": LlamaServ
 def precision(name: str, args) -> str:
     """What each server computes in, as configured by peers.py."""
     if name == "kvrelay":
-        from kvrelay.pipeline.topology import default_weights
+        from kvrelay.cli.up.topology import default_weights
 
         q = default_weights(0)[0] if args.quantization == "auto" else args.quantization
         how = " (`kvrelay up` default)" if args.quantization == "auto" else ""

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
 
     load_at_start = os.getloadavg()[0]
 
-    from kvrelay.workers.engine import Engine, EngineConfig
+    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

@@ -33,9 +33,10 @@ from conftest import ValkeyServer, free_port  # noqa: E402
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys  # noqa: E402
 from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk  # noqa: E402
 from kvrelay.core.modelref import DEFAULT_MODEL  # noqa: E402
-from kvrelay.pipeline import ingress_routes, submit  # noqa: E402
-from kvrelay.pipeline.ingress import create_app  # noqa: E402
-from kvrelay.pipeline.ingress_config import IngressConfig  # noqa: E402
+from kvrelay.pipeline.queue import submit  # noqa: E402
+from kvrelay.pipeline.server import routes as ingress_routes  # noqa: E402
+from kvrelay.pipeline.server.app import create_app  # noqa: E402
+from kvrelay.pipeline.server.config import IngressConfig  # noqa: E402
 
 MODEL_INFO = {"fingerprint": "f" * 32, "page_size": 16, "max_model_len": 8192, "vocab_size": 49152}
 # ~150 tokens with SmolLM2's chat template

@@ -148,7 +148,7 @@ def start_proc_node(tmp: Path, node_id: str, arena: int, redis_url: str | None) 
     cmd = [
         sys.executable,
         "-m",
-        "kvrelay.pipeline.cli",
+        "kvrelay.cli.main",
         "--log-level",
         "WARNING",
         "store",
@@ -181,7 +181,7 @@ def remote_rows(tmp: Path, pages: list[np.ndarray], repeats: int, arena: int) ->
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import redis
 
-    from kvrelay.kvstore import ucx_transfer
+    from kvrelay.kvstore.transport import ucx as ucx_transfer
     from tests.conftest import ValkeyServer
 
     valkey = ValkeyServer(tmp / "valkey")

@@ -32,8 +32,8 @@ import torch
 from kvrelay.core.modelref import resolve_model
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.kernels import AttentionMetadata
-from kvrelay.workers.engine import Engine, EngineConfig
-from kvrelay.workers.model_loader import load_model
+from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
+from kvrelay.workers.model.loader import load_model
 
 TEXT = Path(__file__).parent / "data" / "kjv_ruth_jonah_esther.txt"
 LLAMA_PERPLEXITY = Path(

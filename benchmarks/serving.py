@@ -113,7 +113,7 @@ def up(run_dir: Path, port: int, prefill: int, decode: int) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "kvrelay.pipeline.cli",
+        "kvrelay.cli.main",
         "up",
         "--detach",
         "--run-dir",
@@ -133,7 +133,7 @@ def up(run_dir: Path, port: int, prefill: int, decode: int) -> dict:
 
 def down(run_dir: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "kvrelay.pipeline.cli", "down", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "kvrelay.cli.main", "down", "--run-dir", str(run_dir)],
         capture_output=True,
         timeout=120,
     )
@@ -206,7 +206,7 @@ def main() -> int:
     rows: list[dict] = []
     try:
         run_load(url, MODEL, prompts_for(4, "warm"), args.max_tokens, 2)
-        from kvrelay.workers.engine import Engine, EngineConfig
+        from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 
         engine = Engine(EngineConfig(model=MODEL, num_threads=threads, kv_cache_bytes=512 << 20))
         inprocess(engine, prompts_for(4, "warm"), args.max_tokens, 2)

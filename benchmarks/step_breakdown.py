@@ -66,7 +66,7 @@ class Patches:
     def __init__(self, engine, clock: Clock):
         import torch.nn.functional as F
 
-        from kvrelay.workers import model as model_mod
+        from kvrelay.workers.model import llama as model_mod
 
         self.undo: list[tuple[object, str, object, bool]] = []
         self.engine, self.clock, self.F, self.model_mod = engine, clock, F, model_mod
@@ -105,7 +105,7 @@ class Patches:
 
 
 def make_engine(args: argparse.Namespace, kv_bytes: int, max_seqs: int):
-    from kvrelay.workers.engine import Engine, EngineConfig
+    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 
     extra = {}
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -214,8 +214,8 @@ def worker_io(engine, batch: int, tokens: int) -> dict:
     from benchmarks.common import free_port
     from kvrelay.core.keys import MESSAGE_FIELD, Keys
     from kvrelay.core.messages import DecodeTask, TokenChunk
-    from kvrelay.workers.decode_worker import DecodeWorker
-    from kvrelay.workers.worker_config import WorkerConfig
+    from kvrelay.workers.config import WorkerConfig
+    from kvrelay.workers.decode import DecodeWorker
 
     port, keys, data_dir = free_port(), Keys("bd:"), tempfile.mkdtemp(prefix="bd-valkey-")
     valkey = subprocess.Popen(

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp) / "batch.jsonl"
         batch_file(jsonl, args.requests, args.tokens)
-        ours = [sys.executable, "-m", "kvrelay.pipeline.cli", "generate", "--batch-file",
+        ours = [sys.executable, "-m", "kvrelay.cli.main", "generate", "--batch-file",
                 str(jsonl), "--json", "--num-threads", str(args.threads),
                 "--max-num-seqs", str(args.requests),
                 "--quantization", args.quantization]  # fmt: skip

@@ -28,4 +28,4 @@ command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 # The C++ CPU kernels (paged attention, fused RoPE + KV write), compiled once with this machine's gcc
 # into $KVRELAY_CACHE_DIR; without them the engine runs the (slower) torch path.
 "$PY" -m kvrelay.kernels.cpu_build || echo "C++ CPU kernels not built: the torch attention path will be used"
-echo "kvrelay installed: $(command -v kvrelay || echo "$PY -m kvrelay.pipeline.cli")"
+echo "kvrelay installed: $(command -v kvrelay || echo "$PY -m kvrelay.cli.main")"

@@ -5,9 +5,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-# One-way layers (core <- components <- workers <- cli): import-linter's contracts in
+# One-way layers (core <- components <- {workers, bench} <- cli): import-linter's contracts in
 # pyproject.toml, run through the interpreter (its console script may not be on PATH).
 "$PY" -c "import sys; from importlinter.cli import lint_imports_command as m; sys.exit(m())"
 # Convert the bundled GGUF model once (cached under $KVRELAY_CACHE_DIR) before the timed tests.
-"$PY" -c "from kvrelay.workers.model_loader import prepare_model; prepare_model('smollm2-135m-instruct')"
+"$PY" -c "from kvrelay.workers.model.loader import prepare_model; prepare_model('smollm2-135m-instruct')"
 exec "$PY" -m pytest -q -p no:cacheprovider --durations=25 "$@"

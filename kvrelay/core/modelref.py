@@ -2,7 +2,7 @@
 
 Torch-free on purpose: the ingress and the CLI resolve models and read their architecture
 numbers (page bytes, max length, fingerprint) without importing torch or transformers. The
-conversion itself lives in `kvrelay.workers.model_loader`.
+conversion itself lives in `kvrelay.workers.model.loader`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from kvrelay.kvstore.directory import Directory
 from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
 from kvrelay.kvstore.metrics import StoreMetrics
 from kvrelay.kvstore.store import NodeStore
-from kvrelay.kvstore.transfer import TcpPeer, fetch_request
+from kvrelay.kvstore.transport.session import fetch_request
+from kvrelay.kvstore.transport.tcp import TcpPeer
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ class Remote:
         raise AssertionError("unreachable")
 
     def _ucx(self, address: str, request: dict, dsts: list[memoryview]) -> int:
-        from kvrelay.kvstore.ucx_transfer import UcxPeer
+        from kvrelay.kvstore.transport.ucx import UcxPeer
 
         left = self._left()
 

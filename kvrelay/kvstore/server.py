@@ -126,7 +126,7 @@ class StoreNode:
 
     def _start_remote(self) -> None:
         from kvrelay.kvstore.remote import Remote
-        from kvrelay.kvstore.transfer import TcpServer
+        from kvrelay.kvstore.transport.tcp import TcpServer
 
         cfg = self.config
         if not cfg.secret:
@@ -134,7 +134,8 @@ class StoreNode:
         secret = (cfg.secret or "").encode()
         ucx_ok = False
         if cfg.ucx_port >= 0 or cfg.transport == "ucx":
-            from kvrelay.kvstore import ucx_runtime, ucx_transfer
+            from kvrelay.kvstore.transport import ucx as ucx_transfer
+            from kvrelay.kvstore.transport import ucx_runtime
 
             ucx_ok = ucx_transfer.available()
             if not ucx_ok:
@@ -157,8 +158,8 @@ class StoreNode:
 
         async def listen() -> None:
             if ucx_ok and cfg.ucx_port >= 0:
-                from kvrelay.kvstore.ucx_local import LocalUcx, host_id
-                from kvrelay.kvstore.ucx_transfer import start_ucx_server
+                from kvrelay.kvstore.transport.ucx import start_ucx_server
+                from kvrelay.kvstore.transport.ucx_local import LocalUcx, host_id
 
                 self.remote.local = LocalUcx(secret, cfg.transfer_timeout_s)
                 self.remote.local.start(self.remote.serve)

@@ -1,0 +1,1 @@
+"""The serving pipeline: Redis-stream queue, HTTP ingress, OpenAI schemas, producer client."""

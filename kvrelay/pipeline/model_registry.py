@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.core.page_keys import DEFAULT_PAGE_SIZE
-from kvrelay.pipeline.cluster import ClusterState
 from kvrelay.pipeline.errors import RequestError, model_not_found
+from kvrelay.pipeline.queue.cluster import ClusterState
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Prefill and decode workers over the in-process engine and the Llama model."""

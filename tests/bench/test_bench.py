@@ -32,7 +32,7 @@ def stack(tmp_path_factory):
 
 def bench(args: str, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`kvrelay bench ARGS EXTRA...` (ARGS split on spaces) as a finished process."""
-    cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", "bench", *args.split(), *extra]
+    cmd = [sys.executable, "-m", "kvrelay.cli.main", "bench", *args.split(), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -293,7 +293,7 @@ def test_prompt_sets_are_deterministic():
 
 def test_bench_imports_no_torch_nor_workers():
     code = (
-        "import sys, kvrelay.bench.cli, kvrelay.bench.sweep, kvrelay.bench.report, "
+        "import sys, kvrelay.cli.bench, kvrelay.bench.sweep, kvrelay.bench.report, "
         "kvrelay.bench.plots; print(sorted(m for m in sys.modules if m == 'torch' "
         "or m.startswith('kvrelay.workers')))"
     )

@@ -31,7 +31,7 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from kvrelay.workers.model_loader import prepare_model
+    from kvrelay.workers.model.loader import prepare_model
 
     return prepare_model(progress=False)
 

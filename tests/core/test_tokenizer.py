@@ -47,7 +47,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from kvrelay.workers.model_loader import prepare_model
+    from kvrelay.workers.model.loader import prepare_model
 
     return prepare_model(progress=False)
 

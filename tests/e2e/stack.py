@@ -12,9 +12,9 @@ from pathlib import Path
 
 import redis
 
+from kvrelay.cli.up.launch import Supervisor
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import TokenChunk
-from kvrelay.pipeline.launch import Supervisor
 from tests.conftest import free_port
 
 MODEL = "smollm2-135m-instruct"
@@ -23,7 +23,7 @@ MODEL = "smollm2-135m-instruct"
 def kvrelay_up(run_dir: Path, port: int, *extra: str, timeout: float = 180
                ) -> subprocess.CompletedProcess:  # fmt: skip
     """`kvrelay up --detach --run-dir RUN_DIR --port PORT EXTRA...` as a finished process."""
-    cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", "up", "--detach",
+    cmd = [sys.executable, "-m", "kvrelay.cli.main", "up", "--detach",
            "--run-dir", str(run_dir), "--port", str(port), *extra]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
@@ -74,7 +74,7 @@ class Stack:
 
     def down(self) -> None:
         subprocess.run(
-            [sys.executable, "-m", "kvrelay.pipeline.cli", "down", "--run-dir", str(self.run_dir)],
+            [sys.executable, "-m", "kvrelay.cli.main", "down", "--run-dir", str(self.run_dir)],
             capture_output=True,
             timeout=120,
         )
@@ -126,7 +126,7 @@ def generate_reference(
         [
             sys.executable,
             "-m",
-            "kvrelay.pipeline.cli",
+            "kvrelay.cli.main",
             "generate",
             "--json",
             "--batch-file",

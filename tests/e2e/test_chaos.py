@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP
-from kvrelay.pipeline.client import AsyncClient
+from kvrelay.pipeline.client.producer import AsyncClient
 from tests.e2e.chaos_client import StreamResult, stream_chat
 from tests.e2e.stack import MODEL, Stack
 

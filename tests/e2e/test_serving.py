@@ -177,7 +177,7 @@ def test_admin_status_and_worker_metrics(stack, client):
         [
             sys.executable,
             "-m",
-            "kvrelay.pipeline.cli",
+            "kvrelay.cli.main",
             "status",
             "--json",
             "--run-dir",
@@ -193,7 +193,7 @@ def test_admin_status_and_worker_metrics(stack, client):
     assert set(workers) == {"prefill-0", "decode-0"}
     assert [s["pending"] for s in status["streams"]] == [0, 0]
     assert status["store"]["pages"]["host"] > 0
-    human = subprocess.run([sys.executable, "-m", "kvrelay.pipeline.cli", "status",
+    human = subprocess.run([sys.executable, "-m", "kvrelay.cli.main", "status",
                             "--run-dir", str(stack.run_dir)], capture_output=True, text=True,
                            timeout=60).stdout  # fmt: skip
     assert "decode-0" in human and "store node0: host " in human
@@ -210,7 +210,7 @@ def test_admin_status_and_worker_metrics(stack, client):
 
 
 def test_bench_command_reports_latencies(stack):
-    done = subprocess.run([sys.executable, "-m", "kvrelay.pipeline.cli", "bench", "--url",
+    done = subprocess.run([sys.executable, "-m", "kvrelay.cli.main", "bench", "--url",
                            stack.url, "--num-requests", "4", "--concurrency", "2",
                            "--max-tokens", "4", "--json"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip

@@ -14,7 +14,7 @@ from tests.e2e.stack import kvrelay_up
 
 
 def kvrelay(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", *argv]
+    cmd = [sys.executable, "-m", "kvrelay.cli.main", *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvrelay.pipeline.launch import Supervisor
+from kvrelay.cli.up.launch import Supervisor
 from tests.conftest import free_port
 from tests.e2e.stack import kvrelay_up
 
@@ -31,7 +31,7 @@ def test_crash_looping_worker_fails_fast_with_its_log(tmp_path):
     assert "decode-0 keeps exiting" in done.stderr
     assert "max_num_seqs must be at least 1" in done.stderr
     status = subprocess.run(
-        [sys.executable, "-m", "kvrelay.pipeline.cli", "down", "--run-dir", str(tmp_path)],
+        [sys.executable, "-m", "kvrelay.cli.main", "down", "--run-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,

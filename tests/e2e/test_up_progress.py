@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from kvrelay.pipeline.up_progress import LOADING, REMIND_S, WORKER_PHASES
+from kvrelay.cli.up.progress import LOADING, REMIND_S, WORKER_PHASES
 from tests.conftest import free_port
 from tests.e2e.stack import kvrelay_up
 
@@ -83,7 +83,7 @@ def test_up_prints_progress_and_runs_the_ingress_with_its_limits(tmp_path: Path)
         assert resp.status_code == 200, resp.text
     finally:
         subprocess.run(
-            [sys.executable, "-m", "kvrelay.pipeline.cli", "down", "--run-dir", str(tmp_path)],
+            [sys.executable, "-m", "kvrelay.cli.main", "down", "--run-dir", str(tmp_path)],
             capture_output=True,
             timeout=120,
         )

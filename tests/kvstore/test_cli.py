@@ -13,20 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.cli.store import add_store_arguments, build_config
 from kvrelay.core.config import ConfigError
-from kvrelay.kvstore.cli_store import add_store_arguments, build_config
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.server import arena_path
 from tests.conftest import free_port
 from tests.kvstore.conftest import SMALL, keys_for, payload
 
-CLI = [sys.executable, "-m", "kvrelay.pipeline.cli"]
+CLI = [sys.executable, "-m", "kvrelay.cli.main"]
 
 
 def kv(capsys, run_dir: str, *args: str) -> tuple[int, dict | str]:
     """Run `kvrelay kv ... --json` in this process (the command only talks to the node)."""
-    from kvrelay.pipeline.cli import main
+    from kvrelay.cli.main import main
 
     capsys.readouterr()
     code = main(["kv", *args, "--run-dir", run_dir, "--json"])
@@ -201,7 +201,7 @@ def test_kv_names_an_unreadable_stack_state(tmp_path: Path, capsys):
 
 def test_bad_store_setting_is_one_line_and_exit_2(tmp_path: Path):
     env = dict(os.environ, KVRELAY_STORE_ARENA_BYTES="abc")
-    cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", "store", "--run-dir", str(tmp_path),
+    cmd = [sys.executable, "-m", "kvrelay.cli.main", "store", "--run-dir", str(tmp_path),
            "--page-bytes", "4096"]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (2, "")

@@ -8,7 +8,7 @@ from kvrelay.core.page_keys import page_keys
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.connector import StoreConnector
 from kvrelay.kvstore.page import PageSpec
-from kvrelay.workers.kv_connector import KVConnector
+from kvrelay.workers.engine.kv_connector import KVConnector
 
 SMOLLM2 = PageSpec("a" * 64, "float32", num_layers=30, page_size=16, kv_heads=3, head_dim=64)
 

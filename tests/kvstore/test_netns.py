@@ -66,7 +66,7 @@ def test_fetch_across_network_namespaces(netns, tmp_path, start_node, transport)
             ns,
             sys.executable,
             "-m",
-            "kvrelay.pipeline.cli",
+            "kvrelay.cli.main",
             "--log-level",
             "WARNING",
             "store",

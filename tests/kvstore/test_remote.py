@@ -41,7 +41,7 @@ class NodeProcess:
             [
                 sys.executable,
                 "-m",
-                "kvrelay.pipeline.cli",
+                "kvrelay.cli.main",
                 "--log-level",
                 "WARNING",
                 "store",

@@ -12,11 +12,11 @@ import time
 import pytest
 import redis
 
+from kvrelay.cli.main import main
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk
-from kvrelay.pipeline.cli import main
-from kvrelay.pipeline.streams import Emission, Streams
-from kvrelay.workers.worker_io import Emitter, Heartbeat, Inflight, Outgoing
+from kvrelay.pipeline.queue.streams import Emission, Streams
+from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing
 from tests.conftest import free_port
 
 KEYS = Keys("adm:")
@@ -173,7 +173,7 @@ def test_drain_without_acknowledgement(r, valkey_session, capsys):
 
 
 def test_store_line_shows_every_tier_even_before_lookups():
-    from kvrelay.pipeline.cli_admin import store_line
+    from kvrelay.cli.admin import store_line
 
     stats = {
         "node_id": "n0",
@@ -265,7 +265,7 @@ def test_status_on_a_stopped_valkey_times_out_quickly(valkey, capsys):
 def test_status_into_a_closed_pipe_is_quiet(r, valkey_session):
     seed(r)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvrelay.pipeline.cli", "status", "--redis-url",
+        [sys.executable, "-m", "kvrelay.cli.main", "status", "--redis-url",
          valkey_session.url, "--key-prefix", "adm:"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
@@ -308,7 +308,7 @@ def test_fenced_out_write_logs_what_happened(r, caplog):
     emitter.thread.start()
     chunk = TokenChunk(0, [5, 6], text="hi")
     emission = Emission(KEYS.prefill_stream, PREFILL_GROUP, entry.entry_id, "q2", chunk)
-    with caplog.at_level(logging.WARNING, logger="kvrelay.workers.worker_io"):
+    with caplog.at_level(logging.WARNING, logger="kvrelay.workers.emitter"):
         emitter.put(Outgoing("emit", "q2", entry.entry_id, emission))
         emitter.close()
     assert emitter.lost.get_nowait() == "q2" and len(inflight) == 0

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvrelay.cli.main import main
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.server import arena_path
-from kvrelay.pipeline.cli import main
-from kvrelay.pipeline.streams import Streams
+from kvrelay.pipeline.queue.streams import Streams
 from tests.conftest import free_port
 from tests.kvstore.conftest import SMALL, RunningNode, keys_for, payload
 
@@ -76,7 +76,10 @@ def test_requests_show_of_an_invalid_id_is_bad_usage(r, valkey_session, capsys):
             "kvrelay requests: error: invalid request id 'bad id!' (1-128 characters of "
             "A-Za-z0-9._:-)\n"
         )
-    from kvrelay.pipeline import admin, submit  # the admin's copy of the rule is the ingress's
+    from kvrelay.pipeline.queue import (  # the admin's copy of the rule is the ingress's
+        admin,
+        submit,
+    )
 
     for rid in ("a", "bad id!", "x" * 128, "x" * 129, "a.b_c:d-E9", "ü", "", "a/b"):
         assert admin.valid_request_id(rid) == submit.valid_request_id(rid), rid

@@ -11,7 +11,7 @@ import pytest
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.pipeline.client import AsyncClient, Client
+from kvrelay.pipeline.client.producer import AsyncClient, Client
 from kvrelay.pipeline.errors import RequestError
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,

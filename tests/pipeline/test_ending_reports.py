@@ -10,7 +10,7 @@ import json
 import pytest
 
 from kvrelay.core.messages import TokenChunk
-from kvrelay.pipeline.client import AsyncClient
+from kvrelay.pipeline.client.producer import AsyncClient
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     anyio_backend,

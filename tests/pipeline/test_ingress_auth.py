@@ -77,7 +77,7 @@ async def test_requests_belong_to_their_api_key(harness):
 
 
 async def test_api_keys_from_environment(monkeypatch):
-    from kvrelay.pipeline.ingress_config import load_config
+    from kvrelay.pipeline.server.config import load_config
 
     monkeypatch.setenv("KVRELAY_API_KEYS", "a,b")
     monkeypatch.setenv("KVRELAY_INGRESS_MODE", "colocated")

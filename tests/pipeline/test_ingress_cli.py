@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from kvrelay.cli.main import build_parser
+from kvrelay.cli.serve import config_from_args
 from kvrelay.core.config import ConfigError
-from kvrelay.pipeline.cli import build_parser
-from kvrelay.pipeline.cli_serve import config_from_args
 
 
 def test_flags_override_environment(monkeypatch):
@@ -60,7 +60,7 @@ def test_bad_values_are_config_errors(monkeypatch):
 
 def test_serve_help_runs():
     out = subprocess.run(
-        [sys.executable, "-m", "kvrelay.pipeline.cli", "serve", "--help"],
+        [sys.executable, "-m", "kvrelay.cli.main", "serve", "--help"],
         capture_output=True,
         text=True,
         timeout=60,

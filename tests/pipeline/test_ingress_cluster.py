@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from kvrelay.core.keys import DECODE_GROUP, Keys
-from kvrelay.pipeline.cluster import ClusterState, StreamLoad
+from kvrelay.pipeline.queue.cluster import ClusterState, StreamLoad
 from tests.pipeline.test_ingress_support import anyio_backend, unique_prefix  # noqa: F401
 
 pytestmark = pytest.mark.anyio

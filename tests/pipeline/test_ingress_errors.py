@@ -202,7 +202,7 @@ async def test_body_size_limit(harness):
 
 
 async def test_prompt_limits_use_the_model_context(valkey_session, smollm_tokenizer):
-    from kvrelay.pipeline.ingress import create_app
+    from kvrelay.pipeline.server.app import create_app
 
     # no injected tokenizer: the real model directory supplies the 8192-token context
     app = create_app(make_config(valkey_session.url, max_prompt_tokens=100000))
@@ -262,7 +262,7 @@ async def test_backpressure_429_with_retry_after(harness):
 
 
 async def test_redis_down_is_503(smollm_tokenizer):
-    from kvrelay.pipeline.ingress import create_app
+    from kvrelay.pipeline.server.app import create_app
     from tests.conftest import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvrelay.pipeline.ingress_config import IngressConfig
-from kvrelay.pipeline.openai_protocol import parse_chat, parse_completion
+from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
+from kvrelay.pipeline.server.config import IngressConfig
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     anyio_backend,
@@ -201,7 +201,7 @@ async def test_deadline_answers_at_the_deadline(harness):
 
 
 def test_default_disconnect_grace_allows_a_resume():
-    from kvrelay.pipeline.ingress_config import load_config
+    from kvrelay.pipeline.server.config import load_config
 
     assert IngressConfig().disconnect_grace_s == 10.0
     assert load_config({}).disconnect_grace_s == 10.0

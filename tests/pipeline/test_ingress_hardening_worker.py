@@ -17,7 +17,7 @@ import uvicorn
 
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import TokenChunk
-from kvrelay.pipeline.ingress import create_app
+from kvrelay.pipeline.server.app import create_app
 from tests.conftest import free_port
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
@@ -40,9 +40,9 @@ GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True, "stream": True}
 @pytest.fixture(scope="module")
 def decode_worker(valkey_session):
     """One real decode worker (it prefills locally) under this module's key prefix."""
-    from kvrelay.workers.decode_worker import DecodeWorker
-    from kvrelay.workers.engine import Engine, EngineConfig
-    from kvrelay.workers.worker_config import WorkerConfig
+    from kvrelay.workers.config import WorkerConfig
+    from kvrelay.workers.decode import DecodeWorker
+    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(kv_cache_bytes=32 << 20, num_threads=1))
     config = WorkerConfig(

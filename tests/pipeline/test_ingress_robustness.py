@@ -191,7 +191,7 @@ async def test_generation_failure_is_counted_as_rejected(harness):
 
 
 async def test_a_hung_redis_gives_503_within_seconds(valkey, smollm_tokenizer):
-    from kvrelay.pipeline.ingress import create_app
+    from kvrelay.pipeline.server.app import create_app
 
     config = make_config(valkey.url, redis_timeout_s=1.0)
     app = create_app(config, tokenizers={MODEL: smollm_tokenizer})
@@ -223,7 +223,7 @@ async def test_a_hung_redis_gives_503_within_seconds(valkey, smollm_tokenizer):
 
 
 async def test_an_unexpected_error_is_an_openai_500_with_a_request_id(harness, monkeypatch):
-    from kvrelay.pipeline import ingress_info
+    from kvrelay.pipeline.server import info as ingress_info
 
     async def broken(request):
         raise RuntimeError("a bug in an endpoint")

@@ -13,7 +13,7 @@ import openai
 import pytest
 import uvicorn
 
-from kvrelay.pipeline.ingress import create_app
+from kvrelay.pipeline.server.app import create_app
 from tests.conftest import free_port
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
@@ -199,7 +199,7 @@ async def test_disconnect_grace_lets_a_client_come_back(valkey_session, smollm_t
 
 def test_ingress_does_not_import_torch():
     code = (
-        "import kvrelay.pipeline.ingress, kvrelay.pipeline.client, kvrelay.pipeline.cli_serve,"
+        "import kvrelay.pipeline.server.app, kvrelay.pipeline.client.producer, kvrelay.cli.serve,"
         " sys; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

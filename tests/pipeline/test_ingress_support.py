@@ -20,8 +20,8 @@ import redis.asyncio as aioredis
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
 from kvrelay.core.modelref import DEFAULT_MODEL
-from kvrelay.pipeline.ingress import create_app
-from kvrelay.pipeline.ingress_config import IngressConfig
+from kvrelay.pipeline.server.app import create_app
+from kvrelay.pipeline.server.config import IngressConfig
 
 MODEL = DEFAULT_MODEL
 TEST_TIMEOUT_S = 30.0  # a request whose worker never answers fails the test, not hangs it
@@ -41,7 +41,7 @@ def smollm_tokenizer():
 
     ref = modelref.resolve_model(MODEL)
     if not modelref.is_prepared(ref):
-        from kvrelay.workers.model_loader import prepare_model
+        from kvrelay.workers.model.loader import prepare_model
 
         prepare_model(MODEL, progress=False)
     return Tokenizer.from_dir(modelref.converted_dir(ref))

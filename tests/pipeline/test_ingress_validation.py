@@ -11,7 +11,7 @@ import pytest
 from kvrelay.core.messages import MessageError, PrefillTask
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
 from kvrelay.pipeline.errors import RequestError
-from kvrelay.pipeline.openai_protocol import parse_chat, parse_completion
+from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     anyio_backend,

@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from kvrelay.pipeline.launch import Program, Supervisor, read_state, render_config
+from kvrelay.cli.up.launch import Program, Supervisor, read_state, render_config
 from tests.conftest import free_port, valkey_binary
 
 
@@ -93,7 +93,7 @@ def test_detached_stack_restarts_killed_programs_and_stops(tmp_path):
 
 FOREGROUND = """
 import sys
-from kvrelay.pipeline.launch import Program, Supervisor
+from kvrelay.cli.up.launch import Program, Supervisor
 sup = Supervisor(sys.argv[1])
 sup.write([Program("a", [sys.executable, "-c", "import time; time.sleep(600)"]),
            Program("b", [sys.executable, "-c", "import time; time.sleep(600)"])], nodaemon=True)
@@ -118,9 +118,9 @@ def test_foreground_stack_stops_everything_on_sigterm(tmp_path):
 
 
 def test_up_programs_divide_cores_and_share_settings(tmp_path):
-    from kvrelay.pipeline.cli import build_parser
-    from kvrelay.pipeline.cli_up import build_programs
-    from kvrelay.pipeline.topology import threads_per_worker
+    from kvrelay.cli.main import build_parser
+    from kvrelay.cli.up.command import build_programs
+    from kvrelay.cli.up.topology import threads_per_worker
 
     assert [threads_per_worker(c, 3) for c in (1, 2, 6, 16)] == [1, 1, 2, 5]
     args = build_parser().parse_args(
@@ -171,9 +171,9 @@ def test_up_programs_divide_cores_and_share_settings(tmp_path):
 
 
 def test_weights_are_chosen_for_the_host_unless_given(tmp_path):
-    from kvrelay.pipeline.cli import build_parser
-    from kvrelay.pipeline.cli_up import build_programs
-    from kvrelay.pipeline.topology import default_weights
+    from kvrelay.cli.main import build_parser
+    from kvrelay.cli.up.command import build_programs
+    from kvrelay.cli.up.topology import default_weights
 
     assert default_weights(0, "x86_64") == ("fp16", "CPU host: fp16 weights, fp32 activations")
     assert default_weights(2, "x86_64") == ("none", "GPU workers keep the model's weights")
@@ -190,7 +190,7 @@ def test_weights_are_chosen_for_the_host_unless_given(tmp_path):
 
 
 def test_topology_is_chosen_for_the_host_unless_given():
-    from kvrelay.pipeline.topology import choose
+    from kvrelay.cli.up.topology import choose
 
     def counts(cores, gpus, prefill=None, decode=None, wants=False):
         t = choose(cores, gpus, prefill, decode, wants)
@@ -220,7 +220,7 @@ def test_topology_is_chosen_for_the_host_unless_given():
 
 def _main(capsys, *argv: str) -> tuple[int, str]:
     """Run the real `kvrelay` entry in-process; (exit code, last stderr line)."""
-    from kvrelay.pipeline.cli import main
+    from kvrelay.cli.main import main
 
     try:
         code = main(list(argv))
@@ -312,8 +312,8 @@ def test_up_refuses_ports_in_use_and_unreachable_redis(tmp_path, capsys):
 
 
 def test_up_mode_reaches_the_ingress_only(tmp_path):
-    from kvrelay.pipeline.cli import build_parser
-    from kvrelay.pipeline.cli_up import build_programs
+    from kvrelay.cli.main import build_parser
+    from kvrelay.cli.up.command import build_programs
 
     cases = [
         ([], "colocated"),  # a CPU host: one decode worker that prefills locally
@@ -330,14 +330,14 @@ def test_up_mode_reaches_the_ingress_only(tmp_path):
         by = {p.name: p for p in programs}
         assert (by["ingress"].env["KVRELAY_INGRESS_MODE"], state["mode"]) == (mode, mode)
         assert "KVRELAY_INGRESS_MODE" not in by["decode-0"].env or argv[:1] == ["--env"]
-        assert by["ingress"].command[1:4] == ["-m", "kvrelay.pipeline.cli", "serve"]
+        assert by["ingress"].command[1:4] == ["-m", "kvrelay.cli.main", "serve"]
 
 
 def test_readiness_wants_this_stacks_programs_running_and_listening(tmp_path):
     import subprocess
 
-    from kvrelay.pipeline.launch import listens
-    from kvrelay.pipeline.up_ready import not_ready_reason
+    from kvrelay.cli.up.launch import listens
+    from kvrelay.cli.up.ready import not_ready_reason
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -365,8 +365,8 @@ def test_readiness_wants_this_stacks_programs_running_and_listening(tmp_path):
 
 
 def test_status_topology_counts_live_workers_and_names_the_choice():
-    from kvrelay.pipeline.cli_admin import topology_of
-    from kvrelay.pipeline.topology import choose
+    from kvrelay.cli.admin import topology_of
+    from kvrelay.cli.up.topology import choose
 
     workers = [{"role": "decode"}, {"role": "decode"}, {"role": "prefill"}]
     assert topology_of(workers, {}) == {

@@ -60,8 +60,8 @@ def test_prefix_cache_series_have_vllm_names_and_exact_values():
 def test_worker_kv_cache_usage_reads_the_block_pool_at_scrape_time():
     from types import SimpleNamespace
 
-    from kvrelay.workers.block_pool import BlockPool
-    from kvrelay.workers.worker_metrics import WorkerMetrics
+    from kvrelay.workers.engine.block_pool import BlockPool
+    from kvrelay.workers.metrics import WorkerMetrics
 
     pool = BlockPool(8)
     engine = SimpleNamespace(pool=pool, config=SimpleNamespace(page_size=16))  # what it reads
@@ -104,7 +104,7 @@ def test_store_usage_and_hit_rate_gauges():
 
 
 def test_worker_without_its_engine_reports_no_kv_usage():
-    from kvrelay.workers.worker_metrics import WorkerMetrics
+    from kvrelay.workers.metrics import WorkerMetrics
 
     wm = WorkerMetrics("m")
     assert b"kvrelay:kv_cache_usage_perc{" not in wm.base.render()  # absent, not a false 0

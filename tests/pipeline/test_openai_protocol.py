@@ -7,9 +7,9 @@ import pytest
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.errors import RequestError
-from kvrelay.pipeline.openai_protocol import parse_chat, parse_completion
-from kvrelay.pipeline.openai_responses import ResponseFormatter, sse, usage_dict
-from kvrelay.pipeline.output import Completion, trim_chunk
+from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
+from kvrelay.pipeline.openai.responses import ResponseFormatter, sse, usage_dict
+from kvrelay.pipeline.queue.output import Completion, trim_chunk
 
 
 def test_chat_fields_map_to_sampling():

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kvrelay.core.messages import TokenChunk
-from kvrelay.pipeline.client import AsyncClient, OutputExpired, OutputTimeout
+from kvrelay.pipeline.client.producer import AsyncClient, OutputExpired, OutputTimeout
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     anyio_backend,

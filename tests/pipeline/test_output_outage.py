@@ -12,8 +12,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import TokenChunk
-from kvrelay.pipeline.output import read_chunks
-from kvrelay.pipeline.redis_options import async_redis
+from kvrelay.pipeline.queue.output import read_chunks
+from kvrelay.pipeline.queue.redis_options import async_redis
 
 KEYS = Keys("oo:")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kvrelay.pipeline.client import AsyncClient
-from kvrelay.pipeline.ingress import Ingress
-from kvrelay.pipeline.ingress_config import IngressConfig
-from kvrelay.pipeline.redis_options import async_redis
+from kvrelay.pipeline.client.producer import AsyncClient
+from kvrelay.pipeline.queue.redis_options import async_redis
+from kvrelay.pipeline.server.app import Ingress
+from kvrelay.pipeline.server.config import IngressConfig
 
 
 def test_blocking_reads_beyond_the_pool_size_wait_instead_of_failing(valkey_session):

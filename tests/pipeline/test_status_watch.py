@@ -20,15 +20,15 @@ from types import SimpleNamespace
 import pytest
 import redis
 
+from kvrelay.cli.status_data import RateSampler, parse_metrics
 from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.server import arena_path
-from kvrelay.pipeline.status_data import RateSampler, parse_metrics
-from kvrelay.pipeline.streams import Streams
-from kvrelay.workers.block_pool import BlockPool
-from kvrelay.workers.worker_metrics import WorkerMetrics
+from kvrelay.pipeline.queue.streams import Streams
+from kvrelay.workers.engine.block_pool import BlockPool
+from kvrelay.workers.metrics import WorkerMetrics
 from tests.kvstore.conftest import SMALL, RunningNode, keys_for, payload
 
 KEYS = Keys("watch:")
@@ -122,7 +122,7 @@ def test_watch_renders_in_a_terminal_and_ctrl_c_exits_0(stack):
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 150, 0, 0))
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="150", LINES="60")
     env.pop("NO_COLOR", None)
-    cmd = [sys.executable, "-m", "kvrelay.pipeline.cli", "status", "--watch", "--interval",
+    cmd = [sys.executable, "-m", "kvrelay.cli.main", "status", "--watch", "--interval",
            "0.3", "--run-dir", stack.run_dir]  # fmt: skip
     proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env)
     os.close(slave)
@@ -164,7 +164,7 @@ def test_a_failed_refresh_is_shown_and_the_watch_goes_on():
 
     from rich.console import Console
 
-    from kvrelay.pipeline.status_watch import watch
+    from kvrelay.cli.status_watch import watch
 
     snapshot = {
         "time": 0.0, "workers": [], "streams": [], "dlq": 0, "requests_in_flight": 0,

@@ -9,7 +9,7 @@ import redis
 
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
-from kvrelay.pipeline.streams import INDEX_MISMATCH, NOT_OWNER, OK, Emission, Streams
+from kvrelay.pipeline.queue.streams import INDEX_MISMATCH, NOT_OWNER, OK, Emission, Streams
 
 KEYS = Keys("t:")
 

@@ -13,7 +13,7 @@ from kvrelay.kernels import AttentionMetadata
 @pytest.fixture(scope="session")
 def model_dir():
     """The converted default model directory (converts the GGUF on first use, ~20 s)."""
-    from kvrelay.workers.model_loader import prepare_model
+    from kvrelay.workers.model.loader import prepare_model
 
     return prepare_model(progress=False)
 
@@ -21,7 +21,7 @@ def model_dir():
 @pytest.fixture(scope="session")
 def loaded_model(model_dir):
     """Our SmolLM2-135M-Instruct, fp32 on CPU (LoadedModel)."""
-    from kvrelay.workers.model_loader import load_model
+    from kvrelay.workers.model.loader import load_model
 
     return load_model(progress=False, dtype="float32", device="cpu")
 
@@ -101,8 +101,8 @@ def quantized_engine_factory(quantization: str):
 
     @pytest.fixture(scope="module")
     def make_engine(model_dir):
-        from kvrelay.workers.engine import Engine, EngineConfig
-        from kvrelay.workers.model_loader import load_model
+        from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
+        from kvrelay.workers.model.loader import load_model
 
         loaded = load_model(progress=False, dtype="float32", device="cpu",
                             quantization=quantization)  # fmt: skip

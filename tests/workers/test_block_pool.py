@@ -6,9 +6,9 @@ import pytest
 
 from kvrelay.core.page_keys import page_keys
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.workers.block_pool import BlockPool, NoFreeBlocksError
-from kvrelay.workers.kv_cache_manager import KVCacheManager
-from kvrelay.workers.sequence import Sequence
+from kvrelay.workers.engine.block_pool import BlockPool, NoFreeBlocksError
+from kvrelay.workers.engine.kv_cache_manager import KVCacheManager
+from kvrelay.workers.engine.sequence import Sequence
 
 K = [bytes([i]) * 16 for i in range(10)]
 

@@ -12,8 +12,8 @@ import redis
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, Keys
 from kvrelay.core.messages import DecodeTask, TokenChunk
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.pipeline.streams import NOT_OWNER, Emission, Streams
-from kvrelay.workers.worker_config import WorkerConfig
+from kvrelay.pipeline.queue.streams import NOT_OWNER, Emission, Streams
+from kvrelay.workers.config import WorkerConfig
 
 KEYS = Keys("dw:")
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -22,8 +22,8 @@ QUESTIONS = ["Name a color.", "What is 2+2? Answer briefly.", "Say hello in Fren
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from kvrelay.workers.decode_worker import DecodeWorker
-    from kvrelay.workers.engine import Engine, EngineConfig
+    from kvrelay.workers.decode import DecodeWorker
+    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
     from tests.conftest import ValkeyServer
 
     server = ValkeyServer(tmp_path_factory.mktemp("valkey"))

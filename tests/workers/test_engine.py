@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.workers.engine import Engine, EngineConfig, RequestOutput
+from kvrelay.workers.engine.llm_engine import Engine, EngineConfig, RequestOutput
 
 NUM = 32
 MAX_TOKENS = 6

@@ -19,7 +19,7 @@ import torch
 from kvrelay.core.keys import Keys
 from kvrelay.core.page_keys import page_keys
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.workers.engine import Engine, EngineConfig
+from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 
 PAGE = 16
 PREFIX = "admtest:"

@@ -7,7 +7,7 @@ import torch
 
 from kvrelay.core.modelref import ModelNotFoundError
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.workers.engine import Engine, EngineConfig
+from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 from kvrelay.workers.errors import EngineError, InvalidRequestError
 
 # Greedy answer of SmolLM2-135M-Instruct to the chat "What is the capital of France?"

@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.workers.engine import Engine, EngineConfig
+from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 
 NEW_TOKENS = 64
 TIE_TOL = 1e-3

@@ -15,7 +15,7 @@ ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is P
 def kvrelay(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVRELAY_ENGINE_KV_CACHE_BYTES": str(24 << 20)}
     return subprocess.run(
-        [sys.executable, "-m", "kvrelay.pipeline.cli", "--log-level", "WARNING", "generate",
+        [sys.executable, "-m", "kvrelay.cli.main", "--log-level", "WARNING", "generate",
          *args],
         capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
@@ -81,7 +81,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, lines, message):
 def test_bad_sampling_is_rejected_before_torch_loads():
     code = (
         "import sys\n"
-        "from kvrelay.pipeline.cli import main\n"
+        "from kvrelay.cli.main import main\n"
         "code = main(['generate', 'x', '--temperature', '-1'])\n"
         "print(code, 'torch' in sys.modules)\n"
     )

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from kvrelay.workers.model_config import ModelConfig
-from kvrelay.workers.model_loader import load_model
+from kvrelay.workers.model.config import ModelConfig
+from kvrelay.workers.model.loader import load_model
 from tests.workers.conftest import SeqChunk, run_batch
 
 PAGE = 16

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvrelay.kernels import gather_pages, scatter_pages
-from kvrelay.workers.model import padded_rows
+from kvrelay.workers.model.llama import padded_rows
 from tests.workers.conftest import SeqChunk, make_batch, run_batch
 
 PAGE = 16

@@ -11,8 +11,8 @@ import torch
 
 from kvrelay.core.modelref import META_FILE, model_fingerprint, resolve_model
 from kvrelay.workers.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
-from kvrelay.workers.model_config import ModelConfig
-from kvrelay.workers.model_loader import load_model, prepare_model
+from kvrelay.workers.model.config import ModelConfig
+from kvrelay.workers.model.loader import load_model, prepare_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TINY = dict(

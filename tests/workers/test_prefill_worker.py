@@ -11,7 +11,7 @@ import redis
 from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.workers.worker_config import WorkerConfig
+from kvrelay.workers.config import WorkerConfig
 
 KEYS = Keys("pw:")
 GREEDY = {"max_tokens": 4, "temperature": 0.0}
@@ -19,8 +19,8 @@ GREEDY = {"max_tokens": 4, "temperature": 0.0}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from kvrelay.workers.engine import Engine, EngineConfig
-    from kvrelay.workers.prefill_worker import PrefillWorker
+    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
+    from kvrelay.workers.prefill import PrefillWorker
     from tests.conftest import ValkeyServer
 
     server = ValkeyServer(tmp_path_factory.mktemp("valkey"))

@@ -13,9 +13,9 @@ import torch
 from kvrelay.core.config import ConfigError
 from kvrelay.core.modelref import model_fingerprint
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.workers.engine import Engine, EngineConfig
-from kvrelay.workers.quant import ACT_ZERO_POINT, Int8Linear, quantize_rows, quantize_weight
-from kvrelay.workers.worker_config import load_worker_config
+from kvrelay.workers.config import load_worker_config
+from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
+from kvrelay.workers.model.quant import ACT_ZERO_POINT, Int8Linear, quantize_rows, quantize_weight
 from tests.workers.conftest import (
     check_alone_equals_in_batch_of_8_and_chunked,
     quantized_engine_factory,
@@ -99,7 +99,7 @@ def test_worker_config_rejects_unknown_quantization():
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvrelay.pipeline.cli", "--log-level", "WARNING", *args],
+        [sys.executable, "-m", "kvrelay.cli.main", "--log-level", "WARNING", *args],
         capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
     )  # fmt: skip
 

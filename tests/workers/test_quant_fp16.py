@@ -8,7 +8,7 @@ import torch
 
 from kvrelay.core.modelref import model_fingerprint
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.workers.quant import Fp16Linear, can_quantize
+from kvrelay.workers.model.quant import Fp16Linear, can_quantize
 from tests.workers.conftest import (
     check_alone_equals_in_batch_of_8_and_chunked,
     quantized_engine_factory,

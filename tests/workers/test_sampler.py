@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.workers.sampler import Sampler, SampleRow, _apply_penalties, uniform
+from kvrelay.workers.engine.sampler import Sampler, SampleRow, _apply_penalties, uniform
 
 
 def row(seed: int = 0, index: int = 0, **kw) -> SampleRow:

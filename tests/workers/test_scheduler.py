@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.workers.block_pool import BlockPool
-from kvrelay.workers.kv_cache_manager import KVCacheManager
-from kvrelay.workers.scheduler import Scheduler, SchedulerOutput
-from kvrelay.workers.sequence import Sequence, SequenceStatus
+from kvrelay.workers.engine.block_pool import BlockPool
+from kvrelay.workers.engine.kv_cache_manager import KVCacheManager
+from kvrelay.workers.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.workers.engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks: int, max_seqs: int = 4, budget: int = 16) -> Scheduler:

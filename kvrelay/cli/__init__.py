@@ -1,0 +1,1 @@
+"""The command line: the top layer, it may import every component."""

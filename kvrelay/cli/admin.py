@@ -1,0 +1,198 @@
+"""`kvrelay status | drain` and what every admin command shares (connection, output)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from kvrelay.cli.main import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, CommandError
+
+
+def connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", default=None, help="stack run dir (`kvrelay up`)")
+    p.add_argument("--redis-url", default=None, help="Redis URL (env KVRELAY_REDIS_URL)")
+    p.add_argument("--key-prefix", default=None, help="Redis key prefix (default kvrelay:)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--timeout-s", type=float, default=2.0, help="wait this long for Redis (default 2)"
+    )
+
+
+def stack_state(run_dir: str | None) -> dict[str, Any]:
+    """`<run_dir>/stack.json` of `kvrelay up`; ./kvrelay-run when it holds one; else {}."""
+    from kvrelay.cli.up.launch import STATE_NAME, read_state
+
+    if run_dir is None:
+        if not os.path.isfile(os.path.join("kvrelay-run", STATE_NAME)):
+            return {}
+        run_dir = "kvrelay-run"
+    try:
+        return read_state(run_dir)
+    except FileNotFoundError as exc:  # read_state's message names the run dir and the file
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    except (OSError, ValueError) as exc:  # unreadable or not JSON
+        raise CommandError(f"cannot read {run_dir}/{STATE_NAME}: {exc}", EXIT_USAGE) from None
+
+
+def connect(args: argparse.Namespace):
+    """(redis client, Keys, store run dir) from --run-dir, flags or the environment."""
+    import redis
+
+    from kvrelay.core.keys import Keys
+
+    state: dict[str, Any] = {}
+    if args.run_dir or not args.redis_url:
+        state = stack_state(args.run_dir)
+    url = (
+        args.redis_url
+        or state.get("redis_url")
+        or os.environ.get("KVRELAY_REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
+    prefix = (
+        args.key_prefix
+        or state.get("key_prefix")
+        or os.environ.get("KVRELAY_KEY_PREFIX", "kvrelay:")
+    )
+    store_dir = state.get("store_run_dir") or os.environ.get("KVRELAY_STORE_RUN_DIR")
+    args.stack_state = state  # `status` shows the topology `kvrelay up` chose
+    args.redis_url = url  # named by the one-line error of `kvrelay.cli.main.main`
+    timeout = max(0.1, args.timeout_s)
+    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    return client, Keys(prefix), store_dir
+
+
+def topology_of(workers: list[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
+    """Live worker counts by role, and what `kvrelay up` chose (when its stack.json is known)."""
+    live = {role: sum(w.get("role") == role for w in workers) for role in ("prefill", "decode")}
+    layout = "disaggregated" if live["prefill"] else "colocated"
+    summary = f"{live['prefill']} prefill + {live['decode']} decode live ({layout}"
+    summary += ")" if live["prefill"] else ": decode workers prefill locally)"
+    chosen = state.get("topology") or {}
+    if chosen.get("summary"):
+        summary += f"; kvrelay up: {chosen['summary']}"
+    return {**live, "layout": layout, "chosen": chosen or None, "summary": summary}
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def add_status_arguments(p: argparse.ArgumentParser) -> None:
+    connection_args(p)
+    p.add_argument("--watch", action="store_true", help="a live view, refreshed until Ctrl-C")
+    p.add_argument(
+        "--interval", type=float, default=1.0, help="--watch refresh period in s (default 1)"
+    )
+
+
+NUMBER_COLUMNS = ("pid", "load", "tokens_per_s")  # None (field empty or missing) prints blank
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from kvrelay.cli import status_data
+
+    if not 0.05 <= args.interval <= 3600:
+        raise CommandError(f"--interval must be 0.05-3600 s, got {args.interval:g}")
+    if args.watch and args.json:
+        raise CommandError("--watch and --json do not go together (--json prints once)")
+    r, keys, store_dir = connect(args)
+    state = getattr(args, "stack_state", {})
+    sampler = status_data.RateSampler() if args.watch else None
+
+    def snapshot() -> dict[str, Any]:
+        data = status_data.collect(r, keys, store_dir, sampler)
+        data["topology"] = topology_of(data["workers"], state)
+        return data
+
+    if args.watch:
+        from kvrelay.cli.main import redact_url
+        from kvrelay.cli.status_watch import watch
+
+        return watch(snapshot, redact_url(args.redis_url), args.interval)
+    data = snapshot()
+    if args.json:
+        print_json(data)
+        return 0
+    print(f"{'WORKER':<24}{'ROLE':<9}{'PID':>8}{'LOAD':>6}{'TOK/S':>8}{'AGE':>7}  STATE")
+    for w in data["workers"]:
+        shown = "draining" if w.get("draining") else "ok"
+        pid, load, rate = ("" if w.get(k) is None else str(w[k]) for k in NUMBER_COLUMNS)
+        print(
+            f"{w.get('name', '?'):<24}{w.get('role', '?'):<9}{pid:>8}"
+            f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {shown}"
+        )
+    print(f"\n{'STREAM':<34}{'LENGTH':>8}{'PENDING':>9}{'LAG':>6}{'CONSUMERS':>11}")
+    for s in data["streams"]:
+        lag = "-" if s["lag"] is None else s["lag"]
+        print(f"{s['stream']:<34}{s['length']:>8}{s['pending']:>9}{lag:>6}{s['consumers']:>11}")
+    print(
+        f"\nDLQ entries: {data['dlq']}   requests in flight: {data['requests_in_flight']}   "
+        f"by status: {json.dumps(data['requests'])}   tokens/s: {data['tokens_per_s']:.1f}"
+    )
+    if data["store"] is not None:
+        print(store_line(data["store"]))
+    print(f"topology: {data['topology']['summary']}")
+    return 0
+
+
+TIERS = ("host", "disk", "remote")  # always listed, in this order
+
+
+def store_line(store: dict[str, Any]) -> str:
+    """Tier usage and hit rates of the local store node in one line."""
+    if "error" in store:
+        return f"store: unavailable ({store['error']})"
+    pages = store.get("pages", {})
+    parts = [f"store {store.get('node_id', '?')}: host {pages.get('host', 0)}/"
+             f"{pages.get('host_slots', '?')} pages, disk {pages.get('disk', 0)}/"
+             f"{pages.get('disk_capacity', '?')} pages"]  # fmt: skip
+    counters = store.get("counters", {})
+    hits, misses = counters.get("hits", {}), counters.get("misses", {})
+    for tier in [*TIERS, *sorted((set(hits) | set(misses)) - set(TIERS))]:
+        h, m = hits.get(tier, 0), misses.get(tier, 0)
+        rate = f"{h / (h + m):.0%}" if h + m else "-"  # "-": no lookups reached the tier yet
+        parts.append(f"{tier} hit rate {rate} ({int(h)}/{int(h + m)})")
+    return ", ".join(parts)
+
+
+def add_drain_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("worker", help="worker name as `kvrelay status` shows it")
+    p.add_argument("--undo", action="store_true", help="let the worker take work again")
+    p.add_argument(
+        "--wait-s",
+        type=float,
+        default=3.0,
+        help="wait this long for the worker's heartbeat to acknowledge (default 3; 0 = no wait)",
+    )
+    connection_args(p)
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    from kvrelay.pipeline.queue import admin
+
+    if args.wait_s < 0:
+        raise CommandError(f"--wait-s must be >= 0, got {args.wait_s:g}")
+    r, keys, _ = connect(args)
+    if not admin.drain(r, keys, args.worker, undo=args.undo):
+        raise CommandError(f"no live worker {args.worker!r}", EXIT_NOT_FOUND)
+    state = "taking work again" if args.undo else "draining"
+    acknowledged = None
+    if args.wait_s > 0:
+        acknowledged = admin.wait_draining(r, keys, args.worker, not args.undo, args.wait_s)
+        if acknowledged is None:
+            raise CommandError(
+                f"{args.worker} stopped (its heartbeat is gone) while waiting", EXIT_FAILURE
+            )
+        if not acknowledged:
+            raise CommandError(
+                f"{args.worker} did not acknowledge within {args.wait_s:g}s (the flag is set; "
+                "it applies at the worker's next heartbeat)",
+                EXIT_FAILURE,
+            )
+    if args.json:
+        print_json({"worker": args.worker, "draining": not args.undo, "acknowledged": acknowledged})
+    else:
+        print(f"{args.worker}: {state}")
+    return 0

@@ -1,0 +1,209 @@
+"""`kvrelay generate`: run the engine in-process on one prompt or a JSONL batch (no Redis).
+
+Top-level imports stay light (argparse, json); torch and the engine load inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvrelay.core.modelref import QUANTIZATION_SCHEMES
+
+EXIT_BAD_INPUT = 2
+_REQUEST_KEYS = {"id", "prompt", "messages"}
+
+
+class CLIInputError(ValueError):
+    """Bad flags or batch file: reported as one line on stderr, exit code 2."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="prompt text (or give --batch-file)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--model", default=None, help="model name or path (default smollm2)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (128)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per request")
+    p.add_argument(
+        "--batch-file", type=Path, default=None,
+        help='JSONL file: {"id", "prompt"|"messages", sampling fields...} per line',
+    )  # fmt: skip
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch compute threads")
+    p.add_argument("--quantization", default=None, choices=tuple(QUANTIZATION_SCHEMES),
+                   help="fp16: half-size weights; int8: int8 weights and activations "
+                        "(CPU fp32; default none)")  # fmt: skip
+
+
+def _sampling_fields() -> set[str]:
+    from kvrelay.core.sampling import SamplingParams
+
+    return {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _flag_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    flags = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+             "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed,
+             "stop": args.stop}  # fmt: skip
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def _read_batch(path: Path, defaults: dict[str, Any]) -> list[dict[str, Any]]:
+    """Parse and check the batch file (before the model loads, so mistakes fail fast)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise CLIInputError(f"cannot read batch file {path}: {exc.strerror}") from exc
+    allowed = _REQUEST_KEYS | _sampling_fields()
+    requests, seen = [], set()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CLIInputError(f"{path}:{n}: invalid JSON ({exc.msg})") from exc
+        if not isinstance(item, dict):
+            raise CLIInputError(f"{path}:{n}: each line must be a JSON object")
+        unknown = sorted(set(item) - allowed)
+        if unknown:
+            raise CLIInputError(f"{path}:{n}: unknown field(s) {', '.join(unknown)}")
+        rid = str(item.get("id", f"req-{n}"))
+        if rid in seen:
+            raise CLIInputError(f"{path}:{n}: duplicate id {rid!r}")
+        seen.add(rid)
+        if ("prompt" in item) == ("messages" in item):
+            raise CLIInputError(f"{path}:{n}: give exactly one of 'prompt' or 'messages'")
+        sampling = {**defaults, **{k: v for k, v in item.items() if k not in _REQUEST_KEYS}}
+        requests.append(
+            {
+                "id": rid,
+                "prompt": item.get("prompt"),
+                "messages": item.get("messages"),
+                "sampling": sampling,
+                "line": n,
+            }
+        )
+    if not requests:
+        raise CLIInputError(f"{path}: no requests")
+    return requests
+
+
+def _prompt_ids(tokenizer, req: dict[str, Any], chat: bool) -> list[int]:
+    from kvrelay.core.tokenizer import ChatTemplateError
+
+    where = f"request {req['id']!r}"
+    try:
+        if req["messages"] is not None:
+            if not isinstance(req["messages"], list):
+                raise CLIInputError(f"{where}: 'messages' must be a list of objects")
+            return tokenizer.apply_chat_template(req["messages"])
+        prompt = req["prompt"]
+        if isinstance(prompt, list):
+            return prompt
+        if not isinstance(prompt, str):
+            raise CLIInputError(f"{where}: 'prompt' must be a string or a list of token ids")
+        if chat:
+            return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return tokenizer.encode(prompt)
+    except ChatTemplateError as exc:
+        raise CLIInputError(f"{where}: {exc}") from exc
+
+
+def _result(out, text: str, started: float, first_token: float | None) -> dict[str, Any]:
+    end = time.perf_counter()
+    n = len(out.output_token_ids)
+    return {
+        "id": out.request_id, "token_ids": out.output_token_ids, "text": text,
+        "finish_reason": out.finish_reason, "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": n, "cached_tokens": out.num_cached_tokens,
+        "timings": {"ttft_s": round((first_token or end) - started, 4),
+                    "total_s": round(end - started, 4),
+                    "decode_tok_s": round((n - 1) / (end - first_token), 2)
+                    if first_token and n > 1 and end > first_token else None},
+    }  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except CLIInputError as exc:
+        print(f"kvrelay generate: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _run(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.batch_file is None):
+        raise CLIInputError("give a PROMPT or --batch-file (exactly one)")
+    defaults = _flag_sampling(args)
+    if args.batch_file is not None:
+        requests = _read_batch(args.batch_file, defaults)
+    else:
+        requests = [{"id": "generate-0", "prompt": args.prompt, "messages": None,
+                     "sampling": defaults, "line": 0}]  # fmt: skip
+    from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
+
+    params = {}  # checked before torch and the model load, so a bad flag fails at once
+    for req in requests:
+        try:
+            params[req["id"]] = SamplingParams.from_dict(req["sampling"]).validate()
+        except (InvalidSamplingParams, TypeError) as exc:
+            raise CLIInputError(f"request {req['id']!r}: {exc}") from exc
+    from kvrelay.core.config import ConfigError, from_env
+    from kvrelay.core.modelref import ModelNotFoundError
+    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
+    from kvrelay.workers.errors import EngineError, InvalidRequestError
+
+    try:
+        config = from_env(EngineConfig, "engine", model=args.model,
+                          max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          num_threads=args.num_threads,
+                          quantization=args.quantization)  # fmt: skip
+        engine = Engine(config)
+    except (ModelNotFoundError, ConfigError, EngineError) as exc:
+        raise CLIInputError(" ".join(str(exc).split()) or "model not found") from exc
+    started = time.perf_counter()
+    for req in requests:
+        ids = _prompt_ids(engine.tokenizer, req, args.chat)
+        try:
+            engine.add_request(req["id"], ids, params[req["id"]])
+        except InvalidRequestError as exc:
+            raise CLIInputError(f"request {req['id']!r}: {exc}") from exc
+    stream = not args.json and len(requests) == 1
+    texts: dict[str, list[str]] = {r["id"]: [] for r in requests}
+    first: dict[str, float] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first.setdefault(out.request_id, time.perf_counter())
+            texts[out.request_id].append(out.text_delta)
+            if stream and out.text_delta:
+                sys.stdout.write(out.text_delta)
+                sys.stdout.flush()
+            if out.finished or out.handoff:
+                text = "".join(texts.pop(out.request_id))
+                _report(out, text, args, stream, started, first.get(out.request_id))
+    return 0
+
+
+def _report(out, text: str, args: argparse.Namespace, streamed: bool, started: float,
+            first_token: float | None) -> None:  # fmt: skip
+    if args.json:
+        print(json.dumps(_result(out, text, started, first_token), ensure_ascii=False), flush=True)
+    elif streamed:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    else:
+        print(f"[{out.request_id}] {text}", flush=True)

@@ -1,0 +1,192 @@
+"""What `kvrelay status` adds to the Redis view: worker counters (scraped), KV tiers, rates."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Worker series read from its /metrics (summed over labels), as status keys
+WORKER_SERIES = {
+    "kvrelay:generation_tokens_total": "generation_tokens",
+    "kvrelay:prompt_tokens_total": "prompt_tokens",
+    "kvrelay:prefix_cache_queries_total": "prefix_cache_queries",
+    "kvrelay:prefix_cache_hits_total": "prefix_cache_hits",
+    "kvrelay:kv_cache_usage_perc": "kv_cache_usage_perc",
+}
+STORE_TIERS = (("host", "host_slots"), ("disk", "disk_capacity"))  # (tier, its capacity field)
+
+
+NUM_BLOCKS = re.compile(r'^kvrelay:cache_config_info\{.*num_gpu_blocks="(\d+)"')
+
+
+def parse_metrics(text: str, wanted: dict[str, str]) -> dict[str, float]:
+    """Sum the samples of each wanted series in Prometheus text format (labels ignored), and
+    `num_blocks` from the worker's cache_config_info label."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        name = name_part.split("{", 1)[0]
+        blocks = NUM_BLOCKS.match(line)
+        if blocks:
+            out["num_blocks"] = float(blocks.group(1))
+        if name in wanted:
+            try:
+                out[wanted[name]] = out.get(wanted[name], 0.0) + float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def metrics_url(worker: dict[str, Any]) -> str | None:
+    """The worker's /metrics URL (loopback when it runs on this host), None when it has none."""
+    port = worker.get("metrics_port")
+    if not isinstance(port, int) or port <= 0:
+        return None
+    host = worker.get("host") or "127.0.0.1"
+    if host == socket.gethostname():
+        host = "127.0.0.1"
+    return f"http://{host}:{port}/metrics"
+
+
+def scrape_workers(workers: list[dict[str, Any]], timeout_s: float = 0.5) -> None:
+    """Set each worker's `metrics` to its scraped counters (None: no port or no answer)."""
+    for w in workers:
+        url = metrics_url(w)
+        w["metrics"] = None
+        if url is None:
+            continue
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+                w["metrics"] = parse_metrics(resp.read().decode(errors="replace"), WORKER_SERIES)
+        except (OSError, ValueError) as exc:  # a worker going away must not break `status`
+            logger.debug("worker %s: no metrics from %s: %s", w.get("name"), url, exc)
+
+
+def _tier(tier: str, pages: Any, capacity: Any, hits: float, lookups: float) -> dict[str, Any]:
+    usage = pages / capacity if isinstance(pages, int | float) and capacity else None
+    return {
+        "tier": tier,
+        "pages": pages,
+        "capacity": capacity,
+        "usage": None if usage is None else round(usage, 4),
+        "hits": hits,
+        "lookups": lookups,
+        "hit_rate": round(hits / lookups, 4) if lookups else None,
+    }
+
+
+def kv_tiers(workers: list[dict[str, Any]], store: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """KV cache by tier: `device` (the workers' pools: blocks used, usage, prompt tokens hit),
+    then the store node's `host` (DRAM arena) and `disk` pages with their lookup hit rates."""
+    scraped = [w["metrics"] for w in workers if w.get("metrics")]
+    usages = [m["kv_cache_usage_perc"] for m in scraped if "kv_cache_usage_perc" in m]
+    device = _tier(
+        "device",
+        None,
+        None,
+        sum(m.get("prefix_cache_hits", 0.0) for m in scraped),
+        sum(m.get("prefix_cache_queries", 0.0) for m in scraped),
+    )
+    device["usage"] = round(sum(usages) / len(usages), 4) if usages else None
+    sized = [m for m in scraped if "kv_cache_usage_perc" in m and m.get("num_blocks")]
+    if sized:  # blocks in use / blocks, over the workers that publish both
+        device["pages"] = sum(round(m["kv_cache_usage_perc"] * m["num_blocks"]) for m in sized)
+        device["capacity"] = int(sum(m["num_blocks"] for m in sized))
+    tiers = [device]
+    if store is None or "error" in store:
+        return tiers
+    pages, counters = store.get("pages", {}), store.get("counters", {})
+    hits, misses = counters.get("hits", {}), counters.get("misses", {})
+    for tier, capacity in STORE_TIERS:
+        h, m = hits.get(tier, 0.0), misses.get(tier, 0.0)
+        tiers.append(_tier(tier, pages.get(tier, 0), pages.get(capacity), h, h + m))
+    return tiers
+
+
+@dataclass(slots=True)
+class RateSampler:
+    """Rates of counters between two samples: (value - previous) / (now - previous time)."""
+
+    last: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def rate(self, name: str, value: float, now: float) -> float | None:
+        """Per-second rate since the previous sample of `name`; None for the first, or after a
+        counter went backwards (the process restarted)."""
+        before = self.last.get(name)
+        self.last[name] = (value, now)
+        if before is None or now <= before[1] or value < before[0]:
+            return None
+        return (value - before[0]) / (now - before[1])
+
+
+def add_rates(data: dict[str, Any], sampler: RateSampler | None, now: float) -> None:
+    """Set each worker's `tokens_per_s` from its sampled counter when there is one (else keep
+    the heartbeat's), and the total `tokens_per_s`."""
+    total = 0.0
+    for w in data["workers"]:
+        counters = w.get("metrics") or {}
+        if sampler is not None and "generation_tokens" in counters:
+            rate = sampler.rate(str(w.get("name")), counters["generation_tokens"], now)
+            if rate is not None:
+                w["tokens_per_s"] = round(rate, 1)
+                w["tokens_per_s_source"] = "counter"
+        if isinstance(w.get("tokens_per_s"), int | float):
+            total += w["tokens_per_s"]
+    data["tokens_per_s"] = round(total, 1)
+
+
+def collect(r: Any, keys: Any, store_dir: str | None, sampler: RateSampler | None) -> dict:
+    """One status snapshot: the Redis view, worker counters, KV tiers and tokens/s."""
+    data = status(r, keys, store_dir)
+    for stream, stage in zip(data["streams"], ("prefill", "decode"), strict=True):
+        stream["stage"] = stage
+    scrape_workers(data["workers"])
+    data["tiers"] = kv_tiers(data["workers"], data["store"])
+    data["time"] = round(time.time(), 3)
+    add_rates(data, sampler, time.monotonic())
+    return data
+
+
+def store_stats(store_run_dir: str | None) -> dict[str, Any] | None:
+    """The local store node's stats (tier usage, hits), or an error note."""
+    if not store_run_dir:
+        return None
+    try:
+        from kvrelay.kvstore.client import StoreClient
+
+        client = StoreClient(store_run_dir, timeout_s=2.0)
+        try:
+            return client.stats()
+        finally:
+            client.close()
+    except Exception as exc:  # the store being down must not break `status`
+        return {"error": str(exc)}
+
+
+def status(r: Any, keys: Any, store_run_dir: str | None = None) -> dict[str, Any]:
+    """Everything `kvrelay status` shows, as one JSON-able dict."""
+    from kvrelay.core.enums import OPEN_STATUSES
+    from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP
+    from kvrelay.pipeline.queue.admin import requests_in_flight, stream_info, workers
+
+    inflight = requests_in_flight(r, keys)
+    return {
+        "workers": workers(r, keys),
+        "streams": [
+            stream_info(r, keys.prefill_stream, PREFILL_GROUP),
+            stream_info(r, keys.decode_stream, DECODE_GROUP),
+        ],
+        "dlq": r.xlen(keys.dlq),
+        "requests": inflight,
+        "requests_in_flight": sum(v for k, v in inflight.items() if k in OPEN_STATUSES),
+        "store": store_stats(store_run_dir),
+    }

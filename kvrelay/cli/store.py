@@ -1,0 +1,237 @@
+"""`kvrelay store` (run this host's store node) and `kvrelay kv` (inspect it). Light imports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+
+logger = logging.getLogger(__name__)
+
+_FLAGS = [  # (flag, type, help); every flag is also KVRELAY_STORE_<NAME>
+    ("--node-id", str, "this node's id (unique per host; default node0)"),
+    ("--run-dir", str, "directory of the local socket (kvstore.sock); default /tmp/kvrelay"),
+    ("--redis-url", str, "Redis/Valkey URL for the page directory (omit: no remote fetches)"),
+    ("--key-prefix", str, "Redis key prefix (default kvrelay:)"),
+    ("--arena-bytes", int, "size of the shared-memory arena (default 1 GiB)"),
+    ("--disk-dir", str, "directory of the disk tier (omit: no disk tier)"),
+    ("--disk-bytes", int, "disk tier size cap (default 16 GiB)"),
+    ("--page-bytes", int, "payload bytes of one page (or give --model)"),
+    ("--model", str, "model whose pages this node stores (sets page bytes and fingerprint)"),
+    ("--dtype", str, "page dtype with --model (default float32)"),
+    ("--page-size", int, "tokens per page with --model (default 16)"),
+    ("--quantization", str, "workers' weight quantization with --model: none or int8"),
+    ("--fingerprint", str, "accept only pages of this model fingerprint"),
+    ("--listen-host", str, "address of the remote-transfer listeners (default 127.0.0.1)"),
+    ("--advertise-host", str, "address peers dial (default the listen host)"),
+    ("--tcp-port", int, "TCP transfer port (0 = any, -1 = off)"),
+    ("--ucx-port", int, "UCX transfer port (0 = any, -1 = off)"),
+    ("--transport", str, "remote fetch transport: auto, ucx or tcp"),
+    ("--secret", str, "shared secret of the store nodes (HMAC challenge)"),
+    ("--transfer-timeout-s", float, "bound on one remote transfer (default 5)"),
+    ("--metrics-port", int, "serve Prometheus metrics on this port"),
+    ("--keep-arena", str, "keep the arena file on stop for a fast restart (default true)"),
+]
+
+
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    for flag, type_, help_ in _FLAGS:
+        p.add_argument(flag, type=type_, default=None, help=help_)
+
+
+def build_config(args: argparse.Namespace):
+    """StoreConfig from defaults, KVRELAY_STORE_* and flags; resolves --model to a page size."""
+    from dataclasses import replace
+
+    from kvrelay.core.config import from_env
+    from kvrelay.kvstore.config import StoreConfig
+
+    overrides = {
+        f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_"), None) for f, _, _ in _FLAGS
+    }
+    keep = overrides.pop("keep_arena")
+    if keep is not None:
+        overrides["keep_arena"] = keep.strip().lower() not in ("0", "false", "no", "off")
+    cfg = from_env(StoreConfig, "store", **overrides)
+    if cfg.model is not None:
+        from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
+
+        try:
+            info = read_model_info(
+                converted_dir(resolve_model(cfg.model)), cfg.dtype, cfg.quantization
+            )
+        except ValueError as exc:
+            raise SystemExit(f"kvrelay store: {exc}") from None
+        page_bytes = info.page_bytes(cfg.dtype, cfg.page_size)
+        if cfg.page_bytes not in (None, page_bytes):
+            raise SystemExit(
+                f"--page-bytes {cfg.page_bytes} contradicts --model "
+                f"{cfg.model} ({page_bytes}-byte pages)"
+            )
+        cfg = replace(cfg, page_bytes=page_bytes, fingerprint=cfg.fingerprint or info.fingerprint)
+    if cfg.page_bytes is None:
+        raise SystemExit(
+            "kvrelay store: give --page-bytes or --model (or KVRELAY_STORE_PAGE_BYTES)"
+        )
+    return cfg
+
+
+def run_store(args: argparse.Namespace) -> int:
+    from kvrelay.cli.main import CommandError
+    from kvrelay.core.config import ConfigError
+    from kvrelay.kvstore.server import StoreNode
+
+    try:
+        cfg = build_config(args)
+    except ConfigError as exc:  # a bad flag or KVRELAY_STORE_* value: one line, not a traceback
+        raise CommandError(str(exc)) from exc
+    node = StoreNode(cfg, cfg.page_bytes)
+    signal.signal(signal.SIGTERM, lambda *_: node.stop())
+    signal.signal(signal.SIGINT, lambda *_: node.stop())
+    node.start()
+    try:
+        node.serve_forever()
+    finally:
+        node.close()
+    return 0
+
+
+def add_kv_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["stats", "ls", "get", "evict"], help="what to do")
+    p.add_argument("key", nargs="?", help="page key (hex) for `get`")
+    p.add_argument(
+        "--run-dir", default=None, help="the store node's run dir, or a `kvrelay up` run dir"
+    )
+    p.add_argument("--limit", type=int, default=100, help="keys per tier for `ls`")
+    p.add_argument(
+        "--tier",
+        default="host",
+        choices=["host", "all"],
+        help="`evict`: demote the arena to disk (host) or drop everything (all)",
+    )
+    p.add_argument("--timeout-s", type=float, default=5.0, help="wait this long for the node")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def store_run_dir(run_dir: str | None) -> str:
+    """The store node's run dir: a stack's (`<run_dir>/stack.json`), else `run_dir` itself."""
+    from pathlib import Path
+
+    from kvrelay.cli.up.launch import STATE_NAME, read_state
+    from kvrelay.kvstore.client import default_run_dir
+
+    if run_dir is None:
+        return default_run_dir()
+    state_file = Path(run_dir) / STATE_NAME
+    if not state_file.is_file():
+        return run_dir
+    try:
+        store_dir = read_state(run_dir).get("store_run_dir")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"cannot read {state_file}: {exc}") from None
+    return store_dir or run_dir
+
+
+def _page_key(args: argparse.Namespace) -> bytes | None:
+    """The page key of `get` (required there, refused elsewhere); ValueError says why."""
+    from kvrelay.core.page_keys import KEY_BYTES
+
+    if args.action != "get":
+        if args.key:  # stats/ls/evict work on whole tiers; never ignore a key silently
+            hint = " (it works on a whole tier: --tier host|all)" if args.action == "evict" else ""
+            raise ValueError(f"kv {args.action} takes no page key, got {args.key!r}{hint}")
+        return None
+    if not args.key:
+        raise ValueError("give a page key (hex), as `kvrelay kv ls` prints it")
+    try:
+        key = bytes.fromhex(args.key)
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise ValueError(
+            f"not a page key: {args.key!r} ({2 * KEY_BYTES} hex digits, as `kvrelay kv ls` "
+            "prints them)"
+        )
+    return key
+
+
+def run_kv(args: argparse.Namespace) -> int:
+    from kvrelay.cli.main import EXIT_FAILURE, EXIT_NOT_FOUND, CommandError
+    from kvrelay.kvstore.client import StoreClient
+    from kvrelay.kvstore.errors import StoreError
+
+    if args.limit < 1 or args.timeout_s <= 0:
+        raise CommandError("--limit must be at least 1 and --timeout-s above 0")
+    try:
+        key = _page_key(args)
+        run_dir = store_run_dir(args.run_dir)
+    except ValueError as exc:  # bad usage: one line, exit 2 (an unreachable node is 1)
+        raise CommandError(str(exc)) from None
+    client = StoreClient(run_dir, timeout_s=args.timeout_s)
+    try:
+        if args.action == "stats":
+            out = client.stats()
+        elif args.action == "ls":
+            out = client.ls(args.limit)
+        elif args.action == "evict":
+            out = {"evicted": client.evict(args.tier), "tier": args.tier}
+        else:
+            out = _get(client, key, args.key)
+            if out is None:
+                raise CommandError(f"no page {args.key} in the store at {run_dir}", EXIT_NOT_FOUND)
+    except StoreError as exc:
+        raise CommandError(f"store node at {run_dir}: {exc}", EXIT_FAILURE) from None
+    finally:
+        client.close()
+    out.pop("ok", None)
+    out.pop("id", None)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _print_human(args.action, out)
+    return 0
+
+
+def _get(client, key: bytes, key_hex: str) -> dict | None:
+    """The header of one page in the arena (verified), None when the store has no such page."""
+    from kvrelay.kvstore.errors import StoreError
+    from kvrelay.kvstore.page import unpack_header, verify_page
+
+    reply = client.call("get", keys=[key], remote=False)
+    if not reply["slots"]:
+        return None
+    out: dict = {"key": key_hex, "found": True}
+    try:
+        page = client._map(reply).slot(reply["slots"][0])
+        h = unpack_header(page)
+        out.update(fingerprint=h.fingerprint, dtype=h.dtype, shape=list(h.shape),
+                   num_tokens=h.num_tokens, payload_bytes=h.payload_bytes,
+                   checksum=f"{h.checksum:08x}")  # fmt: skip
+        try:
+            verify_page(page, key)
+            out["verified"] = True
+        except StoreError as exc:
+            out["verified"] = False
+            out["error"] = str(exc)
+    finally:
+        client.call("release", slots=reply["slots"])
+    return out
+
+
+def _print_human(action: str, out: dict) -> None:
+    if action == "stats":
+        from kvrelay.cli.admin import store_line
+
+        print(store_line(out))
+    elif action == "ls":
+        for tier, keys in out.items():
+            print(f"{tier}: {len(keys)} page{'s' * (len(keys) != 1)}")
+            for key in keys:
+                print(f"  {key}")
+    elif action == "evict":
+        print(f"evicted {out['evicted']} pages ({out['tier']})")
+    else:
+        width = max(map(len, out))
+        for name, value in out.items():
+            print(f"{name:<{width}}  {value}")

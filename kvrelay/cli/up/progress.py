@@ -1,0 +1,150 @@
+"""What `kvrelay up` prints while it waits: one stderr line each time a program's progress changes.
+
+A program is `up` when it does its job: valkey and the ingress listen on their ports, the store
+node has registered in Redis (`node:{id}` carrying its pid), a worker's heartbeat carries the pid
+supervisord runs under its name. Before that a worker's phase comes from its own log (model
+conversion, loading, engine start), read from where the log stood when `up` started.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvrelay.cli.up.launch import listens
+
+REMIND_S = 30.0  # an unchanged line is repeated this often, so a long wait still shows life
+# (text in a worker's log line, the phase it starts); the latest matching line wins
+WORKER_PHASES: tuple[tuple[str, str], ...] = (
+    ("model.loader: converting ", "loading model (converting weights)"),
+    ("model.loader: loading tokenizer", "loading model (converting weights: tokenizer)"),
+    ("model.loader: loading and dequantizing", "loading model (converting weights: dequantizing)"),
+    ("model.loader: writing safetensors", "loading model (converting weights: writing)"),
+    ("model.loader: hashing weights", "loading model (hashing weights)"),
+    ("model.loader: loaded ", "starting engine"),
+    ("llm_engine: engine ready", "connecting"),
+)
+LOADING = "loading model"
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass(slots=True)
+class _WorkerLog:
+    """Where a worker's log was last read and the phase its latest line showed."""
+
+    pos: int
+    pid: int | None = None
+    phase: str = LOADING
+
+
+@dataclass(slots=True)
+class UpProgress:
+    """Progress lines for one `kvrelay up`; create it before supervisord starts."""
+
+    state: dict
+    log_dir: Path
+    write: Callable[[str], None] = _say
+    started: float = field(default_factory=time.monotonic)
+    last: str = ""
+    last_at: float = float("-inf")
+    workers: dict[str, _WorkerLog] = field(default_factory=dict)
+    _redis: object | None = None
+
+    def __post_init__(self) -> None:
+        for name in self.state["programs"]:
+            if name.startswith(("prefill-", "decode-")):
+                log = self.log_dir / f"{name}.log"
+                self.workers[name] = _WorkerLog(log.stat().st_size if log.exists() else 0)
+
+    def describe(self, status: dict[str, tuple[str, int | None]]) -> str:
+        """`valkey up, store up, ingress starting, decode-0 loading model` for this status."""
+        registered = self._registered_pids(status)
+        parts = []
+        for name in self.state["programs"]:
+            program_state, pid = status.get(name, ("MISSING", None))
+            if program_state != "RUNNING" or pid is None:
+                what = program_state.lower()
+            elif name in ("valkey", "ingress"):
+                what = "starting" if listens(pid, self._port(name)) is False else "up"
+            elif registered.get(name) == pid:
+                what = "up"
+            elif name == "store":
+                what = "starting"
+            else:
+                what = self._worker_phase(name, pid)
+            parts.append(f"{name} {what}")
+        return ", ".join(parts)
+
+    def update(self, status: dict[str, tuple[str, int | None]]) -> None:
+        """Print a `waiting:` line when the progress changed (or every REMIND_S unchanged)."""
+        if not status:  # supervisord is not answering yet: nothing to tell
+            return
+        line = self.describe(status)
+        now = time.monotonic()
+        if line != self.last or now - self.last_at >= REMIND_S:
+            self.write(f"kvrelay up: waiting: {line} ({now - self.started:.0f} s)")
+            self.last, self.last_at = line, now
+
+    def ready(self) -> None:
+        """The final line: every program is up."""
+        took = time.monotonic() - self.started
+        self.write(f"kvrelay up: ready in {took:.1f} s: {', '.join(self.state['programs'])} up")
+        self.close()
+
+    def close(self) -> None:
+        if self._redis is not None:
+            self._redis.close()
+            self._redis = None
+
+    def _port(self, name: str) -> int:
+        if name == "ingress":
+            return int(self.state["port"])
+        return int(self.state["redis_url"].rsplit(":", 1)[1].split("/")[0])
+
+    def _registered_pids(self, status: dict) -> dict[str, int]:
+        """Pid in the store node's registration and in each worker's heartbeat (when present)."""
+        import redis
+
+        from kvrelay.core.keys import Keys
+
+        keys = Keys(self.state["key_prefix"])
+        names = ["store", *self.workers]
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(
+                self.state["redis_url"], socket_timeout=2, socket_connect_timeout=2
+            )
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hget(keys.store_node(self.state.get("store_node", "node0")), "pid")
+        for name in self.workers:
+            pipe.hget(keys.worker(name), "pid")
+        try:
+            pids = pipe.execute()
+        except redis.RedisError:  # valkey still starting: nothing registered yet
+            return {}
+        return {n: int(p) for n, p in zip(names, pids, strict=True) if p is not None}
+
+    def _worker_phase(self, name: str, pid: int) -> str:
+        """The phase the worker's log shows since `up` started (or since its last restart)."""
+        log = self.workers[name]
+        if log.pid not in (None, pid):  # restarted: its earlier phases no longer hold
+            log.phase = LOADING
+        log.pid = pid
+        try:
+            with (self.log_dir / f"{name}.log").open("rb") as f:
+                f.seek(log.pos)
+                data = f.read()
+        except OSError:
+            return log.phase
+        end = data.rfind(b"\n") + 1  # a half-written last line is read again next time
+        log.pos += end
+        for line in data[:end].decode(errors="replace").splitlines():
+            for text, phase in WORKER_PHASES:
+                if text in line:
+                    log.phase = phase
+        return log.phase

@@ -1,0 +1,1 @@
+"""Store-to-store page transports: the session, TCP and UCX."""

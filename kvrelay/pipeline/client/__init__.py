@@ -1,0 +1,1 @@
+"""The Python client (producer) of the pipeline."""

@@ -1,0 +1,288 @@
+"""Producer client: queue requests straight into the streams and read their tokens, no HTTP.
+
+Uses the ingress's own request-building code (`kvrelay.pipeline.queue.submit.Producer`), so a
+request sent here becomes exactly the PrefillTask/DecodeTask the ingress would have queued.
+
+    async with AsyncClient("redis://127.0.0.1:6379/0") as client:
+        rid = await client.submit("Hello", sampling=SamplingParams(max_tokens=8))
+        async for chunk in client.stream(rid):
+            print(chunk.text, end="")
+
+`Client` is the same API for synchronous code (batch jobs), driving an event loop in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kvrelay.core.keys import Keys
+from kvrelay.core.messages import TokenChunk
+from kvrelay.core.modelref import DEFAULT_MODEL
+from kvrelay.core.sampling import SamplingParams
+from kvrelay.pipeline.client.validate import (
+    checked_id,
+    parse_request,
+    sampling_fields,
+)
+from kvrelay.pipeline.errors import RequestError, bad_request, queue_unavailable
+from kvrelay.pipeline.model_registry import ModelRegistry
+from kvrelay.pipeline.openai.validate import type_error
+from kvrelay.pipeline.queue.cluster import ClusterState
+from kvrelay.pipeline.queue.output import (
+    Completion,
+    OutputExpired,
+    OutputTimeout,
+    RequestNotFound,
+    read_chunks,
+)
+from kvrelay.pipeline.queue.redis_options import async_redis
+from kvrelay.pipeline.queue.route import Router
+from kvrelay.pipeline.queue.submit import Producer, new_request_id
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Completion",
+    "OutputExpired",
+    "OutputTimeout",
+    "RequestError",
+    "RequestNotFound",
+]
+
+
+class AsyncClient:
+    """Submit requests to a kvrelay pipeline and iterate their tokens (asyncio)."""
+
+    def __init__(
+        self,
+        redis_url: str = "redis://127.0.0.1:6379/0",
+        *,
+        key_prefix: str = "kvrelay:",
+        model: str = DEFAULT_MODEL,
+        mode: str = "auto",
+        route_threshold: int = 64,
+        timeout_s: float | None = 600.0,
+        max_prompt_tokens: int = 32768,
+        max_tokens_limit: int = 4096,
+        block_ms: int = 1000,
+        tokenizers: dict[str, Any] | None = None,
+        redis: aioredis.Redis | None = None,
+        max_connections: int = 1024,
+    ):
+        self.model = model
+        self.keys = Keys(key_prefix)
+        self._own_redis = redis is None
+        # each request being read holds a connection: beyond max_connections, callers wait
+        self.redis = redis or async_redis(redis_url, max_connections)
+        self.cluster = ClusterState(self.redis, self.keys)
+        self.registry = ModelRegistry((model,), self.cluster, tokenizers)
+        router = Router(self.redis, self.keys, mode, route_threshold, self.cluster)
+        self.producer = Producer(
+            self.redis,
+            self.keys,
+            self.registry,
+            router,
+            max_prompt_tokens=max_prompt_tokens,
+            max_tokens_limit=max_tokens_limit,
+            timeout_s=timeout_s,
+        )
+        self.block_ms = block_ms
+        self._deadlines: dict[str, float | None] = {}
+        self._models: dict[str, str] = {}
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._own_redis:
+            await self.redis.aclose()
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None,
+        model: str | None = None,
+        request_id: str | None = None,
+        cache_salt: str = "",
+        detokenize: bool = True,
+    ) -> str:
+        """Queue one request (text, chat messages or token ids); return its id.
+
+        Raises RequestError (as the HTTP API would answer) for a request that cannot be served,
+        an id already in use (409) or Redis unreachable (503); nothing is queued then.
+        """
+        if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
+            raise RequestError("give exactly one of prompt, messages or prompt_token_ids")
+        request_id = new_request_id() if request_id is None else checked_id(request_id)
+        if not isinstance(detokenize, bool):
+            raise type_error("detokenize", "a boolean")
+        body = sampling_fields(sampling)
+        body.update(model=model or self.model, cache_salt=cache_salt)
+        parsed = parse_request(body, prompt, messages, prompt_token_ids)
+        try:
+            sub, entry = await self.producer.prepare_parsed(
+                parsed, request_id=request_id, detokenize=detokenize
+            )
+            route = await self.producer.enqueue(sub, entry, {"source": "client"})
+        except RedisError as exc:
+            raise queue_unavailable(exc) from exc
+        if route is None:
+            raise RequestError(
+                f"request id {request_id!r} is already in use",
+                409,
+                param="request_id",
+                code="duplicate_request_id",
+            )
+        self._deadlines[request_id] = sub.deadline
+        self._models[request_id] = parsed.model
+        return request_id
+
+    async def _retext(self, request_id: str):
+        model = self._models.get(request_id)
+        if model is None:
+            raw = await self.redis.hget(self.keys.request(request_id), "model")
+            model = raw.decode() if raw else None
+        if not model:
+            return None
+        try:
+            tokenizer = (await self.registry.get(model)).tokenizer
+        except RequestError:
+            return None
+        return lambda ids: tokenizer.decode(ids)
+
+    async def stream(self, request_id: str, start_index: int = 0) -> AsyncIterator[TokenChunk]:
+        """The request's chunks from token `start_index` on, ending with the final chunk.
+
+        A chunk that began before `start_index` is cut there (its text re-decoded). Raises
+        RequestNotFound (no record), OutputExpired (ended, output no longer kept), OutputTimeout
+        (deadline passed), RequestError (bad argument 400, Redis unreachable 503).
+        """
+        checked_id(request_id)
+        if isinstance(start_index, bool) or not isinstance(start_index, int) or start_index < 0:
+            raise bad_request(
+                f"start_index must be a non-negative integer, got {start_index!r}",
+                param="start_index",
+                code="invalid_value",
+            )
+        try:
+            deadline = self._deadlines.get(request_id)
+            if deadline is None and request_id not in self._deadlines:
+                raw = await self.redis.hget(self.keys.request(request_id), "deadline")
+                deadline = float(raw) if raw else None
+            retext = await self._retext(request_id) if start_index else None
+            async for chunk in read_chunks(
+                self.redis,
+                self.keys,
+                request_id,
+                start_index=start_index,
+                block_ms=self.block_ms,
+                deadline=deadline,  # met at the deadline itself, as the ingress does
+                retext=retext,
+            ):
+                yield chunk
+        except RedisError as exc:
+            raise queue_unavailable(exc) from exc
+
+    async def result(self, request_id: str, start_index: int = 0) -> Completion:
+        """Wait for the request to finish and return everything from `start_index` on."""
+        done = Completion(request_id)
+        async for chunk in self.stream(request_id, start_index):
+            done.add(chunk)
+        return done
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        """submit() then result()."""
+        return await self.result(await self.submit(prompt, **kwargs))
+
+    async def cancel(self, request_id: str, ttl_s: int = 3600) -> None:
+        """Ask the workers to stop the request (it finishes with finish_reason 'cancelled')."""
+        checked_id(request_id)
+        try:
+            await self.redis.set(self.keys.cancel(request_id), b"1", ex=ttl_s)
+        except RedisError as exc:
+            raise queue_unavailable(exc) from exc
+
+    async def status(self, request_id: str) -> dict[str, str] | None:
+        """The req:{id} record, or None when unknown or expired."""
+        checked_id(request_id)
+        try:
+            raw = await self.redis.hgetall(self.keys.request(request_id))
+        except RedisError as exc:
+            raise queue_unavailable(exc) from exc
+        return {k.decode(): v.decode() for k, v in raw.items()} if raw else None
+
+
+class Client:
+    """Synchronous wrapper of AsyncClient (same arguments and methods)."""
+
+    def __init__(self, redis_url: str = "redis://127.0.0.1:6379/0", **kwargs: Any):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvrelay-client", daemon=True
+        )
+        self._thread.start()
+        self._async: AsyncClient = self._call(_make(redis_url, kwargs))
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._call(self._async.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def submit(self, prompt: str | None = None, **kwargs: Any) -> str:
+        return self._call(self._async.submit(prompt, **kwargs))
+
+    def stream(self, request_id: str, start_index: int = 0) -> Iterator[TokenChunk]:
+        agen = self._async.stream(request_id, start_index)
+        try:
+            while True:
+                try:
+                    yield self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._loop.is_closed():
+                self._call(agen.aclose())
+
+    def result(self, request_id: str, start_index: int = 0) -> Completion:
+        return self._call(self._async.result(request_id, start_index))
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        return self._call(self._async.generate(prompt, **kwargs))
+
+    def cancel(self, request_id: str, ttl_s: int = 3600) -> None:
+        self._call(self._async.cancel(request_id, ttl_s))
+
+    def status(self, request_id: str) -> dict[str, str] | None:
+        return self._call(self._async.status(request_id))
+
+
+async def _make(redis_url: str, kwargs: dict[str, Any]) -> AsyncClient:
+    # built inside the loop thread so the connection pool belongs to that loop
+    return AsyncClient(redis_url, **kwargs)

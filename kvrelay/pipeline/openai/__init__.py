@@ -1,0 +1,1 @@
+"""OpenAI request/response schemas and their validation."""

@@ -1,0 +1,194 @@
+"""OpenAI response bodies and SSE events built from TokenChunks (chat and text completions)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.core.messages import TokenChunk
+from kvrelay.pipeline.openai.protocol import CHAT
+from kvrelay.pipeline.queue.output import Completion
+
+DONE = b"data: [DONE]\n\n"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(obj: Any, event_id: int | None = None) -> bytes:
+    """One SSE event: optional `id:` line, one `data:` line, blank line."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}data: {dumps(obj)}\n\n".encode()
+
+
+def usage_dict(usage: dict[str, int] | None, prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI usage with prompt_tokens_details.cached_tokens (chunk usage wins when present)."""
+    u = usage or {}
+    prompt = int(u.get("prompt_tokens", prompt_tokens))
+    completion = int(u.get("completion_tokens", completion_tokens))
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(u.get("cached_tokens", 0))},
+    }
+
+
+@dataclass(slots=True)
+class ResponseFormatter:
+    """Formats one request's output the way OpenAI does for its endpoint."""
+
+    api: str  # chat | completion
+    request_id: str
+    model: str
+    created: int
+    prompt_tokens: int
+    logprobs: bool = False
+    include_usage: bool = False
+    token_text: Callable[[int], str] = str
+    text_offset: int = 0
+    completion_tokens: int = 0
+    _seen: list[int] = field(default_factory=list)
+
+    @property
+    def object_name(self) -> str:
+        if self.api == CHAT:
+            return "chat.completion.chunk"
+        return "text_completion"
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        body = {
+            "id": self.request_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = None  # OpenAI sends an explicit null until the usage chunk
+        return body
+
+    # logprobs -------------------------------------------------------------------------
+    def _chat_logprobs(self, chunk: TokenChunk) -> dict | None:
+        if not self.logprobs or chunk.logprobs is None:
+            return None
+        content = []
+        for tid, lp in zip(chunk.token_ids, chunk.logprobs, strict=False):
+            text = self.token_text(tid)
+            top = [
+                {
+                    "token": (t := self.token_text(int(i))),
+                    "logprob": float(v),
+                    "bytes": list(t.encode()),
+                }
+                for i, v in lp.get("top", [])
+            ]
+            content.append(
+                {
+                    "token": text,
+                    "logprob": float(lp["logprob"]),
+                    "bytes": list(text.encode()),
+                    "top_logprobs": top,
+                }
+            )
+        return {"content": content}
+
+    def _text_logprobs(self, chunk: TokenChunk) -> dict | None:
+        if not self.logprobs or chunk.logprobs is None:
+            return None
+        out: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for tid, lp in zip(chunk.token_ids, chunk.logprobs, strict=False):
+            text = self.token_text(tid)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(float(lp["logprob"]))
+            out["top_logprobs"].append(
+                {self.token_text(int(i)): float(v) for i, v in lp.get("top", [])}
+            )
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(text)
+        return out
+
+    # streaming --------------------------------------------------------------------------
+    def role_event(self) -> bytes:
+        """The first chat event: the assistant role with empty content (no token, no id)."""
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return sse(self._envelope([choice]))
+
+    def chunk_event(self, chunk: TokenChunk) -> bytes | None:
+        """The event for one TokenChunk (None: nothing new). `id:` = index of its first token;
+        a token-less ending (cancelled, timeout) has none: there is no token to resume at, so a
+        client resuming from its last token's id gets the ending again."""
+        self.completion_tokens = chunk.index + len(chunk.token_ids)
+        has_output = bool(chunk.token_ids or chunk.text)
+        if not has_output and (not chunk.finished or chunk.finish_reason == "error"):
+            return None  # an error ending is sent as an error event by the caller
+        finish = chunk.finish_reason if chunk.finish_reason != "error" else None
+        if self.api == CHAT:
+            delta = {"content": chunk.text} if has_output else {}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": self._chat_logprobs(chunk),
+                "finish_reason": finish,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": chunk.text,
+                "logprobs": self._text_logprobs(chunk),
+                "finish_reason": finish,
+            }
+        return sse(self._envelope([choice]), chunk.index if has_output else None)
+
+    def usage_event(self, usage: dict[str, int] | None) -> bytes:
+        body = self._envelope([])
+        body["usage"] = usage_dict(usage, self.prompt_tokens, self.completion_tokens)
+        return sse(body)
+
+    @staticmethod
+    def error_event(message: str, type_: str = "server_error", code: str | None = None) -> bytes:
+        return sse({"error": {"message": message, "type": type_, "param": None, "code": code}})
+
+    # non-streaming ----------------------------------------------------------------------
+    def response(self, result: Completion) -> dict:
+        """The whole completion body for a non-streaming request."""
+        chunk = TokenChunk(
+            index=0, token_ids=result.token_ids, text=result.text, logprobs=result.logprobs
+        )
+        if self.api == CHAT:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": self._chat_logprobs(chunk),
+                "finish_reason": result.finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": result.text,
+                "logprobs": self._text_logprobs(chunk),
+                "finish_reason": result.finish_reason,
+            }
+            obj = "text_completion"
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage_dict(result.usage, self.prompt_tokens, len(result.token_ids)),
+        }

@@ -1,0 +1,1 @@
+"""The Redis streams side: Lua scripts, submit, output, routing and admin reads."""

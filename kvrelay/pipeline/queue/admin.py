@@ -1,0 +1,200 @@
+"""Read and change pipeline state for the admin CLI (sync redis-py; no torch, no engine)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from typing import Any
+
+import redis
+
+from kvrelay.core.enums import DONE_STATUSES
+from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.messages import MessageError, TokenChunk
+
+logger = logging.getLogger(__name__)
+
+# the rule of kvrelay.pipeline.queue.submit.valid_request_id (not imported: it pulls in pydantic)
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# req:{id} fields that hold numbers; `ingress` holds JSON
+REQUEST_INT_FIELDS = {"prompt_tokens", "completion_tokens", "cached_tokens", "emitted", "attach",
+                      "claim_emitted", "claim_delivery"}  # fmt: skip
+REQUEST_FLOAT_FIELDS = {"created", "updated", "started", "deadline"}
+# worker:{name} fields that hold numbers (Redis keeps strings); "" (e.g. metrics off) -> None
+INT_FIELDS = {"pid", "load", "running", "waiting", "draining", "drain", "max_num_seqs",
+              "metrics_port"}  # fmt: skip
+FLOAT_FIELDS = {"updated", "tokens_per_s"}
+
+
+def _s(v: Any) -> Any:
+    return v.decode(errors="replace") if isinstance(v, bytes) else v
+
+
+def _hash(r: redis.Redis, key: str) -> dict[str, str]:
+    return {_s(k): _s(v) for k, v in r.hgetall(key).items()}
+
+
+def workers(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    """Live workers from their heartbeat hashes, with the heartbeat age in seconds."""
+    out = []
+    now = time.time()
+    for key in sorted(r.scan_iter(match=keys.worker_pattern, count=1000)):
+        info: dict[str, Any] = _hash(r, key)
+        if not info:
+            continue
+        for name, value in info.items():
+            if name in INT_FIELDS or name in FLOAT_FIELDS:
+                info[name] = _number(value, int if name in INT_FIELDS else float)
+        info["age_s"] = round(now - float(info.get("updated", now)), 2)
+        info["ttl_s"] = r.ttl(key)
+        out.append(info)
+    return out
+
+
+def _number(value: str, kind: type) -> Any:
+    """The field as int/float; None when empty; the string itself when it is not a number."""
+    if value == "":
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        return value
+
+
+def stream_info(r: redis.Redis, stream: str, group: str) -> dict[str, Any]:
+    """Length, pending, lag and consumers of one stream's group."""
+    info: dict[str, Any] = {"stream": stream, "group": group, "length": r.xlen(stream)}
+    try:
+        groups = {_s(g["name"]): g for g in r.xinfo_groups(stream)}
+    except redis.ResponseError:
+        groups = {}
+    g = groups.get(group)
+    if g is None:
+        info.update(pending=0, lag=None, consumers=0)
+        return info
+    info.update(
+        pending=int(g["pending"]),
+        lag=g.get("lag"),
+        consumers=int(g["consumers"]),
+        last_delivered=_s(g["last-delivered-id"]),
+    )
+    return info
+
+
+def requests_in_flight(r: redis.Redis, keys: Keys, limit: int = 100000) -> dict[str, int]:
+    """Count of request records by status (queued, prefilling, decoding, ...)."""
+    counts: dict[str, int] = {}
+    for n, key in enumerate(r.scan_iter(match=keys.request_pattern, count=1000)):
+        if n >= limit:
+            break
+        status = _s(r.hget(key, "status")) or "unknown"
+        counts[status] = counts.get(status, 0) + 1
+    return counts
+
+
+def valid_request_id(request_id: str) -> bool:
+    """True for ids a request can have (1-128 characters of [A-Za-z0-9._:-])."""
+    return REQUEST_ID.fullmatch(request_id) is not None
+
+
+def request_record(raw: dict[str, str]) -> dict[str, Any]:
+    """A req:{id} hash with numbers as numbers ("" -> None) and `ingress` as an object."""
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name in REQUEST_INT_FIELDS or name in REQUEST_FLOAT_FIELDS:
+            out[name] = _number(value, int if name in REQUEST_INT_FIELDS else float)
+        elif name == "ingress" and value:
+            try:
+                out[name] = json.loads(value)
+            except ValueError:
+                out[name] = value
+        else:
+            out[name] = value
+    return out
+
+
+def _chunks(r: redis.Redis, out_key: str) -> tuple[list[TokenChunk], int]:
+    """The output stream's chunks, and how many entries did not decode (shown, not fatal)."""
+    chunks, bad = [], 0
+    for _, fields in r.xrange(out_key):
+        try:
+            chunks.append(TokenChunk.decode(fields.get(MESSAGE_FIELD, b"")))
+        except MessageError:
+            bad += 1
+    return chunks, bad
+
+
+def show_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any] | None:
+    """The req:{id} record plus what its output stream holds; None when neither exists."""
+    record = request_record(_hash(r, keys.request(request_id)))
+    out_key = keys.out(request_id)
+    chunks, bad = _chunks(r, out_key)
+    if not record and not chunks and not bad:
+        return None
+    tokens = [t for c in chunks for t in c.token_ids]
+    return {
+        "request_id": request_id,
+        **record,
+        "output_tokens": len(tokens),
+        "output_chunks": len(chunks),
+        "output_bad_chunks": bad,
+        "output_text": "".join(c.text for c in chunks),
+        "finished": any(c.finished for c in chunks),
+        "cancel_requested": bool(r.exists(keys.cancel(request_id))),
+        "out_ttl_s": r.ttl(out_key),
+    }
+
+
+def cancel_request(
+    r: redis.Redis, keys: Keys, request_id: str, ttl_s: int = 3600
+) -> dict[str, Any] | None:
+    """Set cancel:{id} unless the request already ended; None if unknown.
+
+    Returns {request_id, cancelled, status, finish_reason}: `cancelled` is False when the
+    request had already ended (nothing to stop; the HTTP DELETE answers the same way).
+    """
+    raw = _hash(r, keys.request(request_id))
+    out_key = keys.out(request_id)
+    if not raw and not r.exists(out_key):
+        return None
+    status = raw.get("status", "")
+    ended = status in DONE_STATUSES
+    if not ended and not raw:  # no record (expired): the output stream tells whether it ended
+        ended = any(c.finished for c in _chunks(r, out_key)[0])
+        status = "finished" if ended else ""
+    if not ended:
+        r.set(keys.cancel(request_id), 1, ex=ttl_s)
+    return {
+        "request_id": request_id,
+        "cancelled": not ended,
+        "status": status or None,
+        "finish_reason": raw.get("finish_reason") or None,
+    }
+
+
+def drain(r: redis.Redis, keys: Keys, worker: str, undo: bool = False) -> bool:
+    """Ask a worker to stop (or resume) taking new work; False if no such live worker."""
+    key = keys.worker(worker)
+    if not r.exists(key):
+        return False
+    r.hset(key, "drain", 0 if undo else 1)
+    return True
+
+
+def wait_draining(
+    r: redis.Redis, keys: Keys, worker: str, draining: bool, timeout_s: float
+) -> bool | None:
+    """Wait until the worker's heartbeat publishes `draining`; False on timeout, None if gone."""
+    key, want = keys.worker(worker), b"1" if draining else b"0"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = r.hget(key, "draining")
+        if value == want:
+            return True
+        if value is None and not r.exists(key):
+            return None
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)

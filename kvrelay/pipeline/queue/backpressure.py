@@ -1,0 +1,87 @@
+"""Refuse new requests (429 + Retry-After) while the work streams are backed up.
+
+Two bounds. Requests this ingress is serving (`max_inflight`): a request takes its in-flight
+slot in the same step as the check (no await between), so a burst cannot all pass the check
+before any of them is counted; the slot is given back exactly once on every exit. Entries no
+worker has read yet (`max_waiting`): checked here against the last snapshot of the stream lag
+(plus what this ingress queued since), which refuses early, before a request is tokenized; the
+exact check is made again by the submit script in Redis as the entry is added
+(`submit._SUBMIT_LUA`), because concurrent requests all read the same snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvrelay.pipeline.errors import overloaded
+from kvrelay.pipeline.queue.cluster import ClusterState
+
+logger = logging.getLogger(__name__)
+
+
+class Backpressure:
+    """Admission control for one ingress process."""
+
+    def __init__(
+        self,
+        cluster: ClusterState,
+        max_waiting: int,
+        max_inflight: int,
+        retry_after_s: int = 1,
+    ):
+        self.cluster = cluster
+        self.max_waiting, self.max_inflight = max_waiting, max_inflight
+        self.retry_after_s = retry_after_s
+        self.inflight = 0
+        self._queued_since = 0
+        self._snapshot_age = -1.0
+
+    async def waiting(self) -> int:
+        """Undelivered entries in both work streams, as best known now."""
+        load = await self.cluster.load()
+        age = self.cluster.load_age_s
+        if age < self._snapshot_age:  # a fresh snapshot already counts what we queued
+            self._queued_since = 0
+        self._snapshot_age = age
+        return sum(s.waiting for s in load.values()) + self._queued_since
+
+    def slot(self) -> Slot:
+        """Count one open request without checking the bound (a reattaching client)."""
+        self.inflight += 1
+        return Slot(self)
+
+    async def admit(self) -> Slot:
+        """Take an in-flight slot for a new request, or raise a 429 RequestError."""
+        if self.inflight >= self.max_inflight:
+            raise overloaded(f"{self.inflight} requests in flight", self.retry_after_s)
+        slot = self.slot()  # taken before the first await: the check and the count are one step
+        try:
+            waiting = await self.waiting()
+        except BaseException:
+            slot.release()
+            raise
+        if waiting >= self.max_waiting:
+            slot.release()
+            logger.warning(
+                "refusing a request: %d queued entries (bound %d)", waiting, self.max_waiting
+            )
+            raise overloaded(f"{waiting} requests waiting for a worker", self.retry_after_s)
+        return slot
+
+    def queued(self) -> None:
+        """Count a request this ingress just queued."""
+        self._queued_since += 1
+
+
+class Slot:
+    """One request's in-flight place; release() is idempotent."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: Backpressure):
+        self._owner: Backpressure | None = owner
+
+    def release(self) -> None:
+        if self._owner is not None:
+            self._owner.inflight -= 1
+            self._owner = None

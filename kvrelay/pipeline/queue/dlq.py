@@ -1,0 +1,141 @@
+"""The dead-letter stream for the admin CLI: list, show, replay (refusing poison), purge."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.messages import DecodeTask, MessageError, PrefillTask
+
+logger = logging.getLogger(__name__)
+
+# The reason workers.reader gives an entry struck out by strikes.lua (docs/reliability.md):
+# its holders died MAX_DELIVERIES times in a row before it made progress.
+POISON_REASON = re.compile(r"delivered \d+ times, \d+ times in a row without progress")
+
+
+class NotReplayable(ValueError):
+    """A DLQ entry that cannot go back on a stream (no payload, unknown stream)."""
+
+
+class ReplayRefused(ValueError):
+    """A DLQ entry that would fail again (poison, or a payload that is no task) without force."""
+
+
+@dataclass(slots=True)
+class Replayed:
+    """What a replay did: the entry, its request, where it went and why it had failed."""
+
+    dlq_id: str
+    new_id: str
+    stream: str
+    request_id: str
+    reason: str
+    kind: str  # poison | invalid | other
+    forced: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def _s(v: Any) -> Any:
+    return v.decode(errors="replace") if isinstance(v, bytes) else v
+
+
+def _task(payload: bytes, stream: str, keys: Keys) -> PrefillTask | DecodeTask | None:
+    cls = DecodeTask if stream == keys.decode_stream else PrefillTask
+    try:
+        return cls.decode(payload)
+    except MessageError:
+        return None
+
+
+def kind_of(reason: str, payload: bytes, stream: str, keys: Keys) -> str:
+    """`poison` (struck out by strikes), `invalid` (the payload is no task), else `other`."""
+    if POISON_REASON.search(reason):
+        return "poison"
+    return "invalid" if _task(payload, stream, keys) is None else "other"
+
+
+def entries(r: redis.Redis, keys: Keys, limit: int = 100) -> list[dict[str, Any]]:
+    """Oldest-first DLQ entries without their payloads."""
+    out = []
+    for eid, fields in r.xrange(keys.dlq, count=limit):
+        row = {_s(k): _s(v) for k, v in fields.items() if k != MESSAGE_FIELD}
+        out.append({"dlq_id": _s(eid), **row})
+    return out
+
+
+def entry(r: redis.Redis, keys: Keys, dlq_id: str) -> dict[str, Any] | None:
+    """One DLQ entry with its payload decoded when it is a valid task."""
+    rows = r.xrange(keys.dlq, min=dlq_id, max=dlq_id)
+    if not rows:
+        return None
+    fields = rows[0][1]
+    payload = fields.get(MESSAGE_FIELD, b"")
+    out: dict[str, Any] = {"dlq_id": dlq_id}
+    out.update({_s(k): _s(v) for k, v in fields.items() if k != MESSAGE_FIELD})
+    for cls in (PrefillTask, DecodeTask):
+        try:
+            out["task"] = cls.decode(payload).to_dict()
+            break
+        except MessageError:
+            continue
+    else:
+        out["payload_hex"] = payload[:512].hex()
+    out["kind"] = kind_of(out.get("reason", ""), payload, out.get("stream", ""), keys)
+    return out
+
+
+def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Replayed | None:
+    """Put a dead-lettered entry back on its stream as a fresh request; None if no such entry.
+
+    Poison (it killed every holder) and payloads that are no task would only come back here:
+    both are refused (`ReplayRefused`) unless `force`.
+    """
+    rows = r.xrange(keys.dlq, min=dlq_id, max=dlq_id)
+    if not rows:
+        return None
+    fields = rows[0][1]
+    stream = _s(fields.get(b"stream", b"")) or keys.prefill_stream
+    if stream not in (keys.prefill_stream, keys.decode_stream):
+        raise NotReplayable(f"DLQ entry {dlq_id} names an unknown stream {stream!r}")
+    payload = fields.get(MESSAGE_FIELD)
+    if not payload:  # the entry arrived without `m`: nothing to run again
+        raise NotReplayable(f"DLQ entry {dlq_id} has no payload to replay (purge it instead)")
+    reason = _s(fields.get(b"reason", b""))
+    kind = kind_of(reason, payload, stream, keys)
+    if kind != "other" and not force:
+        why = (
+            "was dead-lettered as poison (it killed or wedged every worker that took it)"
+            if kind == "poison"
+            else "holds a payload that is not a valid task (it would be dead-lettered again)"
+        )
+        raise ReplayRefused(f"DLQ entry {dlq_id} {why}: {reason}; replay it with --force")
+    task = _task(payload, stream, keys)
+    request_id = _s(fields.get(b"request_id", b"")) or (task.request_id if task else "")
+    pipe = r.pipeline(transaction=True)
+    if request_id:  # the error chunk ended the old output; a replay starts a fresh one
+        pipe.delete(keys.out(request_id), keys.cancel(request_id))
+        pipe.hset(
+            keys.request(request_id),
+            mapping={"status": "queued", "emitted": 0, "error": "", "finish_reason": ""},
+        )
+    pipe.xadd(stream, {MESSAGE_FIELD: payload})
+    pipe.xdel(keys.dlq, dlq_id)
+    new_id = _s(pipe.execute()[-2])
+    logger.info("replayed DLQ entry %s (request %s) as %s", dlq_id, request_id or "?", new_id)
+    return Replayed(dlq_id, new_id, stream, request_id, reason, kind, kind != "other")
+
+
+def purge(r: redis.Redis, keys: Keys) -> int:
+    """Delete every DLQ entry; returns how many there were."""
+    pipe = r.pipeline(transaction=True)
+    pipe.xlen(keys.dlq)
+    pipe.delete(keys.dlq)
+    return int(pipe.execute()[0])

@@ -1,0 +1,85 @@
+"""Conditional disaggregation: send a request to stream:prefill or straight to stream:decode.
+
+A prompt whose uncached tail is short costs a decode worker little to compute itself, while a
+hand-off through a prefill worker costs a stream hop and a page transfer; so in `auto` mode
+prompts with at most `threshold` uncached tokens (cached = leading pages found in the Redis
+page directory) skip the prefill stage, and so does everything when no prefill worker is alive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from kvrelay.core.enums import Stage
+from kvrelay.core.keys import Keys
+from kvrelay.core.page_keys import page_keys
+from kvrelay.pipeline.model_registry import ModelEntry
+from kvrelay.pipeline.queue.cluster import ClusterState
+
+logger = logging.getLogger(__name__)
+
+PREFILL, DECODE = Stage.PREFILL, Stage.DECODE
+
+
+@dataclass(slots=True)
+class Route:
+    """Where a request goes and how much of its prompt was found cached when routing."""
+
+    stage: Stage
+    cached_pages: int = 0
+    cached_tokens: int = 0
+    reason: str = ""
+
+
+class Router:
+    """Decides the first stream of each request (mode: auto | disaggregated | colocated)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        mode: str = "auto",
+        threshold: int = 64,
+        cluster: ClusterState | None = None,
+    ):
+        self.redis, self.keys = redis, keys
+        self.mode, self.threshold, self.cluster = mode, threshold, cluster
+
+    async def cached_pages(self, model: ModelEntry, prompt_ids: Sequence[int], salt: str) -> int:
+        """Leading full pages of the prompt that the page directory knows."""
+        if not model.fingerprint or len(prompt_ids) < model.page_size:
+            return 0
+        # The engine always computes the last prompt token, so a page ending on it never helps.
+        keys = page_keys(prompt_ids[:-1], model.page_size, model.fingerprint, salt)
+        if not keys:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self.keys.page(key.hex()))
+        hits = 0
+        for found in await pipe.execute():
+            if not found:
+                break
+            hits += 1
+        return hits
+
+    async def route(self, model: ModelEntry, prompt_ids: Sequence[int], salt: str = "") -> Route:
+        if self.mode == "colocated":
+            return Route(DECODE, reason="colocated")
+        if self.mode == "disaggregated":
+            return Route(PREFILL, reason="disaggregated")
+        if len(prompt_ids) <= self.threshold:
+            return Route(DECODE, reason="short prompt")
+        if self.cluster is not None:
+            roles = await self.cluster.roles(model.name)
+            if roles.get("decode", 0) and not roles.get(PREFILL, 0):
+                return Route(DECODE, reason="no prefill worker")
+        pages = await self.cached_pages(model, prompt_ids, salt)
+        cached = pages * model.page_size
+        if len(prompt_ids) - cached <= self.threshold:
+            return Route(DECODE, pages, cached, reason="cached prefix")
+        return Route(PREFILL, pages, cached, reason="long uncached prompt")

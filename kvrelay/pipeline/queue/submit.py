@@ -1,0 +1,287 @@
+"""Building and queueing requests: the one code path shared by the ingress and the client.
+
+prompt (messages | text | token ids) -> token ids -> length and sampling checks -> route ->
+one Lua script that creates `req:{id}` (refusing an id that exists) and XADDs the PrefillTask
+or DecodeTask, so a request is either fully queued or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from kvrelay.core.messages import DecodeTask, PrefillTask
+from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
+from kvrelay.pipeline.errors import RequestError, bad_request, overloaded
+from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
+from kvrelay.pipeline.openai.protocol import GenerationRequest
+from kvrelay.pipeline.queue.route import DECODE, Route, Router
+from kvrelay.pipeline.tokens import (
+    check_lengths,
+    known_max_chars,
+    max_chars_per_token,
+    tokenize,
+)
+
+logger = logging.getLogger(__name__)
+
+_INLINE_TOKENIZE_CHARS = 16384
+_HOPELESS_MARGIN = 2  # normalizers (NFKC) may fold characters: never refuse one that fits
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+# KEYS: req:{id}, work stream, prefill stream, decode stream. ARGV: ttl, payload, max_waiting
+# (0: no bound), prefill group, decode group, then field/value pairs. Returns the new entry id;
+# false when req:{id} already exists (a duplicate submission); the number of entries no worker
+# has read yet when that reaches max_waiting. Checking and queueing in one script makes the
+# bound exact under any burst, from any number of ingress processes.
+_SUBMIT_LUA = """
+local function waiting(stream, group, bound)
+  if redis.call('EXISTS', stream) == 0 then return 0 end
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == group then
+      if type(info['lag']) == 'number' then return info['lag'] end
+      -- lag unknown after deletions: count what lies past the last delivered id
+      local after = '(' .. info['last-delivered-id']
+      return #redis.call('XRANGE', stream, after, '+', 'COUNT', bound)
+    end
+  end
+  return redis.call('XLEN', stream)  -- no consumer ever joined: everything waits
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+local bound = tonumber(ARGV[3])
+if bound > 0 then
+  local n = waiting(KEYS[3], ARGV[4], bound)
+  if n < bound then n = n + waiting(KEYS[4], ARGV[5], bound - n) end
+  if n >= bound then return n end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+return redis.call('XADD', KEYS[2], '*', 'm', ARGV[2])
+"""
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def valid_request_id(request_id: str) -> bool:
+    """1-128 characters of [A-Za-z0-9._:-] (fullmatch: `$` would let a trailing newline in)."""
+    return _REQUEST_ID.fullmatch(request_id) is not None
+
+
+def check_request_id(request_id: str, param: str = "X-Request-Id") -> str:
+    """A caller-chosen id must be 1-128 characters of [A-Za-z0-9._:-]."""
+    if not valid_request_id(request_id):
+        raise bad_request(
+            "request id must be 1-128 characters of letters, digits and ._:-",
+            param=param,
+            code="invalid_request_id",
+        )
+    return request_id
+
+
+@dataclass(slots=True)
+class Submission:
+    """A request ready to queue: tokenized, checked, with its sampling parameters complete."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    cache_salt: str = ""
+    arrival_time: float = field(default_factory=time.time)
+    deadline: float | None = None
+    detokenize: bool = True
+
+
+def build_task(sub: Submission, route: Route) -> PrefillTask | DecodeTask:
+    """The wire message for the first stage of `route`."""
+    common = dict(
+        request_id=sub.request_id,
+        model=sub.model,
+        prompt_token_ids=list(sub.prompt_token_ids),
+        sampling=sub.sampling.to_dict(),
+        cache_salt=sub.cache_salt,
+        arrival_time=sub.arrival_time,
+        deadline=sub.deadline,
+        num_cached_tokens=route.cached_tokens,
+        detokenize=sub.detokenize,
+    )
+    if route.stage == DECODE:
+        return DecodeTask(**common, num_stored_pages=route.cached_pages, prefilled=False)
+    return PrefillTask(**common)
+
+
+class Producer:
+    """Prepares and queues requests for the ingress and the producer client alike."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        registry: ModelRegistry,
+        router: Router,
+        *,
+        max_prompt_tokens: int = 32768,
+        max_tokens_limit: int = 4096,
+        timeout_s: float | None = 600.0,
+        record_ttl_s: int = 86400,
+        max_waiting: int = 0,
+        retry_after_s: int = 1,
+    ):
+        self.redis, self.keys, self.registry, self.router = redis, keys, registry, router
+        self.max_prompt_tokens, self.max_tokens_limit = max_prompt_tokens, max_tokens_limit
+        self.timeout_s, self.record_ttl_s = timeout_s, record_ttl_s
+        # 0: no bound (the producer client); the ingress refuses with 429 at this many
+        self.max_waiting, self.retry_after_s = max_waiting, retry_after_s
+        self._submit = redis.register_script(_SUBMIT_LUA)
+
+    async def prepare(
+        self,
+        model: str,
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        messages: list[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        cache_salt: str = "",
+        detokenize: bool = True,
+        max_tokens_param: str = "max_tokens",
+    ) -> tuple[Submission, ModelEntry]:
+        """Tokenize and check one request; raise RequestError when it cannot be served."""
+        entry = await self.registry.get(model)
+        size = len(prompt or "") + sum(len(str(m.get("content", ""))) for m in messages or ())
+        param = "messages" if messages is not None else "prompt"
+        await self._refuse_hopeless(entry, size, param)
+        args = dict(messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids)
+        if size > _INLINE_TOKENIZE_CHARS:  # milliseconds of work or more: off the event loop
+            ids = await asyncio.to_thread(tokenize, entry, **args, threaded=True)
+        else:
+            ids = tokenize(entry, **args)
+        check_lengths(
+            entry,
+            ids,
+            sampling,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_tokens_limit=self.max_tokens_limit,
+            param=param,
+            max_tokens_param=max_tokens_param,
+        )
+        try:
+            sampling.validate(entry.vocab_size)
+        except InvalidSamplingParams as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
+        now = time.time()
+        deadline = now + self.timeout_s if self.timeout_s else None
+        sub = Submission(request_id, model, ids, sampling, cache_salt, now, deadline, detokenize)
+        return sub, entry
+
+    async def _refuse_hopeless(self, entry: ModelEntry, chars: int, param: str) -> None:
+        """400 context_length_exceeded, before tokenizing, for text no allowed prompt can hold.
+
+        Each token stands for at most `max_chars_per_token` characters, so longer text cannot
+        fit; the margin covers normalizers that fold characters together (NFKC).
+        """
+        limit = min(self.max_prompt_tokens, entry.max_model_len - 1)
+        if chars <= limit:  # cannot be hopeless: skip computing the per-token bound
+            return
+        tok = entry.tokenizer
+        per_token = known_max_chars(tok)
+        if not per_token:
+            per_token = await asyncio.to_thread(max_chars_per_token, tok)
+        if chars > limit * per_token * _HOPELESS_MARGIN:
+            raise RequestError(
+                f"'{param}' has {chars} characters: more than {limit} tokens (the longest "
+                f"prompt accepted here) can hold, at {per_token} characters per token at most. "
+                f"Please reduce the length of the {param}.",
+                400,
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def prepare_parsed(
+        self, parsed: GenerationRequest, *, request_id: str, detokenize: bool = True
+    ) -> tuple[Submission, ModelEntry]:
+        """prepare() for a parsed OpenAI body (the ingress and the producer client)."""
+        return await self.prepare(
+            parsed.model,
+            parsed.sampling,
+            request_id=request_id,
+            messages=parsed.messages,
+            prompt=parsed.prompt,
+            prompt_token_ids=parsed.prompt_token_ids,
+            cache_salt=parsed.cache_salt,
+            detokenize=detokenize,
+            max_tokens_param=parsed.max_tokens_param,
+        )
+
+    async def enqueue(
+        self, sub: Submission, entry: ModelEntry, record: dict[str, Any] | None = None
+    ) -> Route | None:
+        """Route and queue `sub`; None when a request with this id already exists.
+
+        Raises a 429 RequestError when `max_waiting` entries already wait in the streams.
+        """
+        route = await self.router.route(entry, sub.prompt_token_ids, sub.cache_salt)
+        task = build_task(sub, route)
+        stream = self.keys.decode_stream if route.stage == DECODE else self.keys.prefill_stream
+        fields: dict[str, Any] = {
+            "status": "queued",
+            "stage": route.stage,
+            "model": sub.model,
+            "created": f"{sub.arrival_time:.6f}",
+            "updated": f"{time.time():.6f}",
+            "prompt_tokens": len(sub.prompt_token_ids),
+            "completion_tokens": 0,
+            "cached_tokens": route.cached_tokens,
+            "deadline": "" if sub.deadline is None else f"{sub.deadline:.3f}",
+        }
+        for key, value in (record or {}).items():
+            plain = isinstance(value, str | int | float) and not isinstance(value, bool)
+            fields[key] = value if plain else json.dumps(value)
+        flat: list[Any] = []
+        for key, value in fields.items():
+            flat += [key, value]
+        keys = self.keys
+        entry_id = await self._submit(
+            keys=[keys.request(sub.request_id), stream, keys.prefill_stream, keys.decode_stream],
+            args=[
+                self.record_ttl_s,
+                task.encode(),
+                self.max_waiting,
+                PREFILL_GROUP,
+                DECODE_GROUP,
+                *flat,
+            ],
+        )
+        if not entry_id:
+            return None
+        if isinstance(entry_id, int):  # the bound was reached: nothing was queued
+            logger.warning(
+                "request %s refused: %d queued entries (bound %d)",
+                sub.request_id,
+                entry_id,
+                self.max_waiting,
+            )
+            raise overloaded(f"{entry_id} requests waiting for a worker", self.retry_after_s)
+        logger.info(
+            "request %s queued to %s (%d prompt tokens, %d cached: %s)",
+            sub.request_id,
+            route.stage,
+            len(sub.prompt_token_ids),
+            route.cached_tokens,
+            route.reason,
+        )
+        return route

@@ -1,0 +1,1 @@
+"""The HTTP ingress (Starlette): OpenAI-compatible routes over the queue."""

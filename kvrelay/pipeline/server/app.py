@@ -1,0 +1,235 @@
+"""The OpenAI-compatible HTTP ingress (Starlette): `create_app(config)`.
+
+It validates and tokenizes requests, routes each to stream:prefill or stream:decode, and relays
+out:{id} back as JSON or SSE. It imports neither torch nor the workers, so it starts fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvrelay.core.keys import Keys
+from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.metrics import Metrics
+from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
+from kvrelay.pipeline.queue.backpressure import Backpressure
+from kvrelay.pipeline.queue.cluster import ClusterState
+from kvrelay.pipeline.queue.redis_options import async_redis, resilient
+from kvrelay.pipeline.queue.route import Router
+from kvrelay.pipeline.queue.submit import Producer
+from kvrelay.pipeline.server import info, routes
+from kvrelay.pipeline.server.config import IngressConfig, load_config
+from kvrelay.pipeline.server.http import error_response
+from kvrelay.pipeline.server.middleware import RequestIdMiddleware
+from kvrelay.pipeline.tokens import max_chars_per_token
+
+logger = logging.getLogger(__name__)
+
+
+class Ingress:
+    """Everything the endpoints share: Redis pool, producer, cluster view, metrics."""
+
+    def __init__(
+        self,
+        config: IngressConfig,
+        tokenizers: dict[str, Any] | None = None,
+        redis: aioredis.Redis | None = None,
+    ):
+        self.config = config
+        self.keys = Keys(config.key_prefix)
+        # Bounded reads: a hung Redis (stopped, not dead) gives 503s within seconds.
+        # One connection per open request (its blocking output read) plus headroom for the
+        # rest; --max-inflight bounds the open requests, so the pool never runs dry by design.
+        self.redis = redis or async_redis(
+            config.redis_url,
+            max_connections=config.max_inflight + 256,
+            pool_timeout_s=config.redis_timeout_s,
+            options=resilient(config.redis_socket_timeout_s, config.redis_timeout_s),
+        )
+        self.cluster = ClusterState(self.redis, self.keys, config.state_refresh_s)
+        self.registry = ModelRegistry(config.models, self.cluster, tokenizers)
+        self.router = Router(
+            self.redis, self.keys, config.mode, config.route_threshold, self.cluster
+        )
+        self.producer = Producer(
+            self.redis,
+            self.keys,
+            self.registry,
+            self.router,
+            max_prompt_tokens=config.max_prompt_tokens,
+            max_tokens_limit=config.max_tokens_limit,
+            timeout_s=config.request_timeout_s,
+            record_ttl_s=config.record_ttl_s,
+            max_waiting=config.max_waiting,
+            retry_after_s=config.retry_after_s,
+        )
+        self.metrics = Metrics()
+        self.backpressure = Backpressure(
+            self.cluster, config.max_waiting, config.max_inflight, config.retry_after_s
+        )
+        self.started = int(time.time())
+        self._token_text: dict[str, Callable[[int], str]] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def token_text(self, entry: ModelEntry) -> Callable[[int], str]:
+        """Cached text of one token id (for logprobs), special tokens included."""
+        fn = self._token_text.get(entry.name)
+        if fn is None:
+            tok = entry.tokenizer
+            fn = functools.lru_cache(maxsize=65536)(
+                lambda tid: tok.decode([tid], skip_special_tokens=False)
+            )
+            self._token_text[entry.name] = fn
+        return fn
+
+    async def cancel(self, request_id: str) -> None:
+        """Set cancel:{id}; workers drop the request and finish it as cancelled."""
+        await self.redis.set(self.keys.cancel(request_id), b"1", ex=self.config.cancel_ttl_s)
+
+    async def try_cancel(self, request_id: str) -> None:
+        """cancel() that only logs when Redis is unavailable (the deadline stops workers too)."""
+        try:
+            await self.cancel(request_id)
+        except RedisError as exc:
+            logger.error("request %s: cannot set the cancel flag: %s", request_id, exc)
+
+    async def client_gone(
+        self, request_id: str, attach_seq: int = 0, on_cancel: Callable[[], None] | None = None
+    ) -> None:
+        """The client disconnected: cancel now, or after the grace period unless it returns.
+
+        `attach_seq` is the reader's attach number; any later attach means someone came back,
+        even one that arrived before this disconnect was noticed. `on_cancel` runs once the
+        cancel flag is set.
+        """
+        grace = self.config.disconnect_grace_s
+        try:
+            if grace <= 0:
+                await self.cancel(request_id)
+                if on_cancel:
+                    on_cancel()
+            else:
+                self._spawn(self._cancel_later(request_id, attach_seq, grace, on_cancel))
+        except RedisError as exc:
+            logger.error("request %s: cannot cancel after a disconnect: %s", request_id, exc)
+
+    async def _cancel_later(
+        self, request_id: str, attach_seq: int, grace: float, on_cancel: Callable[[], None] | None
+    ) -> None:
+        await asyncio.sleep(grace)
+        try:
+            current = await self.redis.hget(self.keys.request(request_id), "attach")
+            if int(current or 0) == attach_seq:
+                logger.info("request %s: client did not come back; cancelling", request_id)
+                await self.cancel(request_id)
+                if on_cancel:
+                    on_cancel()
+        except RedisError as exc:
+            logger.error("request %s: cannot cancel after a disconnect: %s", request_id, exc)
+
+    async def reattached(self, request_id: str) -> int:
+        """A client came back for this request: count the attach, which keeps it running."""
+        if self.config.disconnect_grace_s <= 0:
+            return 0
+        return int(await self.redis.hincrby(self.keys.request(request_id), "attach", 1))
+
+    def observe_queue_time(self, request_id: str, model: str) -> None:
+        """Record queue time from the record's `created` and `started` (set by the worker)."""
+
+        async def observe() -> None:
+            try:
+                created, started = await self.redis.hmget(
+                    self.keys.request(request_id), "created", "started"
+                )
+                if created and started:
+                    wait = max(0.0, float(started) - float(created))
+                    self.metrics.request_queue_time.labels(model).observe(wait)
+            except (RedisError, ValueError) as exc:
+                logger.debug("request %s: no queue time: %s", request_id, exc)
+
+        self._spawn(observe())
+
+    def _spawn(self, coro) -> None:
+        """Run `coro` in the background, kept referenced until done (cancelled on close)."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def warm_up(self) -> None:
+        """Load the configured models' tokenizers (and their numbers) now, not on a request."""
+        for name in self.config.models:
+            try:
+                entry = await self.registry.get(name)
+                # the bound that refuses hopelessly long prompts before tokenizing them
+                await asyncio.to_thread(max_chars_per_token, entry.tokenizer)
+            except (RequestError, RedisError, OSError) as exc:
+                logger.warning("model %s not loaded yet: %s", name, exc)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.cluster.close()
+        await self.redis.aclose()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(RequestError(str(exc.detail), exc.status_code, code=code))
+
+
+def create_app(
+    config: IngressConfig | None = None,
+    *,
+    tokenizers: dict[str, Any] | None = None,
+    redis: aioredis.Redis | None = None,
+) -> Starlette:
+    """The ingress ASGI app; `app.state.ingress` holds its shared state."""
+    config = (config or load_config()).validate()
+    ingress = Ingress(config, tokenizers, redis)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        try:
+            await ingress.redis.ping()
+        except RedisError as exc:
+            logger.warning("redis at %s is not reachable yet: %s", config.redis_url, exc)
+        await ingress.warm_up()
+        yield
+        await ingress.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/models", info.list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", info.retrieve_model, methods=["GET"]),
+            Route("/v1/requests/{request_id}", routes.request_state, methods=["GET"]),
+            Route("/v1/requests/{request_id}", routes.cancel_request, methods=["DELETE"]),
+            Route("/v1/requests/{request_id}/stream", routes.resume_stream, methods=["GET"]),
+            Route("/health", info.health, methods=["GET"]),
+            Route("/metrics", info.metrics, methods=["GET"]),
+        ],
+        middleware=[Middleware(RequestIdMiddleware, metrics=ingress.metrics)],
+        # unexpected errors become OpenAI-shaped 500s in RequestIdMiddleware
+        exception_handlers={HTTPException: _http_error},
+        lifespan=lifespan,
+    )
+    app.state.ingress = ingress
+    return app

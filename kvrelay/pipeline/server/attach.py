@@ -1,0 +1,152 @@
+"""Reattaching a client to an existing request: ownership, same-request check, Last-Event-ID.
+
+A POST whose X-Request-Id names an existing request reattaches only when it is the same
+request (same endpoint, same digest of the parsed request, same API key); anything else is a
+409. How it is delivered (stream, stream_options) follows the reattaching request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvrelay.pipeline.errors import RequestError, bad_request
+from kvrelay.pipeline.openai.protocol import COMPLETION, GenerationRequest
+from kvrelay.pipeline.openai.responses import ResponseFormatter
+from kvrelay.pipeline.queue.output import ENDED, output_gone
+from kvrelay.pipeline.server.output import OutputJob, output_expired
+
+if TYPE_CHECKING:
+    from kvrelay.pipeline.server.app import Ingress
+
+logger = logging.getLogger(__name__)
+
+
+def request_digest(req: GenerationRequest) -> str:
+    """Digest of what a request asks for; not of how it is delivered (stream, usage, user)."""
+    what = {
+        "api": req.api,
+        "model": req.model,
+        "sampling": req.sampling.to_dict(),  # before max_tokens is filled from the context
+        "messages": req.messages,
+        "prompt": req.prompt,
+        "prompt_token_ids": req.prompt_token_ids,
+        "cache_salt": req.cache_salt,
+        "logprobs": req.logprobs,
+    }
+    raw = json.dumps(what, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def id_conflict(request_id: str) -> RequestError:
+    return RequestError(
+        f"request id {request_id!r} is already in use by a different request",
+        409,
+        param="X-Request-Id",
+        code="duplicate_request_id",
+    )
+
+
+def not_found(request_id: str) -> RequestError:
+    return RequestError(
+        f"no request with id {request_id!r}", 404, param="request_id", code="request_not_found"
+    )
+
+
+def last_event_id(request: Request) -> int | None:
+    raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    if raw is None or raw == "":
+        return None
+    if not raw.isascii() or not raw.isdigit():
+        raise bad_request("Last-Event-ID must be a token index", param="Last-Event-ID")
+    return int(raw)
+
+
+async def raw_record(ing: Ingress, request_id: str) -> dict[str, str] | None:
+    raw = await ing.redis.hgetall(ing.keys.request(request_id))
+    if not raw:
+        return None
+    return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+
+
+async def owned_record(ing: Ingress, request_id: str, key_id: str) -> dict[str, str]:
+    """The req:{id} record; another API key's request reads as missing."""
+    rec = await raw_record(ing, request_id)
+    owner = rec.get("key_id", "") if rec else ""
+    if rec is None or (owner and owner != key_id):
+        raise not_found(request_id)
+    return rec
+
+
+def check_same(rec: dict[str, str], request_id: str, digest: str, key_id: str) -> None:
+    """409 unless `rec` is the request being posted again (same endpoint, body and key)."""
+    opts = _options(rec)
+    if rec.get("key_id", "") != key_id or opts.get("digest") != digest:
+        raise id_conflict(request_id)
+
+
+def _options(rec: dict[str, str]) -> dict[str, Any]:
+    try:
+        opts = json.loads(rec.get("ingress") or "{}")
+    except ValueError:
+        return {}
+    return opts if isinstance(opts, dict) else {}
+
+
+async def reattach(
+    request: Request,
+    ing: Ingress,
+    request_id: str,
+    rec: dict[str, str],
+    stream: bool,
+    include_usage: bool | None = None,
+) -> Response:
+    """Continue delivering an existing request after the client's last event.
+
+    `include_usage` None: as the request was first posted (the /stream endpoint).
+    An ended request whose out:{id} expired is a 410 here, before any response starts.
+    """
+    last = last_event_id(request)
+    status = rec.get("status", "")
+    if status in ENDED:
+        exists = bool(await ing.redis.exists(ing.keys.out(request_id)))
+        if output_gone(status, rec.get("emitted"), exists):
+            raise output_expired(request_id)
+    opts = _options(rec)
+    if include_usage is None:
+        include_usage = bool(opts.get("include_usage"))
+    attach_seq = await ing.reattached(request_id)
+    model = rec.get("model", "")
+    entry = await ing.registry.get(model)
+    created = int(opts.get("created") or float(rec.get("created") or time.time()))
+    fmt = ResponseFormatter(
+        opts.get("api", COMPLETION),
+        request_id,
+        model,
+        created,
+        int(rec.get("prompt_tokens", 0)),
+        logprobs=bool(opts.get("logprobs")),
+        include_usage=include_usage,
+        token_text=ing.token_text(entry),
+    )
+    deadline = float(rec["deadline"]) if rec.get("deadline") else None
+    start = 0 if last is None or not stream else last + 1
+    logger.info("request %s: client reattached from token %d", request_id, start)
+    job = OutputJob(
+        ing,
+        request_id,
+        fmt,
+        stream,
+        deadline=deadline,
+        start_index=start,
+        send_role=last is None,
+        attach_seq=attach_seq,
+        slot=ing.backpressure.slot(),
+    )
+    return job.response()

@@ -1,0 +1,111 @@
+"""Informational endpoints: served models, health and Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvrelay.pipeline.errors import RequestError, model_not_found
+from kvrelay.pipeline.metrics import CONTENT_TYPE
+from kvrelay.pipeline.queue.cluster import WorkerInfo
+from kvrelay.pipeline.queue.route import DECODE, PREFILL
+from kvrelay.pipeline.server.http import check_api_key, error_response
+
+if TYPE_CHECKING:
+    from kvrelay.pipeline.server.app import Ingress
+
+
+async def _served(ing: Ingress) -> list[str]:
+    try:
+        return await ing.registry.served()
+    except RedisError:  # the configured names are still served
+        return list(ing.config.models)
+
+
+def _model(ing: Ingress, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": ing.started, "owned_by": "kvrelay"}
+
+
+async def list_models(request: Request) -> Response:
+    """GET /v1/models: configured names plus any model a worker publishes."""
+    ing: Ingress = request.app.state.ingress
+    try:
+        check_api_key(request, ing.config.api_keys)
+    except RequestError as err:
+        return error_response(err)
+    names = await _served(ing)
+    return JSONResponse({"object": "list", "data": [_model(ing, n) for n in names]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """GET /v1/models/{id}: one model object, 404 model_not_found for a name not served."""
+    ing: Ingress = request.app.state.ingress
+    name = request.path_params["model_id"]
+    try:
+        check_api_key(request, ing.config.api_keys)
+        served = await _served(ing)
+        if name not in served:
+            raise model_not_found(name, served)
+    except RequestError as err:
+        return error_response(err)
+    return JSONResponse(_model(ing, name))
+
+
+def _drained(fields: dict[str, str]) -> bool:
+    """Draining (acknowledged) or asked to drain: the worker takes no new entry."""
+    return any(fields.get(name, "0") not in ("", "0") for name in ("draining", "drain"))
+
+
+def stage_readiness(workers: list[WorkerInfo], mode: str) -> dict[str, dict[str, Any]]:
+    """Per stage: whether a live, non-draining worker will take its entries, and which role.
+
+    Prefill runs on decode workers in colocated mode, and in auto mode when no prefill worker
+    is available (the router then sends every prompt to decode; see route.py).
+    """
+    serving = {PREFILL: 0, DECODE: 0}
+    for w in workers:
+        if w.role in serving and not _drained(w.fields):
+            serving[w.role] += 1
+    decode = serving[DECODE]
+    prefill_by = PREFILL
+    if mode == "colocated" or (mode == "auto" and not serving[PREFILL]):
+        prefill_by = DECODE
+    prefill = serving[prefill_by]
+    return {
+        PREFILL: {"ready": prefill > 0, "workers": prefill, "served_by": prefill_by},
+        DECODE: {"ready": decode > 0, "workers": decode, "served_by": DECODE},
+    }
+
+
+async def health(request: Request) -> Response:
+    """200 when Redis answers and every stage has a live, non-draining worker; 503 otherwise."""
+    ing: Ingress = request.app.state.ingress
+    body: dict[str, Any] = {"status": "ok", "redis": True, "workers": {}}
+    try:
+        await ing.redis.ping()
+        workers = await ing.cluster.workers(fresh=True)
+        for w in workers:
+            body["workers"][w.role] = body["workers"].get(w.role, 0) + 1
+        load = await ing.cluster.load()
+        body["waiting"] = {name: s.waiting for name, s in load.items()}
+    except RedisError as exc:
+        body.update(status="unavailable", redis=False, error=str(exc) or type(exc).__name__)
+        return JSONResponse(body, status_code=503)
+    body["stages"] = stages = stage_readiness(workers, ing.config.mode)
+    down = [name for name, stage in stages.items() if not stage["ready"]]
+    if down:
+        why = "; ".join(
+            f"stage {name} cannot serve: no live, non-draining {stages[name]['served_by']} worker"
+            for name in down
+        )
+        body.update(status="unavailable", unavailable_stages=down, error=why)
+        return JSONResponse(body, status_code=503)
+    return JSONResponse(body)
+
+
+async def metrics(request: Request) -> Response:
+    ing: Ingress = request.app.state.ingress
+    return Response(ing.metrics.render(), media_type=CONTENT_TYPE)

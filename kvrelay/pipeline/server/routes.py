@@ -1,0 +1,230 @@
+"""Request endpoints: chat/text completions, request state, cancel and resumed streams.
+
+POST lifecycle: API key -> request id -> body (size limit, JSON) -> OpenAI fields -> same id
+already used? (reattach when it is the same request, else 409) -> admission (429; takes an
+in-flight slot) -> tokenize + limits -> route -> req:{id} + XADD, or 429 when max_waiting
+entries wait (one script) -> output job, which gives the slot back when the reply ends.
+Big bodies are parsed and long prompts tokenized on worker threads, off the event loop.
+GET /v1/requests/{id}/stream reattaches too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvrelay.pipeline.errors import RequestError, queue_unavailable
+from kvrelay.pipeline.metrics import RequestTimer
+from kvrelay.pipeline.openai.protocol import (
+    CHAT,
+    COMPLETION,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+)
+from kvrelay.pipeline.openai.responses import ResponseFormatter
+from kvrelay.pipeline.queue.backpressure import Slot
+from kvrelay.pipeline.queue.submit import check_request_id, new_request_id, valid_request_id
+from kvrelay.pipeline.server.attach import (
+    check_same,
+    owned_record,
+    raw_record,
+    reattach,
+    request_digest,
+)
+from kvrelay.pipeline.server.http import (
+    REQUEST_ID_HEADER,
+    THREAD_PARSE_BYTES,
+    check_api_key,
+    error_response,
+    read_json,
+)
+from kvrelay.pipeline.server.middleware import omit_request_id
+from kvrelay.pipeline.server.output import OutputJob
+
+if TYPE_CHECKING:
+    from kvrelay.pipeline.server.app import Ingress
+
+logger = logging.getLogger(__name__)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, CHAT)
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, COMPLETION)
+
+
+async def _generate(request: Request, api: str) -> Response:
+    ing: Ingress = request.app.state.ingress
+    arrival = time.monotonic()
+    header_id = request.headers.get(REQUEST_ID_HEADER)
+    if header_id is not None and not valid_request_id(header_id):
+        omit_request_id(request.scope)  # no request was created: send no id back
+        return error_response(_bad_id(header_id, REQUEST_ID_HEADER))
+    request_id = header_id or new_request_id("chatcmpl" if api == CHAT else "cmpl")
+    # the snapshots admission, the registry and routing read: fetch them while we parse
+    ing.cluster.prefetch(workers=ing.config.mode == "auto")
+    slot: Slot | None = None
+    try:
+        key_id = check_api_key(request, ing.config.api_keys)
+        body = await read_json(request, ing.config.max_body_bytes)
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > THREAD_PARSE_BYTES:  # off the event loop, as above
+            parsed, digest = await asyncio.to_thread(_parse, body, api)
+        else:
+            parsed, digest = _parse(body, api)
+        if header_id is not None:
+            rec = await raw_record(ing, request_id)
+            if rec is not None:
+                check_same(rec, request_id, digest, key_id)
+                return await reattach(
+                    request, ing, request_id, rec, parsed.stream, parsed.include_usage
+                )
+        slot = await ing.backpressure.admit()
+        sub, entry = await ing.producer.prepare_parsed(parsed, request_id=request_id)
+        created = int(time.time())
+        options = {
+            "api": api,
+            "created": created,
+            "stream": parsed.stream,
+            "include_usage": parsed.include_usage,
+            "logprobs": parsed.logprobs,
+            "digest": digest,
+        }
+        record = {"ingress": options, "user": parsed.user or "", "key_id": key_id}
+        route = await ing.producer.enqueue(sub, entry, record)
+        if route is None:  # the same id raced in from another connection
+            slot.release()
+            rec = await owned_record(ing, request_id, key_id)
+            check_same(rec, request_id, digest, key_id)
+            return await reattach(
+                request, ing, request_id, rec, parsed.stream, parsed.include_usage
+            )
+    except RequestError as err:
+        if slot is not None:
+            slot.release()
+        return error_response(err, request_id)
+    except RedisError as exc:
+        if slot is not None:
+            slot.release()
+        return error_response(queue_unavailable(exc), request_id)
+    except BaseException:
+        if slot is not None:
+            slot.release()
+        raise
+    ing.backpressure.queued()
+    ing.cluster.refresh_behind()
+    ing.metrics.request_route.labels(sub.model, route.stage).inc()
+    fmt = ResponseFormatter(
+        api,
+        request_id,
+        parsed.model,
+        created,
+        len(sub.prompt_token_ids),
+        logprobs=parsed.logprobs,
+        include_usage=parsed.include_usage,
+        token_text=ing.token_text(entry),
+    )
+    timer = RequestTimer(ing.metrics, sub.model, arrival)
+    job = OutputJob(
+        ing, request_id, fmt, parsed.stream, deadline=sub.deadline, timer=timer, slot=slot
+    )
+    return job.response()
+
+
+def _parse(body: Any, api: str) -> tuple[GenerationRequest, str]:
+    """The validated request and its digest (what a re-post must match)."""
+    parsed = parse_chat(body) if api == CHAT else parse_completion(body)
+    return parsed, request_digest(parsed)
+
+
+def _bad_id(value: str, param: str) -> RequestError:
+    try:
+        check_request_id(value, param)
+    except RequestError as err:
+        return err
+    raise AssertionError("valid id")  # pragma: no cover
+
+
+def _path_id(request: Request) -> str:
+    """The {request_id} path parameter, 400 invalid_request_id (and no id sent) when invalid."""
+    request_id = request.path_params["request_id"]
+    if not valid_request_id(request_id):
+        omit_request_id(request.scope)
+        raise _bad_id(request_id, "request_id")
+    return request_id
+
+
+async def resume_stream(request: Request) -> Response:
+    """GET /v1/requests/{id}/stream: SSE from Last-Event-ID (or from the start)."""
+    ing: Ingress = request.app.state.ingress
+    request_id = None
+    try:
+        request_id = _path_id(request)
+        key_id = check_api_key(request, ing.config.api_keys)
+        rec = await owned_record(ing, request_id, key_id)
+        return await reattach(request, ing, request_id, rec, True)
+    except RequestError as err:
+        return error_response(err, request_id)
+    except RedisError as exc:
+        return error_response(queue_unavailable(exc), request_id)
+
+
+_INT_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "emitted")
+_FLOAT_FIELDS = ("created", "updated", "started", "deadline")
+
+
+async def request_state(request: Request) -> Response:
+    """GET /v1/requests/{id}: the req:{id} record."""
+    ing: Ingress = request.app.state.ingress
+    request_id = None
+    try:
+        request_id = _path_id(request)
+        key_id = check_api_key(request, ing.config.api_keys)
+        rec = await owned_record(ing, request_id, key_id)
+        cancel_requested = bool(await ing.redis.exists(ing.keys.cancel(request_id)))
+    except RequestError as err:
+        return error_response(err, request_id)
+    except RedisError as exc:
+        return error_response(queue_unavailable(exc), request_id)
+    body: dict[str, Any] = {"id": request_id, "object": "request"}
+    for key, value in rec.items():
+        if key in ("ingress", "key_id", "attach"):
+            continue
+        if key in _INT_FIELDS and value.lstrip("-").isdigit():
+            body[key] = int(value)
+        elif key in _FLOAT_FIELDS and value:
+            body[key] = float(value)
+        else:
+            body[key] = value
+    body["cancel_requested"] = cancel_requested
+    return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})
+
+
+async def cancel_request(request: Request) -> Response:
+    """DELETE /v1/requests/{id}: ask the workers to stop it (idempotent)."""
+    ing: Ingress = request.app.state.ingress
+    request_id = None
+    try:
+        request_id = _path_id(request)
+        key_id = check_api_key(request, ing.config.api_keys)
+        rec = await owned_record(ing, request_id, key_id)
+        status = rec.get("status", "")
+        done = status in ("finished", "cancelled", "failed")
+        if not done:
+            await ing.cancel(request_id)
+            logger.info("request %s: cancelled by DELETE", request_id)
+    except RequestError as err:
+        return error_response(err, request_id)
+    except RedisError as exc:
+        return error_response(queue_unavailable(exc), request_id)
+    body = {"id": request_id, "object": "request.cancel", "cancelled": not done, "status": status}
+    return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})

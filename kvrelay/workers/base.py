@@ -1,0 +1,332 @@
+"""What prefill and decode workers share: a reader thread, a compute loop, an emitter thread.
+
+A request's path through a worker:
+  reader thread: XREADGROUP (or XAUTOCLAIM after a lease) -> decode/validate (bad -> DLQ) ->
+      read out:{id} for tokens already emitted -> `admissions` queue
+  compute loop: cancel/deadline check -> engine.add_request -> engine.step() ... ->
+      each RequestOutput becomes an Outgoing write (token chunk, hand-off, final chunk)
+  emitter thread: fenced Lua writes in order; a refused write (entry claimed by another worker)
+      puts the request on `lost` and the compute loop drops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import redis
+
+from kvrelay.core.keys import Keys
+from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
+from kvrelay.pipeline.queue.output import DEADLINE_PASSED
+from kvrelay.pipeline.queue.streams import Emission, Streams
+from kvrelay.workers.config import WorkerConfig
+from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing
+from kvrelay.workers.metrics import WorkerMetrics
+from kvrelay.workers.reader import Admission, read_loop
+
+logger = logging.getLogger(__name__)
+
+Task = PrefillTask | DecodeTask
+
+
+@dataclass(slots=True)
+class Active:
+    """A request the engine is working on (compute thread only)."""
+
+    task: Task
+    entry_id: str
+    next_index: int  # output index of the next token to emit
+    started: float
+
+
+class Worker:
+    """Base of PrefillWorker and DecodeWorker; subclasses say which stream and how to finish."""
+
+    role: ClassVar[str] = ""
+    message: ClassVar[type[PrefillTask] | type[DecodeTask]]
+    handoff_after: ClassVar[int | None] = None
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: Any,
+        client: redis.Redis | None = None,
+        store_node: str = "",
+        metrics: WorkerMetrics | None = None,
+    ):
+        self.config = config
+        self.store_node = store_node
+        self.engine = engine
+        self.keys = Keys(config.key_prefix)
+        self.name = config.worker_name(self.role)
+        self.consumer = f"{self.name}.{int(time.time() * 1000) % 10**9}"
+        self.r = client or redis.Redis.from_url(config.redis_url, health_check_interval=10)
+        self.streams = Streams(
+            self.r, self.keys, self.consumer, out_ttl_s=config.out_ttl_s, req_ttl_s=config.req_ttl_s
+        )
+        self.inflight = Inflight()
+        self.emitter = Emitter(
+            self.streams, self.stream, self.group, self.inflight, config.lease_ms
+        )
+        self.admissions: queue.Queue[Admission] = queue.Queue()
+        self.cancels: queue.Queue[str] = queue.Queue()
+        self.active: dict[str, Active] = {}
+        self.metrics = metrics or WorkerMetrics(engine.model_name, engine)
+        self.stop_event = threading.Event()
+        self.page_size = getattr(engine.config, "page_size", config.page_size)
+        model_entry = (
+            engine.model_name,
+            {
+                "fingerprint": engine.fingerprint,
+                "page_size": self.page_size,
+                "max_model_len": engine.max_model_len,
+                "vocab_size": engine.vocab_size,
+            },
+        )
+        info = {
+            "model": engine.model_name,
+            "fingerprint": engine.fingerprint,
+            "metrics_port": "",
+            "max_num_seqs": config.max_num_seqs,
+        }
+        self.heartbeat = Heartbeat(self.streams, self.name, self.role, self.stream, self.group,
+                                   self.inflight, config.heartbeat_s, config.heartbeat_ttl_s,
+                                   info, model_entry, stats=self._stats)  # fmt: skip
+        self._reader = threading.Thread(target=read_loop, args=(self,), name="reader", daemon=True)
+        self._tokens = 0
+        self._rate = (time.monotonic(), 0, 0.0)
+
+    @property
+    def stream(self) -> str:
+        return self.keys.prefill_stream if self.role == "prefill" else self.keys.decode_stream
+
+    @property
+    def group(self) -> str:
+        return self.role
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Create groups, announce the worker, start the IO threads (retries until Redis is up)."""
+        while not self.stop_event.is_set():
+            try:
+                for stream, group in (
+                    (self.keys.prefill_stream, "prefill"),
+                    (self.keys.decode_stream, "decode"),
+                ):
+                    self.streams.ensure_group(stream, group)
+                self.heartbeat.beat()
+                break
+            except redis.ConnectionError as exc:
+                logger.warning("redis unavailable (%s); retrying", exc)
+                time.sleep(0.5)
+        self.heartbeat.start()
+        self.emitter.thread.start()
+        self._reader.start()
+        logger.info("%s worker %s ready (consumer %s)", self.role, self.name, self.consumer)
+
+    def run(self) -> None:
+        """The compute loop; returns after stop() once in-flight work is done or released."""
+        self.start()
+        grace_end: float | None = None
+        while True:
+            if self.stop_event.is_set() and grace_end is None:
+                grace_end = time.monotonic() + self.config.stop_grace_s
+            if grace_end is not None and (not self.active or time.monotonic() > grace_end):
+                break
+            try:
+                self._iteration()
+            except Exception as exc:  # an engine bug must not take the worker down with it
+                logger.exception("compute loop failed")
+                self._release_all(f"engine error: {exc!r}")
+        self._shutdown()
+
+    def _iteration(self) -> None:
+        """Apply control messages, then one engine step (or wait briefly for work)."""
+        self._control()
+        if self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                self._on_output(out)
+        else:
+            with contextlib.suppress(queue.Empty):
+                self._admit(self.admissions.get(timeout=0.05))
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _shutdown(self) -> None:
+        self._reader.join(5)
+        for rid in list(self.active):
+            self.engine.abort_request(rid, "abort")
+        self.active.clear()
+        self.emitter.close()
+        # make what is left claimable at once instead of after a lease
+        with contextlib.suppress(redis.RedisError):
+            entry_ids = list(self.inflight.snapshot().values())
+            self.streams.release(self.stream, self.group, entry_ids, self.config.lease_ms)
+        self.heartbeat.stop()
+        logger.info("%s worker %s stopped", self.role, self.name)
+
+    # ---- compute loop ------------------------------------------------------------------------
+    def _control(self) -> None:
+        """Apply admissions, cancels, lost entries and deadlines (compute thread)."""
+        while True:
+            try:
+                self._admit(self.admissions.get_nowait())
+            except queue.Empty:
+                break
+        for q, reason in (
+            (self.cancels, "cancelled"),
+            (self.emitter.lost, None),
+            (self.heartbeat.lost, None),
+        ):
+            while True:
+                try:
+                    rid = q.get_nowait()
+                except queue.Empty:
+                    break
+                self._abort(rid, reason)
+        now = time.time()
+        for rid, act in list(self.active.items()):
+            if act.task.deadline is not None and now > act.task.deadline:
+                self._abort(rid, "timeout")
+
+    def _admit(self, adm: Admission) -> None:
+        task, rid = adm.task, adm.task.request_id
+        act = Active(task, adm.entry_id, len(adm.emitted), time.time())
+        late = task.deadline is not None and time.time() > task.deadline
+        if adm.cancelled or late:
+            # past its deadline it is a timeout even when the ingress, giving up at the
+            # deadline, also set the cancel flag: the record says what the client was told
+            self._finish(act, "timeout" if late else "cancelled", 0)
+            return
+        try:
+            self.engine.add_request(
+                rid,
+                task.prompt_token_ids,
+                task.sampling_params,
+                output_token_ids=adm.emitted,
+                cache_salt=task.cache_salt,
+                handoff_after=self.handoff_after,
+                emitted_text_len=adm.emitted_text_len if task.detokenize else None,
+            )
+        except Exception as exc:  # InvalidRequestError and anything else input can provoke
+            self.inflight.remove(rid, adm.entry_id)
+            self.emitter.put(
+                Outgoing(
+                    "dead_letter",
+                    rid,
+                    adm.entry_id,
+                    payload=task.encode(),
+                    reason=f"rejected by the engine: {exc}",
+                )
+            )
+            self.metrics.dead_letters.inc()
+            return
+        self.active[rid] = act
+        self.metrics.admitted(task, len(adm.emitted))
+
+    def _abort(self, rid: str, reason: str | None) -> None:
+        act = self.active.pop(rid, None)
+        if act is None:
+            return
+        out = self.engine.abort_request(rid, reason or "abort")
+        if reason is not None:  # cancel/timeout: tell the client; lost entries belong elsewhere
+            self._finish(act, reason, out.num_cached_tokens if out else 0)
+
+    def _finish(self, act: Active, reason: str, cached: int) -> None:
+        # A deadline ending is the system's, not a finish: the record says failed with the
+        # reason, as the SSE error event, the 504 body and the client's Completion.error do.
+        timeout = reason == "timeout"
+        chunk = TokenChunk(
+            index=act.next_index,
+            finish_reason=reason,
+            usage=self._usage(act, act.next_index, cached),
+            error=DEADLINE_PASSED if timeout else None,
+        )
+        status = "cancelled" if reason == "cancelled" else "failed" if timeout else None
+        self._emit(act, chunk, done=True, status=status)
+
+    def _usage(self, act: Active, completion: int, cached: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": len(act.task.prompt_token_ids),
+            "completion_tokens": completion,
+            "cached_tokens": cached,
+        }
+
+    def _emit(self, act: Active, chunk: TokenChunk, done: bool, status: str | None = None) -> None:
+        fields: dict[str, str | int | float] = {"owner": self.name, "stage": self.role}
+        if done:
+            fields.update(status=status or "finished", finish_reason=chunk.finish_reason or "")
+            if chunk.error:
+                fields["error"] = chunk.error
+            if chunk.usage:
+                fields["cached_tokens"] = chunk.usage.get("cached_tokens", 0)
+        em = Emission(self.stream, self.group, act.entry_id, act.task.request_id, chunk, fields)
+        self.emitter.put(
+            Outgoing("emit", act.task.request_id, act.entry_id, emission=em, done=done)
+        )
+
+    def _release_all(self, reason: str) -> None:
+        """Give every active entry back (claimable at once) after an engine failure.
+
+        Not the DLQ: the failure may be the store or the machine, not the requests. Each entry
+        is claimed again; one that fails every worker before making progress runs out of
+        strikes and is dead-lettered by the reader (see workers.reader.receive)."""
+        for rid, act in list(self.active.items()):
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(rid, "abort")
+            self.active.pop(rid)
+            logger.warning("request %s: released after %s", rid, reason)
+            self.emitter.put(Outgoing("release", rid, act.entry_id, reason=reason))
+
+    def _on_output(self, out: Any) -> None:
+        raise NotImplementedError
+
+    def _chunk(self, act: Active, out: Any) -> TokenChunk:
+        """The TokenChunk for one RequestOutput (advances the request's emit index)."""
+        chunk = TokenChunk(
+            index=act.next_index,
+            token_ids=list(out.new_token_ids),
+            text=out.text_delta if act.task.detokenize else "",
+            finish_reason=out.finish_reason if out.finished else None,
+            logprobs=_logprobs(
+                out.new_logprobs, out.new_token_ids, act.task.sampling.get("logprobs")
+            ),
+            stop_reason=out.stop_reason if out.finished else None,
+        )
+        act.next_index += len(out.new_token_ids)
+        self._tokens += len(out.new_token_ids)
+        self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        return chunk
+
+    def _stats(self) -> dict[str, Any]:
+        """Heartbeat fields: running/waiting counts and a smoothed tokens/s."""
+        t0, n0, rate = self._rate
+        now = time.monotonic()
+        if now - t0 >= 1.0:
+            rate = (self._tokens - n0) / (now - t0)
+            self._rate = (now, self._tokens, rate)
+        self.metrics.set_load(len(self.active), self.admissions.qsize())
+        return {
+            "running": len(self.active),
+            "waiting": self.admissions.qsize(),
+            "tokens_per_s": f"{rate:.1f}",
+            "metrics_port": self.metrics.port or "",
+        }
+
+
+def _logprobs(lps: list[dict[int, float]] | None, tokens: list[int], top_n: int | None
+              ) -> list[dict[str, Any]] | None:  # fmt: skip
+    if lps is None:
+        return None
+    out = []
+    for tok, lp in zip(tokens, lps, strict=True):
+        top = sorted(lp.items(), key=lambda kv: -kv[1])[: top_n or 0]
+        out.append({"logprob": lp.get(tok), "top": [[t, v] for t, v in top]})
+    return out

@@ -1,0 +1,1 @@
+"""The engine: scheduler, KV cache manager, model runner and sampler."""

@@ -1,0 +1,317 @@
+"""The in-process LLM engine: continuous batching over a paged KV pool with prefix caching.
+
+A request's path: `add_request` validates it and queues a Sequence -> each `step()` the
+scheduler picks sequences and token counts -> the model runner computes their K/V (prefix hits
+from the device cache or the store are skipped) -> rows that reached their last token sample
+one token -> the output processor detokenizes and checks stops -> full blocks are keyed,
+registered and saved once -> a finished (or handed-off) sequence releases its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams, effective_seed
+from kvrelay.workers.engine.block_pool import BlockPool
+from kvrelay.workers.engine.config import EngineConfig, EngineStats, RequestOutput, merge_outputs
+from kvrelay.workers.engine.kv_cache_manager import KVCacheManager
+from kvrelay.workers.engine.kv_connector import KVConnector
+from kvrelay.workers.engine.model_runner import ModelRunner
+from kvrelay.workers.engine.output_processor import OutputProcessor
+from kvrelay.workers.engine.sampler import Sampler, SampleRow
+from kvrelay.workers.engine.scheduler import Scheduler
+from kvrelay.workers.engine.sequence import Sequence, SequenceStatus
+from kvrelay.workers.errors import EngineError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvrelay.workers.model.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput"]
+
+
+class Engine:
+    """See docs/internals.md "Engine"."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        kv_connector: KVConnector | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+    ):
+        """`loaded`: reuse an already loaded model (several engines sharing weights, tests)."""
+        from kvrelay.workers.model.llama import allocate_kv_pool
+        from kvrelay.workers.model.loader import load_model
+
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {config.page_size}")
+        if loaded is None:
+            loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                                quantization=config.quantization)  # fmt: skip
+        elif loaded.quantization != config.quantization:
+            raise ValueError(
+                f"the loaded model has quantization {loaded.quantization!r}, "
+                f"the config asks for {config.quantization!r}"
+            )
+        self.loaded = loaded
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.fingerprint = loaded.fingerprint
+        mc = loaded.config
+        self.vocab_size = mc.vocab_size
+        limit = mc.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        P = config.page_size
+        block_bytes = (
+            mc.num_layers * 2 * P * mc.num_kv_heads * mc.head_dim
+            * torch.empty((), dtype=loaded.dtype).element_size()
+        )  # fmt: skip
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
+        kv_pool = allocate_kv_pool(mc, num_blocks, P, loaded.dtype, loaded.device)
+        self.runner = ModelRunner(loaded.model, kv_pool, P)
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.pool, P, self.fingerprint, kv_connector, lambda: self.runner.kv_pool,
+            save_to_store=config.save_to_store,
+        )  # fmt: skip
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
+        logger.info(
+            "engine ready: model %s, %d blocks of %d tokens, max_model_len %d",
+            self.model_name,
+            num_blocks,
+            P,
+            self.max_model_len,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def set_kv_connector(
+        self, connector: KVConnector | None, load_connectors: list[KVConnector] | None = None
+    ) -> None:
+        """Attach (or detach) the store after construction, e.g. once the page spec, which
+        needs the built KV pool, is known. Call before the first request. `load_connectors`
+        (default: `connector`) serve lookups and loads, one loader thread each; give them
+        store sockets of their own so a slow fetch never queues the compute loop's saves (or,
+        with several, other requests' fetches) behind it."""
+        self.kv.set_connector(connector, load_connectors, self.config.save_to_store)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        sampling: SamplingParams | None = None,
+        *,
+        output_token_ids: Seq[int] = (),
+        cache_salt: str = "",
+        handoff_after: int | None = None,
+        emitted_text_len: int | None = None,
+    ) -> None:
+        """Queue a request; raises InvalidRequestError for input no engine could serve.
+
+        `output_token_ids` resumes a request whose first outputs were produced elsewhere;
+        `emitted_text_len` is how many characters of their text the client has already been
+        sent (default: all that those tokens decode to, as after a hand-off)."""
+        sampling = sampling if sampling is not None else SamplingParams()
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        prompt = self._check_ids(prompt_token_ids, "prompt")
+        outputs = self._check_ids(output_token_ids, "output_token_ids", allow_empty=True)
+        try:
+            sampling.validate(self.vocab_size)
+        except InvalidSamplingParams as exc:
+            raise InvalidRequestError(str(exc), param=exc.param) from exc
+        total = len(prompt) + len(outputs)
+        if total >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {total} tokens but the model's context length is "
+                f"{self.max_model_len}; shorten the prompt", param="prompt")  # fmt: skip
+        max_tokens = sampling.max_tokens
+        if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed it; "
+                "reduce max_tokens or the prompt", param="max_tokens")  # fmt: skip
+        if max_tokens is not None and len(outputs) >= max_tokens:
+            raise InvalidRequestError(
+                f"{len(outputs)} output tokens already given, max_tokens is {max_tokens}",
+                param="output_token_ids")  # fmt: skip
+        if handoff_after is not None and handoff_after < 1:
+            raise InvalidRequestError("handoff_after must be >= 1", param="handoff_after")
+        final_len = len(prompt) + (max_tokens if max_tokens is not None else self.max_model_len)
+        need = -(-min(final_len, self.max_model_len) // self.config.page_size)
+        if need > self.pool.num_blocks:
+            raise InvalidRequestError(
+                f"request needs up to {need} KV blocks but the engine has {self.pool.num_blocks}",
+                param="max_tokens")  # fmt: skip
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=prompt + outputs,
+            num_prompt_tokens=len(prompt),
+            sampling=sampling,
+            seed=effective_seed(sampling, request_id),
+            cache_salt=cache_salt,
+            handoff_after=handoff_after,
+            num_resumed_tokens=len(outputs),
+        )
+        self.outputs.start(seq, emitted_text_len)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        logger.debug(
+            "request %s queued: %d prompt tokens, %d resumed outputs",
+            request_id,
+            len(prompt),
+            len(outputs),
+        )
+
+    def _check_ids(self, ids: Seq[int], what: str, allow_empty: bool = False) -> list[int]:
+        out = []
+        for t in ids:
+            try:
+                v = operator.index(t)  # ints and numpy integers; not floats or strings
+            except TypeError:
+                v = -1
+            if isinstance(t, bool) or not 0 <= v < self.vocab_size:
+                raise InvalidRequestError(
+                    f"{what} has token id {t!r}, outside the vocabulary [0, {self.vocab_size})",
+                    param=what)  # fmt: skip
+            out.append(v)
+        if not out and not allow_empty:
+            raise InvalidRequestError(f"{what} is empty; give at least one token", param=what)
+        return out
+
+    def abort_request(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+        """Drop a request; returns its final output, or None if it is unknown or done."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.time()
+        return self._output(seq, [], None, self.outputs.finish_text(seq))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._seqs)
+
+    # ---- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler iteration; returns the new tokens of every request that got one."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.kv.has_pending_fetches():  # nothing to compute until a store fetch lands
+                self.kv.wait_fetches(0.01)
+            return []
+        logits = self.runner.run(sched.scheduled)
+        self.stats.num_steps += 1
+        sampling_seqs = [s.seq for s in sched.scheduled if s.samples]
+        for s in sched.scheduled:
+            seq = s.seq
+            prompt_left = max(0, seq.num_tokens - 1 - seq.num_computed_tokens)
+            self.stats.num_prompt_tokens_computed += min(prompt_left, s.num_new_tokens)
+            self.stats.num_computed_tokens += s.num_new_tokens
+            seq.num_computed_tokens += s.num_new_tokens
+            self.kv.commit(seq)
+        rows = [self._sample_row(seq) for seq in sampling_seqs]
+        results = self.sampler(logits, rows) if rows else []
+        now = time.time()
+        outs = []
+        for seq, res in zip(sampling_seqs, results, strict=True):
+            text = self.outputs.append(seq, res.token_id)
+            self.stats.num_generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            if seq.finish_reason is not None or seq.handoff:
+                self._seqs.pop(seq.request_id, None)
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finished_time = now
+            lps = [res.logprobs] if res.logprobs is not None else None
+            outs.append(self._output(seq, [res.token_id], lps, text))
+        return outs
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        p = seq.sampling
+        row = SampleRow(p, seq.seed, seq.num_output_tokens,
+                        banned_token_ids=self.outputs.banned_tokens(seq))  # fmt: skip
+        # Token lists only when a penalty reads them (copying a long prompt every step costs).
+        if p.repetition_penalty != 1.0:
+            row.prompt_token_ids = seq.token_ids[: seq.num_prompt_tokens]
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            row.output_token_ids = seq.token_ids[seq.num_prompt_tokens :]
+        return row
+
+    def _output(self, seq: Sequence, new: list[int], lps: list[dict] | None, text: str
+                ) -> RequestOutput:  # fmt: skip
+        finished = seq.finish_reason is not None
+        return RequestOutput(
+            request_id=seq.request_id,
+            index=seq.num_output_tokens - len(new),
+            new_token_ids=new,
+            new_logprobs=lps,
+            text_delta=text,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            handoff=seq.handoff,
+            output_token_ids=seq.output_token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=self._metrics(seq) if finished or seq.handoff else {},
+        )
+
+    @staticmethod
+    def _metrics(seq: Sequence) -> dict[str, Any]:
+        return {
+            "arrival_time": seq.arrival_time,
+            "first_scheduled_time": seq.first_scheduled_time,
+            "first_token_time": seq.first_token_time,
+            "last_token_time": seq.last_token_time,
+            "finished_time": seq.finished_time,
+            "num_preemptions": seq.num_preemptions,
+            "num_device_cached_tokens": seq.num_device_cached_tokens,
+            "num_store_cached_tokens": seq.num_store_cached_tokens,
+        }
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+        request_ids: list[str] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion as one batch; one merged RequestOutput per prompt."""
+        if self.has_unfinished_requests():
+            # generate() consumes every step's outputs; other requests' tokens would be lost.
+            raise EngineError("generate() needs an idle engine (requests are still running)")
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids = request_ids or [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p)
+        merged: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                prev = merged.get(out.request_id)
+                merged[out.request_id] = out if prev is None else merge_outputs(prev, out)
+        return [merged[rid] for rid in ids]

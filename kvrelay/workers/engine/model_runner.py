@@ -1,0 +1,73 @@
+"""Turns one scheduler step into model inputs (token ids, positions, attention metadata), runs
+the forward and returns the logits of the rows that sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvrelay.kernels import AttentionMetadata
+from kvrelay.workers.engine.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    """Owns the model and the KV pool `[num_blocks, layers, 2, page_size, kv_heads, head_dim]`."""
+
+    def __init__(self, model: torch.nn.Module, kv_pool: torch.Tensor, page_size: int):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.page_size = page_size
+        self.device = kv_pool.device
+
+    def prepare(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, positions, metadata, logits_indices) for one step."""
+        P = self.page_size
+        num_seqs = len(scheduled)
+        ids: list[int] = []
+        pos_parts: list[np.ndarray] = []
+        slot_parts: list[np.ndarray] = []
+        context_lens = np.empty(num_seqs, dtype=np.int32)
+        query_start = np.zeros(num_seqs + 1, dtype=np.int32)
+        max_blocks = max(len(s.seq.block_table) for s in scheduled)
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        logits_indices: list[int] = []
+        for i, s in enumerate(scheduled):
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            block_tables[i, : table.shape[0]] = table
+            pos = np.arange(start, end, dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // P] * P + pos % P)
+            context_lens[i] = end
+            query_start[i + 1] = query_start[i] + n
+            if end == seq.num_tokens:
+                logits_indices.append(int(query_start[i + 1]) - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            context_lens=torch.from_numpy(context_lens).to(dev),
+            query_start_loc=torch.from_numpy(query_start).to(dev),
+            max_query_len=int(np.diff(query_start).max()),
+            max_context_len=int(context_lens.max()),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
+        return (
+            input_ids,
+            positions,
+            meta,
+            torch.tensor(logits_indices, dtype=torch.long, device=dev),
+        )
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Compute K/V of the scheduled tokens; float32 logits `[sampling rows, vocab]` on CPU."""
+        input_ids, positions, meta, logits_indices = self.prepare(scheduled)
+        logits = self.model(input_ids, positions, self.kv_pool, meta, logits_indices)
+        return logits.float().cpu()

@@ -1,0 +1,1 @@
+"""The Llama model, its config, weights, quantisation and loader."""

@@ -1,0 +1,236 @@
+"""Prepare (convert once, cache) and load models.
+
+A GGUF file or a `.bin` checkpoint is converted once by `transformers` into an HF-format
+directory (config.json, tokenizer files, fp32 `model.safetensors`) under the kvrelay cache;
+safetensors checkpoints are linked in as they are. Conversion writes a temp directory and
+renames it into place under an exclusive file lock, so concurrent processes wait for one
+conversion and nobody ever sees a half-written directory. Later loads read safetensors only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrelay.core.modelref import (
+    META_FILE,
+    META_FORMAT,
+    ModelNotFoundError,
+    ModelRef,
+    converted_dir,
+    is_prepared,
+    model_fingerprint,
+    normalize_dtype,
+    normalize_quantization,
+    read_config,
+    resolve_model,
+    weights_digest,
+    write_meta,
+)
+from kvrelay.core.tokenizer import Tokenizer
+from kvrelay.workers.errors import EngineError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# Files copied (linked) next to the weights of a safetensors checkpoint.
+_SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+)  # fmt: skip
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"kvrelay: {msg}", file=sys.stderr, flush=True)
+    logger.info("%s", msg)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Resolve `name` and make sure its converted directory exists; returns that directory."""
+    ref = resolve_model(name)
+    target = converted_dir(ref)
+    if is_prepared(ref):
+        return target
+    with _file_lock(target.with_name(target.name + ".lock")):
+        if is_prepared(ref):  # another process converted it while we waited
+            return target
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        start = time.monotonic()
+        try:
+            if ref.kind == "safetensors":
+                _link_checkpoint(ref, tmp)
+            else:
+                _say(progress, f"converting {ref.source} to safetensors (one time, ~20-30 s)")
+                _convert_with_transformers(ref, tmp, progress)
+            _say(progress, "hashing weights for the model fingerprint")
+            write_meta(
+                tmp,
+                {
+                    "format": META_FORMAT,
+                    "name": ref.name,
+                    "kind": ref.kind,
+                    "source": str(ref.source),
+                    "weights_digest": weights_digest(tmp),
+                },
+            )
+            for path in tmp.iterdir():  # the cache is shared between users of the host
+                if not path.is_symlink():
+                    path.chmod(0o644)
+            shutil.rmtree(target, ignore_errors=True)  # a stale dir without kvrelay.json
+            os.rename(tmp, target)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, EngineError | ModelNotFoundError):
+                raise
+            raise ModelLoadError(
+                f"could not prepare model {ref.name!r} from {ref.source}: {exc}"
+            ) from exc
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _say(progress, f"model ready in {target} ({time.monotonic() - start:.1f} s)")
+    assert (target / META_FILE).is_file()
+    return target
+
+
+def _link_checkpoint(ref: ModelRef, out: Path) -> None:
+    src_dir = ref.source if ref.source.is_dir() else ref.source.parent
+    weights = sorted(src_dir.glob("*.safetensors")) if ref.source.is_dir() else [ref.source]
+    index = src_dir / "model.safetensors.index.json"
+    for path in [src_dir / n for n in _SIDE_FILES] + weights + [index]:
+        if path.is_file():
+            os.symlink(path.resolve(), out / path.name)
+
+
+def _convert_with_transformers(ref: ModelRef, out: Path, progress: bool) -> None:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not progress:
+        transformers.utils.logging.disable_progress_bar()
+    if ref.kind == "gguf":
+        src, kwargs = str(ref.source.parent), {"gguf_file": ref.source.name}
+    else:
+        src, kwargs = str(ref.source), {}
+    _say(progress, "loading tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
+    _say(progress, "loading and dequantizing weights")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kwargs)
+    # save_pretrained refuses a GGUF-quantized model; the weights are already dense fp32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    _say(progress, "writing safetensors")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run: our module, its config, tokenizer and identity."""
+
+    name: str
+    dir: Path
+    model: object  # kvrelay.workers.model.llama.LlamaForCausalLM
+    config: object  # kvrelay.workers.model.llama.ModelConfig
+    tokenizer: object  # kvrelay.core.tokenizer.Tokenizer
+    fingerprint: str
+    dtype: object  # torch.dtype
+    device: object  # torch.device
+    quantization: str = "none"
+
+
+def resolve_device_dtype(dtype: str = "auto", device: str = "auto"):
+    """(torch.dtype, torch.device) for flags: auto = bf16 on CUDA, fp32 on CPU."""
+    import torch
+
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if str(dtype) == "auto":
+        return (torch.bfloat16 if device.type == "cuda" else torch.float32), device
+    return getattr(torch, normalize_dtype(str(dtype))), device
+
+
+def load_model(
+    name: str | os.PathLike | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    progress: bool = True,
+    quantization: str = "none",
+) -> LoadedModel:
+    """Prepare (convert once) and load a model with its tokenizer and fingerprint;
+    `quantization` "int8" replaces its linears by int8 ones (`kvrelay.workers.model.quant`)."""
+    import torch
+
+    from kvrelay.workers.model.config import ModelConfig
+    from kvrelay.workers.model.llama import LlamaForCausalLM
+    from kvrelay.workers.model.weights import load_weights
+
+    try:
+        quantization = normalize_quantization(quantization)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    start = time.monotonic()
+    directory = prepare_model(name, progress=progress)
+    torch_dtype, torch_device = resolve_device_dtype(dtype, device)
+    if quantization != "none" and (torch_device.type, torch_dtype) != ("cpu", torch.float32):
+        raise ModelLoadError(
+            f"--quantization {quantization} runs on CPU with float32 only "
+            f"(got {torch_device.type}, {str(torch_dtype).removeprefix('torch.')})"
+        )
+    config = ModelConfig.from_hf(read_config(directory))
+    with torch.inference_mode():
+        model = LlamaForCausalLM(config, torch_dtype, torch_device)
+        if quantization == "none":
+            load_weights(model, directory)
+        else:  # quantize from the dense fp32 weights, then pack what stays fp32
+            load_weights(model, directory, pack=False)
+            model.quantize(quantization)
+            model.pack_weights()
+    model.eval()
+    try:
+        tokenizer = Tokenizer.from_dir(directory)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {directory}: {exc}") from exc
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    loaded = LoadedModel(
+        name=resolve_model(name).name,
+        dir=directory,
+        model=model,
+        config=config,
+        tokenizer=tokenizer,
+        fingerprint=model_fingerprint(directory, dtype_name, quantization),
+        dtype=torch_dtype,
+        device=torch_device,
+        quantization=quantization,
+    )
+    logger.info(
+        "loaded %s (%s, %s, quantization %s) from %s in %.2f s",
+        loaded.name, dtype_name, torch_device, quantization, directory,
+        time.monotonic() - start,
+    )  # fmt: skip
+    return loaded

@@ -1,0 +1,117 @@
+"""Read HF safetensors weights into our fused (and, on CPU fp32, oneDNN-packed) layers.
+
+Weights are read with `readinto` straight into their destination: faulting fresh pages in from
+the kernel side is much faster here than a user-space copy out of a memory map. Packing then
+replaces each dense linear weight by its oneDNN layout (see `LlamaForCausalLM.pack_weights`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from kvrelay.core.modelref import ModelNotFoundError
+from kvrelay.workers.errors import UnsupportedModelError
+from kvrelay.workers.model.llama import DecoderLayer, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """(data start offset, {name: {dtype, shape, data_offsets}}) of a safetensors file."""
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    return 8 + header_len, header
+
+
+def _read_into(f, target: torch.Tensor, info: dict, base: int, name: str) -> None:
+    if info["dtype"] not in _ST_DTYPES:
+        raise UnsupportedModelError(f"weight {name} has unsupported dtype {info['dtype']}")
+    if tuple(target.shape) != tuple(info["shape"]):
+        raise UnsupportedModelError(
+            f"weight {name} has shape {tuple(info['shape'])}, expected {tuple(target.shape)}"
+        )
+    dtype = _ST_DTYPES[info["dtype"]]
+    start, end = info["data_offsets"]
+    f.seek(base + start)
+    direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+    buffer = target if direct else torch.empty(info["shape"], dtype=dtype)
+    if buffer.numel() and f.readinto(buffer.view(-1).view(torch.uint8).numpy()) != end - start:
+        raise UnsupportedModelError(f"weight {name} is truncated")
+    if not direct:
+        target.copy_(buffer)  # dtype conversion and/or host-to-device copy
+
+
+def _layer_destinations(layer: DecoderLayer, i: int, model) -> dict:
+    """HF names of layer i -> the tensors (or slices of fused weights) they fill."""
+    c = model.config
+    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    p = f"model.layers.{i}."
+    dest = {p + "input_layernorm.weight": layer.input_norm}
+    dest[p + "post_attention_layernorm.weight"] = layer.post_norm
+    for kind in ("weight", "bias"):
+        qkv, gate_up = getattr(layer.qkv, kind), getattr(layer.gate_up, kind)
+        if qkv is not None:
+            dest[p + f"self_attn.q_proj.{kind}"] = qkv[:q]
+            dest[p + f"self_attn.k_proj.{kind}"] = qkv[q : q + kv]
+            dest[p + f"self_attn.v_proj.{kind}"] = qkv[q + kv :]
+        if gate_up is not None:
+            dest[p + f"mlp.gate_proj.{kind}"] = gate_up[:inter]
+            dest[p + f"mlp.up_proj.{kind}"] = gate_up[inter:]
+        for name, linear in (("self_attn.o_proj", layer.o), ("mlp.down_proj", layer.down)):
+            if getattr(linear, kind) is not None:
+                dest[p + f"{name}.{kind}"] = getattr(linear, kind)
+    return dest
+
+
+def load_weights(model: LlamaForCausalLM, directory: Path, pack: bool | None = None) -> None:
+    """Fill `model` from the safetensors of `directory`; pack linears (default: when possible)."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{directory} has no .safetensors weights")
+    pack = model.can_pack() if pack is None else pack
+    groups: dict[int, list] = {}  # layer index (-1 = not in a layer) -> (path, base, name, info)
+    for path in files:
+        base, header = read_safetensors_header(path)
+        for name, info in header.items():
+            match = _LAYER.match(name)
+            groups.setdefault(int(match.group(1)) if match else -1, []).append(
+                (path, base, name, info)
+            )
+    handles: dict[Path, object] = {}
+    try:
+        top = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
+        if not model.config.tie_word_embeddings:
+            top["lm_head.weight"] = model.lm_head.weight
+        _fill(groups.pop(-1, []), top, handles)
+        for i, layer in enumerate(model.layers):
+            _fill(groups.pop(i, []), _layer_destinations(layer, i, model), handles)
+    finally:
+        for f in handles.values():
+            f.close()
+    if groups:
+        logger.debug("ignoring weights of layers %s", sorted(groups))
+    if pack:
+        model.pack_weights()
+
+
+def _fill(entries: list, dest: dict, handles: dict) -> None:
+    for path, base, name, info in sorted(entries, key=lambda e: (e[0], e[3]["data_offsets"][0])):
+        target = dest.pop(name, None)
+        if target is None:
+            logger.debug("ignoring weight %s", name)
+            continue
+        if path not in handles:
+            handles[path] = path.open("rb", buffering=0)
+        _read_into(handles[path], target, info, base, name)
+    if dest:
+        raise UnsupportedModelError(f"the checkpoint lacks weights: {sorted(dest)[:5]}")

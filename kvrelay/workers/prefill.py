@@ -1,0 +1,79 @@
+"""Prefill worker: computes prompts and hands requests to the decode stream.
+
+A request's path: stream:prefill entry -> reader thread (validate; bad -> DLQ) -> engine with
+`handoff_after=1` (prefix pages from the device cache or the store are reused; new full pages
+are put in the store as they are computed) -> first token sampled -> emitter thread runs the
+fenced hand-off script: emit token 0 to out:{id}, XADD the DecodeTask to stream:decode, XACK.
+A request that finishes on its first token (max_tokens=1, eos) gets its final chunk instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvrelay.core.messages import DecodeTask, PrefillTask
+from kvrelay.pipeline.queue.streams import Emission
+from kvrelay.workers.base import Worker
+from kvrelay.workers.emitter import Outgoing
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker(Worker):
+    role = "prefill"
+    message = PrefillTask
+    handoff_after = 1
+
+    def _on_output(self, out: Any) -> None:
+        act = self.active.get(out.request_id)
+        if act is None:
+            return
+        task = act.task
+        cached = out.num_cached_tokens
+        chunk = self._chunk(act, out)
+        if not (out.handoff or out.finished):
+            self._emit(act, chunk, done=False)  # not expected with handoff_after=1
+            return
+        del self.active[out.request_id]
+        self.metrics.finished(len(task.prompt_token_ids), cached)
+        if out.finished:
+            chunk.usage = self._usage(act, act.next_index, cached)
+            self._emit(act, chunk, done=True)
+            return
+        nxt = DecodeTask(
+            request_id=task.request_id, model=task.model,
+            prompt_token_ids=task.prompt_token_ids, output_token_ids=list(out.output_token_ids),
+            sampling=task.sampling, cache_salt=task.cache_salt, arrival_time=task.arrival_time,
+            deadline=task.deadline, num_cached_tokens=cached,
+            num_stored_pages=len(task.prompt_token_ids) // self.page_size,
+            store_node=self.store_node, prefilled=True, first_token_time=time.time(),
+            detokenize=task.detokenize,
+        )  # fmt: skip
+        fields = {
+            "status": "decoding",
+            "stage": "decode",
+            "owner": "",
+            "prompt_tokens": len(task.prompt_token_ids),
+            "cached_tokens": cached,
+        }
+        em = Emission(self.stream, self.group, act.entry_id, task.request_id, chunk)
+        self.emitter.put(
+            Outgoing(
+                "handoff",
+                task.request_id,
+                act.entry_id,
+                emission=em,
+                next_stream=self.keys.decode_stream,
+                payload=nxt.encode(),
+                req_fields=fields,
+                done=True,
+            )
+        )
+        logger.debug(
+            "request %s: handed off after %d cached of %d prompt tokens",
+            task.request_id,
+            cached,
+            len(task.prompt_token_ids),
+        )

@@ -1,4 +1,4 @@
-"""Quality of `--quantization int8`/`fp16` vs fp32: perplexity on a held-out text, greedy agreement.
+"""Quality of the `--quantization` schemes vs fp32: perplexity on a held-out text, greedy agreement.
 
 Perplexity follows llama.cpp's `llama-perplexity` (tools/perplexity/perplexity.cpp) so the
 numbers compare: the text is tokenized whole (no BOS: the GGUF's add_bos_token is false), cut
@@ -134,6 +134,7 @@ def main() -> int:
         "int8": ("int8", True),
         "int8, fp32 lm_head": ("int8", False),
         "fp16": ("fp16", True),
+        "int8-weight-only": ("int8-weight-only", True),
     }
     if args.variants:
         wanted = ["fp32", *(v.strip() for v in args.variants.split(",") if v.strip() != "fp32")]

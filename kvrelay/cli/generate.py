@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch compute threads")
     p.add_argument("--quantization", default=None, choices=tuple(QUANTIZATION_SCHEMES),
-                   help="fp16: half-size weights; int8: int8 weights and activations "
+                   help="int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
+                        "int8: int8 weights and activations "
                         "(CPU fp32; default none)")  # fmt: skip
 
 

@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="auto | cpu | cuda[:n]")
     p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     p.add_argument("--quantization", default=None, choices=tuple(QUANTIZATION_SCHEMES),
-                   help="fp16: half-size weights; int8: int8 weights and activations "
+                   help="int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
+                        "int8: int8 weights and activations "
                         "(CPU fp32; default none)")  # fmt: skip
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool bytes")
     p.add_argument("--max-num-seqs", type=int, default=None)

@@ -210,11 +210,12 @@ QUANTIZATION_SCHEMES = {
     "none": "",
     "int8": "int8-qkv-o-gateup-lmhead-w7a8-v1",
     "fp16": "fp16-weights-all-linears-lmhead-v1",
+    "int8-weight-only": "int8-weights-scale-per-32-all-linears-lmhead-v1",
 }
 
 
 def normalize_quantization(quantization: str | None) -> str:
-    """`none`, `int8` or `fp16` from a flag value; ValueError naming the choices otherwise."""
+    """A `QUANTIZATION_SCHEMES` name from a flag value; ValueError naming the choices otherwise."""
     name = "none" if quantization is None else str(quantization).strip().lower()
     if name not in QUANTIZATION_SCHEMES:
         raise ValueError(

@@ -1,14 +1,20 @@
 """Paged-KV kernels: KV write (optionally fused with RoPE), paged attention, page gather/scatter
 (C++ on CPU fp32 when built, torch otherwise on CPU, Triton on CUDA; Triton is imported lazily,
 only when a CUDA tensor or impl="triton" is used), and the decoder's row-wise ops (RMSNorm with
-the residual add, SiLU * up, int8 row quantization: C++ on CPU fp32, torch elsewhere)."""
+the residual add, SiLU * up, int8 row quantization: C++ on CPU fp32, torch elsewhere), and the
+int8-weight linear layer (C++ only)."""
 
 from kvrelay.kernels.errors import KernelError
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.ops import (
+    Int8Weight,
     add_rms_norm,
     gather_pages,
+    int8_linear,
+    int8_linear_available,
+    pack_int8_weight,
     paged_attention,
+    quantize_int8_weight,
     quantize_rows,
     rms_norm,
     rope_write_kv,
@@ -19,10 +25,15 @@ from kvrelay.kernels.ops import (
 
 __all__ = [
     "AttentionMetadata",
+    "Int8Weight",
     "KernelError",
     "add_rms_norm",
     "gather_pages",
+    "int8_linear",
+    "int8_linear_available",
+    "pack_int8_weight",
     "paged_attention",
+    "quantize_int8_weight",
     "quantize_rows",
     "rms_norm",
     "rope_write_kv",

@@ -24,11 +24,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("plan.cpp", "attention.cpp", "cache_ops.cpp", "rowwise.cpp", "bindings.cpp")
+SOURCES = ("plan.cpp", "attention.cpp", "cache_ops.cpp", "rowwise.cpp", "wint8.cpp", "bindings.cpp")
 HEADERS = ("ops.h", "parallel.h", "vec.h")
 # -ffp-contract=off: the compiler must not fuse a*b+c on its own; the kernels place their FMAs
 # explicitly, so the arithmetic of a row is exactly what the source says.
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17")
+# -fopenmp: at::parallel_for (ATen/Parallel-inl.h) only splits work across torch's threads when
+# the including file is compiled with OpenMP; without it every kernel ran on one thread. The
+# library links libgomp.so.1, which resolves to the one torch already loaded (same soname).
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 ENV_FORCE = "KVRELAY_KERNELS_CPU"
 
 _lock = threading.Lock()
@@ -86,6 +90,7 @@ def build(verbose: bool = False) -> ModuleType:
         name=name,
         sources=[str(SOURCE_DIR / s) for s in SOURCES],
         extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
         build_directory=str(build_dir),
         verbose=verbose,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -209,3 +210,71 @@ def quantize_rows(x: torch.Tensor, qmax: int, zero_point: int) -> tuple[torch.Te
         scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).div_(qmax)
         return torch.round(x / scale).add_(zero_point).to(torch.uint8), scale
     return tuple(ext.quantize_rows(x, float(qmax), zero_point))
+
+
+INT8_GROUP = 64  # output columns per packed group of `int8_linear`'s layout
+INT8_SCALE_BLOCK = 32  # consecutive inputs (k) sharing one scale, like llama.cpp's Q8_0
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    """A weight [out_features, in_features] packed for `int8_linear`."""
+
+    packed: torch.Tensor  # int8 [ceil(N / 64), K, 64]
+    scales: torch.Tensor  # fp32 [ceil(N / 64), ceil(K / 32), 64]
+    out_features: int
+    in_features: int
+
+
+def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 q [N, K], fp32 scales [N, ceil(K / 32)]): symmetric, one scale per 32 inputs of
+    each output, q = round(w / scale) in [-127, 127]."""
+    w = weight.detach().float()
+    n, k = w.shape
+    blocks = -(-k // INT8_SCALE_BLOCK)
+    padded = torch.zeros(n, blocks * INT8_SCALE_BLOCK)
+    padded[:, :k] = w
+    grouped = padded.view(n, blocks, INT8_SCALE_BLOCK)
+    scales = grouped.abs().amax(dim=2).clamp_min(1e-12) / 127
+    q = torch.round(grouped / scales[:, :, None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(n, -1)[:, :k].contiguous(), scales
+
+
+def _pack_columns(t: torch.Tensor) -> torch.Tensor:
+    n, k = t.shape
+    groups = -(-n // INT8_GROUP)
+    padded = torch.zeros(groups * INT8_GROUP, k, dtype=t.dtype)
+    padded[:n] = t
+    return padded.view(groups, INT8_GROUP, k).transpose(1, 2).contiguous()
+
+
+def pack_int8_weight(q: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
+    """`quantize_int8_weight`'s (q, scales) in `int8_linear`'s layout (zero columns pad N)."""
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise KernelError(f"need a 2-D int8 weight, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    if tuple(scales.shape) != (n, -(-k // INT8_SCALE_BLOCK)):
+        raise KernelError(f"scales {tuple(scales.shape)} do not fit a weight {tuple(q.shape)}")
+    return Int8Weight(_pack_columns(q), _pack_columns(scales.float()), n, k)
+
+
+def int8_linear_available() -> bool:
+    """True where the C++ kernel behind `int8_linear` is built (x86-64 with AVX2)."""
+    from kvrelay.kernels import cpu_build
+
+    return cpu_build.load() is not None
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] . W^T (+ bias) with W = q * scale from `pack_int8_weight` (fp32 math).
+
+    Each output is one fp32 accumulator over k = 0..K-1 in order, so a row's result is the
+    same in any batch and with any thread count. C++ only: there is no torch path with the
+    same arithmetic, callers check `int8_linear_available()`."""
+    ext = _cpp_rows(x)
+    if ext is None or x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise KernelError(
+            f"int8_linear needs the C++ kernels and CPU fp32 rows of {weight.in_features} "
+            f"features, got {x.dtype} {tuple(x.shape)} on {x.device.type}"
+        )
+    return ext.int8_linear(x.contiguous(), weight.packed, weight.scales, bias, weight.out_features)

@@ -175,7 +175,14 @@ def test_weights_are_chosen_for_the_host_unless_given(tmp_path):
     from kvrelay.cli.up.command import build_programs
     from kvrelay.cli.up.topology import default_weights
 
-    assert default_weights(0, "x86_64") == ("fp16", "CPU host: fp16 weights, fp32 activations")
+    assert default_weights(0, "x86_64", int8_kernel=True) == (
+        "int8-weight-only",
+        "CPU host: int8 weights (a scale per 32), fp32 activations",
+    )
+    assert default_weights(0, "x86_64", int8_kernel=False) == (
+        "fp16",
+        "CPU host, C++ kernels not built: fp16 weights, fp32 activations",
+    )
     assert default_weights(2, "x86_64") == ("none", "GPU workers keep the model's weights")
     assert default_weights(0, "aarch64") == ("none", "no fp16 GEMM on aarch64: fp32 weights")
     for flag, want in (([], default_weights(0)[0]), (["--quantization", "none"], "none")):

@@ -91,7 +91,7 @@ def test_fingerprint_differs_from_fp32(make_engine, model_dir, loaded_model):
 
 def test_worker_config_rejects_unknown_quantization():
     env = {"KVRELAY_WORKER_QUANTIZATION": "int4"}
-    message = "unsupported quantization 'int4'; use one of none, int8, fp16"
+    message = "unsupported quantization 'int4'; use one of none, int8, fp16, int8-weight-only"
     with pytest.raises(ConfigError, match=message):
         load_worker_config(environ=env)
     assert load_worker_config(environ={}, quantization="int8").quantization == "int8"
@@ -115,7 +115,8 @@ def test_generate_rejects_unknown_quantization_env():
     r = _cli("generate", "hi", env={"KVRELAY_ENGINE_QUANTIZATION": "int4"})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
-        "kvrelay generate: error: unsupported quantization 'int4'; use one of none, int8, fp16"
+        "kvrelay generate: error: unsupported quantization 'int4'; use one of none, int8, "
+        "fp16, int8-weight-only"
     ]
 
 
@@ -123,5 +124,6 @@ def test_worker_rejects_unknown_quantization_env():
     r = _cli("worker", "decode", env={"KVRELAY_WORKER_QUANTIZATION": "int4"})
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "kvrelay worker: unsupported quantization 'int4'; use one of none, int8, fp16"
+        "kvrelay worker: unsupported quantization 'int4'; use one of none, int8, fp16, "
+        "int8-weight-only"
     ]

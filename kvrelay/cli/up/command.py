@@ -91,8 +91,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=("auto", *QUANTIZATION_SCHEMES),
         default="auto",
-        help="worker weights: auto (fp16 on x86-64 CPU hosts, else the model's), none (model "
-        "dtype), fp16 or int8 (CPU only; see docs/benchmarks.md)",
+        help="worker weights: auto (int8-weight-only on x86-64 CPU hosts, else the model's), "
+        "none (model dtype), int8-weight-only, fp16 or int8 (CPU only; see docs/benchmarks.md)",
     )
     p.add_argument("--detach", action="store_true", help="return once the stack is ready")
     p.add_argument(

@@ -110,6 +110,17 @@ std::vector<torch::Tensor> quantize(const torch::Tensor& x, double qmax, int64_t
   return {q, scales};
 }
 
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
+                          int64_t n) {
+  auto y = torch::empty({x.size(0), n}, x.options());
+  WInt8Args a{x.data_ptr<float>(), x.stride(0), packed.data_ptr<int8_t>(), scale.data_ptr<float>(),
+              bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+              y.stride(0), x.size(0), n, x.size(1)};
+  wint8_linear(a);
+  return y;
+}
+
 }  // namespace
 
 }  // namespace kvr
@@ -124,5 +135,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &kvr::norm, release(), "RMSNorm of each row");
   m.def("add_rms_norm", &kvr::add_norm, release(), "residual += delta, then RMSNorm of each row");
   m.def("silu_mul", &kvr::swiglu, release(), "SiLU(gate) * up of rows [gate | up]");
+  m.def("int8_linear", &kvr::int8_linear, release(), "x . (W * scales)^T (+ bias), W packed int8");
   m.def("quantize_rows", &kvr::quantize, release(), "Symmetric int8 per row: (uint8 q, scale)");
 }

@@ -74,4 +74,19 @@ void rms_norm(const RowArgs& args, const float* weight, float eps);
 void silu_mul(const RowArgs& args);  // x rows [gate | up], each dim wide
 void quantize_rows(const RowArgs& args, uint8_t* q, float* scales, float qmax, int zero_point);
 
+// y [m, n] = x [m, k] . (q * scale)^T (+ bias): q packed as [ceil(n / 64)][k][64] int8, one
+// scale per 32 k of a column, packed as [ceil(n / 64)][ceil(k / 32)][64] fp32.
+struct WInt8Args {
+  const float* x;
+  int64_t x_stride;
+  const int8_t* packed;
+  const float* scale;
+  const float* bias;   // [n] or nullptr
+  float* y;
+  int64_t y_stride;
+  int64_t m, n, k;
+};
+
+void wint8_linear(const WInt8Args& args);
+
 }  // namespace kvr

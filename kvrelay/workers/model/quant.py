@@ -1,4 +1,10 @@
-"""Smaller weights for CPU fp32 models: `--quantization int8` and `--quantization fp16`.
+"""Smaller weights for CPU fp32 models: `--quantization int8`, `fp16` and `int8-weight-only`.
+
+int8-weight-only (`Int8WeightLinear`): int8 weights with one fp32 scale per 32 inputs of each
+output (llama.cpp's Q8_0 blocks), fp32 activations and sums (`kvrelay.kernels.int8_linear`,
+C++). A quarter of fp32's bytes per step (plus 1/8 for the scales), about half of fp16's, with
+nothing rounded but the weights; every output is one fp32 accumulator over k in order, so a
+row's result is bitwise the same in any batch.
 
 fp16 (`Fp16Linear`): weights stored as IEEE half, converted to fp32 inside fbgemm's GEMM, fp32
 activations and accumulation. Half the bytes of fp32 per step (batch 1 decode is bound by
@@ -32,10 +38,11 @@ from kvrelay.core.modelref import QUANTIZATION_SCHEMES
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = tuple(QUANTIZATION_SCHEMES)  # flag values: none, int8, fp16
+QUANTIZATIONS = tuple(QUANTIZATION_SCHEMES)  # flag values: none, int8, fp16, int8-weight-only
 WEIGHT_MAX = 63  # 7-bit weights: exact int32 sums on AVX2 (see the module docstring)
 ACT_MAX = 127
 ACT_ZERO_POINT = 128
+WEIGHT_ONLY = "int8-weight-only"
 
 
 def can_quantize(weight: torch.Tensor, method: str = "int8") -> bool:
@@ -44,6 +51,8 @@ def can_quantize(weight: torch.Tensor, method: str = "int8") -> bool:
         return False
     if method == "fp16":
         return "fbgemm" in torch.backends.quantized.supported_engines
+    if method == WEIGHT_ONLY:
+        return kernels.int8_linear_available()
     return hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
@@ -112,8 +121,29 @@ class Fp16Linear:
         return y if self.bias is None else y.add_(self.bias)
 
 
+class Int8WeightLinear:
+    """Drop-in for `model.Linear` (same call): y = x W^T + b, W int8 with a scale per 32 inputs."""
+
+    __slots__ = ("weight", "bias", "out_features", "in_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if not can_quantize(weight, WEIGHT_ONLY):
+            raise ValueError(
+                f"int8-weight-only needs CPU float32 weights (got {weight.dtype} on "
+                f"{weight.device.type}) and the C++ CPU kernels (x86-64 with AVX2)"
+            )
+        self.weight = kernels.pack_int8_weight(*kernels.quantize_int8_weight(weight))
+        self.out_features, self.in_features = self.weight.out_features, self.weight.in_features
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.int8_linear(x, self.weight, self.bias)
+
+
 def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None):
     """`method`'s linear layer for a dense fp32 weight."""
     if method == "fp16":
         return Fp16Linear(weight, bias)
+    if method == WEIGHT_ONLY:
+        return Int8WeightLinear(weight, bias)
     return Int8Linear(weight, bias)

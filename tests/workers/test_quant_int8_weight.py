@@ -1,0 +1,63 @@
+"""`--quantization int8-weight-only`: int8 weights with a scale per 32 inputs, fp32 activations and
+sums (C++); row, batch and chunk invariance, the greedy answer of fp32, its own fingerprint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.core.modelref import model_fingerprint
+from kvrelay.core.sampling import SamplingParams
+from kvrelay.kernels import quantize_int8_weight
+from kvrelay.workers.model.quant import Int8WeightLinear, can_quantize
+from tests.workers.conftest import (
+    check_alone_equals_in_batch_of_8_and_chunked,
+    quantized_engine_factory,
+)
+
+if not can_quantize(torch.zeros(1, 1), "int8-weight-only"):
+    pytest.skip("C++ CPU kernels unavailable (int8-weight-only)", allow_module_level=True)
+
+# fp32's greedy answer to "What is the capital of France?": "The capital of France is Paris."
+FP32_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]
+
+
+make_engine = quantized_engine_factory("int8-weight-only")
+
+
+def test_linear_rounds_only_the_weights_to_8_bits_per_channel():
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 1536, generator=g) * 0.05, torch.randn(96, generator=g)
+    x = torch.randn(70, 1536, generator=g) * 3
+    lin = Int8WeightLinear(weight, bias)
+    q, scales = quantize_int8_weight(weight)
+    assert int(q.abs().max()) == 127  # the full 8 bits: the sums are fp32, nothing saturates
+    per_k = scales.double().repeat_interleave(32, dim=1)
+    dequant = q.double() * per_k
+    assert bool(((dequant - weight.double()).abs() <= per_k / 2 + 1e-9).all())
+    ref = x.double() @ dequant.T + bias.double()
+    torch.testing.assert_close(lin(x).double(), ref, rtol=1e-5, atol=1e-4)
+    for start, rows in ((0, 1), (5, 2), (1, 12)):
+        assert torch.equal(lin(x[start : start + rows]), lin(x)[start : start + rows])
+    with pytest.raises(ValueError, match="int8-weight-only needs CPU float32 weights"):
+        Int8WeightLinear(weight.double())
+
+
+def test_greedy_answer_is_fp32s(make_engine):
+    engine = make_engine()
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert out.output_token_ids == FP32_ANSWER
+
+
+def test_alone_equals_in_batch_of_8_and_chunked(make_engine):
+    check_alone_equals_in_batch_of_8_and_chunked(make_engine)
+
+
+def test_fingerprint_is_its_own(make_engine, model_dir):
+    own = model_fingerprint(model_dir, "float32", "int8-weight-only")
+    assert make_engine().fingerprint == own
+    others = {model_fingerprint(model_dir, "float32", m) for m in ("none", "int8", "fp16")}
+    assert own not in others

@@ -216,7 +216,9 @@ def precision(name: str, args) -> str:
         q = default_weights(0)[0] if args.quantization == "auto" else args.quantization
         how = " (`kvrelay up` default)" if args.quantization == "auto" else ""
         weights = {"none": "fp32 weights", "fp16": "fp16 weights (fp32 activations)",
-                   "int8": "int8 linears (down fp32), int8 activations"}[q]  # fmt: skip
+                   "int8": "int8 linears (down fp32), int8 activations",
+                   "int8-weight-only": "int8 weights, a scale per 32 (fp32 activations)",
+                   }[q]  # fmt: skip
         return f"{weights}{how}, fp32 KV"
     if name == "llama":
         model = args.llama_model or "SmolLM2-135M-Instruct.Q4_1.gguf"

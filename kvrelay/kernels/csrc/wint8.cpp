@@ -1,13 +1,14 @@
 // Linear layer with int8 weights and fp32 activations (weight-only quantization), one scale per
 // 32 consecutive k of each output column (like llama.cpp's Q8_0 blocks):
-// y[m, n] = sum_k x[m, k] * (q[n, k] * scale[n, k / 32]) (+ bias[n]).
+// y[m, n] = sum_b scale[n, b] * (sum_{k in block b} x[m, k] * q[n, k]) (+ bias[n]).
 //
 // Batch 1 decode reads every weight once per step, so its speed is the weights' bytes over the
 // memory bandwidth: int8 reads a quarter of fp32 and half of fp16. The int8 values are widened
-// to fp32 in registers and multiplied by their block's scale; the arithmetic is fp32 FMA.
+// to fp32 in registers (exact); the arithmetic is fp32 FMA.
 //
-// Invariance: each output (m, n) is one accumulator that starts at 0 and takes the FMAs of
-// x[m, k] * (q[n, k] * scale) for k = 0, 1, ..., K-1 in that order, then one add of the bias.
+// Invariance: each output (m, n) has a block sum that starts at 0 and takes the FMAs of
+// x[m, k] * q[n, k] for the block's k in order, and a total that takes one FMA of each block
+// sum by its scale, blocks in order, then one add of the bias.
 // That sequence does not depend on the other rows, on how rows and columns are tiled or on the
 // thread count, so a row's result is bitwise the same in any batch. Outputs sit in vector
 // lanes (16 columns per block), never reduced across lanes.
@@ -53,34 +54,41 @@ inline void store8(float* y, __m256 v, int64_t n0, int64_t n) {
   for (int i = 0; n0 + i < n; ++i) y[n0 + i] = t[i];
 }
 
-// R rows x NB sub-blocks: acc[r][j] holds 8 columns (j / 2 sub-block, j % 2 half).
+// R rows x NB sub-blocks: acc[r][j] holds 8 columns (j / 2 sub-block, j % 2 half) of the
+// current 32-k block's sum; at the block's end it is folded into tot with one FMA by the
+// block's scale (tot lives in L1: it is touched once per 32 k).
 template <int R, int NB>
 void tile(const WInt8Args& a, int64_t m0, int64_t group, int sub0) {
   constexpr int J = 2 * NB;
-  __m256 acc[R][J];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
+  alignas(32) float tot[R][J][8] = {};
   const int64_t K = a.k, xs = a.x_stride, blocks = (K + kScaleBlock - 1) / kScaleBlock;
   const int8_t* w = a.packed + group * K * kGroup + sub0 * kSub;
   const float* sc = a.scale + group * blocks * kGroup + sub0 * kSub;
   const float* x = a.x + m0 * xs;
   for (int64_t k0 = 0; k0 < K; k0 += kScaleBlock, sc += kGroup) {
-    __m256 sv[J];
+    __m256 acc[R][J];
 #pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) sv[j] = _mm256_loadu_ps(sc + 8 * j);
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
     const int64_t k1 = std::min<int64_t>(K, k0 + kScaleBlock);
     for (int64_t k = k0; k < k1; ++k, w += kGroup) {
       __m256 wv[J];
 #pragma GCC unroll 8
-      for (int j = 0; j < J; ++j) wv[j] = _mm256_mul_ps(widen8(w + 8 * j), sv[j]);
+      for (int j = 0; j < J; ++j) wv[j] = widen8(w + 8 * j);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_broadcast_ss(x + r * xs + k);
 #pragma GCC unroll 8
         for (int j = 0; j < J; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
       }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) {
+      const __m256 s = _mm256_loadu_ps(sc + 8 * j);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        _mm256_store_ps(tot[r][j], _mm256_fmadd_ps(acc[r][j], s, _mm256_load_ps(tot[r][j])));
     }
   }
   const int64_t n0 = group * kGroup + sub0 * kSub;
@@ -91,8 +99,8 @@ void tile(const WInt8Args& a, int64_t m0, int64_t group, int sub0) {
     const __m256 b = a.bias != nullptr ? load8(a.bias, c, a.n) : _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 v = a.bias != nullptr ? _mm256_add_ps(acc[r][j], b) : acc[r][j];
-      store8(a.y + (m0 + r) * a.y_stride, v, c, a.n);
+      const __m256 t = _mm256_load_ps(tot[r][j]);
+      store8(a.y + (m0 + r) * a.y_stride, a.bias != nullptr ? _mm256_add_ps(t, b) : t, c, a.n);
     }
   }
 }
@@ -114,10 +122,11 @@ void rows_tile(const WInt8Args& a, int64_t m0, int rows, int64_t group, int sub0
 void wint8_linear(const WInt8Args& a) {
   const int64_t groups = (a.n + kGroup - 1) / kGroup;
   // One row: a whole group (8 accumulators) keeps enough independent FMA chains in flight.
-  // Two rows: half a group. More: one sub-block and up to six rows (12 accumulators), the
-  // sub-block's weights stay in L1 while the row tiles pass over them.
+  // Two rows: half a group. More: one sub-block and tiles of up to six rows (12
+  // accumulators), balanced in size; the sub-block's weights stay in L1 across the tiles.
   const int nb = a.m == 1 ? 4 : (a.m == 2 ? 2 : 1);
-  const int max_rows = nb == 1 ? 6 : static_cast<int>(a.m);
+  const int64_t tiles = (a.m + 5) / 6;
+  const int max_rows = static_cast<int>((a.m + tiles - 1) / tiles);
   const int per_group = 4 / nb;
   const int64_t units = groups * per_group;
   const int64_t work = std::max<int64_t>(1, a.m * a.k * kSub * nb);
@@ -127,13 +136,13 @@ void wint8_linear(const WInt8Args& a) {
       const int64_t group = u / per_group;
       const int sub0 = static_cast<int>(u % per_group) * nb;
       if (group * kGroup + sub0 * kSub >= a.n) continue;  // padding only
-      for (int64_t m0 = 0; m0 < a.m; m0 += max_rows) {
-        const int rows = static_cast<int>(std::min<int64_t>(max_rows, a.m - m0));
-        if (nb == 4) {
-          tile<1, 4>(a, m0, group, sub0);
-        } else if (nb == 2) {
-          tile<2, 2>(a, m0, group, sub0);
-        } else {
+      if (nb == 4) {
+        tile<1, 4>(a, 0, group, sub0);
+      } else if (nb == 2) {
+        tile<2, 2>(a, 0, group, sub0);
+      } else {
+        for (int64_t m0 = 0; m0 < a.m; m0 += max_rows) {
+          const int rows = static_cast<int>(std::min<int64_t>(max_rows, a.m - m0));
           rows_tile<1>(a, m0, rows, group, sub0);
         }
       }

@@ -6,7 +6,9 @@ prefill is chunked, decode or prefill) comes from giving every row the same arit
   identically for every row count >= 2 (measured for all our shapes, 1-1100 rows, 1-3 threads;
   1 row differs when K = 1536) and is 1.2-2.5x faster here than MKL via F.linear. Inputs are
   padded to a multiple of ROW_ALIGN = 4 rows, which is also what keeps the unpacked F.linear
-  path (MKL: 1-3 rows take GEMV, 5-11 rows differ with 2 threads) invariant;
+  path (MKL: 1-3 rows take GEMV, 5-11 rows differ with 2 threads) invariant. With
+  `--quantization int8-weight-only` every linear computes each row alone for any row count
+  (our C++ kernel), so rows are not padded (`row_align` 1): batch 1 decode computes 1 row;
 - RMSNorm and SiLU were measured row-invariant; RoPE reads a cos/sin table indexed by position
   (float64 math, computed once) and only multiplies and adds at run time;
 - attention is the kernels' batch-invariant path.
@@ -36,9 +38,9 @@ logger = logging.getLogger(__name__)
 ROW_ALIGN = 4
 
 
-def padded_rows(n: int) -> int:
-    """Rows a batch of `n` tokens is padded to (a positive multiple of ROW_ALIGN)."""
-    return max(ROW_ALIGN, -(-n // ROW_ALIGN) * ROW_ALIGN)
+def padded_rows(n: int, align: int = ROW_ALIGN) -> int:
+    """Rows a batch of `n` tokens is padded to (a positive multiple of `align`)."""
+    return max(align, -(-n // align) * align)
 
 
 def allocate_kv_pool(
@@ -130,6 +132,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = Linear.empty(config.vocab_size, config.hidden_size, False, **kw)
         self.scale = config.head_dim**-0.5
+        self.row_align = ROW_ALIGN  # 1 once every linear is row-invariant at any row count
         self._inv_freq = torch.tensor(config.inv_freq(), dtype=torch.float64)
         self._rope_cos = torch.empty(0, config.head_dim // 2, dtype=dtype, device=self.device)
         self._rope_sin = self._rope_cos
@@ -171,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
 
         with ThreadPoolExecutor(2) as pool:  # the torch ops release the GIL: ~2x on 2 cores
             list(pool.map(convert, slots))
+        if method == "int8-weight-only" and lm_head:
+            self.row_align = 1
 
     def allocate_kv_pool(
         self, num_blocks: int, page_size: int, dtype: torch.dtype | None = None
@@ -212,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
             and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < c.vocab_size
         ):  # on CUDA this check would cost a device sync; the engine validates
             raise ValueError(f"token ids must be in [0, {c.vocab_size})")
-        rows = padded_rows(num_tokens)
+        rows = padded_rows(num_tokens, self.row_align)
         ids = input_ids.to(self.device, torch.long)
         pos = positions.to(self.device, torch.long)
         if rows != num_tokens:  # pad rows: token 0 at position 0, never written nor attended
@@ -261,7 +266,8 @@ class LlamaForCausalLM(nn.Module):
         """Final norm + LM head on the selected rows (padded for invariance); fp32 [S, vocab]."""
         num = int(logits_indices.shape[0])
         selected = hidden[logits_indices.to(self.device, torch.long)]
-        if padded_rows(num) != num:
-            selected = F.pad(selected, (0, 0, 0, padded_rows(num) - num))
+        rows = padded_rows(num, self.row_align)
+        if rows != num:
+            selected = F.pad(selected, (0, 0, 0, rows - num))
         x = rms_norm(selected, self.norm, self.config.rms_norm_eps)
         return self.lm_head(x)[:num].float()

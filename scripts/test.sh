@@ -8,6 +8,8 @@ PY=${PYTHON:-python3}
 # One-way layers (core <- components <- {workers, bench} <- cli): import-linter's contracts in
 # pyproject.toml, run through the interpreter (its console script may not be on PATH).
 "$PY" -c "import sys; from importlinter.cli import lint_imports_command as m; sys.exit(m())"
+# No import cycles between modules (TYPE_CHECKING-only imports aside): grimp + Tarjan's SCC.
+"$PY" scripts/check_cycles.py
 # Convert the bundled GGUF model once (cached under $KVRELAY_CACHE_DIR) before the timed tests.
 "$PY" -c "from kvrelay.workers.model.loader import prepare_model; prepare_model('smollm2-135m-instruct')"
 exec "$PY" -m pytest -q -p no:cacheprovider --durations=25 "$@"

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrelay.core.errors import KvrelayError
+
 BUILTIN = ("short", "shared-prefix", "long", "multi-turn")
 TOPICS = [
     "the sea",
@@ -54,7 +56,7 @@ LONG_WORDS = 1800  # about 2,000 SmolLM2 tokens
 MULTI_TURN_TURNS = 4
 
 
-class DatasetError(ValueError):
+class DatasetError(KvrelayError, ValueError):
     """A prompt set that cannot be built (unknown name, unreadable or malformed file)."""
 
 

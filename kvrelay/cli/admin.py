@@ -7,7 +7,8 @@ import json
 import os
 from typing import Any
 
-from kvrelay.cli.main import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, CommandError
+from kvrelay.cli.errors import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, CommandError
+from kvrelay.core.enums import Stage
 
 
 def connection_args(p: argparse.ArgumentParser) -> None:
@@ -65,10 +66,10 @@ def connect(args: argparse.Namespace):
 
 def topology_of(workers: list[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
     """Live worker counts by role, and what `kvrelay up` chose (when its stack.json is known)."""
-    live = {role: sum(w.get("role") == role for w in workers) for role in ("prefill", "decode")}
-    layout = "disaggregated" if live["prefill"] else "colocated"
+    live = {role: sum(w.get("role") == role for w in workers) for role in Stage}
+    layout = "disaggregated" if live[Stage.PREFILL] else "colocated"
     summary = f"{live['prefill']} prefill + {live['decode']} decode live ({layout}"
-    summary += ")" if live["prefill"] else ": decode workers prefill locally)"
+    summary += ")" if live[Stage.PREFILL] else ": decode workers prefill locally)"
     chosen = state.get("topology") or {}
     if chosen.get("summary"):
         summary += f"; kvrelay up: {chosen['summary']}"
@@ -107,7 +108,7 @@ def run_status(args: argparse.Namespace) -> int:
         return data
 
     if args.watch:
-        from kvrelay.cli.main import redact_url
+        from kvrelay.cli.errors import redact_url
         from kvrelay.cli.status_watch import watch
 
         return watch(snapshot, redact_url(args.redis_url), args.interval)

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvrelay.cli.main import CommandError
+from kvrelay.cli.errors import EXIT_FAILURE, CommandError
 
 logger = logging.getLogger(__name__)
 
@@ -238,9 +238,7 @@ def run(args: argparse.Namespace) -> int:
         names = ", ".join(p.name for p in paths)
         print(f"kvrelay bench: wrote {out_dir}/results.json, {names}", file=sys.stderr)
     if result.num_errors:
-        print(
-            f"kvrelay bench: {result.num_errors} of {len(result.records)} requests failed",
-            file=sys.stderr,
+        raise CommandError(
+            f"{result.num_errors} of {len(result.records)} requests failed", EXIT_FAILURE
         )
-        return 1
     return 0

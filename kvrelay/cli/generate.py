@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvrelay.cli.errors import CommandError
 from kvrelay.core.modelref import QUANTIZATION_SCHEMES
 
 EXIT_BAD_INPUT = 2
 _REQUEST_KEYS = {"id", "prompt", "messages"}
 
 
-class CLIInputError(ValueError):
+class CLIInputError(CommandError, ValueError):
     """Bad flags or batch file: reported as one line on stderr, exit code 2."""
 
 
@@ -39,13 +40,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-file", type=Path, default=None,
         help='JSONL file: {"id", "prompt"|"messages", sampling fields...} per line',
     )  # fmt: skip
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=None, help="torch compute threads")
-    p.add_argument("--quantization", default=None, choices=tuple(QUANTIZATION_SCHEMES),
-                   help="int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
-                        "int8: int8 weights and activations "
-                        "(CPU fp32; default none)")  # fmt: skip
+    for flag, dest, kind, help_text in engine_flags():
+        choices = tuple(QUANTIZATION_SCHEMES) if dest == "quantization" else None
+        p.add_argument(flag, dest=dest, type=kind, default=None, choices=choices, help=help_text)
+
+
+# (field, help): the engine's flags, generated from EngineConfig; its variables are the
+# worker's (KVRELAY_WORKER_*, see kvrelay.workers.config).
+_ENGINE_HELP = [
+    ("max_num_seqs", "most sequences per step"),
+    ("max_num_batched_tokens", "most tokens per step"),
+    ("num_threads", "torch compute threads (none: torch's default)"),
+    ("quantization", "int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
+                     "int8: int8 weights and activations (CPU fp32)"),
+]  # fmt: skip
+
+
+def engine_flags() -> list[tuple[str, str, Any, str]]:
+    """(flag, field, type, help) of the engine settings `generate` takes."""
+    from kvrelay.core.config import setting_flags
+    from kvrelay.workers.config import SECTION, engine_env_names
+    from kvrelay.workers.engine.config import EngineConfig
+
+    return setting_flags(EngineConfig, SECTION, _ENGINE_HELP, engine_env_names())
 
 
 def _sampling_fields() -> set[str]:
@@ -138,14 +155,6 @@ def _result(out, text: str, started: float, first_token: float | None) -> dict[s
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except CLIInputError as exc:
-        print(f"kvrelay generate: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-
-
-def _run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.batch_file is None):
         raise CLIInputError("give a PROMPT or --batch-file (exactly one)")
     defaults = _flag_sampling(args)
@@ -164,11 +173,14 @@ def _run(args: argparse.Namespace) -> int:
             raise CLIInputError(f"request {req['id']!r}: {exc}") from exc
     from kvrelay.core.config import ConfigError, from_env
     from kvrelay.core.modelref import ModelNotFoundError
+    from kvrelay.workers.config import DEPRECATED_SECTIONS, SECTION, engine_env_names
     from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
     from kvrelay.workers.errors import EngineError, InvalidRequestError
 
     try:
-        config = from_env(EngineConfig, "engine", model=args.model,
+        # the worker's spelling (KVRELAY_WORKER_*), KVRELAY_ENGINE_* deprecated
+        config = from_env(EngineConfig, SECTION, deprecated=DEPRECATED_SECTIONS,
+                          env_names=engine_env_names(), model=args.model,
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           num_threads=args.num_threads,

@@ -11,36 +11,27 @@ import argparse
 import importlib
 import logging
 import os
-import re
 import sys
 from typing import NoReturn
 
-
-class CommandError(Exception):
-    """A failure reported as one line `kvrelay <cmd>: [error: ]message` on stderr."""
-
-    def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-# Exit codes of the CLI contract (docs/operations.md, "Exit codes").
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
-EXIT_UNAVAILABLE = EXIT_FAILURE  # Redis or the store node down or not answering
-
-# Commands whose errors follow the contract: one line `kvrelay <cmd>: error: <message>`, usage
-# errors included. The others keep `kvrelay <cmd>: <message>` until their tests move too.
-CONTRACT_COMMANDS = frozenset({"status", "requests", "dlq", "drain", "kv"})
+from kvrelay.cli.errors import (  # noqa: F401  (re-exported: commands import them from here)
+    EXIT_FAILURE,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    CommandError,
+    redact_url,
+)
+from kvrelay.core.config import ConfigError
+from kvrelay.core.errors import KvrelayError
+from kvrelay.core.modelref import ModelNotFoundError
 
 
 class CommandParser(argparse.ArgumentParser):
-    """A command's parser; with `one_line` its usage errors are one line (exit 2)."""
-
-    one_line = False
+    """A command's parser: its usage errors are one line `<prog>: error: ...` (exit 2)."""
 
     def error(self, message: str) -> NoReturn:
-        if not self.one_line:
-            super().error(message)
         line = " ".join(message.split())
         self.exit(EXIT_USAGE, f"{self.prog}: error: {line} (see `{self.prog} --help`)\n")
 
@@ -60,11 +51,12 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("kv", "kvrelay.cli.store", "inspect the KV page store"),
     ("generate", "kvrelay.cli.generate", "generate text in-process (no Redis)"),
     ("bench", "kvrelay.cli.bench", "benchmark an OpenAI-compatible server"),
+    ("config", "kvrelay.cli.config", "show the effective settings (flags aside)"),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kvrelay", description="Disaggregated LLM serving over Redis streams."
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -79,16 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
             continue  # command not built yet
         hook = getattr(module, f"add_{name}_arguments", None) or module.add_arguments
         cmd = sub.add_parser(name, help=help_text, description=help_text)
-        cmd.one_line = name in CONTRACT_COMMANDS
         hook(cmd)
         runner = getattr(module, f"run_{name}", None) or module.run
-        cmd.set_defaults(_run=runner)
+        cmd.set_defaults(_run=runner, _parser=cmd)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the command's parser, so the line reads `kvrelay <cmd>: error: ...`
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -104,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         # stdout goes to /dev/null so the interpreter's final flush cannot complain again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
-    except CommandError as exc:
-        _fail(args, str(exc))
-        return exc.exit_code
+    except KvrelayError as exc:  # raised on purpose with a message that says what went wrong
+        _fail(args, str(exc) or type(exc).__name__)
+        return exit_code(exc)
     except Exception as exc:
         message = _redis_unavailable(args, exc)
         if message is None:
@@ -115,9 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNAVAILABLE
 
 
+def exit_code(exc: KvrelayError) -> int:
+    """The one place a kvrelay error becomes an exit code: bad settings or model are usage (2)."""
+    if isinstance(exc, CommandError):
+        return exc.exit_code
+    if isinstance(exc, ConfigError | ModelNotFoundError):
+        return EXIT_USAGE
+    return EXIT_FAILURE
+
+
 def _fail(args: argparse.Namespace, message: str) -> None:
-    tag = "error: " if args.command in CONTRACT_COMMANDS else ""
-    print(f"kvrelay {args.command}: {tag}{' '.join(message.split())}", file=sys.stderr)
+    print(f"kvrelay {args.command}: error: {' '.join(message.split())}", file=sys.stderr)
 
 
 def _redis_unavailable(args: argparse.Namespace, exc: Exception) -> str | None:
@@ -132,13 +133,5 @@ def _redis_unavailable(args: argparse.Namespace, exc: Exception) -> str | None:
     return f"{where} is not reachable ({exc}); is the stack running?"
 
 
-def redact_url(url: str) -> str:
-    """The URL without its password."""
-    return re.sub(r"//([^:/@]*):[^@/]*@", r"//\1:***@", url)
-
-
 if __name__ == "__main__":
-    # run the imported module's main: commands raise *its* CommandError, not __main__'s
-    from kvrelay.cli.main import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from kvrelay.cli.admin import connect, connection_args, print_json
-from kvrelay.cli.main import EXIT_FAILURE, EXIT_NOT_FOUND, CommandError
+from kvrelay.cli.errors import EXIT_FAILURE, EXIT_NOT_FOUND, CommandError
 
 ENTRY_ID = re.compile(r"\d+-\d+")  # a full stream entry id, as `kvrelay dlq ls` prints it
 

@@ -11,35 +11,32 @@ import logging
 import signal
 import sys
 
+from kvrelay.core.config import config_file_help, setting_flags
+from kvrelay.pipeline.server.config import SECTION, IngressConfig
+
 logger = logging.getLogger(__name__)
 
+# (field, help[, flag]): names, types and defaults come from IngressConfig
+# (KVRELAY_INGRESS_*); `kvrelay up` passes the limits on from this same table.
+_HELP = [
+    ("redis_url", "Redis/Valkey URL (or the shared KVRELAY_REDIS_URL)"),
+    ("key_prefix", "prefix of every Redis key (or the shared KVRELAY_KEY_PREFIX)"),
+    ("host", "address to listen on"),
+    ("port", "port to listen on"),
+    ("max_body_bytes", "largest request body in bytes"),
+    ("max_prompt_tokens", "longest prompt accepted"),
+    ("max_tokens_limit", "largest max_tokens"),
+    ("route_threshold", "auto mode: prompts with at most this many uncached tokens go straight "
+                        "to decode"),
+    ("max_waiting", "429 when this many entries wait in the streams"),
+    ("max_inflight", "429 beyond this many open requests"),
+    ("retry_after_s", "Retry-After seconds on a 429", "--retry-after"),
+    ("request_timeout_s", "request deadline in seconds", "--request-timeout"),
+    ("disconnect_grace_s", "seconds a disconnected client may reconnect (Last-Event-ID) before "
+                           "its request is cancelled; 0 cancels at once", "--disconnect-grace"),
+]  # fmt: skip
 # (flag, config field, type, help)
-SERVE_FLAGS: list[tuple[str, str, type, str]] = [
-    ("--redis-url", "redis_url", str, "Redis/Valkey URL (default redis://127.0.0.1:6379/0)"),
-    ("--key-prefix", "key_prefix", str, "prefix of every Redis key (default kvrelay:)"),
-    ("--host", "host", str, "address to listen on (default 127.0.0.1)"),
-    ("--port", "port", int, "port to listen on (default 8000)"),
-    ("--max-body-bytes", "max_body_bytes", int, "largest request body (default 4 MiB)"),
-    ("--max-prompt-tokens", "max_prompt_tokens", int, "longest prompt accepted (default 32768)"),
-    ("--max-tokens-limit", "max_tokens_limit", int, "largest max_tokens (default 4096)"),
-    (
-        "--route-threshold",
-        "route_threshold",
-        int,
-        "auto mode: prompts with at most this many uncached tokens go straight to decode (64)",
-    ),
-    ("--max-waiting", "max_waiting", int, "429 when this many entries wait in the streams (512)"),
-    ("--max-inflight", "max_inflight", int, "429 beyond this many open requests (4096)"),
-    ("--retry-after", "retry_after_s", int, "Retry-After seconds on a 429 (default 1)"),
-    ("--request-timeout", "request_timeout_s", float, "request deadline in seconds (600)"),
-    (
-        "--disconnect-grace",
-        "disconnect_grace_s",
-        float,
-        "seconds a disconnected client may reconnect (Last-Event-ID) before its request "
-        "is cancelled; 0 cancels at once (default 10)",
-    ),
-]
+SERVE_FLAGS: list[tuple[str, str, type, str]] = setting_flags(IngressConfig, SECTION, _HELP)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="accepted API key (repeatable); prefer KVRELAY_API_KEYS, which "
         "does not show in the process list",
     )
+    parser.add_argument("--config", default=None, metavar="FILE", **config_file_help("ingress"))
 
 
 def config_from_args(args: argparse.Namespace):
@@ -77,20 +75,15 @@ def config_from_args(args: argparse.Namespace):
     overrides["mode"] = args.mode
     overrides["models"] = tuple(args.models) if args.models else None
     overrides["api_keys"] = tuple(args.api_keys) if args.api_keys else None
-    return load_config(**overrides)
+    return load_config(config_file=getattr(args, "config", None), **overrides)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvrelay.core.config import ConfigError
     from kvrelay.pipeline.server.app import create_app
 
-    try:
-        config = config_from_args(args)
-    except ConfigError as exc:
-        logger.error("%s", exc)
-        return 2
+    config = config_from_args(args)  # a ConfigError is one line, exit 2 (kvrelay.cli.main)
     logger.info(
         "ingress on http://%s:%d (redis %s, mode %s, models %s, api keys %s)",
         config.host,

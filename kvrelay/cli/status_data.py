@@ -10,6 +10,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.core.enums import Stage
+
 logger = logging.getLogger(__name__)
 
 # Worker series read from its /metrics (summed over labels), as status keys
@@ -147,7 +149,7 @@ def add_rates(data: dict[str, Any], sampler: RateSampler | None, now: float) -> 
 def collect(r: Any, keys: Any, store_dir: str | None, sampler: RateSampler | None) -> dict:
     """One status snapshot: the Redis view, worker counters, KV tiers and tokens/s."""
     data = status(r, keys, store_dir)
-    for stream, stage in zip(data["streams"], ("prefill", "decode"), strict=True):
+    for stream, stage in zip(data["streams"], tuple(Stage), strict=True):
         stream["stage"] = stage
     scrape_workers(data["workers"])
     data["tiers"] = kv_tiers(data["workers"], data["store"])

@@ -6,54 +6,64 @@ import argparse
 import json
 import logging
 import signal
+from typing import Any
+
+from kvrelay.core.config import config_file_help
 
 logger = logging.getLogger(__name__)
 
-_FLAGS = [  # (flag, type, help); every flag is also KVRELAY_STORE_<NAME>
-    ("--node-id", str, "this node's id (unique per host; default node0)"),
-    ("--run-dir", str, "directory of the local socket (kvstore.sock); default /tmp/kvrelay"),
-    ("--redis-url", str, "Redis/Valkey URL for the page directory (omit: no remote fetches)"),
-    ("--key-prefix", str, "Redis key prefix (default kvrelay:)"),
-    ("--arena-bytes", int, "size of the shared-memory arena (default 1 GiB)"),
-    ("--disk-dir", str, "directory of the disk tier (omit: no disk tier)"),
-    ("--disk-bytes", int, "disk tier size cap (default 16 GiB)"),
-    ("--page-bytes", int, "payload bytes of one page (or give --model)"),
-    ("--model", str, "model whose pages this node stores (sets page bytes and fingerprint)"),
-    ("--dtype", str, "page dtype with --model (default float32)"),
-    ("--page-size", int, "tokens per page with --model (default 16)"),
-    ("--quantization", str, "workers' weight quantization with --model: none or int8"),
-    ("--fingerprint", str, "accept only pages of this model fingerprint"),
-    ("--listen-host", str, "address of the remote-transfer listeners (default 127.0.0.1)"),
-    ("--advertise-host", str, "address peers dial (default the listen host)"),
-    ("--tcp-port", int, "TCP transfer port (0 = any, -1 = off)"),
-    ("--ucx-port", int, "UCX transfer port (0 = any, -1 = off)"),
-    ("--transport", str, "remote fetch transport: auto, ucx or tcp"),
-    ("--secret", str, "shared secret of the store nodes (HMAC challenge)"),
-    ("--transfer-timeout-s", float, "bound on one remote transfer (default 5)"),
-    ("--metrics-port", int, "serve Prometheus metrics on this port"),
-    ("--keep-arena", str, "keep the arena file on stop for a fast restart (default true)"),
+# (field, help): flag names, types and defaults come from StoreConfig; every flag is also
+# KVRELAY_STORE_<FIELD> (and --redis-url/--key-prefix the shared KVRELAY_REDIS_URL/KEY_PREFIX).
+_HELP = [
+    ("node_id", "this node's id (unique per host)"),
+    ("run_dir", "directory of the local socket (kvstore.sock)"),
+    ("redis_url", "Redis/Valkey URL for the page directory (none: no remote fetches)"),
+    ("key_prefix", "Redis key prefix"),
+    ("arena_bytes", "size of the shared-memory arena"),
+    ("disk_dir", "directory of the disk tier (none: no disk tier)"),
+    ("disk_bytes", "disk tier size cap"),
+    ("page_bytes", "payload bytes of one page (or give --model)"),
+    ("model", "model whose pages this node stores (sets page bytes and fingerprint)"),
+    ("dtype", "page dtype with --model"),
+    ("page_size", "tokens per page with --model"),
+    ("quantization", "workers' weight quantization with --model (fingerprint)"),
+    ("fingerprint", "accept only pages of this model fingerprint (none: any)"),
+    ("listen_host", "address of the remote-transfer listeners"),
+    ("advertise_host", "address peers dial (none: the listen host)"),
+    ("tcp_port", "TCP transfer port (0 = any, -1 = off)"),
+    ("ucx_port", "UCX transfer port (0 = any, -1 = off)"),
+    ("transport", "remote fetch transport: auto, ucx or tcp"),
+    ("secret", "shared secret of the store nodes (HMAC challenge)"),
+    ("transfer_timeout_s", "bound on one remote transfer in seconds"),
+    ("metrics_port", "serve Prometheus metrics on this port (none: off)"),
+    ("keep_arena", "keep the arena file on stop for a fast restart"),
 ]
 
 
+def _flags() -> list[tuple[str, str, Any, str]]:
+    from kvrelay.core.config import setting_flags
+    from kvrelay.kvstore.config import StoreConfig
+
+    return setting_flags(StoreConfig, "store", _HELP)
+
+
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
-    for flag, type_, help_ in _FLAGS:
-        p.add_argument(flag, type=type_, default=None, help=help_)
+    for flag, dest, kind, help_text in _flags():
+        p.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
+    p.add_argument("--config", default=None, metavar="FILE", **config_file_help("store"))
 
 
 def build_config(args: argparse.Namespace):
     """StoreConfig from defaults, KVRELAY_STORE_* and flags; resolves --model to a page size."""
     from dataclasses import replace
 
-    from kvrelay.core.config import from_env
+    from kvrelay.cli.errors import CommandError
+    from kvrelay.core.config import from_env, read_config_file
     from kvrelay.kvstore.config import StoreConfig
 
-    overrides = {
-        f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_"), None) for f, _, _ in _FLAGS
-    }
-    keep = overrides.pop("keep_arena")
-    if keep is not None:
-        overrides["keep_arena"] = keep.strip().lower() not in ("0", "false", "no", "off")
-    cfg = from_env(StoreConfig, "store", **overrides)
+    overrides = {dest: getattr(args, dest, None) for _f, dest, _k, _h in _flags()}
+    file_values = read_config_file(getattr(args, "config", None), "store")
+    cfg = from_env(StoreConfig, "store", file_values=file_values, **overrides)
     if cfg.model is not None:
         from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
 
@@ -62,30 +72,23 @@ def build_config(args: argparse.Namespace):
                 converted_dir(resolve_model(cfg.model)), cfg.dtype, cfg.quantization
             )
         except ValueError as exc:
-            raise SystemExit(f"kvrelay store: {exc}") from None
+            raise CommandError(str(exc)) from None
         page_bytes = info.page_bytes(cfg.dtype, cfg.page_size)
         if cfg.page_bytes not in (None, page_bytes):
-            raise SystemExit(
+            raise CommandError(
                 f"--page-bytes {cfg.page_bytes} contradicts --model "
                 f"{cfg.model} ({page_bytes}-byte pages)"
             )
         cfg = replace(cfg, page_bytes=page_bytes, fingerprint=cfg.fingerprint or info.fingerprint)
     if cfg.page_bytes is None:
-        raise SystemExit(
-            "kvrelay store: give --page-bytes or --model (or KVRELAY_STORE_PAGE_BYTES)"
-        )
+        raise CommandError("give --page-bytes or --model (or KVRELAY_STORE_PAGE_BYTES)")
     return cfg
 
 
 def run_store(args: argparse.Namespace) -> int:
-    from kvrelay.cli.main import CommandError
-    from kvrelay.core.config import ConfigError
     from kvrelay.kvstore.server import StoreNode
 
-    try:
-        cfg = build_config(args)
-    except ConfigError as exc:  # a bad flag or KVRELAY_STORE_* value: one line, not a traceback
-        raise CommandError(str(exc)) from exc
+    cfg = build_config(args)  # a bad flag or KVRELAY_STORE_* value: one line, exit 2
     node = StoreNode(cfg, cfg.page_bytes)
     signal.signal(signal.SIGTERM, lambda *_: node.stop())
     signal.signal(signal.SIGINT, lambda *_: node.stop())
@@ -157,7 +160,7 @@ def _page_key(args: argparse.Namespace) -> bytes | None:
 
 
 def run_kv(args: argparse.Namespace) -> int:
-    from kvrelay.cli.main import EXIT_FAILURE, EXIT_NOT_FOUND, CommandError
+    from kvrelay.cli.errors import EXIT_FAILURE, EXIT_NOT_FOUND, CommandError
     from kvrelay.kvstore.client import StoreClient
     from kvrelay.kvstore.errors import StoreError
 

@@ -8,6 +8,8 @@ import os
 import signal
 from typing import Any
 
+from kvrelay.core.config import config_file_help
+from kvrelay.core.enums import Stage
 from kvrelay.core.modelref import QUANTIZATION_SCHEMES
 
 logger = logging.getLogger(__name__)
@@ -15,25 +17,40 @@ logger = logging.getLogger(__name__)
 LOADER_THREADS = 4  # concurrent store fetches of one worker (the node fetches 4 remotely too)
 
 
+# (field, help): flag names, types and defaults come from WorkerConfig (KVRELAY_WORKER_*).
+_HELP = [
+    ("name", "worker id (none: role-host-pid)"),
+    ("model", "model name or path"),
+    ("redis_url", "Redis URL (or the shared KVRELAY_REDIS_URL)"),
+    ("key_prefix", "Redis key prefix (or the shared KVRELAY_KEY_PREFIX)"),
+    ("threads", "compute threads (none: torch's default)"),
+    ("device", "auto | cpu | cuda[:n]"),
+    ("dtype", "auto | float32 | bfloat16 | float16"),
+    ("quantization", "int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
+                     "int8: int8 weights and activations (CPU fp32)"),
+    ("kv_cache_bytes", "KV pool bytes"),
+    ("max_num_seqs", "most sequences per step"),
+    ("max_num_batched_tokens", "most tokens per step"),
+    ("store_run_dir", "local store node run dir (none: off; or KVRELAY_STORE_RUN_DIR)"),
+    ("lease_ms", "claim entries idle this long"),
+    ("metrics_port", "0: any free port; -1: none"),
+]  # fmt: skip
+
+
+def worker_flags() -> list[tuple[str, str, Any, str]]:
+    """(flag, field, type, help) of `kvrelay worker`, generated from WorkerConfig."""
+    from kvrelay.core.config import setting_flags
+    from kvrelay.workers.config import SECTION, WorkerConfig
+
+    return setting_flags(WorkerConfig, SECTION, _HELP)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("role", choices=["prefill", "decode"], help="which stream this worker serves")
-    p.add_argument("--name", default=None, help="worker id (default role-host-pid)")
-    p.add_argument("--model", default=None, help="model name or path")
-    p.add_argument("--redis-url", default=None, help="Redis URL (env KVRELAY_REDIS_URL)")
-    p.add_argument("--key-prefix", default=None, help="Redis key prefix")
-    p.add_argument("--threads", type=int, default=None, help="compute threads")
-    p.add_argument("--device", default=None, help="auto | cpu | cuda[:n]")
-    p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--quantization", default=None, choices=tuple(QUANTIZATION_SCHEMES),
-                   help="int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
-                        "int8: int8 weights and activations "
-                        "(CPU fp32; default none)")  # fmt: skip
-    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool bytes")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--store-run-dir", default=None, help="local store node run dir (none: off)")
-    p.add_argument("--lease-ms", type=int, default=None, help="claim entries idle this long")
-    p.add_argument("--metrics-port", type=int, default=None, help="0: any free port; -1: none")
+    p.add_argument("role", choices=list(Stage), help="which stream this worker serves")
+    for flag, dest, kind, help_text in worker_flags():
+        choices = tuple(QUANTIZATION_SCHEMES) if dest == "quantization" else None
+        p.add_argument(flag, dest=dest, type=kind, default=None, choices=choices, help=help_text)
+    p.add_argument("--config", default=None, metavar="FILE", **config_file_help("worker"))
 
 
 def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:
@@ -67,22 +84,12 @@ def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrelay.cli.main import CommandError
-    from kvrelay.core.config import ConfigError
     from kvrelay.workers.config import load_worker_config
     from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 
-    try:
-        config = load_worker_config(
-            name=args.name, model=args.model, redis_url=args.redis_url,
-            key_prefix=args.key_prefix, threads=args.threads, device=args.device,
-            dtype=args.dtype, quantization=args.quantization,
-            kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            store_run_dir=args.store_run_dir, lease_ms=args.lease_ms,
-            metrics_port=args.metrics_port)  # fmt: skip
-    except ConfigError as exc:  # a bad setting is one line and exit 2, not a traceback
-        raise CommandError(str(exc)) from exc
+    # a bad setting (ConfigError) is one line and exit 2 (kvrelay.cli.main.exit_code)
+    overrides = {dest: getattr(args, dest) for _f, dest, _k, _h in worker_flags()}
+    config = load_worker_config(config_file=args.config, **overrides)
     engine = Engine(EngineConfig(
         model=config.model, dtype=config.dtype, device=config.device, page_size=config.page_size,
         kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
@@ -100,7 +107,7 @@ def serve(role: str, config: Any, engine: Any) -> int:
 
     metrics = WorkerMetrics(engine.model_name, engine)
     node = attach_store(engine, config.store_run_dir, metrics) if config.store_run_dir else ""
-    cls = PrefillWorker if role == "prefill" else DecodeWorker
+    cls = PrefillWorker if role == Stage.PREFILL else DecodeWorker
     worker = cls(config, engine, store_node=node, metrics=metrics)
     metrics.serve(config.metrics_port)
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PREFILL_GROUP = "prefill"
-DECODE_GROUP = "decode"
+from kvrelay.core.enums import Stage
+
+PREFILL_GROUP = Stage.PREFILL.value  # consumer group names are the stage names
+DECODE_GROUP = Stage.DECODE.value
 MESSAGE_FIELD = b"m"  # each stream entry is one field holding a MessagePack map
 
 

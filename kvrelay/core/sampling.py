@@ -83,18 +83,24 @@ class SamplingParams:
             bad("stop must be at most 16 non-empty strings", "stop")
         if not all(encodes_utf8(s) for s in self.stop):
             bad("stop strings must be valid Unicode (no lone UTF-16 surrogates)", "stop")
+        self.check_vocab(vocab_size)
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed must be an integer", "seed")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        return self
+
+    def check_vocab(self, vocab_size: int | None) -> None:
+        """Raise InvalidSamplingParams for a stop token id outside [0, vocab_size)."""
         for tok in self.stop_token_ids:
             if (
                 not isinstance(tok, int)
                 or not 0 <= tok <= INT64_MAX
                 or (vocab_size is not None and tok >= vocab_size)
             ):
-                bad(f"stop_token_ids has an invalid token id {tok!r}", "stop_token_ids")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed must be an integer", "seed")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
-        return self
+                raise InvalidSamplingParams(
+                    f"stop_token_ids has an invalid token id {tok!r}", "stop_token_ids"
+                )
 
     @property
     def greedy(self) -> bool:

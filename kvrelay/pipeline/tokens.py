@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrelay.core.limits import bad_token_id, context_overflow, token_id_message
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.pipeline.errors import RequestError, bad_request, context_length_exceeded
+from kvrelay.pipeline.errors import RequestError, bad_request
 from kvrelay.pipeline.model_registry import ModelEntry
 
 
@@ -71,10 +72,10 @@ def tokenize(
         return ids
     if not prompt_token_ids:
         raise bad_request("a prompt is required", param="prompt")
-    bad = next((t for t in prompt_token_ids if not 0 <= t < model.vocab_size), None)
-    if bad is not None:
+    found, bad = bad_token_id(prompt_token_ids, model.vocab_size)
+    if found:
         raise bad_request(
-            f"token id {bad} is outside the vocabulary (size {model.vocab_size})",
+            token_id_message(bad, model.vocab_size),
             param="prompt",
             code="invalid_token_id",
         )
@@ -101,8 +102,7 @@ def check_lengths(
             param=param,
             code="context_length_exceeded",
         )
-    if n >= limit:
-        raise context_length_exceeded(limit, n, 1, param)
+    _check_context(limit, n, 1, param)
     if sampling.max_tokens is None:
         sampling.max_tokens = min(max_tokens_limit, limit - n)
     elif sampling.max_tokens > max_tokens_limit:
@@ -110,5 +110,11 @@ def check_lengths(
             f"{max_tokens_param} must be at most {max_tokens_limit}, got {sampling.max_tokens}",
             param=max_tokens_param,
         )
-    elif n + sampling.max_tokens > limit:
-        raise context_length_exceeded(limit, n, sampling.max_tokens, param)
+    else:
+        _check_context(limit, n, sampling.max_tokens, param)
+
+
+def _check_context(limit: int, prompt: int, completion: int, param: str) -> None:
+    message = context_overflow(limit, prompt, completion, param)
+    if message is not None:
+        raise RequestError(message, 400, param=param, code="context_length_exceeded")

@@ -21,8 +21,10 @@ from typing import Any, ClassVar
 
 import redis
 
+from kvrelay.core import record as rec
+from kvrelay.core.enums import FinishReason, RequestStatus, Stage
 from kvrelay.core.keys import Keys
-from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
+from kvrelay.core.messages import DecodeTask, PrefillTask, Task, TokenChunk
 from kvrelay.pipeline.queue.output import DEADLINE_PASSED
 from kvrelay.pipeline.queue.streams import Emission, Streams
 from kvrelay.workers.config import WorkerConfig
@@ -31,8 +33,6 @@ from kvrelay.workers.metrics import WorkerMetrics
 from kvrelay.workers.reader import Admission, read_loop
 
 logger = logging.getLogger(__name__)
-
-Task = PrefillTask | DecodeTask
 
 
 @dataclass(slots=True)
@@ -48,7 +48,7 @@ class Active:
 class Worker:
     """Base of PrefillWorker and DecodeWorker; subclasses say which stream and how to finish."""
 
-    role: ClassVar[str] = ""
+    role: ClassVar[Stage]
     message: ClassVar[type[PrefillTask] | type[DecodeTask]]
     handoff_after: ClassVar[int | None] = None
 
@@ -104,7 +104,7 @@ class Worker:
 
     @property
     def stream(self) -> str:
-        return self.keys.prefill_stream if self.role == "prefill" else self.keys.decode_stream
+        return self.keys.prefill_stream if self.role == Stage.PREFILL else self.keys.decode_stream
 
     @property
     def group(self) -> str:
@@ -116,8 +116,8 @@ class Worker:
         while not self.stop_event.is_set():
             try:
                 for stream, group in (
-                    (self.keys.prefill_stream, "prefill"),
-                    (self.keys.decode_stream, "decode"),
+                    (self.keys.prefill_stream, Stage.PREFILL),
+                    (self.keys.decode_stream, Stage.DECODE),
                 ):
                     self.streams.ensure_group(stream, group)
                 self.heartbeat.beat()
@@ -162,7 +162,7 @@ class Worker:
     def _shutdown(self) -> None:
         self._reader.join(5)
         for rid in list(self.active):
-            self.engine.abort_request(rid, "abort")
+            self.engine.abort_request(rid, FinishReason.ABORT)
         self.active.clear()
         self.emitter.close()
         # make what is left claimable at once instead of after a lease
@@ -181,7 +181,7 @@ class Worker:
             except queue.Empty:
                 break
         for q, reason in (
-            (self.cancels, "cancelled"),
+            (self.cancels, FinishReason.CANCELLED),
             (self.emitter.lost, None),
             (self.heartbeat.lost, None),
         ):
@@ -194,7 +194,7 @@ class Worker:
         now = time.time()
         for rid, act in list(self.active.items()):
             if act.task.deadline is not None and now > act.task.deadline:
-                self._abort(rid, "timeout")
+                self._abort(rid, FinishReason.TIMEOUT)
 
     def _admit(self, adm: Admission) -> None:
         task, rid = adm.task, adm.task.request_id
@@ -203,17 +203,18 @@ class Worker:
         if adm.cancelled or late:
             # past its deadline it is a timeout even when the ingress, giving up at the
             # deadline, also set the cancel flag: the record says what the client was told
-            self._finish(act, "timeout" if late else "cancelled", 0)
+            self._finish(act, FinishReason.TIMEOUT if late else FinishReason.CANCELLED, 0)
             return
         try:
             self.engine.add_request(
                 rid,
                 task.prompt_token_ids,
-                task.sampling_params,
+                task.sampling,
                 output_token_ids=adm.emitted,
                 cache_salt=task.cache_salt,
                 handoff_after=self.handoff_after,
                 emitted_text_len=adm.emitted_text_len if task.detokenize else None,
+                sampling_checked=True,  # validated when the entry was decoded
             )
         except Exception as exc:  # InvalidRequestError and anything else input can provoke
             self.inflight.remove(rid, adm.entry_id)
@@ -235,21 +236,24 @@ class Worker:
         act = self.active.pop(rid, None)
         if act is None:
             return
-        out = self.engine.abort_request(rid, reason or "abort")
+        out = self.engine.abort_request(rid, reason or FinishReason.ABORT)
         if reason is not None:  # cancel/timeout: tell the client; lost entries belong elsewhere
             self._finish(act, reason, out.num_cached_tokens if out else 0)
 
     def _finish(self, act: Active, reason: str, cached: int) -> None:
         # A deadline ending is the system's, not a finish: the record says failed with the
         # reason, as the SSE error event, the 504 body and the client's Completion.error do.
-        timeout = reason == "timeout"
+        timeout = reason == FinishReason.TIMEOUT
         chunk = TokenChunk(
             index=act.next_index,
             finish_reason=reason,
             usage=self._usage(act, act.next_index, cached),
             error=DEADLINE_PASSED if timeout else None,
         )
-        status = "cancelled" if reason == "cancelled" else "failed" if timeout else None
+        status = (
+            RequestStatus.CANCELLED if reason == FinishReason.CANCELLED
+            else RequestStatus.FAILED if timeout else None
+        )  # fmt: skip
         self._emit(act, chunk, done=True, status=status)
 
     def _usage(self, act: Active, completion: int, cached: int) -> dict[str, int]:
@@ -259,14 +263,17 @@ class Worker:
             "cached_tokens": cached,
         }
 
-    def _emit(self, act: Active, chunk: TokenChunk, done: bool, status: str | None = None) -> None:
-        fields: dict[str, str | int | float] = {"owner": self.name, "stage": self.role}
+    def _emit(
+        self, act: Active, chunk: TokenChunk, done: bool, status: RequestStatus | None = None
+    ) -> None:
+        fields: dict[str, str | int | float] = {rec.OWNER: self.name, rec.STAGE: self.role}
         if done:
-            fields.update(status=status or "finished", finish_reason=chunk.finish_reason or "")
+            fields[rec.STATUS] = status or RequestStatus.FINISHED
+            fields[rec.FINISH_REASON] = chunk.finish_reason or ""
             if chunk.error:
-                fields["error"] = chunk.error
+                fields[rec.ERROR] = chunk.error
             if chunk.usage:
-                fields["cached_tokens"] = chunk.usage.get("cached_tokens", 0)
+                fields[rec.CACHED_TOKENS] = chunk.usage.get("cached_tokens", 0)
         em = Emission(self.stream, self.group, act.entry_id, act.task.request_id, chunk, fields)
         self.emitter.put(
             Outgoing("emit", act.task.request_id, act.entry_id, emission=em, done=done)
@@ -280,7 +287,7 @@ class Worker:
         strikes and is dead-lettered by the reader (see workers.reader.receive)."""
         for rid, act in list(self.active.items()):
             with contextlib.suppress(Exception):
-                self.engine.abort_request(rid, "abort")
+                self.engine.abort_request(rid, FinishReason.ABORT)
             self.active.pop(rid)
             logger.warning("request %s: released after %s", rid, reason)
             self.emitter.put(Outgoing("release", rid, act.entry_id, reason=reason))
@@ -295,9 +302,7 @@ class Worker:
             token_ids=list(out.new_token_ids),
             text=out.text_delta if act.task.detokenize else "",
             finish_reason=out.finish_reason if out.finished else None,
-            logprobs=_logprobs(
-                out.new_logprobs, out.new_token_ids, act.task.sampling.get("logprobs")
-            ),
+            logprobs=_logprobs(out.new_logprobs, out.new_token_ids, act.task.sampling.logprobs),
             stop_reason=out.stop_reason if out.finished else None,
         )
         act.next_index += len(out.new_token_ids)

@@ -6,13 +6,16 @@ import os
 import socket
 from dataclasses import dataclass
 
-from kvrelay.core.config import ConfigError, env_name, from_env
+from kvrelay.core.config import ConfigError, env_name, from_env, read_config_file
 from kvrelay.core.modelref import normalize_quantization
 
 SECTION = "WORKER"
-# Names every component reads; the WORKER-specific variable wins when both are set.
-_SHARED_ENV = {"redis_url": "KVRELAY_REDIS_URL", "key_prefix": "KVRELAY_KEY_PREFIX",
-               "store_run_dir": "KVRELAY_STORE_RUN_DIR"}  # fmt: skip
+# The store's own run dir variable names the store a worker talks to (KVRELAY_WORKER_* wins).
+STORE_RUN_DIR_ENV = "KVRELAY_STORE_RUN_DIR"
+# Engine settings (model, dtype, threads, ...) read by both `kvrelay worker` and
+# `kvrelay generate`: one spelling, KVRELAY_WORKER_*; `generate`'s old KVRELAY_ENGINE_* still
+# works with a warning.
+DEPRECATED_SECTIONS = ("ENGINE",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +78,22 @@ class WorkerConfig:
         return self.name or f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
-def load_worker_config(environ: dict[str, str] | None = None, **overrides) -> WorkerConfig:
-    """Defaults, then shared `KVRELAY_*` variables, then `KVRELAY_WORKER_*`, then overrides."""
+def load_worker_config(
+    environ: dict[str, str] | None = None, config_file: str | None = None, **overrides
+) -> WorkerConfig:
+    """Flags over `KVRELAY_WORKER_*` (or the shared `KVRELAY_*`) over `--config` over defaults."""
     env = dict(os.environ if environ is None else environ)
-    for field_name, shared in _SHARED_ENV.items():
-        own = env_name(SECTION, field_name)
-        if own not in env and shared in env:
-            env[own] = env[shared]
-    return from_env(WorkerConfig, SECTION, environ=env, **overrides).validate()
+    own = env_name(SECTION, "store_run_dir")
+    if own not in env and STORE_RUN_DIR_ENV in env:
+        env[own] = env[STORE_RUN_DIR_ENV]
+    file_values = read_config_file(config_file, SECTION)
+    config = from_env(
+        WorkerConfig, SECTION, environ=env, file_values=file_values,
+        deprecated=DEPRECATED_SECTIONS, **overrides,
+    )  # fmt: skip
+    return config.validate()
+
+
+def engine_env_names() -> dict[str, str]:
+    """EngineConfig field -> its variable: the worker's spelling (`threads` for num_threads)."""
+    return {"num_threads": env_name(SECTION, "threads")}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvrelay.core.enums import Stage
 from kvrelay.core.messages import DecodeTask
 from kvrelay.workers.base import Worker
 
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeWorker(Worker):
-    role = "decode"
+    role = Stage.DECODE
     message = DecodeTask
 
     def _on_output(self, out: Any) -> None:

@@ -10,9 +10,10 @@ A request that finishes on its first token (max_tokens=1, eos) gets its final ch
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
+from kvrelay.core import record as rec
+from kvrelay.core.enums import RequestStatus, Stage
 from kvrelay.core.messages import DecodeTask, PrefillTask
 from kvrelay.pipeline.queue.streams import Emission
 from kvrelay.workers.base import Worker
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillWorker(Worker):
-    role = "prefill"
+    role = Stage.PREFILL
     message = PrefillTask
     handoff_after = 1
 
@@ -48,15 +49,14 @@ class PrefillWorker(Worker):
             sampling=task.sampling, cache_salt=task.cache_salt, arrival_time=task.arrival_time,
             deadline=task.deadline, num_cached_tokens=cached,
             num_stored_pages=len(task.prompt_token_ids) // self.page_size,
-            store_node=self.store_node, prefilled=True, first_token_time=time.time(),
-            detokenize=task.detokenize,
+            prefilled=True, detokenize=task.detokenize,
         )  # fmt: skip
         fields = {
-            "status": "decoding",
-            "stage": "decode",
-            "owner": "",
-            "prompt_tokens": len(task.prompt_token_ids),
-            "cached_tokens": cached,
+            rec.STATUS: RequestStatus.DECODING,
+            rec.STAGE: Stage.DECODE,
+            rec.OWNER: "",
+            rec.PROMPT_TOKENS: len(task.prompt_token_ids),
+            rec.CACHED_TOKENS: cached,
         }
         em = Emission(self.stream, self.group, act.entry_id, task.request_id, chunk)
         self.emitter.put(

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from kvrelay.core.messages import MessageError
+from kvrelay.core import record as rec
+from kvrelay.core.enums import RequestStatus, Stage
+from kvrelay.core.messages import MessageError, Task
 from kvrelay.pipeline.queue.streams import Entry
 from kvrelay.workers.emitter import Outgoing
 
 if TYPE_CHECKING:
-    from kvrelay.workers.base import Task, Worker
+    from kvrelay.workers.base import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +122,9 @@ def _admission(w: Worker, entry: Entry, task: Task, claimed: bool) -> Admission 
         return None
     key = w.keys.request(task.request_id)
     pipe = w.r.pipeline(transaction=False)
-    status = "prefilling" if w.role == "prefill" else "decoding"
-    pipe.hset(key, mapping={"status": status, "stage": w.role, "owner": w.name})
-    pipe.hsetnx(key, "started", f"{time.time():.3f}")  # the ingress's queue-time metric
+    status = RequestStatus.PREFILLING if w.role == Stage.PREFILL else RequestStatus.DECODING
+    pipe.hset(key, mapping={rec.STATUS: status, rec.STAGE: w.role, rec.OWNER: w.name})
+    pipe.hsetnx(key, rec.STARTED, f"{time.time():.3f}")  # the ingress's queue-time metric
     pipe.exists(w.keys.cancel(task.request_id))
     cancelled = bool(pipe.execute()[-1])
     if claimed:

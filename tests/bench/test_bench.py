@@ -192,7 +192,7 @@ def test_failed_requests_exit_1_with_summary(stack, tmp_path):
         f"--out {out}"
     )
     assert done.returncode == 1
-    assert done.stderr.splitlines()[-1] == "kvrelay bench: 2 of 2 requests failed"
+    assert done.stderr.splitlines()[-1] == "kvrelay bench: error: 2 of 2 requests failed"
     lines = done.stdout.splitlines()
     at = lines.index("A concurrency 2: 2 of 2 failed; first errors:")
     assert lines[at + 1].startswith("  HTTP 404: The model `nonexistent` does not exist")
@@ -220,7 +220,11 @@ def test_failed_requests_exit_1_with_summary(stack, tmp_path):
 )
 def test_bad_usage_exits_2_with_one_line(args, message):
     done = bench(f"--url http://127.0.0.1:{free_port()}", *args)
-    assert (done.returncode, done.stdout, done.stderr) == (2, "", f"kvrelay bench: {message}\n")
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2,
+        "",
+        f"kvrelay bench: error: {message}\n",
+    )
 
 
 def test_bad_jsonl_and_unreachable_server(tmp_path):
@@ -228,14 +232,14 @@ def test_bad_jsonl_and_unreachable_server(tmp_path):
     bad.write_text('{"prompt": "ok"}\n{"messages": "hi"}\n')
     done = bench(f"--dataset {bad}")
     assert done.returncode == 2 and done.stderr == (
-        f"kvrelay bench: --dataset: {bad}:2: needs either 'prompt' (a string) or 'messages' "
+        f"kvrelay bench: error: --dataset: {bad}:2: needs either 'prompt' (a string) or 'messages' "
         "(a non-empty list of {role, content} strings)\n"
     )
     port = free_port()
     done = bench(f"--url http://127.0.0.1:{port} --num-requests 1")
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith(
-        f"kvrelay bench: cannot reach the server at http://127.0.0.1:{port} (ConnectError: "
+        f"kvrelay bench: error: cannot reach the server at http://127.0.0.1:{port} (ConnectError: "
     )
     assert len(done.stderr.splitlines()) == 1
 

@@ -41,14 +41,14 @@ def test_second_stack_is_refused_and_first_stops_cleanly(tmp_path):
             busy = port if not extra else redis_port
             assert (done.returncode, done.stderr, done.stdout) == (
                 2,
-                f"kvrelay up: port {busy} on 127.0.0.1 is in use\n",
+                f"kvrelay up: error: port {busy} on 127.0.0.1 is in use\n",
                 "",
             )
             assert not (tmp_path / "b").exists()
         again = up(tmp_path / "a", free_port())
         assert (again.returncode, again.stderr) == (
             1,
-            f"kvrelay up: a stack is already running in {tmp_path / 'a'}\n",
+            f"kvrelay up: error: a stack is already running in {tmp_path / 'a'}\n",
         )
     finally:
         down = kvrelay("down", "--run-dir", str(tmp_path / "a"), timeout=120)

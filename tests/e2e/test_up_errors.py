@@ -53,5 +53,7 @@ def test_up_is_not_ready_while_a_program_other_than_workers_fails(tmp_path):
     assert topology.endswith(" (given: --prefill 0 --decode 1)")
     assert rest.startswith("kvrelay up: store keeps exiting; the end of its log:\n")
     assert "transport must be auto, ucx or tcp, got 'bogus'" in done.stderr
-    assert done.stderr.endswith(f"kvrelay up: not ready; stopping. Logs in {tmp_path / 'logs'}\n")
+    assert done.stderr.endswith(
+        f"kvrelay up: error: not ready; stopping. Logs in {tmp_path / 'logs'}\n"
+    )
     assert Supervisor(tmp_path).pid() is None

@@ -92,5 +92,5 @@ def test_up_prints_progress_and_runs_the_ingress_with_its_limits(tmp_path: Path)
 def test_up_refuses_limits_the_ingress_would_refuse(tmp_path: Path):
     done = kvrelay_up(tmp_path, free_port(), "--max-waiting", "0")
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == "kvrelay up: ingress: max_waiting must be at least 1\n"
+    assert done.stderr == "kvrelay up: error: ingress: max_waiting must be at least 1\n"
     assert not (tmp_path / "supervisord.conf").exists()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.cli.errors import CommandError
 from kvrelay.cli.store import add_store_arguments, build_config
 from kvrelay.core.config import ConfigError
 from kvrelay.kvstore.client import StoreClient
@@ -63,7 +64,7 @@ def test_config_from_flags_and_env():
         StoreConfig(transport="carrier-pigeon")
     with pytest.raises(ConfigError, match="invalid node id"):
         StoreConfig(node_id="a:b")
-    with pytest.raises(SystemExit, match="give --page-bytes or --model"):
+    with pytest.raises(CommandError, match="give --page-bytes or --model"):
         build_config(p.parse_args([]))
 
 
@@ -172,7 +173,7 @@ def test_model_sets_page_bytes_and_fingerprint():
     cfg = build_config(p.parse_args(["--model", "smollm2-135m-instruct"]))
     assert cfg.page_bytes == 737_280
     assert cfg.fingerprint == read_model_info(converted_dir(ref), "float32").fingerprint
-    with pytest.raises(SystemExit, match="--page-bytes 1024 contradicts --model"):
+    with pytest.raises(CommandError, match="--page-bytes 1024 contradicts --model"):
         build_config(p.parse_args(["--model", "smollm2-135m-instruct", "--page-bytes", "1024"]))
 
 
@@ -205,4 +206,6 @@ def test_bad_store_setting_is_one_line_and_exit_2(tmp_path: Path):
            "--page-bytes", "4096"]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == "kvrelay store: invalid value 'abc' for KVRELAY_STORE_ARENA_BYTES\n"
+    assert (
+        done.stderr == "kvrelay store: error: invalid value 'abc' for KVRELAY_STORE_ARENA_BYTES\n"
+    )

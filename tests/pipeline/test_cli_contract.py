@@ -283,3 +283,74 @@ def test_kv_contract_on_a_real_store_node(capsys, tmp_path: Path):
     code, out, err = run(capsys, "kv", "stats", "--run-dir", run_dir, "--timeout-s", "0.2")
     assert (code, out) == (1, "")
     assert err.startswith(f"kvrelay kv: error: store node at {run_dir}: ") and err.count("\n") == 1
+
+
+def _hint(cmd: str) -> str:
+    return f" (see `kvrelay {cmd} --help`)"
+
+
+# One usage error per command (exit 2, one line, before anything starts or connects).
+EVERY_COMMAND_USAGE = [
+    (("up", "--port", "0"), "argument --port: port must be 1-65535, got 0" + _hint("up")),
+    (("down", "--timeout", "x"), "argument --timeout: invalid float value: 'x'" + _hint("down")),
+    (("serve", "--port", "eighty"), "argument --port: invalid int value: 'eighty'"
+                                    + _hint("serve")),
+    (("serve", "--bogus"), "unrecognized arguments: --bogus" + _hint("serve")),
+    (("worker", "decode", "--max-num-seqs", "x"), "argument --max-num-seqs: invalid int value: "
+                                                  "'x'" + _hint("worker")),
+    (("store", "--arena-bytes", "abc"), "argument --arena-bytes: invalid int value: 'abc'"
+                                        + _hint("store")),
+    (("generate",), "give a PROMPT or --batch-file (exactly one)"),
+    (("bench", "--concurrency", "0"), "--concurrency must be > 0, got 0"),
+    (("kv", "get", "xyz"), "not a page key: 'xyz' (32 hex digits, as `kvrelay kv ls` prints "
+                           "them)"),
+    (("status", "--interval", "0"), "--interval must be 0.05-3600 s, got 0"),
+    (("requests", "show"), "the following arguments are required: request_id"
+                           + _hint("requests")),
+    (("dlq", "purge"), "dlq purge deletes every entry: add --yes"),
+    (("drain",), "the following arguments are required: worker" + _hint("drain")),
+    (("config", "list"), "argument action: invalid choice: 'list' (choose from 'show')"
+                         + _hint("config")),
+]  # fmt: skip
+
+
+def test_every_command_is_listed_for_its_usage_error():
+    from kvrelay.cli.main import COMMANDS
+
+    assert {argv[0] for argv, _ in EVERY_COMMAND_USAGE} == {name for name, _, _ in COMMANDS}
+
+
+@pytest.mark.parametrize(("argv", "message"), EVERY_COMMAND_USAGE, ids=lambda v: " ".join(v)
+                         if isinstance(v, tuple) else "")  # fmt: skip
+def test_every_command_usage_error_is_one_line_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert (code, out, err) == (2, "", f"kvrelay {argv[0]}: error: {message}\n")
+
+
+def test_runtime_errors_are_one_line_with_their_exit_code(capsys, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("KVRELAY_INGRESS_MODE", "sideways")
+    monkeypatch.setenv("KVRELAY_STORE_TRANSPORT", "carrier-pigeon")
+    monkeypatch.setenv("KVRELAY_WORKER_LEASE_MS", "0")
+    closed = free_port()
+    none = tmp_path / "none"
+    cases = [
+        (("serve",), 2, "mode must be one of auto, disaggregated, colocated, got 'sideways'"),
+        (("store", "--run-dir", str(tmp_path), "--page-bytes", "64"), 2,
+         "transport must be auto, ucx or tcp, got 'carrier-pigeon'"),
+        (("worker", "decode"), 2, "lease_ms must be at least 1"),
+        (("generate", "hi", "--model", "no-such-model"), 2, "unknown model 'no-such-model': "),
+        (("down", "--run-dir", str(none)), 2,
+         f"no kvrelay stack in {none} ({none / 'stack.json'} is missing)"),
+        (("up", "--detach", "--run-dir", str(tmp_path / "run"), "--port", str(free_port()),
+          "--redis-url", f"redis://127.0.0.1:{closed}/0"), 1,
+         f"Redis at redis://127.0.0.1:{closed}/0 is not reachable: "),
+        (("bench", "--url", f"http://127.0.0.1:{closed}", "--num-requests", "1"), 1,
+         f"cannot reach the server at http://127.0.0.1:{closed} ("),
+        (("config", "show", "--component", "ingress"), 2,
+         "mode must be one of auto, disaggregated, colocated, got 'sideways'"),
+    ]  # fmt: skip
+    for argv, exit_code, message in cases:
+        code, out, err = run(capsys, *argv)
+        assert (argv[0], code, out) == (argv[0], exit_code, "")
+        assert err.startswith(f"kvrelay {argv[0]}: error: {message}"), err
+        assert err.count("\n") == 1, err

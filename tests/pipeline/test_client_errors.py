@@ -212,14 +212,14 @@ async def test_sampling_dict_is_accepted(valkey_session, smollm_tokenizer):
     try:
         rid = await client.submit("Hello", sampling={"max_tokens": 3, "temperature": 0})
         task = (await role.take()).task
-        expected = SamplingParams(max_tokens=3, temperature=0.0).to_dict()
+        expected = SamplingParams(max_tokens=3, temperature=0.0)
         assert (task.request_id, task.sampling) == (rid, expected)
         rid = await client.submit(prompt_token_ids=(5, 6), sampling={"max_tokens": 1})
         task = (await role.take()).task
         assert (task.request_id, task.prompt_token_ids) == (rid, [5, 6])
         rid = await client.submit(messages=HI, sampling={"logprobs": 2, "max_tokens": 1})
         task = (await role.take()).task
-        assert (task.request_id, task.sampling["logprobs"]) == (rid, 2)
+        assert (task.request_id, task.sampling.logprobs) == (rid, 2)
     finally:
         await client.aclose()
         await role.aclose()

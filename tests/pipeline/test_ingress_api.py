@@ -73,7 +73,7 @@ async def test_chat_non_streaming_body_and_task(harness, smollm_tokenizer):
     assert isinstance(task, PrefillTask)
     assert task.request_id == "chat-1" and task.model == MODEL and task.cache_salt == "tenant-a"
     assert task.prompt_token_ids == smollm_tokenizer.apply_chat_template(HI)
-    expected = SamplingParams(max_tokens=5, temperature=0.0, seed=7, stop=["\n\n"]).to_dict()
+    expected = SamplingParams(max_tokens=5, temperature=0.0, seed=7, stop=["\n\n"])
     assert task.sampling == expected
     assert task.deadline == pytest.approx(task.arrival_time + TEST_TIMEOUT_S)
 
@@ -179,7 +179,7 @@ async def test_logprobs_in_chat_and_completion_shapes(harness, smollm_tokenizer)
             json={"model": MODEL, "messages": HI, "logprobs": True, "top_logprobs": 2},
         )
         taken = await serve
-        assert taken.task.sampling["logprobs"] == 2
+        assert taken.task.sampling.logprobs == 2
         content = resp.json()["choices"][0]["logprobs"]["content"]
         assert content == [
             {
@@ -203,7 +203,7 @@ async def test_logprobs_in_chat_and_completion_shapes(harness, smollm_tokenizer)
             "/v1/completions", json={"model": MODEL, "prompt": "Say", "logprobs": 1}
         )
         taken = await serve
-        assert taken.task.sampling["logprobs"] == 1
+        assert taken.task.sampling.logprobs == 1
         assert resp.json()["choices"][0]["logprobs"] == {
             "tokens": ["Hello", " world"],
             "token_logprobs": [-0.5, -0.25],

@@ -78,7 +78,7 @@ async def test_openai_client_stream_and_whole(valkey_session, smollm_tokenizer):
         )
         chunks = [c async for c in stream]
         taken = await serve
-        assert taken.task.sampling["seed"] == 3 and taken.task.sampling["max_tokens"] == 4
+        assert taken.task.sampling.seed == 3 and taken.task.sampling.max_tokens == 4
         assert [c.choices[0].delta.content for c in chunks[:-1]] == ["", "Hello", " world"]
         assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None, None, "stop"]
         assert chunks[-1].choices == []

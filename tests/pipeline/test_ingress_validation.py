@@ -138,7 +138,7 @@ async def test_64_bit_seed_edges_and_assistant_null_content_are_queued(harness):
             resp = await client.post(CHAT, content=raw.encode(), headers=headers)
             taken = await serve
             assert resp.status_code == 200, resp.text
-            assert (taken.task.sampling["seed"], taken.task.sampling["top_k"]) == (seed, 2**63 - 1)
+            assert (taken.task.sampling.seed, taken.task.sampling.top_k) == (seed, 2**63 - 1)
 
 
 @pytest.mark.parametrize(

@@ -236,45 +236,48 @@ def _main(capsys, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().err.strip().splitlines()[-1]
 
 
+HINT = " (see `kvrelay up --help`)"  # argparse usage errors name the help
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--port", "0"], "kvrelay up: error: argument --port: port must be 1-65535, got 0"),
+        (["--port", "0"], "kvrelay up: error: argument --port: port must be 1-65535, got 0" + HINT),
         (
             ["--port", "70000"],
-            "kvrelay up: error: argument --port: port must be 1-65535, got 70000",
+            "kvrelay up: error: argument --port: port must be 1-65535, got 70000" + HINT,
         ),
-        (["--port", "x"], "kvrelay up: error: argument --port: not a port: 'x'"),
+        (["--port", "x"], "kvrelay up: error: argument --port: not a port: 'x'" + HINT),
         (
             ["--redis-port", "65536"],
-            "kvrelay up: error: argument --redis-port: port must be 0-65535, got 65536",
+            "kvrelay up: error: argument --redis-port: port must be 0-65535, got 65536" + HINT,
         ),
         (
             ["--env", "NOEQUALS"],
-            "kvrelay up: error: argument --env: wants KEY=VALUE, got 'NOEQUALS'",
+            "kvrelay up: error: argument --env: wants KEY=VALUE, got 'NOEQUALS'" + HINT,
         ),
-        (["--env", "=1"], "kvrelay up: error: argument --env: wants KEY=VALUE, got '=1'"),
+        (["--env", "=1"], "kvrelay up: error: argument --env: wants KEY=VALUE, got '=1'" + HINT),
         (
             ["--prefill", "-1"],
-            "kvrelay up: error: argument --prefill: count must be at least 0, got -1",
+            "kvrelay up: error: argument --prefill: count must be at least 0, got -1" + HINT,
         ),
-        (["--decode", "0"], "kvrelay up: need --decode >= 1 (and --prefill >= 0)"),
+        (["--decode", "0"], "kvrelay up: error: need --decode >= 1 (and --prefill >= 0)"),
         (
             ["--prefill", "0", "--mode", "auto"],
-            "kvrelay up: --prefill 0 needs mode colocated (no prefill worker), got auto",
+            "kvrelay up: error: --prefill 0 needs mode colocated (no prefill worker), got auto",
         ),
         (
             ["--mode", "auto", "--env", "KVRELAY_INGRESS_MODE=colocated"],
-            "kvrelay up: --mode auto disagrees with --env KVRELAY_INGRESS_MODE=colocated",
+            "kvrelay up: error: --mode auto disagrees with --env KVRELAY_INGRESS_MODE=colocated",
         ),
         (
             ["--env", "KVRELAY_INGRESS_MODE=fast"],
-            "kvrelay up: KVRELAY_INGRESS_MODE must be one of auto, disaggregated, colocated, "
-            "got 'fast'",
+            "kvrelay up: error: KVRELAY_INGRESS_MODE must be one of auto, disaggregated, "
+            "colocated, got 'fast'",
         ),
         (
             ["--port", "7001", "--redis-port", "7001"],
-            "kvrelay up: --port and --redis-port are both 7001",
+            "kvrelay up: error: --port and --redis-port are both 7001",
         ),
     ],
 )
@@ -295,9 +298,9 @@ def test_up_refuses_ports_in_use_and_unreachable_redis(tmp_path, capsys):
             ["--port", str(free_port()), "--redis-port", str(busy)],
         ):
             code, line = _main(capsys, "up", "--detach", "--run-dir", run, *argv)
-            assert (code, line) == (2, f"kvrelay up: port {busy} on 127.0.0.1 is in use")
+            assert (code, line) == (2, f"kvrelay up: error: port {busy} on 127.0.0.1 is in use")
         code, line = _main(capsys, "up", "--run-dir", run, "--host", "0.0.0.0", "--port", str(busy))
-        assert (code, line) == (2, f"kvrelay up: port {busy} on 0.0.0.0 is in use")
+        assert (code, line) == (2, f"kvrelay up: error: port {busy} on 0.0.0.0 is in use")
     closed = free_port()
     url = f"redis://app:s3cret@127.0.0.1:{closed}/0"
     started = time.monotonic()
@@ -306,7 +309,7 @@ def test_up_refuses_ports_in_use_and_unreachable_redis(tmp_path, capsys):
     assert time.monotonic() - started < 3
     assert (code, line) == (
         1,
-        f"kvrelay up: Redis at redis://app:***@127.0.0.1:{closed}/0 is not reachable: "
+        f"kvrelay up: error: Redis at redis://app:***@127.0.0.1:{closed}/0 is not reachable: "
         f"Error 111 connecting to 127.0.0.1:{closed}. Connection refused.",
     )
     assert not (tmp_path / "run").exists()
@@ -314,7 +317,7 @@ def test_up_refuses_ports_in_use_and_unreachable_redis(tmp_path, capsys):
     none = tmp_path / "none"
     assert (code, line) == (
         2,
-        f"kvrelay down: no kvrelay stack in {none} ({none / 'stack.json'} is missing)",
+        f"kvrelay down: error: no kvrelay stack in {none} ({none / 'stack.json'} is missing)",
     )
 
 

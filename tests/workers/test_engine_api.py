@@ -154,11 +154,12 @@ def test_abort_frees_blocks(engine, prompt):
     ("prompt_ids", "sp", "kw", "match", "param"),
     [
         ([], greedy(), {}, "prompt is empty", "prompt"),
-        ([1, 49152], greedy(), {}, "token id 49152, outside the vocabulary", "prompt"),
+        ([1, 49152], greedy(), {}, r"token id 49152 is outside the vocabulary \(size 49152\)",
+         "prompt"),
         ([1, -1], greedy(), {}, "token id -1", "prompt"),
         ([1, "a"], greedy(), {}, "token id 'a'", "prompt"),
-        ([1] * 512, greedy(), {}, "prompt has 512 tokens but the model's context length is 512",
-         "prompt"),
+        ([1] * 512, greedy(), {}, r"context length is 512 tokens\. However, you requested 528 "
+         r"tokens \(512 in the prompt, 16 in the completion\)", "prompt"),
         ([1] * 500, greedy(max_tokens=20), {}, "maximum context length is 512", "max_tokens"),
         ([1], greedy(temperature=-1.0), {}, "temperature must be in", "temperature"),
         ([1], greedy(top_p=0.0), {}, "top_p must be in", "top_p"),

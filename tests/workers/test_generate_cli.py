@@ -13,7 +13,7 @@ ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is P
 
 
 def kvrelay(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVRELAY_ENGINE_KV_CACHE_BYTES": str(24 << 20)}
+    env = {**os.environ, "KVRELAY_WORKER_KV_CACHE_BYTES": str(24 << 20)}
     return subprocess.run(
         [sys.executable, "-m", "kvrelay.cli.main", "--log-level", "WARNING", "generate",
          *args],
@@ -62,7 +62,8 @@ def test_batch_file_json(tmp_path):
         ((), ['{"id": "a", "prompt": "x", "temprature": 1}'], "unknown field(s) temprature"),
         ((), ['{"id": "a"}'], "give exactly one of 'prompt' or 'messages'"),
         ((), ['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}'], "duplicate id 'a'"),
-        ((), ['{"id": "a", "prompt": [1, 99999999]}'], "request 'a': prompt has token id"),
+        ((), ['{"id": "a", "prompt": [1, 99999999]}'],
+         "request 'a': token id 99999999 is outside the vocabulary (size 49152)"),
         ((), ['{"id": "a", "prompt": "x", "top_p": 2}'], "request 'a': top_p must be in"),
     ],
 )  # fmt: skip

@@ -86,7 +86,7 @@ def test_handoff_emits_first_token_and_decode_task(stack):
         time.sleep(0.02)
     task = decode_tasks(r)["h1"]
     assert task.prompt_token_ids == prompt and task.output_token_ids == ref.output_token_ids[:1]
-    assert task.prefilled and task.arrival_time == 1.5 and task.sampling["max_tokens"] == 4
+    assert task.prefilled and task.arrival_time == 1.5 and task.sampling.max_tokens == 4
     assert task.num_stored_pages == len(prompt) // 16
     # the reference run filled the device prefix cache with this prompt's full pages
     assert task.num_cached_tokens == (len(prompt) // 16) * 16

@@ -112,7 +112,7 @@ def test_cli_rejects_unknown_quantization_flag(command):
 
 
 def test_generate_rejects_unknown_quantization_env():
-    r = _cli("generate", "hi", env={"KVRELAY_ENGINE_QUANTIZATION": "int4"})
+    r = _cli("generate", "hi", env={"KVRELAY_WORKER_QUANTIZATION": "int4"})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         "kvrelay generate: error: unsupported quantization 'int4'; use one of none, int8, "
@@ -124,6 +124,6 @@ def test_worker_rejects_unknown_quantization_env():
     r = _cli("worker", "decode", env={"KVRELAY_WORKER_QUANTIZATION": "int4"})
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "kvrelay worker: unsupported quantization 'int4'; use one of none, int8, fp16, "
+        "kvrelay worker: error: unsupported quantization 'int4'; use one of none, int8, fp16, "
         "int8-weight-only"
     ]

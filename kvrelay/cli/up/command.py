@@ -14,12 +14,13 @@ import os
 import sys
 from pathlib import Path
 
-from kvrelay.cli.main import EXIT_UNAVAILABLE, CommandError
+from kvrelay.cli.errors import EXIT_FAILURE, EXIT_UNAVAILABLE, CommandError
 from kvrelay.cli.serve import SERVE_FLAGS
 from kvrelay.cli.up.launch import Program, Supervisor, check_port_free, read_state
 from kvrelay.cli.up.progress import UpProgress
 from kvrelay.cli.up.ready import CrashLoopError, check_redis, wait_ready
 from kvrelay.cli.up.topology import Topology, choose, default_weights
+from kvrelay.core.enums import Stage
 from kvrelay.core.modelref import QUANTIZATION_SCHEMES
 from kvrelay.pipeline.server.config import MODES
 
@@ -266,8 +267,8 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         )
     )
     threads = topo.threads
-    roles = [("prefill", i) for i in range(args.prefill)]
-    roles += [("decode", i) for i in range(args.decode)]
+    roles = [(Stage.PREFILL, i) for i in range(args.prefill)]
+    roles += [(Stage.DECODE, i) for i in range(args.decode)]
     for n, (role, i) in enumerate(roles):
         wenv = dict(env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         if gpus:
@@ -344,13 +345,12 @@ def run_up(args: argparse.Namespace) -> int:
             if reason is not None:
                 reason = f"not ready after {args.timeout:g}s ({reason})"
         except CrashLoopError as exc:
-            print(f"kvrelay up: {exc}", file=sys.stderr)
+            print(f"kvrelay up: {exc}", file=sys.stderr)  # the log's end, before the error line
             reason = "not ready"
         if reason is not None:
-            print(f"kvrelay up: {reason}; stopping. Logs in {logs}", file=sys.stderr)
             sup.stop()
             _remove_arena(state)
-            return 1
+            raise CommandError(f"{reason}; stopping. Logs in {logs}", EXIT_FAILURE)
         print(json.dumps({"ready": True, "url": where, **state}))
         return 0
     try:
@@ -360,9 +360,9 @@ def run_up(args: argparse.Namespace) -> int:
                 state, args.timeout, sup, alive=lambda: proc.poll() is None, progress=progress
             )
         except CrashLoopError as exc:
-            print(f"kvrelay up: {exc}\nkvrelay up: stopping. Logs in {logs}", file=sys.stderr)
+            print(f"kvrelay up: {exc}", file=sys.stderr)
             sup.stop()
-            return 1
+            raise CommandError(f"not ready; stopping. Logs in {logs}", EXIT_FAILURE) from None
         if reason is None:
             print(f"kvrelay: serving {args.model} at {where} (Ctrl-C stops)", file=sys.stderr)
         elif proc.poll() is None:
@@ -386,8 +386,7 @@ def run_down(args: argparse.Namespace) -> int:
         print(f"kvrelay down: nothing running in {run_dir}", file=sys.stderr)
         return 0
     if not sup.stop(args.timeout):
-        print(f"kvrelay down: supervisord still running after {args.timeout:.0f}s", file=sys.stderr)
-        return 1
+        raise CommandError(f"supervisord still running after {args.timeout:.0f}s", EXIT_FAILURE)
     _remove_arena(read_state(run_dir))
     return 0
 

@@ -253,7 +253,7 @@ def check_port_free(host: str, port: int) -> None:
     import errno
     import socket
 
-    from kvrelay.cli.main import CommandError
+    from kvrelay.cli.errors import CommandError
 
     try:
         family, kind, proto, _name, addr = socket.getaddrinfo(

@@ -7,8 +7,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvrelay.cli.main import EXIT_UNAVAILABLE, CommandError, redact_url
+from kvrelay.cli.errors import EXIT_UNAVAILABLE, CommandError, redact_url
 from kvrelay.cli.up.launch import Supervisor, listens
+from kvrelay.core.enums import Stage
+from kvrelay.core.errors import KvrelayError
 
 
 def check_redis(url: str) -> None:
@@ -86,7 +88,7 @@ def not_ready_reason(state: dict, status: dict, previous: dict) -> str | None:
     if body is None:
         return f"/health on port {state['port']} does not answer 200"
     workers = body.get("workers", {})
-    for role in ("prefill", "decode"):
+    for role in Stage:
         if workers.get(role, 0) < state[role]:
             return f"/health counts {workers.get(role, 0)} {role} workers, want {state[role]}"
     names = _worker_names(state)
@@ -96,7 +98,7 @@ def not_ready_reason(state: dict, status: dict, previous: dict) -> str | None:
     return None
 
 
-class CrashLoopError(RuntimeError):
+class CrashLoopError(KvrelayError, RuntimeError):
     """A program keeps dying before the stack became ready."""
 
 

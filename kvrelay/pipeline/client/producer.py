@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from kvrelay.core import record as rec
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.modelref import DEFAULT_MODEL
@@ -42,6 +43,7 @@ from kvrelay.pipeline.queue.output import (
     RequestNotFound,
     read_chunks,
 )
+from kvrelay.pipeline.queue.records import read_record_fields
 from kvrelay.pipeline.queue.redis_options import async_redis
 from kvrelay.pipeline.queue.route import Router
 from kvrelay.pipeline.queue.submit import Producer, new_request_id
@@ -138,7 +140,7 @@ class AsyncClient:
             sub, entry = await self.producer.prepare_parsed(
                 parsed, request_id=request_id, detokenize=detokenize
             )
-            route = await self.producer.enqueue(sub, entry, {"source": "client"})
+            route = await self.producer.enqueue(sub, entry, {rec.SOURCE: "client"})
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
         if route is None:
@@ -155,7 +157,7 @@ class AsyncClient:
     async def _retext(self, request_id: str):
         model = self._models.get(request_id)
         if model is None:
-            raw = await self.redis.hget(self.keys.request(request_id), "model")
+            raw = await self.redis.hget(self.keys.request(request_id), rec.MODEL)
             model = raw.decode() if raw else None
         if not model:
             return None
@@ -182,7 +184,7 @@ class AsyncClient:
         try:
             deadline = self._deadlines.get(request_id)
             if deadline is None and request_id not in self._deadlines:
-                raw = await self.redis.hget(self.keys.request(request_id), "deadline")
+                raw = await self.redis.hget(self.keys.request(request_id), rec.DEADLINE)
                 deadline = float(raw) if raw else None
             retext = await self._retext(request_id) if start_index else None
             async for chunk in read_chunks(
@@ -221,10 +223,9 @@ class AsyncClient:
         """The req:{id} record, or None when unknown or expired."""
         checked_id(request_id)
         try:
-            raw = await self.redis.hgetall(self.keys.request(request_id))
+            return await read_record_fields(self.redis, self.keys, request_id)
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
-        return {k.decode(): v.decode() for k, v in raw.items()} if raw else None
 
 
 class Client:

@@ -10,30 +10,27 @@ from typing import Any
 
 import redis
 
-from kvrelay.core.enums import DONE_STATUSES
+from kvrelay.core import record as rec
+from kvrelay.core.enums import DONE_STATUSES, RequestStatus
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import MessageError, TokenChunk
+from kvrelay.core.record import as_str
 
 logger = logging.getLogger(__name__)
 
 # the rule of kvrelay.pipeline.queue.submit.valid_request_id (not imported: it pulls in pydantic)
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # req:{id} fields that hold numbers; `ingress` holds JSON
-REQUEST_INT_FIELDS = {"prompt_tokens", "completion_tokens", "cached_tokens", "emitted", "attach",
-                      "claim_emitted", "claim_delivery"}  # fmt: skip
-REQUEST_FLOAT_FIELDS = {"created", "updated", "started", "deadline"}
+REQUEST_INT_FIELDS = rec.INT_FIELDS
+REQUEST_FLOAT_FIELDS = rec.FLOAT_FIELDS
 # worker:{name} fields that hold numbers (Redis keeps strings); "" (e.g. metrics off) -> None
 INT_FIELDS = {"pid", "load", "running", "waiting", "draining", "drain", "max_num_seqs",
               "metrics_port"}  # fmt: skip
 FLOAT_FIELDS = {"updated", "tokens_per_s"}
 
 
-def _s(v: Any) -> Any:
-    return v.decode(errors="replace") if isinstance(v, bytes) else v
-
-
 def _hash(r: redis.Redis, key: str) -> dict[str, str]:
-    return {_s(k): _s(v) for k, v in r.hgetall(key).items()}
+    return {as_str(k): as_str(v) for k, v in r.hgetall(key).items()}
 
 
 def workers(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
@@ -67,7 +64,7 @@ def stream_info(r: redis.Redis, stream: str, group: str) -> dict[str, Any]:
     """Length, pending, lag and consumers of one stream's group."""
     info: dict[str, Any] = {"stream": stream, "group": group, "length": r.xlen(stream)}
     try:
-        groups = {_s(g["name"]): g for g in r.xinfo_groups(stream)}
+        groups = {as_str(g["name"]): g for g in r.xinfo_groups(stream)}
     except redis.ResponseError:
         groups = {}
     g = groups.get(group)
@@ -78,7 +75,7 @@ def stream_info(r: redis.Redis, stream: str, group: str) -> dict[str, Any]:
         pending=int(g["pending"]),
         lag=g.get("lag"),
         consumers=int(g["consumers"]),
-        last_delivered=_s(g["last-delivered-id"]),
+        last_delivered=as_str(g["last-delivered-id"]),
     )
     return info
 
@@ -89,7 +86,7 @@ def requests_in_flight(r: redis.Redis, keys: Keys, limit: int = 100000) -> dict[
     for n, key in enumerate(r.scan_iter(match=keys.request_pattern, count=1000)):
         if n >= limit:
             break
-        status = _s(r.hget(key, "status")) or "unknown"
+        status = as_str(r.hget(key, rec.STATUS)) or "unknown"
         counts[status] = counts.get(status, 0) + 1
     return counts
 
@@ -159,18 +156,18 @@ def cancel_request(
     out_key = keys.out(request_id)
     if not raw and not r.exists(out_key):
         return None
-    status = raw.get("status", "")
+    status = raw.get(rec.STATUS, "")
     ended = status in DONE_STATUSES
     if not ended and not raw:  # no record (expired): the output stream tells whether it ended
         ended = any(c.finished for c in _chunks(r, out_key)[0])
-        status = "finished" if ended else ""
+        status = RequestStatus.FINISHED if ended else ""
     if not ended:
         r.set(keys.cancel(request_id), 1, ex=ttl_s)
     return {
         "request_id": request_id,
         "cancelled": not ended,
         "status": status or None,
-        "finish_reason": raw.get("finish_reason") or None,
+        "finish_reason": raw.get(rec.FINISH_REASON) or None,
     }
 
 

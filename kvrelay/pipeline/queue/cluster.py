@@ -17,15 +17,13 @@ from typing import Any, Generic, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from kvrelay.core.enums import Stage
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from kvrelay.core.record import as_str
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(slots=True)
@@ -177,7 +175,7 @@ class ClusterState:
                 logger.warning("ignoring unreadable models entry %r", name)
                 continue
             if isinstance(info, dict):
-                out[_s(name)] = info
+                out[as_str(name)] = info
         return out
 
     async def _fetch_workers(self) -> list[WorkerInfo]:
@@ -192,10 +190,10 @@ class ClusterState:
         for name, raw in zip(names, await pipe.execute(), strict=True):
             if not raw:  # expired between SCAN and HGETALL
                 continue
-            fields = {_s(k): _s(v) for k, v in raw.items()}
+            fields = {as_str(k): as_str(v) for k, v in raw.items()}
             workers.append(
                 WorkerInfo(
-                    _s(name)[prefix:], fields.get("role", ""), fields.get("model", ""), fields
+                    as_str(name)[prefix:], fields.get("role", ""), fields.get("model", ""), fields
                 )
             )
         return workers
@@ -209,7 +207,9 @@ class ClusterState:
             pipe.xlen(stream)
         replies = await pipe.execute(raise_on_error=False)
         out = {}
-        for i, (name, group) in enumerate((("prefill", PREFILL_GROUP), ("decode", DECODE_GROUP))):
+        for i, (name, group) in enumerate(
+            ((Stage.PREFILL, PREFILL_GROUP), (Stage.DECODE, DECODE_GROUP))
+        ):
             groups, length = replies[2 * i], replies[2 * i + 1]
             out[name] = await self._stream_load(streams[i], group, groups, length)
         return out
@@ -219,12 +219,12 @@ class ClusterState:
             return StreamLoad()
         if isinstance(groups, Exception):
             raise groups
-        info = next((g for g in groups if _s(g["name"]) == group), None)
+        info = next((g for g in groups if as_str(g["name"]) == group), None)
         if info is None:  # no consumer ever joined: everything queued is waiting
             return StreamLoad(waiting=int(length))
         lag = info.get("lag")
         if lag is None:
             # Redis cannot tell after deletions; count what lies past the last delivered id.
-            last = _s(info["last-delivered-id"])
+            last = as_str(info["last-delivered-id"])
             lag = len(await self.redis.xrange(stream, min="(" + last, count=10000))
         return StreamLoad(waiting=int(lag), pending=int(info.get("pending") or 0))

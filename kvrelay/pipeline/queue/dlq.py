@@ -9,8 +9,12 @@ from typing import Any
 
 import redis
 
+from kvrelay.core import record as rec
+from kvrelay.core.enums import RequestStatus
+from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import DecodeTask, MessageError, PrefillTask
+from kvrelay.core.record import as_str
 
 logger = logging.getLogger(__name__)
 
@@ -19,11 +23,11 @@ logger = logging.getLogger(__name__)
 POISON_REASON = re.compile(r"delivered \d+ times, \d+ times in a row without progress")
 
 
-class NotReplayable(ValueError):
+class NotReplayable(KvrelayError, ValueError):
     """A DLQ entry that cannot go back on a stream (no payload, unknown stream)."""
 
 
-class ReplayRefused(ValueError):
+class ReplayRefused(KvrelayError, ValueError):
     """A DLQ entry that would fail again (poison, or a payload that is no task) without force."""
 
 
@@ -41,10 +45,6 @@ class Replayed:
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}
-
-
-def _s(v: Any) -> Any:
-    return v.decode(errors="replace") if isinstance(v, bytes) else v
 
 
 def _task(payload: bytes, stream: str, keys: Keys) -> PrefillTask | DecodeTask | None:
@@ -66,8 +66,8 @@ def entries(r: redis.Redis, keys: Keys, limit: int = 100) -> list[dict[str, Any]
     """Oldest-first DLQ entries without their payloads."""
     out = []
     for eid, fields in r.xrange(keys.dlq, count=limit):
-        row = {_s(k): _s(v) for k, v in fields.items() if k != MESSAGE_FIELD}
-        out.append({"dlq_id": _s(eid), **row})
+        row = {as_str(k): as_str(v) for k, v in fields.items() if k != MESSAGE_FIELD}
+        out.append({"dlq_id": as_str(eid), **row})
     return out
 
 
@@ -79,7 +79,7 @@ def entry(r: redis.Redis, keys: Keys, dlq_id: str) -> dict[str, Any] | None:
     fields = rows[0][1]
     payload = fields.get(MESSAGE_FIELD, b"")
     out: dict[str, Any] = {"dlq_id": dlq_id}
-    out.update({_s(k): _s(v) for k, v in fields.items() if k != MESSAGE_FIELD})
+    out.update({as_str(k): as_str(v) for k, v in fields.items() if k != MESSAGE_FIELD})
     for cls in (PrefillTask, DecodeTask):
         try:
             out["task"] = cls.decode(payload).to_dict()
@@ -102,13 +102,13 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
     if not rows:
         return None
     fields = rows[0][1]
-    stream = _s(fields.get(b"stream", b"")) or keys.prefill_stream
+    stream = as_str(fields.get(b"stream", b"")) or keys.prefill_stream
     if stream not in (keys.prefill_stream, keys.decode_stream):
         raise NotReplayable(f"DLQ entry {dlq_id} names an unknown stream {stream!r}")
     payload = fields.get(MESSAGE_FIELD)
     if not payload:  # the entry arrived without `m`: nothing to run again
         raise NotReplayable(f"DLQ entry {dlq_id} has no payload to replay (purge it instead)")
-    reason = _s(fields.get(b"reason", b""))
+    reason = as_str(fields.get(b"reason", b""))
     kind = kind_of(reason, payload, stream, keys)
     if kind != "other" and not force:
         why = (
@@ -118,17 +118,22 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
         )
         raise ReplayRefused(f"DLQ entry {dlq_id} {why}: {reason}; replay it with --force")
     task = _task(payload, stream, keys)
-    request_id = _s(fields.get(b"request_id", b"")) or (task.request_id if task else "")
+    request_id = as_str(fields.get(b"request_id", b"")) or (task.request_id if task else "")
     pipe = r.pipeline(transaction=True)
     if request_id:  # the error chunk ended the old output; a replay starts a fresh one
         pipe.delete(keys.out(request_id), keys.cancel(request_id))
         pipe.hset(
             keys.request(request_id),
-            mapping={"status": "queued", "emitted": 0, "error": "", "finish_reason": ""},
+            mapping={
+                rec.STATUS: RequestStatus.QUEUED,
+                rec.EMITTED: 0,
+                rec.ERROR: "",
+                rec.FINISH_REASON: "",
+            },
         )
     pipe.xadd(stream, {MESSAGE_FIELD: payload})
     pipe.xdel(keys.dlq, dlq_id)
-    new_id = _s(pipe.execute()[-2])
+    new_id = as_str(pipe.execute()[-2])
     logger.info("replayed DLQ entry %s (request %s) as %s", dlq_id, request_id or "?", new_id)
     return Replayed(dlq_id, new_id, stream, request_id, reason, kind, kind != "other")
 

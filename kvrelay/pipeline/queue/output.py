@@ -20,9 +20,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, RequestStatus
+from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import MessageError, TokenChunk
+from kvrelay.core.record import as_str
 
 logger = logging.getLogger(__name__)
 
@@ -40,24 +43,20 @@ REDIS_RETRY_S = 30.0
 REDIS_RETRY_PAUSE_S = 0.25
 
 
-class OutputTimeout(TimeoutError):
+class OutputTimeout(KvrelayError, TimeoutError):
     """The request's deadline passed before its final chunk arrived."""
 
 
-class RequestNotFound(LookupError):
+class RequestNotFound(KvrelayError, LookupError):
     """No `req:{id}` record: the id is unknown or its record expired."""
 
 
-class OutputExpired(LookupError):
+class OutputExpired(KvrelayError, LookupError):
     """The request ended and its output stream `out:{id}` has expired (its record remains)."""
 
     def __init__(self, request_id: str, status: str):
         super().__init__(f"request {request_id} {status} and its output has expired")
         self.request_id, self.status = request_id, status
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def output_gone(status: str, emitted: Any, out_exists: bool) -> bool:
@@ -66,16 +65,16 @@ def output_gone(status: str, emitted: Any, out_exists: bool) -> bool:
         return False
     # finished and cancelled requests always wrote a final chunk; a failed one (dead-lettered
     # before any token) may never have had a stream: its record alone tells the outcome
-    return status != "failed" or int(emitted or 0) > 0
+    return status != RequestStatus.FAILED or int(emitted or 0) > 0
 
 
 async def check_output(redis: aioredis.Redis, keys: Keys, request_id: str) -> None:
     """Raise OutputExpired when req:{id} says the request ended and out:{id} is gone."""
-    status, emitted = await redis.hmget(keys.request(request_id), "status", "emitted")
-    if status is None or _s(status) not in ENDED:
+    status, emitted = await redis.hmget(keys.request(request_id), rec.STATUS, rec.EMITTED)
+    if status is None or as_str(status) not in ENDED:
         return
-    if output_gone(_s(status), emitted, bool(await redis.exists(keys.out(request_id)))):
-        raise OutputExpired(request_id, _s(status))
+    if output_gone(as_str(status), emitted, bool(await redis.exists(keys.out(request_id)))):
+        raise OutputExpired(request_id, as_str(status))
 
 
 def trim_chunk(
@@ -184,23 +183,25 @@ async def _ended_without_chunk(
 ) -> TokenChunk | None:
     """A made-up final chunk when the record says the request ended and no chunk says so."""
     status, error, emitted = await redis.hmget(
-        keys.request(request_id), "status", "error", "emitted"
+        keys.request(request_id), rec.STATUS, rec.ERROR, rec.EMITTED
     )
     if status is None:
         if await redis.exists(out_key):
             return None  # record expired first; the stream may still finish
         raise RequestNotFound(request_id)
-    reason = TERMINAL.get(_s(status))
+    reason = TERMINAL.get(as_str(status))
     if reason is None:
         return None
-    if output_gone(_s(status), emitted, bool(await redis.exists(out_key))):
-        raise OutputExpired(request_id, _s(status))
+    if output_gone(as_str(status), emitted, bool(await redis.exists(out_key))):
+        raise OutputExpired(request_id, as_str(status))
     # The final chunk may have landed between the empty read and the record check.
     if await redis.xread({out_key: last_id}, count=1):
         return None
-    message = _s(error) if error else f"request ended with status {_s(status)}"
+    message = as_str(error) if error else f"request ended with status {as_str(status)}"
     return TokenChunk(
-        index=int(emitted or 0), finish_reason=reason, error=message if reason == "error" else None
+        index=int(emitted or 0),
+        finish_reason=reason,
+        error=message if reason == FinishReason.ERROR else None,
     )
 
 

@@ -76,7 +76,7 @@ class Router:
             return Route(DECODE, reason="short prompt")
         if self.cluster is not None:
             roles = await self.cluster.roles(model.name)
-            if roles.get("decode", 0) and not roles.get(PREFILL, 0):
+            if roles.get(DECODE, 0) and not roles.get(PREFILL, 0):
                 return Route(DECODE, reason="no prefill worker")
         pages = await self.cached_pages(model, prompt_ids, salt)
         cached = pages * model.page_size

@@ -15,8 +15,11 @@ from importlib import resources
 
 import redis
 
+from kvrelay.core import record as rec
+from kvrelay.core.enums import FinishReason
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import TokenChunk
+from kvrelay.core.record import as_str
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +66,6 @@ class Emission:
     req_fields: dict[str, str | int | float] | None = None
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _flat(fields: dict[str, str | int | float] | None) -> list[str | int | float]:
     out: list[str | int | float] = []
     for key, value in (fields or {}).items():
@@ -79,7 +78,7 @@ def _fenced(reply: list) -> FencedResult:
     if code == 1:
         value = reply[1]
         if isinstance(value, bytes | str):
-            return FencedResult(OK, new_entry_id=_s(value))
+            return FencedResult(OK, new_entry_id=as_str(value))
         return FencedResult(OK, emitted=int(value))
     if code == 0:
         return FencedResult(NOT_OWNER)
@@ -128,7 +127,7 @@ class Streams:
         entries: list[Entry] = []
         for _name, items in reply or []:
             for entry_id, fields in items:
-                entries.append(Entry(_s(entry_id), (fields or {}).get(MESSAGE_FIELD)))
+                entries.append(Entry(as_str(entry_id), (fields or {}).get(MESSAGE_FIELD)))
         return entries
 
     def claim(
@@ -136,9 +135,9 @@ class Streams:
     ) -> tuple[str, list[Entry]]:
         """XAUTOCLAIM entries idle longer than the lease; returns (next cursor, entries)."""
         reply = self.r.xautoclaim(stream, group, self.consumer, min_idle_ms, cursor, count=count)
-        next_cursor, items = _s(reply[0]), reply[1]
+        next_cursor, items = as_str(reply[0]), reply[1]
         entries = [
-            Entry(_s(eid), (fields or {}).get(MESSAGE_FIELD)) for eid, fields in items if eid
+            Entry(as_str(eid), (fields or {}).get(MESSAGE_FIELD)) for eid, fields in items if eid
         ]
         if entries:
             counts = self.deliveries(stream, group, [e.entry_id for e in entries])
@@ -178,7 +177,7 @@ class Streams:
         if not entry_ids:
             return []
         lost = self._renew(keys=[stream], args=[group, self.consumer, *entry_ids])
-        return [_s(x) for x in lost or []]
+        return [as_str(x) for x in lost or []]
 
     def release(self, stream: str, group: str, entry_ids: list[str], lease_ms: int) -> None:
         """Mark entries this consumer holds as idle for a whole lease: claimable at once.
@@ -261,9 +260,9 @@ class Streams:
         """Move an entry to the DLQ with its reason and ack it; finish the client's output."""
         chunk_payload, index = b"", 0
         if request_id:
-            raw = self.r.hget(self.keys.request(request_id), "emitted")
+            raw = self.r.hget(self.keys.request(request_id), rec.EMITTED)
             index = int(raw or 0)
-            chunk = TokenChunk(index=index, finish_reason="error", error=reason)
+            chunk = TokenChunk(index=index, finish_reason=FinishReason.ERROR, error=reason)
             chunk_payload = chunk.encode()
         req_key = self.keys.request(request_id) if request_id else self.keys.dlq
         out_key = self.keys.out(request_id) if request_id else self.keys.dlq
@@ -292,7 +291,7 @@ class Streams:
             request_id or "?",
             reason,
         )
-        return _s(reply)
+        return as_str(reply)
 
     # reads of request state
     def emitted_tokens(self, request_id: str) -> tuple[list[int], int, bool]:
@@ -322,13 +321,13 @@ class Streams:
     def trim_acked(self, stream: str, group: str) -> int:
         """Drop entries every consumer is done with (older than the oldest pending/undelivered)."""
         summary = self.r.xpending(stream, group)
-        groups = {_s(g["name"]): g for g in self.r.xinfo_groups(stream)}
+        groups = {as_str(g["name"]): g for g in self.r.xinfo_groups(stream)}
         info = groups.get(group)
         if info is None:
             return 0
-        floor = _s(info["last-delivered-id"])
+        floor = as_str(info["last-delivered-id"])
         if summary and summary.get("pending"):
-            floor = min(floor, _s(summary["min"]), key=_id_tuple)
+            floor = min(floor, as_str(summary["min"]), key=_id_tuple)
         if floor == "0-0":
             return 0
         # MINID keeps entries >= floor; the last delivered one is kept, which is harmless
@@ -339,7 +338,7 @@ class Streams:
         pipe = self.r.pipeline(transaction=False)
         for key in self.r.scan_iter(match=self.keys.worker_pattern, count=1000):
             pipe.hget(key, "consumer")
-        return {_s(name) for name in pipe.execute() if name}
+        return {as_str(name) for name in pipe.execute() if name}
 
     def prune_consumers(
         self, stream: str, group: str, idle_ms: int = 600_000, dead_idle_ms: int = 30_000
@@ -349,7 +348,7 @@ class Streams:
         live = self.live_consumers()
         removed = 0
         for info in self.r.xinfo_consumers(stream, group):
-            name = _s(info["name"])
+            name = as_str(info["name"])
             if name == self.consumer or info["pending"]:
                 continue  # entries of a dead consumer are claimed after the lease; prune later
             if info["idle"] > (idle_ms if name in live else min(idle_ms, dead_idle_ms)):

@@ -18,6 +18,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from kvrelay.core import record as rec
+from kvrelay.core.enums import RequestStatus
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
@@ -111,7 +113,7 @@ def build_task(sub: Submission, route: Route) -> PrefillTask | DecodeTask:
         request_id=sub.request_id,
         model=sub.model,
         prompt_token_ids=list(sub.prompt_token_ids),
-        sampling=sub.sampling.to_dict(),
+        sampling=sub.sampling,
         cache_salt=sub.cache_salt,
         arrival_time=sub.arrival_time,
         deadline=sub.deadline,
@@ -238,15 +240,15 @@ class Producer:
         task = build_task(sub, route)
         stream = self.keys.decode_stream if route.stage == DECODE else self.keys.prefill_stream
         fields: dict[str, Any] = {
-            "status": "queued",
-            "stage": route.stage,
-            "model": sub.model,
-            "created": f"{sub.arrival_time:.6f}",
-            "updated": f"{time.time():.6f}",
-            "prompt_tokens": len(sub.prompt_token_ids),
-            "completion_tokens": 0,
-            "cached_tokens": route.cached_tokens,
-            "deadline": "" if sub.deadline is None else f"{sub.deadline:.3f}",
+            rec.STATUS: RequestStatus.QUEUED,
+            rec.STAGE: route.stage,
+            rec.MODEL: sub.model,
+            rec.CREATED: f"{sub.arrival_time:.6f}",
+            rec.UPDATED: f"{time.time():.6f}",
+            rec.PROMPT_TOKENS: len(sub.prompt_token_ids),
+            rec.COMPLETION_TOKENS: 0,
+            rec.CACHED_TOKENS: route.cached_tokens,
+            rec.DEADLINE: "" if sub.deadline is None else f"{sub.deadline:.3f}",
         }
         for key, value in (record or {}).items():
             plain = isinstance(value, str | int | float) and not isinstance(value, bool)

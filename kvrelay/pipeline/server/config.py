@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from kvrelay.core.config import ConfigError, env_name, from_env
+from kvrelay.core.config import ConfigError, from_env, read_config_file
 
 SECTION = "INGRESS"
 MODES = ("auto", "disaggregated", "colocated")
-# Shared names other components also read; the INGRESS-specific variable wins when both are set.
-_SHARED_ENV = {
-    "redis_url": "KVRELAY_REDIS_URL",
-    "key_prefix": "KVRELAY_KEY_PREFIX",
-    "api_keys": "KVRELAY_API_KEYS",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +71,11 @@ class IngressConfig:
         return self.redis_timeout_s + self.read_block_ms / 1000
 
 
-def load_config(environ: dict[str, str] | None = None, **overrides) -> IngressConfig:
-    """Defaults, then shared `KVRELAY_*` variables, then `KVRELAY_INGRESS_*`, then overrides."""
-    env = dict(os.environ if environ is None else environ)
-    for field_name, shared in _SHARED_ENV.items():
-        own = env_name(SECTION, field_name)
-        if own not in env and shared in env:
-            env[own] = env[shared]
-    return from_env(IngressConfig, SECTION, environ=env, **overrides).validate()
+def load_config(
+    environ: dict[str, str] | None = None, config_file: str | None = None, **overrides
+) -> IngressConfig:
+    """Flags over `KVRELAY_INGRESS_*` (or the shared `KVRELAY_*`) over `--config` over defaults."""
+    file_values = read_config_file(config_file, SECTION)
+    return from_env(
+        IngressConfig, SECTION, environ=environ, file_values=file_values, **overrides
+    ).validate()

@@ -18,10 +18,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvrelay.core.errors import KvrelayError
+
 logger = logging.getLogger(__name__)
 
 
-class NoFreeBlocksError(RuntimeError):
+class NoFreeBlocksError(KvrelayError, RuntimeError):
     """Asked for more blocks than are free (callers check `num_free_blocks` first)."""
 
 

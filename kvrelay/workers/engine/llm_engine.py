@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvrelay.core.enums import FinishReason
+from kvrelay.core.limits import bad_token_id, context_overflow, token_id_message
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams, effective_seed
 from kvrelay.workers.engine.block_pool import BlockPool
 from kvrelay.workers.engine.config import EngineConfig, EngineStats, RequestOutput, merge_outputs
@@ -123,32 +125,34 @@ class Engine:
         cache_salt: str = "",
         handoff_after: int | None = None,
         emitted_text_len: int | None = None,
+        sampling_checked: bool = False,
     ) -> None:
         """Queue a request; raises InvalidRequestError for input no engine could serve.
 
         `output_token_ids` resumes a request whose first outputs were produced elsewhere;
         `emitted_text_len` is how many characters of their text the client has already been
-        sent (default: all that those tokens decode to, as after a hand-off)."""
+        sent (default: all that those tokens decode to, as after a hand-off).
+        `sampling_checked`: the caller validated `sampling` (a decoded wire task), so only the
+        vocabulary bound, unknown before, is checked here."""
         sampling = sampling if sampling is not None else SamplingParams()
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         prompt = self._check_ids(prompt_token_ids, "prompt")
         outputs = self._check_ids(output_token_ids, "output_token_ids", allow_empty=True)
         try:
-            sampling.validate(self.vocab_size)
+            if sampling_checked:
+                sampling.check_vocab(self.vocab_size)
+            else:
+                sampling.validate(self.vocab_size)
         except InvalidSamplingParams as exc:
             raise InvalidRequestError(str(exc), param=exc.param) from exc
-        total = len(prompt) + len(outputs)
-        if total >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {total} tokens but the model's context length is "
-                f"{self.max_model_len}; shorten the prompt", param="prompt")  # fmt: skip
         max_tokens = sampling.max_tokens
-        if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed it; "
-                "reduce max_tokens or the prompt", param="max_tokens")  # fmt: skip
+        # at least one token past those already given must fit (the edge checks the same)
+        completion = max(len(outputs) + 1, max_tokens or 0)
+        message = context_overflow(self.max_model_len, len(prompt), completion)
+        if message is not None:
+            fits = len(prompt) + len(outputs) < self.max_model_len
+            raise InvalidRequestError(message, param="max_tokens" if fits else "prompt")
         if max_tokens is not None and len(outputs) >= max_tokens:
             raise InvalidRequestError(
                 f"{len(outputs)} output tokens already given, max_tokens is {max_tokens}",
@@ -182,22 +186,17 @@ class Engine:
         )
 
     def _check_ids(self, ids: Seq[int], what: str, allow_empty: bool = False) -> list[int]:
-        out = []
-        for t in ids:
-            try:
-                v = operator.index(t)  # ints and numpy integers; not floats or strings
-            except TypeError:
-                v = -1
-            if isinstance(t, bool) or not 0 <= v < self.vocab_size:
-                raise InvalidRequestError(
-                    f"{what} has token id {t!r}, outside the vocabulary [0, {self.vocab_size})",
-                    param=what)  # fmt: skip
-            out.append(v)
+        found, bad = bad_token_id(ids, self.vocab_size)
+        if found:
+            raise InvalidRequestError(token_id_message(bad, self.vocab_size), param=what)
+        out = [operator.index(t) for t in ids]
         if not out and not allow_empty:
             raise InvalidRequestError(f"{what} is empty; give at least one token", param=what)
         return out
 
-    def abort_request(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+    def abort_request(
+        self, request_id: str, reason: str = FinishReason.CANCELLED
+    ) -> RequestOutput | None:
         """Drop a request; returns its final output, or None if it is unknown or done."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:

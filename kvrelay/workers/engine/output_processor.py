@@ -12,6 +12,7 @@ never sent; a finished or handed-off request sends everything it has.
 
 from __future__ import annotations
 
+from kvrelay.core.enums import FinishReason
 from kvrelay.core.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvrelay.workers.engine.sequence import Sequence
 
@@ -60,9 +61,9 @@ class OutputProcessor:
         stop_tok = False
         if n_out >= p.min_tokens:
             if token_id in self.eos_token_ids and not p.ignore_eos:
-                seq.finish_reason, seq.stop_reason, stop_tok = "stop", None, True
+                seq.finish_reason, seq.stop_reason, stop_tok = FinishReason.STOP, None, True
             elif token_id in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason, stop_tok = "stop", token_id, True
+                seq.finish_reason, seq.stop_reason, stop_tok = FinishReason.STOP, token_id, True
         if not stop_tok or p.include_stop_str_in_output:
             before = len(seq.output_text)
             seq.output_text += seq.detokenizer.add([token_id])
@@ -70,7 +71,7 @@ class OutputProcessor:
                 self._check_stop_strings(seq, before)
         at_limit = p.max_tokens is not None and n_out >= p.max_tokens
         if seq.finish_reason is None and (at_limit or seq.num_tokens >= self.max_model_len):
-            seq.finish_reason = "length"
+            seq.finish_reason = FinishReason.LENGTH
         if (
             seq.finish_reason is None
             and seq.handoff_after is not None
@@ -94,7 +95,7 @@ class OutputProcessor:
         idx, stop = best
         end = idx + len(stop) if p.include_stop_str_in_output else idx
         seq.output_text = text[: max(end, seq.emitted_text_len)]
-        seq.finish_reason, seq.stop_reason = "stop", stop
+        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
 
     def _take_text(self, seq: Sequence) -> str:
         p = seq.sampling

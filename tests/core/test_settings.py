@@ -1,0 +1,161 @@
+"""Settings are read one way: flag > KVRELAY_<SECTION>_* > deprecated spelling > shared KVRELAY_*
+> --config file > default, for every component."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrelay.cli.generate import EXIT_BAD_INPUT
+from kvrelay.core import config as settings
+from kvrelay.core.config import ConfigError, from_env, read_config_file, redacted
+from kvrelay.kvstore.config import StoreConfig
+from kvrelay.pipeline.server.config import load_config
+from kvrelay.workers.config import (
+    DEPRECATED_SECTIONS,
+    SECTION,
+    engine_env_names,
+    load_worker_config,
+)
+from kvrelay.workers.engine.config import EngineConfig
+
+
+def test_store_honours_the_shared_redis_url_and_key_prefix():
+    env = {"KVRELAY_REDIS_URL": "redis://shared:1/0", "KVRELAY_KEY_PREFIX": "p:"}
+    cfg = from_env(StoreConfig, "store", environ=env)
+    assert (cfg.redis_url, cfg.key_prefix) == ("redis://shared:1/0", "p:")
+    env["KVRELAY_STORE_REDIS_URL"] = "redis://own:2/0"  # the component's own name wins
+    assert from_env(StoreConfig, "store", environ=env).redis_url == "redis://own:2/0"
+
+
+def test_shared_variables_mean_the_same_to_every_component():
+    env = {"KVRELAY_REDIS_URL": "redis://h:3/1", "KVRELAY_KEY_PREFIX": "k:"}
+    ingress = load_config(environ=env)
+    worker = load_worker_config(environ=env)
+    store = from_env(StoreConfig, "store", environ=env)
+    assert {(c.redis_url, c.key_prefix) for c in (ingress, worker, store)} == {
+        ("redis://h:3/1", "k:")
+    }
+
+
+def test_engine_settings_have_one_spelling_for_worker_and_generate():
+    env = {"KVRELAY_WORKER_MAX_NUM_SEQS": "9", "KVRELAY_WORKER_THREADS": "3"}
+    worker = load_worker_config(environ=env)
+    engine = from_env(EngineConfig, SECTION, environ=env, deprecated=DEPRECATED_SECTIONS,
+                      env_names=engine_env_names())  # fmt: skip
+    assert (worker.max_num_seqs, worker.threads) == (9, 3)
+    assert (engine.max_num_seqs, engine.num_threads) == (9, 3)
+
+
+def test_old_engine_spelling_works_with_one_warning(caplog, monkeypatch):
+    monkeypatch.setattr(settings, "_warned", set())
+    env = {"KVRELAY_ENGINE_KV_CACHE_BYTES": "4096"}
+    with caplog.at_level(logging.WARNING, logger="kvrelay.core.config"):
+        for _ in range(3):
+            engine = from_env(EngineConfig, SECTION, environ=env, deprecated=DEPRECATED_SECTIONS)
+            assert engine.kv_cache_bytes == 4096
+        assert load_worker_config(environ=env).kv_cache_bytes == 4096
+    assert caplog.messages == [
+        "KVRELAY_ENGINE_KV_CACHE_BYTES is deprecated: use KVRELAY_WORKER_KV_CACHE_BYTES "
+        "(same meaning)"
+    ]
+    env["KVRELAY_WORKER_KV_CACHE_BYTES"] = "8192"  # the current spelling wins
+    assert load_worker_config(environ=env).kv_cache_bytes == 8192
+
+
+def test_precedence_flag_env_file_default(tmp_path: Path):
+    path = tmp_path / "kvrelay.toml"
+    path.write_text('key_prefix = "file:"\n[worker]\nlease_ms = 700\nmax_num_seqs = 5\n'
+                    '[ingress]\nmax_waiting = 11\n')  # fmt: skip
+    env = {"KVRELAY_WORKER_MAX_NUM_SEQS": "6"}
+    cfg = load_worker_config(environ=env, config_file=str(path), lease_ms=800)
+    assert (cfg.lease_ms, cfg.max_num_seqs, cfg.key_prefix, cfg.block_ms) == (800, 6, "file:", 50)
+    ingress = load_config(environ={}, config_file=str(path))
+    assert (ingress.max_waiting, ingress.key_prefix) == (11, "file:")
+
+
+def test_bad_config_files_name_the_problem(tmp_path: Path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[worker\n")
+    with pytest.raises(ConfigError, match=r"--config: .*bad.toml is not valid TOML"):
+        read_config_file(str(bad), "worker")
+    with pytest.raises(ConfigError, match=r"--config: cannot read .*none.toml"):
+        read_config_file(str(tmp_path / "none.toml"), "worker")
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[store]\narena = 1\n")
+    with pytest.raises(ConfigError, match="unknown setting 'arena' in the config file"):
+        from_env(
+            StoreConfig, "store", environ={}, file_values=read_config_file(str(unknown), "store")
+        )
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(ConfigError, match="invalid value 'x' for KVRELAY_WORKER_LEASE_MS"):
+        load_worker_config(environ={"KVRELAY_WORKER_LEASE_MS": "x"})
+
+
+def test_redacted_hides_secrets():
+    cfg = StoreConfig(redis_url="redis://u:pw@h:1/0", secret="s3")
+    shown = redacted(cfg)
+    assert (shown["redis_url"], shown["secret"], shown["arena_bytes"]) == (
+        "redis://u:***@h:1/0", "***", 1 << 30)  # fmt: skip
+
+
+def test_config_show_prints_effective_settings(tmp_path: Path):
+    path = tmp_path / "k.toml"
+    path.write_text('[store]\narena_bytes = 4096\nsecret = "s"\n')
+    env = {"PATH": "/usr/bin:/bin", "KVRELAY_REDIS_URL": "redis://a:pw@h:1/0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrelay.cli.main", "config", "show", "--component", "store",
+         "--config", str(path)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, "")
+    store = json.loads(done.stdout)["store"]
+    assert (store["arena_bytes"], store["secret"], store["redis_url"]) == (
+        4096, "***", "redis://a:***@h:1/0")  # fmt: skip
+    env["KVRELAY_STORE_ARENA_BYTES"] = "lots"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrelay.cli.main", "config", "show", "--component", "store"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (EXIT_BAD_INPUT, "")
+    assert (
+        done.stderr == "kvrelay config: error: invalid value 'lots' for KVRELAY_STORE_ARENA_BYTES\n"
+    )
+
+
+def test_flags_are_generated_from_the_settings_fields():
+    from kvrelay.cli.main import build_parser
+    from kvrelay.cli.serve import SERVE_FLAGS
+    from kvrelay.cli.worker import worker_flags
+
+    assert [(f, dest, kind) for f, dest, kind, _ in SERVE_FLAGS] == [
+        ("--redis-url", "redis_url", str), ("--key-prefix", "key_prefix", str),
+        ("--host", "host", str), ("--port", "port", int),
+        ("--max-body-bytes", "max_body_bytes", int),
+        ("--max-prompt-tokens", "max_prompt_tokens", int),
+        ("--max-tokens-limit", "max_tokens_limit", int),
+        ("--route-threshold", "route_threshold", int), ("--max-waiting", "max_waiting", int),
+        ("--max-inflight", "max_inflight", int), ("--retry-after", "retry_after_s", int),
+        ("--request-timeout", "request_timeout_s", float),
+        ("--disconnect-grace", "disconnect_grace_s", float),
+    ]  # fmt: skip
+    assert SERVE_FLAGS[9][3] == (
+        "429 beyond this many open requests (default 4096; KVRELAY_INGRESS_MAX_INFLIGHT)"
+    )
+    assert [f for f, *_ in worker_flags()] == [
+        "--name", "--model", "--redis-url", "--key-prefix", "--threads", "--device", "--dtype",
+        "--quantization", "--kv-cache-bytes", "--max-num-seqs", "--max-num-batched-tokens",
+        "--store-run-dir", "--lease-ms", "--metrics-port",
+    ]  # fmt: skip
+    parser = build_parser()
+    args = parser.parse_args(["store", "--keep-arena", "off", "--arena-bytes", "4096"])
+    assert (args.keep_arena, args.arena_bytes, args.node_id) == (False, 4096, None)
+    args = parser.parse_args(["generate", "hi", "--num-threads", "2"])
+    assert (args.num_threads, args.max_num_seqs) == (2, None)

@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import DOCS, machine_line, write_section  # noqa: E402
 
 LINEARS = ("qkv", "o", "gate_up", "down")
+WEIGHTS = {"none": "fp32 weights", "fp16": "fp16 weights", "int8": "int8 weights and activations",
+           "int8-weight-only": "int8 weights, fp32 activations"}  # fmt: skip
 COLUMNS = ("qkv", "o", "gate_up", "down", "lm_head", "attention", "write_kv", "rms_norm",
            "rope", "embedding", "elementwise", "scheduler", "prepare", "sampler",
            "detokenizer", "other")  # fmt: skip
@@ -394,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs:
         cmd = "python benchmarks/step_breakdown.py " + " ".join(argv or sys.argv[1:])
         write_section("breakdown", "\n".join([
-            "## Decode step breakdown (in-process engine, fp32 CPU)", "",
+            f"## Decode step breakdown (in-process engine, CPU, {WEIGHTS[args.quantization]})", "",
             f"Command: `{cmd.strip()}`  ", f"Machine: {machine}  ",
             f"{args.threads} torch threads, kernels {args.kernels}, quantization "
             f"{args.quantization}; median of {args.steps * args.rounds} steps per mode, plain and "

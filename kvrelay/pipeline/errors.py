@@ -10,6 +10,16 @@ from kvrelay.core.errors import KvrelayError
 logger = logging.getLogger(__name__)
 
 
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """The OpenAI error body `{"error": {"message", "type", "param", "code"}}`: the one builder."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
 class RequestError(KvrelayError):
     """A request the pipeline refuses; rendered by the ingress as an OpenAI error body."""
 
@@ -33,14 +43,7 @@ class RequestError(KvrelayError):
 
     def body(self) -> dict[str, Any]:
         """`{"error": {"message", "type", "param", "code"}}`."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return error_body(self.message, self.type, self.param, self.code)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> RequestError:

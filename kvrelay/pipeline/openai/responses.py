@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.core.messages import TokenChunk
+from kvrelay.pipeline.errors import error_body
 from kvrelay.pipeline.openai.protocol import CHAT
 from kvrelay.pipeline.queue.output import Completion
 
@@ -160,7 +161,7 @@ class ResponseFormatter:
 
     @staticmethod
     def error_event(message: str, type_: str = "server_error", code: str | None = None) -> bytes:
-        return sse({"error": {"message": message, "type": type_, "param": None, "code": code}})
+        return sse(error_body(message, type_, None, code))
 
     # non-streaming ----------------------------------------------------------------------
     def response(self, result: Completion) -> dict:

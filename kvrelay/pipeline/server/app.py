@@ -32,7 +32,7 @@ from kvrelay.pipeline.queue.cluster import ClusterState
 from kvrelay.pipeline.queue.redis_options import async_redis, resilient
 from kvrelay.pipeline.queue.route import Router
 from kvrelay.pipeline.queue.submit import Producer
-from kvrelay.pipeline.server import info, routes
+from kvrelay.pipeline.server import info, openapi, routes
 from kvrelay.pipeline.server.config import IngressConfig, load_config
 from kvrelay.pipeline.server.http import error_response
 from kvrelay.pipeline.server.middleware import RequestIdMiddleware
@@ -225,6 +225,7 @@ def create_app(
             Route("/v1/requests/{request_id}/stream", routes.resume_stream, methods=["GET"]),
             Route("/health", info.health, methods=["GET"]),
             Route("/metrics", info.metrics, methods=["GET"]),
+            Route("/openapi.json", openapi.openapi, methods=["GET"]),
         ],
         middleware=[Middleware(RequestIdMiddleware, metrics=ingress.metrics)],
         # unexpected errors become OpenAI-shaped 500s in RequestIdMiddleware

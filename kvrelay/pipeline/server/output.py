@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 from starlette.responses import Response
 from starlette.types import Send
 
-from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.errors import RequestError, error_body
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter
 from kvrelay.pipeline.queue.backpressure import Slot
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 def _error(message: str, type_: str, code: str) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return error_body(message, type_, None, code)
 
 
 def output_expired(request_id: str) -> RequestError:

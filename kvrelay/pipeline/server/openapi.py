@@ -1,0 +1,161 @@
+"""GET /openapi.json: an OpenAPI 3.1 document built from the request models."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.openai.models import ChatCompletionRequest, CompletionRequest
+from kvrelay.pipeline.server.http import check_api_key, error_response
+
+if TYPE_CHECKING:
+    from kvrelay.pipeline.server.app import Ingress
+
+_REF = "#/components/schemas/{model}"
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_ERRORS = {
+    "400": "invalid request (code and param name the problem)",
+    "401": "missing or wrong API key",
+    "404": "unknown model, request id or path",
+    "409": "the X-Request-Id names another request",
+    "410": "the request's output expired",
+    "413": "body too large",
+    "429": "overloaded; honour Retry-After",
+    "500": "generation failed or an internal error",
+    "503": "queue (Redis) unavailable or model not ready",
+    "504": "request deadline passed",
+}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: str) -> dict[str, Any]:
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    return {s: _json(ref, _ERRORS[s]) for s in statuses}
+
+
+def _completion(name: str, summary: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}
+                },
+            },
+            "responses": {
+                "200": {
+                    "description": "the completion (JSON), or Server-Sent Events with stream",
+                    "content": {
+                        "application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **_errors("400", "401", "404", "409", "410", "413", "429", "500", "503", "504"),
+            },
+        }
+    }
+
+
+_OBJECT = {"type": "object"}
+_ID_PARAM = [
+    {
+        "name": "request_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"},
+    }
+]
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document (built once)."""
+    schemas: dict[str, Any] = {"ErrorResponse": _ERROR_SCHEMA}
+    for model in (ChatCompletionRequest, CompletionRequest):
+        schema = model.model_json_schema(ref_template=_REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    request_ops = {
+        "get": {
+            "summary": "the request's state record",
+            "parameters": _ID_PARAM,
+            "responses": {"200": _json(_OBJECT, "state"), **_errors("400", "401", "404", "503")},
+        },
+        "delete": {
+            "summary": "cancel the request",
+            "parameters": _ID_PARAM,
+            "responses": {
+                "200": _json(_OBJECT, "cancelled"),
+                **_errors("400", "401", "404", "503"),
+            },
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvrelay", "version": "1", "description": "OpenAI-compatible API"},
+        "paths": {
+            "/v1/chat/completions": _completion("ChatCompletionRequest", "chat completion"),
+            "/v1/completions": _completion("CompletionRequest", "text completion"),
+            "/v1/models": {
+                "get": {
+                    "summary": "served models",
+                    "responses": {"200": _json(_OBJECT, "model list"), **_errors("401")},
+                }
+            },
+            "/v1/requests/{request_id}": request_ops,
+            "/health": {
+                "get": {
+                    "summary": "readiness",
+                    "responses": {
+                        "200": _json(_OBJECT, "every stage can be served"),
+                        "503": _json(_OBJECT, "a stage cannot be served or Redis is down"),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "text exposition format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+        },
+        "components": {"schemas": schemas},
+    }
+
+
+async def openapi(request: Request) -> Response:
+    """GET /openapi.json (the same API-key rule as /v1/models)."""
+    ing: Ingress = request.app.state.ingress
+    try:
+        check_api_key(request, ing.config.api_keys)
+    except RequestError as err:
+        return error_response(err)
+    return JSONResponse(openapi_document())

@@ -1,0 +1,118 @@
+"""GET /openapi.json and the request models: the document, its auth rule, the field sets."""
+# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.pipeline.errors import RequestError, error_body
+from kvrelay.pipeline.openai.models import ChatCompletionRequest, CompletionRequest, field_names
+from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
+from kvrelay.pipeline.openai.validate import HONOURED, PASS_THROUGH
+from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
+    MODEL,
+    anyio_backend,
+    harness,
+    http,
+    smollm_tokenizer,
+)
+
+PATHS = {
+    "/v1/chat/completions": ["post"],
+    "/v1/completions": ["post"],
+    "/v1/models": ["get"],
+    "/v1/requests/{request_id}": ["delete", "get"],
+    "/health": ["get"],
+    "/metrics": ["get"],
+}
+
+
+def test_model_fields_equal_the_parser_fields():
+    assert field_names(ChatCompletionRequest) == HONOURED["chat"] | PASS_THROUGH["chat"]
+    assert field_names(CompletionRequest) == HONOURED["completion"] | PASS_THROUGH["completion"]
+
+
+def test_error_body_is_the_openai_shape():
+    assert error_body("m", "timeout", None, "request_timeout") == {
+        "error": {"message": "m", "type": "timeout", "param": None, "code": "request_timeout"}
+    }
+    err = RequestError("bad", 400, param="top_p", code=None)
+    assert err.body() == error_body("bad", "invalid_request_error", "top_p", None)
+
+
+@pytest.mark.parametrize(
+    ("model", "parse", "body"),
+    [
+        (CompletionRequest, parse_completion, {"model": "m", "prompt": [[1, 2]], "echo": False}),
+        (CompletionRequest, parse_completion, {"model": "m", "prompt": ["x"], "n": 1, "seed": -1}),
+        (CompletionRequest, parse_completion, {"model": "m", "prompt": "x", "stop": ["a"] * 16}),
+        (
+            ChatCompletionRequest,
+            parse_chat,
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                    {"role": "assistant", "content": None},
+                ],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "logprobs": True,
+                "top_logprobs": 20,
+                "store": False,
+                "modalities": ["text"],
+                "response_format": {"type": "text"},
+                "tool_choice": "none",
+                "metadata": {"k": "v"},
+            },
+        ),
+    ],
+)
+def test_models_and_parser_accept_the_same_bodies(model, parse, body):
+    model.model_validate(body)
+    assert parse(body).model == "m"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "prompt": "x", "n": True},
+        {"model": "m", "prompt": "x", "echo": 0},
+        {"model": "m", "prompt": "x", "temperature": "1"},
+        {"model": "m", "prompt": "x", "functions": []},
+        {"model": "m", "prompt": "x", "store": False},  # chat only
+        {"model": "m", "prompt": "\ud83d"},
+        {"model": "m", "prompt": []},
+        {"model": "m", "prompt": ["a", "b"]},
+        {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
+    ],
+)
+def test_models_and_parser_refuse_the_same_bodies(body):
+    with pytest.raises(ValueError):
+        CompletionRequest.model_validate(body)
+    with pytest.raises(RequestError):
+        parse_completion(body)
+
+
+@pytest.mark.anyio
+async def test_openapi_document_and_auth(harness):
+    factory, _ = harness
+    async with http(factory()) as client:
+        resp = await client.get("/openapi.json")
+        assert resp.status_code == 200
+        doc = resp.json()
+    assert doc["openapi"] == "3.1.0"
+    assert {p: sorted(ops) for p, ops in doc["paths"].items()} == PATHS
+    schemas = doc["components"]["schemas"]
+    assert {"ChatCompletionRequest", "CompletionRequest", "ErrorResponse", "ChatMessage"} <= set(
+        schemas
+    )
+    assert set(schemas["CompletionRequest"]["properties"]) == set(field_names(CompletionRequest))
+    assert schemas["ChatCompletionRequest"]["required"] == ["model", "messages"]
+    assert schemas["ChatCompletionRequest"]["additionalProperties"] is False
+    async with http(factory(api_keys=("k1",))) as client:
+        missing = await client.get("/openapi.json")
+        good = await client.get("/openapi.json", headers={"Authorization": "Bearer k1"})
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "missing_api_key"
+    assert good.json() == doc

@@ -66,17 +66,6 @@ def model_not_found(model: str, served: list[str]) -> RequestError:
     )
 
 
-def context_length_exceeded(limit: int, prompt: int, completion: int, param: str) -> RequestError:
-    return RequestError(
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{prompt + completion} tokens ({prompt} in the {param}, {completion} in the "
-        f"completion). Please reduce the length of the {param} or completion.",
-        400,
-        param=param,
-        code="context_length_exceeded",
-    )
-
-
 def overloaded(reason: str, retry_after_s: int) -> RequestError:
     return RequestError(
         f"The server is overloaded ({reason}); retry after {retry_after_s} s.",

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.core.enums import FinishReason
 from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.errors import error_body
 from kvrelay.pipeline.openai.protocol import CHAT
@@ -134,9 +135,9 @@ class ResponseFormatter:
         client resuming from its last token's id gets the ending again."""
         self.completion_tokens = chunk.index + len(chunk.token_ids)
         has_output = bool(chunk.token_ids or chunk.text)
-        if not has_output and (not chunk.finished or chunk.finish_reason == "error"):
+        if not has_output and (not chunk.finished or chunk.finish_reason == FinishReason.ERROR):
             return None  # an error ending is sent as an error event by the caller
-        finish = chunk.finish_reason if chunk.finish_reason != "error" else None
+        finish = chunk.finish_reason if chunk.finish_reason != FinishReason.ERROR else None
         if self.api == CHAT:
             delta = {"content": chunk.text} if has_output else {}
             choice = {

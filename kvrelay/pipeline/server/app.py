@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvrelay.core import record as fields
 from kvrelay.core.keys import Keys
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import Metrics
@@ -133,7 +134,7 @@ class Ingress:
     ) -> None:
         await asyncio.sleep(grace)
         try:
-            current = await self.redis.hget(self.keys.request(request_id), "attach")
+            current = await self.redis.hget(self.keys.request(request_id), fields.ATTACH)
             if int(current or 0) == attach_seq:
                 logger.info("request %s: client did not come back; cancelling", request_id)
                 await self.cancel(request_id)
@@ -146,7 +147,7 @@ class Ingress:
         """A client came back for this request: count the attach, which keeps it running."""
         if self.config.disconnect_grace_s <= 0:
             return 0
-        return int(await self.redis.hincrby(self.keys.request(request_id), "attach", 1))
+        return int(await self.redis.hincrby(self.keys.request(request_id), fields.ATTACH, 1))
 
     def observe_queue_time(self, request_id: str, model: str) -> None:
         """Record queue time from the record's `created` and `started` (set by the worker)."""
@@ -154,7 +155,7 @@ class Ingress:
         async def observe() -> None:
             try:
                 created, started = await self.redis.hmget(
-                    self.keys.request(request_id), "created", "started"
+                    self.keys.request(request_id), fields.CREATED, fields.STARTED
                 )
                 if created and started:
                     wait = max(0.0, float(started) - float(created))

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvrelay.core import record as fields
 from kvrelay.pipeline.errors import RequestError, bad_request
 from kvrelay.pipeline.openai.protocol import COMPLETION, GenerationRequest
 from kvrelay.pipeline.openai.responses import ResponseFormatter
 from kvrelay.pipeline.queue.output import ENDED, output_gone
+from kvrelay.pipeline.queue.records import read_record_fields
 from kvrelay.pipeline.server.output import OutputJob, output_expired
 
 if TYPE_CHECKING:
@@ -69,10 +71,8 @@ def last_event_id(request: Request) -> int | None:
 
 
 async def raw_record(ing: Ingress, request_id: str) -> dict[str, str] | None:
-    raw = await ing.redis.hgetall(ing.keys.request(request_id))
-    if not raw:
-        return None
-    return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+    """The req:{id} record as stored (str -> str), or None."""
+    return await read_record_fields(ing.redis, ing.keys, request_id)
 
 
 async def owned_record(ing: Ingress, request_id: str, key_id: str) -> dict[str, str]:
@@ -93,7 +93,7 @@ def check_same(rec: dict[str, str], request_id: str, digest: str, key_id: str) -
 
 def _options(rec: dict[str, str]) -> dict[str, Any]:
     try:
-        opts = json.loads(rec.get("ingress") or "{}")
+        opts = json.loads(rec.get(fields.INGRESS) or "{}")
     except ValueError:
         return {}
     return opts if isinstance(opts, dict) else {}
@@ -113,7 +113,7 @@ async def reattach(
     An ended request whose out:{id} expired is a 410 here, before any response starts.
     """
     last = last_event_id(request)
-    status = rec.get("status", "")
+    status = rec.get(fields.STATUS, "")
     if status in ENDED:
         exists = bool(await ing.redis.exists(ing.keys.out(request_id)))
         if output_gone(status, rec.get("emitted"), exists):
@@ -124,7 +124,7 @@ async def reattach(
     attach_seq = await ing.reattached(request_id)
     model = rec.get("model", "")
     entry = await ing.registry.get(model)
-    created = int(opts.get("created") or float(rec.get("created") or time.time()))
+    created = int(opts.get("created") or float(rec.get(fields.CREATED) or time.time()))
     fmt = ResponseFormatter(
         opts.get("api", COMPLETION),
         request_id,

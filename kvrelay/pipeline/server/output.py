@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from starlette.responses import Response
 from starlette.types import Send
 
+from kvrelay.core.enums import FinishReason
 from kvrelay.pipeline.errors import RequestError, error_body
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter
@@ -109,7 +110,7 @@ class OutputJob:
                     if event:
                         yield event
                 if chunk.finished:
-                    if chunk.finish_reason == "error":
+                    if chunk.finish_reason == FinishReason.ERROR:
                         yield fmt.error_event(
                             chunk.error or "generation failed", code="generation_failed"
                         )
@@ -118,7 +119,7 @@ class OutputJob:
                     if fmt.include_usage:
                         yield fmt.usage_event(chunk.usage)
                     if timer:
-                        timer.finish(chunk.finish_reason or "stop", chunk.usage, now)
+                        timer.finish(chunk.finish_reason or FinishReason.STOP, chunk.usage, now)
                         self.ingress.observe_queue_time(self.request_id, timer.model)
         except OutputTimeout:
             await self.ingress.try_cancel(self.request_id)
@@ -183,13 +184,13 @@ class OutputJob:
             await send_json(send, 404, body, self._headers)
             return
         if timer:
-            timer.finish(result.finish_reason or "stop", result.usage, time.monotonic())
+            timer.finish(result.finish_reason or FinishReason.STOP, result.usage, time.monotonic())
             self.ingress.observe_queue_time(self.request_id, timer.model)
         if result.finish_reason == "timeout":  # as the SSE error event and the record say
             body = _error(DEADLINE_PASSED, "timeout", "request_timeout")
             await send_json(send, 504, body, self._headers)
             return
-        if result.finish_reason == "error":
+        if result.finish_reason == FinishReason.ERROR:
             body = _error(result.error or "generation failed", "server_error", "generation_failed")
             await send_json(send, 500, body, self._headers)
             return
@@ -205,6 +206,6 @@ class OutputJob:
 
         def cancelled() -> None:
             if timer:  # counted once the cancel flag is set (after the grace period, if any)
-                timer.finish("cancelled", None, time.monotonic())
+                timer.finish(FinishReason.CANCELLED, None, time.monotonic())
 
         await self.ingress.client_gone(self.request_id, self.attach_seq, cancelled)

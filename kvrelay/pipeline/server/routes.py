@@ -19,6 +19,8 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvrelay.core import record as fields
+from kvrelay.core.enums import DONE_STATUSES
 from kvrelay.pipeline.errors import RequestError, queue_unavailable
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.protocol import (
@@ -217,8 +219,8 @@ async def cancel_request(request: Request) -> Response:
         request_id = _path_id(request)
         key_id = check_api_key(request, ing.config.api_keys)
         rec = await owned_record(ing, request_id, key_id)
-        status = rec.get("status", "")
-        done = status in ("finished", "cancelled", "failed")
+        status = rec.get(fields.STATUS, "")
+        done = status in DONE_STATUSES
         if not done:
             await ing.cancel(request_id)
             logger.info("request %s: cancelled by DELETE", request_id)

@@ -116,6 +116,20 @@ def quantized_engine_factory(quantization: str):
     return make_engine
 
 
+# fp32's greedy answer to "What is the capital of France?": "The capital of France is Paris."
+FP32_CAPITAL_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]
+
+
+def greedy_capital_answer(engine, **params):
+    """The engine's greedy output (12 tokens at most) for "What is the capital of France?"."""
+    from kvrelay.core.sampling import SamplingParams
+
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    return engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, **params))[0]
+
+
 def check_alone_equals_in_batch_of_8_and_chunked(make_engine) -> None:
     """Greedy tokens and logprobs of a prompt alone (prefilled in chunks of <= 16) equal its
     row in a batch of 8."""

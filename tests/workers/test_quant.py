@@ -18,6 +18,7 @@ from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 from kvrelay.workers.model.quant import ACT_ZERO_POINT, Int8Linear, quantize_rows, quantize_weight
 from tests.workers.conftest import (
     check_alone_equals_in_batch_of_8_and_chunked,
+    greedy_capital_answer,
     quantized_engine_factory,
 )
 
@@ -51,12 +52,7 @@ def test_int8_linear_is_exact_and_row_invariant():
 
 
 def test_greedy_answer_is_fixed(make_engine):
-    engine = make_engine()
-    prompt = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}]
-    )
-    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1)
-    out = engine.generate([prompt], params)[0]
+    out = greedy_capital_answer(make_engine(), logprobs=1)
     assert out.output_token_ids == INT8_ANSWER
     # -1.41 with the C++ RMSNorm (its sum of squares rounds differently from torch's; int8
     # rounding of the activations magnifies it); it was -1.35 with torch's.

@@ -7,20 +7,17 @@ import pytest
 import torch
 
 from kvrelay.core.modelref import model_fingerprint
-from kvrelay.core.sampling import SamplingParams
 from kvrelay.kernels import quantize_int8_weight
 from kvrelay.workers.model.quant import Int8WeightLinear, can_quantize
 from tests.workers.conftest import (
+    FP32_CAPITAL_ANSWER,
     check_alone_equals_in_batch_of_8_and_chunked,
+    greedy_capital_answer,
     quantized_engine_factory,
 )
 
 if not can_quantize(torch.zeros(1, 1), "int8-weight-only"):
     pytest.skip("C++ CPU kernels unavailable (int8-weight-only)", allow_module_level=True)
-
-# fp32's greedy answer to "What is the capital of France?": "The capital of France is Paris."
-FP32_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]
-
 
 make_engine = quantized_engine_factory("int8-weight-only")
 
@@ -44,12 +41,7 @@ def test_linear_rounds_only_the_weights_to_8_bits_per_channel():
 
 
 def test_greedy_answer_is_fp32s(make_engine):
-    engine = make_engine()
-    prompt = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}]
-    )
-    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
-    assert out.output_token_ids == FP32_ANSWER
+    assert greedy_capital_answer(make_engine()).output_token_ids == FP32_CAPITAL_ANSWER
 
 
 def test_alone_equals_in_batch_of_8_and_chunked(make_engine):

@@ -146,9 +146,11 @@ def store_line(store: dict[str, Any]) -> str:
     if "error" in store:
         return f"store: unavailable ({store['error']})"
     pages = store.get("pages", {})
-    parts = [f"store {store.get('node_id', '?')}: host {pages.get('host', 0)}/"
-             f"{pages.get('host_slots', '?')} pages, disk {pages.get('disk', 0)}/"
-             f"{pages.get('disk_capacity', '?')} pages"]  # fmt: skip
+    parts = [
+        f"store {store.get('node_id', '?')}: host {pages.get('host', 0)}/"
+        f"{pages.get('host_slots', '?')} pages, disk {pages.get('disk', 0)}/"
+        f"{pages.get('disk_capacity', '?')} pages"
+    ]
     counters = store.get("counters", {})
     hits, misses = counters.get("hits", {}), counters.get("misses", {})
     for tier in [*TIERS, *sorted((set(hits) | set(misses)) - set(TIERS))]:

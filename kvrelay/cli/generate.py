@@ -37,9 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per request")
     p.add_argument(
-        "--batch-file", type=Path, default=None,
+        "--batch-file",
+        type=Path,
+        default=None,
         help='JSONL file: {"id", "prompt"|"messages", sampling fields...} per line',
-    )  # fmt: skip
+    )
     for flag, dest, kind, help_text in engine_flags():
         choices = tuple(QUANTIZATION_SCHEMES) if dest == "quantization" else None
         p.add_argument(flag, dest=dest, type=kind, default=None, choices=choices, help=help_text)
@@ -51,9 +53,12 @@ _ENGINE_HELP = [
     ("max_num_seqs", "most sequences per step"),
     ("max_num_batched_tokens", "most tokens per step"),
     ("num_threads", "torch compute threads (none: torch's default)"),
-    ("quantization", "int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
-                     "int8: int8 weights and activations (CPU fp32)"),
-]  # fmt: skip
+    (
+        "quantization",
+        "int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
+        "int8: int8 weights and activations (CPU fp32)",
+    ),
+]
 
 
 def engine_flags() -> list[tuple[str, str, Any, str]]:
@@ -72,9 +77,15 @@ def _sampling_fields() -> set[str]:
 
 
 def _flag_sampling(args: argparse.Namespace) -> dict[str, Any]:
-    flags = {"max_tokens": args.max_tokens, "temperature": args.temperature,
-             "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed,
-             "stop": args.stop}  # fmt: skip
+    flags = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
     return {k: v for k, v in flags.items() if v is not None}
 
 
@@ -144,14 +155,21 @@ def _result(out, text: str, started: float, first_token: float | None) -> dict[s
     end = time.perf_counter()
     n = len(out.output_token_ids)
     return {
-        "id": out.request_id, "token_ids": out.output_token_ids, "text": text,
-        "finish_reason": out.finish_reason, "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": n, "cached_tokens": out.num_cached_tokens,
-        "timings": {"ttft_s": round((first_token or end) - started, 4),
-                    "total_s": round(end - started, 4),
-                    "decode_tok_s": round((n - 1) / (end - first_token), 2)
-                    if first_token and n > 1 and end > first_token else None},
-    }  # fmt: skip
+        "id": out.request_id,
+        "token_ids": out.output_token_ids,
+        "text": text,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": n,
+        "cached_tokens": out.num_cached_tokens,
+        "timings": {
+            "ttft_s": round((first_token or end) - started, 4),
+            "total_s": round(end - started, 4),
+            "decode_tok_s": round((n - 1) / (end - first_token), 2)
+            if first_token and n > 1 and end > first_token
+            else None,
+        },
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,8 +179,15 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_file is not None:
         requests = _read_batch(args.batch_file, defaults)
     else:
-        requests = [{"id": "generate-0", "prompt": args.prompt, "messages": None,
-                     "sampling": defaults, "line": 0}]  # fmt: skip
+        requests = [
+            {
+                "id": "generate-0",
+                "prompt": args.prompt,
+                "messages": None,
+                "sampling": defaults,
+                "line": 0,
+            }
+        ]
     from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
 
     params = {}  # checked before torch and the model load, so a bad flag fails at once
@@ -179,12 +204,17 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         # the worker's spelling (KVRELAY_WORKER_*), KVRELAY_ENGINE_* deprecated
-        config = from_env(EngineConfig, SECTION, deprecated=DEPRECATED_SECTIONS,
-                          env_names=engine_env_names(), model=args.model,
-                          max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          num_threads=args.num_threads,
-                          quantization=args.quantization)  # fmt: skip
+        config = from_env(
+            EngineConfig,
+            SECTION,
+            deprecated=DEPRECATED_SECTIONS,
+            env_names=engine_env_names(),
+            model=args.model,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_threads=args.num_threads,
+            quantization=args.quantization,
+        )
         engine = Engine(config)
     except (ModelNotFoundError, ConfigError, EngineError) as exc:
         raise CLIInputError(" ".join(str(exc).split()) or "model not found") from exc
@@ -211,8 +241,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(out, text: str, args: argparse.Namespace, streamed: bool, started: float,
-            first_token: float | None) -> None:  # fmt: skip
+def _report(
+    out,
+    text: str,
+    args: argparse.Namespace,
+    streamed: bool,
+    started: float,
+    first_token: float | None,
+) -> None:
     if args.json:
         print(json.dumps(_result(out, text, started, first_token), ensure_ascii=False), flush=True)
     elif streamed:

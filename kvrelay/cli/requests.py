@@ -130,8 +130,11 @@ def _replay(r, keys, ids: list[str], args: argparse.Namespace) -> int:
             raise CommandError(f"no entry {dlq_id}", EXIT_NOT_FOUND)
         done.append(replayed.to_dict())
         if replayed.forced:  # say so on stderr too: it may take a worker down again
-            print(f"kvrelay dlq: warning: replaying {replayed.kind} entry {dlq_id} (--force): "
-                  f"{replayed.reason}", file=sys.stderr)  # fmt: skip
+            print(
+                f"kvrelay dlq: warning: replaying {replayed.kind} entry {dlq_id} (--force): "
+                f"{replayed.reason}",
+                file=sys.stderr,
+            )
         if not args.json:
             print(
                 f"replayed {dlq_id} (request {replayed.request_id or '?'}) to {replayed.stream} "
@@ -141,9 +144,12 @@ def _replay(r, keys, ids: list[str], args: argparse.Namespace) -> int:
         print_json({"replayed": done, "skipped": skipped})
     if skipped:  # they stay in the DLQ for `dlq show` / `dlq purge`
         what = "entry" if len(skipped) == 1 else "entries"
-        print(f"kvrelay dlq: warning: skipped {len(skipped)} {what} that cannot be replayed "
-              f"(no payload, or poison/invalid without --force; see `kvrelay dlq show`): "
-              f"{' '.join(skipped)}", file=sys.stderr)  # fmt: skip
+        print(
+            f"kvrelay dlq: warning: skipped {len(skipped)} {what} that cannot be replayed "
+            f"(no payload, or poison/invalid without --force; see `kvrelay dlq show`): "
+            f"{' '.join(skipped)}",
+            file=sys.stderr,
+        )
     if args.all and not ids and not args.json:
         print("dead-letter stream is empty")
     return 0

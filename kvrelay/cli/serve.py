@@ -26,15 +26,21 @@ _HELP = [
     ("max_body_bytes", "largest request body in bytes"),
     ("max_prompt_tokens", "longest prompt accepted"),
     ("max_tokens_limit", "largest max_tokens"),
-    ("route_threshold", "auto mode: prompts with at most this many uncached tokens go straight "
-                        "to decode"),
+    (
+        "route_threshold",
+        "auto mode: prompts with at most this many uncached tokens go straight to decode",
+    ),
     ("max_waiting", "429 when this many entries wait in the streams"),
     ("max_inflight", "429 beyond this many open requests"),
     ("retry_after_s", "Retry-After seconds on a 429", "--retry-after"),
     ("request_timeout_s", "request deadline in seconds", "--request-timeout"),
-    ("disconnect_grace_s", "seconds a disconnected client may reconnect (Last-Event-ID) before "
-                           "its request is cancelled; 0 cancels at once", "--disconnect-grace"),
-]  # fmt: skip
+    (
+        "disconnect_grace_s",
+        "seconds a disconnected client may reconnect (Last-Event-ID) before "
+        "its request is cancelled; 0 cancels at once",
+        "--disconnect-grace",
+    ),
+]
 # (flag, config field, type, help)
 SERVE_FLAGS: list[tuple[str, str, type, str]] = setting_flags(IngressConfig, SECTION, _HELP)
 

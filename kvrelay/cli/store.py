@@ -208,9 +208,14 @@ def _get(client, key: bytes, key_hex: str) -> dict | None:
     try:
         page = client._map(reply).slot(reply["slots"][0])
         h = unpack_header(page)
-        out.update(fingerprint=h.fingerprint, dtype=h.dtype, shape=list(h.shape),
-                   num_tokens=h.num_tokens, payload_bytes=h.payload_bytes,
-                   checksum=f"{h.checksum:08x}")  # fmt: skip
+        out.update(
+            fingerprint=h.fingerprint,
+            dtype=h.dtype,
+            shape=list(h.shape),
+            num_tokens=h.num_tokens,
+            payload_bytes=h.payload_bytes,
+            checksum=f"{h.checksum:08x}",
+        )
         try:
             verify_page(page, key)
             out["verified"] = True

@@ -26,15 +26,18 @@ _HELP = [
     ("threads", "compute threads (none: torch's default)"),
     ("device", "auto | cpu | cuda[:n]"),
     ("dtype", "auto | float32 | bfloat16 | float16"),
-    ("quantization", "int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
-                     "int8: int8 weights and activations (CPU fp32)"),
+    (
+        "quantization",
+        "int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
+        "int8: int8 weights and activations (CPU fp32)",
+    ),
     ("kv_cache_bytes", "KV pool bytes"),
     ("max_num_seqs", "most sequences per step"),
     ("max_num_batched_tokens", "most tokens per step"),
     ("store_run_dir", "local store node run dir (none: off; or KVRELAY_STORE_RUN_DIR)"),
     ("lease_ms", "claim entries idle this long"),
     ("metrics_port", "0: any free port; -1: none"),
-]  # fmt: skip
+]
 
 
 def worker_flags() -> list[tuple[str, str, Any, str]]:
@@ -63,9 +66,14 @@ def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:
 
     pool = engine.runner.kv_pool  # [blocks, layers, 2, page_size, kv_heads, head_dim]
     _, layers, _, page_size, kv_heads, head_dim = pool.shape
-    spec = PageSpec(fingerprint=engine.fingerprint, dtype=str(pool.dtype).removeprefix("torch."),
-                    num_layers=layers, page_size=page_size, kv_heads=kv_heads,
-                    head_dim=head_dim)  # fmt: skip
+    spec = PageSpec(
+        fingerprint=engine.fingerprint,
+        dtype=str(pool.dtype).removeprefix("torch."),
+        num_layers=layers,
+        page_size=page_size,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+    )
     client = StoreClient(run_dir, spec, timeout_s=3.0)  # a dead node must not stall compute long
     node = ""
     try:
@@ -90,12 +98,20 @@ def run(args: argparse.Namespace) -> int:
     # a bad setting (ConfigError) is one line and exit 2 (kvrelay.cli.main.exit_code)
     overrides = {dest: getattr(args, dest) for _f, dest, _k, _h in worker_flags()}
     config = load_worker_config(config_file=args.config, **overrides)
-    engine = Engine(EngineConfig(
-        model=config.model, dtype=config.dtype, device=config.device, page_size=config.page_size,
-        kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len, num_threads=config.threads,
-        quantization=config.quantization))  # fmt: skip
+    engine = Engine(
+        EngineConfig(
+            model=config.model,
+            dtype=config.dtype,
+            device=config.device,
+            page_size=config.page_size,
+            kv_cache_bytes=config.kv_cache_bytes,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            num_threads=config.threads,
+            quantization=config.quantization,
+        )
+    )
     return serve(args.role, config, engine)
 
 

@@ -163,8 +163,10 @@ def redacted(config: Any) -> dict[str, Any]:
 
 def config_file_help(section: str) -> dict[str, str]:
     """argparse help of a command's `--config FILE` flag."""
-    return {"help": f"TOML settings: shared top-level keys and a [{section}] table (flags and "
-            "environment variables win)"}  # fmt: skip
+    return {
+        "help": f"TOML settings: shared top-level keys and a [{section}] table (flags and "
+        "environment variables win)"
+    }
 
 
 def setting_flags(

@@ -32,9 +32,14 @@ META_FORMAT = 1
 KINDS = ("gguf", "hf_dir", "safetensors")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {
-    "fp32": "float32", "float": "float32", "f32": "float32",
-    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "f16": "float16",
-}  # fmt: skip
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
+}
 
 
 class ModelNotFoundError(KvrelayError):

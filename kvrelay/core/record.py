@@ -38,9 +38,16 @@ CLAIM_EMITTED = "claim_emitted"
 CLAIM_DELIVERY = "claim_delivery"
 
 INT_FIELDS = frozenset(
-    {PROMPT_TOKENS, COMPLETION_TOKENS, CACHED_TOKENS, EMITTED, ATTACH, CLAIM_EMITTED,
-     CLAIM_DELIVERY}
-)  # fmt: skip
+    {
+        PROMPT_TOKENS,
+        COMPLETION_TOKENS,
+        CACHED_TOKENS,
+        EMITTED,
+        ATTACH,
+        CLAIM_EMITTED,
+        CLAIM_DELIVERY,
+    }
+)
 FLOAT_FIELDS = frozenset({CREATED, UPDATED, STARTED, DEADLINE})
 JSON_FIELDS = frozenset({INGRESS})
 FIELDS = frozenset(

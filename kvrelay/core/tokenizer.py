@@ -24,8 +24,15 @@ from kvrelay.core.errors import KvrelayError
 
 logger = logging.getLogger(__name__)
 
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                 "mask_token")  # fmt: skip
+_SPECIAL_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class ChatTemplateError(KvrelayError, ValueError):
@@ -38,8 +45,9 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Same override as transformers: jinja's own tojson escapes HTML characters.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -161,9 +169,12 @@ class Tokenizer:
         context = {**self.special_tokens, **kwargs}
         try:
             return self._template.render(
-                messages=chat, tools=tools, documents=documents,
-                add_generation_prompt=add_generation_prompt, **context,
-            )  # fmt: skip
+                messages=chat,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
         except (TypeError, KeyError, AttributeError) as exc:

@@ -22,14 +22,33 @@ BLOCK_N = 64  # keys per tile
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, out_ptr, pool_ptr, tables_ptr, ctx_ptr, qsl_ptr,
-    layer, scale,
-    sq_t, sq_h, so_t, so_h,
-    sp_b, sp_l, sp_kv, sp_p, sp_h,
+    q_ptr,
+    out_ptr,
+    pool_ptr,
+    tables_ptr,
+    ctx_ptr,
+    qsl_ptr,
+    layer,
+    scale,
+    sq_t,
+    sq_h,
+    so_t,
+    so_h,
+    sp_b,
+    sp_l,
+    sp_kv,
+    sp_p,
+    sp_h,
     st_s,
-    GROUP: tl.constexpr, GPAD: tl.constexpr, HEAD_DIM: tl.constexpr, DPAD: tl.constexpr,
-    PAGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    GROUP: tl.constexpr,
+    GPAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DPAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     seq = tl.program_id(0)
     qblock = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -99,15 +118,32 @@ def paged_attention(
     num_seqs = meta.context_lens.shape[0]
     grid = (num_seqs, triton.cdiv(max(meta.max_query_len, 1), BLOCK_M), kv_heads)
     _paged_attention_kernel[grid](
-        query, out, kv_pool, meta.block_tables, meta.context_lens, meta.query_start_loc,
-        layer, scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+        query,
+        out,
+        kv_pool,
+        meta.block_tables,
+        meta.context_lens,
+        meta.query_start_loc,
+        layer,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_pool.stride(0),
+        kv_pool.stride(1),
+        kv_pool.stride(2),
+        kv_pool.stride(3),
         kv_pool.stride(4),
         meta.block_tables.stride(0),
-        GROUP=group, GPAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        DPAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size, BM=BLOCK_M, BN=BLOCK_N,
+        GROUP=group,
+        GPAD=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim,
+        DPAD=max(16, triton.next_power_of_2(head_dim)),
+        PAGE=page_size,
+        BM=BLOCK_M,
+        BN=BLOCK_N,
         # fp32 dots must not drop to TF32; for 16-bit inputs the setting does not apply.
         PRECISION="ieee" if kv_pool.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+    )
     return out

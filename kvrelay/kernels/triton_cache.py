@@ -13,13 +13,26 @@ COPY_BLOCK = 1024  # elements per program in page copies
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, pool_ptr, slots_ptr,
+    key_ptr,
+    value_ptr,
+    pool_ptr,
+    slots_ptr,
     layer,
-    sk_t, sk_h, sv_t, sv_h,
-    sp_b, sp_l, sp_kv, sp_p, sp_h,
-    KV_HEADS: tl.constexpr, HPAD: tl.constexpr, HEAD_DIM: tl.constexpr, DPAD: tl.constexpr,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    sp_b,
+    sp_l,
+    sp_kv,
+    sp_p,
+    sp_h,
+    KV_HEADS: tl.constexpr,
+    HPAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DPAD: tl.constexpr,
     PAGE: tl.constexpr,
-):  # fmt: skip
+):
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     h = tl.arange(0, HPAD)
@@ -44,19 +57,32 @@ def write_kv(kv_pool, layer, key, value, slot_mapping) -> None:
         return
     page_size, kv_heads, head_dim = kv_pool.shape[3:]
     _write_kv_kernel[(num_tokens,)](
-        key, value, kv_pool, slot_mapping,
+        key,
+        value,
+        kv_pool,
+        slot_mapping,
         layer,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_pool.stride(0),
+        kv_pool.stride(1),
+        kv_pool.stride(2),
+        kv_pool.stride(3),
         kv_pool.stride(4),
-        KV_HEADS=kv_heads, HPAD=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim,
-        DPAD=triton.next_power_of_2(head_dim), PAGE=page_size,
-    )  # fmt: skip
+        KV_HEADS=kv_heads,
+        HPAD=triton.next_power_of_2(kv_heads),
+        HEAD_DIM=head_dim,
+        DPAD=triton.next_power_of_2(head_dim),
+        PAGE=page_size,
+    )
 
 
 @triton.jit
-def _copy_pages_kernel(src_ptr, dst_ptr, ids_ptr, page_numel, TO_POOL: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
+def _copy_pages_kernel(
+    src_ptr, dst_ptr, ids_ptr, page_numel, TO_POOL: tl.constexpr, BLOCK: tl.constexpr
+):
     i = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     block = tl.load(ids_ptr + i).to(tl.int64)

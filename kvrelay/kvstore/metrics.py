@@ -81,15 +81,19 @@ class StoreMetrics:
                 yield g
                 # like vLLM's kv_cache_usage_perc (0-1), per store tier
                 usage = GaugeMetricFamily(
-                    "kvrelay:store_usage_perc", "Store tier usage. 1 means 100 percent usage.",
-                    labels=["tier"])  # fmt: skip
+                    "kvrelay:store_usage_perc",
+                    "Store tier usage. 1 means 100 percent usage.",
+                    labels=["tier"],
+                )
                 for tier, capacity in (("host", "host_slots"), ("disk", "disk_capacity")):
                     if counts.get(capacity):
                         usage.add_metric([tier], counts.get(tier, 0) / counts[capacity])
                 yield usage
                 rate = GaugeMetricFamily(
-                    "kvrelay:store_hit_rate", "Page lookup hits / lookups by tier, since start.",
-                    labels=["tier"])  # fmt: skip
+                    "kvrelay:store_hit_rate",
+                    "Page lookup hits / lookups by tier, since start.",
+                    labels=["tier"],
+                )
                 for tier, value in metrics.hit_rates().items():
                     rate.add_metric([tier], value)
                 yield rate

@@ -95,9 +95,19 @@ class Worker:
             "metrics_port": "",
             "max_num_seqs": config.max_num_seqs,
         }
-        self.heartbeat = Heartbeat(self.streams, self.name, self.role, self.stream, self.group,
-                                   self.inflight, config.heartbeat_s, config.heartbeat_ttl_s,
-                                   info, model_entry, stats=self._stats)  # fmt: skip
+        self.heartbeat = Heartbeat(
+            self.streams,
+            self.name,
+            self.role,
+            self.stream,
+            self.group,
+            self.inflight,
+            config.heartbeat_s,
+            config.heartbeat_ttl_s,
+            info,
+            model_entry,
+            stats=self._stats,
+        )
         self._reader = threading.Thread(target=read_loop, args=(self,), name="reader", daemon=True)
         self._tokens = 0
         self._rate = (time.monotonic(), 0, 0.0)
@@ -251,9 +261,12 @@ class Worker:
             error=DEADLINE_PASSED if timeout else None,
         )
         status = (
-            RequestStatus.CANCELLED if reason == FinishReason.CANCELLED
-            else RequestStatus.FAILED if timeout else None
-        )  # fmt: skip
+            RequestStatus.CANCELLED
+            if reason == FinishReason.CANCELLED
+            else RequestStatus.FAILED
+            if timeout
+            else None
+        )
         self._emit(act, chunk, done=True, status=status)
 
     def _usage(self, act: Active, completion: int, cached: int) -> dict[str, int]:
@@ -326,8 +339,9 @@ class Worker:
         }
 
 
-def _logprobs(lps: list[dict[int, float]] | None, tokens: list[int], top_n: int | None
-              ) -> list[dict[str, Any]] | None:  # fmt: skip
+def _logprobs(
+    lps: list[dict[int, float]] | None, tokens: list[int], top_n: int | None
+) -> list[dict[str, Any]] | None:
     if lps is None:
         return None
     out = []

@@ -88,9 +88,13 @@ def load_worker_config(
         env[own] = env[STORE_RUN_DIR_ENV]
     file_values = read_config_file(config_file, SECTION)
     config = from_env(
-        WorkerConfig, SECTION, environ=env, file_values=file_values,
-        deprecated=DEPRECATED_SECTIONS, **overrides,
-    )  # fmt: skip
+        WorkerConfig,
+        SECTION,
+        environ=env,
+        file_values=file_values,
+        deprecated=DEPRECATED_SECTIONS,
+        **overrides,
+    )
     return config.validate()
 
 

@@ -186,9 +186,20 @@ class Inflight:
 class Heartbeat:
     """Publishes worker:{name} (with TTL) and the served model; renews leases; reads `drain`."""
 
-    def __init__(self, streams: Streams, name: str, role: str, stream: str, group: str,
-                 inflight: Inflight, interval_s: float, ttl_s: int, info: dict[str, str],
-                 model_entry: tuple[str, dict] | None, stats=lambda: {}):  # fmt: skip
+    def __init__(
+        self,
+        streams: Streams,
+        name: str,
+        role: str,
+        stream: str,
+        group: str,
+        inflight: Inflight,
+        interval_s: float,
+        ttl_s: int,
+        info: dict[str, str],
+        model_entry: tuple[str, dict] | None,
+        stats=lambda: {},
+    ):
         self.streams, self.name, self.role = streams, name, role
         self.stream, self.group, self.inflight = stream, group, inflight
         self.interval_s, self.ttl_s = interval_s, ttl_s
@@ -204,11 +215,17 @@ class Heartbeat:
         r, key = self.streams.r, self.streams.keys.worker(self.name)
         self.draining = r.hget(key, "drain") not in (None, b"", b"0")
         fields = {
-            "name": self.name, "role": self.role, "host": socket.gethostname(),
-            "pid": os.getpid(), "consumer": self.streams.consumer, "updated": f"{time.time():.3f}",
-            "load": len(self.inflight), "draining": int(self.draining), **self.info,
+            "name": self.name,
+            "role": self.role,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "consumer": self.streams.consumer,
+            "updated": f"{time.time():.3f}",
+            "load": len(self.inflight),
+            "draining": int(self.draining),
+            **self.info,
             **{k: str(v) for k, v in self.stats().items()},
-        }  # fmt: skip
+        }
         pipe = r.pipeline(transaction=False)
         pipe.hset(key, mapping=fields)
         pipe.expire(key, self.ttl_s)

@@ -32,17 +32,29 @@ class WorkerMetrics:
         # cached blocks included, since any of them can be handed out)
         # (no series until track_engine: a worker without its engine reports nothing, not 0)
         self.kv_cache_usage = Gauge(
-            PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-            ["model_name"], registry=r)  # fmt: skip
+            PREFIX + "kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            ["model_name"],
+            registry=r,
+        )
         self.store_bytes = Counter(
-            PREFIX + "kv_store_bytes", "KV page bytes moved between this worker and the store.",
-            ["model_name", "op"], registry=r)  # fmt: skip
+            PREFIX + "kv_store_bytes",
+            "KV page bytes moved between this worker and the store.",
+            ["model_name", "op"],
+            registry=r,
+        )
         self.store_pages = Counter(
-            PREFIX + "kv_store_pages", "KV pages moved between this worker and the store.",
-            ["model_name", "op"], registry=r)  # fmt: skip
+            PREFIX + "kv_store_pages",
+            "KV pages moved between this worker and the store.",
+            ["model_name", "op"],
+            registry=r,
+        )
         self.dead_letters = Counter(
-            PREFIX + "dead_letters", "Stream entries this worker sent to the DLQ.",
-            ["model_name"], registry=r).labels(model)  # fmt: skip
+            PREFIX + "dead_letters",
+            "Stream entries this worker sent to the DLQ.",
+            ["model_name"],
+            registry=r,
+        ).labels(model)
         self.generation_tokens = self.base.generation_tokens.labels(model)
         self.prompt_tokens = self.base.prompt_tokens.labels(model)
         if engine is not None:
@@ -53,9 +65,12 @@ class WorkerMetrics:
         and its size in `cache_config_info` (vLLM's info gauge: labels, value 1). Call once."""
         self.kv_cache_usage.labels(self.model).set_function(lambda: kv_cache_usage(engine.pool))
         page_size = getattr(getattr(engine, "config", None), "page_size", "")
-        Gauge(PREFIX + "cache_config_info", "Information of the KV cache config.",
-              ["model_name", "block_size", "num_gpu_blocks"], registry=self.base.registry,
-              ).labels(self.model, str(page_size), str(engine.pool.num_blocks)).set(1)  # fmt: skip
+        Gauge(
+            PREFIX + "cache_config_info",
+            "Information of the KV cache config.",
+            ["model_name", "block_size", "num_gpu_blocks"],
+            registry=self.base.registry,
+        ).labels(self.model, str(page_size), str(engine.pool.num_blocks)).set(1)
 
     def admitted(self, task: Any, num_resumed: int) -> None:
         """Count the prompt of a newly admitted request."""

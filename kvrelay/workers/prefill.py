@@ -44,13 +44,19 @@ class PrefillWorker(Worker):
             self._emit(act, chunk, done=True)
             return
         nxt = DecodeTask(
-            request_id=task.request_id, model=task.model,
-            prompt_token_ids=task.prompt_token_ids, output_token_ids=list(out.output_token_ids),
-            sampling=task.sampling, cache_salt=task.cache_salt, arrival_time=task.arrival_time,
-            deadline=task.deadline, num_cached_tokens=cached,
+            request_id=task.request_id,
+            model=task.model,
+            prompt_token_ids=task.prompt_token_ids,
+            output_token_ids=list(out.output_token_ids),
+            sampling=task.sampling,
+            cache_salt=task.cache_salt,
+            arrival_time=task.arrival_time,
+            deadline=task.deadline,
+            num_cached_tokens=cached,
             num_stored_pages=len(task.prompt_token_ids) // self.page_size,
-            prefilled=True, detokenize=task.detokenize,
-        )  # fmt: skip
+            prefilled=True,
+            detokenize=task.detokenize,
+        )
         fields = {
             rec.STATUS: RequestStatus.DECODING,
             rec.STAGE: Stage.DECODE,

@@ -167,8 +167,13 @@ def resolve_topology(args: argparse.Namespace) -> Topology:
         return topo
     env = extra_env(args)
     asked = args.mode or env.get(MODE_ENV)
-    topo = choose(args.threads or os.cpu_count() or 1, _num_gpus(), args.prefill, args.decode,
-                  wants_prefill=asked in ("auto", "disaggregated"))  # fmt: skip
+    topo = choose(
+        args.threads or os.cpu_count() or 1,
+        _num_gpus(),
+        args.prefill,
+        args.decode,
+        wants_prefill=asked in ("auto", "disaggregated"),
+    )
     args.prefill, args.decode, args.topology = topo.prefill, topo.decode, topo
     return topo
 

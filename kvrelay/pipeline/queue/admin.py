@@ -24,8 +24,16 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 REQUEST_INT_FIELDS = rec.INT_FIELDS
 REQUEST_FLOAT_FIELDS = rec.FLOAT_FIELDS
 # worker:{name} fields that hold numbers (Redis keeps strings); "" (e.g. metrics off) -> None
-INT_FIELDS = {"pid", "load", "running", "waiting", "draining", "drain", "max_num_seqs",
-              "metrics_port"}  # fmt: skip
+INT_FIELDS = {
+    "pid",
+    "load",
+    "running",
+    "waiting",
+    "draining",
+    "drain",
+    "max_num_seqs",
+    "metrics_port",
+}
 FLOAT_FIELDS = {"updated", "tokens_per_s"}
 
 

@@ -122,8 +122,11 @@ class KVCacheManager:
                     self.loader.wait([f], left)  # started in this schedule: a local one lands
                 if not f.done:
                     if time.monotonic() - f.started > self.fetch_timeout_s:
-                        logger.warning("store fetch for request %s took over %.1fs; recomputing",
-                                       seq.request_id, self.fetch_timeout_s)  # fmt: skip
+                        logger.warning(
+                            "store fetch for request %s took over %.1fs; recomputing",
+                            seq.request_id,
+                            self.fetch_timeout_s,
+                        )
                         self._abandon(seq)
                         return True
                     return False

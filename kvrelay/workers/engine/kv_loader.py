@@ -51,8 +51,9 @@ class KVLoader:
     def submit(self, fetch: Fetch) -> Fetch:
         if not self._threads:
             for i, conn in enumerate(self.connectors):
-                t = threading.Thread(target=self._run, args=(conn,), name=f"kv-loader-{i}",
-                                     daemon=True)  # fmt: skip
+                t = threading.Thread(
+                    target=self._run, args=(conn,), name=f"kv-loader-{i}", daemon=True
+                )
                 t.start()
                 self._threads.append(t)
         self._jobs.put(fetch)

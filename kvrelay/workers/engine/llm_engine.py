@@ -59,8 +59,12 @@ class Engine:
         if config.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {config.page_size}")
         if loaded is None:
-            loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                                quantization=config.quantization)  # fmt: skip
+            loaded = load_model(
+                config.model,
+                dtype=config.dtype,
+                device=config.device,
+                quantization=config.quantization,
+            )
         elif loaded.quantization != config.quantization:
             raise ValueError(
                 f"the loaded model has quantization {loaded.quantization!r}, "
@@ -76,17 +80,25 @@ class Engine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         P = config.page_size
         block_bytes = (
-            mc.num_layers * 2 * P * mc.num_kv_heads * mc.head_dim
+            mc.num_layers
+            * 2
+            * P
+            * mc.num_kv_heads
+            * mc.head_dim
             * torch.empty((), dtype=loaded.dtype).element_size()
-        )  # fmt: skip
+        )
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
         kv_pool = allocate_kv_pool(mc, num_blocks, P, loaded.dtype, loaded.device)
         self.runner = ModelRunner(loaded.model, kv_pool, P)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(
-            self.pool, P, self.fingerprint, kv_connector, lambda: self.runner.kv_pool,
+            self.pool,
+            P,
+            self.fingerprint,
+            kv_connector,
+            lambda: self.runner.kv_pool,
             save_to_store=config.save_to_store,
-        )  # fmt: skip
+        )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -156,7 +168,8 @@ class Engine:
         if max_tokens is not None and len(outputs) >= max_tokens:
             raise InvalidRequestError(
                 f"{len(outputs)} output tokens already given, max_tokens is {max_tokens}",
-                param="output_token_ids")  # fmt: skip
+                param="output_token_ids",
+            )
         if handoff_after is not None and handoff_after < 1:
             raise InvalidRequestError("handoff_after must be >= 1", param="handoff_after")
         final_len = len(prompt) + (max_tokens if max_tokens is not None else self.max_model_len)
@@ -164,7 +177,8 @@ class Engine:
         if need > self.pool.num_blocks:
             raise InvalidRequestError(
                 f"request needs up to {need} KV blocks but the engine has {self.pool.num_blocks}",
-                param="max_tokens")  # fmt: skip
+                param="max_tokens",
+            )
         seq = Sequence(
             request_id=request_id,
             token_ids=prompt + outputs,
@@ -253,8 +267,9 @@ class Engine:
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         p = seq.sampling
-        row = SampleRow(p, seq.seed, seq.num_output_tokens,
-                        banned_token_ids=self.outputs.banned_tokens(seq))  # fmt: skip
+        row = SampleRow(
+            p, seq.seed, seq.num_output_tokens, banned_token_ids=self.outputs.banned_tokens(seq)
+        )
         # Token lists only when a penalty reads them (copying a long prompt every step costs).
         if p.repetition_penalty != 1.0:
             row.prompt_token_ids = seq.token_ids[: seq.num_prompt_tokens]
@@ -262,8 +277,9 @@ class Engine:
             row.output_token_ids = seq.token_ids[seq.num_prompt_tokens :]
         return row
 
-    def _output(self, seq: Sequence, new: list[int], lps: list[dict] | None, text: str
-                ) -> RequestOutput:  # fmt: skip
+    def _output(
+        self, seq: Sequence, new: list[int], lps: list[dict] | None, text: str
+    ) -> RequestOutput:
         finished = seq.finish_reason is not None
         return RequestOutput(
             request_id=seq.request_id,

@@ -41,10 +41,18 @@ logger = logging.getLogger(__name__)
 
 # Files copied (linked) next to the weights of a safetensors checkpoint.
 _SIDE_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-)  # fmt: skip
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 
 
 def _say(progress: bool, msg: str) -> None:
@@ -230,7 +238,11 @@ def load_model(
     )
     logger.info(
         "loaded %s (%s, %s, quantization %s) from %s in %.2f s",
-        loaded.name, dtype_name, torch_device, quantization, directory,
+        loaded.name,
+        dtype_name,
+        torch_device,
+        quantization,
+        directory,
         time.monotonic() - start,
-    )  # fmt: skip
+    )
     return loaded

@@ -76,8 +76,9 @@ class Int8Linear:
 
     __slots__ = ("packed", "scale", "bias", "out_features", "in_features", "_zero_points")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 weight_max: int = WEIGHT_MAX):  # fmt: skip
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_max: int = WEIGHT_MAX
+    ):
         if not can_quantize(weight):
             raise ValueError(
                 f"int8 quantization needs CPU float32 weights (got {weight.dtype} on "
@@ -93,9 +94,20 @@ class Int8Linear:
         xq, x_scale = quantize_rows(x)
         # x scale 1.0: the per-row scale is applied after, elementwise, to the fp32 result.
         y = torch.ops.onednn.qlinear_pointwise(
-            xq, 1.0, ACT_ZERO_POINT, self.packed, self.scale, self._zero_points, None,
-            1.0, 0, torch.float32, "none", [], "",
-        )  # fmt: skip
+            xq,
+            1.0,
+            ACT_ZERO_POINT,
+            self.packed,
+            self.scale,
+            self._zero_points,
+            None,
+            1.0,
+            0,
+            torch.float32,
+            "none",
+            [],
+            "",
+        )
         y.mul_(x_scale)
         return y if self.bias is None else y.add_(self.bias)
 

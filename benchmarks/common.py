@@ -208,6 +208,15 @@ SERVERS: dict[str, type[Server]] = {"kvrelay": KvrelayServer, "llama": LlamaServ
                                     "vllm": VllmServer}  # fmt: skip
 
 
+# What each `--quantization` value computes in (peers.py's precision line, the breakdown's title).
+WEIGHTS = {
+    "none": "fp32 weights",
+    "fp16": "fp16 weights (fp32 activations)",
+    "int8": "int8 linears (down fp32), int8 activations",
+    "int8-weight-only": "int8 weights, a scale per 32 (fp32 activations)",
+}
+
+
 def precision(name: str, args) -> str:
     """What each server computes in, as configured by peers.py."""
     if name == "kvrelay":
@@ -215,11 +224,7 @@ def precision(name: str, args) -> str:
 
         q = default_weights(0)[0] if args.quantization == "auto" else args.quantization
         how = " (`kvrelay up` default)" if args.quantization == "auto" else ""
-        weights = {"none": "fp32 weights", "fp16": "fp16 weights (fp32 activations)",
-                   "int8": "int8 linears (down fp32), int8 activations",
-                   "int8-weight-only": "int8 weights, a scale per 32 (fp32 activations)",
-                   }[q]  # fmt: skip
-        return f"{weights}{how}, fp32 KV"
+        return f"{WEIGHTS[q]}{how}, fp32 KV"
     if name == "llama":
         model = args.llama_model or "SmolLM2-135M-Instruct.Q4_1.gguf"
         return f"weights as stored in {Path(model).name} (Q4_1 by default), f16 KV (default)"

@@ -28,11 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import DOCS, machine_line, write_section  # noqa: E402
+from benchmarks.common import DOCS, WEIGHTS, machine_line, write_section  # noqa: E402
 
 LINEARS = ("qkv", "o", "gate_up", "down")
-WEIGHTS = {"none": "fp32 weights", "fp16": "fp16 weights", "int8": "int8 weights and activations",
-           "int8-weight-only": "int8 weights, fp32 activations"}  # fmt: skip
 COLUMNS = ("qkv", "o", "gate_up", "down", "lm_head", "attention", "write_kv", "rms_norm",
            "rope", "embedding", "elementwise", "scheduler", "prepare", "sampler",
            "detokenizer", "other")  # fmt: skip

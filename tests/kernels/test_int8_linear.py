@@ -89,3 +89,9 @@ def test_refuses_what_it_cannot_compute():
         int8_linear(torch.randn(2, 31), w, bias)
     with pytest.raises(KernelError, match="CPU fp32 rows"):
         int8_linear(torch.randn(2, 32, dtype=torch.float64), w, bias)
+
+
+def test_no_rows_give_no_rows():
+    q, scales, bias = layer(100, 37, 5)
+    out = int8_linear(torch.empty(0, 37), pack_int8_weight(q, scales), bias)
+    assert out.shape == (0, 100)

@@ -36,7 +36,7 @@ inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
-// Scales (and bias) of 8 columns from n0; columns past n read as 0.
+// The bias of 8 columns from n0; columns past n read as 0.
 inline __m256 load8(const float* v, int64_t n0, int64_t n) {
   if (n0 + 8 <= n) return _mm256_loadu_ps(v + n0);
   alignas(32) float t[8];
@@ -105,21 +105,22 @@ void tile(const WInt8Args& a, int64_t m0, int64_t group, int sub0) {
   }
 }
 
-template <int NB>
+// `rows` (1-6) rows of one sub-block.
 void rows_tile(const WInt8Args& a, int64_t m0, int rows, int64_t group, int sub0) {
   switch (rows) {
-    case 1: tile<1, NB>(a, m0, group, sub0); break;
-    case 2: tile<2, NB>(a, m0, group, sub0); break;
-    case 3: tile<3, NB>(a, m0, group, sub0); break;
-    case 4: tile<4, NB>(a, m0, group, sub0); break;
-    case 5: tile<5, NB>(a, m0, group, sub0); break;
-    default: tile<6, NB>(a, m0, group, sub0); break;
+    case 1: tile<1, 1>(a, m0, group, sub0); break;
+    case 2: tile<2, 1>(a, m0, group, sub0); break;
+    case 3: tile<3, 1>(a, m0, group, sub0); break;
+    case 4: tile<4, 1>(a, m0, group, sub0); break;
+    case 5: tile<5, 1>(a, m0, group, sub0); break;
+    default: tile<6, 1>(a, m0, group, sub0); break;
   }
 }
 
 }  // namespace
 
 void wint8_linear(const WInt8Args& a) {
+  if (a.m == 0 || a.n == 0) return;  // nothing to compute (and no tile size to derive)
   const int64_t groups = (a.n + kGroup - 1) / kGroup;
   // One row: a whole group (8 accumulators) keeps enough independent FMA chains in flight.
   // Two rows: half a group. More: one sub-block and tiles of up to six rows (12
@@ -143,7 +144,7 @@ void wint8_linear(const WInt8Args& a) {
       } else {
         for (int64_t m0 = 0; m0 < a.m; m0 += max_rows) {
           const int rows = static_cast<int>(std::min<int64_t>(max_rows, a.m - m0));
-          rows_tile<1>(a, m0, rows, group, sub0);
+          rows_tile(a, m0, rows, group, sub0);
         }
       }
     }

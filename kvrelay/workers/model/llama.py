@@ -141,10 +141,13 @@ class LlamaForCausalLM(nn.Module):
         """True when linear weights can be pre-packed for oneDNN (CPU fp32)."""
         return _can_pack(self.embed)
 
+    def all_linears(self) -> list:
+        """Every linear layer, the LM head last (dense or quantized)."""
+        return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
+
     def pack_weights(self, workers: int = 2) -> None:
         """Pre-pack every linear weight for oneDNN (CPU fp32); call once after loading."""
-        linears = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
-        linears = [lin for lin in linears if isinstance(lin, Linear)]  # int8 ones are packed
+        linears = [lin for lin in self.all_linears() if isinstance(lin, Linear)]  # int8: packed
         # Each reorder has a fixed cost of a few ms; two Python threads overlap it (~3x here).
         with ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(Linear.pack, linears))
@@ -153,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         """Replace linears by `method`'s (see `kvrelay.workers.model.quant`); "none" keeps fp32.
         int8: QKV, O, gate/up and the LM head (unless `lm_head` is False); fp16 and
         int8-weight-only: every linear and the LM head. Call once after loading."""
-        from kvrelay.workers.model.quant import QUANTIZATIONS, quantized_linear
+        from kvrelay.workers.model.quant import QUANTIZATIONS, WEIGHT_ONLY, quantized_linear
 
         if method not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {method!r}; use one of {QUANTIZATIONS}")
@@ -162,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         # int8 keeps `down` fp32: its input (SiLU(gate) * up) has outlier channels that per-token
         # int8 rounds away (measured perplexity vs fp32: +5.2% with `down` in int8, +2.6%
         # without). fp16 and int8-weight-only keep fp32 activations: only weights are rounded.
-        all_four = method in ("fp16", "int8-weight-only")
+        all_four = method in ("fp16", WEIGHT_ONLY)
         names = ("qkv", "o", "gate_up", "down") if all_four else ("qkv", "o", "gate_up")
         slots = [(layer, name) for layer in self.layers for name in names]
         if lm_head:
@@ -174,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
 
         with ThreadPoolExecutor(2) as pool:  # the torch ops release the GIL: ~2x on 2 cores
             list(pool.map(convert, slots))
-        if method == "int8-weight-only" and lm_head:
+        if all(getattr(lin, "any_row_count", False) for lin in self.all_linears()):
             self.row_align = 1
 
     def allocate_kv_pool(

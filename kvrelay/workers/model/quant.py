@@ -137,6 +137,8 @@ class Int8WeightLinear:
     """Drop-in for `model.Linear` (same call): y = x W^T + b, W int8 with a scale per 32 inputs."""
 
     __slots__ = ("weight", "bias", "out_features", "in_features")
+    # Each row is computed alone whatever the row count, so the model need not pad batches.
+    any_row_count = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         if not can_quantize(weight, WEIGHT_ONLY):

@@ -1,8 +1,8 @@
 """The `req:{id}` request record (a Redis hash): its field names and one typed view of it.
 
-The constants are the names every Python reader and writer uses; the Lua scripts under
-`kvrelay/pipeline/queue/lua/` (and the submit script) use the same literal names, which
-tests/core/test_record.py checks against `FIELDS`.
+The constants are the one definition of the names: every Python reader and writer uses them,
+and the Lua scripts under `kvrelay/pipeline/queue/lua/` name them by placeholder (`${EMITTED}`),
+filled in from here by `kvrelay.pipeline.queue.scripts` when a script is loaded.
 """
 
 from __future__ import annotations

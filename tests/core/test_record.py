@@ -1,38 +1,79 @@
-"""The req:{id} record: one set of field names (Python and Lua), typed decode and encode."""
+"""The req:{id} record: one set of field names (Lua fills them in from Python), decode, encode."""
 
 from __future__ import annotations
 
 import re
 from importlib import resources
+from pathlib import Path
 
 import pytest
 import redis
 
+import kvrelay
 from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, RequestStatus, Stage
+from kvrelay.core.errors import KvrelayError
+from kvrelay.core.keys import MESSAGE_FIELD
 from kvrelay.core.record import RequestRecord, as_str
+from kvrelay.pipeline.queue import scripts
 
-HASH_CALL = re.compile(r"redis\.call\('(HSET|HGET|HMGET|HSETNX|HINCRBY)',\s*KEYS\[\d\],([^)]*)\)")
+LITERAL = re.compile(r"'([^'\\]*)'|\"([^\"\\]*)\"")
 
 
-def _lua_sources() -> dict[str, str]:
+def _raw_scripts() -> dict[str, str]:
     lua = resources.files("kvrelay.pipeline.queue") / "lua"
     return {p.name: p.read_text() for p in lua.iterdir() if p.name.endswith(".lua")}
 
 
-def test_lua_scripts_use_the_record_field_names():
-    values = {str(v) for v in (*RequestStatus, *FinishReason, *Stage)}
-    seen: set[str] = set()
-    for name, text in _lua_sources().items():
-        for _cmd, args in HASH_CALL.findall(text):
-            for literal in re.findall(r"'([^']*)'", args):
-                assert literal in rec.FIELDS or literal in values, (name, literal)
-                seen.add(literal)
-    # the fields the fenced scripts maintain, and the status a dead letter sets
-    maintained = {rec.EMITTED, rec.COMPLETION_TOKENS, rec.STATUS, rec.FINISH_REASON, rec.ERROR,
-                  rec.UPDATED, rec.CLAIM_ENTRY, rec.CLAIM_EMITTED, rec.CLAIM_DELIVERY}  # fmt: skip
-    assert maintained <= seen
-    assert {RequestStatus.FAILED, FinishReason.ERROR} <= seen
+def test_every_script_loads_filled_in():
+    expected = "dead_letter emit handoff owner prune release renew strikes submit"
+    assert scripts.names() == expected.split()
+    for name in scripts.names():
+        text = scripts.source(name)
+        assert "${" not in text and "redis.call(" in text, name
+        assert scripts.source(name) is text  # filled in once per process
+    assert scripts.fenced("emit") == scripts.source("owner") + scripts.source("emit")
+
+
+def test_scripts_spell_no_name_python_defines():
+    python_names = set(rec.FIELDS) | {str(v) for v in (*RequestStatus, *FinishReason, *Stage)}
+    python_names.add(MESSAGE_FIELD.decode())
+    used: set[str] = set()
+    for name, text in _raw_scripts().items():
+        for single, double in LITERAL.findall(text):
+            assert (single or double) not in python_names, (name, single or double)
+        used |= set(scripts.PLACEHOLDER.findall(text))
+    # the fields the fenced scripts maintain, the status a dead letter sets, the entry field
+    maintained = {"EMITTED", "COMPLETION_TOKENS", "STATUS", "FINISH_REASON", "ERROR", "UPDATED"}
+    claims = {"CLAIM_ENTRY", "CLAIM_EMITTED", "CLAIM_DELIVERY", "MESSAGE_FIELD"}
+    assert used == maintained | claims | {"STATUS.FAILED", "FINISH_REASON.ERROR"}
+    package = Path(kvrelay.__file__).parent
+    inline = [str(p) for p in package.rglob("*.py") if "redis.call(" in p.read_text()]
+    assert inline == []  # every script lives in lua/, loaded through the one loader
+
+
+def test_placeholders_become_quoted_python_values():
+    assert {v for k, v in scripts.NAMES.items() if "." not in k} == set(rec.FIELDS) | {"m"}
+    text = "redis.call('HSET', KEYS[1], ${STATUS}, ${STATUS.FAILED}, ${STAGE}, ${STAGE.DECODE})"
+    filled = "redis.call('HSET', KEYS[1], 'status', 'failed', 'stage', 'decode')"
+    assert scripts.fill(text) == filled
+    assert scripts.fill("${FINISH_REASON.TIMEOUT} ${MESSAGE_FIELD}") == "'timeout' 'm'"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("return ${NOPE}", "x.lua: unknown placeholder ${NOPE}"),
+        ("return ${emitted}", "x.lua: unknown placeholder ${emitted}"),
+        ("return ${STATUS.DONE}", "x.lua: unknown placeholder ${STATUS.DONE}"),
+        ("return ${EMITTED", "x.lua: unterminated placeholder at '${EMITTED'"),
+    ],
+)
+def test_an_unknown_placeholder_raises(text, message):
+    with pytest.raises(scripts.ScriptError) as info:
+        scripts.fill(text, "x.lua")
+    assert str(info.value) == message
+    assert isinstance(info.value, KvrelayError) and isinstance(info.value, ValueError)
 
 
 def test_as_str():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from importlib import resources
 
 import redis
 
@@ -20,16 +19,11 @@ from kvrelay.core.enums import FinishReason
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.record import as_str
+from kvrelay.pipeline.queue import scripts
 
 logger = logging.getLogger(__name__)
 
 OK, NOT_OWNER, INDEX_MISMATCH = "ok", "not-owner", "index-mismatch"
-
-
-def _script_source(name: str) -> str:
-    lua = resources.files("kvrelay.pipeline.queue") / "lua"
-    prelude = (lua / "owner.lua").read_text() if name != "owner" else ""
-    return prelude + (lua / f"{name}.lua").read_text()
 
 
 @dataclass(slots=True)
@@ -104,13 +98,13 @@ class Streams:
         self.out_ttl_s = out_ttl_s
         self.req_ttl_s = req_ttl_s
         self.dlq_maxlen = dlq_maxlen
-        self._emit = client.register_script(_script_source("emit"))
-        self._handoff = client.register_script(_script_source("handoff"))
-        self._dead_letter = client.register_script(_script_source("dead_letter"))
-        self._renew = client.register_script(_script_source("renew"))
-        self._strikes = client.register_script(_script_source("strikes"))
-        self._release = client.register_script(_script_source("release"))
-        self._prune = client.register_script(_PRUNE_LUA)
+        self._emit = client.register_script(scripts.fenced("emit"))
+        self._handoff = client.register_script(scripts.fenced("handoff"))
+        self._dead_letter = client.register_script(scripts.fenced("dead_letter"))
+        self._renew = client.register_script(scripts.fenced("renew"))
+        self._strikes = client.register_script(scripts.fenced("strikes"))
+        self._release = client.register_script(scripts.fenced("release"))
+        self._prune = client.register_script(scripts.source("prune"))
 
     # groups and reads
     def ensure_group(self, stream: str, group: str) -> None:
@@ -354,14 +348,6 @@ class Streams:
             if info["idle"] > (idle_ms if name in live else min(idle_ms, dead_idle_ms)):
                 removed += int(self._prune(keys=[stream], args=[group, name]) == 0)
         return removed
-
-
-# Delete a consumer only if it still owns nothing, checked atomically: DELCONSUMER drops the
-# consumer's pending entries from the group, so an entry read in between would be lost.
-_PRUNE_LUA = """
-if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return -1 end
-return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-"""
 
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:

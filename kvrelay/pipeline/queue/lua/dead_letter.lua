@@ -7,17 +7,17 @@
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return 0
 end
-local dlq_id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[11], '*', 'm', ARGV[4],
-  'reason', ARGV[5], 'stream', KEYS[1], 'id', ARGV[3], 'consumer', ARGV[2],
-  'request_id', ARGV[6], 'time', ARGV[10])
+local dlq_id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[11], '*',
+  ${MESSAGE_FIELD}, ARGV[4], 'reason', ARGV[5], 'stream', KEYS[1], 'id', ARGV[3],
+  'consumer', ARGV[2], 'request_id', ARGV[6], 'time', ARGV[10])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 if ARGV[6] ~= '' then
-  local emitted = tonumber(redis.call('HGET', KEYS[3], 'emitted') or '0')
+  local emitted = tonumber(redis.call('HGET', KEYS[3], ${EMITTED}) or '0')
   if ARGV[7] ~= '' and emitted == tonumber(ARGV[8]) then
-    redis.call('XADD', KEYS[4], '*', 'm', ARGV[7])
+    redis.call('XADD', KEYS[4], '*', ${MESSAGE_FIELD}, ARGV[7])
     redis.call('EXPIRE', KEYS[4], tonumber(ARGV[9]))
   end
-  redis.call('HSET', KEYS[3], 'status', 'failed', 'finish_reason', 'error', 'error', ARGV[5],
-    'updated', ARGV[10])
+  redis.call('HSET', KEYS[3], ${STATUS}, ${STATUS.FAILED}, ${FINISH_REASON},
+    ${FINISH_REASON.ERROR}, ${ERROR}, ARGV[5], ${UPDATED}, ARGV[10])
 end
 return dlq_id

@@ -7,13 +7,13 @@
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return {0, 'not-owner'}
 end
-local emitted = tonumber(redis.call('HGET', KEYS[3], 'emitted') or '0')
+local emitted = tonumber(redis.call('HGET', KEYS[3], ${EMITTED}) or '0')
 if emitted ~= tonumber(ARGV[4]) then
   return {-1, emitted}
 end
-redis.call('XADD', KEYS[2], '*', 'm', ARGV[6])
+redis.call('XADD', KEYS[2], '*', ${MESSAGE_FIELD}, ARGV[6])
 emitted = emitted + tonumber(ARGV[5])
-redis.call('HSET', KEYS[3], 'emitted', emitted, 'completion_tokens', emitted)
+redis.call('HSET', KEYS[3], ${EMITTED}, emitted, ${COMPLETION_TOKENS}, emitted)
 hset_pairs(KEYS[3], ARGV, 10)
 if ARGV[7] == '1' then
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])

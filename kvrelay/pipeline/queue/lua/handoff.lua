@@ -8,15 +8,15 @@ if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return {0, 'not-owner'}
 end
 if ARGV[5] ~= '' then
-  local emitted = tonumber(redis.call('HGET', KEYS[3], 'emitted') or '0')
+  local emitted = tonumber(redis.call('HGET', KEYS[3], ${EMITTED}) or '0')
   if emitted ~= tonumber(ARGV[6]) then
     return {-1, emitted}
   end
-  redis.call('XADD', KEYS[4], '*', 'm', ARGV[5])
+  redis.call('XADD', KEYS[4], '*', ${MESSAGE_FIELD}, ARGV[5])
   emitted = emitted + tonumber(ARGV[7])
-  redis.call('HSET', KEYS[3], 'emitted', emitted, 'completion_tokens', emitted)
+  redis.call('HSET', KEYS[3], ${EMITTED}, emitted, ${COMPLETION_TOKENS}, emitted)
 end
-local new_id = redis.call('XADD', KEYS[2], '*', 'm', ARGV[4])
+local new_id = redis.call('XADD', KEYS[2], '*', ${MESSAGE_FIELD}, ARGV[4])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 hset_pairs(KEYS[3], ARGV, 8)
 return {1, new_id}

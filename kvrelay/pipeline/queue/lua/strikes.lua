@@ -10,8 +10,8 @@ local deliveries = tonumber(ARGV[2])
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return deliveries - 1  -- no record to keep the baseline in (expired or never written)
 end
-local emitted = tonumber(redis.call('HGET', KEYS[1], 'emitted') or '0')
-local seen = redis.call('HMGET', KEYS[1], 'claim_entry', 'claim_emitted', 'claim_delivery')
+local emitted = tonumber(redis.call('HGET', KEYS[1], ${EMITTED}) or '0')
+local seen = redis.call('HMGET', KEYS[1], ${CLAIM_ENTRY}, ${CLAIM_EMITTED}, ${CLAIM_DELIVERY})
 local base_emitted, base_delivery = tonumber(ARGV[3]), 1
 if seen[1] == ARGV[1] then
   base_emitted, base_delivery = tonumber(seen[2]), tonumber(seen[3])
@@ -19,6 +19,6 @@ end
 if emitted > base_emitted or ARGV[4] == '1' then
   base_emitted, base_delivery = emitted, deliveries
 end
-redis.call('HSET', KEYS[1], 'claim_entry', ARGV[1], 'claim_emitted', base_emitted,
-  'claim_delivery', base_delivery)
+redis.call('HSET', KEYS[1], ${CLAIM_ENTRY}, ARGV[1], ${CLAIM_EMITTED}, base_emitted,
+  ${CLAIM_DELIVERY}, base_delivery)
 return deliveries - base_delivery

@@ -13,6 +13,47 @@ from kvrelay.core.errors import KvrelayError
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+MAX_STOP = 16  # stop strings per request
+MAX_LOGPROBS = 20  # alternatives per token
+STOP_RULE = f"stop must be at most {MAX_STOP} non-empty strings"
+MIN_TOKENS_RULE = "min_tokens must not exceed max_tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """The values a sampling field may take, and how a refusal of another value reads."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False  # (low, ...] instead of [low, ...]
+    rule: str = ""  # after "<name> must be", e.g. "in [0, 100]"
+    kind: type = float  # a float field prints a refused 500 as "500.0"
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return above and (self.high is None or value <= self.high)
+
+    def message(self, name: str, value: Any) -> str:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        shown = float(value) if self.kind is float and number else value
+        return f"{name} must be {self.rule}, got {shown}"
+
+
+# The one statement of each range: SamplingParams.validate and the OpenAI request models use it.
+BOUNDS = {
+    "max_tokens": Bound(1, rule="at least 1", kind=int),
+    "temperature": Bound(0.0, 100.0, rule="in [0, 100]"),
+    "top_p": Bound(0.0, 1.0, low_open=True, rule="in (0, 1]"),
+    "top_k": Bound(-1, rule="0 (disabled) or positive", kind=int),  # -1: vLLM's "disabled"
+    "min_p": Bound(0.0, 1.0, rule="in [0, 1]"),
+    "repetition_penalty": Bound(0.0, 10.0, low_open=True, rule="in (0, 10]"),
+    "presence_penalty": Bound(-2.0, 2.0, rule="in [-2, 2]"),
+    "frequency_penalty": Bound(-2.0, 2.0, rule="in [-2, 2]"),
+    "min_tokens": Bound(0, rule=">= 0", kind=int),
+    "logprobs": Bound(0, MAX_LOGPROBS, rule=f"in [0, {MAX_LOGPROBS}]", kind=int),
+}
+
+
 class InvalidSamplingParams(KvrelayError, ValueError):
     """A sampling value is out of range; `param` names the offending field."""
 
@@ -52,43 +93,33 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
                 bad(f"{name} must be between {INT64_MIN} and {INT64_MAX}", name)
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if not 0.0 <= self.temperature <= 100.0:
-            bad(f"temperature must be in [0, 100], got {self.temperature}", "temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < 0 or (self.top_k == -1):
-            if self.top_k != -1:
-                bad(f"top_k must be 0 (disabled) or positive, got {self.top_k}", "top_k")
-            self.top_k = 0
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad(
-                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
-                "repetition_penalty",
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                bad(f"{name} must be in [-2, 2], got {value}", name)
-        if self.min_tokens < 0:
-            bad(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens must not exceed max_tokens", "min_tokens")
-        if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop must be at most 16 non-empty strings", "stop")
+        if self.max_tokens is not None and not isinstance(self.max_tokens, int):
+            bad(BOUNDS["max_tokens"].message("max_tokens", self.max_tokens), "max_tokens")
+        for name, bound in BOUNDS.items():
+            value = getattr(self, name, None)
+            if value is not None and not bound.holds(value):
+                bad(bound.message(name, value), name)
+        if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):
+            bad(STOP_RULE, "stop")
         if not all(encodes_utf8(s) for s in self.stop):
             bad("stop strings must be valid Unicode (no lone UTF-16 surrogates)", "stop")
-        self.check_vocab(vocab_size)
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed must be an integer", "seed")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        self.normalize()
+        self.check_fit(vocab_size)
         return self
+
+    def normalize(self) -> SamplingParams:
+        """Spell a valid request one way: top_k -1 (vLLM's "disabled") becomes 0."""
+        if self.top_k == -1:
+            self.top_k = 0
+        return self
+
+    def check_fit(self, vocab_size: int | None) -> None:
+        """The checks that need the final max_tokens and the model's vocabulary."""
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidSamplingParams(MIN_TOKENS_RULE, "min_tokens")
+        self.check_vocab(vocab_size)
 
     def check_vocab(self, vocab_size: int | None) -> None:
         """Raise InvalidSamplingParams for a stop token id outside [0, vocab_size)."""

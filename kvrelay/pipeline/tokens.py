@@ -14,6 +14,8 @@ from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.errors import RequestError, bad_request
 from kvrelay.pipeline.model_registry import ModelEntry
 
+EMPTY_PROMPT = "the prompt is empty"
+
 
 def max_chars_per_token(tokenizer: Any) -> int:
     """The most characters one token of this vocabulary stands for (computed once, ~50 ms)."""
@@ -68,7 +70,7 @@ def tokenize(
         # Like vLLM's completions: special tokens (a BOS, for models that use one) are added.
         ids = _encode(tok, prompt, True, threaded)
         if not ids:
-            raise bad_request("the prompt is empty", param="prompt")
+            raise bad_request(EMPTY_PROMPT, param="prompt")
         return ids
     if not prompt_token_ids:
         raise bad_request("a prompt is required", param="prompt")

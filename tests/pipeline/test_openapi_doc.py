@@ -8,7 +8,6 @@ import pytest
 from kvrelay.pipeline.errors import RequestError, error_body
 from kvrelay.pipeline.openai.models import ChatCompletionRequest, CompletionRequest, field_names
 from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
-from kvrelay.pipeline.openai.validate import HONOURED, PASS_THROUGH
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     anyio_backend,
@@ -27,9 +26,46 @@ PATHS = {
 }
 
 
-def test_model_fields_equal_the_parser_fields():
-    assert field_names(ChatCompletionRequest) == HONOURED["chat"] | PASS_THROUGH["chat"]
-    assert field_names(CompletionRequest) == HONOURED["completion"] | PASS_THROUGH["completion"]
+COMMON = {
+    "model",
+    "n",
+    "logit_bias",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "ignore_eos",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "max_tokens",
+    "user",
+    "cache_salt",
+    "logprobs",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+}
+
+
+def test_the_accepted_fields():
+    """The models are the field sets the server takes; any other field is refused by name."""
+    chat = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+    chat |= {"response_format", "store", "parallel_tool_calls", "modalities"}
+    assert field_names(ChatCompletionRequest) == COMMON | chat
+    assert field_names(CompletionRequest) == COMMON | {"prompt", "echo", "best_of", "suffix"}
+    with pytest.raises(RequestError) as info:
+        parse_completion({"model": "m", "prompt": "x", "store": False})  # chat only
+    assert (info.value.code, info.value.param) == ("unknown_parameter", "store")
 
 
 def test_error_body_is_the_openai_shape():

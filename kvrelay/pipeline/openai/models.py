@@ -1,15 +1,14 @@
-"""Pydantic models of the OpenAI request bodies this server accepts (the /openapi.json schemas).
+"""The OpenAI request bodies this server accepts, as pydantic models: their one definition.
 
-They describe exactly the fields `protocol.py` accepts (`HONOURED` plus `PASS_THROUGH` in
-`validate.py`; any other top-level field is refused) with the value ranges the server enforces,
-so a body that validates here is one the server takes. The parser in `protocol.py` still gives
-the error answers (status, code, param, message).
+Each field states its type, its range (core.sampling.BOUNDS) and how its errors read (a `Says`;
+validators raise `fail`/`refuse`). `protocol.py` validates every body through these models and
+`/openapi.json` is built from them. Null counts as absent. Fields are declared in the order
+they are checked: the first failing one is the error the client gets.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -18,19 +17,37 @@ from pydantic import (
     Field,
     StrictBool,
     StrictStr,
+    ValidationInfo,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 
-from kvrelay.core.sampling import INT64_MAX, INT64_MIN
+from kvrelay.core.sampling import (
+    BOUNDS,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP,
+    MIN_TOKENS_RULE,
+    STOP_RULE,
+)
+from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.openai.explain import Says, fail, fail_as, refuse
+from kvrelay.pipeline.openai.validate import check_known_fields, check_unicode
+from kvrelay.pipeline.tokens import EMPTY_PROMPT
 
-Int64 = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
-TokenId = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
-Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
-One = Annotated[int, Field(strict=True, ge=1, le=1)]  # n, best_of: only 1 is implemented
-MAX_TOP_LOGPROBS = 20
-MAX_STOP = 16
+ROLES: tuple[str, ...] = get_args(Role)
+Int64 = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+
+
+def _bounded(name: str, base: Any) -> Any:
+    """`base` within BOUNDS[name], refused in its words."""
+    bound = BOUNDS[name]
+    low = {"gt": bound.low} if bound.low_open else {"ge": bound.low}
+    high = {} if bound.high is None else {"le": bound.high}
+    return Annotated[base, Field(**low, **high), Says(bound=bound)]
 
 
 def _false(value: bool) -> bool:
@@ -39,21 +56,50 @@ def _false(value: bool) -> bool:
     return value
 
 
-FalseOnly = Annotated[
-    StrictBool, AfterValidator(_false), WithJsonSchema({"type": "boolean", "const": False})
-]
+def _only_one(value: int) -> int:
+    if value != 1:
+        raise ValueError("only 1 is supported")
+    return value
+
+
+def FalseOnly(refused: str) -> Any:  # noqa: N802  (a type, spelled like one)
+    """A boolean that may only be false: true asks for `refused`, which is not implemented."""
+    schema = WithJsonSchema({"type": "boolean", "const": False})
+    return Annotated[StrictBool, AfterValidator(_false), schema, Says(refused=refused)]
+
+
+def OnlyOne(refused: str) -> Any:  # noqa: N802
+    """An integer that may only be 1 (n, best_of)."""
+    schema = WithJsonSchema({"type": "integer", "const": 1})
+    return Annotated[Int64, AfterValidator(_only_one), schema, Says(refused=refused)]
+
+
+def Empty(base: Any, refused: str) -> Any:  # noqa: N802
+    """A list, object or string that may only be empty: anything in it is not implemented."""
+    return Annotated[base, Field(max_length=0), Says(refused=refused)]
 
 
 class _Nested(BaseModel):
-    """Nested objects: the parser reads the keys below and ignores others."""
+    """Nested objects: keys other than these are ignored, as the OpenAI API does."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _text_only(kind: str) -> str:
+    if kind != "text":
+        raise ValueError("only text parts are supported")
+    return kind
 
 
 class TextPart(_Nested):
     """A content part; only `text` parts are supported."""
 
-    type: Literal["text"]
+    type: Annotated[
+        StrictStr,
+        AfterValidator(_text_only),
+        WithJsonSchema({"type": "string", "const": "text"}),
+        Says(refused=lambda kind: f"content part type {kind[:64]!r}"),
+    ]
     text: StrictStr
 
 
@@ -61,15 +107,29 @@ class ChatMessage(_Nested):
     """One chat message; `content` may be null or absent only on assistant messages."""
 
     role: Role
-    content: StrictStr | list[TextPart] | None = None
+    tool_calls: Annotated[Any, WithJsonSchema({"type": "array", "maxItems": 0})] = None
+    content: Annotated[
+        StrictStr | list[TextPart] | None, Says(expect="a string or an array of text parts")
+    ] = None
     name: StrictStr | None = None
-    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
 
-    @model_validator(mode="after")
-    def _content_required(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError("content is required except on assistant messages")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _shape(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # refused as "must be an object"
+        role = data.get("role")
+        if role not in ROLES:
+            message = f"{{param}} must be one of {', '.join(ROLES)}"
+            raise fail(message, field="role", templated=True)
+        if data.get("tool_calls"):
+            raise refuse("tool calls", field="tool_calls")
+        if data.get("content") is None and role != "assistant":
+            if "content" not in data:
+                raise fail_as("missing", field="content")
+            expected = "a string or an array of text parts, not null"
+            raise fail_as("type", field="content", expected=expected)
+        return data
 
 
 class StreamOptions(_Nested):
@@ -83,39 +143,53 @@ class ResponseFormat(_Nested):
 
     type: Literal["text"]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "text":
+            raise refuse(f"response_format type {data.get('type')!r}")
+        return data
+
+
+_StopText = Annotated[str, Field(min_length=1)]
+Stop = Annotated[
+    _StopText | Annotated[list[_StopText], Field(max_length=MAX_STOP)],
+    Says(expect="a string or an array of strings", invalid=STOP_RULE, whole=True),
+]
+_WHOLE_IDS = Says(expect="an array of integers", whole=True)
+
 
 class _Request(BaseModel):
-    """Fields of both endpoints; null counts as absent."""
+    """Fields of both endpoints (top-level fields besides these are refused by name)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    model: Annotated[str, Field(strict=True, min_length=1)]
+    model: Annotated[str, Field(min_length=1), Says(missing="you must provide a model parameter")]
+    n: OnlyOne("n={value} (only n=1)") | None = None
+    logit_bias: Empty(dict[str, Any], "logit_bias") | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
-    n: One | None = None
-    logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = None
-    max_tokens: Annotated[Int64, Field(ge=1)] | None = None
-    temperature: Annotated[Number, Field(ge=0.0, le=100.0)] | None = None
-    top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
+    temperature: _bounded("temperature", Number) | None = None
+    top_p: _bounded("top_p", Number) | None = None
+    top_k: _bounded("top_k", Int64) | None = None
+    min_p: _bounded("min_p", Number) | None = None
+    presence_penalty: _bounded("presence_penalty", Number) | None = None
+    frequency_penalty: _bounded("frequency_penalty", Number) | None = None
+    repetition_penalty: _bounded("repetition_penalty", Number) | None = None
     seed: Int64 | None = None
-    stop: (
-        Annotated[str, Field(strict=True, min_length=1)]
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)]
-        | None
+    stop: Stop | None = None
+    # token ids: the model's vocabulary bounds them, checked once it is known
+    stop_token_ids: (
+        Annotated[list[Int64], Says(expect="an array of integers", whole=True)] | None
     ) = None
-    presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
-    cache_salt: StrictStr | None = None
-    top_k: Annotated[Int64, Field(ge=-1)] | None = None
-    min_p: Annotated[Number, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[Number, Field(gt=0.0, le=10.0)] | None = None
-    min_tokens: Annotated[Int64, Field(ge=0)] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    min_tokens: _bounded("min_tokens", Int64) | None = None
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
-    # pass-through: accepted, change nothing
+    max_tokens: _bounded("max_tokens", Int64) | None = None
+    user: StrictStr | None = None
+    cache_salt: StrictStr | None = None
+    # pass-through: accepted, change nothing (docs/api.md)
     metadata: dict[str, Any] | None = None
     service_tier: StrictStr | None = None
     safety_identifier: StrictStr | None = None
@@ -123,52 +197,75 @@ class _Request(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _utf8(cls, data: Any) -> Any:
-        try:  # msgpack, Redis and the tokenizer need UTF-8: no lone surrogates anywhere
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError("a string holds a lone UTF-16 surrogate") from exc
+    def _body(cls, data: Any) -> Any:
+        """The whole body first: UTF-8 everywhere, no field we do not know; null is absent."""
+        if isinstance(data, dict):
+            try:  # msgpack, Redis and the tokenizer need UTF-8: no lone surrogates anywhere
+                check_unicode(data)
+                check_known_fields(data, frozenset(cls.model_fields))
+            except RequestError as err:
+                raise fail(err.message, field=err.param or "", code=err.code) from err
+            return {name: value for name, value in data.items() if value is not None}
         return data
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _with_stream(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, dict) and not info.data.get("stream"):
+            raise fail("stream_options is only allowed when stream is true")
+        return value
 
     @model_validator(mode="after")
     def _cross_field(self) -> _Request:
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        limit = self._max_tokens()
+        limit = self.max_tokens_given()[0]
         if limit is not None and self.min_tokens is not None and self.min_tokens > limit:
-            raise ValueError("min_tokens must not exceed max_tokens")
+            raise fail(MIN_TOKENS_RULE, field="min_tokens")
         return self
 
-    def _max_tokens(self) -> int | None:
-        return self.max_tokens
+    def max_tokens_given(self) -> tuple[int | None, str]:
+        """The output limit the client set and the field it used (the last one given wins)."""
+        return self.max_tokens, "max_tokens"
 
 
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[Int64, Field(ge=1)] | None = None
-    logprobs: StrictBool | None = None
-    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    max_completion_tokens: _bounded("max_tokens", Int64) | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1), Says(expect="a non-empty array")]
+    tools: Empty(list[Any], "tools") | None = None
+    tool_choice: (
+        Annotated[Literal["none", "auto"], Says(refused="tool_choice={value!r}")] | None
+    ) = None
     response_format: ResponseFormat | None = None
-    store: FalseOnly | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: _bounded("logprobs", Int64) | None = None
+    store: FalseOnly("store=true (stored completions)") | None = None
     parallel_tool_calls: StrictBool | None = None
-    modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
+    modalities: Annotated[Any, WithJsonSchema({"type": "array", "const": ["text"]})] = None
 
-    @model_validator(mode="after")
-    def _logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
+    @field_validator("modalities")
+    @classmethod
+    def _text_out(cls, value: Any) -> Any:
+        if value is not None and value != ["text"]:
+            raise refuse('output modalities other than ["text"]')
+        return value
 
-    def _max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def _with_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        number = isinstance(value, int) and not isinstance(value, bool)
+        if number and INT64_MIN <= value <= INT64_MAX and not info.data.get("logprobs"):
+            raise fail("top_logprobs requires logprobs to be true")
+        return value
+
+    def max_tokens_given(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
 
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-PromptText = Annotated[str, Field(strict=True, min_length=1)]  # "" tokenizes to nothing: a 400
+TokenIds = Annotated[list[Int64], Field(min_length=1)]
+PromptText = Annotated[str, Field(min_length=1)]
 
 
 class CompletionRequest(_Request):
@@ -179,10 +276,39 @@ class CompletionRequest(_Request):
         | TokenIds
         | Annotated[list[PromptText | TokenIds], Field(min_length=1, max_length=1)]
     )
-    echo: FalseOnly | None = None
-    best_of: One | None = None
-    suffix: Annotated[str, Field(strict=True, max_length=0)] | None = None
-    logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: FalseOnly("echo") | None = None
+    best_of: OnlyOne("best_of > 1") | None = None
+    suffix: Empty(StrictStr, "suffix") | None = None
+    logprobs: _bounded("logprobs", Int64) | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        prompt, where = value, ""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt, where = prompt[0], "[0]"  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise fail(EMPTY_PROMPT)
+            return value
+        if _ints(prompt) and prompt:
+            for i, token in enumerate(prompt):
+                if not INT64_MIN <= token <= INT64_MAX:
+                    raise fail_as("int64", field=f"{where}[{i}]")
+            return value
+        if prompt is None:
+            raise fail_as("missing")
+        if isinstance(prompt, list) and not prompt:
+            raise fail("'prompt' must not be empty", code="invalid_value")
+        if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
+            raise refuse("more than one prompt per request")
+        raise fail_as("type", expected="a string or an array of token ids")
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
 
 
 def field_names(model: type[BaseModel]) -> frozenset[str]:

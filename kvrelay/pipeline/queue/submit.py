@@ -26,6 +26,7 @@ from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
 from kvrelay.pipeline.errors import RequestError, bad_request, overloaded
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.openai.protocol import GenerationRequest
+from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.route import DECODE, Route, Router
 from kvrelay.pipeline.tokens import (
     check_lengths,
@@ -40,37 +41,9 @@ _INLINE_TOKENIZE_CHARS = 16384
 _HOPELESS_MARGIN = 2  # normalizers (NFKC) may fold characters: never refuse one that fits
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
-# KEYS: req:{id}, work stream, prefill stream, decode stream. ARGV: ttl, payload, max_waiting
-# (0: no bound), prefill group, decode group, then field/value pairs. Returns the new entry id;
-# false when req:{id} already exists (a duplicate submission); the number of entries no worker
-# has read yet when that reaches max_waiting. Checking and queueing in one script makes the
-# bound exact under any burst, from any number of ingress processes.
-_SUBMIT_LUA = """
-local function waiting(stream, group, bound)
-  if redis.call('EXISTS', stream) == 0 then return 0 end
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-    local info = {}
-    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-    if info['name'] == group then
-      if type(info['lag']) == 'number' then return info['lag'] end
-      -- lag unknown after deletions: count what lies past the last delivered id
-      local after = '(' .. info['last-delivered-id']
-      return #redis.call('XRANGE', stream, after, '+', 'COUNT', bound)
-    end
-  end
-  return redis.call('XLEN', stream)  -- no consumer ever joined: everything waits
-end
-if redis.call('EXISTS', KEYS[1]) == 1 then return false end
-local bound = tonumber(ARGV[3])
-if bound > 0 then
-  local n = waiting(KEYS[3], ARGV[4], bound)
-  if n < bound then n = n + waiting(KEYS[4], ARGV[5], bound - n) end
-  if n >= bound then return n end
-end
-redis.call('HSET', KEYS[1], unpack(ARGV, 6))
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
-return redis.call('XADD', KEYS[2], '*', 'm', ARGV[2])
-"""
+# lua/submit.lua: create req:{id} and XADD the task in one step, refusing a duplicate id and,
+# at max_waiting unread entries, any new request (backpressure.py's exact bound)
+_SUBMIT_LUA = scripts.source("submit")
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -181,8 +154,8 @@ class Producer:
             param=param,
             max_tokens_param=max_tokens_param,
         )
-        try:
-            sampling.validate(entry.vocab_size)
+        try:  # the request models checked the ranges; what needs the model and max_tokens:
+            sampling.check_fit(entry.vocab_size)
         except InvalidSamplingParams as exc:
             raise bad_request(str(exc), param=exc.param) from exc
         now = time.time()

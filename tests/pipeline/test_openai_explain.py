@@ -1,0 +1,157 @@
+"""Each request-model error reads as the server has always answered it (exact code, param, text).
+
+The request models (pipeline/openai/models.py) are the only validation of an OpenAI body; these
+cases pin the wording `explain.py` gives their errors: ranges from core.sampling, refused
+features, cross-field rules, union fields (stop, prompt, content) and list items.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+TEXT = {"model": "m", "prompt": "x"}
+UNSUPPORTED = "unsupported_value"
+NOT_SUPPORTED = "is not supported by this server"
+ROLE = "messages[0].role must be one of system, developer, user, assistant, tool"
+TEN = [{"role": "user", "content": "x"}] * 10
+
+CASES = [
+    (CHAT, {"stop": ["a"] * 17}, None, "stop", "stop must be at most 16 non-empty strings"),
+    (TEXT, {"stop": ""}, None, "stop", "stop must be at most 16 non-empty strings"),
+    (CHAT, {"top_k": -5}, None, "top_k", "top_k must be 0 (disabled) or positive, got -5"),
+    (TEXT, {"temperature": 500}, None, "temperature", "temperature must be in [0, 100], got 500.0"),
+    (TEXT, {"top_p": -(2**70)}, None, "top_p", "'top_p' is out of range"),
+    (TEXT, {"n": 2}, UNSUPPORTED, "n", f"n=2 (only n=1) {NOT_SUPPORTED}"),
+    (TEXT, {"best_of": 0}, UNSUPPORTED, "best_of", f"best_of > 1 {NOT_SUPPORTED}"),
+    (
+        CHAT,
+        {"tool_choice": {"type": "function"}},
+        UNSUPPORTED,
+        "tool_choice",
+        f"tool_choice={{'type': 'function'}} {NOT_SUPPORTED}",
+    ),
+    (
+        CHAT,
+        {"response_format": {"type": "json_object"}},
+        UNSUPPORTED,
+        "response_format",
+        f"response_format type 'json_object' {NOT_SUPPORTED}",
+    ),
+    (
+        CHAT,
+        {"modalities": ["text", "audio"]},
+        UNSUPPORTED,
+        "modalities",
+        f'output modalities other than ["text"] {NOT_SUPPORTED}',
+    ),
+    (
+        CHAT,
+        {"store": True},
+        UNSUPPORTED,
+        "store",
+        f"store=true (stored completions) {NOT_SUPPORTED}",
+    ),
+    (CHAT, {"messages": []}, "invalid_type", "messages", "'messages' must be a non-empty array"),
+    (
+        CHAT,
+        {"messages": [*TEN, 7]},
+        "invalid_type",
+        "messages[10]",
+        "'messages[10]' must be an object",
+    ),
+    (CHAT, {"messages": [{"content": "x"}]}, None, "messages[0].role", ROLE),
+    (
+        TEXT,
+        {"prompt": ["a", "b"]},
+        UNSUPPORTED,
+        "prompt",
+        f"more than one prompt per request {NOT_SUPPORTED}",
+    ),
+    (TEXT, {"prompt": ""}, None, "prompt", "the prompt is empty"),
+    (
+        TEXT,
+        {"prompt": [1, 2.5]},
+        "invalid_type",
+        "prompt",
+        "'prompt' must be a string or an array of token ids",
+    ),
+    (
+        TEXT,
+        {"min_tokens": 5, "max_tokens": 2},
+        None,
+        "min_tokens",
+        "min_tokens must not exceed max_tokens",
+    ),
+    (CHAT, {"top_logprobs": 3}, None, "top_logprobs", "top_logprobs requires logprobs to be true"),
+    (
+        TEXT,
+        {"stream_options": {"include_usage": True}},
+        None,
+        "stream_options",
+        "stream_options is only allowed when stream is true",
+    ),
+    (
+        CHAT,
+        {"stream": True, "stream_options": {"include_usage": "yes"}},
+        "invalid_type",
+        "stream_options.include_usage",
+        "'stream_options.include_usage' must be a boolean",
+    ),
+    (
+        CHAT,
+        {"model": ""},
+        "missing_required_parameter",
+        "model",
+        "you must provide a model parameter",
+    ),
+    (
+        CHAT,
+        {"model": None},
+        "missing_required_parameter",
+        "model",
+        "you must provide a model parameter",
+    ),
+    (TEXT, {"logit_bias": {"5": 1}}, UNSUPPORTED, "logit_bias", f"logit_bias {NOT_SUPPORTED}"),
+    (TEXT, {"suffix": "s"}, UNSUPPORTED, "suffix", f"suffix {NOT_SUPPORTED}"),
+    (CHAT, {"tools": [{"type": "function"}]}, UNSUPPORTED, "tools", f"tools {NOT_SUPPORTED}"),
+    (TEXT, {"echo": True}, UNSUPPORTED, "echo", f"echo {NOT_SUPPORTED}"),
+    (
+        TEXT,
+        {"functions": []},
+        UNSUPPORTED,
+        "functions",
+        f"functions (legacy function calling) {NOT_SUPPORTED}",
+    ),
+    (
+        TEXT,
+        {"stop_token_ids": [1, "2"]},
+        "invalid_type",
+        "stop_token_ids",
+        "'stop_token_ids' must be an array of integers",
+    ),
+    (
+        TEXT,
+        {"skip_special_tokens": 2**64},
+        "invalid_type",
+        "skip_special_tokens",
+        "'skip_special_tokens' must be a boolean",
+    ),
+]
+
+
+@pytest.mark.parametrize(("base", "extra", "code", "param", "message"), CASES)
+def test_error_wording(base, extra, code, param, message):
+    parse = parse_chat if "messages" in base else parse_completion
+    with pytest.raises(RequestError) as info:
+        parse({**base, **extra})
+    err = info.value
+    assert (err.status, err.code, err.param, err.message) == (400, code, param, message)
+
+
+def test_null_is_absent_and_top_k_minus_one_is_disabled():
+    req = parse_completion({**TEXT, "guided_json": None, "seed": None, "top_k": -1})
+    assert (req.sampling.seed, req.sampling.top_k, req.prompt) == (None, 0, "x")

@@ -88,21 +88,22 @@ def instrument(app) -> None:
 
         setattr(obj, attr, wrapper)
 
-    gen = ingress_routes._generate
+    endpoints = type(ing.generation)  # GenerationApi: its routes call self._generate
+    gen = endpoints._generate
     # the client picks the id the ingress "generates", so it need not send X-Request-Id
     # (which costs the ingress an extra EXISTS)
     ingress_routes.new_request_id = lambda prefix="req": NEXT_ID[0]
 
-    async def generate(request, api):
+    async def generate(self, request, api):
         rid = NEXT_ID[0]
         current["rid"] = rid
         mark(rid, "handler<")
-        return await gen(request, api)
+        return await gen(self, request, api)
 
-    ingress_routes._generate = generate
+    endpoints._generate = generate
     timed_async(ingress_routes, "read_json", "read_json")
     timed_sync(ingress_routes, "parse_chat", "parse")
-    timed_async(ing.backpressure, "check", "backpressure")
+    timed_async(ing.backpressure, "admit", "backpressure")
     timed_async(ing.registry, "get", "registry")
     timed_sync(submit, "tokenize", "tokenize")
     timed_async(ing.router, "route", "route")

@@ -206,3 +206,47 @@ async def test_deadline_gives_504_and_cancels(harness):
         events = parse_sse(resp.content)
         assert json.loads(events[0][1])["error"]["code"] == "request_timeout"
         assert events[-1] == (None, "[DONE]")
+
+
+async def test_request_state_shows_the_public_fields_with_their_types(harness):
+    """Private fields hidden; counts as ints, times as floats, claim_* bookkeeping as stored."""
+    factory, _worker = harness
+    app = factory()
+    ing = app.state.ingress
+    record = {
+        "status": "decoding",
+        "model": MODEL,
+        "prompt_tokens": "5",
+        "completion_tokens": "-1",
+        "cached_tokens": "x",
+        "emitted": "2",
+        "created": "100.5",
+        "deadline": "",
+        "ingress": "{}",
+        "key_id": "",
+        "attach": "3",
+        "claim_entry": "1-0",
+        "claim_emitted": "2",
+        "claim_delivery": "1",
+    }
+    await ing.redis.hset(ing.keys.request("s-1"), mapping=record)
+    async with http(app) as client:
+        resp = await client.get("/v1/requests/s-1")
+    assert resp.status_code == 200
+    assert resp.headers["x-request-id"] == "s-1"
+    assert resp.json() == {
+        "id": "s-1",
+        "object": "request",
+        "status": "decoding",
+        "model": MODEL,
+        "prompt_tokens": 5,
+        "completion_tokens": -1,
+        "cached_tokens": "x",
+        "emitted": 2,
+        "created": 100.5,
+        "deadline": "",
+        "claim_entry": "1-0",
+        "claim_emitted": "2",
+        "claim_delivery": "1",
+        "cancel_requested": False,
+    }

@@ -223,12 +223,12 @@ async def test_a_hung_redis_gives_503_within_seconds(valkey, smollm_tokenizer):
 
 
 async def test_an_unexpected_error_is_an_openai_500_with_a_request_id(harness, monkeypatch):
-    from kvrelay.pipeline.server import info as ingress_info
+    from kvrelay.pipeline.server.info import InfoApi
 
-    async def broken(request):
+    async def broken(self, request):
         raise RuntimeError("a bug in an endpoint")
 
-    monkeypatch.setattr(ingress_info, "metrics", broken)  # before the app binds its routes
+    monkeypatch.setattr(InfoApi, "metrics", broken)  # before the app binds its routes
     factory, _worker = harness
     app = factory()
     async with http(app) as client:

@@ -1,7 +1,11 @@
-"""The OpenAI-compatible HTTP ingress (Starlette): `create_app(config)`.
+"""The OpenAI-compatible HTTP ingress (Starlette): `Ingress` and `create_app(config)`.
 
 It validates and tokenizes requests, routes each to stream:prefill or stream:decode, and relays
 out:{id} back as JSON or SSE. It imports neither torch nor the workers, so it starts fast.
+
+`Ingress` is the application: the shared state, its lifespan, and `routes()`, the route table.
+Every endpoint is a method of `GenerationApi` (routes.py: completions and the request
+endpoints) or `InfoApi` (info.py: models, health, metrics, OpenAPI), each holding the Ingress.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -33,17 +37,18 @@ from kvrelay.pipeline.queue.cluster import ClusterState
 from kvrelay.pipeline.queue.redis_options import async_redis, resilient
 from kvrelay.pipeline.queue.route import Router
 from kvrelay.pipeline.queue.submit import Producer
-from kvrelay.pipeline.server import info, openapi, routes
 from kvrelay.pipeline.server.config import IngressConfig, load_config
 from kvrelay.pipeline.server.http import error_response
+from kvrelay.pipeline.server.info import InfoApi
 from kvrelay.pipeline.server.middleware import RequestIdMiddleware
+from kvrelay.pipeline.server.routes import GenerationApi
 from kvrelay.pipeline.tokens import max_chars_per_token
 
 logger = logging.getLogger(__name__)
 
 
 class Ingress:
-    """Everything the endpoints share: Redis pool, producer, cluster view, metrics."""
+    """The application: shared state (Redis, producer, cluster, metrics), lifespan, routes."""
 
     def __init__(
         self,
@@ -86,6 +91,35 @@ class Ingress:
         self.started = int(time.time())
         self._token_text: dict[str, Callable[[int], str]] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.generation = GenerationApi(self)
+        self.info = InfoApi(self)
+
+    def routes(self) -> list[Route]:
+        """The route table: every endpoint the ingress serves, and the method that serves it."""
+        gen, info = self.generation, self.info
+        return [
+            Route("/v1/chat/completions", gen.chat_completions, methods=["POST"]),
+            Route("/v1/completions", gen.completions, methods=["POST"]),
+            Route("/v1/models", info.list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", info.retrieve_model, methods=["GET"]),
+            Route("/v1/requests/{request_id}", gen.request_state, methods=["GET"]),
+            Route("/v1/requests/{request_id}", gen.cancel_request, methods=["DELETE"]),
+            Route("/v1/requests/{request_id}/stream", gen.resume_stream, methods=["GET"]),
+            Route("/health", info.health, methods=["GET"]),
+            Route("/metrics", info.metrics, methods=["GET"]),
+            Route("/openapi.json", info.openapi, methods=["GET"]),
+        ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        """Starlette lifespan: check Redis, load the tokenizers, close everything at shutdown."""
+        try:
+            await self.redis.ping()
+        except RedisError as exc:
+            logger.warning("redis at %s is not reachable yet: %s", self.config.redis_url, exc)
+        await self.warm_up()
+        yield
+        await self.aclose()
 
     def token_text(self, entry: ModelEntry) -> Callable[[int], str]:
         """Cached text of one token id (for logprobs), special tokens included."""
@@ -204,34 +238,12 @@ def create_app(
     """The ingress ASGI app; `app.state.ingress` holds its shared state."""
     config = (config or load_config()).validate()
     ingress = Ingress(config, tokenizers, redis)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
-        try:
-            await ingress.redis.ping()
-        except RedisError as exc:
-            logger.warning("redis at %s is not reachable yet: %s", config.redis_url, exc)
-        await ingress.warm_up()
-        yield
-        await ingress.aclose()
-
     app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
-            Route("/v1/completions", routes.completions, methods=["POST"]),
-            Route("/v1/models", info.list_models, methods=["GET"]),
-            Route("/v1/models/{model_id:path}", info.retrieve_model, methods=["GET"]),
-            Route("/v1/requests/{request_id}", routes.request_state, methods=["GET"]),
-            Route("/v1/requests/{request_id}", routes.cancel_request, methods=["DELETE"]),
-            Route("/v1/requests/{request_id}/stream", routes.resume_stream, methods=["GET"]),
-            Route("/health", info.health, methods=["GET"]),
-            Route("/metrics", info.metrics, methods=["GET"]),
-            Route("/openapi.json", openapi.openapi, methods=["GET"]),
-        ],
+        routes=ingress.routes(),
         middleware=[Middleware(RequestIdMiddleware, metrics=ingress.metrics)],
         # unexpected errors become OpenAI-shaped 500s in RequestIdMiddleware
         exception_handlers={HTTPException: _http_error},
-        lifespan=lifespan,
+        lifespan=ingress.lifespan,
     )
     app.state.ingress = ingress
     return app

@@ -78,7 +78,7 @@ async def raw_record(ing: Ingress, request_id: str) -> dict[str, str] | None:
 async def owned_record(ing: Ingress, request_id: str, key_id: str) -> dict[str, str]:
     """The req:{id} record; another API key's request reads as missing."""
     rec = await raw_record(ing, request_id)
-    owner = rec.get("key_id", "") if rec else ""
+    owner = rec.get(fields.KEY_ID, "") if rec else ""
     if rec is None or (owner and owner != key_id):
         raise not_found(request_id)
     return rec
@@ -87,7 +87,7 @@ async def owned_record(ing: Ingress, request_id: str, key_id: str) -> dict[str, 
 def check_same(rec: dict[str, str], request_id: str, digest: str, key_id: str) -> None:
     """409 unless `rec` is the request being posted again (same endpoint, body and key)."""
     opts = _options(rec)
-    if rec.get("key_id", "") != key_id or opts.get("digest") != digest:
+    if rec.get(fields.KEY_ID, "") != key_id or opts.get("digest") != digest:
         raise id_conflict(request_id)
 
 
@@ -116,13 +116,13 @@ async def reattach(
     status = rec.get(fields.STATUS, "")
     if status in ENDED:
         exists = bool(await ing.redis.exists(ing.keys.out(request_id)))
-        if output_gone(status, rec.get("emitted"), exists):
+        if output_gone(status, rec.get(fields.EMITTED), exists):
             raise output_expired(request_id)
     opts = _options(rec)
     if include_usage is None:
         include_usage = bool(opts.get("include_usage"))
     attach_seq = await ing.reattached(request_id)
-    model = rec.get("model", "")
+    model = rec.get(fields.MODEL, "")
     entry = await ing.registry.get(model)
     created = int(opts.get("created") or float(rec.get(fields.CREATED) or time.time()))
     fmt = ResponseFormatter(
@@ -130,12 +130,12 @@ async def reattach(
         request_id,
         model,
         created,
-        int(rec.get("prompt_tokens", 0)),
+        int(rec.get(fields.PROMPT_TOKENS, 0)),
         logprobs=bool(opts.get("logprobs")),
         include_usage=include_usage,
         token_text=ing.token_text(entry),
     )
-    deadline = float(rec["deadline"]) if rec.get("deadline") else None
+    deadline = float(rec[fields.DEADLINE]) if rec.get(fields.DEADLINE) else None
     start = 0 if last is None or not stream else last + 1
     logger.info("request %s: client reattached from token %d", request_id, start)
     job = OutputJob(

@@ -1,7 +1,8 @@
-"""Informational endpoints: served models, health and Prometheus metrics."""
+"""Informational endpoints: served models, health, Prometheus metrics and the OpenAPI document."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
@@ -13,45 +14,86 @@ from kvrelay.pipeline.metrics import CONTENT_TYPE
 from kvrelay.pipeline.queue.cluster import WorkerInfo
 from kvrelay.pipeline.queue.route import DECODE, PREFILL
 from kvrelay.pipeline.server.http import check_api_key, error_response
+from kvrelay.pipeline.server.openapi import openapi_document
 
 if TYPE_CHECKING:
     from kvrelay.pipeline.server.app import Ingress
 
 
-async def _served(ing: Ingress) -> list[str]:
-    try:
-        return await ing.registry.served()
-    except RedisError:  # the configured names are still served
-        return list(ing.config.models)
+@dataclass(slots=True)
+class InfoApi:
+    """Endpoints about the service: models, health, metrics and /openapi.json."""
 
+    ingress: Ingress
 
-def _model(ing: Ingress, name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": ing.started, "owned_by": "kvrelay"}
+    async def list_models(self, request: Request) -> Response:
+        """GET /v1/models: configured names plus any model a worker publishes."""
+        try:
+            check_api_key(request, self.ingress.config.api_keys)
+        except RequestError as err:
+            return error_response(err)
+        names = await self._served()
+        return JSONResponse({"object": "list", "data": [self._model(n) for n in names]})
 
+    async def retrieve_model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: one model object, 404 model_not_found for a name not served."""
+        name = request.path_params["model_id"]
+        try:
+            check_api_key(request, self.ingress.config.api_keys)
+            served = await self._served()
+            if name not in served:
+                raise model_not_found(name, served)
+        except RequestError as err:
+            return error_response(err)
+        return JSONResponse(self._model(name))
 
-async def list_models(request: Request) -> Response:
-    """GET /v1/models: configured names plus any model a worker publishes."""
-    ing: Ingress = request.app.state.ingress
-    try:
-        check_api_key(request, ing.config.api_keys)
-    except RequestError as err:
-        return error_response(err)
-    names = await _served(ing)
-    return JSONResponse({"object": "list", "data": [_model(ing, n) for n in names]})
+    async def health(self, request: Request) -> Response:
+        """200 when Redis answers and every stage has a live, non-draining worker; 503 otherwise."""
+        ing = self.ingress
+        body: dict[str, Any] = {"status": "ok", "redis": True, "workers": {}}
+        try:
+            await ing.redis.ping()
+            workers = await ing.cluster.workers(fresh=True)
+            for w in workers:
+                body["workers"][w.role] = body["workers"].get(w.role, 0) + 1
+            load = await ing.cluster.load()
+            body["waiting"] = {name: s.waiting for name, s in load.items()}
+        except RedisError as exc:
+            body.update(status="unavailable", redis=False, error=str(exc) or type(exc).__name__)
+            return JSONResponse(body, status_code=503)
+        body["stages"] = stages = stage_readiness(workers, ing.config.mode)
+        down = [name for name, stage in stages.items() if not stage["ready"]]
+        if down:
+            why = "; ".join(
+                f"stage {name} cannot serve: no live, non-draining "
+                f"{stages[name]['served_by']} worker"
+                for name in down
+            )
+            body.update(status="unavailable", unavailable_stages=down, error=why)
+            return JSONResponse(body, status_code=503)
+        return JSONResponse(body)
 
+    async def metrics(self, request: Request) -> Response:
+        """GET /metrics: the Prometheus text exposition."""
+        return Response(self.ingress.metrics.render(), media_type=CONTENT_TYPE)
 
-async def retrieve_model(request: Request) -> Response:
-    """GET /v1/models/{id}: one model object, 404 model_not_found for a name not served."""
-    ing: Ingress = request.app.state.ingress
-    name = request.path_params["model_id"]
-    try:
-        check_api_key(request, ing.config.api_keys)
-        served = await _served(ing)
-        if name not in served:
-            raise model_not_found(name, served)
-    except RequestError as err:
-        return error_response(err)
-    return JSONResponse(_model(ing, name))
+    async def openapi(self, request: Request) -> Response:
+        """GET /openapi.json (the same API-key rule as /v1/models)."""
+        try:
+            check_api_key(request, self.ingress.config.api_keys)
+        except RequestError as err:
+            return error_response(err)
+        return JSONResponse(openapi_document())
+
+    async def _served(self) -> list[str]:
+        try:
+            return await self.ingress.registry.served()
+        except RedisError:  # the configured names are still served
+            return list(self.ingress.config.models)
+
+    def _model(self, name: str) -> dict[str, Any]:
+        created = self.ingress.started
+        return {"id": name, "object": "model", "created": created, "owned_by": "kvrelay"}
 
 
 def _drained(fields: dict[str, str]) -> bool:
@@ -78,34 +120,3 @@ def stage_readiness(workers: list[WorkerInfo], mode: str) -> dict[str, dict[str,
         PREFILL: {"ready": prefill > 0, "workers": prefill, "served_by": prefill_by},
         DECODE: {"ready": decode > 0, "workers": decode, "served_by": DECODE},
     }
-
-
-async def health(request: Request) -> Response:
-    """200 when Redis answers and every stage has a live, non-draining worker; 503 otherwise."""
-    ing: Ingress = request.app.state.ingress
-    body: dict[str, Any] = {"status": "ok", "redis": True, "workers": {}}
-    try:
-        await ing.redis.ping()
-        workers = await ing.cluster.workers(fresh=True)
-        for w in workers:
-            body["workers"][w.role] = body["workers"].get(w.role, 0) + 1
-        load = await ing.cluster.load()
-        body["waiting"] = {name: s.waiting for name, s in load.items()}
-    except RedisError as exc:
-        body.update(status="unavailable", redis=False, error=str(exc) or type(exc).__name__)
-        return JSONResponse(body, status_code=503)
-    body["stages"] = stages = stage_readiness(workers, ing.config.mode)
-    down = [name for name, stage in stages.items() if not stage["ready"]]
-    if down:
-        why = "; ".join(
-            f"stage {name} cannot serve: no live, non-draining {stages[name]['served_by']} worker"
-            for name in down
-        )
-        body.update(status="unavailable", unavailable_stages=down, error=why)
-        return JSONResponse(body, status_code=503)
-    return JSONResponse(body)
-
-
-async def metrics(request: Request) -> Response:
-    ing: Ingress = request.app.state.ingress
-    return Response(ing.metrics.render(), media_type=CONTENT_TYPE)

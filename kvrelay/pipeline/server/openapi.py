@@ -1,19 +1,11 @@
-"""GET /openapi.json: an OpenAPI 3.1 document built from the request models."""
+"""The OpenAPI 3.1 document that GET /openapi.json serves, built from the request models."""
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-
-from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.openai.models import ChatCompletionRequest, CompletionRequest
-from kvrelay.pipeline.server.http import check_api_key, error_response
-
-if TYPE_CHECKING:
-    from kvrelay.pipeline.server.app import Ingress
 
 _REF = "#/components/schemas/{model}"
 _ERROR_SCHEMA = {
@@ -149,13 +141,3 @@ def openapi_document() -> dict[str, Any]:
         },
         "components": {"schemas": schemas},
     }
-
-
-async def openapi(request: Request) -> Response:
-    """GET /openapi.json (the same API-key rule as /v1/models)."""
-    ing: Ingress = request.app.state.ingress
-    try:
-        check_api_key(request, ing.config.api_keys)
-    except RequestError as err:
-        return error_response(err)
-    return JSONResponse(openapi_document())

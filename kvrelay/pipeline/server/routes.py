@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
@@ -56,90 +58,172 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-async def chat_completions(request: Request) -> Response:
-    return await _generate(request, CHAT)
+# req:{id} fields GET /v1/requests/{id} leaves out: ingress-private (options, owner, attaches)
+_HIDDEN_FIELDS = frozenset({fields.INGRESS, fields.KEY_ID, fields.ATTACH})
+# the integers shown as numbers; the workers' claim_* bookkeeping is shown as stored (text)
+_INT_SHOWN = fields.INT_FIELDS - {fields.CLAIM_EMITTED, fields.CLAIM_DELIVERY}
 
 
-async def completions(request: Request) -> Response:
-    return await _generate(request, COMPLETION)
+@dataclass(slots=True)
+class GenerationApi:
+    """Endpoints of generation: completions, and a request's state, cancel and resumed stream."""
 
+    ingress: Ingress
 
-async def _generate(request: Request, api: str) -> Response:
-    ing: Ingress = request.app.state.ingress
-    arrival = time.monotonic()
-    header_id = request.headers.get(REQUEST_ID_HEADER)
-    if header_id is not None and not valid_request_id(header_id):
-        omit_request_id(request.scope)  # no request was created: send no id back
-        return error_response(_bad_id(header_id, REQUEST_ID_HEADER))
-    request_id = header_id or new_request_id("chatcmpl" if api == CHAT else "cmpl")
-    # the snapshots admission, the registry and routing read: fetch them while we parse
-    ing.cluster.prefetch(workers=ing.config.mode == "auto")
-    slot: Slot | None = None
-    try:
-        key_id = check_api_key(request, ing.config.api_keys)
-        body = await read_json(request, ing.config.max_body_bytes)
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > THREAD_PARSE_BYTES:  # off the event loop, as above
-            parsed, digest = await asyncio.to_thread(_parse, body, api)
-        else:
-            parsed, digest = _parse(body, api)
-        if header_id is not None:
-            rec = await raw_record(ing, request_id)
-            if rec is not None:
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        return await self._generate(request, CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        return await self._generate(request, COMPLETION)
+
+    async def _generate(self, request: Request, api: str) -> Response:
+        ing = self.ingress
+        arrival = time.monotonic()
+        header_id = request.headers.get(REQUEST_ID_HEADER)
+        if header_id is not None and not valid_request_id(header_id):
+            omit_request_id(request.scope)  # no request was created: send no id back
+            return error_response(_bad_id(header_id, REQUEST_ID_HEADER))
+        request_id = header_id or new_request_id("chatcmpl" if api == CHAT else "cmpl")
+        # the snapshots admission, the registry and routing read: fetch them while we parse
+        ing.cluster.prefetch(workers=ing.config.mode == "auto")
+        slot: Slot | None = None
+        try:
+            key_id = check_api_key(request, ing.config.api_keys)
+            body = await read_json(request, ing.config.max_body_bytes)
+            size = request.headers.get("content-length", "")
+            if size.isdigit() and int(size) > THREAD_PARSE_BYTES:  # off the event loop, as above
+                parsed, digest = await asyncio.to_thread(_parse, body, api)
+            else:
+                parsed, digest = _parse(body, api)
+            if header_id is not None:
+                rec = await raw_record(ing, request_id)
+                if rec is not None:
+                    check_same(rec, request_id, digest, key_id)
+                    return await reattach(
+                        request, ing, request_id, rec, parsed.stream, parsed.include_usage
+                    )
+            slot = await ing.backpressure.admit()
+            sub, entry = await ing.producer.prepare_parsed(parsed, request_id=request_id)
+            created = int(time.time())
+            options = {
+                "api": api,
+                "created": created,
+                "stream": parsed.stream,
+                "include_usage": parsed.include_usage,
+                "logprobs": parsed.logprobs,
+                "digest": digest,
+            }
+            record = {
+                fields.INGRESS: options,
+                fields.USER: parsed.user or "",
+                fields.KEY_ID: key_id,
+            }
+            route = await ing.producer.enqueue(sub, entry, record)
+            if route is None:  # the same id raced in from another connection
+                slot.release()
+                rec = await owned_record(ing, request_id, key_id)
                 check_same(rec, request_id, digest, key_id)
                 return await reattach(
                     request, ing, request_id, rec, parsed.stream, parsed.include_usage
                 )
-        slot = await ing.backpressure.admit()
-        sub, entry = await ing.producer.prepare_parsed(parsed, request_id=request_id)
-        created = int(time.time())
-        options = {
-            "api": api,
-            "created": created,
-            "stream": parsed.stream,
-            "include_usage": parsed.include_usage,
-            "logprobs": parsed.logprobs,
-            "digest": digest,
-        }
-        record = {"ingress": options, "user": parsed.user or "", "key_id": key_id}
-        route = await ing.producer.enqueue(sub, entry, record)
-        if route is None:  # the same id raced in from another connection
-            slot.release()
+        except RequestError as err:
+            if slot is not None:
+                slot.release()
+            return error_response(err, request_id)
+        except RedisError as exc:
+            if slot is not None:
+                slot.release()
+            return error_response(queue_unavailable(exc), request_id)
+        except BaseException:
+            if slot is not None:
+                slot.release()
+            raise
+        ing.backpressure.queued()
+        ing.cluster.refresh_behind()
+        ing.metrics.request_route.labels(sub.model, route.stage).inc()
+        fmt = ResponseFormatter(
+            api,
+            request_id,
+            parsed.model,
+            created,
+            len(sub.prompt_token_ids),
+            logprobs=parsed.logprobs,
+            include_usage=parsed.include_usage,
+            token_text=ing.token_text(entry),
+        )
+        timer = RequestTimer(ing.metrics, sub.model, arrival)
+        job = OutputJob(
+            ing, request_id, fmt, parsed.stream, deadline=sub.deadline, timer=timer, slot=slot
+        )
+        return job.response()
+
+    async def resume_stream(self, request: Request) -> Response:
+        """GET /v1/requests/{id}/stream: SSE from Last-Event-ID (or from the start)."""
+
+        async def resume(request_id: str, rec: dict[str, str]) -> Response:
+            return await reattach(request, self.ingress, request_id, rec, True)
+
+        return await self._own_request(request, resume)
+
+    async def request_state(self, request: Request) -> Response:
+        """GET /v1/requests/{id}: the req:{id} record."""
+        ing = self.ingress
+
+        async def state(request_id: str, rec: dict[str, str]) -> Response:
+            cancel_requested = bool(await ing.redis.exists(ing.keys.cancel(request_id)))
+            body: dict[str, Any] = {"id": request_id, "object": "request"}
+            for key, value in rec.items():
+                if key in _HIDDEN_FIELDS:
+                    continue
+                if key in _INT_SHOWN and value.lstrip("-").isdigit():
+                    body[key] = int(value)
+                elif key in fields.FLOAT_FIELDS and value:
+                    body[key] = float(value)
+                else:
+                    body[key] = value
+            body["cancel_requested"] = cancel_requested
+            return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})
+
+        return await self._own_request(request, state)
+
+    async def cancel_request(self, request: Request) -> Response:
+        """DELETE /v1/requests/{id}: ask the workers to stop it (idempotent)."""
+
+        async def cancel(request_id: str, rec: dict[str, str]) -> Response:
+            status = rec.get(fields.STATUS, "")
+            done = status in DONE_STATUSES
+            if not done:
+                await self.ingress.cancel(request_id)
+                logger.info("request %s: cancelled by DELETE", request_id)
+            body = {
+                "id": request_id,
+                "object": "request.cancel",
+                "cancelled": not done,
+                "status": status,
+            }
+            return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})
+
+        return await self._own_request(request, cancel)
+
+    async def _own_request(
+        self, request: Request, handle: Callable[[str, dict[str, str]], Awaitable[Response]]
+    ) -> Response:
+        """`handle(id, record)` for /v1/requests/{id} of the caller's own API key.
+
+        A bad id, key or unknown request, and a Redis outage, are OpenAI error bodies.
+        """
+        ing, request_id = self.ingress, None
+        try:
+            request_id = _path_id(request)
+            key_id = check_api_key(request, ing.config.api_keys)
             rec = await owned_record(ing, request_id, key_id)
-            check_same(rec, request_id, digest, key_id)
-            return await reattach(
-                request, ing, request_id, rec, parsed.stream, parsed.include_usage
-            )
-    except RequestError as err:
-        if slot is not None:
-            slot.release()
-        return error_response(err, request_id)
-    except RedisError as exc:
-        if slot is not None:
-            slot.release()
-        return error_response(queue_unavailable(exc), request_id)
-    except BaseException:
-        if slot is not None:
-            slot.release()
-        raise
-    ing.backpressure.queued()
-    ing.cluster.refresh_behind()
-    ing.metrics.request_route.labels(sub.model, route.stage).inc()
-    fmt = ResponseFormatter(
-        api,
-        request_id,
-        parsed.model,
-        created,
-        len(sub.prompt_token_ids),
-        logprobs=parsed.logprobs,
-        include_usage=parsed.include_usage,
-        token_text=ing.token_text(entry),
-    )
-    timer = RequestTimer(ing.metrics, sub.model, arrival)
-    job = OutputJob(
-        ing, request_id, fmt, parsed.stream, deadline=sub.deadline, timer=timer, slot=slot
-    )
-    return job.response()
+            return await handle(request_id, rec)
+        except RequestError as err:
+            return error_response(err, request_id)
+        except RedisError as exc:
+            return error_response(queue_unavailable(exc), request_id)
 
 
 def _parse(body: Any, api: str) -> tuple[GenerationRequest, str]:
@@ -163,70 +247,3 @@ def _path_id(request: Request) -> str:
         omit_request_id(request.scope)
         raise _bad_id(request_id, "request_id")
     return request_id
-
-
-async def resume_stream(request: Request) -> Response:
-    """GET /v1/requests/{id}/stream: SSE from Last-Event-ID (or from the start)."""
-    ing: Ingress = request.app.state.ingress
-    request_id = None
-    try:
-        request_id = _path_id(request)
-        key_id = check_api_key(request, ing.config.api_keys)
-        rec = await owned_record(ing, request_id, key_id)
-        return await reattach(request, ing, request_id, rec, True)
-    except RequestError as err:
-        return error_response(err, request_id)
-    except RedisError as exc:
-        return error_response(queue_unavailable(exc), request_id)
-
-
-_INT_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "emitted")
-_FLOAT_FIELDS = ("created", "updated", "started", "deadline")
-
-
-async def request_state(request: Request) -> Response:
-    """GET /v1/requests/{id}: the req:{id} record."""
-    ing: Ingress = request.app.state.ingress
-    request_id = None
-    try:
-        request_id = _path_id(request)
-        key_id = check_api_key(request, ing.config.api_keys)
-        rec = await owned_record(ing, request_id, key_id)
-        cancel_requested = bool(await ing.redis.exists(ing.keys.cancel(request_id)))
-    except RequestError as err:
-        return error_response(err, request_id)
-    except RedisError as exc:
-        return error_response(queue_unavailable(exc), request_id)
-    body: dict[str, Any] = {"id": request_id, "object": "request"}
-    for key, value in rec.items():
-        if key in ("ingress", "key_id", "attach"):
-            continue
-        if key in _INT_FIELDS and value.lstrip("-").isdigit():
-            body[key] = int(value)
-        elif key in _FLOAT_FIELDS and value:
-            body[key] = float(value)
-        else:
-            body[key] = value
-    body["cancel_requested"] = cancel_requested
-    return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})
-
-
-async def cancel_request(request: Request) -> Response:
-    """DELETE /v1/requests/{id}: ask the workers to stop it (idempotent)."""
-    ing: Ingress = request.app.state.ingress
-    request_id = None
-    try:
-        request_id = _path_id(request)
-        key_id = check_api_key(request, ing.config.api_keys)
-        rec = await owned_record(ing, request_id, key_id)
-        status = rec.get(fields.STATUS, "")
-        done = status in DONE_STATUSES
-        if not done:
-            await ing.cancel(request_id)
-            logger.info("request %s: cancelled by DELETE", request_id)
-    except RequestError as err:
-        return error_response(err, request_id)
-    except RedisError as exc:
-        return error_response(queue_unavailable(exc), request_id)
-    body = {"id": request_id, "object": "request.cancel", "cancelled": not done, "status": status}
-    return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})

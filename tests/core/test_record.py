@@ -13,7 +13,7 @@ import kvrelay
 from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, RequestStatus, Stage
 from kvrelay.core.errors import KvrelayError
-from kvrelay.core.keys import MESSAGE_FIELD
+from kvrelay.core.keys import MESSAGE_FIELD, DlqField
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.pipeline.queue import scripts
 
@@ -38,6 +38,8 @@ def test_every_script_loads_filled_in():
 def test_scripts_spell_no_name_python_defines():
     python_names = set(rec.FIELDS) | {str(v) for v in (*RequestStatus, *FinishReason, *Stage)}
     python_names.add(MESSAGE_FIELD.decode())
+    dlq = {name for name in vars(DlqField) if name.isupper()}
+    python_names |= {getattr(DlqField, name) for name in dlq}
     used: set[str] = set()
     for name, text in _raw_scripts().items():
         for single, double in LITERAL.findall(text):
@@ -46,7 +48,8 @@ def test_scripts_spell_no_name_python_defines():
     # the fields the fenced scripts maintain, the status a dead letter sets, the entry field
     maintained = {"EMITTED", "COMPLETION_TOKENS", "STATUS", "FINISH_REASON", "ERROR", "UPDATED"}
     claims = {"CLAIM_ENTRY", "CLAIM_EMITTED", "CLAIM_DELIVERY", "MESSAGE_FIELD"}
-    assert used == maintained | claims | {"STATUS.FAILED", "FINISH_REASON.ERROR"}
+    dead_letter = {"STATUS.FAILED", "FINISH_REASON.ERROR"} | {f"DLQ.{name}" for name in dlq}
+    assert used == maintained | claims | dead_letter
     package = Path(kvrelay.__file__).parent
     inline = [str(p) for p in package.rglob("*.py") if "redis.call(" in p.read_text()]
     assert inline == []  # every script lives in lua/, loaded through the one loader
@@ -54,6 +57,7 @@ def test_scripts_spell_no_name_python_defines():
 
 def test_placeholders_become_quoted_python_values():
     assert {v for k, v in scripts.NAMES.items() if "." not in k} == set(rec.FIELDS) | {"m"}
+    assert scripts.fill("${DLQ.REASON}, ${DLQ.ENTRY_ID}") == "'reason', 'id'"
     text = "redis.call('HSET', KEYS[1], ${STATUS}, ${STATUS.FAILED}, ${STAGE}, ${STAGE.DECODE})"
     filled = "redis.call('HSET', KEYS[1], 'status', 'failed', 'stage', 'decode')"
     assert scripts.fill(text) == filled

@@ -12,7 +12,7 @@ import redis
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus
 from kvrelay.core.errors import KvrelayError
-from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.keys import MESSAGE_FIELD, DlqField, Keys
 from kvrelay.core.messages import DecodeTask, MessageError, PrefillTask
 from kvrelay.core.record import as_str
 
@@ -88,7 +88,8 @@ def entry(r: redis.Redis, keys: Keys, dlq_id: str) -> dict[str, Any] | None:
             continue
     else:
         out["payload_hex"] = payload[:512].hex()
-    out["kind"] = kind_of(out.get("reason", ""), payload, out.get("stream", ""), keys)
+    reason, stream = out.get(DlqField.REASON, ""), out.get(DlqField.STREAM, "")
+    out["kind"] = kind_of(reason, payload, stream, keys)
     return out
 
 
@@ -102,13 +103,13 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
     if not rows:
         return None
     fields = rows[0][1]
-    stream = as_str(fields.get(b"stream", b"")) or keys.prefill_stream
+    stream = as_str(fields.get(DlqField.STREAM.encode(), b"")) or keys.prefill_stream
     if stream not in (keys.prefill_stream, keys.decode_stream):
         raise NotReplayable(f"DLQ entry {dlq_id} names an unknown stream {stream!r}")
     payload = fields.get(MESSAGE_FIELD)
     if not payload:  # the entry arrived without `m`: nothing to run again
         raise NotReplayable(f"DLQ entry {dlq_id} has no payload to replay (purge it instead)")
-    reason = as_str(fields.get(b"reason", b""))
+    reason = as_str(fields.get(DlqField.REASON.encode(), b""))
     kind = kind_of(reason, payload, stream, keys)
     if kind != "other" and not force:
         why = (
@@ -118,7 +119,8 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
         )
         raise ReplayRefused(f"DLQ entry {dlq_id} {why}: {reason}; replay it with --force")
     task = _task(payload, stream, keys)
-    request_id = as_str(fields.get(b"request_id", b"")) or (task.request_id if task else "")
+    request_id = as_str(fields.get(DlqField.REQUEST_ID.encode(), b""))
+    request_id = request_id or (task.request_id if task else "")
     pipe = r.pipeline(transaction=True)
     if request_id:  # the error chunk ended the old output; a replay starts a fresh one
         pipe.delete(keys.out(request_id), keys.cancel(request_id))

@@ -3,9 +3,10 @@
 A script never spells a name Python defines; it writes a placeholder that becomes a quoted Lua
 string literal (`$` is no Lua token, so a placeholder cannot be mistaken for Lua):
 `${EMITTED}` -> 'emitted' (any `kvrelay.core.record` field constant), `${STATUS.FAILED}` ->
-'failed' (a member of the enum that types the field: STATUS, STAGE, FINISH_REASON) and
-`${MESSAGE_FIELD}` -> 'm' (`kvrelay.core.keys`). An unknown placeholder raises ScriptError when
-the script is loaded, and each script is read and filled in once per process.
+'failed' (a member of the enum that types the field: STATUS, STAGE, FINISH_REASON),
+`${MESSAGE_FIELD}` -> 'm' and `${DLQ.REASON}` -> 'reason' (`kvrelay.core.keys`). An unknown
+placeholder raises ScriptError when the script is loaded, and each script is read and filled in
+once per process.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from importlib import resources
 from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, RequestStatus, Stage
 from kvrelay.core.errors import KvrelayError
-from kvrelay.core.keys import MESSAGE_FIELD
+from kvrelay.core.keys import MESSAGE_FIELD, DlqField
 
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 _ENUMS: dict[str, type[enum.StrEnum]] = {
@@ -43,6 +44,7 @@ def _names() -> dict[str, str]:
     for field, enum_type in _ENUMS.items():
         out.update({f"{field}.{member.name}": member.value for member in enum_type})
     out["MESSAGE_FIELD"] = MESSAGE_FIELD.decode()
+    out.update({f"DLQ.{name}": value for name, value in vars(DlqField).items() if name.isupper()})
     return out
 
 

@@ -8,8 +8,9 @@ if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return 0
 end
 local dlq_id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[11], '*',
-  ${MESSAGE_FIELD}, ARGV[4], 'reason', ARGV[5], 'stream', KEYS[1], 'id', ARGV[3],
-  'consumer', ARGV[2], 'request_id', ARGV[6], 'time', ARGV[10])
+  ${MESSAGE_FIELD}, ARGV[4], ${DLQ.REASON}, ARGV[5], ${DLQ.STREAM}, KEYS[1],
+  ${DLQ.ENTRY_ID}, ARGV[3], ${DLQ.CONSUMER}, ARGV[2], ${DLQ.REQUEST_ID}, ARGV[6],
+  ${DLQ.TIME}, ARGV[10])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 if ARGV[6] ~= '' then
   local emitted = tonumber(redis.call('HGET', KEYS[3], ${EMITTED}) or '0')

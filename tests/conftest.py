@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 
 def free_port() -> int:
@@ -91,3 +92,12 @@ def valkey_session(tmp_path_factory) -> Iterator[ValkeyServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def r(valkey_session) -> Iterator[redis.Redis]:
+    """A client of the session's Valkey, its database flushed first."""
+    client = redis.Redis.from_url(valkey_session.url)
+    client.flushdb()
+    yield client
+    client.close()

@@ -7,7 +7,6 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-import redis
 
 import kvrelay
 from kvrelay.core import record as rec
@@ -107,14 +106,6 @@ def test_encode_selected_fields():
     assert record.encode((rec.STATUS, rec.STAGE, rec.DEADLINE, rec.EMITTED)) == {
         "status": "queued", "stage": "prefill", "deadline": "", "emitted": 0,
     }  # fmt: skip
-
-
-@pytest.fixture
-def r(valkey_session):
-    client = redis.Redis.from_url(valkey_session.url)
-    client.flushdb()
-    yield client
-    client.close()
 
 
 def test_round_trip_through_a_real_hash(r):

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import redis
 
 from kvrelay.cli.main import main
@@ -20,14 +19,6 @@ from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing
 from tests.conftest import free_port
 
 KEYS = Keys("adm:")
-
-
-@pytest.fixture
-def r(valkey_session):
-    client = redis.Redis.from_url(valkey_session.url)
-    client.flushdb()
-    yield client
-    client.close()
 
 
 def cli(capsys, valkey, *argv: str) -> tuple[int, str, str]:

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 
 from kvrelay.cli.main import main
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
@@ -21,14 +20,6 @@ from tests.kvstore.conftest import SMALL, RunningNode, keys_for, payload
 
 KEYS = Keys("ctr:")
 POISON = "delivered 6 times, 5 times in a row without progress (limit 5)"
-
-
-@pytest.fixture
-def r(valkey_session):
-    client = redis.Redis.from_url(valkey_session.url)
-    client.flushdb()
-    yield client
-    client.close()
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -3,21 +3,10 @@ released entries are claimable at once, never taken from another consumer."""
 
 from __future__ import annotations
 
-import pytest
-import redis
-
 from kvrelay.core.keys import PREFILL_GROUP, Keys
 from tests.pipeline.test_streams import add_task, make
 
 KEYS = Keys("t:")
-
-
-@pytest.fixture
-def r(valkey_session):
-    client = redis.Redis.from_url(valkey_session.url)
-    client.flushdb()
-    yield client
-    client.close()
 
 
 def test_strikes_restart_with_progress_and_with_a_new_entry(r):

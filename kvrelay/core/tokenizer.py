@@ -71,20 +71,43 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+# Every file a Tokenizer reads from a model directory (those present): all a producer needs to
+# turn prompts into the ids the model's worker expects.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "config.json",
+)
 
 
-def _find_chat_template(directory: Path, tok_config: dict) -> str | None:
-    jinja_file = directory / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text()
-    template = _read_json(directory / "chat_template.json").get("chat_template")
+def _json_file(files: Mapping[str, bytes], name: str) -> dict:
+    raw = files.get(name)
+    return json.loads(raw) if raw is not None else {}
+
+
+def _find_chat_template(files: Mapping[str, bytes], tok_config: dict) -> str | None:
+    jinja_file = files.get("chat_template.jinja")
+    if jinja_file is not None:
+        return jinja_file.decode()
+    template = _json_file(files, "chat_template.json").get("chat_template")
     template = template or tok_config.get("chat_template")
     if isinstance(template, list):  # named templates: pick "default"
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default") or next(iter(named.values()), None)
     return template
+
+
+def read_tokenizer_files(directory: str | os.PathLike) -> dict[str, bytes]:
+    """The `TOKENIZER_FILES` present in a model directory, name -> contents."""
+    directory = Path(directory)
+    return {
+        name: (directory / name).read_bytes()
+        for name in TOKENIZER_FILES
+        if (directory / name).is_file()
+    }
 
 
 class Tokenizer:
@@ -114,14 +137,24 @@ class Tokenizer:
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found (only fast tokenizer.json is supported)")
-        tok_config = _read_json(directory / "tokenizer_config.json")
+        return cls.from_files(read_tokenizer_files(directory))
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, bytes]) -> Tokenizer:
+        """The same from the contents of those files (`TOKENIZER_FILES`: name -> bytes)."""
+        if "tokenizer.json" not in files:
+            raise FileNotFoundError(
+                "tokenizer.json is missing (only fast tokenizers are supported)"
+            )
+        tok_config = _json_file(files, "tokenizer_config.json")
         special = {k: v for k in _SPECIAL_KEYS if (v := _token_content(tok_config.get(k)))}
-        gen_eos = _read_json(directory / "generation_config.json").get("eos_token_id")
+        gen_eos = _json_file(files, "generation_config.json").get("eos_token_id")
         if gen_eos is None:
-            gen_eos = _read_json(directory / "config.json").get("eos_token_id")
+            gen_eos = _json_file(files, "config.json").get("eos_token_id")
         eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-        template = _find_chat_template(directory, tok_config)
-        return cls(HFTokenizer.from_file(str(path)), special, template, eos)
+        template = _find_chat_template(files, tok_config)
+        tokenizer = HFTokenizer.from_str(files["tokenizer.json"].decode())
+        return cls(tokenizer, special, template, eos)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -1,21 +1,34 @@
-"""The models a producer may send requests for, with their tokenizers and context limits.
+"""The models a producer may send requests for: tokenizers, context limits, generation defaults.
 
-Numbers published by workers in the Redis `models` hash win (their fingerprint depends on the
-dtype they run in); until a worker publishes, the converted model directory supplies them.
+A model's files come from the converted directory on this host when the model is prepared
+here, else from the copy its workers publish in Redis (`model-files:{digest}`, see
+`kvrelay.workers.publication`): fetched once per digest, kept in memory and under
+`$KVRELAY_CACHE_DIR/model-files/`, so a producer on another host needs only the Redis URL.
+Numbers published by workers in the `models` hash win (their fingerprint depends on the dtype
+they run in), and so do the generation defaults they publish (the model's own under the
+workers' override); this registry's `override` (the ingress's --override-generation-config,
+the client's argument) goes on top of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import RedisError
+
+from kvrelay.core import modelref
+from kvrelay.core.model_bundle import ModelBundle
 from kvrelay.core.page_keys import DEFAULT_PAGE_SIZE
+from kvrelay.core.sampling import GenerationDefaults, InvalidSamplingParams
 from kvrelay.pipeline.errors import RequestError, model_not_found
 from kvrelay.pipeline.queue.cluster import ClusterState
 
 logger = logging.getLogger(__name__)
+
+FILES_CACHE = "model-files"  # under $KVRELAY_CACHE_DIR: one directory per digest
 
 
 @dataclass(slots=True)
@@ -28,33 +41,43 @@ class ModelEntry:
     max_model_len: int
     fingerprint: str | None  # None: cached pages cannot be looked up
     page_size: int = DEFAULT_PAGE_SIZE
+    # for the fields a request leaves out: override > published (or the model's own)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 @dataclass(slots=True)
-class _Local:
+class _Files:
+    """What a model's files say: tokenizer, numbers and its own generation defaults."""
+
     tokenizer: Any
     vocab_size: int
     max_model_len: int
     fingerprint: str | None
+    defaults: GenerationDefaults
 
 
-def _load_local(name: str) -> _Local:
-    """Tokenizer and config numbers from the model's converted directory (torch-free)."""
-    from kvrelay.core import modelref
+def not_ready(name: str) -> RequestError:
+    """503: nothing on this host and no worker has published the model's files yet."""
+    return RequestError(
+        f"model {name!r} is not ready: no worker serving it has published its files yet. Start "
+        f"one (`kvrelay worker decode --model {name}`, or `kvrelay up`): a worker publishes "
+        "the tokenizer and limits producers need, on any host",
+        503,
+        type="service_unavailable",
+        code="model_not_ready",
+    )
+
+
+def _load_local(name: str) -> _Files | None:
+    """Tokenizer and numbers from the converted directory on this host (None: not here)."""
     from kvrelay.core.tokenizer import Tokenizer
 
     try:
         ref = modelref.resolve_model(name)
-    except modelref.ModelNotFoundError as exc:
-        raise RequestError(str(exc), 404, param="model", code="model_not_found") from exc
+    except modelref.ModelNotFoundError:
+        return None
     if not modelref.is_prepared(ref):
-        raise RequestError(
-            f"model {name!r} is not prepared yet: a worker converts it when it starts "
-            "(or run `kvrelay generate` once)",
-            503,
-            type="service_unavailable",
-            code="model_not_ready",
-        )
+        return None
     directory = modelref.converted_dir(ref)
     tokenizer = Tokenizer.from_dir(directory)
     cfg = modelref.read_config(directory)
@@ -63,24 +86,64 @@ def _load_local(name: str) -> _Local:
     fingerprint = modelref.model_fingerprint(directory, "float32") if digest else None
     vocab = max(int(cfg.get("vocab_size", 0)), tokenizer.vocab_size)
     max_len = int(cfg.get("max_position_embeddings", 2048))
-    return _Local(tokenizer, vocab, max_len, fingerprint)
+    defaults = modelref.model_generation_defaults(directory, ref.name)
+    return _Files(tokenizer, vocab, max_len, fingerprint, defaults)
+
+
+def _bundle_files(bundle: ModelBundle, name: str) -> _Files:
+    """The same from a published bundle (the fingerprint comes with the `models` entry)."""
+    tokenizer = bundle.tokenizer()
+    cfg = modelref.flat_config(bundle.json_file("config.json"))
+    vocab = max(int(cfg.get("vocab_size", 0)), tokenizer.vocab_size)
+    max_len = int(cfg.get("max_position_embeddings", 2048))
+    gen = bundle.json_file("generation_config.json")
+    # workers publish their defaults with the entry; these only stand in when it has none
+    defaults = modelref.generation_defaults_of(gen, {}, name, f"published files of {name}")
+    return _Files(tokenizer, vocab, max_len, None, defaults)
+
+
+def _read_cached(digest: str) -> ModelBundle | None:
+    """The bundle kept on disk by an earlier fetch, if it is there and intact."""
+    path = modelref.cache_root() / FILES_CACHE / digest
+    if not path.is_dir():
+        return None
+    try:
+        bundle = ModelBundle.from_dir(path)
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring the cached model files in %s: %s", path, exc)
+        return None
+    return bundle if bundle.digest == digest else None
+
+
+def _keep(bundle: ModelBundle) -> None:
+    """Keep a fetched bundle on disk for the next process (best effort)."""
+    path = modelref.cache_root() / FILES_CACHE / bundle.digest
+    try:
+        bundle.write_dir(path)
+    except OSError as exc:
+        logger.info("cannot keep the model files in %s (%s); fetching them each start", path, exc)
 
 
 class ModelRegistry:
-    """Served model names -> ModelEntry, loading each tokenizer once."""
+    """Served model names -> ModelEntry, loading each model's files once."""
 
     def __init__(
         self,
         names: tuple[str, ...] | list[str],
         cluster: ClusterState | None = None,
         tokenizers: dict[str, Any] | None = None,
+        override: GenerationDefaults | None = None,
     ):
         self.names = list(names)
         self.cluster = cluster
-        self._local: dict[str, _Local] = {}
+        self.override = override or GenerationDefaults()
+        self._local: dict[str, _Files] = {}  # name -> from this host's directory (or injected)
+        self._published_files: dict[str, _Files] = {}  # digest -> from a published bundle
+        self._not_local: set[str] = set()  # names served from published files: stop looking
         self._locks: dict[str, asyncio.Lock] = {}
         for name, tok in (tokenizers or {}).items():
-            self._local[name] = _Local(tok, tok.vocab_size, 0, None)
+            defaults = modelref.builtin_generation_defaults(name)
+            self._local[name] = _Files(tok, tok.vocab_size, 0, None, defaults)
 
     async def served(self) -> list[str]:
         """Configured names plus any model a worker publishes."""
@@ -90,31 +153,96 @@ class ModelRegistry:
     async def _published(self, name: str) -> dict[str, Any]:
         return (await self.cluster.models()).get(name, {}) if self.cluster else {}
 
-    async def _local_for(self, name: str) -> _Local:
+    async def _files_for(self, name: str, published: dict[str, Any]) -> _Files:
         local = self._local.get(name)
-        if local is None:
+        if local is not None:
+            return local
+        if name not in self._not_local:
             async with self._locks.setdefault(name, asyncio.Lock()):
                 local = self._local.get(name)
-                if local is None:
+                if local is None and name not in self._not_local:
                     local = await asyncio.to_thread(_load_local, name)
-                    self._local[name] = local
-                    logger.info("loaded tokenizer for model %s", name)
-        return local
+                    if local is not None:
+                        self._local[name] = local
+                        logger.info("loaded tokenizer for model %s", name)
+            if local is not None:
+                return local
+        digest = published.get("files")
+        if not isinstance(digest, str) or self.cluster is None:
+            raise not_ready(name)
+        files = self._published_files.get(digest)
+        if files is None:
+            files = await self._fetch(name, digest)
+        self._not_local.add(name)
+        return files
+
+    async def _fetch(self, name: str, digest: str) -> _Files:
+        """The published files of `digest`: from disk when kept there, else from Redis."""
+        assert self.cluster is not None
+        async with self._locks.setdefault(f"files:{digest}", asyncio.Lock()):
+            files = self._published_files.get(digest)
+            if files is not None:
+                return files
+            bundle = await asyncio.to_thread(_read_cached, digest)
+            if bundle is None:
+                fields = await self.cluster.redis.hgetall(self.cluster.keys.model_files(digest))
+                if not fields:  # expired, or Valkey lost it: the workers write it again
+                    raise not_ready(name)
+                try:
+                    bundle = ModelBundle.from_fields(fields, digest)
+                except ValueError as exc:
+                    logger.error("model %s: unusable published files: %s", name, exc)
+                    raise not_ready(name) from exc
+                await asyncio.to_thread(_keep, bundle)
+            files = await asyncio.to_thread(_bundle_files, bundle, name)
+            self._published_files[digest] = files
+            logger.info("loaded tokenizer for model %s from its published files %s", name, digest)
+            return files
+
+    def _defaults(
+        self, name: str, published: dict[str, Any], files: _Files | None
+    ) -> GenerationDefaults:
+        """The override over the published defaults (else the model's own from its files)."""
+        model: GenerationDefaults | None = None
+        raw = published.get("generation_defaults")
+        if isinstance(raw, dict):
+            try:
+                model = GenerationDefaults.parse(raw, strict=False)
+            except InvalidSamplingParams as exc:
+                logger.warning("model %s: ignoring published defaults: %s", name, exc)
+        if model is None:
+            model = files.defaults if files else modelref.builtin_generation_defaults(name)
+        return self.override.over(model)
 
     async def get(self, name: str) -> ModelEntry:
-        """The entry for `name`; 404 for an unknown model, 503 while it is not prepared."""
+        """The entry for `name`; 404 for an unknown model, 503 while no files are available."""
         published = await self._published(name)
         if name not in self.names and not published:
             raise model_not_found(name, await self.served())
-        local = await self._local_for(name)
-        max_len = int(published.get("max_model_len") or local.max_model_len or 0)
+        files = await self._files_for(name, published)
+        max_len = int(published.get("max_model_len") or files.max_model_len or 0)
         if max_len <= 0:
             max_len = 1 << 30  # an injected tokenizer without numbers: only flag limits apply
         return ModelEntry(
             name=name,
-            tokenizer=local.tokenizer,
-            vocab_size=int(published.get("vocab_size") or local.vocab_size),
+            tokenizer=files.tokenizer,
+            vocab_size=int(published.get("vocab_size") or files.vocab_size),
             max_model_len=max_len,
-            fingerprint=published.get("fingerprint") or local.fingerprint,
+            fingerprint=published.get("fingerprint") or files.fingerprint,
             page_size=int(published.get("page_size") or DEFAULT_PAGE_SIZE),
+            generation_defaults=self._defaults(name, published, files),
         )
+
+    async def describe(self, name: str) -> dict[str, Any]:
+        """`max_model_len` (None: not known yet) and the effective `generation_defaults` of a
+        served model, from what is already loaded or published (no file is read)."""
+        try:
+            published = await self._published(name)
+        except RedisError:  # what this process knows is still worth showing
+            published = {}
+        files = self._local.get(name) or self._published_files.get(published.get("files", ""))
+        max_len = int(published.get("max_model_len") or (files.max_model_len if files else 0))
+        return {
+            "max_model_len": max_len or None,
+            "generation_defaults": self._defaults(name, published, files).effective(),
+        }

@@ -93,8 +93,10 @@ def check_lengths(
     max_tokens_limit: int,
     param: str = "prompt",
     max_tokens_param: str = "max_tokens",
+    default_max_tokens: int | None = None,
 ) -> None:
-    """Refuse prompts or max_tokens that cannot fit; fill max_tokens when not given."""
+    """Refuse prompts or max_tokens that cannot fit; fill max_tokens when not given: the
+    context left, at most `max_tokens_limit` and the model's `default_max_tokens` (as vLLM)."""
     n = len(prompt_ids)
     limit = model.max_model_len
     if n > max_prompt_tokens:
@@ -106,7 +108,7 @@ def check_lengths(
         )
     _check_context(limit, n, 1, param)
     if sampling.max_tokens is None:
-        sampling.max_tokens = min(max_tokens_limit, limit - n)
+        sampling.max_tokens = min(max_tokens_limit, limit - n, default_max_tokens or limit)
     elif sampling.max_tokens > max_tokens_limit:
         raise bad_request(
             f"{max_tokens_param} must be at most {max_tokens_limit}, got {sampling.max_tokens}",

@@ -30,6 +30,7 @@ from kvrelay.pipeline.queue.streams import Emission, Streams
 from kvrelay.workers.config import WorkerConfig
 from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing
 from kvrelay.workers.metrics import WorkerMetrics
+from kvrelay.workers.publication import ModelPublication
 from kvrelay.workers.reader import Admission, read_loop
 
 logger = logging.getLogger(__name__)
@@ -80,14 +81,17 @@ class Worker:
         self.metrics = metrics or WorkerMetrics(engine.model_name, engine)
         self.stop_event = threading.Event()
         self.page_size = getattr(engine.config, "page_size", config.page_size)
-        model_entry = (
+        loaded = getattr(engine, "loaded", None)
+        publication = ModelPublication.from_dir(
             engine.model_name,
+            getattr(loaded, "dir", None),
             {
                 "fingerprint": engine.fingerprint,
                 "page_size": self.page_size,
                 "max_model_len": engine.max_model_len,
                 "vocab_size": engine.vocab_size,
             },
+            config.generation_override,
         )
         info = {
             "model": engine.model_name,
@@ -105,7 +109,7 @@ class Worker:
             config.heartbeat_s,
             config.heartbeat_ttl_s,
             info,
-            model_entry,
+            publication,
             stats=self._stats,
         )
         self._reader = threading.Thread(target=read_loop, args=(self,), name="reader", daemon=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvrelay.core.config import ConfigError, env_name, from_env, read_config_file
 from kvrelay.core.modelref import normalize_quantization
+from kvrelay.core.sampling import GenerationDefaults, generation_override
 
 SECTION = "WORKER"
 # The store's own run dir variable names the store a worker talks to (KVRELAY_WORKER_* wins).
@@ -50,6 +51,11 @@ class WorkerConfig:
     req_ttl_s: int = 86400  # req:{id} lifetime after the final chunk
     stop_grace_s: float = 5.0  # on SIGTERM, finish in-flight work this long, then release it
     metrics_port: int = 0  # 0: any free port (published in the heartbeat); -1: none
+    # JSON object of defaults for fields a request leaves out (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_tokens), over the model's own; published with the model, so every
+    # producer (ingress, client) applies them. Give every worker of a model the same value.
+    # A config file may give a table.
+    override_generation_config: str | None = None
 
     def validate(self) -> WorkerConfig:
         """Raise ConfigError for values a worker cannot run with; return self."""
@@ -72,7 +78,12 @@ class WorkerConfig:
             raise ConfigError("threads must be at least 1")
         if self.name is not None and (not self.name or any(c in self.name for c in " {}:")):
             raise ConfigError(f"invalid worker name {self.name!r} (no spaces, braces or ':')")
+        generation_override(self.override_generation_config)
         return self
+
+    @property
+    def generation_override(self) -> GenerationDefaults:
+        return generation_override(self.override_generation_config)
 
     def worker_name(self, role: str) -> str:
         return self.name or f"{role}-{socket.gethostname()}-{os.getpid()}"

@@ -8,7 +8,6 @@ writes them in order (pipelined fenced Lua calls), reporting refused writes back
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 import redis
 
 from kvrelay.pipeline.queue.streams import INDEX_MISMATCH, OK, Emission, Streams
+from kvrelay.workers.publication import ModelPublication
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,8 @@ class Inflight:
 
 
 class Heartbeat:
-    """Publishes worker:{name} (with TTL) and the served model; renews leases; reads `drain`."""
+    """Publishes worker:{name} (with TTL) and the served model (`ModelPublication`: numbers,
+    defaults, tokenizer files); renews leases; reads `drain`."""
 
     def __init__(
         self,
@@ -197,13 +198,13 @@ class Heartbeat:
         interval_s: float,
         ttl_s: int,
         info: dict[str, str],
-        model_entry: tuple[str, dict] | None,
+        publication: ModelPublication | None,
         stats=lambda: {},
     ):
         self.streams, self.name, self.role = streams, name, role
         self.stream, self.group, self.inflight = stream, group, inflight
         self.interval_s, self.ttl_s = interval_s, ttl_s
-        self.info, self.model_entry, self.stats = info, model_entry, stats
+        self.info, self.publication, self.stats = info, publication, stats
         self.draining = False
         self.lost: queue.Queue[str] = queue.Queue()
         self._stop = threading.Event()
@@ -229,10 +230,9 @@ class Heartbeat:
         pipe = r.pipeline(transaction=False)
         pipe.hset(key, mapping=fields)
         pipe.expire(key, self.ttl_s)
-        if self.model_entry:
-            name, entry = self.model_entry
-            pipe.hset(self.streams.keys.models, name, json.dumps(entry))
         pipe.execute()
+        if self.publication is not None:
+            self.publication.publish(r, self.streams.keys)
         owned = self.inflight.snapshot()
         by_entry = {eid: rid for rid, eid in owned.items()}
         for eid in self.streams.renew(self.stream, self.group, list(by_entry)):

@@ -145,6 +145,7 @@ def test_flags_are_generated_from_the_settings_fields():
         ("--max-inflight", "max_inflight", int), ("--retry-after", "retry_after_s", int),
         ("--request-timeout", "request_timeout_s", float),
         ("--disconnect-grace", "disconnect_grace_s", float),
+        ("--override-generation-config", "override_generation_config", str),
     ]  # fmt: skip
     assert SERVE_FLAGS[9][3] == (
         "429 beyond this many open requests (default 4096; KVRELAY_INGRESS_MAX_INFLIGHT)"
@@ -152,7 +153,7 @@ def test_flags_are_generated_from_the_settings_fields():
     assert [f for f, *_ in worker_flags()] == [
         "--name", "--model", "--redis-url", "--key-prefix", "--threads", "--device", "--dtype",
         "--quantization", "--kv-cache-bytes", "--max-num-seqs", "--max-num-batched-tokens",
-        "--store-run-dir", "--lease-ms", "--metrics-port",
+        "--store-run-dir", "--lease-ms", "--metrics-port", "--override-generation-config",
     ]  # fmt: skip
     parser = build_parser()
     args = parser.parse_args(["store", "--keep-arena", "off", "--arena-bytes", "4096"])

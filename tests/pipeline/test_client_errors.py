@@ -212,7 +212,8 @@ async def test_sampling_dict_is_accepted(valkey_session, smollm_tokenizer):
     try:
         rid = await client.submit("Hello", sampling={"max_tokens": 3, "temperature": 0})
         task = (await role.take()).task
-        expected = SamplingParams(max_tokens=3, temperature=0.0)
+        # top_p left out: the model's default (kvrelay's table for SmolLM2-Instruct)
+        expected = SamplingParams(max_tokens=3, temperature=0.0, top_p=0.9)
         assert (task.request_id, task.sampling) == (rid, expected)
         rid = await client.submit(prompt_token_ids=(5, 6), sampling={"max_tokens": 1})
         task = (await role.take()).task

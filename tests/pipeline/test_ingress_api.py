@@ -73,7 +73,8 @@ async def test_chat_non_streaming_body_and_task(harness, smollm_tokenizer):
     assert isinstance(task, PrefillTask)
     assert task.request_id == "chat-1" and task.model == MODEL and task.cache_salt == "tenant-a"
     assert task.prompt_token_ids == smollm_tokenizer.apply_chat_template(HI)
-    expected = SamplingParams(max_tokens=5, temperature=0.0, seed=7, stop=["\n\n"])
+    # top_p left out: the model's default (kvrelay's table for SmolLM2-Instruct)
+    expected = SamplingParams(max_tokens=5, temperature=0.0, top_p=0.9, seed=7, stop=["\n\n"])
     assert task.sampling == expected
     assert task.deadline == pytest.approx(task.arrival_time + TEST_TIMEOUT_S)
 

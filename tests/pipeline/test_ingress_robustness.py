@@ -90,6 +90,15 @@ async def test_retrieve_model(harness):
             "object": "model",
             "created": app.state.ingress.started,
             "owned_by": "kvrelay",
+            "max_model_len": None,  # no worker has published it (injected tokenizer)
+            "generation_defaults": {
+                "temperature": 0.2,
+                "top_p": 0.9,
+                "top_k": 0,
+                "min_p": 0.0,
+                "repetition_penalty": 1.0,
+                "max_tokens": None,
+            },
         }
         resp = await client.get("/v1/models/org/gpt-17")
         assert _error(resp) == (404, "model_not_found", "model")

@@ -148,3 +148,41 @@ def test_unsupported_configs(change, message):
         ModelConfig.from_hf(cfg)
     with pytest.raises(UnsupportedModelError, match="lacks 'hidden_size'"):
         ModelConfig.from_hf({"model_type": "llama", "num_attention_heads": 2})
+
+
+def test_gguf_sampling_metadata_is_read_and_recorded(tmp_path, model_dir):
+    import gguf
+    import numpy
+
+    from kvrelay.core.modelref import GGUF_SAMPLING_META, ModelRef, read_meta, write_meta
+    from kvrelay.workers.model import loader
+
+    path = tmp_path / "sampled.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_sampling_temp(0.6)
+    writer.add_sampling_top_k(20)
+    writer.add_sampling_top_p(0.95)
+    writer.add_sampling_min_p(0.05)
+    writer.add_sampling_penalty_repeat(1.1)
+    writer.add_sampling_mirostat(2)  # no kvrelay equivalent: not read
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    found = loader.gguf_sampling(path)
+    f32 = lambda x: float(numpy.float32(x))  # noqa: E731  (GGUF stores float32)
+    assert found == {
+        "general.sampling.temp": f32(0.6),
+        "general.sampling.top_p": f32(0.95),
+        "general.sampling.top_k": 20,
+        "general.sampling.min_p": f32(0.05),
+        "general.sampling.penalty_repeat": f32(1.1),
+    }
+    # the bundled SmolLM2 GGUF carries none: recorded as {} so it is not read again
+    assert read_meta(model_dir)[GGUF_SAMPLING_META] == {}
+    # a directory converted before kvrelay recorded them gets them on the next prepare
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    write_meta(converted, {"format": 1, "kind": "gguf"})
+    loader._record_gguf_sampling(ModelRef("sampled", "gguf", path), converted)
+    assert read_meta(converted)[GGUF_SAMPLING_META] == found

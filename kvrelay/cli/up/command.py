@@ -20,6 +20,7 @@ from kvrelay.cli.up.launch import Program, Supervisor, check_port_free, read_sta
 from kvrelay.cli.up.progress import UpProgress
 from kvrelay.cli.up.ready import CrashLoopError, check_redis, wait_ready
 from kvrelay.cli.up.topology import Topology, choose, default_weights
+from kvrelay.core.config import check_redis_url
 from kvrelay.core.enums import Stage
 from kvrelay.core.modelref import QUANTIZATION_SCHEMES
 from kvrelay.pipeline.server.config import MODES
@@ -110,7 +111,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="extra environment for every program (repeatable)",
     )
-    limits = p.add_argument_group("ingress limits (as `kvrelay serve`; default: its defaults)")
+    limits = p.add_argument_group(
+        "ingress settings (as `kvrelay serve`; default: its defaults; "
+        "--override-generation-config goes to the workers too)"
+    )
     for flag, dest, kind, help_text in INGRESS_FLAGS:
         limits.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
 
@@ -274,6 +278,9 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     threads = topo.threads
     roles = [(Stage.PREFILL, i) for i in range(args.prefill)]
     roles += [(Stage.DECODE, i) for i in range(args.decode)]
+    # the workers publish the defaults with the model: producers elsewhere apply them too
+    override = getattr(args, "override_generation_config", None)
+    worker_flags = ["--override-generation-config", override] if override is not None else []
     for n, (role, i) in enumerate(roles):
         wenv = dict(env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         if gpus:
@@ -281,7 +288,8 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         programs.append(
             Program(
                 f"{role}-{i}",
-                [*py, "worker", role, "--name", f"{role}-{i}", "--threads", str(threads)],
+                [*py, "worker", role, "--name", f"{role}-{i}", "--threads", str(threads)]
+                + worker_flags,
                 env=wenv,
                 priority=40,
                 startsecs=2,
@@ -309,6 +317,8 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
 
 def _preflight(args: argparse.Namespace, run_dir: Path) -> None:
     """Refuse, before launching anything, what would make the stack fail or join another one."""
+    if args.redis_url is not None:
+        check_redis_url(args.redis_url, "--redis-url")  # bad usage: exit 2
     check_ingress_config(args, ingress_mode(args))
     if Supervisor(run_dir).pid() is not None:
         raise CommandError(f"a stack is already running in {run_dir}", EXIT_UNAVAILABLE)

@@ -9,6 +9,8 @@ request sent here becomes exactly the PrefillTask/DecodeTask the ingress would h
             print(chunk.text, end="")
 
 `Client` is the same API for synchronous code (batch jobs), driving an event loop in a thread.
+Only the Redis URL is needed: without the model on this host, the tokenizer files its workers
+publish are used (`kvrelay.pipeline.model_registry`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvrelay.core import record as rec
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.modelref import DEFAULT_MODEL
-from kvrelay.core.sampling import SamplingParams
+from kvrelay.core.sampling import GenerationDefaults, InvalidSamplingParams, SamplingParams
 from kvrelay.pipeline.client.validate import (
     checked_id,
     parse_request,
@@ -43,7 +45,7 @@ from kvrelay.pipeline.queue.output import (
     RequestNotFound,
     read_chunks,
 )
-from kvrelay.pipeline.queue.records import read_record_fields
+from kvrelay.pipeline.queue.records import read_record
 from kvrelay.pipeline.queue.redis_options import async_redis
 from kvrelay.pipeline.queue.route import Router
 from kvrelay.pipeline.queue.submit import Producer, new_request_id
@@ -79,14 +81,16 @@ class AsyncClient:
         tokenizers: dict[str, Any] | None = None,
         redis: aioredis.Redis | None = None,
         max_connections: int = 1024,
+        override_generation_config: dict[str, Any] | str | None = None,
     ):
         self.model = model
         self.keys = Keys(key_prefix)
+        override = _override(override_generation_config)
         self._own_redis = redis is None
         # each request being read holds a connection: beyond max_connections, callers wait
         self.redis = redis or async_redis(redis_url, max_connections)
         self.cluster = ClusterState(self.redis, self.keys)
-        self.registry = ModelRegistry((model,), self.cluster, tokenizers)
+        self.registry = ModelRegistry((model,), self.cluster, tokenizers, override)
         router = Router(self.redis, self.keys, mode, route_threshold, self.cluster)
         self.producer = Producer(
             self.redis,
@@ -219,13 +223,15 @@ class AsyncClient:
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
 
-    async def status(self, request_id: str) -> dict[str, str] | None:
-        """The req:{id} record, or None when unknown or expired."""
+    async def status(self, request_id: str) -> dict[str, Any] | None:
+        """The req:{id} record, typed as GET /v1/requests/{id} shows it (counts int, times
+        float, absent fields None); None when unknown or expired."""
         checked_id(request_id)
         try:
-            return await read_record_fields(self.redis, self.keys, request_id)
+            record = await read_record(self.redis, self.keys, request_id)
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
+        return None if record is None else record.public()
 
 
 class Client:
@@ -280,8 +286,22 @@ class Client:
     def cancel(self, request_id: str, ttl_s: int = 3600) -> None:
         self._call(self._async.cancel(request_id, ttl_s))
 
-    def status(self, request_id: str) -> dict[str, str] | None:
+    def status(self, request_id: str) -> dict[str, Any] | None:
         return self._call(self._async.status(request_id))
+
+
+def _override(value: dict[str, Any] | str | None) -> GenerationDefaults:
+    """The `override_generation_config` argument: as the ingress's setting, or a dict."""
+    try:
+        if isinstance(value, dict):
+            return GenerationDefaults.parse(value)
+        if value is None or isinstance(value, str):
+            return GenerationDefaults.from_json(value)
+    except InvalidSamplingParams as exc:
+        raise bad_request(
+            f"override_generation_config: {exc}", param="override_generation_config"
+        ) from None
+    raise type_error("override_generation_config", "a dict or a JSON object string")
 
 
 async def _make(redis_url: str, kwargs: dict[str, Any]) -> AsyncClient:

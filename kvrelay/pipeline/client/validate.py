@@ -12,6 +12,7 @@ from kvrelay.pipeline.openai.validate import int_list, type_error
 from kvrelay.pipeline.queue.submit import check_request_id
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+_DEFAULTS = SamplingParams().to_dict()
 
 
 def checked_id(request_id: Any) -> str:
@@ -20,11 +21,16 @@ def checked_id(request_id: Any) -> str:
 
 
 def sampling_fields(sampling: Any) -> dict[str, Any]:
-    """Sampling parameters as request-body fields (None values left out, as a client would)."""
+    """Sampling parameters as the request-body fields a client sets (None values left out).
+
+    A dict sets its keys. A SamplingParams cannot tell a value given from its default, so its
+    fields left at the class defaults count as not set: like fields an HTTP body leaves out,
+    they take the served model's defaults (a dict pins a value equal to a class default).
+    """
     if sampling is None:
-        fields = SamplingParams().to_dict()
-    elif isinstance(sampling, SamplingParams):
-        fields = sampling.to_dict()
+        return {}
+    if isinstance(sampling, SamplingParams):
+        fields = {k: v for k, v in sampling.to_dict().items() if not _is_default(k, v)}
     elif isinstance(sampling, dict):
         unknown = next((k for k in sampling if k not in _SAMPLING_FIELDS), None)
         if unknown is not None:  # a typo silently ignored would change the output unnoticed
@@ -33,10 +39,16 @@ def sampling_fields(sampling: Any) -> dict[str, Any]:
                 param="sampling",
                 code="unknown_parameter",
             )
-        fields = {**SamplingParams().to_dict(), **sampling}
+        fields = dict(sampling)
     else:
         raise type_error("sampling", "a SamplingParams or a dict")
     return {k: v for k, v in fields.items() if v is not None}
+
+
+def _is_default(name: str, value: Any) -> bool:
+    default = _DEFAULTS[name]
+    # 1 == 1.0 == True: only a value of the default's own kind is the default
+    return type(value) is type(default) and value == default
 
 
 def parse_request(

@@ -42,6 +42,8 @@ class GenerationRequest:
     user: str | None = None
     cache_salt: str = ""
     max_tokens_param: str = "max_tokens"  # the field the client set, for errors about it
+    # the SamplingParams fields the body set; the others take the served model's defaults
+    fields_set: frozenset[str] = frozenset()
 
 
 def _validated(model: type[BaseModel], body: Any) -> Any:
@@ -88,6 +90,7 @@ def _request(req: _Request, api: str) -> GenerationRequest:
         user=req.user,
         cache_salt=req.cache_salt or "",
         max_tokens_param=max_tokens_param,
+        fields_set=frozenset([*given, *(["max_tokens"] if max_tokens is not None else [])]),
     )
 
 

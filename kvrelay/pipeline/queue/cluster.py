@@ -141,7 +141,8 @@ class ClusterState:
             cached.close()
 
     async def models(self, fresh: bool = False) -> dict[str, dict[str, Any]]:
-        """Model name -> {fingerprint, page_size, max_model_len, vocab_size} from workers."""
+        """Model name -> {fingerprint, page_size, max_model_len, vocab_size, files,
+        generation_defaults} from workers (`kvrelay.workers.publication`)."""
         return await self._models.get(fresh)
 
     async def workers(self, fresh: bool = False) -> list[WorkerInfo]:

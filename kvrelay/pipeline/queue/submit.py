@@ -13,6 +13,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,9 +135,17 @@ class Producer:
         cache_salt: str = "",
         detokenize: bool = True,
         max_tokens_param: str = "max_tokens",
+        fields_set: Collection[str] | None = None,
     ) -> tuple[Submission, ModelEntry]:
-        """Tokenize and check one request; raise RequestError when it cannot be served."""
+        """Tokenize and check one request; raise RequestError when it cannot be served.
+
+        `fields_set`: the sampling fields the request gave; the model's generation defaults
+        fill the others (None: none are applied).
+        """
         entry = await self.registry.get(model)
+        defaults = entry.generation_defaults
+        if fields_set is not None:
+            sampling = defaults.apply(sampling, fields_set)
         size = len(prompt or "") + sum(len(str(m.get("content", ""))) for m in messages or ())
         param = "messages" if messages is not None else "prompt"
         await self._refuse_hopeless(entry, size, param)
@@ -153,6 +162,7 @@ class Producer:
             max_tokens_limit=self.max_tokens_limit,
             param=param,
             max_tokens_param=max_tokens_param,
+            default_max_tokens=defaults.max_tokens if fields_set is not None else None,
         )
         try:  # the request models checked the ranges; what needs the model and max_tokens:
             sampling.check_fit(entry.vocab_size)
@@ -200,6 +210,7 @@ class Producer:
             cache_salt=parsed.cache_salt,
             detokenize=detokenize,
             max_tokens_param=parsed.max_tokens_param,
+            fields_set=parsed.fields_set,
         )
 
     async def enqueue(

@@ -68,7 +68,9 @@ class Ingress:
             options=resilient(config.redis_socket_timeout_s, config.redis_timeout_s),
         )
         self.cluster = ClusterState(self.redis, self.keys, config.state_refresh_s)
-        self.registry = ModelRegistry(config.models, self.cluster, tokenizers)
+        self.registry = ModelRegistry(
+            config.models, self.cluster, tokenizers, config.generation_override
+        )
         self.router = Router(
             self.redis, self.keys, config.mode, config.route_threshold, self.cluster
         )

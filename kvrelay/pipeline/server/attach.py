@@ -36,6 +36,8 @@ def request_digest(req: GenerationRequest) -> str:
         "api": req.api,
         "model": req.model,
         "sampling": req.sampling.to_dict(),  # before max_tokens is filled from the context
+        # and before the model's defaults fill the fields left out: leaving one out differs
+        "fields_set": sorted(req.fields_set),
         "messages": req.messages,
         "prompt": req.prompt,
         "prompt_token_ids": req.prompt_token_ids,

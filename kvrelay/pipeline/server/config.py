@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrelay.core.config import ConfigError, from_env, read_config_file
+from kvrelay.core.sampling import GenerationDefaults, generation_override
 
 SECTION = "INGRESS"
 MODES = ("auto", "disaggregated", "colocated")
@@ -40,6 +41,10 @@ class IngressConfig:
     # A Redis command answering later than this fails (503); blocking XREADs get read_block_ms
     # on top, so a healthy but quiet output stream is never cut off.
     redis_timeout_s: float = 2.0
+    # JSON object of defaults for fields a request leaves out (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_tokens), over those the model's workers publish (its own, under
+    # their override): vLLM's --override-generation-config. A config file may give a table.
+    override_generation_config: str | None = None
 
     def validate(self) -> IngressConfig:
         """Raise ConfigError for values the ingress cannot run with; return self."""
@@ -63,7 +68,12 @@ class IngressConfig:
             raise ConfigError("disconnect_grace_s must be >= 0")
         if self.route_threshold < 0 or self.request_timeout_s <= 0:
             raise ConfigError("route_threshold must be >= 0 and request_timeout_s > 0")
+        generation_override(self.override_generation_config)
         return self
+
+    @property
+    def generation_override(self) -> GenerationDefaults:
+        return generation_override(self.override_generation_config)
 
     @property
     def redis_socket_timeout_s(self) -> float:

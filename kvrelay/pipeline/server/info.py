@@ -33,7 +33,8 @@ class InfoApi:
         except RequestError as err:
             return error_response(err)
         names = await self._served()
-        return JSONResponse({"object": "list", "data": [self._model(n) for n in names]})
+        data = [await self._model(n) for n in names]
+        return JSONResponse({"object": "list", "data": data})
 
     async def retrieve_model(self, request: Request) -> Response:
         """GET /v1/models/{id}: one model object, 404 model_not_found for a name not served."""
@@ -45,7 +46,7 @@ class InfoApi:
                 raise model_not_found(name, served)
         except RequestError as err:
             return error_response(err)
-        return JSONResponse(self._model(name))
+        return JSONResponse(await self._model(name))
 
     async def health(self, request: Request) -> Response:
         """200 when Redis answers and every stage has a live, non-draining worker; 503 otherwise."""
@@ -91,9 +92,12 @@ class InfoApi:
         except RedisError:  # the configured names are still served
             return list(self.ingress.config.models)
 
-    def _model(self, name: str) -> dict[str, Any]:
+    async def _model(self, name: str) -> dict[str, Any]:
+        """The OpenAI model object, with vLLM's `max_model_len` (null until known) and the
+        `generation_defaults` a request gets for the sampling fields it leaves out."""
         created = self.ingress.started
-        return {"id": name, "object": "model", "created": created, "owned_by": "kvrelay"}
+        body = {"id": name, "object": "model", "created": created, "owned_by": "kvrelay"}
+        return body | await self.ingress.registry.describe(name)
 
 
 def _drained(fields: dict[str, str]) -> bool:

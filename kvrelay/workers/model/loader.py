@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.core.modelref import (
+    GGUF_SAMPLING_KEYS,
+    GGUF_SAMPLING_META,
     META_FILE,
     META_FORMAT,
     ModelNotFoundError,
@@ -30,6 +32,7 @@ from kvrelay.core.modelref import (
     normalize_dtype,
     normalize_quantization,
     read_config,
+    read_meta,
     resolve_model,
     weights_digest,
     write_meta,
@@ -77,9 +80,11 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
     ref = resolve_model(name)
     target = converted_dir(ref)
     if is_prepared(ref):
+        _record_gguf_sampling(ref, target)
         return target
     with _file_lock(target.with_name(target.name + ".lock")):
         if is_prepared(ref):  # another process converted it while we waited
+            _record_gguf_sampling(ref, target)
             return target
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -92,16 +97,16 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
                 _say(progress, f"converting {ref.source} to safetensors (one time, ~20-30 s)")
                 _convert_with_transformers(ref, tmp, progress)
             _say(progress, "hashing weights for the model fingerprint")
-            write_meta(
-                tmp,
-                {
-                    "format": META_FORMAT,
-                    "name": ref.name,
-                    "kind": ref.kind,
-                    "source": str(ref.source),
-                    "weights_digest": weights_digest(tmp),
-                },
-            )
+            meta = {
+                "format": META_FORMAT,
+                "name": ref.name,
+                "kind": ref.kind,
+                "source": str(ref.source),
+                "weights_digest": weights_digest(tmp),
+            }
+            if ref.kind == "gguf":
+                meta[GGUF_SAMPLING_META] = gguf_sampling(ref.source)
+            write_meta(tmp, meta)
             for path in tmp.iterdir():  # the cache is shared between users of the host
                 if not path.is_symlink():
                     path.chmod(0o644)
@@ -120,6 +125,37 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
         _say(progress, f"model ready in {target} ({time.monotonic() - start:.1f} s)")
     assert (target / META_FILE).is_file()
     return target
+
+
+def gguf_sampling(path: Path) -> dict[str, float | int]:
+    """The sampling defaults a GGUF file carries (`GGUF_SAMPLING_KEYS`, llama.cpp's
+    `general.sampling.*` metadata), key -> value; {} when it has none."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))  # parses the header and tensor index (~2 s for 100 MB)
+    found: dict[str, float | int] = {}
+    for key in GGUF_SAMPLING_KEYS:
+        entry = reader.fields.get(key)
+        if entry is not None:
+            value = entry.contents()
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                found[key] = value
+    return found
+
+
+def _record_gguf_sampling(ref: ModelRef, directory: Path) -> None:
+    """Read the GGUF's sampling defaults into kvrelay.json of a directory converted before
+    kvrelay recorded them (once: an empty dict marks a file that carries none)."""
+    if ref.kind != "gguf":
+        return
+    meta = read_meta(directory)
+    if GGUF_SAMPLING_META in meta:
+        return
+    try:
+        meta[GGUF_SAMPLING_META] = gguf_sampling(ref.source)
+        write_meta(directory, meta)
+    except (OSError, ValueError) as exc:  # a read-only cache: the table's defaults still apply
+        logger.warning("cannot record the GGUF sampling defaults in %s: %s", directory, exc)
 
 
 def _link_checkpoint(ref: ModelRef, out: Path) -> None:

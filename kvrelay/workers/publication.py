@@ -1,0 +1,81 @@
+"""What a worker publishes about its model, so producers on any host can queue requests for it.
+
+Two keys: the `models` hash entry (fingerprint, page size, max_model_len, vocab size, the
+generation defaults, the digest of the files) and `model-files:{digest}`, the tokenizer files
+(`core.model_bundle`). The files are content-addressed: every worker of a model writes the same
+key, and a producer fetches it once per digest. The heartbeat calls `publish` each beat: it
+refreshes the files' expiry and writes them again only when they are gone (a Valkey restarted
+without its data), before the entry that names them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from kvrelay.core.keys import Keys
+from kvrelay.core.model_bundle import ModelBundle
+from kvrelay.core.modelref import model_generation_defaults
+from kvrelay.core.sampling import GenerationDefaults
+
+logger = logging.getLogger(__name__)
+
+# Files outlive every worker of their model this long: producers that cached them do not care,
+# new ones need a worker anyway; old versions of a model's files do not pile up in Valkey.
+FILES_TTL_S = 7 * 86400
+
+
+@dataclass(slots=True)
+class ModelPublication:
+    """One model's `models` entry and files, as a worker publishes them."""
+
+    name: str
+    entry: dict[str, Any]
+    bundle: ModelBundle | None = None
+
+    @classmethod
+    def from_dir(
+        cls,
+        name: str,
+        directory: str | Path | None,
+        numbers: dict[str, Any],
+        override: GenerationDefaults | None = None,
+    ) -> ModelPublication:
+        """The publication of model `name` converted in `directory` (None: numbers only).
+
+        `numbers`: fingerprint, page_size, max_model_len, vocab_size. The generation defaults
+        are the model's own under the operator's `override` (the worker's
+        --override-generation-config), so every producer applies the same ones.
+        """
+        override = override or GenerationDefaults()
+        entry = dict(numbers)
+        if directory is None:
+            bundle, model_defaults = None, GenerationDefaults()
+        else:
+            bundle = ModelBundle.from_dir(directory)
+            model_defaults = model_generation_defaults(directory, name)
+            entry["files"] = bundle.digest
+        entry["generation_defaults"] = override.over(model_defaults).to_dict()
+        return cls(name, entry, bundle)
+
+    def publish(self, r: redis.Redis, keys: Keys, ttl_s: int = FILES_TTL_S) -> None:
+        """Make sure the files are there (refreshing their expiry), then write the entry."""
+        if self.bundle is not None:
+            key = keys.model_files(self.bundle.digest)
+            if not r.expire(key, ttl_s):  # 0: no such key
+                pipe = r.pipeline(transaction=False)
+                pipe.hset(key, mapping=dict(self.bundle.files))
+                pipe.expire(key, ttl_s)
+                pipe.execute()
+                logger.info(
+                    "published the files of model %s (%s, %d bytes)",
+                    self.name,
+                    self.bundle.digest,
+                    sum(len(data) for data in self.bundle.files.values()),
+                )
+        r.hset(keys.models, self.name, json.dumps(self.entry))

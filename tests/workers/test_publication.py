@@ -1,0 +1,86 @@
+"""What a worker publishes about its model: the `models` entry and its tokenizer files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvrelay.core.keys import Keys
+from kvrelay.core.model_bundle import ModelBundle
+from kvrelay.core.modelref import DEFAULT_MODEL
+from kvrelay.core.sampling import GenerationDefaults
+from kvrelay.workers.publication import FILES_TTL_S, ModelPublication
+
+KEYS = Keys("pub:")
+NUMBERS = {"fingerprint": "f" * 32, "page_size": 16, "max_model_len": 8192, "vocab_size": 49152}
+FILE_NAMES = [
+    b"chat_template.jinja",
+    b"config.json",
+    b"generation_config.json",
+    b"tokenizer.json",
+    b"tokenizer_config.json",
+]
+
+
+def test_publication_writes_files_before_the_entry_and_restores_them(r, model_dir):
+    publication = ModelPublication.from_dir(
+        DEFAULT_MODEL, model_dir, NUMBERS, GenerationDefaults(top_k=40, max_tokens=512)
+    )
+    digest = ModelBundle.from_dir(model_dir).digest
+    assert publication.entry == {
+        **NUMBERS,
+        "files": digest,
+        # the model's own (kvrelay's table for SmolLM2) under the worker's override
+        "generation_defaults": {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "max_tokens": 512},
+    }
+    publication.publish(r, KEYS)
+    assert json.loads(r.hget(KEYS.models, DEFAULT_MODEL)) == publication.entry
+    files = r.hgetall(KEYS.model_files(digest))
+    assert sorted(files) == FILE_NAMES
+    assert files[b"tokenizer.json"] == (model_dir / "tokenizer.json").read_bytes()
+    assert FILES_TTL_S - 5 <= r.ttl(KEYS.model_files(digest)) <= FILES_TTL_S
+
+    # a Valkey that lost the files (restart without its data) gets them again on the next beat
+    r.delete(KEYS.model_files(digest))
+    r.expire(KEYS.models, 100)  # unrelated: the entry is rewritten each beat anyway
+    publication.publish(r, KEYS)
+    assert sorted(r.hgetall(KEYS.model_files(digest))) == FILE_NAMES
+
+
+def test_worker_heartbeat_publishes_model_with_its_override(r, valkey_session, loaded_model):
+    from kvrelay.workers.config import WorkerConfig
+    from kvrelay.workers.decode import DecodeWorker
+    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(num_blocks=8, num_threads=1), loaded=loaded_model)
+    config = WorkerConfig(
+        redis_url=valkey_session.url,
+        key_prefix="pub:",
+        name="decode-p",
+        metrics_port=-1,
+        override_generation_config='{"temperature": 0.7, "max_new_tokens": 100}',
+    )
+    worker = DecodeWorker(config, engine, client=r)
+    worker.streams.ensure_group(KEYS.decode_stream, "decode")
+    worker.heartbeat.beat()
+    entry = json.loads(r.hget(KEYS.models, DEFAULT_MODEL))
+    digest = ModelBundle.from_dir(loaded_model.dir).digest
+    assert entry == {
+        "fingerprint": engine.fingerprint,
+        "page_size": 16,
+        "max_model_len": 8192,
+        "vocab_size": 49152,
+        "files": digest,
+        "generation_defaults": {"temperature": 0.7, "top_p": 0.9, "max_tokens": 100},
+    }
+    assert sorted(r.hgetall(KEYS.model_files(digest))) == FILE_NAMES
+
+
+def test_bad_worker_override_is_a_config_error():
+    from kvrelay.core.config import ConfigError
+    from kvrelay.workers.config import load_worker_config
+
+    with pytest.raises(ConfigError) as info:
+        load_worker_config(environ={"KVRELAY_WORKER_OVERRIDE_GENERATION_CONFIG": '{"top_p": 2}'})
+    assert str(info.value) == "override_generation_config: top_p must be in (0, 1], got 2.0"

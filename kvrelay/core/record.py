@@ -2,13 +2,16 @@
 
 The constants are the one definition of the names: every Python reader and writer uses them,
 and the Lua scripts under `kvrelay/pipeline/queue/lua/` name them by placeholder (`${EMITTED}`),
-filled in from here by `kvrelay.pipeline.queue.scripts` when a script is loaded.
+filled in from here by `kvrelay.pipeline.queue.scripts` when a script is loaded. Each field's
+type is declared once, on `RequestRecord`; the sets of numeric fields are derived from it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -36,26 +39,8 @@ ATTACH = "attach"
 CLAIM_ENTRY = "claim_entry"
 CLAIM_EMITTED = "claim_emitted"
 CLAIM_DELIVERY = "claim_delivery"
-
-INT_FIELDS = frozenset(
-    {
-        PROMPT_TOKENS,
-        COMPLETION_TOKENS,
-        CACHED_TOKENS,
-        EMITTED,
-        ATTACH,
-        CLAIM_EMITTED,
-        CLAIM_DELIVERY,
-    }
-)
-FLOAT_FIELDS = frozenset({CREATED, UPDATED, STARTED, DEADLINE})
-JSON_FIELDS = frozenset({INGRESS})
-FIELDS = frozenset(
-    {STATUS, STAGE, OWNER, MODEL, SOURCE, USER, KEY_ID, FINISH_REASON, ERROR, CLAIM_ENTRY}
-    | INT_FIELDS
-    | FLOAT_FIELDS
-    | JSON_FIELDS
-)
+# a random id per submission: the submit script recognises its own retry by it
+SUBMISSION_ID = "submission_id"
 
 
 def as_str(value: Any) -> str:
@@ -67,83 +52,71 @@ def as_str(value: Any) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        return 0
-
-
-def _float(text: str) -> float | None:
-    try:
-        return float(text) if text else None
-    except ValueError:
-        return None
-
-
 @dataclass(slots=True)
 class RequestRecord:
-    """A typed `req:{id}`; unknown statuses/stages stay strings, numbers missing read as 0/None."""
+    """A typed `req:{id}`: counts are ints, times unix seconds (floats), `ingress` an object.
 
-    status: RequestStatus | str = ""
-    stage: Stage | str = ""
-    owner: str = ""
-    model: str = ""
+    A field that is absent, empty or not of its type is None; a status or stage this version
+    does not know stays a string.
+    """
+
+    status: RequestStatus | str | None = None
+    stage: Stage | str | None = None
+    owner: str | None = None
+    model: str | None = None
     created: float | None = None
     updated: float | None = None
     started: float | None = None
     deadline: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: str = ""
-    error: str = ""
-    emitted: int = 0
-    source: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    emitted: int | None = None
+    source: str | None = None
     ingress: dict[str, Any] | None = None
-    user: str = ""
-    key_id: str = ""
-    attach: int = 0
-    claim_entry: str = ""
-    claim_emitted: int = 0
-    claim_delivery: int = 0
+    user: str | None = None
+    key_id: str | None = None
+    attach: int | None = None
+    claim_entry: str | None = None
+    claim_emitted: int | None = None
+    claim_delivery: int | None = None
+    submission_id: str | None = None
 
     @classmethod
     def decode(cls, raw: Mapping[Any, Any]) -> RequestRecord | None:
         """From an HGETALL reply (bytes or str); None for an empty reply (no such record)."""
         if not raw:
             return None
-        text = {as_str(k): as_str(v) for k, v in raw.items()}
         values: dict[str, Any] = {}
-        for name in FIELDS:
-            if name not in text:
-                continue
-            value = text[name]
-            if name in INT_FIELDS:
-                values[name] = _int(value)
-            elif name in FLOAT_FIELDS:
-                values[name] = _float(value)
-            elif name in JSON_FIELDS:
-                values[name] = _json(value)
-            else:
-                values[name] = value
-        for name, enum in ((STATUS, RequestStatus), (STAGE, Stage)):
-            if values.get(name) in enum._value2member_map_:
-                values[name] = enum(values[name])
+        for key, value in raw.items():
+            name, text = as_str(key), as_str(value)
+            if name in _PARSERS:  # other fields (a newer version's) are left out
+                values[name] = _PARSERS[name](text) if text else None
         return cls(**values)
 
     def encode(self, only: tuple[str, ...] | None = None) -> dict[str, str | int | float]:
-        """HSET mapping (all fields, or the named ones); None floats become ""."""
-        names = only or tuple(f.name for f in fields(self))
+        """HSET mapping (all fields, or the named ones); None becomes ""."""
+        names = only or FIELD_ORDER
         out: dict[str, str | int | float] = {}
         for name in names:
             value = getattr(self, name)
-            if name in JSON_FIELDS:
-                out[name] = "" if value is None else json.dumps(value)
-            elif value is None:
+            if value is None:
                 out[name] = ""
+            elif name in JSON_FIELDS:
+                out[name] = json.dumps(value)
             else:
                 out[name] = str(value) if isinstance(value, str) else value
+        return out
+
+    def public(self) -> dict[str, Any]:
+        """The fields clients see (GET /v1/requests/{id}, the producer client's status()):
+        every one of PUBLIC_FIELDS, as JSON types, None for what the record lacks."""
+        out: dict[str, Any] = {}
+        for name in PUBLIC_FIELDS:
+            value = getattr(self, name)
+            out[name] = str(value) if isinstance(value, str) else value  # an enum: its string
         return out
 
     @property
@@ -155,12 +128,56 @@ class RequestRecord:
         )
 
 
+def _int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _float(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None  # JSON has no nan or inf
+
+
 def _json(text: str) -> dict[str, Any] | None:
     try:
-        value = json.loads(text) if text else None
+        value = json.loads(text)
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def _enum(enum: type[RequestStatus] | type[Stage]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        return enum(text) if text in enum._value2member_map_ else text
+
+    return parse
+
+
+def _parser(hint: Any) -> Callable[[str], Any]:
+    """The text -> value function of a field, from its declared type."""
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)]
+    kind = typing.get_origin(kinds[0]) or kinds[0]
+    if kind in (RequestStatus, Stage):
+        return _enum(kind)
+    return {int: _int, float: _float, dict: _json, str: str}[kind]
+
+
+_HINTS = typing.get_type_hints(RequestRecord)
+FIELD_ORDER = tuple(f.name for f in fields(RequestRecord))
+_PARSERS = {name: _parser(_HINTS[name]) for name in FIELD_ORDER}
+FIELDS = frozenset(FIELD_ORDER)
+INT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is _int)
+FLOAT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is _float)
+JSON_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is _json)
+# what only the ingress reads (delivery options, the owning API key, attach count, the
+# submission's own id): never shown to clients
+PRIVATE_FIELDS = frozenset({INGRESS, KEY_ID, ATTACH, SUBMISSION_ID})
+PUBLIC_FIELDS = tuple(name for name in FIELD_ORDER if name not in PRIVATE_FIELDS)
 
 
 def decode_strings(raw: Mapping[Any, Any]) -> dict[str, str]:

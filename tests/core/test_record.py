@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import fields
 from importlib import resources
 from pathlib import Path
 
@@ -48,7 +50,8 @@ def test_scripts_spell_no_name_python_defines():
     maintained = {"EMITTED", "COMPLETION_TOKENS", "STATUS", "FINISH_REASON", "ERROR", "UPDATED"}
     claims = {"CLAIM_ENTRY", "CLAIM_EMITTED", "CLAIM_DELIVERY", "MESSAGE_FIELD"}
     dead_letter = {"STATUS.FAILED", "FINISH_REASON.ERROR"} | {f"DLQ.{name}" for name in dlq}
-    assert used == maintained | claims | dead_letter
+    submit = {"SUBMISSION_ID"}  # how the submit script knows a retry of its own submission
+    assert used == maintained | claims | dead_letter | submit
     package = Path(kvrelay.__file__).parent
     inline = [str(p) for p in package.rglob("*.py") if "redis.call(" in p.read_text()]
     assert inline == []  # every script lives in lua/, loaded through the one loader
@@ -83,17 +86,36 @@ def test_as_str():
     assert (as_str(b"a\xff"), as_str("b"), as_str(None), as_str(3)) == ("a\ufffd", "b", "", "3")
 
 
+def test_field_types_are_declared_once_on_the_dataclass():
+    names = {v for k, v in vars(rec).items() if k.isupper() and isinstance(v, str)}
+    assert names == set(rec.FIELDS) == {f.name for f in fields(RequestRecord)}
+    kinds = {
+        "int": rec.INT_FIELDS, "float": rec.FLOAT_FIELDS, "json": rec.JSON_FIELDS,
+        "private": rec.PRIVATE_FIELDS,
+    }  # fmt: skip
+    assert kinds == {
+        "int": {"prompt_tokens", "completion_tokens", "cached_tokens", "emitted", "attach",
+                "claim_emitted", "claim_delivery"},
+        "float": {"created", "updated", "started", "deadline"},
+        "json": {"ingress"},
+        "private": {"ingress", "key_id", "attach", "submission_id"},
+    }  # fmt: skip
+
+
 def test_decode_types_fields():
     raw = {
         b"status": b"decoding", b"stage": b"decode", b"owner": b"w1", b"created": b"1.5",
         b"deadline": b"", b"prompt_tokens": b"12", b"emitted": b"3", b"attach": b"x",
         b"ingress": b'{"api": "chat", "stream": true}', b"unknown": b"kept out",
+        b"started": b"nan", b"error": b"",
     }  # fmt: skip
     got = RequestRecord.decode(raw)
     assert got is not None
     assert got.status is RequestStatus.DECODING and got.stage is Stage.DECODE
     assert (got.owner, got.created, got.deadline, got.prompt_tokens) == ("w1", 1.5, None, 12)
-    assert (got.emitted, got.attach, got.completion_tokens) == (3, 0, 0)
+    # absent, empty, or not of the field's type (JSON has no nan): None, never 0 or ""
+    assert (got.emitted, got.attach, got.completion_tokens) == (3, None, None)
+    assert (got.started, got.error, got.finish_reason) == (None, None, None)
     assert got.ingress == {"api": "chat", "stream": True}
     assert not got.ended
     assert RequestRecord.decode({}) is None
@@ -102,10 +124,35 @@ def test_decode_types_fields():
 
 
 def test_encode_selected_fields():
-    record = RequestRecord(status=RequestStatus.QUEUED, stage=Stage.PREFILL, deadline=None)
-    assert record.encode((rec.STATUS, rec.STAGE, rec.DEADLINE, rec.EMITTED)) == {
-        "status": "queued", "stage": "prefill", "deadline": "", "emitted": 0,
+    record = RequestRecord(status=RequestStatus.QUEUED, stage=Stage.PREFILL, emitted=0)
+    assert record.encode((rec.STATUS, rec.STAGE, rec.DEADLINE, rec.EMITTED, rec.ERROR)) == {
+        "status": "queued", "stage": "prefill", "deadline": "", "emitted": 0, "error": "",
     }  # fmt: skip
+
+
+def test_public_view_has_json_types_and_null_for_what_is_absent():
+    """What GET /v1/requests/{id} and the client's status() show, from the hash as stored."""
+    stored = {
+        "status": "finished", "stage": "decode", "owner": "w1", "model": "m",
+        "created": "1700000000.250000", "updated": "1700000001.500000", "deadline": "",
+        "prompt_tokens": "31", "completion_tokens": "8", "cached_tokens": "16", "emitted": "8",
+        "finish_reason": "length", "error": "", "source": "client", "user": "",
+        "ingress": "{}", "key_id": "k", "attach": "2", "submission_id": "ab12",
+        "claim_entry": "1-0", "claim_emitted": "3", "claim_delivery": "2",
+    }  # fmt: skip
+    record = RequestRecord.decode(stored)
+    assert record is not None
+    public = record.public()
+    assert public == {
+        "status": "finished", "stage": "decode", "owner": "w1", "model": "m",
+        "created": 1700000000.25, "updated": 1700000001.5, "started": None, "deadline": None,
+        "prompt_tokens": 31, "completion_tokens": 8, "cached_tokens": 16,
+        "finish_reason": "length", "error": None, "emitted": 8, "source": "client",
+        "user": None, "claim_entry": "1-0", "claim_emitted": 3, "claim_delivery": 2,
+    }  # fmt: skip
+    assert list(public) == list(rec.PUBLIC_FIELDS)
+    assert type(public["status"]) is str  # the enum's plain string
+    assert json.loads(json.dumps(public, allow_nan=False)) == public
 
 
 def test_round_trip_through_a_real_hash(r):

@@ -69,6 +69,44 @@ async def test_client_and_ingress_queue_identical_tasks(harness, smollm_tokenize
 
 
 @pytest.mark.anyio
+async def test_status_is_the_typed_record_get_shows(harness, smollm_tokenizer):
+    """Numbers are numbers and absent is null, in status() exactly as over HTTP."""
+    factory, worker = harness
+    app = factory()
+    role = await worker(app)
+    ing = app.state.ingress
+    async with AsyncClient(
+        ing.config.redis_url, key_prefix=ing.keys.prefix, tokenizers={MODEL: smollm_tokenizer}
+    ) as client:
+        rid = await client.submit("Hello", sampling=SamplingParams(max_tokens=8))
+        await role.take()
+        state = await client.status(rid)
+        async with http(app) as api:
+            body = (await api.get(f"/v1/requests/{rid}")).json()
+    times = ("created", "updated", "started", "deadline")
+    assert all(isinstance(state[name], float) for name in times), state
+    assert state["deadline"] == pytest.approx(state["created"] + 600.0, abs=0.01)
+    assert {k: v for k, v in state.items() if k not in times} == {
+        "status": "decoding",
+        "stage": "decode",
+        "owner": "w1",
+        "model": MODEL,
+        "prompt_tokens": 1,
+        "completion_tokens": 0,
+        "cached_tokens": 0,
+        "finish_reason": None,
+        "error": None,
+        "emitted": None,
+        "source": "client",
+        "user": None,
+        "claim_entry": None,
+        "claim_emitted": None,
+        "claim_delivery": None,
+    }
+    assert body == {"id": rid, "object": "request", **state, "cancel_requested": False}
+
+
+@pytest.mark.anyio
 async def test_async_stream_resume_and_errors(valkey_session, smollm_tokenizer):
     prefix = unique_prefix()
     role = await WorkerRole(valkey_session.url, Keys(prefix)).setup()
@@ -152,7 +190,8 @@ def test_sync_client_for_batch_jobs(valkey_session, smollm_tokenizer):
         assert (done.text, done.finish_reason) == ("hey", "length")
         assert [c.text for c in client.stream(rid)] == ["ok"]
         client.cancel(rid)
-        assert client.status(rid)["status"] == "finished"
+        state = client.status(rid)
+        assert (state["status"], state["prompt_tokens"], state["error"]) == ("finished", 3, None)
     thread.join(timeout=10)
     import redis
 

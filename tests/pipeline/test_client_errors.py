@@ -228,7 +228,8 @@ async def test_sampling_dict_is_accepted(valkey_session, smollm_tokenizer):
 
 async def test_redis_down_is_a_503(smollm_tokenizer):
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    async with AsyncClient(url, tokenizers={MODEL: smollm_tokenizer}) as client:
+    # submit_wait_s=0: no waiting for Redis to come back (test_submit_outage.py waits)
+    async with AsyncClient(url, tokenizers={MODEL: smollm_tokenizer}, submit_wait_s=0) as client:
         calls = [
             client.submit("hi"),
             client.result("r-1"),

@@ -209,7 +209,8 @@ async def test_deadline_gives_504_and_cancels(harness):
 
 
 async def test_request_state_shows_the_public_fields_with_their_types(harness):
-    """Private fields hidden; counts as ints, times as floats, claim_* bookkeeping as stored."""
+    """Private fields hidden; every public field shown with its type: counts (claim_* too) as
+    ints, times as floats, null for a field absent, empty or not a number."""
     factory, _worker = harness
     app = factory()
     ing = app.state.ingress
@@ -222,9 +223,11 @@ async def test_request_state_shows_the_public_fields_with_their_types(harness):
         "emitted": "2",
         "created": "100.5",
         "deadline": "",
+        "user": "",
         "ingress": "{}",
         "key_id": "",
         "attach": "3",
+        "submission_id": "ab12",
         "claim_entry": "1-0",
         "claim_emitted": "2",
         "claim_delivery": "1",
@@ -238,15 +241,23 @@ async def test_request_state_shows_the_public_fields_with_their_types(harness):
         "id": "s-1",
         "object": "request",
         "status": "decoding",
+        "stage": None,
+        "owner": None,
         "model": MODEL,
+        "created": 100.5,
+        "updated": None,
+        "started": None,
+        "deadline": None,
         "prompt_tokens": 5,
         "completion_tokens": -1,
-        "cached_tokens": "x",
+        "cached_tokens": None,
+        "finish_reason": None,
+        "error": None,
         "emitted": 2,
-        "created": 100.5,
-        "deadline": "",
+        "source": None,
+        "user": None,
         "claim_entry": "1-0",
-        "claim_emitted": "2",
-        "claim_delivery": "1",
+        "claim_emitted": 2,
+        "claim_delivery": 1,
         "cancel_requested": False,
     }

@@ -38,6 +38,7 @@ from kvrelay.pipeline.errors import RequestError, bad_request, queue_unavailable
 from kvrelay.pipeline.model_registry import ModelRegistry
 from kvrelay.pipeline.openai.validate import type_error
 from kvrelay.pipeline.queue.cluster import ClusterState
+from kvrelay.pipeline.queue.outage import REDIS_RETRY_S
 from kvrelay.pipeline.queue.output import (
     Completion,
     OutputExpired,
@@ -82,6 +83,7 @@ class AsyncClient:
         redis: aioredis.Redis | None = None,
         max_connections: int = 1024,
         override_generation_config: dict[str, Any] | str | None = None,
+        submit_wait_s: float = REDIS_RETRY_S,
     ):
         self.model = model
         self.keys = Keys(key_prefix)
@@ -100,6 +102,7 @@ class AsyncClient:
             max_prompt_tokens=max_prompt_tokens,
             max_tokens_limit=max_tokens_limit,
             timeout_s=timeout_s,
+            submit_wait_s=submit_wait_s,
         )
         self.block_ms = block_ms
         self._deadlines: dict[str, float | None] = {}
@@ -130,7 +133,8 @@ class AsyncClient:
         """Queue one request (text, chat messages or token ids); return its id.
 
         Raises RequestError (as the HTTP API would answer) for a request that cannot be served,
-        an id already in use (409) or Redis unreachable (503); nothing is queued then.
+        an id already in use (409) or Redis unreachable for longer than `submit_wait_s` (503);
+        nothing is queued then.
         """
         if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
             raise RequestError("give exactly one of prompt, messages or prompt_token_ids")

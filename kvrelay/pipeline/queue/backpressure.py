@@ -6,12 +6,16 @@ before any of them is counted; the slot is given back exactly once on every exit
 worker has read yet (`max_waiting`): checked here against the last snapshot of the stream lag
 (plus what this ingress queued since), which refuses early, before a request is tokenized; the
 exact check is made again by the submit script in Redis as the entry is added
-(`submit._SUBMIT_LUA`), because concurrent requests all read the same snapshot.
+(`submit._SUBMIT_LUA`), because concurrent requests all read the same snapshot. With Redis
+unreachable (restarting) there is no snapshot: the request is admitted, to wait for Redis in
+the submission, where that exact check is made.
 """
 
 from __future__ import annotations
 
 import logging
+
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvrelay.pipeline.errors import overloaded
 from kvrelay.pipeline.queue.cluster import ClusterState
@@ -57,6 +61,8 @@ class Backpressure:
         slot = self.slot()  # taken before the first await: the check and the count are one step
         try:
             waiting = await self.waiting()
+        except RedisConnectionError:
+            return slot  # restarting: the submit script checks the bound once Redis is back
         except BaseException:
             slot.release()
             raise

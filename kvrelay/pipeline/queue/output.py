@@ -9,7 +9,6 @@ ended and whose stream is gone raises OutputExpired, never a deadline timeout.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +25,7 @@ from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import MessageError, TokenChunk
 from kvrelay.core.record import as_str
+from kvrelay.pipeline.queue.outage import REDIS_RETRY_S, Outage
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +37,6 @@ TERMINAL = {
 }
 ENDED = tuple(TERMINAL)
 DEADLINE_PASSED = "the request passed its deadline"  # the same words from workers and ingress
-# A Valkey restart (supervisord brings it back in milliseconds, then it loads its append-only
-# file) must not end the streams being read; an outage longer than this is reported.
-REDIS_RETRY_S = 30.0
-REDIS_RETRY_PAUSE_S = 0.25
 
 
 class OutputTimeout(KvrelayError, TimeoutError):
@@ -117,22 +113,16 @@ async def read_chunks(
     connection error is raised: the request lives on in the append-only file.
     """
     last_id, next_index = "0-0", 0
-    outage: float | None = None  # monotonic time Redis was first found unreachable
+    outage = Outage(f"request {request_id}", redis_retry_s)
     while True:
         try:
             reply, final = await _poll(redis, keys, request_id, last_id, block_ms, deadline)
         except (RedisConnectionError, RedisTimeoutError) as exc:
-            now = time.monotonic()
-            if outage is None:
-                outage = now
-                logger.warning("request %s: redis unavailable (%s); waiting", request_id, exc)
-            if now - outage > redis_retry_s:
+            # a read that timed out is retried too: it changes nothing, unlike a submission
+            if not await outage.wait(exc):
                 raise
-            await asyncio.sleep(REDIS_RETRY_PAUSE_S)
             continue
-        if outage is not None:
-            logger.info("request %s: redis back after %.1fs", request_id, time.monotonic() - outage)
-            outage = None
+        outage.over()
         if final is not None:
             final.index = max(final.index, next_index)
             yield final

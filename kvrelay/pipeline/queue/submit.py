@@ -3,6 +3,11 @@
 prompt (messages | text | token ids) -> token ids -> length and sampling checks -> route ->
 one Lua script that creates `req:{id}` (refusing an id that exists) and XADDs the PrefillTask
 or DecodeTask, so a request is either fully queued or not at all.
+
+Redis unreachable (a Valkey restart) is waited out, up to `submit_wait_s` and the request's
+deadline (`outage.py`, as the output readers do): the caller gets a slower answer, not a 503.
+Retrying the script is safe: it recognises its own submission by the `submission_id` it
+wrote, so a retry whose first try ran (the reply was lost) queues nothing twice.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -23,11 +28,13 @@ from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask
+from kvrelay.core.record import as_str
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
 from kvrelay.pipeline.errors import RequestError, bad_request, overloaded
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.openai.protocol import GenerationRequest
 from kvrelay.pipeline.queue import scripts
+from kvrelay.pipeline.queue.outage import REDIS_RETRY_S, Outage
 from kvrelay.pipeline.queue.route import DECODE, Route, Router
 from kvrelay.pipeline.tokens import (
     check_lengths,
@@ -38,12 +45,15 @@ from kvrelay.pipeline.tokens import (
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _INLINE_TOKENIZE_CHARS = 16384
 _HOPELESS_MARGIN = 2  # normalizers (NFKC) may fold characters: never refuse one that fits
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
-# lua/submit.lua: create req:{id} and XADD the task in one step, refusing a duplicate id and,
-# at max_waiting unread entries, any new request (backpressure.py's exact bound)
+# lua/submit.lua: create req:{id} and XADD the task in one step, refusing a duplicate id (but
+# not a retry of the same submission) and, at max_waiting unread entries, any new request
+# (backpressure.py's exact bound)
 _SUBMIT_LUA = scripts.source("submit")
 
 
@@ -79,6 +89,8 @@ class Submission:
     arrival_time: float = field(default_factory=time.time)
     deadline: float | None = None
     detokenize: bool = True
+    # tells the submit script a retry of this submission from another one with the same id
+    submission_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 def build_task(sub: Submission, route: Route) -> PrefillTask | DecodeTask:
@@ -115,13 +127,21 @@ class Producer:
         record_ttl_s: int = 86400,
         max_waiting: int = 0,
         retry_after_s: int = 1,
+        submit_wait_s: float = REDIS_RETRY_S,
     ):
         self.redis, self.keys, self.registry, self.router = redis, keys, registry, router
         self.max_prompt_tokens, self.max_tokens_limit = max_prompt_tokens, max_tokens_limit
         self.timeout_s, self.record_ttl_s = timeout_s, record_ttl_s
         # 0: no bound (the producer client); the ingress refuses with 429 at this many
         self.max_waiting, self.retry_after_s = max_waiting, retry_after_s
+        self.submit_wait_s = submit_wait_s  # how long a Redis outage is waited out
         self._submit = redis.register_script(_SUBMIT_LUA)
+
+    async def ride_out(self, request_id: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """`attempt()` (a Redis read for a new request) retried through a Redis outage, as
+        long as submission waits: up to `submit_wait_s` and the request's timeout."""
+        until = time.time() + self.timeout_s if self.timeout_s else None
+        return await Outage(f"request {request_id}", self.submit_wait_s, until).retry(attempt)
 
     async def prepare(
         self,
@@ -142,7 +162,7 @@ class Producer:
         `fields_set`: the sampling fields the request gave; the model's generation defaults
         fill the others (None: none are applied).
         """
-        entry = await self.registry.get(model)
+        entry = await self.ride_out(request_id, lambda: self.registry.get(model))
         defaults = entry.generation_defaults
         if fields_set is not None:
             sampling = defaults.apply(sampling, fields_set)
@@ -216,10 +236,40 @@ class Producer:
     async def enqueue(
         self, sub: Submission, entry: ModelEntry, record: dict[str, Any] | None = None
     ) -> Route | None:
-        """Route and queue `sub`; None when a request with this id already exists.
+        """Route and queue `sub`; None when another request with this id already exists.
 
-        Raises a 429 RequestError when `max_waiting` entries already wait in the streams.
+        Raises a 429 RequestError when `max_waiting` entries already wait in the streams, and
+        redis' ConnectionError when Redis stays unreachable past `submit_wait_s` or the
+        deadline.
         """
+        outage = Outage(f"request {sub.request_id}", self.submit_wait_s, sub.deadline)
+        route, entry_id = await outage.retry(lambda: self._queue(sub, entry, record))
+        if not entry_id:
+            return None
+        if isinstance(entry_id, int):  # the bound was reached: nothing was queued
+            logger.warning(
+                "request %s refused: %d queued entries (bound %d)",
+                sub.request_id,
+                entry_id,
+                self.max_waiting,
+            )
+            raise overloaded(f"{entry_id} requests waiting for a worker", self.retry_after_s)
+        if as_str(entry_id) == sub.submission_id:  # a retry found its own first try queued
+            logger.info("request %s: queued by a try whose reply was lost", sub.request_id)
+        logger.info(
+            "request %s queued to %s (%d prompt tokens, %d cached: %s)",
+            sub.request_id,
+            route.stage,
+            len(sub.prompt_token_ids),
+            route.cached_tokens,
+            route.reason,
+        )
+        return route
+
+    async def _queue(
+        self, sub: Submission, entry: ModelEntry, record: dict[str, Any] | None
+    ) -> tuple[Route, Any]:
+        """One try: route, then the submit script; (route, the script's reply)."""
         route = await self.router.route(entry, sub.prompt_token_ids, sub.cache_salt)
         task = build_task(sub, route)
         stream = self.keys.decode_stream if route.stage == DECODE else self.keys.prefill_stream
@@ -249,25 +299,8 @@ class Producer:
                 self.max_waiting,
                 PREFILL_GROUP,
                 DECODE_GROUP,
+                sub.submission_id,
                 *flat,
             ],
         )
-        if not entry_id:
-            return None
-        if isinstance(entry_id, int):  # the bound was reached: nothing was queued
-            logger.warning(
-                "request %s refused: %d queued entries (bound %d)",
-                sub.request_id,
-                entry_id,
-                self.max_waiting,
-            )
-            raise overloaded(f"{entry_id} requests waiting for a worker", self.retry_after_s)
-        logger.info(
-            "request %s queued to %s (%d prompt tokens, %d cached: %s)",
-            sub.request_id,
-            route.stage,
-            len(sub.prompt_token_ids),
-            route.cached_tokens,
-            route.reason,
-        )
-        return route
+        return route, entry_id

@@ -85,6 +85,7 @@ class Ingress:
             record_ttl_s=config.record_ttl_s,
             max_waiting=config.max_waiting,
             retry_after_s=config.retry_after_s,
+            submit_wait_s=config.submit_wait_s,
         )
         self.metrics = Metrics()
         self.backpressure = Backpressure(

@@ -41,6 +41,9 @@ class IngressConfig:
     # A Redis command answering later than this fails (503); blocking XREADs get read_block_ms
     # on top, so a healthy but quiet output stream is never cut off.
     redis_timeout_s: float = 2.0
+    # A new request waits this long for an unreachable Redis (a Valkey restart) before its
+    # 503, never past its deadline: as long as the output readers wait (REDIS_RETRY_S)
+    submit_wait_s: float = 30.0
     # JSON object of defaults for fields a request leaves out (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_tokens), over those the model's workers publish (its own, under
     # their override): vLLM's --override-generation-config. A config file may give a table.
@@ -66,6 +69,8 @@ class IngressConfig:
             raise ConfigError("redis_timeout_s must be > 0")
         if self.disconnect_grace_s < 0:
             raise ConfigError("disconnect_grace_s must be >= 0")
+        if self.submit_wait_s < 0:
+            raise ConfigError("submit_wait_s must be >= 0")
         if self.route_threshold < 0 or self.request_timeout_s <= 0:
             raise ConfigError("route_threshold must be >= 0 and request_timeout_s > 0")
         generation_override(self.override_generation_config)

@@ -3,9 +3,11 @@
 -- makes the bound exact under any burst, from any number of ingress processes.
 -- KEYS: 1 req:{id}, 2 work stream, 3 prefill stream, 4 decode stream
 -- ARGV: 1 ttl s, 2 payload, 3 max_waiting (0: no bound), 4 prefill group, 5 decode group,
---       6.. field/value pairs
--- Returns the new entry id; false when req:{id} already exists (a duplicate submission); the
--- number of waiting entries when that reaches max_waiting.
+--       6 submission id (random, one per submission), 7.. field/value pairs
+-- Returns the new entry id; the submission id when this very submission is already queued
+-- (a retry whose first try ran but whose reply was lost: nothing is queued twice); false when
+-- req:{id} already exists for another submission (a duplicate id); the number of waiting
+-- entries when that reaches max_waiting.
 local function waiting(stream, group, bound)
   if redis.call('EXISTS', stream) == 0 then return 0 end
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
@@ -20,13 +22,16 @@ local function waiting(stream, group, bound)
   end
   return redis.call('XLEN', stream)  -- no consumer ever joined: everything waits
 end
-if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('HGET', KEYS[1], ${SUBMISSION_ID}) == ARGV[6] then return ARGV[6] end
+  return false
+end
 local bound = tonumber(ARGV[3])
 if bound > 0 then
   local n = waiting(KEYS[3], ARGV[4], bound)
   if n < bound then n = n + waiting(KEYS[4], ARGV[5], bound - n) end
   if n >= bound then return n end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+redis.call('HSET', KEYS[1], ${SUBMISSION_ID}, ARGV[6], unpack(ARGV, 7))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 return redis.call('XADD', KEYS[2], '*', ${MESSAGE_FIELD}, ARGV[2])

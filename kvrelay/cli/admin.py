@@ -41,16 +41,20 @@ def connect(args: argparse.Namespace):
     """(redis client, Keys, store run dir) from --run-dir, flags or the environment."""
     import redis
 
+    from kvrelay.core.config import check_redis_url
     from kvrelay.core.keys import Keys
 
     state: dict[str, Any] = {}
     if args.run_dir or not args.redis_url:
         state = stack_state(args.run_dir)
-    url = (
-        args.redis_url
-        or state.get("redis_url")
-        or os.environ.get("KVRELAY_REDIS_URL", "redis://127.0.0.1:6379/0")
-    )
+    if args.redis_url:
+        url, source = args.redis_url, "--redis-url"
+    elif state.get("redis_url"):
+        url, source = state["redis_url"], f"{args.run_dir or 'kvrelay-run'}/stack.json"
+    else:
+        url = os.environ.get("KVRELAY_REDIS_URL", "redis://127.0.0.1:6379/0")
+        source = "KVRELAY_REDIS_URL"
+    check_redis_url(url, source)  # bad usage (exit 2), before anything is contacted
     prefix = (
         args.key_prefix
         or state.get("key_prefix")
@@ -113,7 +117,10 @@ def run_status(args: argparse.Namespace) -> int:
 
         return watch(snapshot, redact_url(args.redis_url), args.interval)
     data = snapshot()
-    if args.json:
+    if args.json:  # a heartbeat field the worker left empty is null, like a missing one
+        data["workers"] = [
+            {k: None if v == "" else v for k, v in w.items()} for w in data["workers"]
+        ]
         print_json(data)
         return 0
     print(f"{'WORKER':<24}{'ROLE':<9}{'PID':>8}{'LOAD':>6}{'TOK/S':>8}{'AGE':>7}  STATE")

@@ -215,8 +215,6 @@ def run(args: argparse.Namespace) -> int:
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CommandError(f"--out: cannot create {out_dir}: {exc.strerror}", 2) from None
-    for name in ("httpx", "httpcore"):  # one INFO line per request would bury the report
-        logging.getLogger(name).setLevel(logging.WARNING)
     cfg = _config(args)
 
     from rich.console import Console

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import re
-
+from kvrelay.core.config import redact_url  # noqa: F401  (re-exported: commands import it here)
 from kvrelay.core.errors import KvrelayError
 
 # Exit codes of the CLI contract (docs/operations.md, "Exit codes").
@@ -17,8 +16,3 @@ class CommandError(KvrelayError):
     def __init__(self, message: str, exit_code: int = EXIT_USAGE):
         super().__init__(message)
         self.exit_code = exit_code
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password."""
-    return re.sub(r"//([^:/@]*):[^@/]*@", r"//\1:***@", url)

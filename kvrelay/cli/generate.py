@@ -17,6 +17,7 @@ from kvrelay.cli.errors import CommandError
 from kvrelay.core.modelref import QUANTIZATION_SCHEMES
 
 EXIT_BAD_INPUT = 2
+DEFAULT_MAX_TOKENS = 128  # when neither the request nor the model's defaults give max_tokens
 _REQUEST_KEYS = {"id", "prompt", "messages"}
 
 
@@ -28,11 +29,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", help="prompt text (or give --batch-file)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--model", default=None, help="model name or path (default smollm2)")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (128)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens to generate (default: the model's, else {DEFAULT_MAX_TOKENS})",
+    )
+    given = "default: the model's, as the server applies it, else"
+    p.add_argument("--temperature", type=float, default=None, help=f"0 = greedy ({given} 1.0)")
+    p.add_argument("--top-p", type=float, default=None, help=f"({given} 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help=f"({given} 0 = off)")
+    p.add_argument("--min-p", type=float, default=None, help=f"({given} 0)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per request")
@@ -151,6 +158,18 @@ def _prompt_ids(tokenizer, req: dict[str, Any], chat: bool) -> list[int]:
         raise CLIInputError(f"{where}: {exc}") from exc
 
 
+def _sampling(req: dict[str, Any], model_defaults: dict[str, Any]):
+    """The request's SamplingParams: its own fields (flags, batch line) over the model's
+    defaults over SamplingParams' (OpenAI's), as the ingress applies them."""
+    from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
+
+    fields = {"max_tokens": DEFAULT_MAX_TOKENS, **model_defaults, **req["sampling"]}
+    try:
+        return SamplingParams.from_dict(fields).validate()
+    except (InvalidSamplingParams, TypeError) as exc:
+        raise CLIInputError(f"request {req['id']!r}: {exc}") from exc
+
+
 def _result(out, text: str, started: float, first_token: float | None) -> dict[str, Any]:
     end = time.perf_counter()
     n = len(out.output_token_ids)
@@ -185,19 +204,13 @@ def run(args: argparse.Namespace) -> int:
                 "prompt": args.prompt,
                 "messages": None,
                 "sampling": defaults,
-                "line": 0,
+                "line": None,
             }
         ]
-    from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
-
-    params = {}  # checked before torch and the model load, so a bad flag fails at once
-    for req in requests:
-        try:
-            params[req["id"]] = SamplingParams.from_dict(req["sampling"]).validate()
-        except (InvalidSamplingParams, TypeError) as exc:
-            raise CLIInputError(f"request {req['id']!r}: {exc}") from exc
+    for req in requests:  # checked before torch and the model load, so a bad flag fails at once
+        _sampling(req, {})
     from kvrelay.core.config import ConfigError, from_env
-    from kvrelay.core.modelref import ModelNotFoundError
+    from kvrelay.core.modelref import ModelNotFoundError, model_generation_defaults
     from kvrelay.workers.config import DEPRECATED_SECTIONS, SECTION, engine_env_names
     from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
     from kvrelay.workers.errors import EngineError, InvalidRequestError
@@ -218,16 +231,21 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(config)
     except (ModelNotFoundError, ConfigError, EngineError) as exc:
         raise CLIInputError(" ".join(str(exc).split()) or "model not found") from exc
+    model_defaults = model_generation_defaults(engine.loaded.dir, engine.model_name).to_dict()
     started = time.perf_counter()
     for req in requests:
         ids = _prompt_ids(engine.tokenizer, req, args.chat)
         try:
-            engine.add_request(req["id"], ids, params[req["id"]])
+            engine.add_request(req["id"], ids, _sampling(req, model_defaults))
         except InvalidRequestError as exc:
             raise CLIInputError(f"request {req['id']!r}: {exc}") from exc
     stream = not args.json and len(requests) == 1
     texts: dict[str, list[str]] = {r["id"]: [] for r in requests}
     first: dict[str, float] = {}
+    lines = {r["id"]: r["line"] for r in requests}
+    done: dict[str, str] = {}  # finished, not printed yet: results come out in input order
+    order = iter(requests)
+    waiting = next(order)
     while engine.has_unfinished_requests():
         for out in engine.step():
             first.setdefault(out.request_id, time.perf_counter())
@@ -237,22 +255,30 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             if out.finished or out.handoff:
                 text = "".join(texts.pop(out.request_id))
-                _report(out, text, args, stream, started, first.get(out.request_id))
+                line = lines[out.request_id]
+                done[out.request_id] = _report(out, text, line, args, stream, started, first)
+        while waiting is not None and waiting["id"] in done:
+            print(done.pop(waiting["id"]), flush=True)
+            waiting = next(order, None)
     return 0
 
 
 def _report(
     out,
     text: str,
+    line: int | None,
     args: argparse.Namespace,
     streamed: bool,
     started: float,
-    first_token: float | None,
-) -> None:
+    first: dict[str, float],
+) -> str:
+    """The line printed for a finished request (after its streamed text: the newline); a JSON
+    result of a batch file names the file's line the request came from."""
     if args.json:
-        print(json.dumps(_result(out, text, started, first_token), ensure_ascii=False), flush=True)
-    elif streamed:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-    else:
-        print(f"[{out.request_id}] {text}", flush=True)
+        result = _result(out, text, started, first.get(out.request_id))
+        if line is not None:
+            result = {"id": result.pop("id"), "line": line, **result}
+        return json.dumps(result, ensure_ascii=False)
+    if streamed:
+        return ""
+    return f"[{out.request_id}] {text}"

@@ -27,6 +27,12 @@ from kvrelay.core.config import ConfigError
 from kvrelay.core.errors import KvrelayError
 from kvrelay.core.modelref import ModelNotFoundError
 
+# Commands that run until stopped log their lifecycle at INFO by default; the others print their
+# results and log only warnings unless --log-level says otherwise.
+SERVICE_COMMANDS = frozenset({"serve", "worker", "store"})
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 class CommandParser(argparse.ArgumentParser):
     """A command's parser: its usage errors are one line `<prog>: error: ...` (exit 2)."""
@@ -59,7 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="kvrelay", description="Disaggregated LLM serving over Redis streams."
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--version", action=VersionAction, help="print the version and exit")
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=None,
+        help="kvrelay's logging level (default INFO for serve, worker and store, WARNING for the "
+        "other commands); other libraries log warnings and errors only",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     sub.required = True
     for name, module_name, help_text in COMMANDS:
@@ -77,15 +90,72 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version() -> str:
+    """kvrelay's version from the installed package's metadata (the source tree's otherwise)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("kvrelay")
+    except PackageNotFoundError:
+        from kvrelay import __version__
+
+        return __version__
+
+
+class VersionAction(argparse.Action):
+    """`--version`: `kvrelay <version>` on stdout, exit 0; the metadata is read only then."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+        print(f"kvrelay {version()}")
+        parser.exit()
+
+
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"want one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return level
+
+
+class OwnLogs(logging.Filter):
+    """kvrelay's records from the chosen level, other libraries' only from WARNING: their INFO
+    lines (matplotlib's `generated new fontManager`, httpx's one per request) are not for
+    kvrelay's users. uvicorn logs through handlers of its own, at the level `serve` gives it."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level, self.others = level, max(level, logging.WARNING)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        own = record.name == "kvrelay" or record.name.startswith(("kvrelay.", "__main__"))
+        return record.levelno >= (self.level if own else self.others)
+
+
+def configure_logging(level: str) -> None:
+    """One stderr handler for the command's logs (left alone when logging is set up already,
+    as basicConfig does: an embedding program's or pytest's handlers stay in charge)."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.addFilter(OwnLogs(logging.getLevelName(level)))
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # named by the command's parser, so the line reads `kvrelay <cmd>: error: ...`
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    if args.log_level is None:
+        args.log_level = "INFO" if args.command in SERVICE_COMMANDS else "WARNING"
+    configure_logging(args.log_level)
     try:
         code = int(args._run(args) or 0)
         sys.stdout.flush()  # surface a broken pipe here, not as a traceback at exit

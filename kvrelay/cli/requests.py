@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -12,6 +13,23 @@ from kvrelay.cli.admin import connect, connection_args, print_json
 from kvrelay.cli.errors import EXIT_FAILURE, EXIT_NOT_FOUND, CommandError
 
 ENTRY_ID = re.compile(r"\d+-\d+")  # a full stream entry id, as `kvrelay dlq ls` prints it
+
+
+def _null_if_empty(data: dict[str, Any], names: Any) -> dict[str, Any]:
+    """`data` with the fields in `names` that Redis held empty ("") as None: absent is null."""
+    return {k: None if v == "" and k in names else v for k, v in data.items()}
+
+
+def dlq_fields(entry: dict[str, Any]) -> dict[str, Any]:
+    """A DLQ entry's fields as JSON has them: `time` a number, empty fields null."""
+    from kvrelay.core.keys import DlqField
+
+    out = {k: None if v == "" else v for k, v in entry.items()}
+    when = out.get(DlqField.TIME)
+    if isinstance(when, str):
+        with contextlib.suppress(ValueError):  # not written by kvrelay: shown as it is
+            out[DlqField.TIME] = float(when)
+    return out
 
 
 def add_requests_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,10 +59,12 @@ def run_requests(args: argparse.Namespace) -> int:
         raise CommandError(f"invalid request id {rid!r} (1-128 characters of A-Za-z0-9._:-)")
     r, keys, _ = connect(args)
     if args.action == "show":
+        from kvrelay.core.record import FIELDS
+
         data = admin.show_request(r, keys, rid)
         if data is None:
             raise CommandError(f"no request {rid!r}", EXIT_NOT_FOUND)
-        _show(data, args.json)
+        _show(_null_if_empty(data, FIELDS), args.json)
         return 0
     result = admin.cancel_request(r, keys, rid)
     if result is None:
@@ -88,26 +108,26 @@ def run_dlq(args: argparse.Namespace) -> int:
         raise CommandError("dlq purge deletes every entry: add --yes")
     r, keys, _ = connect(args)
     if args.action == "ls":
-        rows = admin_dlq.entries(r, keys, args.limit)
+        rows = [dlq_fields(row) for row in admin_dlq.entries(r, keys, args.limit)]
         if args.json:
             print_json(rows)
         elif not rows:
             print("dead-letter stream is empty")
         for row in [] if args.json else rows:
-            print(f"{row['dlq_id']:<22}{row.get('request_id') or '-':<28}{row.get('reason', '')}")
+            print(f"{row['dlq_id']:<22}{row.get('request_id') or '-':<28}{row.get('reason') or ''}")
         return 0
     if args.action == "purge":
         n = admin_dlq.purge(r, keys)
         if args.json:
             print_json({"purged": n})
         else:
-            print(f"purged {n} entries")
+            print(f"purged {n} {'entry' if n == 1 else 'entries'}")
         return 0
     if args.action == "show":
         entry = admin_dlq.entry(r, keys, args.dlq_id)
         if entry is None:
             raise CommandError(f"no entry {args.dlq_id}", EXIT_NOT_FOUND)
-        _show(entry, args.json)
+        _show(dlq_fields(entry), args.json)
         return 0
     if args.all:
         return _replay(r, keys, [row["dlq_id"] for row in admin_dlq.entries(r, keys, 100000)], args)
@@ -128,7 +148,7 @@ def _replay(r, keys, ids: list[str], args: argparse.Namespace) -> int:
             continue
         if replayed is None:
             raise CommandError(f"no entry {dlq_id}", EXIT_NOT_FOUND)
-        done.append(replayed.to_dict())
+        done.append(dlq_fields(replayed.to_dict()))
         if replayed.forced:  # say so on stderr too: it may take a worker down again
             print(
                 f"kvrelay dlq: warning: replaying {replayed.kind} entry {dlq_id} (--force): "

@@ -90,12 +90,24 @@ def config_from_args(args: argparse.Namespace):
     return load_config(config_file=getattr(args, "config", None), **overrides)
 
 
+def check_listen(host: str, port: int) -> None:
+    """Refuse (one line, exit 2) an address uvicorn could not listen on, before it starts: it
+    would print a traceback (port out of range) or its own error lines."""
+    from kvrelay.cli.errors import CommandError
+    from kvrelay.cli.up.launch import check_port_free
+
+    if not 0 <= port <= 65535:
+        raise CommandError(f"port must be 0-65535 (0: any free port), got {port}")
+    check_port_free(host, port)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvrelay.pipeline.server.app import create_app
 
     config = config_from_args(args)  # a ConfigError is one line, exit 2 (kvrelay.cli.main)
+    check_listen(config.host, config.port)
     logger.info(
         "ingress on http://%s:%d (redis %s, mode %s, models %s, api keys %s)",
         config.host,
@@ -112,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         create_app(config),
         host=config.host,
         port=config.port,
-        log_level=logging.getLevelName(logging.getLogger().level).lower(),
+        log_level=str(getattr(args, "log_level", None) or "info").lower(),  # its own lines
         timeout_graceful_shutdown=10,
     )
     return 0

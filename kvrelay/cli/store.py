@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
@@ -92,7 +93,17 @@ def run_store(args: argparse.Namespace) -> int:
     node = StoreNode(cfg, cfg.page_bytes)
     signal.signal(signal.SIGTERM, lambda *_: node.stop())
     signal.signal(signal.SIGINT, lambda *_: node.stop())
-    node.start()
+    try:
+        node.start()
+    except OSError as exc:  # a run dir it cannot create, an arena it cannot map, a port in use
+        from kvrelay.cli.errors import EXIT_FAILURE, CommandError
+
+        with contextlib.suppress(Exception):  # what did start must not keep the process up
+            node.close()
+        where = f": {exc.filename}" if exc.filename else ""
+        raise CommandError(
+            f"cannot start the store node ({exc.strerror or exc}{where})", EXIT_FAILURE
+        ) from None
     try:
         node.serve_forever()
     finally:

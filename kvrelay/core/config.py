@@ -7,6 +7,7 @@ the shared `KVRELAY_<FIELD>` (redis_url, key_prefix, api_keys) > the config file
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -14,6 +15,7 @@ import tomllib
 import types
 import typing
 from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlsplit
 
 from kvrelay.core.errors import KvrelayError
 
@@ -30,11 +32,61 @@ SHARED_ENV = {
 }
 # Settings printed as *** by `kvrelay config show`.
 SECRET_FIELDS = frozenset({"secret", "api_keys"})
+# Settings holding JSON text: a config file may give a table, kept as its JSON text.
+JSON_TEXT_FIELDS = frozenset({"override_generation_config"})
+REDIS_SCHEMES = ("redis", "rediss", "unix")
 _warned: set[str] = set()
 
 
 class ConfigError(KvrelayError, ValueError):
-    """A configuration value (flag or environment variable) is invalid."""
+    """A configuration value (flag, environment variable or config file) is invalid."""
+
+
+class FileValues(dict):
+    """The settings of a config file (`read_config_file`), knowing the file they came from."""
+
+    def __init__(self, values: dict[str, Any], path: str):
+        super().__init__(values)
+        self.path = path
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password."""
+    return re.sub(r"//([^:/@]*):[^@/]*@", r"//\1:***@", url)
+
+
+def redis_url_problem(url: str) -> str | None:
+    """What makes `url` unusable as a Redis URL, or None: a scheme redis-py knows (redis,
+    rediss, unix), a port of 1-65535 and a database number (path `/N` or `?db=N`)."""
+    parts = urlsplit(url)
+    if parts.scheme not in REDIS_SCHEMES or not url.startswith(parts.scheme + "://"):
+        return (
+            "not a Redis URL (redis://[:PASSWORD@]HOST[:PORT][/DB], rediss://... or unix:///PATH)"
+        )
+    db = parse_qs(parts.query).get("db", [None])[-1]
+    if parts.scheme == "unix":
+        if not parts.path:
+            return "a unix:// URL needs a socket path (unix:///run/valkey.sock)"
+    else:
+        try:
+            port = parts.port
+        except ValueError:  # not a number, or past 65535
+            port = -1
+        if port is not None and not 1 <= port <= 65535:
+            return f"the port must be 1-65535, got {parts.netloc.rpartition(':')[2]!r}"
+        if db is None and parts.path.strip("/"):
+            db = parts.path.strip("/")
+    if db is not None and not db.isdigit():
+        return f"the database must be a number, got {db!r}"
+    return None
+
+
+def check_redis_url(url: str, source: str) -> str:
+    """`url` if redis-py can use it; else ConfigError naming `source` (flag, variable, file)."""
+    problem = redis_url_problem(url)
+    if problem is not None:
+        raise ConfigError(f"invalid Redis URL {redact_url(url)!r} for {source}: {problem}")
+    return url
 
 
 def _convert(raw: str, annotation: Any, name: str) -> Any:
@@ -89,10 +141,16 @@ def from_env(
     env = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # field -> where its value came from, for error messages
+    path = getattr(file_values, "path", "")
+    in_file = f" {path}" if path else ""
     for key, value in (file_values or {}).items():
         if key not in hints:
-            raise ConfigError(f"unknown setting {key!r} in the config file for {cls.__name__}")
-        values[key] = _file_value(value, hints[key], key)
+            raise ConfigError(
+                f"unknown setting {key!r} in the config file{in_file} for {cls.__name__}"
+            )
+        sources[key] = f"{key} in {path or 'the config file'}"
+        values[key] = _file_value(value, hints[key], key, sources[key])
     for f in dataclasses.fields(cls):
         name = (env_names or {}).get(f.name) or env_name(section, f.name)
         raw_name = _first_set(env, name, [env_name(old, f.name) for old in deprecated])
@@ -100,11 +158,15 @@ def from_env(
             raw_name = SHARED_ENV[f.name]
         if raw_name is not None:
             values[f.name] = _convert(env[raw_name], hints[f.name], raw_name)
+            sources[f.name] = raw_name
     for key, value in overrides.items():
         if value is not None:
             if key not in hints:
                 raise ConfigError(f"unknown setting {key!r} for {cls.__name__}")
             values[key] = value
+            sources[key] = "--" + key.replace("_", "-")
+    if isinstance(values.get("redis_url"), str):
+        check_redis_url(values["redis_url"], sources["redis_url"])
     return cls(**values)
 
 
@@ -121,13 +183,56 @@ def _first_set(env: dict[str, str], name: str, old_names: list[str]) -> str | No
     return None
 
 
-def _file_value(value: Any, annotation: Any, name: str) -> Any:
-    """A TOML value for a field: strings converted like variables, lists to tuples."""
-    if isinstance(value, str):
-        return _convert(value, annotation, name)
-    if isinstance(value, list):
-        return tuple(str(v) for v in value)
-    return value
+_EXPECTED = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
+
+
+def _file_value(value: Any, annotation: Any, key: str, where: str) -> Any:
+    """A TOML value for a field of type `annotation`, checked: TOML values have types, so a
+    string where a number belongs is an error, not a spelling. An optional field takes "none";
+    a JSON-text field a table (kept as JSON text). ConfigError names the key and the file."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    optional = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kind = args[0] if optional else annotation
+    if key in JSON_TEXT_FIELDS and isinstance(value, dict):
+        return json.dumps(value, default=str)  # a TOML date: a string the parse names
+    if optional and isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+        return None
+    origin = typing.get_origin(kind)
+    if origin in (tuple, list):
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value) if origin is tuple else list(value)
+        expected = "a list of strings"
+    elif kind is bool:
+        if isinstance(value, bool):
+            return value
+        expected = _EXPECTED[bool]
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():  # 2e9 bytes
+            return int(value)
+        expected = _EXPECTED[int]
+    elif kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        expected = _EXPECTED[float]
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+        expected = _EXPECTED[str]
+    else:
+        return value
+    if optional:
+        expected += ' or "none"'
+    raise ConfigError(f"invalid value {_toml(value)} for {where}: want {expected}")
+
+
+def _toml(value: Any) -> str:
+    """A value as the config file wrote it (true, not True)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):  # dates and times
+        return str(value)
 
 
 def read_config_file(path: str | None, section: str) -> dict[str, Any]:
@@ -141,11 +246,12 @@ def read_config_file(path: str | None, section: str) -> dict[str, Any]:
         raise ConfigError(f"--config: cannot read {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config: {path} is not valid TOML: {exc}") from None
-    shared = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    # a table is a component's section, unless it is the table form of a JSON-text setting
+    shared = {k: v for k, v in data.items() if not isinstance(v, dict) or k in JSON_TEXT_FIELDS}
     own = data.get(section.lower(), {})
     if not isinstance(own, dict):
         raise ConfigError(f"--config: [{section.lower()}] in {path} must be a table")
-    return {**shared, **own}
+    return FileValues({**shared, **own}, str(path))
 
 
 def redacted(config: Any) -> dict[str, Any]:
@@ -156,7 +262,7 @@ def redacted(config: Any) -> dict[str, Any]:
         if f.name in SECRET_FIELDS and value:
             value = "***"
         elif f.name.endswith("url") and isinstance(value, str):
-            value = re.sub(r"//([^:/@]*):[^@/]*@", r"//\1:***@", value)
+            value = redact_url(value)
         out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
 

@@ -5,6 +5,7 @@ usage; plus exact checks of the statistics and the prompt sets."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +31,12 @@ def stack(tmp_path_factory):
     s.down()
 
 
-def bench(args: str, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def bench(
+    args: str, *extra: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`kvrelay bench ARGS EXTRA...` (ARGS split on spaces) as a finished process."""
     cmd = [sys.executable, "-m", "kvrelay.cli.main", "bench", *args.split(), *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def results(out: Path) -> dict:
@@ -78,6 +81,21 @@ def test_closed_loop_sweep_writes_results_and_plots(stack, tmp_path):
     for name, shape in (("latency_cdf.png", (450, 1500, 4)), ("sweep.png", (450, 1200, 4))):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
         assert mpimg.imread(out / name).shape == shape
+
+
+def test_a_first_matplotlib_run_logs_nothing(stack, tmp_path):
+    # Where matplotlib never ran, its first import builds a font cache and logs `INFO
+    # matplotlib.font_manager: generated new fontManager`; kvrelay let other libraries' INFO
+    # lines through to its users' terminals (the test above failed on a fresh machine).
+    out, mpl = tmp_path / "out", tmp_path / "mplconfig"
+    mpl.mkdir()
+    done = bench(
+        f"--url {stack.url} --concurrency 1 --num-requests 1 --max-tokens 2 --out {out}",
+        env={**os.environ, "MPLCONFIGDIR": str(mpl)},
+    )
+    assert (done.returncode, done.stderr) == (
+        0, f"kvrelay bench: wrote {out}/results.json, latency_cdf.png\n")  # fmt: skip
+    assert any(p.name.startswith("fontlist") for p in mpl.iterdir())  # it did build the cache
 
 
 def test_poisson_run_follows_seeded_arrivals(stack, tmp_path):

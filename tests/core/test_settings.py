@@ -160,3 +160,78 @@ def test_flags_are_generated_from_the_settings_fields():
     assert (args.keep_arena, args.arena_bytes, args.node_id) == (False, 4096, None)
     args = parser.parse_args(["generate", "hi", "--num-threads", "2"])
     assert (args.num_threads, args.max_num_seqs) == (2, None)
+
+
+FILE_TYPE_ERRORS = [
+    ("redis_url = 5", "invalid value 5 for redis_url in {path}: want a string"),
+    ('[ingress]\nport = "8000"', 'invalid value "8000" for port in {path}: want a whole number'),
+    ("[ingress]\nport = true", "invalid value true for port in {path}: want a whole number"),
+    ("[ingress]\nport = 80.5", "invalid value 80.5 for port in {path}: want a whole number"),
+    ('[ingress]\nrequest_timeout_s = "9"',
+     'invalid value "9" for request_timeout_s in {path}: want a number'),
+    ("[ingress]\nrequest_timeout_s = false",
+     "invalid value false for request_timeout_s in {path}: want a number"),
+    ('[ingress]\nmodels = "m"', 'invalid value "m" for models in {path}: want a list of strings'),
+    ("[ingress]\nmodels = [1]", "invalid value [1] for models in {path}: want a list of strings"),
+    ("[ingress]\nkey_prefix = 1.5", "invalid value 1.5 for key_prefix in {path}: want a string"),
+    ("[ingress]\noverride_generation_config = 5",
+     'invalid value 5 for override_generation_config in {path}: want a string or "none"'),
+    ('[worker]\nthreads = "4"',
+     'invalid value "4" for threads in {path}: want a whole number or "none"'),
+    ("[store]\nkeep_arena = 1", "invalid value 1 for keep_arena in {path}: want true or false"),
+]  # fmt: skip
+LOADERS = {
+    "ingress": lambda path: load_config(environ={}, config_file=path),
+    "worker": lambda path: load_worker_config(environ={}, config_file=path),
+    "store": lambda path: from_env(
+        StoreConfig, "store", environ={}, file_values=read_config_file(path, "store")
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), FILE_TYPE_ERRORS, ids=[t for t, _ in FILE_TYPE_ERRORS]
+)
+def test_config_file_values_are_type_checked(tmp_path: Path, text, message):
+    # before: taken as they were (redis_url = 5 crashed `serve` later with an AttributeError)
+    path = tmp_path / "k.toml"
+    path.write_text(text + "\n")
+    component = text[1:].split("]", 1)[0] if text.startswith("[") else "ingress"
+    with pytest.raises(ConfigError) as err:
+        LOADERS[component](str(path))
+    assert str(err.value) == message.format(path=path)
+
+
+def test_a_config_file_value_of_the_wrong_type_is_exit_2_in_one_line(tmp_path: Path, capsys):
+    from kvrelay.cli.main import main
+
+    path = tmp_path / "k.toml"
+    path.write_text("redis_url = 5\n")
+    for argv in (("config", "show"), ("serve",), ("worker", "decode")):
+        capsys.readouterr()  # before: `config show` printed 5 and exited 0
+        assert main([*argv, "--config", str(path)]) == 2
+        assert capsys.readouterr() == (
+            "",
+            f"kvrelay {argv[0]}: error: invalid value 5 for redis_url in {path}: want a string\n",
+        )
+
+
+def test_config_file_values_of_a_compatible_type_are_converted(tmp_path: Path):
+    path = tmp_path / "k.toml"
+    path.write_text(
+        "override_generation_config = {temperature = 0.5}\n"
+        "[ingress]\nrequest_timeout_s = 30\nmax_body_bytes = 8e6\nmodels = ['a', 'b']\n"
+        '[worker]\nthreads = "none"\nstore_run_dir = ""\n'
+        "[worker.override_generation_config]\ntop_p = 0.8\nmax_new_tokens = 64\n"
+    )
+    ingress = load_config(environ={}, config_file=str(path))
+    assert (ingress.request_timeout_s, ingress.max_body_bytes, ingress.models) == (
+        30.0, 8_000_000, ("a", "b"))  # fmt: skip
+    assert type(ingress.request_timeout_s) is float and type(ingress.max_body_bytes) is int
+    # a table for the JSON-text setting is kept as JSON text (top level: every component)
+    assert ingress.override_generation_config == '{"temperature": 0.5}'
+    assert ingress.generation_override.temperature == 0.5
+    worker = load_worker_config(environ={}, config_file=str(path))
+    assert (worker.threads, worker.store_run_dir) == (None, None)
+    assert worker.override_generation_config == '{"top_p": 0.8, "max_new_tokens": 64}'
+    assert worker.generation_override.to_dict() == {"top_p": 0.8, "max_tokens": 64}

@@ -122,7 +122,7 @@ def test_dlq_ls_show_replay_purge(r, valkey_session, capsys):
     r.xadd(KEYS.dlq, {MESSAGE_FIELD: b"x", "reason": "r"})
     assert cli(capsys, valkey_session, "dlq", "purge")[0] == 2
     code, out, _ = cli(capsys, valkey_session, "dlq", "purge", "--yes")
-    assert out.strip() == "purged 1 entries" and r.xlen(KEYS.dlq) == 0
+    assert out.strip() == "purged 1 entry" and r.xlen(KEYS.dlq) == 0
 
 
 def test_drain_waits_for_the_heartbeat_to_acknowledge(r, valkey_session, capsys):

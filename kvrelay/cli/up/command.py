@@ -393,16 +393,21 @@ def run_up(args: argparse.Namespace) -> int:
 def run_down(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
     try:
-        read_state(run_dir)
+        state = read_state(run_dir)
     except FileNotFoundError as exc:
         raise CommandError(str(exc)) from None  # a wrong --run-dir is bad usage: exit 2
+    except (OSError, ValueError) as exc:  # unreadable or not JSON
+        raise CommandError(f"cannot read {run_dir}/stack.json: {exc}") from None
     sup = Supervisor(run_dir)
-    if sup.pid() is None:
+    pid = sup.pid()
+    if pid is None:
         print(f"kvrelay down: nothing running in {run_dir}", file=sys.stderr)
         return 0
     if not sup.stop(args.timeout):
         raise CommandError(f"supervisord still running after {args.timeout:.0f}s", EXIT_FAILURE)
-    _remove_arena(read_state(run_dir))
+    _remove_arena(state)
+    programs = ", ".join(state.get("programs") or []) or "no programs"
+    print(f"stopped the stack in {run_dir} (supervisord pid {pid}): {programs}")
     return 0
 
 

@@ -24,9 +24,20 @@ def token_id_message(bad: Any, vocab_size: int) -> str:
 
 
 def context_overflow(
-    limit: int, prompt_tokens: int, completion_tokens: int, what: str = "prompt"
+    limit: int, prompt_tokens: int, completion_tokens: int | None, what: str = "prompt"
 ) -> str | None:
-    """The message when prompt + completion tokens exceed the context `limit`, else None."""
+    """The message when prompt + completion tokens exceed the context `limit`, else None.
+
+    `completion_tokens` None: no completion size was requested, so the prompt alone is
+    checked (it must leave room for one token) and worded as vLLM words it.
+    """
+    if completion_tokens is None:
+        if prompt_tokens < limit:
+            return None
+        return (
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{prompt_tokens} input tokens. Please reduce the length of the {what}."
+        )
     total = prompt_tokens + completion_tokens
     if total <= limit:
         return None

@@ -57,6 +57,18 @@ def unsupported(param: str, what: str) -> RequestError:
     )
 
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the answer
+
+
+def client_closed_request() -> RequestError:
+    """499: the client disconnected while sending its request (no one receives this answer)."""
+    return RequestError(
+        "the client closed the connection before sending the whole request body",
+        CLIENT_CLOSED_REQUEST,
+        code="client_closed_request",
+    )
+
+
 def model_not_found(model: str, served: list[str]) -> RequestError:
     return RequestError(
         f"The model `{model}` does not exist. Served models: {', '.join(served) or 'none'}.",

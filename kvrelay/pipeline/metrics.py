@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 logger = logging.getLogger(__name__)
+
+# No `*_created` series (a timestamp per labelled child: noise to a scraper), as vLLM does.
+# Process-wide, so the workers' metrics (built on `Metrics`) export none either.
+disable_created_metrics()
 
 PREFIX = "kvrelay:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

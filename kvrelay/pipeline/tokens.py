@@ -106,7 +106,8 @@ def check_lengths(
             param=param,
             code="context_length_exceeded",
         )
-    _check_context(limit, n, 1, param)
+    if n >= limit:  # no room for even one token: say so with the completion size asked for
+        _check_context(limit, n, sampling.max_tokens, param)
     if sampling.max_tokens is None:
         sampling.max_tokens = min(max_tokens_limit, limit - n, default_max_tokens or limit)
     elif sampling.max_tokens > max_tokens_limit:
@@ -118,7 +119,7 @@ def check_lengths(
         _check_context(limit, n, sampling.max_tokens, param)
 
 
-def _check_context(limit: int, prompt: int, completion: int, param: str) -> None:
+def _check_context(limit: int, prompt: int, completion: int | None, param: str) -> None:
     message = context_overflow(limit, prompt, completion, param)
     if message is not None:
         raise RequestError(message, 400, param=param, code="context_length_exceeded")

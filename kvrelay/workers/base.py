@@ -250,6 +250,11 @@ class Worker:
         act = self.active.pop(rid, None)
         if act is None:
             return
+        late = act.task.deadline is not None and time.time() > act.task.deadline
+        if reason == FinishReason.CANCELLED and late:
+            # the ingress sets the cancel flag when it gives up at the deadline: as in _admit,
+            # a timeout, which is what the client was told
+            reason = FinishReason.TIMEOUT
         out = self.engine.abort_request(rid, reason or FinishReason.ABORT)
         if reason is not None:  # cancel/timeout: tell the client; lost entries belong elsewhere
             self._finish(act, reason, out.num_cached_tokens if out else 0)

@@ -17,6 +17,7 @@ from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
 pytestmark = pytest.mark.anyio
 
 HI = [{"role": "user", "content": "Hi"}]
+SALT = "Parameter 'cache_salt' must be a non-empty string if provided."
 
 
 def err(message, param=None, code=None, type_="invalid_request_error"):
@@ -75,6 +76,48 @@ CASES = [
         {"model": MODEL, "messages": HI, "tools": [{"type": "function"}]},
         400,
         err("tools is not supported by this server", "tools", "unsupported_value"),
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+        400,
+        err(
+            "tool calling is not supported by this server",
+            "messages[0].tool_calls",
+            "unsupported_value",
+        ),
+    ),
+    (  # no text at all: refused as OpenAI does, on any role
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [*HI, {"role": "assistant", "content": []}]},
+        400,
+        err(
+            "'messages[1].content' must not be an empty array",
+            "messages[1].content",
+            "invalid_value",
+        ),
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": []}]},
+        400,
+        err(
+            "'messages[0].content' must not be an empty array",
+            "messages[0].content",
+            "invalid_value",
+        ),
+    ),
+    (  # an empty salt would share pages with unsalted requests: refused as vLLM does
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "cache_salt": ""},
+        400,
+        err(SALT, "cache_salt", "invalid_value"),
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "cache_salt": ""},
+        400,
+        err(SALT, "cache_salt", "invalid_value"),
     ),
     (
         "/v1/chat/completions",
@@ -179,6 +222,86 @@ async def test_malformed_json_and_non_object_body(harness):
         assert resp.json() == err("the request body must be a JSON object", code="invalid_body")
         resp = await client.get("/v1/nothing")
         assert (resp.status_code, resp.json()) == (404, err("Not Found", code="not_found"))
+
+
+async def test_a_body_declared_as_anything_but_json_is_415(harness):
+    factory, _ = harness
+    app = factory()
+    body = b'{"model": "%s", "prompt": "Hi", "max_tokens": 0}' % MODEL.encode()
+    async with http(app) as client:
+        for declared in ("text/plain", "application/xml", "application/x-www-form-urlencoded"):
+            resp = await client.post(
+                "/v1/completions", content=body, headers={"content-type": declared}
+            )
+            assert (resp.status_code, resp.json()) == (
+                415,
+                err(
+                    f"Unsupported Content-Type '{declared}': send the body as JSON, with "
+                    "'Content-Type: application/json'",
+                    "Content-Type",
+                    "unsupported_media_type",
+                ),
+            ), declared
+        # JSON, a +json type, or nothing declared: parsed (and refused for max_tokens: 0)
+        for headers in (
+            {"content-type": "application/json; charset=utf-8"},
+            {"content-type": "application/vnd.api+json"},
+            {},
+        ):
+            resp = await client.post("/v1/completions", content=body, headers=headers)
+            assert (resp.status_code, resp.json()["error"]["param"]) == (400, "max_tokens")
+        metrics = (await client.get("/metrics")).text
+    assert 'kvrelay:requests_rejected_total{status="415"} 3.0' in metrics
+    assert await _queued(app) == 0
+
+
+async def test_context_overflow_states_the_completion_asked_for(valkey_session, smollm_tokenizer):
+    from kvrelay.pipeline.server.app import create_app
+
+    # the real model directory supplies the 8192-token context; the prompt alone fills it
+    app = create_app(make_config(valkey_session.url, max_prompt_tokens=100000))
+    prompt = {"model": MODEL, "prompt": [28] * 8192}
+    long_chat = [{"role": "user", "content": "hi " * 9000}]
+    try:
+        async with http(app) as client:
+            resp = await client.post("/v1/completions", json={**prompt, "max_tokens": 64})
+            assert (resp.status_code, resp.json()) == (
+                400,
+                err(
+                    "This model's maximum context length is 8192 tokens. However, you requested "
+                    "8256 tokens (8192 in the prompt, 64 in the completion). Please reduce the "
+                    "length of the prompt or completion.",
+                    "prompt",
+                    "context_length_exceeded",
+                ),
+            )
+            resp = await client.post("/v1/completions", json=prompt)  # no max_tokens: vLLM's words
+            assert (resp.status_code, resp.json()) == (
+                400,
+                err(
+                    "This model's maximum context length is 8192 tokens. However, your request "
+                    "has 8192 input tokens. Please reduce the length of the prompt.",
+                    "prompt",
+                    "context_length_exceeded",
+                ),
+            )
+            chat = {"model": MODEL, "messages": long_chat, "max_completion_tokens": 64}
+            resp = await client.post("/v1/chat/completions", json=chat)
+            n = len(smollm_tokenizer.apply_chat_template(long_chat))
+            assert n > 8192
+            assert (resp.status_code, resp.json()) == (
+                400,
+                err(
+                    "This model's maximum context length is 8192 tokens. However, you requested "
+                    f"{n + 64} tokens ({n} in the messages, 64 in the completion). Please reduce "
+                    "the length of the messages or completion.",
+                    "messages",
+                    "context_length_exceeded",
+                ),
+            )
+        assert await _queued(app) == 0
+    finally:
+        await app.state.ingress.aclose()
 
 
 async def test_body_size_limit(harness):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -252,3 +253,47 @@ async def test_an_unexpected_error_is_an_openai_500_with_a_request_id(harness, m
             "code": None,
         }
     }
+
+
+async def test_openapi_lists_every_route_the_app_serves(harness):
+    """The document and the route table cannot drift: same paths, same methods, and every
+    path parameter declared (generated clients reach /v1/requests/{id}/stream too)."""
+    factory, _worker = harness
+    app = factory()
+    async with http(app) as client:
+        doc = (await client.get("/openapi.json")).json()
+    served: dict[str, set[str]] = {}
+    for route in app.routes:
+        path = re.sub(r"\{(\w+)(:\w+)?\}", r"{\1}", route.path)  # {model_id:path} -> {model_id}
+        served.setdefault(path, set()).update(m.lower() for m in route.methods - {"HEAD"})
+    assert {path: set(ops) for path, ops in doc["paths"].items()} == served
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            declared = {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
+            assert declared == set(re.findall(r"\{(\w+)\}", path)), (path, method)
+    resume = doc["paths"]["/v1/requests/{request_id}/stream"]["get"]
+    assert list(resume["responses"]["200"]["content"]) == ["text/event-stream"]
+    assert [(p["name"], p["in"]) for p in resume["parameters"]] == [
+        ("request_id", "path"),
+        ("Last-Event-ID", "header"),
+        ("last_event_id", "query"),
+    ]
+
+
+async def test_metrics_have_no_created_series(harness):
+    """No `*_created` timestamps (as vLLM), from the ingress nor from a worker's registry."""
+    from kvrelay.workers.metrics import WorkerMetrics
+
+    factory, _worker = harness
+    app = factory()
+    async with http(app) as client:
+        await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})
+        text = (await client.get("/metrics")).text
+    assert 'kvrelay:requests_rejected_total{status="400"} 1.0' in text
+    assert "_created" not in text
+    worker = WorkerMetrics(MODEL)
+    worker.store_io("load", 2, 4096)
+    worker.finished(prompt_tokens=7, cached_tokens=4)
+    text = worker.base.render().decode()
+    assert f'kvrelay:kv_store_pages_total{{model_name="{MODEL}",op="load"}} 2.0' in text
+    assert "_created" not in text

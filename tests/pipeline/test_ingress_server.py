@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import subprocess
 import sys
 
@@ -195,6 +196,38 @@ async def test_disconnect_grace_lets_a_client_come_back(valkey_session, smollm_t
                     timeout=0.3,
                 )
             assert await _wait_cancel(app, "g-2")
+
+
+async def test_a_client_gone_mid_body_is_a_quiet_499(valkey_session, smollm_tokenizer, caplog):
+    """A chunked upload cut off: no traceback, no 5xx; counted as nginx's 499."""
+    caplog.set_level(logging.DEBUG)
+    uvicorn_log = logging.getLogger("uvicorn")  # does not propagate to the root logger
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        async with serving(valkey_session.url, smollm_tokenizer) as (base, app, _role):
+            port = int(base.rsplit(":", 1)[1])
+            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            part = b'{"model": "%s", "prompt": "' % MODEL.encode()
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: ingress\r\n"
+                b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+                b"X-Request-Id: cut-1\r\n\r\n" + b"%x\r\n%s\r\n" % (len(part), part)
+            )
+            await writer.drain()
+            writer.close()  # the rest of the body never comes
+            await writer.wait_closed()
+            for _ in range(250):  # until the ingress has counted it (under any status)
+                text = app.state.ingress.metrics.render().decode()
+                if "kvrelay:requests_rejected_total{" in text:
+                    break
+                await asyncio.sleep(0.02)
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    assert 'kvrelay:requests_rejected_total{status="499"} 1.0' in text
+    assert 'status="500"' not in text
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert not [r for r in caplog.records if r.exc_info]
+    assert "request cut-1: client disconnected while sending its body" in caplog.messages
 
 
 def test_ingress_does_not_import_torch():

@@ -23,6 +23,9 @@ PATHS = {
     "/v1/requests/{request_id}": ["delete", "get"],
     "/health": ["get"],
     "/metrics": ["get"],
+    "/v1/models/{model_id}": ["get"],
+    "/v1/requests/{request_id}/stream": ["get"],
+    "/openapi.json": ["get"],
 }
 
 

@@ -147,15 +147,18 @@ async def test_client_gives_503_when_valkey_stays_down(valkey, smollm_tokenizer,
     assert 0.5 <= took < 5.0, took
 
 
-async def test_http_request_waits_for_a_valkey_restart(valkey, smollm_tokenizer):
+@pytest.mark.parametrize("request_id", [None, "chosen-1"], ids=["new-id", "x-request-id"])
+async def test_http_request_waits_for_a_valkey_restart(valkey, smollm_tokenizer, request_id):
+    # with X-Request-Id the ingress first looks the id up: that read waits too
     app = create_app(make_config(valkey.url), tokenizers={MODEL: smollm_tokenizer})
     ing = app.state.ingress
     await (await WorkerRole(valkey.url, ing.keys).setup()).aclose()
+    headers = {"X-Request-Id": request_id} if request_id else {}
     try:
         async with http(app) as client:
             valkey.stop(kill=True)
             body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
-            post = asyncio.create_task(client.post("/v1/completions", json=body))
+            post = asyncio.create_task(client.post("/v1/completions", json=body, headers=headers))
             await _restart_after(valkey, post)
             role = await WorkerRole(valkey.url, ing.keys).setup()
             try:

@@ -110,7 +110,8 @@ class ChatMessage(_Nested):
     role: Role
     tool_calls: Annotated[Any, WithJsonSchema({"type": "array", "maxItems": 0})] = None
     content: Annotated[
-        StrictStr | list[TextPart] | None, Says(expect="a string or an array of text parts")
+        StrictStr | Annotated[list[TextPart], Field(min_length=1)] | None,
+        Says(expect="a string or an array of text parts"),
     ] = None
     name: StrictStr | None = None
 
@@ -124,7 +125,10 @@ class ChatMessage(_Nested):
             message = f"{{param}} must be one of {', '.join(ROLES)}"
             raise fail(message, field="role", templated=True)
         if data.get("tool_calls"):
-            raise refuse("tool calls", field="tool_calls")
+            raise refuse("tool calling", field="tool_calls")
+        if data.get("content") == []:  # no text at all: OpenAI refuses an empty array too
+            message = "'{param}' must not be an empty array"
+            raise fail(message, field="content", code="invalid_value", templated=True)
         if data.get("content") is None and role != "assistant":
             if "content" not in data:
                 raise fail_as("missing", field="content")
@@ -189,7 +193,11 @@ class _Request(BaseModel):
     include_stop_str_in_output: StrictBool | None = None
     max_tokens: _bounded("max_tokens", Int64) | None = None
     user: StrictStr | None = None
-    cache_salt: StrictStr | None = None
+    # non-empty: the HTTP edge refuses "" (validate.check_cache_salt), which the producer
+    # client sends for "no salt"
+    cache_salt: Annotated[StrictStr, WithJsonSchema({"type": "string", "minLength": 1})] | None = (
+        None
+    )
     # pass-through: accepted, change nothing (docs/api.md)
     metadata: dict[str, Any] | None = None
     service_tier: StrictStr | None = None

@@ -83,6 +83,20 @@ def check_unicode(body: Any) -> None:
             stack.extend((_path(where, i), item) for i, item in enumerate(value))
 
 
+def check_cache_salt(body: dict[str, Any]) -> None:
+    """Refuse an HTTP body's empty `cache_salt`, as vLLM does: it would isolate nothing (an
+    empty salt shares pages with unsalted requests).
+
+    HTTP only: the producer client's `cache_salt=""` is its way of saying "no salt".
+    """
+    if body.get("cache_salt") == "":
+        raise bad_request(
+            "Parameter 'cache_salt' must be a non-empty string if provided.",
+            param="cache_salt",
+            code="invalid_value",
+        )
+
+
 # OpenAI fields we do not implement: named as unsupported rather than unknown.
 _OPENAI_UNSUPPORTED = {
     "functions": "functions (legacy function calling)",

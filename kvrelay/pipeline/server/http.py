@@ -63,8 +63,33 @@ def _too_large(limit: int) -> RequestError:
     )
 
 
+def check_json_content_type(request: Request) -> None:
+    """415 for a body declared as anything but JSON; a body declared as nothing is read as JSON.
+
+    (`application/json` or a `+json` type, as FastAPI, and so vLLM, reads them.) curl's `-d`
+    alone declares a form (`application/x-www-form-urlencoded`): refused, so that a body meant
+    for another API is not silently read as this one's.
+    """
+    declared = request.headers.get("content-type", "")
+    media = declared.partition(";")[0].strip().lower()
+    if not media or media == "application/json":
+        return
+    kind, _, subtype = media.partition("/")
+    if kind == "application" and subtype.endswith("+json"):
+        return
+    raise RequestError(
+        f"Unsupported Content-Type {declared[:100]!r}: send the body as JSON, with "
+        "'Content-Type: application/json'",
+        415,
+        param="Content-Type",
+        code="unsupported_media_type",
+    )
+
+
 async def read_json(request: Request, limit: int) -> Any:
-    """The JSON body, at most `limit` bytes (413 beyond, 400 when it does not parse)."""
+    """The JSON body, at most `limit` bytes (415 when declared as another type, 413 beyond the
+    limit, 400 when it does not parse)."""
+    check_json_content_type(request)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise _too_large(limit)

@@ -31,6 +31,7 @@ _ERRORS = {
     "409": "the X-Request-Id names another request",
     "410": "the request's output expired",
     "413": "body too large",
+    "415": "the body is not declared as JSON (Content-Type)",
     "429": "overloaded; honour Retry-After",
     "500": "generation failed or an internal error",
     "503": "queue (Redis) unavailable or model not ready",
@@ -65,7 +66,9 @@ def _completion(name: str, summary: str) -> dict[str, Any]:
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
-                **_errors("400", "401", "404", "409", "410", "413", "429", "500", "503", "504"),
+                **_errors(
+                    "400", "401", "404", "409", "410", "413", "415", "429", "500", "503", "504"
+                ),
             },
         }
     }
@@ -80,6 +83,36 @@ _ID_PARAM = [
         "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"},
     }
 ]
+_MODEL_PARAM = [
+    {
+        "name": "model_id",
+        "in": "path",
+        "required": True,
+        "description": "the model name; it may contain '/'",
+        "schema": {"type": "string"},
+    }
+]
+_RESUME_PARAMS = [
+    *_ID_PARAM,
+    {
+        "name": "Last-Event-ID",
+        "in": "header",
+        "required": False,
+        "description": "the id of the last event received: the stream continues after it",
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    },
+    {
+        "name": "last_event_id",
+        "in": "query",
+        "required": False,
+        "description": "Last-Event-ID as a query parameter (the header wins)",
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    },
+]
+_SSE = {
+    "description": "Server-Sent Events, as the completion endpoints stream them",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
 
 
 @functools.cache
@@ -117,7 +150,21 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {"200": _json(_OBJECT, "model list"), **_errors("401")},
                 }
             },
+            "/v1/models/{model_id}": {
+                "get": {
+                    "summary": "one served model",
+                    "parameters": _MODEL_PARAM,
+                    "responses": {"200": _json(_OBJECT, "model"), **_errors("401", "404")},
+                }
+            },
             "/v1/requests/{request_id}": request_ops,
+            "/v1/requests/{request_id}/stream": {
+                "get": {
+                    "summary": "the request's output as SSE again, after Last-Event-ID",
+                    "parameters": _RESUME_PARAMS,
+                    "responses": {"200": _SSE, **_errors("400", "401", "404", "410", "503")},
+                }
+            },
             "/health": {
                 "get": {
                     "summary": "readiness",
@@ -136,6 +183,12 @@ def openapi_document() -> dict[str, Any]:
                             "content": {"text/plain": {"schema": {"type": "string"}}},
                         }
                     },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "this document",
+                    "responses": {"200": _json(_OBJECT, "OpenAPI 3.1 document"), **_errors("401")},
                 }
             },
         },

@@ -122,7 +122,7 @@ class OutputJob:
                         timer.finish(chunk.finish_reason or FinishReason.STOP, chunk.usage, now)
                         self.ingress.observe_queue_time(self.request_id, timer.model)
         except OutputTimeout:
-            await self.ingress.try_cancel(self.request_id)
+            await self._deadline_passed()
             yield fmt.error_event(DEADLINE_PASSED, "timeout", "request_timeout")
         except RedisError as exc:
             self.server_ended = True
@@ -157,7 +157,7 @@ class OutputJob:
                     timer.tokens(len(chunk.token_ids), time.monotonic())
                 result.add(chunk)
         except OutputTimeout:
-            await self.ingress.try_cancel(self.request_id)
+            await self._deadline_passed()
             body = _error(DEADLINE_PASSED, "timeout", "request_timeout")
             await send_json(send, 504, body, self._headers)
             return
@@ -195,6 +195,13 @@ class OutputJob:
             await send_json(send, 500, body, self._headers)
             return
         await send_json(send, 200, self.fmt.response(result), self._headers)
+
+    async def _deadline_passed(self) -> None:
+        """The reply ends at the deadline: stop the workers (they record it as a timeout, the
+        flag coming after the deadline) and count it as one, streaming or not."""
+        if self.timer:
+            self.timer.finish(FinishReason.TIMEOUT, None, time.monotonic())
+        await self.ingress.try_cancel(self.request_id)
 
     async def _disconnected(self) -> None:
         logger.info("request %s: client disconnected", self.request_id)

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from kvrelay.core import record as fields
 from kvrelay.core.enums import DONE_STATUSES
-from kvrelay.pipeline.errors import RequestError, queue_unavailable
+from kvrelay.core.record import RequestRecord
+from kvrelay.pipeline.errors import RequestError, client_closed_request, queue_unavailable
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.protocol import (
     CHAT,
@@ -33,6 +34,7 @@ from kvrelay.pipeline.openai.protocol import (
     parse_completion,
 )
 from kvrelay.pipeline.openai.responses import ResponseFormatter
+from kvrelay.pipeline.openai.validate import check_cache_salt
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.submit import check_request_id, new_request_id, valid_request_id
 from kvrelay.pipeline.server.attach import (
@@ -56,12 +58,6 @@ if TYPE_CHECKING:
     from kvrelay.pipeline.server.app import Ingress
 
 logger = logging.getLogger(__name__)
-
-
-# req:{id} fields GET /v1/requests/{id} leaves out: ingress-private (options, owner, attaches)
-_HIDDEN_FIELDS = frozenset({fields.INGRESS, fields.KEY_ID, fields.ATTACH})
-# the integers shown as numbers; the workers' claim_* bookkeeping is shown as stored (text)
-_INT_SHOWN = fields.INT_FIELDS - {fields.CLAIM_EMITTED, fields.CLAIM_DELIVERY}
 
 
 @dataclass(slots=True)
@@ -98,7 +94,8 @@ class GenerationApi:
             else:
                 parsed, digest = _parse(body, api)
             if header_id is not None:
-                rec = await raw_record(ing, request_id)
+                # the lookup rides out a Redis restart as the submission does
+                rec = await ing.producer.ride_out(request_id, lambda: raw_record(ing, request_id))
                 if rec is not None:
                     check_same(rec, request_id, digest, key_id)
                     return await reattach(
@@ -136,6 +133,11 @@ class GenerationApi:
             if slot is not None:
                 slot.release()
             return error_response(queue_unavailable(exc), request_id)
+        except ClientDisconnect:  # hung up mid-body: not a server error; counted as 499
+            if slot is not None:
+                slot.release()
+            logger.info("request %s: client disconnected while sending its body", request_id)
+            return error_response(client_closed_request(), request_id)
         except BaseException:
             if slot is not None:
                 slot.release()
@@ -168,21 +170,13 @@ class GenerationApi:
         return await self._own_request(request, resume)
 
     async def request_state(self, request: Request) -> Response:
-        """GET /v1/requests/{id}: the req:{id} record."""
+        """GET /v1/requests/{id}: the req:{id} record, typed (core.record.RequestRecord)."""
         ing = self.ingress
 
         async def state(request_id: str, rec: dict[str, str]) -> Response:
             cancel_requested = bool(await ing.redis.exists(ing.keys.cancel(request_id)))
-            body: dict[str, Any] = {"id": request_id, "object": "request"}
-            for key, value in rec.items():
-                if key in _HIDDEN_FIELDS:
-                    continue
-                if key in _INT_SHOWN and value.lstrip("-").isdigit():
-                    body[key] = int(value)
-                elif key in fields.FLOAT_FIELDS and value:
-                    body[key] = float(value)
-                else:
-                    body[key] = value
+            typed = RequestRecord.decode(rec) or RequestRecord()
+            body: dict[str, Any] = {"id": request_id, "object": "request", **typed.public()}
             body["cancel_requested"] = cancel_requested
             return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})
 
@@ -229,6 +223,7 @@ class GenerationApi:
 def _parse(body: Any, api: str) -> tuple[GenerationRequest, str]:
     """The validated request and its digest (what a re-post must match)."""
     parsed = parse_chat(body) if api == CHAT else parse_completion(body)
+    check_cache_salt(body)
     return parsed, request_digest(parsed)
 
 

@@ -67,8 +67,9 @@ def chat_body(i: int, salt: str = "") -> dict:
         "model": MODEL,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": 24 + (i * 5) % 41,
-        "cache_salt": salt,
     }
+    if salt:  # an empty cache_salt is refused (400): no salt is the field left out
+        body["cache_salt"] = salt
     if i % 2:
         body.update(temperature=0.8, top_p=0.95, seed=1000 + i)
     else:

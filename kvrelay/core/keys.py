@@ -58,6 +58,10 @@ class Keys:
     def cancel(self, request_id: str) -> str:
         return self._p + f"cancel:{request_id}"
 
+    def response(self, response_id: str) -> str:
+        """Hash: a stored Responses API answer (`pipeline/server/response_store.py`)."""
+        return self._p + f"resp:{response_id}"
+
     def worker(self, worker_id: str) -> str:
         return self._p + f"worker:{worker_id}"
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvrelay.core.config import ConfigError
 from kvrelay.core.errors import KvrelayError
+from kvrelay.core.structured import InvalidStructuredOutput, StructuredOutput
 
 # Integer fields travel as MessagePack int64 (seed: signed 64-bit, like vLLM's torch.long bound)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -21,6 +22,10 @@ MAX_STOP = 16  # stop strings per request
 MAX_LOGPROBS = 20  # alternatives per token
 STOP_RULE = f"stop must be at most {MAX_STOP} non-empty strings"
 MIN_TOKENS_RULE = "min_tokens must not exceed max_tokens"
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
+LOGIT_BIAS_RULE = (
+    f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +91,14 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token plus top-n
     skip_special_tokens: bool = True
+    # token id -> added to its logit before penalties and temperature (vLLM's order)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # structured output (json schema, regex, choice, grammar, json_object): see core/structured
+    structured: StructuredOutput | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.structured, dict):  # from_dict / a wire map built by hand
+            self.structured = StructuredOutput.from_dict(self.structured)
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise InvalidSamplingParams for values no request can use; return self."""
@@ -109,6 +122,13 @@ class SamplingParams:
             bad("stop strings must be valid Unicode (no lone UTF-16 surrogates)", "stop")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed must be an integer", "seed")
+        if self.structured is not None:
+            try:
+                StructuredOutput.from_dict(self.structured).check()
+            except InvalidStructuredOutput as exc:
+                bad(str(exc), "structured")
+        if not valid_logit_bias(self.logit_bias):
+            bad(LOGIT_BIAS_RULE, "logit_bias")
         self.normalize()
         self.check_fit(vocab_size)
         return self
@@ -126,7 +146,7 @@ class SamplingParams:
         self.check_vocab(vocab_size)
 
     def check_vocab(self, vocab_size: int | None) -> None:
-        """Raise InvalidSamplingParams for a stop token id outside [0, vocab_size)."""
+        """Raise InvalidSamplingParams for stop or logit_bias ids outside [0, vocab_size)."""
         for tok in self.stop_token_ids:
             if (
                 not isinstance(tok, int)
@@ -136,6 +156,17 @@ class SamplingParams:
                 raise InvalidSamplingParams(
                     f"stop_token_ids has an invalid token id {tok!r}", "stop_token_ids"
                 )
+        outside = sorted(
+            tok
+            for tok in self.logit_bias
+            if tok < 0 or (vocab_size is not None and tok >= vocab_size)
+        )
+        if outside:  # vLLM's wording
+            raise InvalidSamplingParams(
+                f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. "
+                f"Vocabulary size: {vocab_size}",
+                "logit_bias",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -159,6 +190,21 @@ def encodes_utf8(text: str) -> bool:
         text.encode("utf-8")
     except UnicodeEncodeError:
         return False
+    return True
+
+
+def valid_logit_bias(bias: Any) -> bool:
+    """A map of int64 token ids to finite numbers within +-MAX_LOGIT_BIAS (the vocabulary is
+    checked by `check_vocab`)."""
+    if not isinstance(bias, dict):
+        return False
+    for tok, value in bias.items():
+        if isinstance(tok, bool) or not isinstance(tok, int) or not INT64_MIN <= tok <= INT64_MAX:
+            return False
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN fails too
+            return False
     return True
 
 

@@ -156,6 +156,11 @@ class Tokenizer:
         tokenizer = HFTokenizer.from_str(files["tokenizer.json"].decode())
         return cls(tokenizer, special, template, eos)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar engine builds its token table
+        from)."""
+        return self._tok.to_str()
+
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None

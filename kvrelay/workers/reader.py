@@ -16,6 +16,7 @@ from kvrelay.core.enums import RequestStatus, Stage
 from kvrelay.core.messages import MessageError, Task
 from kvrelay.pipeline.queue.streams import Entry
 from kvrelay.workers.emitter import Outgoing
+from kvrelay.workers.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvrelay.workers.base import Worker
@@ -76,6 +77,9 @@ def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
         task = w.message.decode(entry.payload)
     except MessageError as exc:
         return dead_letter(w, entry, f"invalid {w.role} task: {exc}", "")
+    grammar_error = _compile_grammar(w, task)
+    if grammar_error is not None:
+        return dead_letter(w, entry, grammar_error, task.request_id)
     queued = len(getattr(task, "output_token_ids", ()))
     if w.inflight.get(task.request_id) is not None:
         # running here already: our own entry, re-claimed because a renewal came late; a live
@@ -136,6 +140,19 @@ def _admission(w: Worker, entry: Entry, task: Task, claimed: bool) -> Admission 
             len(emitted),
         )
     return Admission(entry.entry_id, task, emitted, cancelled, text_len)
+
+
+def _compile_grammar(w: Worker, task: Task) -> str | None:
+    """Compile a structured-output task's grammar here, on the reader thread, so that its
+    admission finds it in the engine's cache (the compute loop never compiles); the reason to
+    dead-letter the entry when it has none."""
+    if task.sampling.structured is None:
+        return None
+    try:
+        w.engine.grammars.compile(task.sampling.structured)
+    except InvalidRequestError as exc:
+        return f"rejected by the engine: {exc}"
+    return None
 
 
 def dead_letter(w: Worker, entry: Entry, reason: str, request_id: str) -> None:

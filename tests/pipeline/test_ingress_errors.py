@@ -172,9 +172,14 @@ CASES = [
     ),
     (
         "/v1/completions",
-        {"model": MODEL, "prompt": "x", "echo": True},
+        {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1},
         400,
-        err("echo is not supported by this server", "echo", "unsupported_value"),
+        err(
+            "echo together with logprobs (the prompt tokens' logprobs) is not supported by this "
+            "server",
+            "echo",
+            "unsupported_value",
+        ),
     ),
     (
         "/v1/completions",

@@ -36,10 +36,10 @@ CASES = [
     ),
     (
         CHAT,
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "structural_tag"}},
         UNSUPPORTED,
-        "response_format",
-        f"response_format type 'json_object' {NOT_SUPPORTED}",
+        "response_format.type",
+        f"response_format type 'structural_tag' {NOT_SUPPORTED}",
     ),
     (
         CHAT,
@@ -115,10 +115,22 @@ CASES = [
         "model",
         "you must provide a model parameter",
     ),
-    (TEXT, {"logit_bias": {"5": 1}}, UNSUPPORTED, "logit_bias", f"logit_bias {NOT_SUPPORTED}"),
+    (
+        TEXT,
+        {"logit_bias": {"5": 101}},
+        None,
+        "logit_bias",
+        "logit_bias must map token ids to numbers in [-100, 100], got 101",
+    ),
     (TEXT, {"suffix": "s"}, UNSUPPORTED, "suffix", f"suffix {NOT_SUPPORTED}"),
     (CHAT, {"tools": [{"type": "function"}]}, UNSUPPORTED, "tools", f"tools {NOT_SUPPORTED}"),
-    (TEXT, {"echo": True}, UNSUPPORTED, "echo", f"echo {NOT_SUPPORTED}"),
+    (
+        TEXT,
+        {"echo": True, "logprobs": 0},
+        UNSUPPORTED,
+        "echo",
+        f"echo together with logprobs (the prompt tokens' logprobs) {NOT_SUPPORTED}",
+    ),
     (
         TEXT,
         {"functions": []},

@@ -112,7 +112,7 @@ def test_empty_prompt_array_says_empty(prompt):
         ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
         ({"model": "m", "prompt": "x", "temperature": float("nan")}, "temperature"),
         ({"model": "m", "prompt": "x", "best_of": 2}, "best_of"),
-        ({"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"1": "5"}}, "logit_bias"),
         ({"model": "m", "prompt": [1, True]}, "prompt"),
         ({"model": 3, "prompt": "x"}, "model"),
     ],

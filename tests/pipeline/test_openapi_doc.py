@@ -19,6 +19,8 @@ from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
 PATHS = {
     "/v1/chat/completions": ["post"],
     "/v1/completions": ["post"],
+    "/v1/responses": ["post"],
+    "/v1/responses/{response_id}": ["get"],
     "/v1/models": ["get"],
     "/v1/requests/{request_id}": ["delete", "get"],
     "/health": ["get"],
@@ -26,6 +28,8 @@ PATHS = {
     "/v1/models/{model_id}": ["get"],
     "/v1/requests/{request_id}/stream": ["get"],
     "/openapi.json": ["get"],
+    "/tokenize": ["post"],
+    "/detokenize": ["post"],
 }
 
 
@@ -50,6 +54,8 @@ COMMON = {
     "skip_special_tokens",
     "include_stop_str_in_output",
     "max_tokens",
+    "response_format",
+    "structured_outputs",
     "user",
     "cache_salt",
     "logprobs",
@@ -63,7 +69,7 @@ COMMON = {
 def test_the_accepted_fields():
     """The models are the field sets the server takes; any other field is refused by name."""
     chat = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
-    chat |= {"response_format", "store", "parallel_tool_calls", "modalities"}
+    chat |= {"store", "parallel_tool_calls", "modalities"}
     assert field_names(ChatCompletionRequest) == COMMON | chat
     assert field_names(CompletionRequest) == COMMON | {"prompt", "echo", "best_of", "suffix"}
     with pytest.raises(RequestError) as info:

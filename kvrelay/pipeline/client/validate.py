@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrelay.core.sampling import SamplingParams
+from kvrelay.core.structured import InvalidStructuredOutput, StructuredOutput
 from kvrelay.pipeline.errors import bad_request
 from kvrelay.pipeline.openai.protocol import GenerationRequest, parse_chat, parse_completion
 from kvrelay.pipeline.openai.validate import int_list, type_error
@@ -55,6 +56,12 @@ def parse_request(
     body: dict[str, Any], prompt: Any, messages: Any, prompt_token_ids: Any
 ) -> GenerationRequest:
     """Run the ingress's own parser over the body HTTP would carry: the same checks and errors."""
+    structured = body.pop("structured", None)
+    if structured is not None:  # SamplingParams.structured is the body's `structured_outputs`
+        try:
+            body["structured_outputs"] = StructuredOutput.from_dict(structured).to_request()
+        except InvalidStructuredOutput as exc:
+            raise bad_request(str(exc), param="sampling") from None
     if messages is not None:
         top = body.pop("logprobs", None)  # chat spells SamplingParams.logprobs=n this way
         if top is not None:

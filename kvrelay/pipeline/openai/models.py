@@ -9,6 +9,7 @@ they are checked: the first failing one is the error the client gets.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -28,12 +29,16 @@ from kvrelay.core.sampling import (
     BOUNDS,
     INT64_MAX,
     INT64_MIN,
+    LOGIT_BIAS_RULE,
+    MAX_LOGIT_BIAS,
     MAX_STOP,
     MIN_TOKENS_RULE,
     STOP_RULE,
 )
+from kvrelay.core.structured import StructuredOutput
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.openai.explain import Says, fail, fail_as, refuse
+from kvrelay.pipeline.openai.structured import ResponseFormat, StructuredOutputs
 from kvrelay.pipeline.openai.validate import check_known_fields, check_unicode
 from kvrelay.pipeline.tokens import EMPTY_PROMPT
 
@@ -143,25 +148,54 @@ class StreamOptions(_Nested):
     include_usage: StrictBool | None = None
 
 
-class ResponseFormat(_Nested):
-    """`response_format`: only plain text."""
-
-    type: Literal["text"]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("type") != "text":
-            raise refuse(f"response_format type {data.get('type')!r}")
-        return data
-
-
 _StopText = Annotated[str, Field(min_length=1)]
 Stop = Annotated[
     _StopText | Annotated[list[_StopText], Field(max_length=MAX_STOP)],
     Says(expect="a string or an array of strings", invalid=STOP_RULE, whole=True),
 ]
 _WHOLE_IDS = Says(expect="an array of integers", whole=True)
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,19}")  # int64 digits at most (the vocabulary bounds it)
+
+
+def _token_keys(value: dict[str | int, float]) -> dict[int, float]:
+    """logit_bias keys as token ids: OpenAI sends strings of digits; the producer client ints.
+    Negative or out-of-vocabulary ids are refused once the model is known (check_vocab)."""
+    bias: dict[int, float] = {}
+    for key, number in value.items():
+        if isinstance(key, str) and not _TOKEN_KEY.fullmatch(key):
+            raise fail(f"logit_bias has an invalid token id {key[:32]!r}")
+        token = int(key)
+        if not INT64_MIN <= token <= INT64_MAX:
+            raise fail_as("int64")
+        if token in bias:
+            raise fail(f"logit_bias gives token id {token} twice")
+        bias[token] = float(number)
+    return bias
+
+
+_Bias = Annotated[
+    float, Field(strict=True, allow_inf_nan=False, ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)
+]
+LogitBias = Annotated[
+    dict[StrictStr | Int64, _Bias],
+    AfterValidator(_token_keys),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^-?[0-9]+$"},
+            "additionalProperties": {
+                "type": "number",
+                "minimum": -MAX_LOGIT_BIAS,
+                "maximum": MAX_LOGIT_BIAS,
+            },
+        }
+    ),
+    Says(
+        expect="an object mapping token ids to numbers",
+        invalid=LOGIT_BIAS_RULE + ", got {value}",
+        whole=True,
+    ),
+]
 
 
 class _Request(BaseModel):
@@ -171,7 +205,7 @@ class _Request(BaseModel):
 
     model: Annotated[str, Field(min_length=1), Says(missing="you must provide a model parameter")]
     n: OnlyOne("n={value} (only n=1)") | None = None
-    logit_bias: Empty(dict[str, Any], "logit_bias") | None = None
+    logit_bias: LogitBias | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     temperature: _bounded("temperature", Number) | None = None
@@ -198,6 +232,9 @@ class _Request(BaseModel):
     cache_salt: Annotated[StrictStr, WithJsonSchema({"type": "string", "minLength": 1})] | None = (
         None
     )
+    # structured output: constraints checked (compiled) here, see openai/structured.py
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # pass-through: accepted, change nothing (docs/api.md)
     metadata: dict[str, Any] | None = None
     service_tier: StrictStr | None = None
@@ -231,6 +268,20 @@ class _Request(BaseModel):
             raise fail(MIN_TOKENS_RULE, field="min_tokens")
         return self
 
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _Request:
+        formatted = self.response_format is not None and self.response_format.spec() is not None
+        if self.structured_outputs is not None and formatted:
+            message = "response_format and structured_outputs cannot both constrain the output"
+            raise fail(message, field="structured_outputs")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        """The output constraint the request asks for (None: free text)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        return self.response_format.spec() if self.response_format is not None else None
+
     def max_tokens_given(self) -> tuple[int | None, str]:
         """The output limit the client set and the field it used (the last one given wins)."""
         return self.max_tokens, "max_tokens"
@@ -245,7 +296,6 @@ class ChatCompletionRequest(_Request):
     tool_choice: (
         Annotated[Literal["none", "auto"], Says(refused="tool_choice={value!r}")] | None
     ) = None
-    response_format: ResponseFormat | None = None
     logprobs: StrictBool | None = None
     top_logprobs: _bounded("logprobs", Int64) | None = None
     store: FalseOnly("store=true (stored completions)") | None = None
@@ -285,10 +335,17 @@ class CompletionRequest(_Request):
         | TokenIds
         | Annotated[list[PromptText | TokenIds], Field(min_length=1, max_length=1)]
     )
-    echo: FalseOnly("echo") | None = None
+    echo: StrictBool | None = None
     best_of: OnlyOne("best_of > 1") | None = None
     suffix: Empty(StrictStr, "suffix") | None = None
     logprobs: _bounded("logprobs", Int64) | None = None
+
+    @model_validator(mode="after")
+    def _echo_alone(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            # vLLM answers the prompt tokens' logprobs too, which the prefill does not keep
+            raise refuse("echo together with logprobs (the prompt tokens' logprobs)", field="echo")
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod

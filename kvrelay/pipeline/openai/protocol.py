@@ -39,6 +39,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    echo: bool = False  # completions: the text starts with the prompt
     user: str | None = None
     cache_salt: str = ""
     max_tokens_param: str = "max_tokens"  # the field the client set, for errors about it
@@ -69,6 +70,7 @@ _SAMPLING = (
     "min_tokens",
     "seed",
     "skip_special_tokens",
+    "logit_bias",
 )
 
 
@@ -78,7 +80,11 @@ def _request(req: _Request, api: str) -> GenerationRequest:
     stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop is not None else []
     max_tokens, max_tokens_param = req.max_tokens_given()
     sampling = SamplingParams(
-        max_tokens=max_tokens, stop=stop, stop_token_ids=list(req.stop_token_ids or ()), **given
+        max_tokens=max_tokens,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or ()),
+        structured=req.structured(),
+        **given,
     ).normalize()
     options = req.stream_options
     return GenerationRequest(
@@ -125,4 +131,5 @@ def parse_completion(body: Any) -> GenerationRequest:
         req.prompt_token_ids = list(prompt)
     req.logprobs = completion.logprobs is not None
     req.sampling.logprobs = completion.logprobs
+    req.echo = bool(completion.echo)
     return req

@@ -51,6 +51,7 @@ class ResponseFormatter:
     logprobs: bool = False
     include_usage: bool = False
     token_text: Callable[[int], str] = str
+    echo: str = ""  # completions with echo: the prompt text, sent before the first token's
     text_offset: int = 0
     completion_tokens: int = 0
     _seen: list[int] = field(default_factory=list)
@@ -134,12 +135,15 @@ class ResponseFormatter:
         a token-less ending (cancelled, timeout) has none: there is no token to resume at, so a
         client resuming from its last token's id gets the ending again."""
         self.completion_tokens = chunk.index + len(chunk.token_ids)
-        has_output = bool(chunk.token_ids or chunk.text)
+        text = chunk.text
+        if self.echo and chunk.index == 0 and chunk.finish_reason != FinishReason.ERROR:
+            text, self.echo = self.echo + text, ""  # the first chunk starts with the prompt
+        has_output = bool(chunk.token_ids or text)
         if not has_output and (not chunk.finished or chunk.finish_reason == FinishReason.ERROR):
             return None  # an error ending is sent as an error event by the caller
         finish = chunk.finish_reason if chunk.finish_reason != FinishReason.ERROR else None
         if self.api == CHAT:
-            delta = {"content": chunk.text} if has_output else {}
+            delta = {"content": text} if has_output else {}
             choice = {
                 "index": 0,
                 "delta": delta,
@@ -149,7 +153,7 @@ class ResponseFormatter:
         else:
             choice = {
                 "index": 0,
-                "text": chunk.text,
+                "text": text,
                 "logprobs": self._text_logprobs(chunk),
                 "finish_reason": finish,
             }
@@ -181,7 +185,7 @@ class ResponseFormatter:
         else:
             choice = {
                 "index": 0,
-                "text": result.text,
+                "text": self.echo + result.text,
                 "logprobs": self._text_logprobs(chunk),
                 "finish_reason": result.finish_reason,
             }

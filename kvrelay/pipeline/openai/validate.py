@@ -97,7 +97,7 @@ def check_cache_salt(body: dict[str, Any]) -> None:
         )
 
 
-# OpenAI fields we do not implement: named as unsupported rather than unknown.
+# OpenAI (and vLLM) fields we do not implement: named as unsupported rather than unknown.
 _OPENAI_UNSUPPORTED = {
     "functions": "functions (legacy function calling)",
     "function_call": "function_call (legacy function calling)",
@@ -106,6 +106,8 @@ _OPENAI_UNSUPPORTED = {
     "reasoning_effort": "reasoning_effort",
     "verbosity": "verbosity",
     "web_search_options": "web search",
+    # vLLM's: needs the prefill to keep every prompt position's logits (docs/api.md)
+    "prompt_logprobs": "prompt_logprobs (the logprobs of the prompt tokens)",
 }
 
 

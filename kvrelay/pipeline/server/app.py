@@ -5,7 +5,9 @@ out:{id} back as JSON or SSE. It imports neither torch nor the workers, so it st
 
 `Ingress` is the application: the shared state, its lifespan, and `routes()`, the route table.
 Every endpoint is a method of `GenerationApi` (routes.py: completions and the request
-endpoints) or `InfoApi` (info.py: models, health, metrics, OpenAPI), each holding the Ingress.
+endpoints), `ResponsesApi` (responses_routes.py: the Responses API), `TokenizationApi`
+(tokenization.py: /tokenize, /detokenize) or `InfoApi` (info.py: models, health, metrics,
+OpenAPI), each holding the Ingress.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from kvrelay.pipeline.server.config import IngressConfig, load_config
 from kvrelay.pipeline.server.http import error_response
 from kvrelay.pipeline.server.info import InfoApi
 from kvrelay.pipeline.server.middleware import RequestIdMiddleware
+from kvrelay.pipeline.server.responses_routes import ResponsesApi
 from kvrelay.pipeline.server.routes import GenerationApi
+from kvrelay.pipeline.server.tokenization import TokenizationApi
 from kvrelay.pipeline.tokens import max_chars_per_token
 
 logger = logging.getLogger(__name__)
@@ -96,13 +100,17 @@ class Ingress:
         self._tasks: set[asyncio.Task] = set()
         self.generation = GenerationApi(self)
         self.info = InfoApi(self)
+        self.responses = ResponsesApi(self)
+        self.tokenization = TokenizationApi(self)
 
     def routes(self) -> list[Route]:
         """The route table: every endpoint the ingress serves, and the method that serves it."""
-        gen, info = self.generation, self.info
+        gen, info, resp = self.generation, self.info, self.responses
         return [
             Route("/v1/chat/completions", gen.chat_completions, methods=["POST"]),
             Route("/v1/completions", gen.completions, methods=["POST"]),
+            Route("/v1/responses", resp.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", resp.retrieve, methods=["GET"]),
             Route("/v1/models", info.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", info.retrieve_model, methods=["GET"]),
             Route("/v1/requests/{request_id}", gen.request_state, methods=["GET"]),
@@ -111,6 +119,8 @@ class Ingress:
             Route("/health", info.health, methods=["GET"]),
             Route("/metrics", info.metrics, methods=["GET"]),
             Route("/openapi.json", info.openapi, methods=["GET"]),
+            Route("/tokenize", self.tokenization.tokenize, methods=["POST"]),
+            Route("/detokenize", self.tokenization.detokenize, methods=["POST"]),
         ]
 
     @contextlib.asynccontextmanager

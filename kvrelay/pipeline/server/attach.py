@@ -43,6 +43,7 @@ def request_digest(req: GenerationRequest) -> str:
         "prompt_token_ids": req.prompt_token_ids,
         "cache_salt": req.cache_salt,
         "logprobs": req.logprobs,
+        "echo": req.echo,
     }
     raw = json.dumps(what, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(raw.encode()).hexdigest()
@@ -136,6 +137,7 @@ async def reattach(
         logprobs=bool(opts.get("logprobs")),
         include_usage=include_usage,
         token_text=ing.token_text(entry),
+        echo=echo if isinstance(echo := opts.get("echo"), str) else "",
     )
     deadline = float(rec[fields.DEADLINE]) if rec.get(fields.DEADLINE) else None
     start = 0 if last is None or not stream else last + 1

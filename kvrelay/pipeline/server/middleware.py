@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 OMIT_REQUEST_ID = "omit_request_id"  # scope["state"] flag: this response carries no id
 _HEADER = b"x-request-id"
-_COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions")
+_COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def omit_request_id(scope: Scope) -> None:

@@ -6,6 +6,12 @@ import functools
 from typing import Any
 
 from kvrelay.pipeline.openai.models import ChatCompletionRequest, CompletionRequest
+from kvrelay.pipeline.openai.responses_api import ResponsesRequest
+from kvrelay.pipeline.openai.tokenization import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 
 _REF = "#/components/schemas/{model}"
 _ERROR_SCHEMA = {
@@ -92,6 +98,14 @@ _MODEL_PARAM = [
         "schema": {"type": "string"},
     }
 ]
+_RESPONSE_PARAM = [
+    {
+        "name": "response_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": "^resp_[A-Za-z0-9._:-]{1,123}$"},
+    }
+]
 _RESUME_PARAMS = [
     *_ID_PARAM,
     {
@@ -109,6 +123,40 @@ _RESUME_PARAMS = [
         "schema": {"type": "string", "pattern": "^[0-9]+$"},
     },
 ]
+_TOKENIZE_ANSWER = {
+    "type": "object",
+    "required": ["count", "max_model_len", "tokens", "token_strs"],
+    "properties": {
+        "count": {"type": "integer"},
+        "max_model_len": {"type": "integer"},
+        "tokens": {"type": "array", "items": {"type": "integer"}},
+        "token_strs": {"type": ["array", "null"], "items": {"type": "string"}},
+    },
+}
+_DETOKENIZE_ANSWER = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {"prompt": {"type": "string"}},
+}
+
+
+def _post(summary: str, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {
+                "200": _json(answer, summary),
+                **_errors("400", "401", "404", "413", "415", "503"),
+            },
+        }
+    }
+
+
+def _ref(model: type) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
 _SSE = {
     "description": "Server-Sent Events, as the completion endpoints stream them",
     "content": {"text/event-stream": {"schema": {"type": "string"}}},
@@ -119,7 +167,10 @@ _SSE = {
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document (built once)."""
     schemas: dict[str, Any] = {"ErrorResponse": _ERROR_SCHEMA}
-    for model in (ChatCompletionRequest, CompletionRequest):
+    models = (ChatCompletionRequest, CompletionRequest)
+    models += (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
+    models += (ResponsesRequest,)
+    for model in models:
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -144,6 +195,17 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _completion("ChatCompletionRequest", "chat completion"),
             "/v1/completions": _completion("CompletionRequest", "text completion"),
+            "/v1/responses": _completion("ResponsesRequest", "model response (Responses API)"),
+            "/v1/responses/{response_id}": {
+                "get": {
+                    "summary": "a stored response (store: true)",
+                    "parameters": _RESPONSE_PARAM,
+                    "responses": {
+                        "200": _json(_OBJECT, "the response object"),
+                        **_errors("400", "401", "404", "503"),
+                    },
+                }
+            },
             "/v1/models": {
                 "get": {
                     "summary": "served models",
@@ -185,6 +247,14 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/tokenize": _post(
+                "the prompt's token ids (a text prompt, or messages through the chat template)",
+                {"anyOf": [_ref(TokenizeCompletionRequest), _ref(TokenizeChatRequest)]},
+                _TOKENIZE_ANSWER,
+            ),
+            "/detokenize": _post(
+                "the text of token ids", _ref(DetokenizeRequest), _DETOKENIZE_ANSWER
+            ),
             "/openapi.json": {
                 "get": {
                     "summary": "this document",

@@ -26,6 +26,7 @@ from kvrelay.core.enums import DONE_STATUSES
 from kvrelay.core.record import RequestRecord
 from kvrelay.pipeline.errors import RequestError, client_closed_request, queue_unavailable
 from kvrelay.pipeline.metrics import RequestTimer
+from kvrelay.pipeline.model_registry import ModelEntry
 from kvrelay.pipeline.openai.protocol import (
     CHAT,
     COMPLETION,
@@ -112,6 +113,9 @@ class GenerationApi:
                 "logprobs": parsed.logprobs,
                 "digest": digest,
             }
+            echo = echo_text(parsed, sub.prompt_token_ids, entry) if parsed.echo else ""
+            if echo:  # a reattached client gets the same first event
+                options["echo"] = echo
             record = {
                 fields.INGRESS: options,
                 fields.USER: parsed.user or "",
@@ -154,6 +158,7 @@ class GenerationApi:
             logprobs=parsed.logprobs,
             include_usage=parsed.include_usage,
             token_text=ing.token_text(entry),
+            echo=echo,
         )
         timer = RequestTimer(ing.metrics, sub.model, arrival)
         job = OutputJob(
@@ -225,6 +230,14 @@ def _parse(body: Any, api: str) -> tuple[GenerationRequest, str]:
     parsed = parse_chat(body) if api == CHAT else parse_completion(body)
     check_cache_salt(body)
     return parsed, request_digest(parsed)
+
+
+def echo_text(parsed: GenerationRequest, prompt_ids: list[int], entry: ModelEntry) -> str:
+    """The prompt as `echo` returns it: the text sent, or token ids decoded (special tokens
+    kept, as vLLM decodes them)."""
+    if parsed.prompt is not None:
+        return parsed.prompt
+    return entry.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
 
 def _bad_id(value: str, param: str) -> RequestError:

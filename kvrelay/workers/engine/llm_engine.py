@@ -1,14 +1,17 @@
 """The in-process LLM engine: continuous batching over a paged KV pool with prefix caching.
 
 A request's path: `add_request` validates it and queues a Sequence -> each `step()` the
-scheduler picks sequences and token counts -> the model runner computes their K/V (prefix hits
-from the device cache or the store are skipped) -> rows that reached their last token sample
-one token -> the output processor detokenizes and checks stops -> full blocks are keyed,
-registered and saved once -> a finished (or handed-off) sequence releases its blocks.
+scheduler picks sequences and token counts (a structured-output request once its grammar is
+compiled, engine/grammar.py) -> the model runner computes their K/V (prefix hits from the
+device cache or the store are skipped) -> rows that reached their last token sample one token
+(masked by their grammar, if any) -> the output processor detokenizes and checks stops -> full
+blocks are keyed, registered and saved once -> a finished (or handed-off) sequence releases its
+blocks.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import operator
 import time
@@ -22,6 +25,7 @@ from kvrelay.core.limits import bad_token_id, context_overflow, token_id_message
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams, effective_seed
 from kvrelay.workers.engine.block_pool import BlockPool
 from kvrelay.workers.engine.config import EngineConfig, EngineStats, RequestOutput, merge_outputs
+from kvrelay.workers.engine.grammar import Grammars
 from kvrelay.workers.engine.kv_cache_manager import KVCacheManager
 from kvrelay.workers.engine.kv_connector import KVConnector
 from kvrelay.workers.engine.model_runner import ModelRunner
@@ -102,8 +106,10 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size)
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
+        self._compiling: list[Sequence] = []  # waiting for their structured-output grammar
         logger.info(
             "engine ready: model %s, %d blocks of %d tokens, max_model_len %d",
             self.model_name,
@@ -190,6 +196,9 @@ class Engine:
             num_resumed_tokens=len(outputs),
         )
         self.outputs.start(seq, emitted_text_len)
+        if sampling.structured is not None:
+            seq.grammar = self.grammars.start(sampling.structured, outputs)
+            self._compiling.append(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         logger.debug(
@@ -231,11 +240,15 @@ class Engine:
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; returns the new tokens of every request that got one."""
+        failed = self._settle_grammars() if self._compiling else []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.kv.has_pending_fetches():  # nothing to compute until a store fetch lands
                 self.kv.wait_fetches(0.01)
-            return []
+            elif self._compiling:  # nor until a grammar is compiled
+                futures = [seq.grammar.future for seq in self._compiling]
+                cf.wait(futures, timeout=0.01, return_when=cf.FIRST_COMPLETED)
+            return failed
         logits = self.runner.run(sched.scheduled)
         self.stats.num_steps += 1
         sampling_seqs = [s.seq for s in sched.scheduled if s.samples]
@@ -249,7 +262,7 @@ class Engine:
         rows = [self._sample_row(seq) for seq in sampling_seqs]
         results = self.sampler(logits, rows) if rows else []
         now = time.time()
-        outs = []
+        outs = failed
         for seq, res in zip(sampling_seqs, results, strict=True):
             text = self.outputs.append(seq, res.token_id)
             self.stats.num_generated_tokens += 1
@@ -265,6 +278,26 @@ class Engine:
             outs.append(self._output(seq, [res.token_id], lps, text))
         return outs
 
+    def _settle_grammars(self) -> list[RequestOutput]:
+        """Give compiled grammars to their sequences; finish those whose grammar failed (an
+        `error` output: a task no engine can serve, or outputs that do not fit it)."""
+        outs, waiting = [], []
+        for seq in self._compiling:
+            if seq.is_finished:  # aborted while compiling
+                continue
+            if not seq.grammar.poll():
+                waiting.append(seq)
+            elif seq.grammar.error is not None:
+                logger.warning("request %s: %s", seq.request_id, seq.grammar.error)
+                self._seqs.pop(seq.request_id, None)
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = FinishReason.ERROR
+                seq.finished_time = time.time()
+                outs.append(self._output(seq, [], None, ""))
+        self._compiling = waiting
+        return outs
+
     def _sample_row(self, seq: Sequence) -> SampleRow:
         p = seq.sampling
         row = SampleRow(
@@ -275,6 +308,8 @@ class Engine:
             row.prompt_token_ids = seq.token_ids[: seq.num_prompt_tokens]
         if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
             row.output_token_ids = seq.token_ids[seq.num_prompt_tokens :]
+        if seq.grammar is not None:
+            row.allowed_token_mask = seq.grammar.allowed()
         return row
 
     def _output(

@@ -3,7 +3,8 @@
 Stop checks, in order (vLLM's): eos (unless ignore_eos) and stop_token_ids once `min_tokens`
 outputs exist (their text is not part of the output unless include_stop_str_in_output), then
 stop strings on the detokenized text (the text is cut at the stop, or just after it with
-include_stop_str_in_output), then max_tokens / the context limit ("length").
+include_stop_str_in_output), then a structured-output grammar that takes no further token
+("stop", the token's text kept), then max_tokens / the context limit ("length").
 
 While a request streams, the last `max(len(stop)) - 1` characters are held back (unless
 include_stop_str_in_output) so that text which later turns out to start a stop string is
@@ -56,6 +57,7 @@ class OutputProcessor:
     def append(self, seq: Sequence, token_id: int) -> str:
         """Add a sampled token to `seq`; set its finish state; return the text to send."""
         seq.token_ids.append(token_id)
+        complete = seq.grammar is not None and seq.grammar.advance(token_id)
         p = seq.sampling
         n_out = seq.num_output_tokens
         stop_tok = False
@@ -69,6 +71,8 @@ class OutputProcessor:
             seq.output_text += seq.detokenizer.add([token_id])
             if p.stop and n_out >= p.min_tokens and not stop_tok:
                 self._check_stop_strings(seq, before)
+        if seq.finish_reason is None and complete:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
         at_limit = p.max_tokens is not None and n_out >= p.max_tokens
         if seq.finish_reason is None and (at_limit or seq.num_tokens >= self.max_model_len):
             seq.finish_reason = FinishReason.LENGTH

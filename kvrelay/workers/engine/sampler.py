@@ -2,9 +2,11 @@
 
 Order of processing (vLLM v1's): raw logprobs are taken first (the model's distribution, before
 any penalty or temperature, which is vLLM's default `raw_logprobs`); then stop tokens are masked
-while `min_tokens` is not reached; then repetition, frequency and presence penalties; greedy rows
-take the argmax of those processed logits; random rows divide by the temperature, apply min-p,
-then top-k, then top-p (over the top-k renormalised distribution, as vLLM does) and draw.
+while `min_tokens` is not reached and `logit_bias` is added; then repetition, frequency and
+presence penalties; then a structured-output row's grammar mask (tokens the grammar does not
+allow next get -inf); greedy rows take the argmax of those processed logits; random rows divide
+by the temperature, apply min-p, then top-k, then top-p (over the top-k renormalised
+distribution, as vLLM does) and draw.
 
 Reproducibility: the draw for output position `i` uses one uniform number computed from
 `(seed, i)` alone (a blake2b counter, no generator state), mapped through the inverse CDF of
@@ -45,12 +47,22 @@ class SampleRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     banned_token_ids: Sequence[int] = ()  # masked (min_tokens not reached yet)
+    allowed_token_mask: torch.Tensor | None = None  # structured output: bool [vocab], CPU
 
 
 @dataclass(slots=True)
 class SampleResult:
     token_id: int
     logprobs: dict[int, float] | None = field(default=None)
+
+
+def _apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """`logits` with each biased token's bias added (a new tensor; row-local)."""
+    if not bias:
+        return logits
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    values = torch.tensor(list(bias.values()), dtype=logits.dtype)
+    return logits.index_add(0, ids, values)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -153,7 +165,10 @@ class Sampler:
         if row.banned_token_ids:
             logits = logits.clone()
             logits[torch.as_tensor(row.banned_token_ids, dtype=torch.long)] = float("-inf")
+        logits = _apply_logit_bias(logits, row.params.logit_bias)
         logits = _apply_penalties(logits, row)
+        if row.allowed_token_mask is not None:
+            logits = _grammar_masked(raw, logits, row)
         p = row.params
         if p.temperature < _MIN_TEMPERATURE:
             return int(logits.argmax())
@@ -161,10 +176,25 @@ class Sampler:
         return _draw(probs, ids, uniform(row.seed, row.index))
 
 
+def _grammar_masked(raw: torch.Tensor, logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """`logits` with the tokens the row's grammar does not allow at -inf."""
+    assert row.allowed_token_mask is not None
+    disallowed = ~row.allowed_token_mask.to(logits.device)
+    masked = logits.masked_fill(disallowed, float("-inf"))
+    if row.banned_token_ids and not bool(torch.isfinite(masked).any()):
+        # min_tokens banned every token the grammar allows (stop_token_ids): the grammar wins,
+        # as an output that breaks it would be worse than an early stop token
+        unbanned = _apply_penalties(_apply_logit_bias(raw, row.params.logit_bias), row)
+        masked = unbanned.masked_fill(disallowed, float("-inf"))
+    return masked
+
+
 def _is_plain(row: SampleRow) -> bool:
     p = row.params
     return (
-        not row.banned_token_ids
+        row.allowed_token_mask is None
+        and not row.banned_token_ids
+        and not p.logit_bias
         and p.repetition_penalty == 1.0
         and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0

@@ -122,7 +122,8 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and slots > 0:
             seq = self.waiting[i]
             slots -= 1
-            if not self.kv.ready(seq):  # its store fetch is in flight: admit the next one
+            # its store fetch is in flight, or its grammar compiling: admit the next one
+            if not self.kv.ready(seq) or not seq.grammar_ready:
                 i += 1
                 continue
             self.kv.match_prefix(seq)

@@ -55,6 +55,12 @@ class Sequence:
     output_text: str = ""
     emitted_text_len: int = 0
     detokenizer: Any = None
+    grammar: Any = None  # structured output: a GrammarState (engine/grammar.py), else None
+
+    @property
+    def grammar_ready(self) -> bool:
+        """False while its structured-output grammar is still being compiled."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,187 @@
+"""The request fields that constrain the output: OpenAI's `response_format` and vLLM's
+`structured_outputs`, as pydantic models (used by `models.py` on both endpoints).
+
+Each validates its constraint once, here at the edge: it becomes a `StructuredOutput` whose
+grammar llguidance compiles (without a tokenizer), so a bad schema, regex or grammar is a 400
+naming the field and nothing is queued.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictStr,
+    WithJsonSchema,
+    model_validator,
+)
+
+from kvrelay.core.structured import (
+    CHOICE,
+    GRAMMAR,
+    JSON,
+    JSON_OBJECT,
+    REGEX,
+    InvalidStructuredOutput,
+    StructuredOutput,
+    grammar_error,
+    json_schema_text,
+)
+from kvrelay.pipeline.openai.explain import Says, fail, fail_as, refuse
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# vLLM's StructuredOutputsParams options this server does not implement (refused by name)
+_UNSUPPORTED_OPTIONS = {
+    "structural_tag": "structured_outputs.structural_tag",
+    "whitespace_pattern": "structured_outputs.whitespace_pattern",
+    "disable_additional_properties": "structured_outputs.disable_additional_properties",
+}
+_CONSTRAINTS = (JSON, REGEX, CHOICE, GRAMMAR, JSON_OBJECT)
+_OPTIONS = ("disable_any_whitespace", "disable_fallback")
+_MAX_ERROR = 1000  # characters of the grammar engine's message (it may quote the schema)
+
+
+def _checked(spec: StructuredOutput, field: str, what: str) -> StructuredOutput:
+    """`spec` if its grammar compiles, else the 400 for `field` (below the validated object)."""
+    error = grammar_error(spec)
+    if error is not None:
+        raise fail(f"{what}: {error[:_MAX_ERROR]}", field=field)
+    return spec
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's {name, description, schema, strict}."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    description: StrictStr | None = None
+    # required (the validator below words its absence); the JSON schema says so too
+    schema_: Annotated[dict[str, Any], Field(alias="schema"), WithJsonSchema({"type": "object"})]
+    strict: StrictBool | None = None  # the schema is always enforced exactly
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_given(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("schema") is None:
+            raise fail_as("missing", field="schema")
+        if isinstance(data, dict) and not isinstance(data["schema"], dict):
+            raise fail_as("type", field="schema", expected="an object (a JSON schema)")
+        return data
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: `text` (no constraint), `json_object` (any JSON object) or
+    `json_schema` (output valid for `json_schema.schema`)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    _spec: StructuredOutput | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") not in RESPONSE_FORMATS:
+            kind = data.get("type")
+            if not isinstance(kind, str):
+                raise fail_as("type", field="type", expected="a string")
+            raise refuse(f"response_format type {kind[:64]!r}", field="type")
+        if isinstance(data, dict) and data["type"] == "json_schema" and not data.get("json_schema"):
+            raise fail_as("missing", field="json_schema")
+        return data
+
+    @model_validator(mode="after")
+    def _compile(self) -> ResponseFormat:
+        if self.type == "json_object":
+            self._spec = StructuredOutput(JSON_OBJECT)
+        elif self.type == "json_schema" and self.json_schema is not None:
+            spec = StructuredOutput(JSON, json_schema_text(self.json_schema.schema_))
+            self._spec = _checked(spec, "json_schema.schema", "invalid JSON schema")
+        return self
+
+    def spec(self) -> StructuredOutput | None:
+        """The constraint asked for (None for text)."""
+        return self._spec
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of `json` (a JSON schema, as an object or its
+    JSON text), `regex`, `choice` (strings), `grammar` (Lark, or GBNF / EBNF in llama.cpp's
+    syntax) and `json_object: true`; options `disable_any_whitespace` and `disable_fallback`
+    (accepted: there is one grammar engine, so never a fallback)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: Annotated[
+        dict[str, Any] | StrictStr | None,
+        Field(alias="json"),
+        WithJsonSchema({"type": ["object", "string"]}),
+    ] = None
+    regex: Annotated[StrictStr, Field(min_length=1)] | None = None
+    choice: (
+        Annotated[list[StrictStr], Field(min_length=1), Says(expect="a non-empty array of strings")]
+        | None
+    ) = None
+    grammar: Annotated[StrictStr, Field(min_length=1)] | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool | None = None
+    disable_fallback: StrictBool | None = None
+    _spec: StructuredOutput | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_constraint(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # refused as "must be an object"
+        for key, value in data.items():
+            if value is None:
+                continue
+            if key in _UNSUPPORTED_OPTIONS:
+                raise refuse(_UNSUPPORTED_OPTIONS[key], field=key)
+            if key not in _CONSTRAINTS and key not in _OPTIONS:
+                raise fail(
+                    f"unknown structured_outputs field {key[:64]!r} (known: "
+                    f"{', '.join(_CONSTRAINTS + _OPTIONS)})",
+                    field=key[:256],
+                    code="unknown_parameter",
+                )
+        given = [k for k in _CONSTRAINTS if data.get(k) is not None and data.get(k) is not False]
+        if len(given) != 1:
+            what = "none" if not given else ", ".join(given)
+            raise fail(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object (got {what})"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _compile(self) -> StructuredOutputs:
+        any_whitespace = not self.disable_any_whitespace
+        if self.json_ is not None:
+            try:
+                text = json_schema_text(self.json_)
+            except InvalidStructuredOutput as exc:
+                raise fail(f"invalid JSON schema: {exc}", field="json") from None
+            spec = StructuredOutput(JSON, text, any_whitespace)
+            self._spec = _checked(spec, "json", "invalid JSON schema")
+        elif self.regex is not None:
+            self._spec = _checked(StructuredOutput(REGEX, self.regex), "regex", "invalid regex")
+        elif self.choice is not None:
+            spec = StructuredOutput(CHOICE, list(self.choice))
+            self._spec = _checked(spec, "choice", "invalid choice")
+        elif self.grammar is not None:
+            spec = StructuredOutput(GRAMMAR, self.grammar)
+            self._spec = _checked(spec, "grammar", "invalid grammar")
+        else:
+            self._spec = StructuredOutput(JSON_OBJECT, any_whitespace=any_whitespace)
+        return self
+
+    def spec(self) -> StructuredOutput | None:
+        return self._spec

@@ -1,0 +1,84 @@
+"""Stored Responses API answers (`store: true`), for GET /v1/responses/{id} and
+`previous_response_id`: one hash `resp:{response_id}` per response, expiring with the request
+record (`record_ttl_s`).
+
+Fields: `response` (the response object as JSON: in progress from submission, final once the
+ingress delivered its last token), `messages` (the conversation it answered, as chat messages:
+the earlier turns and its input, without its instructions, which a later turn does not
+inherit), `request_id`, `key_id` (the API key that created it; other keys see nothing).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from kvrelay.core.keys import Keys
+from kvrelay.core.record import as_str
+
+RESPONSE, MESSAGES, REQUEST_ID, KEY_ID = "response", "messages", "request_id", "key_id"
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    """One stored answer."""
+
+    response: dict[str, Any]
+    messages: list[dict[str, Any]]
+    request_id: str
+
+    @property
+    def status(self) -> str:
+        return str(self.response.get("status", ""))
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The turns a follow-up continues: the messages answered, then the answer itself."""
+        text = "".join(
+            part.get("text", "")
+            for item in self.response.get("output", [])
+            if item.get("type") == "message"
+            for part in item.get("content", [])
+        )
+        return [*self.messages, {"role": "assistant", "content": text}]
+
+
+class ResponseStore:
+    """Reads and writes `resp:{id}` hashes."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: int):
+        self.redis, self.keys, self.ttl_s = redis, keys, ttl_s
+
+    async def save(
+        self,
+        response: dict[str, Any],
+        messages: list[dict[str, Any]],
+        request_id: str,
+        key_id: str,
+    ) -> None:
+        """Write (or overwrite) the stored answer and restart its expiry."""
+        key = self.keys.response(response["id"])
+        mapping = {
+            RESPONSE: json.dumps(response, ensure_ascii=False),
+            MESSAGES: json.dumps(messages, ensure_ascii=False),
+            REQUEST_ID: request_id,
+            KEY_ID: key_id,
+        }
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=mapping)
+            pipe.expire(key, self.ttl_s)
+            await pipe.execute()
+
+    async def load(self, response_id: str, key_id: str) -> StoredResponse | None:
+        """The stored answer, or None (unknown, expired, not stored, or another key's)."""
+        raw = await self.redis.hgetall(self.keys.response(response_id))
+        found = {as_str(k): as_str(v) for k, v in raw.items()}
+        if not found or found.get(KEY_ID, "") != key_id:
+            return None
+        try:
+            response, messages = json.loads(found[RESPONSE]), json.loads(found[MESSAGES])
+        except (KeyError, ValueError):
+            return None
+        return StoredResponse(response, messages, found.get(REQUEST_ID, ""))

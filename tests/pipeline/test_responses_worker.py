@@ -1,0 +1,96 @@
+"""The Responses API with a real decode worker (SmolLM2 on CPU, real Valkey): greedy answers
+equal the chat endpoint's for the same conversation, through `previous_response_id` too."""
+# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from kvrelay.pipeline.server.app import create_app
+from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
+    MODEL,
+    anyio_backend,
+    make_config,
+    smollm_tokenizer,
+    unique_prefix,
+)
+
+pytestmark = pytest.mark.anyio
+
+PREFIX = unique_prefix()
+
+
+@pytest.fixture(scope="module")
+def decode_worker(valkey_session):
+    """One real decode worker (it prefills locally) under this module's key prefix."""
+    from kvrelay.workers.config import WorkerConfig
+    from kvrelay.workers.decode import DecodeWorker
+    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(kv_cache_bytes=32 << 20, num_threads=1))
+    config = WorkerConfig(
+        redis_url=valkey_session.url,
+        key_prefix=PREFIX,
+        name="decode-r",
+        heartbeat_s=0.2,
+        metrics_port=-1,
+        block_ms=20,
+    )
+    worker = DecodeWorker(config, engine)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    yield worker
+    worker.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+async def test_greedy_answers_match_chat_completions(
+    valkey_session, smollm_tokenizer, decode_worker
+):
+    app = create_app(
+        make_config(valkey_session.url, key_prefix=PREFIX, mode="colocated"),
+        tokenizers={MODEL: smollm_tokenizer},
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://ingress/v1") as http:
+        client = openai.AsyncOpenAI(
+            base_url="http://ingress/v1", api_key="none", http_client=http, max_retries=0
+        )
+        greedy = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
+        first = await client.responses.create(
+            input="What is the capital of France?", instructions="Answer in one line.", **greedy
+        )
+        messages = [
+            {"role": "system", "content": "Answer in one line."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ]
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_completion_tokens=12
+        )
+        assert first.output_text == chat.choices[0].message.content and first.output_text
+        assert first.usage.input_tokens == chat.usage.prompt_tokens
+        assert first.usage.output_tokens == chat.usage.completion_tokens
+        assert first.status == ("incomplete" if chat.choices[0].finish_reason == "length" else
+                                "completed")  # fmt: skip
+
+        async with client.responses.stream(
+            input="And of Italy?", previous_response_id=first.id, **greedy
+        ) as stream:
+            deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+            second = await stream.get_final_response()
+        messages = [
+            *messages[1:],  # the instructions are not carried over
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And of Italy?"},
+        ]
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_completion_tokens=12
+        )
+        assert "".join(deltas) == second.output_text == chat.choices[0].message.content
+        assert (await client.responses.retrieve(second.id)).output_text == second.output_text
+    await app.state.ingress.aclose()

@@ -46,6 +46,11 @@ _HELP = [
         """model's own: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens """
         """(e.g. '{"temperature": 0.5}')""",
     ),
+    (
+        "tool_call_parser",
+        "how tool_choice auto finds tool calls in the answer: hermes (<tool_call> blocks); "
+        "unset, requests with tools and tool_choice auto are refused",
+    ),
 ]
 # (flag, config field, type, help)
 SERVE_FLAGS: list[tuple[str, str, type, str]] = setting_flags(IngressConfig, SECTION, _HELP)

@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -54,15 +55,22 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in an environment configured like transformers'."""
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+_ENV = _environment()
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in an environment configured like transformers'."""
+    return _ENV.from_string(source)
 
 
 def _token_content(value: Any) -> str | None:
@@ -124,6 +132,10 @@ class Tokenizer:
         self.special_tokens = special_tokens
         self.chat_template = chat_template
         self._template = compile_chat_template(chat_template) if chat_template else None
+        # a template that never reads `tools` drops them: the caller describes them instead
+        self.template_reads_tools = bool(chat_template) and "tools" in (
+            jinja2.meta.find_undeclared_variables(_ENV.parse(chat_template))
+        )
         ids = [self._tok.token_to_id(t) for t in (special_tokens.get("eos_token"),) if t]
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys([*eos_token_ids, *(i for i in ids if i is not None)])

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvrelay.core.limits import bad_token_id, context_overflow, token_id_message
 from kvrelay.core.sampling import SamplingParams
+from kvrelay.core.tool_prompt import hermes_messages
 from kvrelay.pipeline.errors import RequestError, bad_request
 from kvrelay.pipeline.model_registry import ModelEntry
 
@@ -51,6 +52,7 @@ def tokenize(
     messages: list[dict[str, Any]] | None = None,
     prompt: str | None = None,
     prompt_token_ids: list[int] | None = None,
+    tools: list[dict[str, Any]] | None = None,
     threaded: bool = False,
 ) -> list[int]:
     """Prompt token ids: chat template for messages, plain encoding for text, ids as given.
@@ -62,7 +64,7 @@ def tokenize(
     tok = model.tokenizer
     if messages is not None:
         try:
-            text = tok.render_chat(messages, add_generation_prompt=True)
+            text = render_messages(tok, messages, tools)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages") from exc
         return _encode(tok, text, False, threaded)  # as apply_chat_template does
@@ -82,6 +84,17 @@ def tokenize(
             code="invalid_token_id",
         )
     return list(prompt_token_ids)
+
+
+def render_messages(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> str:
+    """The chat prompt text: the template renders the tools when it reads them; otherwise
+    they, and the conversation's tool calls and results, are written hermes-style first."""
+    uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+    if uses_tools and not tokenizer.template_reads_tools:
+        return tokenizer.render_chat(hermes_messages(messages, tools), add_generation_prompt=True)
+    return tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools or None)
 
 
 def check_lengths(

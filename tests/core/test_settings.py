@@ -146,6 +146,7 @@ def test_flags_are_generated_from_the_settings_fields():
         ("--request-timeout", "request_timeout_s", float),
         ("--disconnect-grace", "disconnect_grace_s", float),
         ("--override-generation-config", "override_generation_config", str),
+        ("--tool-call-parser", "tool_call_parser", str),
     ]  # fmt: skip
     assert SERVE_FLAGS[9][3] == (
         "429 beyond this many open requests (default 4096; KVRELAY_INGRESS_MAX_INFLIGHT)"

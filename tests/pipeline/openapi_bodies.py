@@ -85,6 +85,10 @@ class Generator:
         # a constraint's text (schema, regex, grammar) must compile, which no JSON schema
         # states: structured output has its own tests (test_structured_output.py)
         body.pop("structured_outputs", None)
+        # likewise each function's parameters schema, and tool_choice must fit the tools:
+        # tool calling has its own tests (test_tool_calling.py)
+        body.pop("tools", None)
+        body.pop("tool_choice", None)
         if (body.get("response_format") or {}).get("type") not in (None, "text"):
             body.pop("response_format")
         for msg in body.get("messages", []):

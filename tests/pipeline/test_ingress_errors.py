@@ -73,18 +73,22 @@ CASES = [
     ),
     (
         "/v1/chat/completions",
-        {"model": MODEL, "messages": HI, "tools": [{"type": "function"}]},
+        {"model": MODEL, "messages": HI, "tools": [{"type": "code_interpreter"}]},
         400,
-        err("tools is not supported by this server", "tools", "unsupported_value"),
+        err(
+            "tool type 'code_interpreter' (only function tools) is not supported by this server",
+            "tools[0].type",
+            "unsupported_value",
+        ),
     ),
     (
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
         400,
         err(
-            "tool calling is not supported by this server",
-            "messages[0].tool_calls",
-            "unsupported_value",
+            "'messages[0].tool_calls[0].type' is a required property",
+            "messages[0].tool_calls[0].type",
+            "missing_required_parameter",
         ),
     ),
     (  # no text at all: refused as OpenAI does, on any role

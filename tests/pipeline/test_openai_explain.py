@@ -30,9 +30,9 @@ CASES = [
     (
         CHAT,
         {"tool_choice": {"type": "function"}},
-        UNSUPPORTED,
-        "tool_choice",
-        f"tool_choice={{'type': 'function'}} {NOT_SUPPORTED}",
+        "missing_required_parameter",
+        "tool_choice.function",
+        "'tool_choice.function' is a required property",
     ),
     (
         CHAT,
@@ -123,7 +123,13 @@ CASES = [
         "logit_bias must map token ids to numbers in [-100, 100], got 101",
     ),
     (TEXT, {"suffix": "s"}, UNSUPPORTED, "suffix", f"suffix {NOT_SUPPORTED}"),
-    (CHAT, {"tools": [{"type": "function"}]}, UNSUPPORTED, "tools", f"tools {NOT_SUPPORTED}"),
+    (
+        CHAT,
+        {"tools": [{"type": "retrieval"}]},
+        UNSUPPORTED,
+        "tools[0].type",
+        f"tool type 'retrieval' (only function tools) {NOT_SUPPORTED}",
+    ),
     (
         TEXT,
         {"echo": True, "logprobs": 0},

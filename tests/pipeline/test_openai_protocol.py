@@ -135,8 +135,8 @@ def test_completion_type_errors(body, param):
         (["hello"], "invalid_type", "messages[0]"),
         (
             [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}],
-            "unsupported_value",
-            "messages[0].tool_calls",
+            "missing_required_parameter",
+            "messages[0].tool_calls[0].type",
         ),
         ([{"role": "user", "content": None}], "invalid_type", "messages[0].content"),
         ([{"role": "system", "content": None}], "invalid_type", "messages[0].content"),

@@ -27,7 +27,7 @@ from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.anyio
 
-SEED, VALID, MUTATED, BATCH = 20261123, 120, 180, 24
+SEED, VALID, MUTATED, BATCH = 20261125, 120, 180, 24
 KNOWN_CODES = {
     None,
     "invalid_json",

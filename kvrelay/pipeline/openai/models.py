@@ -39,6 +39,14 @@ from kvrelay.core.structured import StructuredOutput
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.openai.explain import Says, fail, fail_as, refuse
 from kvrelay.pipeline.openai.structured import ResponseFormat, StructuredOutputs
+from kvrelay.pipeline.openai.tools import (
+    FunctionTool,
+    ToolCall,
+    ToolCalling,
+    ToolChoice,
+    tool_calling,
+    tool_constraint,
+)
 from kvrelay.pipeline.openai.validate import check_known_fields, check_unicode
 from kvrelay.pipeline.tokens import EMPTY_PROMPT
 
@@ -110,10 +118,13 @@ class TextPart(_Nested):
 
 
 class ChatMessage(_Nested):
-    """One chat message; `content` may be null or absent only on assistant messages."""
+    """One chat message; `content` may be null or absent only on assistant messages.
+    Assistant messages may carry the `tool_calls` the model made; `tool` messages answer one
+    (`tool_call_id`)."""
 
     role: Role
-    tool_calls: Annotated[Any, WithJsonSchema({"type": "array", "maxItems": 0})] = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
     content: Annotated[
         StrictStr | Annotated[list[TextPart], Field(min_length=1)] | None,
         Says(expect="a string or an array of text parts"),
@@ -129,8 +140,6 @@ class ChatMessage(_Nested):
         if role not in ROLES:
             message = f"{{param}} must be one of {', '.join(ROLES)}"
             raise fail(message, field="role", templated=True)
-        if data.get("tool_calls"):
-            raise refuse("tool calling", field="tool_calls")
         if data.get("content") == []:  # no text at all: OpenAI refuses an empty array too
             message = "'{param}' must not be an empty array"
             raise fail(message, field="content", code="invalid_value", templated=True)
@@ -292,10 +301,8 @@ class ChatCompletionRequest(_Request):
 
     max_completion_tokens: _bounded("max_tokens", Int64) | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1), Says(expect="a non-empty array")]
-    tools: Empty(list[Any], "tools") | None = None
-    tool_choice: (
-        Annotated[Literal["none", "auto"], Says(refused="tool_choice={value!r}")] | None
-    ) = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
     logprobs: StrictBool | None = None
     top_logprobs: _bounded("logprobs", Int64) | None = None
     store: FalseOnly("store=true (stored completions)") | None = None
@@ -316,6 +323,30 @@ class ChatCompletionRequest(_Request):
         if number and INT64_MIN <= value <= INT64_MAX and not info.data.get("logprobs"):
             raise fail("top_logprobs requires logprobs to be true")
         return value
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        calling = tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if calling is not None and calling.mode != "auto" and super().structured() is not None:
+            message = (
+                f"tool_choice {calling.mode} cannot be combined with another output constraint"
+            )
+            raise fail(message, field="tool_choice")
+        if calling is not None and self.tools:
+            tool_constraint(calling, self.tools)  # required: the calls' schema compiles
+        return self
+
+    def tool_calling(self) -> ToolCalling | None:
+        """What the output is with tools (None: plain text; validated above)."""
+        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> StructuredOutput | None:
+        calling = self.tool_calling()
+        if calling is not None and self.tools:
+            spec = tool_constraint(calling, self.tools)
+            if spec is not None:
+                return spec
+        return super().structured()
 
     def max_tokens_given(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:

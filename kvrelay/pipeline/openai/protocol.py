@@ -22,6 +22,7 @@ from kvrelay.pipeline.openai.models import (
     CompletionRequest,
     _Request,
 )
+from kvrelay.pipeline.openai.tools import ToolCalling
 
 CHAT, COMPLETION = "chat", "completion"
 
@@ -45,6 +46,8 @@ class GenerationRequest:
     max_tokens_param: str = "max_tokens"  # the field the client set, for errors about it
     # the SamplingParams fields the body set; the others take the served model's defaults
     fields_set: frozenset[str] = frozenset()
+    tools: list[dict[str, Any]] | None = None  # chat: for the chat template
+    tool_calling: ToolCalling | None = None  # chat: the output is tool calls (tools.py)
 
 
 def _validated(model: type[BaseModel], body: Any) -> Any:
@@ -107,6 +110,10 @@ def _message(msg: ChatMessage) -> dict[str, Any]:
     clean: dict[str, Any] = {"role": msg.role, "content": content or ""}
     if msg.name is not None:
         clean["name"] = msg.name
+    if msg.tool_calls and msg.role == "assistant":
+        clean["tool_calls"] = [call.to_dict() for call in msg.tool_calls]
+    if msg.tool_call_id is not None and msg.role == "tool":
+        clean["tool_call_id"] = msg.tool_call_id
     return clean
 
 
@@ -117,6 +124,9 @@ def parse_chat(body: Any) -> GenerationRequest:
     req.messages = [_message(msg) for msg in chat.messages]
     req.logprobs = bool(chat.logprobs)
     req.sampling.logprobs = (chat.top_logprobs or 0) if req.logprobs else None
+    if chat.tools:
+        req.tools = [tool.to_dict() for tool in chat.tools]
+        req.tool_calling = chat.tool_calling()
     return req
 
 

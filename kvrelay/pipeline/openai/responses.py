@@ -11,9 +11,14 @@ from kvrelay.core.enums import FinishReason
 from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.errors import error_body
 from kvrelay.pipeline.openai.protocol import CHAT
+from kvrelay.pipeline.openai.tool_calls import ToolCallStream
+from kvrelay.pipeline.openai.tools import NAMED
 from kvrelay.pipeline.queue.output import Completion
 
 DONE = b"data: [DONE]\n\n"
+# the finish reason of an answer that is tool calls; a forced named call ends with "stop",
+# as OpenAI and vLLM answer it
+TOOL_CALLS = "tool_calls"
 
 
 def dumps(obj: Any) -> str:
@@ -54,6 +59,7 @@ class ResponseFormatter:
     echo: str = ""  # completions with echo: the prompt text, sent before the first token's
     text_offset: int = 0
     completion_tokens: int = 0
+    tool_calls: ToolCallStream | None = None  # chat with tools: the answer's calls
     _seen: list[int] = field(default_factory=list)
 
     @property
@@ -142,6 +148,8 @@ class ResponseFormatter:
         if not has_output and (not chunk.finished or chunk.finish_reason == FinishReason.ERROR):
             return None  # an error ending is sent as an error event by the caller
         finish = chunk.finish_reason if chunk.finish_reason != FinishReason.ERROR else None
+        if self.api == CHAT and self.tool_calls is not None:
+            return self._tool_events(chunk, finish)
         if self.api == CHAT:
             delta = {"content": text} if has_output else {}
             choice = {
@@ -159,6 +167,29 @@ class ResponseFormatter:
             }
         return sse(self._envelope([choice]), chunk.index if has_output else None)
 
+    def _tool_events(self, chunk: TokenChunk, finish: str | None) -> bytes | None:
+        """Chat with tools: the chunk's deltas, one event each; the last carries the logprobs,
+        the finish reason and the `id:` line (the events before it have none)."""
+        calls = self.tool_calls
+        assert calls is not None
+        deltas = calls.feed(chunk.text)
+        if chunk.finished and chunk.finish_reason != FinishReason.ERROR:
+            deltas += calls.finish()
+        if not deltas and finish is None:
+            return None
+        if finish == FinishReason.STOP and calls.calls and calls.calling.mode != NAMED:
+            finish = TOOL_CALLS
+        events = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if not events:
+            events.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": None})
+        events[-1]["logprobs"] = self._chat_logprobs(chunk)
+        events[-1]["finish_reason"] = finish
+        last = chunk.index if chunk.token_ids else None
+        return b"".join(
+            sse(self._envelope([choice]), last if i == len(events) - 1 else None)
+            for i, choice in enumerate(events)
+        )
+
     def usage_event(self, usage: dict[str, int] | None) -> bytes:
         body = self._envelope([])
         body["usage"] = usage_dict(usage, self.prompt_tokens, self.completion_tokens)
@@ -174,7 +205,22 @@ class ResponseFormatter:
         chunk = TokenChunk(
             index=0, token_ids=result.token_ids, text=result.text, logprobs=result.logprobs
         )
-        if self.api == CHAT:
+        finish = result.finish_reason
+        if self.api == CHAT and self.tool_calls is not None:
+            self.tool_calls.feed(result.text)
+            self.tool_calls.finish()
+            message = self.tool_calls.message()
+            calling = self.tool_calls.calling
+            if finish == FinishReason.STOP and self.tool_calls.calls and calling.mode != NAMED:
+                finish = TOOL_CALLS
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": self._chat_logprobs(chunk),
+                "finish_reason": finish,
+            }
+            obj = "chat.completion"
+        elif self.api == CHAT:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": result.text},

@@ -156,6 +156,7 @@ class Producer:
         detokenize: bool = True,
         max_tokens_param: str = "max_tokens",
         fields_set: Collection[str] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[Submission, ModelEntry]:
         """Tokenize and check one request; raise RequestError when it cannot be served.
 
@@ -170,6 +171,8 @@ class Producer:
         param = "messages" if messages is not None else "prompt"
         await self._refuse_hopeless(entry, size, param)
         args = dict(messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids)
+        if tools:
+            args["tools"] = tools
         if size > _INLINE_TOKENIZE_CHARS:  # milliseconds of work or more: off the event loop
             ids = await asyncio.to_thread(tokenize, entry, **args, threaded=True)
         else:
@@ -231,6 +234,7 @@ class Producer:
             detokenize=detokenize,
             max_tokens_param=parsed.max_tokens_param,
             fields_set=parsed.fields_set,
+            tools=parsed.tools,
         )
 
     async def enqueue(

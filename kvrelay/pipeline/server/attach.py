@@ -20,6 +20,9 @@ from kvrelay.core import record as fields
 from kvrelay.pipeline.errors import RequestError, bad_request
 from kvrelay.pipeline.openai.protocol import COMPLETION, GenerationRequest
 from kvrelay.pipeline.openai.responses import ResponseFormatter
+from kvrelay.pipeline.openai.tool_calls import ToolCallStream
+from kvrelay.pipeline.openai.tool_parsers import tool_call_stream
+from kvrelay.pipeline.openai.tools import AUTO, ToolCalling
 from kvrelay.pipeline.queue.output import ENDED, output_gone
 from kvrelay.pipeline.queue.records import read_record_fields
 from kvrelay.pipeline.server.output import OutputJob, output_expired
@@ -45,8 +48,34 @@ def request_digest(req: GenerationRequest) -> str:
         "logprobs": req.logprobs,
         "echo": req.echo,
     }
+    if req.tools:  # only then: digests of requests without tools stay as they were
+        what["tools"] = req.tools
+        what["tool_calling"] = req.tool_calling.to_dict() if req.tool_calling else None
     raw = json.dumps(what, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def check_tool_choice(req: GenerationRequest, parser: str | None) -> dict[str, Any] | None:
+    """What the output job needs to find the request's tool calls (None: plain text); 400
+    for tool_choice auto when this ingress has no tool parser (as vLLM refuses it)."""
+    calling = req.tool_calling
+    if calling is None:
+        return None
+    if calling.mode == AUTO and parser is None:
+        raise bad_request(
+            '"auto" tool choice requires the ingress to run with --tool-call-parser (hermes); '
+            'use tool_choice "required", a named function or "none"',
+            param="tool_choice",
+        )
+    return {**calling.to_dict(), "parser": parser if calling.mode == AUTO else ""}
+
+
+def tool_stream(request_id: str, options: Any) -> ToolCallStream | None:
+    """The tool-call finder of a request from its stored options (None: plain text)."""
+    calling = ToolCalling.from_dict(options)
+    if calling is None:
+        return None
+    return tool_call_stream(request_id, calling, str(options.get("parser") or ""))
 
 
 def id_conflict(request_id: str) -> RequestError:
@@ -138,6 +167,7 @@ async def reattach(
         include_usage=include_usage,
         token_text=ing.token_text(entry),
         echo=echo if isinstance(echo := opts.get("echo"), str) else "",
+        tool_calls=tool_stream(request_id, opts.get("tool_calls")),
     )
     deadline = float(rec[fields.DEADLINE]) if rec.get(fields.DEADLINE) else None
     start = 0 if last is None or not stream else last + 1

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvrelay.core.config import ConfigError, from_env, read_config_file
 from kvrelay.core.sampling import GenerationDefaults, generation_override
+from kvrelay.pipeline.openai.tool_parsers import TOOL_PARSERS
 
 SECTION = "INGRESS"
 MODES = ("auto", "disaggregated", "colocated")
@@ -48,6 +49,9 @@ class IngressConfig:
     # repetition_penalty, max_tokens), over those the model's workers publish (its own, under
     # their override): vLLM's --override-generation-config. A config file may give a table.
     override_generation_config: str | None = None
+    # how `tool_choice: auto` finds tool calls in the text (vLLM's --tool-call-parser);
+    # None: requests with tools and tool_choice auto are refused
+    tool_call_parser: str | None = None
 
     def validate(self) -> IngressConfig:
         """Raise ConfigError for values the ingress cannot run with; return self."""
@@ -74,6 +78,11 @@ class IngressConfig:
         if self.route_threshold < 0 or self.request_timeout_s <= 0:
             raise ConfigError("route_threshold must be >= 0 and request_timeout_s > 0")
         generation_override(self.override_generation_config)
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(
+                f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         return self
 
     @property

@@ -83,6 +83,12 @@ class OutputJob:
     def _headers(self) -> dict[str, str]:
         return {REQUEST_ID_HEADER: self.request_id}
 
+    @property
+    def _read_from(self) -> int:
+        # tool calls are found in the whole text: a resumed stream replays the chunks before
+        # start_index through the parser, sending none of their events (_events)
+        return 0 if self.fmt.tool_calls is not None else self.start_index
+
     def _chunks(self):
         # The reply ends at the deadline itself (the 504 is due then): a worker's own timeout
         # chunk that lands later would say the same thing, and the reader cancels the request.
@@ -90,7 +96,7 @@ class OutputJob:
             self.ingress.redis,
             self.ingress.keys,
             self.request_id,
-            start_index=self.start_index,
+            start_index=self._read_from,
             block_ms=self.ingress.config.read_block_ms,
             deadline=self.deadline,
         )
@@ -107,7 +113,8 @@ class OutputJob:
                 # a resumed client already has every chunk before start_index
                 if chunk.index >= self.start_index or chunk.token_ids:
                     event = fmt.chunk_event(chunk)
-                    if event:
+                    replayed = chunk.index < self.start_index  # only when _read_from is 0
+                    if event and not replayed:
                         yield event
                 if chunk.finished:
                     if chunk.finish_reason == FinishReason.ERROR:

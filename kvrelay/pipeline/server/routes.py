@@ -40,10 +40,12 @@ from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.submit import check_request_id, new_request_id, valid_request_id
 from kvrelay.pipeline.server.attach import (
     check_same,
+    check_tool_choice,
     owned_record,
     raw_record,
     reattach,
     request_digest,
+    tool_stream,
 )
 from kvrelay.pipeline.server.http import (
     REQUEST_ID_HEADER,
@@ -94,6 +96,7 @@ class GenerationApi:
                 parsed, digest = await asyncio.to_thread(_parse, body, api)
             else:
                 parsed, digest = _parse(body, api)
+            tool_options = check_tool_choice(parsed, ing.config.tool_call_parser)
             if header_id is not None:
                 # the lookup rides out a Redis restart as the submission does
                 rec = await ing.producer.ride_out(request_id, lambda: raw_record(ing, request_id))
@@ -116,6 +119,8 @@ class GenerationApi:
             echo = echo_text(parsed, sub.prompt_token_ids, entry) if parsed.echo else ""
             if echo:  # a reattached client gets the same first event
                 options["echo"] = echo
+            if tool_options:  # a reattached client parses the same calls
+                options["tool_calls"] = tool_options
             record = {
                 fields.INGRESS: options,
                 fields.USER: parsed.user or "",
@@ -159,6 +164,7 @@ class GenerationApi:
             include_usage=parsed.include_usage,
             token_text=ing.token_text(entry),
             echo=echo,
+            tool_calls=tool_stream(request_id, tool_options),
         )
         timer = RequestTimer(ing.metrics, sub.model, arrival)
         job = OutputJob(

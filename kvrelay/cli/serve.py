@@ -32,6 +32,7 @@ _HELP = [
     ),
     ("max_waiting", "429 when this many entries wait in the streams"),
     ("max_inflight", "429 beyond this many open requests"),
+    ("max_choices", "most choices one request may ask for (n, best_of, prompts x n)"),
     ("retry_after_s", "Retry-After seconds on a 429", "--retry-after"),
     ("request_timeout_s", "request deadline in seconds", "--request-timeout"),
     (

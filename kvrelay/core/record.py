@@ -41,6 +41,10 @@ CLAIM_EMITTED = "claim_emitted"
 CLAIM_DELIVERY = "claim_delivery"
 # a random id per submission: the submit script recognises its own retry by it
 SUBMISSION_ID = "submission_id"
+# a request answered by several choices (n, best_of, a list of prompts): the parent record
+# holds how many, each choice's own record `{id}.{k}` names its parent
+NUM_CHOICES = "num_choices"
+PARENT = "parent"
 
 
 def as_str(value: Any) -> str:
@@ -83,6 +87,8 @@ class RequestRecord:
     claim_emitted: int | None = None
     claim_delivery: int | None = None
     submission_id: str | None = None
+    num_choices: int | None = None
+    parent: str | None = None
 
     @classmethod
     def decode(cls, raw: Mapping[Any, Any]) -> RequestRecord | None:
@@ -175,8 +181,8 @@ INT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is _int)
 FLOAT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is _float)
 JSON_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is _json)
 # what only the ingress reads (delivery options, the owning API key, attach count, the
-# submission's own id): never shown to clients
-PRIVATE_FIELDS = frozenset({INGRESS, KEY_ID, ATTACH, SUBMISSION_ID})
+# submission's own id, the fan-out links): never shown as such to clients
+PRIVATE_FIELDS = frozenset({INGRESS, KEY_ID, ATTACH, SUBMISSION_ID, NUM_CHOICES, PARENT})
 PUBLIC_FIELDS = tuple(name for name in FIELD_ORDER if name not in PRIVATE_FIELDS)
 
 

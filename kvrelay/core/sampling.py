@@ -219,6 +219,16 @@ def effective_seed(params: SamplingParams, request_id: str) -> int:
     return params.seed if params.seed is not None else derive_seed(request_id)
 
 
+def choice_seed(params: SamplingParams, request_id: str, choice: int) -> int:
+    """The seed of choice `choice` of a request asking for several (n, best_of): choice 0 uses
+    the request's own seed, so it is what n=1 gives; the others a seed derived from it."""
+    seed = effective_seed(params, request_id)
+    if choice == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 # The request fields a model may ship defaults for (Hugging Face `generation_config.json`, GGUF
 # `general.sampling.*`) and an operator may override (`--override-generation-config`), as vLLM's
 # `--generation-config auto` does. A field no layer sets keeps its SamplingParams default

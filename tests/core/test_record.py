@@ -27,7 +27,7 @@ def _raw_scripts() -> dict[str, str]:
 
 
 def test_every_script_loads_filled_in():
-    expected = "dead_letter emit handoff owner prune release renew strikes submit"
+    expected = "dead_letter emit handoff owner prune release renew strikes submit submit_choices"
     assert scripts.names() == expected.split()
     for name in scripts.names():
         text = scripts.source(name)
@@ -95,10 +95,10 @@ def test_field_types_are_declared_once_on_the_dataclass():
     }  # fmt: skip
     assert kinds == {
         "int": {"prompt_tokens", "completion_tokens", "cached_tokens", "emitted", "attach",
-                "claim_emitted", "claim_delivery"},
+                "claim_emitted", "claim_delivery", "num_choices"},
         "float": {"created", "updated", "started", "deadline"},
         "json": {"ingress"},
-        "private": {"ingress", "key_id", "attach", "submission_id"},
+        "private": {"ingress", "key_id", "attach", "submission_id", "num_choices", "parent"},
     }  # fmt: skip
 
 

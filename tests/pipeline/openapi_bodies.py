@@ -82,6 +82,9 @@ class Generator:
         if body.get("echo"):  # echo with logprobs needs the prompt's logprobs: refused
             body.pop("logprobs", None)
         body.pop("min_tokens", None)  # must not exceed max_tokens: keep it simple
+        body.pop("best_of", None)  # at least n, and not past n when streaming: test_n_choices.py
+        if "n" in body:  # within --max-choices, which no schema states
+            body["n"] = self.rng.randint(1, 3)
         # a constraint's text (schema, regex, grammar) must compile, which no JSON schema
         # states: structured output has its own tests (test_structured_output.py)
         body.pop("structured_outputs", None)

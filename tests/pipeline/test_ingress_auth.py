@@ -27,7 +27,7 @@ def err(message, param=None, code=None, type_="invalid_request_error"):
 async def test_api_keys(harness):
     factory, _ = harness
     app = factory(api_keys=("k1", "k2"))
-    body = {"model": MODEL, "messages": HI, "n": 3}  # a 400 once authenticated
+    body = {"model": MODEL, "messages": HI, "n": 0}  # a 400 once authenticated
     async with http(app) as client:
         resp = await client.post("/v1/chat/completions", json=body)
         assert resp.status_code == 401

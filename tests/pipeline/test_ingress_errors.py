@@ -34,9 +34,9 @@ async def _queued(app) -> int:
 CASES = [
     (
         "/v1/chat/completions",
-        {"model": MODEL, "messages": HI, "n": 2},
+        {"model": MODEL, "messages": HI, "n": 17},
         400,
-        err("n=2 (only n=1) is not supported by this server", "n", "unsupported_value"),
+        err("n must be at most 16, got 17", "n"),
     ),
     (
         "/v1/chat/completions",
@@ -153,13 +153,9 @@ CASES = [
     ),
     (
         "/v1/completions",
-        {"model": MODEL, "prompt": ["a", "b"]},
+        {"model": MODEL, "prompt": ["a", "b", "c"], "n": 6},
         400,
-        err(
-            "more than one prompt per request is not supported by this server",
-            "prompt",
-            "unsupported_value",
-        ),
+        err("the request asks for 18 choices (3 prompts x 6); at most 16 are allowed", "prompt"),
     ),
     (
         "/v1/completions",

@@ -97,7 +97,7 @@ async def test_openai_client_stream_and_whole(valkey_session, smollm_tokenizer):
             await client.chat.completions.create(model="nope", messages=HI)
         assert info.value.code == "model_not_found"
         with pytest.raises(openai.BadRequestError) as info:
-            await client.chat.completions.create(model=MODEL, messages=HI, n=2)
+            await client.chat.completions.create(model=MODEL, messages=HI, n=17)
         assert info.value.param == "n"
         bad_key = openai.AsyncOpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):

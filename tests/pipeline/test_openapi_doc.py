@@ -91,6 +91,7 @@ def test_error_body_is_the_openai_shape():
         (CompletionRequest, parse_completion, {"model": "m", "prompt": [[1, 2]], "echo": False}),
         (CompletionRequest, parse_completion, {"model": "m", "prompt": ["x"], "n": 1, "seed": -1}),
         (CompletionRequest, parse_completion, {"model": "m", "prompt": "x", "stop": ["a"] * 16}),
+        (CompletionRequest, parse_completion, {"model": "m", "prompt": ["a", [1]], "best_of": 3}),
         (
             ChatCompletionRequest,
             parse_chat,
@@ -128,7 +129,8 @@ def test_models_and_parser_accept_the_same_bodies(model, parse, body):
         {"model": "m", "prompt": "x", "store": False},  # chat only
         {"model": "m", "prompt": "\ud83d"},
         {"model": "m", "prompt": []},
-        {"model": "m", "prompt": ["a", "b"]},
+        {"model": "m", "prompt": ["a", ""]},
+        {"model": "m", "prompt": "x", "n": 0},
         {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
     ],
 )

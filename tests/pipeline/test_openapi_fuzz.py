@@ -15,6 +15,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from kvrelay.core.sampling import MIN_TOKENS_RULE
 from kvrelay.pipeline.openai.models import ChatCompletionRequest, CompletionRequest
 from tests.pipeline.openapi_bodies import Generator
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
@@ -61,7 +62,11 @@ def _schema_only_limit(err: dict) -> bool:
         return True
     if err["param"] == "messages" and err["code"] is None:
         return True  # the model's chat template refused the conversation
-    return err["param"] in ("max_tokens", "max_completion_tokens") and "at most" in err["message"]
+    if err["param"] == "min_tokens" and err["message"] == MIN_TOKENS_RULE:
+        return True  # a rule across two fields (min_tokens <= max_tokens)
+    # the ingress's --max-tokens-limit and --max-choices (n, best_of, prompts x n)
+    limited = ("max_tokens", "max_completion_tokens", "n", "best_of", "prompt")
+    return err["param"] in limited and "at most" in err["message"]
 
 
 def _accepted(resp) -> bool:

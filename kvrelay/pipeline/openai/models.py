@@ -70,22 +70,14 @@ def _false(value: bool) -> bool:
     return value
 
 
-def _only_one(value: int) -> int:
-    if value != 1:
-        raise ValueError("only 1 is supported")
-    return value
-
-
 def FalseOnly(refused: str) -> Any:  # noqa: N802  (a type, spelled like one)
     """A boolean that may only be false: true asks for `refused`, which is not implemented."""
     schema = WithJsonSchema({"type": "boolean", "const": False})
     return Annotated[StrictBool, AfterValidator(_false), schema, Says(refused=refused)]
 
 
-def OnlyOne(refused: str) -> Any:  # noqa: N802
-    """An integer that may only be 1 (n, best_of)."""
-    schema = WithJsonSchema({"type": "integer", "const": 1})
-    return Annotated[Int64, AfterValidator(_only_one), schema, Says(refused=refused)]
+# how many choices to return (n) or generate (best_of); the ingress caps them (max_choices)
+Count = Annotated[Int64, Field(ge=1), Says(invalid="{param} must be at least 1, got {value}")]
 
 
 def Empty(base: Any, refused: str) -> Any:  # noqa: N802
@@ -213,7 +205,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     model: Annotated[str, Field(min_length=1), Says(missing="you must provide a model parameter")]
-    n: OnlyOne("n={value} (only n=1)") | None = None
+    n: Count | None = None
     logit_bias: LogitBias | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
@@ -359,15 +351,11 @@ PromptText = Annotated[str, Field(min_length=1)]
 
 
 class CompletionRequest(_Request):
-    """POST /v1/completions: one prompt, text or token ids (also as a one-element batch)."""
+    """POST /v1/completions: a prompt (text or token ids) or a list of them."""
 
-    prompt: (
-        PromptText
-        | TokenIds
-        | Annotated[list[PromptText | TokenIds], Field(min_length=1, max_length=1)]
-    )
+    prompt: PromptText | TokenIds | Annotated[list[PromptText | TokenIds], Field(min_length=2)]
     echo: StrictBool | None = None
-    best_of: OnlyOne("best_of > 1") | None = None
+    best_of: Count | None = None
     suffix: Empty(StrictStr, "suffix") | None = None
     logprobs: _bounded("logprobs", Int64) | None = None
 
@@ -378,28 +366,44 @@ class CompletionRequest(_Request):
             raise refuse("echo together with logprobs (the prompt tokens' logprobs)", field="echo")
         return self
 
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        n, best_of = self.n or 1, self.best_of
+        if best_of is not None and best_of < n:
+            message = f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}"
+            raise fail(message, field="best_of")
+        if best_of is not None and best_of > n and self.stream:
+            # the best choices are known only once all are done (vLLM and OpenAI refuse it too)
+            raise refuse("stream with best_of greater than n", field="best_of")
+        return self
+
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        prompt, where = value, ""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt, where = prompt[0], "[0]"  # a batch of one
-        if isinstance(prompt, str):
-            if not prompt:
-                raise fail(EMPTY_PROMPT)
-            return prompt  # the prompt itself, a batch of one unwrapped
-        if _ints(prompt) and prompt:
-            for i, token in enumerate(prompt):
-                if not INT64_MIN <= token <= INT64_MAX:
-                    raise fail_as("int64", field=f"{where}[{i}]")
-            return prompt
-        if prompt is None:
-            raise fail_as("missing")
-        if isinstance(prompt, list) and not prompt:
-            raise fail("'prompt' must not be empty", code="invalid_value")
-        if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
-            raise refuse("more than one prompt per request")
-        raise fail_as("type", expected="a string or an array of token ids")
+    def _prompts(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+            if len(value) == 1:  # a batch of one, unwrapped (and its errors the prompt's)
+                return _one_prompt(value[0], "[0]", "")
+            return [_one_prompt(p, f"[{i}]", f"[{i}]") for i, p in enumerate(value)]
+        return _one_prompt(value, "", "")
+
+
+def _one_prompt(prompt: Any, where: str, item: str) -> Any:
+    """One prompt (text or token ids) of `prompt`, at `where` in it (`item`: where its
+    errors are reported)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise fail(EMPTY_PROMPT, field=item)
+        return prompt
+    if _ints(prompt) and prompt:
+        for i, token in enumerate(prompt):
+            if not INT64_MIN <= token <= INT64_MAX:
+                raise fail_as("int64", field=f"{where}[{i}]")
+        return prompt
+    if prompt is None:
+        raise fail_as("missing")
+    if isinstance(prompt, list) and not prompt:
+        raise fail("'prompt' must not be empty", field=item, code="invalid_value")
+    raise fail_as("type", field=item, expected="a string or an array of token ids")
 
 
 def _ints(value: Any) -> bool:

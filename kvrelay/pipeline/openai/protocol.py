@@ -48,6 +48,20 @@ class GenerationRequest:
     fields_set: frozenset[str] = frozenset()
     tools: list[dict[str, Any]] | None = None  # chat: for the chat template
     tool_calling: ToolCalling | None = None  # chat: the output is tool calls (tools.py)
+    n: int = 1  # choices returned per prompt
+    best_of: int | None = None  # completions: choices generated per prompt (None: n)
+    # completions with several prompts: all of them (prompt / prompt_token_ids hold the first)
+    prompts: list[str | list[int]] | None = None
+
+    @property
+    def per_prompt(self) -> int:
+        """Choices generated for each prompt."""
+        return self.best_of or self.n
+
+    @property
+    def num_choices(self) -> int:
+        """Generations the request fans out into (1: none, the request is its one choice)."""
+        return len(self.prompts or [None]) * self.per_prompt
 
 
 def _validated(model: type[BaseModel], body: Any) -> Any:
@@ -100,6 +114,7 @@ def _request(req: _Request, api: str) -> GenerationRequest:
         cache_salt=req.cache_salt or "",
         max_tokens_param=max_tokens_param,
         fields_set=frozenset([*given, *(["max_tokens"] if max_tokens is not None else [])]),
+        n=req.n or 1,
     )
 
 
@@ -131,10 +146,13 @@ def parse_chat(body: Any) -> GenerationRequest:
 
 
 def parse_completion(body: Any) -> GenerationRequest:
-    """Validate a /v1/completions body (one prompt: text or token ids)."""
+    """Validate a /v1/completions body (a prompt, text or token ids, or a list of them)."""
     completion: CompletionRequest = _validated(CompletionRequest, body)
     req = _request(completion, COMPLETION)
     prompt = completion.prompt  # a batch of one is already unwrapped by the model
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        req.prompts = [p if isinstance(p, str) else list(p) for p in prompt]
+        prompt = prompt[0]
     if isinstance(prompt, str):
         req.prompt = prompt
     else:
@@ -142,4 +160,5 @@ def parse_completion(body: Any) -> GenerationRequest:
     req.logprobs = completion.logprobs is not None
     req.sampling.logprobs = completion.logprobs
     req.echo = bool(completion.echo)
+    req.best_of = completion.best_of if (completion.best_of or 1) > req.n else None
     return req

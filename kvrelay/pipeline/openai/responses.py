@@ -57,6 +57,7 @@ class ResponseFormatter:
     include_usage: bool = False
     token_text: Callable[[int], str] = str
     echo: str = ""  # completions with echo: the prompt text, sent before the first token's
+    index: int = 0  # the choice this formats (n, best_of, a list of prompts: one formatter each)
     text_offset: int = 0
     completion_tokens: int = 0
     tool_calls: ToolCallStream | None = None  # chat with tools: the answer's calls
@@ -129,7 +130,7 @@ class ResponseFormatter:
     def role_event(self) -> bytes:
         """The first chat event: the assistant role with empty content (no token, no id)."""
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
@@ -153,14 +154,14 @@ class ResponseFormatter:
         if self.api == CHAT:
             delta = {"content": text} if has_output else {}
             choice = {
-                "index": 0,
+                "index": self.index,
                 "delta": delta,
                 "logprobs": self._chat_logprobs(chunk),
                 "finish_reason": finish,
             }
         else:
             choice = {
-                "index": 0,
+                "index": self.index,
                 "text": text,
                 "logprobs": self._text_logprobs(chunk),
                 "finish_reason": finish,
@@ -222,7 +223,7 @@ class ResponseFormatter:
             obj = "chat.completion"
         elif self.api == CHAT:
             choice = {
-                "index": 0,
+                "index": self.index,
                 "message": {"role": "assistant", "content": result.text},
                 "logprobs": self._chat_logprobs(chunk),
                 "finish_reason": result.finish_reason,
@@ -230,7 +231,7 @@ class ResponseFormatter:
             obj = "chat.completion"
         else:
             choice = {
-                "index": 0,
+                "index": self.index,
                 "text": self.echo + result.text,
                 "logprobs": self._text_logprobs(chunk),
                 "finish_reason": result.finish_reason,

@@ -9,6 +9,10 @@ exact check is made again by the submit script in Redis as the entry is added
 (`submit._SUBMIT_LUA`), because concurrent requests all read the same snapshot. With Redis
 unreachable (restarting) there is no snapshot: the request is admitted, to wait for Redis in
 the submission, where that exact check is made.
+
+A request answered by several choices (n, best_of, a list of prompts) counts as that many
+requests against both bounds, except that it is never refused by an idle ingress or an empty
+queue (else one with more choices than a bound could never run).
 """
 
 from __future__ import annotations
@@ -49,16 +53,18 @@ class Backpressure:
         self._snapshot_age = age
         return sum(s.waiting for s in load.values()) + self._queued_since
 
-    def slot(self) -> Slot:
-        """Count one open request without checking the bound (a reattaching client)."""
-        self.inflight += 1
-        return Slot(self)
+    def slot(self, count: int = 1) -> Slot:
+        """Count an open request (of `count` choices) without checking the bound (a
+        reattaching client)."""
+        self.inflight += count
+        return Slot(self, count)
 
-    async def admit(self) -> Slot:
-        """Take an in-flight slot for a new request, or raise a 429 RequestError."""
-        if self.inflight >= self.max_inflight:
+    async def admit(self, count: int = 1) -> Slot:
+        """Take in-flight slots for a new request of `count` choices, or raise a 429."""
+        if _over(self.inflight, count, self.max_inflight):
             raise overloaded(f"{self.inflight} requests in flight", self.retry_after_s)
-        slot = self.slot()  # taken before the first await: the check and the count are one step
+        # taken before the first await: the check and the count are one step
+        slot = self.slot(count)
         try:
             waiting = await self.waiting()
         except RedisConnectionError:
@@ -66,7 +72,7 @@ class Backpressure:
         except BaseException:
             slot.release()
             raise
-        if waiting >= self.max_waiting:
+        if _over(waiting, count, self.max_waiting):
             slot.release()
             logger.warning(
                 "refusing a request: %d queued entries (bound %d)", waiting, self.max_waiting
@@ -74,20 +80,26 @@ class Backpressure:
             raise overloaded(f"{waiting} requests waiting for a worker", self.retry_after_s)
         return slot
 
-    def queued(self) -> None:
-        """Count a request this ingress just queued."""
-        self._queued_since += 1
+    def queued(self, count: int = 1) -> None:
+        """Count a request (of `count` choices) this ingress just queued."""
+        self._queued_since += count
+
+
+def _over(current: int, count: int, bound: int) -> bool:
+    """Whether `count` more would pass `bound` (never when there are none yet)."""
+    return current >= bound or (current > 0 and current + count > bound)
 
 
 class Slot:
-    """One request's in-flight place; release() is idempotent."""
+    """One request's in-flight places; release() is idempotent."""
 
-    __slots__ = ("_owner",)
+    __slots__ = ("_count", "_owner")
 
-    def __init__(self, owner: Backpressure):
+    def __init__(self, owner: Backpressure, count: int = 1):
         self._owner: Backpressure | None = owner
+        self._count = count
 
     def release(self) -> None:
         if self._owner is not None:
-            self._owner.inflight -= 1
+            self._owner.inflight -= self._count
             self._owner = None

@@ -55,6 +55,14 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # not a retry of the same submission) and, at max_waiting unread entries, any new request
 # (backpressure.py's exact bound)
 _SUBMIT_LUA = scripts.source("submit")
+# lua/submit_choices.lua: the same for a request fanned out into several choices (a parent
+# record, and a record and a task per choice), all or nothing
+_SUBMIT_CHOICES_LUA = scripts.source("submit_choices")
+
+
+def choice_id(request_id: str, choice: int) -> str:
+    """The request id of choice `choice` of a request that asks for several."""
+    return f"{request_id}.{choice}"
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -136,6 +144,7 @@ class Producer:
         self.max_waiting, self.retry_after_s = max_waiting, retry_after_s
         self.submit_wait_s = submit_wait_s  # how long a Redis outage is waited out
         self._submit = redis.register_script(_SUBMIT_LUA)
+        self._submit_choices = redis.register_script(_SUBMIT_CHOICES_LUA)
 
     async def ride_out(self, request_id: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """`attempt()` (a Redis read for a new request) retried through a Redis outage, as
@@ -277,23 +286,8 @@ class Producer:
         route = await self.router.route(entry, sub.prompt_token_ids, sub.cache_salt)
         task = build_task(sub, route)
         stream = self.keys.decode_stream if route.stage == DECODE else self.keys.prefill_stream
-        fields: dict[str, Any] = {
-            rec.STATUS: RequestStatus.QUEUED,
-            rec.STAGE: route.stage,
-            rec.MODEL: sub.model,
-            rec.CREATED: f"{sub.arrival_time:.6f}",
-            rec.UPDATED: f"{time.time():.6f}",
-            rec.PROMPT_TOKENS: len(sub.prompt_token_ids),
-            rec.COMPLETION_TOKENS: 0,
-            rec.CACHED_TOKENS: route.cached_tokens,
-            rec.DEADLINE: "" if sub.deadline is None else f"{sub.deadline:.3f}",
-        }
-        for key, value in (record or {}).items():
-            plain = isinstance(value, str | int | float) and not isinstance(value, bool)
-            fields[key] = value if plain else json.dumps(value)
-        flat: list[Any] = []
-        for key, value in fields.items():
-            flat += [key, value]
+        flat = _record_items(sub, route.stage, len(sub.prompt_token_ids), route.cached_tokens)
+        flat += _items(record or {})
         keys = self.keys
         entry_id = await self._submit(
             keys=[keys.request(sub.request_id), stream, keys.prefill_stream, keys.decode_stream],
@@ -308,3 +302,119 @@ class Producer:
             ],
         )
         return route, entry_id
+
+    async def enqueue_choices(
+        self,
+        request_id: str,
+        subs: list[Submission],
+        entry: ModelEntry,
+        record: dict[str, Any] | None = None,
+        choice_record: dict[str, Any] | None = None,
+    ) -> list[Route] | None:
+        """Queue the choices `subs` (ids `choice_id(request_id, k)`, sharing one deadline)
+        under the parent record req:{request_id}; their routes, or None when the id (or a
+        choice's) exists. `record` goes into the parent record, `choice_record` into each
+        choice's. Raises as enqueue() does; nothing is queued unless all are."""
+        outage = Outage(f"request {request_id}", self.submit_wait_s, subs[0].deadline)
+        routes, reply = await outage.retry(
+            lambda: self._queue_choices(request_id, subs, entry, record, choice_record)
+        )
+        if isinstance(reply, int):  # the bound was reached: nothing was queued
+            logger.warning(
+                "request %s (%d choices) refused: %d queued entries (bound %d)",
+                request_id,
+                len(subs),
+                reply,
+                self.max_waiting,
+            )
+            raise overloaded(f"{reply} requests waiting for a worker", self.retry_after_s)
+        if not reply:
+            return None
+        if as_str(reply) == subs[0].submission_id:
+            logger.info("request %s: queued by a try whose reply was lost", request_id)
+        logger.info(
+            "request %s queued as %d choices to %s (%d prompt tokens, %d cached)",
+            request_id,
+            len(subs),
+            ",".join(sorted({r.stage for r in routes})),
+            len(subs[0].prompt_token_ids),
+            routes[0].cached_tokens,
+        )
+        return routes
+
+    async def _queue_choices(
+        self,
+        request_id: str,
+        subs: list[Submission],
+        entry: ModelEntry,
+        record: dict[str, Any] | None,
+        choice_record: dict[str, Any] | None,
+    ) -> tuple[list[Route], Any]:
+        """One try: route each distinct prompt once (its choices go the same way), then the
+        submit_choices script; (the routes, the script's reply)."""
+        by_prompt: dict[tuple[int, ...], Route] = {}
+        routes: list[Route] = []
+        for sub in subs:
+            prompt = tuple(sub.prompt_token_ids)
+            if prompt not in by_prompt:
+                by_prompt[prompt] = await self.router.route(
+                    entry, sub.prompt_token_ids, sub.cache_salt
+                )
+            routes.append(by_prompt[prompt])
+        # the parent counts each distinct prompt once, as the usage does
+        prompt_tokens = sum(len(p) for p in by_prompt)
+        cached = sum(r.cached_tokens for r in by_prompt.values())
+        parent = _record_items(subs[0], routes[0].stage, prompt_tokens, cached)
+        parent += [rec.NUM_CHOICES, len(subs), *_items(record or {})]
+        args: list[Any] = [
+            self.record_ttl_s,
+            self.max_waiting,
+            PREFILL_GROUP,
+            DECODE_GROUP,
+            subs[0].submission_id,
+            len(subs),
+            len(parent),
+            *parent,
+        ]
+        for sub, route in zip(subs, routes, strict=True):
+            items = _record_items(sub, route.stage, len(sub.prompt_token_ids), route.cached_tokens)
+            items += [rec.PARENT, request_id, *_items(choice_record or {})]
+            stage = "d" if route.stage == DECODE else "p"
+            args += [stage, build_task(sub, route).encode(), len(items), *items]
+        keys = self.keys
+        reply = await self._submit_choices(
+            keys=[
+                keys.request(request_id),
+                keys.prefill_stream,
+                keys.decode_stream,
+                *(keys.request(sub.request_id) for sub in subs),
+            ],
+            args=args,
+        )
+        return routes, reply
+
+
+def _record_items(sub: Submission, stage: str, prompt_tokens: int, cached: int) -> list[Any]:
+    """The req:{id} fields written at submission, as HSET items."""
+    return _items(
+        {
+            rec.STATUS: RequestStatus.QUEUED,
+            rec.STAGE: stage,
+            rec.MODEL: sub.model,
+            rec.CREATED: f"{sub.arrival_time:.6f}",
+            rec.UPDATED: f"{time.time():.6f}",
+            rec.PROMPT_TOKENS: prompt_tokens,
+            rec.COMPLETION_TOKENS: 0,
+            rec.CACHED_TOKENS: cached,
+            rec.DEADLINE: "" if sub.deadline is None else f"{sub.deadline:.3f}",
+        }
+    )
+
+
+def _items(fields: dict[str, Any]) -> list[Any]:
+    """HSET items of `fields`: plain values as they are, others (objects) as JSON."""
+    flat: list[Any] = []
+    for key, value in fields.items():
+        plain = isinstance(value, str | int | float) and not isinstance(value, bool)
+        flat += [key, value if plain else json.dumps(value)]
+    return flat

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvrelay.core import record as fields
-from kvrelay.pipeline.errors import RequestError, bad_request
+from kvrelay.pipeline.errors import RequestError, bad_request, unsupported
 from kvrelay.pipeline.openai.protocol import COMPLETION, GenerationRequest
 from kvrelay.pipeline.openai.responses import ResponseFormatter
 from kvrelay.pipeline.openai.tool_calls import ToolCallStream
@@ -25,6 +25,7 @@ from kvrelay.pipeline.openai.tool_parsers import tool_call_stream
 from kvrelay.pipeline.openai.tools import AUTO, ToolCalling
 from kvrelay.pipeline.queue.output import ENDED, output_gone
 from kvrelay.pipeline.queue.records import read_record_fields
+from kvrelay.pipeline.server.choices_output import choices_job
 from kvrelay.pipeline.server.output import OutputJob, output_expired
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ def request_digest(req: GenerationRequest) -> str:
     if req.tools:  # only then: digests of requests without tools stay as they were
         what["tools"] = req.tools
         what["tool_calling"] = req.tool_calling.to_dict() if req.tool_calling else None
+    if req.num_choices > 1:  # only then: the digest of a one-choice request stays as it was
+        what.update(n=req.n, best_of=req.best_of, prompts=req.prompts)
     raw = json.dumps(what, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(raw.encode()).hexdigest()
 
@@ -151,6 +154,10 @@ async def reattach(
         if output_gone(status, rec.get(fields.EMITTED), exists):
             raise output_expired(request_id)
     opts = _options(rec)
+    count = int(rec.get(fields.NUM_CHOICES) or 0)
+    if count and stream and int(opts.get("per_prompt") or 1) > int(opts.get("n") or 1):
+        # the best choices are known only at the end, as when it was posted
+        raise unsupported("best_of", "streaming a request with best_of greater than n")
     if include_usage is None:
         include_usage = bool(opts.get("include_usage"))
     attach_seq = await ing.reattached(request_id)
@@ -170,6 +177,22 @@ async def reattach(
         tool_calls=tool_stream(request_id, opts.get("tool_calls")),
     )
     deadline = float(rec[fields.DEADLINE]) if rec.get(fields.DEADLINE) else None
+    if count:  # several choices: their token indices are their own, so from the start
+        logger.info("request %s: client reattached (%d choices)", request_id, count)
+        job = choices_job(
+            ing,
+            request_id,
+            opts,
+            model,
+            int(rec.get(fields.PROMPT_TOKENS, 0)),
+            stream,
+            include_usage,
+            deadline=deadline,
+            token_text=ing.token_text(entry),
+            num_choices=count,
+        )
+        job.attach_seq, job.slot = attach_seq, ing.backpressure.slot(count)
+        return job.response()
     start = 0 if last is None or not stream else last + 1
     logger.info("request %s: client reattached from token %d", request_id, start)
     job = OutputJob(

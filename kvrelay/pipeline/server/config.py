@@ -28,6 +28,8 @@ class IngressConfig:
     route_threshold: int = 64  # auto: at most this many uncached prompt tokens -> decode
     max_waiting: int = 512  # backpressure: undelivered stream entries before 429
     max_inflight: int = 4096  # backpressure: open requests in this ingress before 429
+    # most choices one request may ask for: n, best_of, and their product with the prompts
+    max_choices: int = 16
     retry_after_s: int = 1
     request_timeout_s: float = 600.0  # deadline given to workers
     api_keys: tuple[str, ...] = ()  # empty: no authentication
@@ -65,6 +67,7 @@ class IngressConfig:
             "max_tokens_limit",
             "max_waiting",
             "max_inflight",
+            "max_choices",
             "read_block_ms",
         ):
             if getattr(self, name) < 1:

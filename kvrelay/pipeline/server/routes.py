@@ -47,6 +47,14 @@ from kvrelay.pipeline.server.attach import (
     request_digest,
     tool_stream,
 )
+from kvrelay.pipeline.server.choices import (
+    check_choices,
+    choice_records,
+    choices_state,
+    combined_status,
+    generate_choices,
+    num_choices,
+)
 from kvrelay.pipeline.server.http import (
     REQUEST_ID_HEADER,
     THREAD_PARSE_BYTES,
@@ -97,6 +105,7 @@ class GenerationApi:
             else:
                 parsed, digest = _parse(body, api)
             tool_options = check_tool_choice(parsed, ing.config.tool_call_parser)
+            check_choices(parsed, request_id, ing.config.max_choices)
             if header_id is not None:
                 # the lookup rides out a Redis restart as the submission does
                 rec = await ing.producer.ride_out(request_id, lambda: raw_record(ing, request_id))
@@ -105,7 +114,11 @@ class GenerationApi:
                     return await reattach(
                         request, ing, request_id, rec, parsed.stream, parsed.include_usage
                     )
-            slot = await ing.backpressure.admit()
+            slot = await ing.backpressure.admit(parsed.num_choices)
+            if parsed.num_choices > 1:  # n, best_of, several prompts: choices.py
+                return await generate_choices(
+                    ing, request, parsed, request_id, digest, key_id, slot, arrival, echo_text
+                )
             sub, entry = await ing.producer.prepare_parsed(parsed, request_id=request_id)
             created = int(time.time())
             options = {
@@ -186,8 +199,11 @@ class GenerationApi:
 
         async def state(request_id: str, rec: dict[str, str]) -> Response:
             cancel_requested = bool(await ing.redis.exists(ing.keys.cancel(request_id)))
-            typed = RequestRecord.decode(rec) or RequestRecord()
-            body: dict[str, Any] = {"id": request_id, "object": "request", **typed.public()}
+            if num_choices(rec):  # several choices: combined from theirs
+                view = await choices_state(ing, request_id, rec)
+            else:
+                view = (RequestRecord.decode(rec) or RequestRecord()).public()
+            body: dict[str, Any] = {"id": request_id, "object": "request", **view}
             body["cancel_requested"] = cancel_requested
             return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})
 
@@ -198,6 +214,8 @@ class GenerationApi:
 
         async def cancel(request_id: str, rec: dict[str, str]) -> Response:
             status = rec.get(fields.STATUS, "")
+            if count := num_choices(rec):  # several choices: done when all are
+                status = combined_status(await choice_records(self.ingress, request_id, count))
             done = status in DONE_STATUSES
             if not done:
                 await self.ingress.cancel(request_id)

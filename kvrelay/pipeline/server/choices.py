@@ -1,0 +1,209 @@
+"""Requests answered by several choices: `n` > 1, `best_of` > n, a list of prompts.
+
+POST lifecycle (after routes.py has parsed the body, checked the limits and taken one in-flight
+slot per choice): each prompt tokenized and checked once -> one Submission per choice, id
+`{id}.{k}` (k = prompt index * choices per prompt + choice), its seed `choice_seed(k)` (choice
+0: the request's own, so it is what n=1 gives) -> the parent record req:{id} and every choice's
+record and task, queued in one script (each prompt routed once: its choices go the same way,
+and share its pages through the store) -> ChoicesJob. Every choice is an ordinary request to
+the workers, reproducible and resumable on its own; the parent record is what GET, DELETE,
+reattaching and the deadline act on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvrelay.core import record as fields
+from kvrelay.core.enums import OPEN_STATUSES, RequestStatus
+from kvrelay.core.record import RequestRecord, as_str
+from kvrelay.core.sampling import choice_seed
+from kvrelay.pipeline.errors import bad_request, unsupported
+from kvrelay.pipeline.metrics import RequestTimer
+from kvrelay.pipeline.model_registry import ModelEntry
+from kvrelay.pipeline.openai.protocol import GenerationRequest
+from kvrelay.pipeline.queue.backpressure import Slot
+from kvrelay.pipeline.queue.submit import Submission, choice_id
+from kvrelay.pipeline.server.attach import check_same, owned_record, reattach
+from kvrelay.pipeline.server.choices_output import choices_job
+
+if TYPE_CHECKING:
+    from kvrelay.pipeline.server.app import Ingress
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_ID = 128
+
+
+def check_choices(parsed: GenerationRequest, request_id: str, max_choices: int) -> None:
+    """400 when the request asks for more choices than `max_choices`, or when its id leaves
+    no room for the choices' ids (`{id}.{k}`)."""
+    per_prompt, total = parsed.per_prompt, parsed.num_choices
+    if total > 1 and parsed.tools:  # the choices' output has no tool-call parsing yet
+        raise unsupported("n", "tools together with more than one choice")
+    if per_prompt > max_choices:
+        param = "best_of" if parsed.best_of else "n"
+        raise bad_request(f"{param} must be at most {max_choices}, got {per_prompt}", param=param)
+    if total > max_choices:
+        raise bad_request(
+            f"the request asks for {total} choices ({len(parsed.prompts or ())} prompts x "
+            f"{per_prompt}); at most {max_choices} are allowed",
+            param="prompt",
+        )
+    if total > 1 and len(choice_id(request_id, total - 1)) > MAX_REQUEST_ID:
+        longest = MAX_REQUEST_ID - len(choice_id("", total - 1))
+        raise bad_request(
+            f"with {total} choices the request id may have at most {longest} characters "
+            "(each choice's id is the request id, a dot and its index)",
+            param="X-Request-Id",
+            code="invalid_request_id",
+        )
+
+
+async def generate_choices(
+    ing: Ingress,
+    request: Request,
+    parsed: GenerationRequest,
+    request_id: str,
+    digest: str,
+    key_id: str,
+    slot: Slot,
+    arrival: float,
+    echo_text: Callable[[GenerationRequest, list[int], ModelEntry], str],
+) -> Response:
+    """Queue every choice of `parsed` and answer them (or reattach when the id raced in).
+
+    `echo_text(parsed, prompt ids, entry)`: a prompt's text as `echo` returns it."""
+    per_prompt = parsed.per_prompt
+    prompts: list[str | list[int] | None] = list(parsed.prompts or [None])
+    subs: list[Submission] = []
+    echoes: list[str] = []
+    prompt_tokens, entry = 0, None
+    for p, prompt in enumerate(prompts):
+        one = parsed
+        if prompt is not None:
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+            one = dataclasses.replace(parsed, prompt=text, prompt_token_ids=ids, prompts=None)
+        first = choice_id(request_id, p * per_prompt)
+        sub, entry = await ing.producer.prepare_parsed(one, request_id=first)
+        prompt_tokens += len(sub.prompt_token_ids)
+        echoes.append(echo_text(one, sub.prompt_token_ids, entry) if parsed.echo else "")
+        for k in range(per_prompt):
+            sampling = dataclasses.replace(
+                sub.sampling, seed=choice_seed(sub.sampling, request_id, k)
+            )
+            if per_prompt > parsed.n and sampling.logprobs is None:
+                sampling.logprobs = 0  # best_of ranks by the chosen tokens' logprobs
+            subs.append(
+                dataclasses.replace(
+                    sub,
+                    request_id=choice_id(request_id, p * per_prompt + k),
+                    sampling=sampling,
+                    arrival_time=subs[0].arrival_time if subs else sub.arrival_time,
+                    deadline=subs[0].deadline if subs else sub.deadline,
+                    submission_id=subs[0].submission_id if subs else sub.submission_id,
+                )
+            )
+    assert entry is not None
+    created = int(time.time())
+    options: dict[str, Any] = {
+        "api": parsed.api,
+        "created": created,
+        "stream": parsed.stream,
+        "include_usage": parsed.include_usage,
+        "logprobs": parsed.logprobs,
+        "digest": digest,
+        "n": parsed.n,
+        "per_prompt": per_prompt,
+    }
+    if parsed.echo:
+        options["echoes"] = echoes
+    record = {fields.INGRESS: options, fields.USER: parsed.user or "", fields.KEY_ID: key_id}
+    choice_record = {fields.USER: parsed.user or "", fields.KEY_ID: key_id}
+    routes = await ing.producer.enqueue_choices(request_id, subs, entry, record, choice_record)
+    if routes is None:  # the same id raced in from another connection
+        slot.release()
+        rec = await owned_record(ing, request_id, key_id)
+        check_same(rec, request_id, digest, key_id)
+        return await reattach(request, ing, request_id, rec, parsed.stream, parsed.include_usage)
+    ing.backpressure.queued(len(subs))
+    ing.cluster.refresh_behind()
+    for route in routes:
+        ing.metrics.request_route.labels(entry.name, route.stage).inc()
+    job = choices_job(
+        ing,
+        request_id,
+        options,
+        parsed.model,
+        prompt_tokens,
+        parsed.stream,
+        parsed.include_usage,
+        deadline=subs[0].deadline,
+        token_text=ing.token_text(entry),
+        num_choices=len(subs),
+    )
+    job.timer, job.slot = RequestTimer(ing.metrics, entry.name, arrival), slot
+    return job.response()
+
+
+async def choice_records(ing: Ingress, request_id: str, count: int) -> list[RequestRecord]:
+    """The records of the request's `count` choices (an expired one reads as empty)."""
+    async with ing.redis.pipeline(transaction=False) as pipe:
+        for k in range(count):
+            pipe.hgetall(ing.keys.request(choice_id(request_id, k)))
+        raw = await pipe.execute()
+    return [RequestRecord.decode(r) or RequestRecord() for r in raw]
+
+
+# how far a request has got, for the status of a parent whose choices are not all done
+_PROGRESS = (RequestStatus.QUEUED, RequestStatus.PREFILLING, RequestStatus.DECODING)
+
+
+def combined_status(records: list[RequestRecord]) -> str:
+    """One status for the request: while any choice is open, the furthest an open one has got;
+    then failed if any failed, else cancelled if any was, else finished."""
+    statuses = [r.status for r in records]
+    open_ = [s for s in statuses if s in OPEN_STATUSES]
+    if open_:
+        return str(max(open_, key=lambda s: _PROGRESS.index(s) if s in _PROGRESS else 0))
+    for status in (RequestStatus.FAILED, RequestStatus.CANCELLED):
+        if status in statuses:
+            return str(status)
+    return str(RequestStatus.FINISHED)
+
+
+async def choices_state(ing: Ingress, request_id: str, rec: dict[str, str]) -> dict[str, Any]:
+    """GET /v1/requests/{id} of a request of several choices: the parent record with its
+    status, counts and times combined from its choices, and each choice's own view."""
+    count = int(rec.get(fields.NUM_CHOICES) or 0)
+    records = await choice_records(ing, request_id, count)
+    parent = RequestRecord.decode(rec) or RequestRecord()
+    parent.status = combined_status(records)
+    parent.completion_tokens = sum(r.completion_tokens or 0 for r in records)
+    emitted = [r.emitted for r in records if r.emitted is not None]
+    parent.emitted = sum(emitted) if emitted else None
+    started = [r.started for r in records if r.started is not None]
+    parent.started = min(started) if started else None
+    updated = [r.updated for r in records if r.updated is not None]
+    parent.updated = max([*updated, parent.updated or 0.0]) or None
+    if all(r.ended for r in records):
+        parent.finish_reason = records[0].finish_reason if records else None
+    errors = [r.error for r in records if r.error]
+    parent.error = errors[0] if errors else None
+    body = parent.public()
+    body["choices"] = [
+        {"id": choice_id(request_id, k), **r.public()} for k, r in enumerate(records)
+    ]
+    return body
+
+
+def num_choices(rec: dict[str, str]) -> int:
+    """How many choices the request of this record has (0: it is a request of its own)."""
+    return int(as_str(rec.get(fields.NUM_CHOICES)) or 0)

@@ -1,0 +1,336 @@
+"""Sending a request answered by several choices (n, best_of, a list of prompts) to its client.
+
+Lifecycle: one reader task per choice follows its out:{id}.{k} -> chunks merged in the order
+they arrive -> SSE events whose `choices[].index` tells the choices apart (interleaved, as
+OpenAI sends them), or one body once every choice has finished (best_of: the n with the highest
+cumulative logprob per prompt) -> [usage: completion tokens summed, each prompt counted once]
+-> [DONE]. A choice that fails, the deadline or a lost Redis end the whole reply, and the other
+choices are cancelled; a client that goes away has them all cancelled (after the grace period).
+Events carry no `id:` line: token indices are per choice, so a reattach replays from the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+from starlette.responses import Response
+from starlette.types import Send
+
+from kvrelay.core.enums import FinishReason
+from kvrelay.core.errors import KvrelayError
+from kvrelay.core.messages import TokenChunk
+from kvrelay.pipeline.errors import error_body
+from kvrelay.pipeline.metrics import RequestTimer
+from kvrelay.pipeline.openai.protocol import CHAT, COMPLETION
+from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter, usage_dict
+from kvrelay.pipeline.queue.backpressure import Slot
+from kvrelay.pipeline.queue.output import (
+    DEADLINE_PASSED,
+    Completion,
+    OutputExpired,
+    OutputTimeout,
+    RequestNotFound,
+    read_chunks,
+)
+from kvrelay.pipeline.queue.submit import choice_id
+from kvrelay.pipeline.server.http import REQUEST_ID_HEADER, WatchedResponse, send_json, sse_start
+from kvrelay.pipeline.server.output import output_expired
+
+if TYPE_CHECKING:
+    from kvrelay.pipeline.server.app import Ingress
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice of the request: its own request id and formatter (which holds its index)."""
+
+    request_id: str
+    fmt: ResponseFormatter
+    prompt: int  # the index of its prompt in the request
+
+
+class _Ended(KvrelayError):
+    """A choice ended the reply early (failed, or ended at the deadline)."""
+
+    def __init__(self, chunk: TokenChunk):
+        super().__init__(chunk.finish_reason)
+        self.chunk = chunk
+
+
+def _failure(exc: BaseException, request_id: str) -> tuple[int, dict]:
+    """The status and OpenAI error body for what ended a reply early."""
+    if isinstance(exc, OutputTimeout):
+        return 504, error_body(DEADLINE_PASSED, "timeout", None, "request_timeout")
+    if isinstance(exc, _Ended) and exc.chunk.finish_reason == FinishReason.TIMEOUT:
+        return 504, error_body(DEADLINE_PASSED, "timeout", None, "request_timeout")
+    if isinstance(exc, _Ended):
+        message = exc.chunk.error or "generation failed"
+        return 500, error_body(message, "server_error", None, "generation_failed")
+    if isinstance(exc, RedisError):
+        message = "the request queue (Redis) is unavailable"
+        return 503, error_body(message, "service_unavailable", None, "queue_unavailable")
+    if isinstance(exc, OutputExpired):
+        err = output_expired(request_id)
+        return err.status, err.body()
+    message = f"request {request_id} is unknown or expired"
+    return 404, error_body(message, "invalid_request_error", None, "request_not_found")
+
+
+def _strip_id(event: bytes) -> bytes:
+    """An SSE event without its `id:` line (a choice's token index, not the request's)."""
+    if event.startswith(b"id: "):
+        return event.split(b"\n", 1)[1]
+    return event
+
+
+@dataclass(slots=True)
+class ChoicesJob:
+    """Delivers every choice of `request_id` to one HTTP client, from the start."""
+
+    ingress: Ingress
+    request_id: str
+    choices: list[Choice]  # prompt-major: choice i answers prompt i // per_prompt
+    n: int  # choices returned per prompt (fewer than generated with best_of)
+    stream: bool
+    prompt_tokens: int  # of the whole request, each prompt counted once
+    include_usage: bool = False
+    deadline: float | None = None
+    timer: RequestTimer | None = None  # None on a reattach: the first reader measures
+    attach_seq: int = 0
+    server_ended: bool = False  # the ingress ended the reply (Redis lost): no cancel then
+    slot: Slot | None = None
+
+    def response(self) -> Response:
+        produce = self._stream if self.stream else self._whole
+        return WatchedResponse(produce, self._disconnected, self._closed)
+
+    def _closed(self) -> None:
+        if self.slot is not None:
+            self.slot.release()
+        if self.timer:
+            self.timer.close()
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        return {REQUEST_ID_HEADER: self.request_id}
+
+    def _chunks(self, i: int) -> AsyncIterator[TokenChunk]:
+        return read_chunks(
+            self.ingress.redis,
+            self.ingress.keys,
+            self.choices[i].request_id,
+            block_ms=self.ingress.config.read_block_ms,
+            deadline=self.deadline,
+        )
+
+    def _usage(
+        self, kept: list[int], usages: list[dict[str, int] | None], counts: list[int]
+    ) -> dict[str, Any]:
+        """The request's usage from the choices returned (`kept`, with their usages and token
+        counts): completion tokens summed; prompt tokens, and the cached ones (those the
+        first choice returned for a prompt found), once per prompt."""
+        cached, seen = 0, set()
+        for i, usage in zip(kept, usages, strict=True):
+            if self.choices[i].prompt not in seen:
+                seen.add(self.choices[i].prompt)
+                cached += int((usage or {}).get("cached_tokens", 0))
+        completion = sum(
+            int((usage or {}).get("completion_tokens", count))
+            for usage, count in zip(usages, counts, strict=True)
+        )
+        usage = {"prompt_tokens": self.prompt_tokens, "cached_tokens": cached}
+        return usage_dict({**usage, "completion_tokens": completion}, 0, 0)
+
+    def _finished(self, reason: str, usage: dict[str, Any] | None) -> None:
+        if self.timer:
+            self.timer.finish(reason, usage, time.monotonic())
+            self.ingress.observe_queue_time(self.choices[0].request_id, self.timer.model)
+
+    async def _end_early(self, exc: BaseException) -> None:
+        """What ended the reply before every choice finished: count it, stop the others."""
+        if isinstance(exc, RedisError):
+            self.server_ended = True
+            logger.error("request %s: lost an output stream: %s", self.request_id, exc)
+            return
+        if isinstance(exc, OutputTimeout) or (
+            isinstance(exc, _Ended) and exc.chunk.finish_reason == FinishReason.TIMEOUT
+        ):
+            self._finished(FinishReason.TIMEOUT, None)
+        elif isinstance(exc, _Ended):
+            self._finished(FinishReason.ERROR, None)
+        await self.ingress.try_cancel(self.request_id)
+
+    # streaming ----------------------------------------------------------------------------
+    async def _read(self, i: int, queue: asyncio.Queue) -> None:
+        try:
+            async for chunk in self._chunks(i):
+                await queue.put((i, chunk))
+        except Exception as exc:  # handed to the merging loop, which ends the reply
+            await queue.put((i, exc))
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        if self.choices[0].fmt.api == CHAT:
+            for choice in self.choices:
+                yield choice.fmt.role_event()
+        queue: asyncio.Queue = asyncio.Queue()
+        readers = [asyncio.create_task(self._read(i, queue)) for i in range(len(self.choices))]
+        usages: list[dict[str, int] | None] = [None] * len(self.choices)
+        left, first_reason = len(self.choices), None
+        try:
+            while left:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                chunk: TokenChunk = item
+                if self.timer:
+                    self.timer.tokens(len(chunk.token_ids), time.monotonic())
+                event = self.choices[i].fmt.chunk_event(chunk)
+                if event:
+                    yield _strip_id(event)
+                if chunk.finished:
+                    if chunk.finish_reason in (FinishReason.ERROR, FinishReason.TIMEOUT):
+                        raise _Ended(chunk)
+                    usages[i], left = chunk.usage, left - 1
+                    if i == 0:
+                        first_reason = chunk.finish_reason
+            counts = [c.fmt.completion_tokens for c in self.choices]
+            usage = self._usage(list(range(len(self.choices))), usages, counts)
+            if self.include_usage:
+                yield self.choices[0].fmt.usage_event(usage)
+            self._finished(first_reason or FinishReason.STOP, usage)
+        except (_Ended, OutputTimeout, RedisError, OutputExpired, RequestNotFound) as exc:
+            await self._end_early(exc)
+            _status, body = _failure(exc, self.request_id)
+            error = body["error"]
+            yield ResponseFormatter.error_event(error["message"], error["type"], error["code"])
+        finally:
+            for reader in readers:
+                reader.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+        yield DONE
+
+    async def _stream(self, send: Send) -> None:
+        await send(sse_start(self._headers))
+        async for event in self._events():
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # one body -----------------------------------------------------------------------------
+    async def _collect(self, i: int, result: Completion) -> None:
+        async for chunk in self._chunks(i):
+            if self.timer:
+                self.timer.tokens(len(chunk.token_ids), time.monotonic())
+            result.add(chunk)
+            if chunk.finish_reason in (FinishReason.ERROR, FinishReason.TIMEOUT):
+                raise _Ended(chunk)
+
+    async def _whole(self, send: Send) -> None:
+        results = [Completion(c.request_id) for c in self.choices]
+        tasks = [asyncio.create_task(self._collect(i, r)) for i, r in enumerate(results)]
+        try:
+            await asyncio.gather(*tasks)
+        except (_Ended, OutputTimeout, RedisError, OutputExpired, RequestNotFound) as exc:
+            await self._end_early(exc)
+            status, body = _failure(exc, self.request_id)
+            await send_json(send, status, body, self._headers)
+            return
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        kept = self._best(results)
+        bodies = []
+        for index, i in enumerate(kept):
+            self.choices[i].fmt.index = index
+            bodies.append(self.choices[i].fmt.response(results[i]))
+        usage = self._usage(
+            kept, [results[i].usage for i in kept], [len(results[i].token_ids) for i in kept]
+        )
+        self._finished(results[0].finish_reason or FinishReason.STOP, usage)
+        body = {key: bodies[0][key] for key in ("id", "object", "created", "model")}
+        body["choices"] = [b["choices"][0] for b in bodies]
+        body["usage"] = usage
+        await send_json(send, 200, body, self._headers)
+
+    def _best(self, results: list[Completion]) -> list[int]:
+        """The choices returned, in order: all of them, or (best_of) per prompt the n with the
+        highest cumulative logprob of their tokens, highest first (vLLM's order)."""
+        per_prompt = len(self.choices) // (self.choices[-1].prompt + 1)
+        if per_prompt == self.n:
+            return list(range(len(self.choices)))
+        kept: list[int] = []
+        for start in range(0, len(self.choices), per_prompt):
+            group = range(start, start + per_prompt)
+            ranked = sorted(group, key=lambda i: -_cumulative_logprob(results[i]))
+            kept += ranked[: self.n]
+        return kept
+
+    async def _disconnected(self) -> None:
+        logger.info("request %s: client disconnected", self.request_id)
+        timer = self.timer
+        if timer:
+            timer.close()
+        if self.server_ended:
+            return
+
+        def cancelled() -> None:
+            if timer:
+                timer.finish(FinishReason.CANCELLED, None, time.monotonic())
+
+        await self.ingress.client_gone(self.request_id, self.attach_seq, cancelled)
+
+
+def _cumulative_logprob(result: Completion) -> float:
+    return sum(float(lp["logprob"]) for lp in result.logprobs or ())
+
+
+def choices_job(
+    ing: Ingress,
+    request_id: str,
+    options: dict[str, Any],
+    model: str,
+    prompt_tokens: int,
+    stream: bool,
+    include_usage: bool,
+    *,
+    deadline: float | None,
+    token_text: Any,
+    num_choices: int | None = None,
+) -> ChoicesJob:
+    """The output job of a request of several choices, from its ingress options."""
+    per_prompt = int(options.get("per_prompt") or 1)
+    echoes = options.get("echoes") or []
+    count = num_choices or per_prompt * max(1, len(echoes))
+    choices = []
+    for i in range(count):
+        fmt = ResponseFormatter(
+            options.get("api", COMPLETION),
+            request_id,
+            model,
+            int(options.get("created") or time.time()),
+            0,  # the usage is the request's, counted by the job
+            logprobs=bool(options.get("logprobs")),
+            include_usage=include_usage,
+            token_text=token_text,
+            echo=echoes[i // per_prompt] if echoes else "",
+            index=i,
+        )
+        choices.append(Choice(choice_id(request_id, i), fmt, i // per_prompt))
+    return ChoicesJob(
+        ing,
+        request_id,
+        choices,
+        int(options.get("n") or 1),
+        stream,
+        prompt_tokens,
+        include_usage=include_usage,
+        deadline=deadline,
+    )

@@ -3,9 +3,11 @@ worker with exactly the tokens of an uninterrupted run, and every process comes 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -122,3 +124,84 @@ def test_request_in_flight_survives_valkey_restart(stack, client):
             assert time.monotonic() < deadline, stack.logs()
             time.sleep(0.5)
     assert (text, reason) == (ref_text, "length")
+
+
+# What applications send (issue 20): each resumes exactly after its decode worker is killed.
+TEXT = {"type": "string", "maxLength": 200}
+WEATHER = {"type": "object", "properties": {"city": TEXT, "notes": TEXT}, "required": ["city"]}
+LINES = {"type": "object", "properties": {"lines": {"type": "array", "items": {
+    "type": "string", "maxLength": 60}, "minItems": 1}}, "required": ["lines"]}  # fmt: skip
+FEATURES = {
+    "json_schema": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "lines", "schema": LINES, "strict": True},
+        }
+    },  # fmt: skip
+    "named_tool": {
+        "tools": [
+            {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+        ],  # fmt: skip
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    },
+    "logit_bias": {"logit_bias": {"13": -100, "28": 5}},
+    "n": {"n": 2},
+}
+
+
+def stream_choices(stack: Stack, request_id: str, extra: dict, on_event=None) -> dict:
+    """The streamed answer per choice index: content, tool calls (ids left out: they carry the
+    request id), finish reason."""
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, **SAMPLING, **extra}
+    out: dict[int, dict] = {}
+    n = 0
+    with httpx.stream("POST", stack.url + "/v1/chat/completions", json=body, timeout=180,
+                      headers={"X-Request-Id": request_id}) as resp:  # fmt: skip
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                got = out.setdefault(choice["index"], {"content": "", "calls": {}, "finish": None})
+                delta = choice["delta"]
+                got["content"] += delta.get("content") or ""
+                for call in delta.get("tool_calls") or ():
+                    fn = call.get("function") or {}
+                    c = got["calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+                    c["name"] += fn.get("name") or ""
+                    c["arguments"] += fn.get("arguments") or ""
+                got["finish"] = choice["finish_reason"] or got["finish"]
+                n += 1
+                if on_event:
+                    on_event(n)
+    return out
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_features_resume_exactly_after_a_decode_worker_kill(stack, feature):
+    extra = FEATURES[feature]
+    # the request's output streams: its own, or its choices' ({id}.{k})
+    ids = [f"{{}}.{k}" for k in range(extra["n"])] if "n" in extra else ["{}"]
+    ref = stream_choices(stack, f"feat-ref-{feature}", extra)
+    ref_tokens = [stack.out_tokens(i.format(f"feat-ref-{feature}")) for i in ids]
+    victim = f"feat-victim-{feature}"
+    killed: dict[str, int] = {}
+
+    def kill_owner(n: int) -> None:
+        if n == 6 and not killed:  # the last choice's owner, mid-answer
+            owner = stack.redis.hget(stack.keys.request(ids[-1].format(victim)), "owner")
+            assert owner is not None and owner.decode().startswith("decode-"), owner
+            killed[owner.decode()] = stack.kill(owner.decode())
+
+    got = stream_choices(stack, victim, extra, on_event=kill_owner)
+    assert killed, "the request finished before a decode worker could be killed"
+    assert [stack.out_tokens(i.format(victim)) for i in ids] == ref_tokens
+    assert got == ref
+    if feature == "json_schema":  # JSON as far as max_tokens let it go
+        assert ref[0]["content"].startswith('{"lines": ["') or ref[0]["content"][0] == "{"
+    if feature == "named_tool":
+        assert ref[0]["calls"][0]["name"] == "get_weather"
+    [(program, pid)] = killed.items()
+    stack.wait_restarted(program, pid)

@@ -124,6 +124,7 @@ def fill_context(engine, batch: int, context: int, max_tokens: int) -> None:
     import torch
 
     from kvrelay.core.sampling import SamplingParams
+    from kvrelay.workers.engine.model_runner import StepLogits
 
     engine.pool.reset_prefix_cache()
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -133,7 +134,9 @@ def fill_context(engine, batch: int, context: int, max_tokens: int) -> None:
         engine.add_request(f"bd-{time.monotonic_ns()}-{i}", ids, sp)
     real_run = engine.runner.run
     vocab = engine.vocab_size
-    engine.runner.run = lambda sched: torch.zeros(sum(1 for s in sched if s.samples), vocab)
+    engine.runner.run = lambda sched: StepLogits(
+        torch.zeros(sum(1 for s in sched if s.samples), vocab)
+    )
     try:
         firsts: set[str] = set()
         while len(firsts) < batch:

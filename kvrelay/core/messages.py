@@ -144,6 +144,10 @@ class TokenChunk(Message, tag="chunk"):
     usage: dict[str, int] | None = None
     # one entry per token: {"logprob": float, "top": [[token_id, logprob], ...]}
     logprobs: list[dict[str, Any]] | None = None
+    # chunk 0 of a request with prompt_logprobs: one entry per prompt token,
+    # {"token_id", "logprob", "rank", "top": [[token_id, logprob], ...]} (the first token's
+    # logprob and rank are None: nothing precedes it)
+    prompt_logprobs: list[dict[str, Any]] | None = None
     error: str | None = None
     stop_reason: str | int | None = None  # matched stop string or stop token id
 

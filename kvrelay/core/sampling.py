@@ -60,6 +60,7 @@ BOUNDS = {
     "frequency_penalty": Bound(-2.0, 2.0, rule="in [-2, 2]"),
     "min_tokens": Bound(0, rule=">= 0", kind=int),
     "logprobs": Bound(0, MAX_LOGPROBS, rule=f"in [0, {MAX_LOGPROBS}]", kind=int),
+    "prompt_logprobs": Bound(0, MAX_LOGPROBS, rule=f"in [0, {MAX_LOGPROBS}]", kind=int),
 }
 
 
@@ -90,6 +91,8 @@ class SamplingParams:
     min_tokens: int = 0
     seed: int | None = None
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token plus top-n
+    # None: none; n >= 0: each prompt token's logprob plus top-n (computed, never cached)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # token id -> added to its logit before penalties and temperature (vLLM's order)
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -106,7 +109,7 @@ class SamplingParams:
         def bad(msg: str, param: str) -> None:
             raise InvalidSamplingParams(msg, param)
 
-        for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
                 bad(f"{name} must be between {INT64_MIN} and {INT64_MAX}", name)

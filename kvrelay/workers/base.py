@@ -325,6 +325,7 @@ class Worker:
             text=out.text_delta if act.task.detokenize else "",
             finish_reason=out.finish_reason if out.finished else None,
             logprobs=_logprobs(out.new_logprobs, out.new_token_ids, act.task.sampling.logprobs),
+            prompt_logprobs=out.prompt_logprobs,
             stop_reason=out.stop_reason if out.finished else None,
         )
         act.next_index += len(out.new_token_ids)

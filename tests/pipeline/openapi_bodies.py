@@ -79,8 +79,8 @@ class Generator:
             body["stream"] = True
         if "top_logprobs" in body:
             body["logprobs"] = True
-        if body.get("echo"):  # echo with logprobs needs the prompt's logprobs: refused
-            body.pop("logprobs", None)
+        if body.get("stream"):  # prompt_logprobs are not streamed (vLLM's rule)
+            body.pop("prompt_logprobs", None)
         body.pop("min_tokens", None)  # must not exceed max_tokens: keep it simple
         body.pop("best_of", None)  # at least n, and not past n when streaming: test_n_choices.py
         if "n" in body:  # within --max-choices, which no schema states
@@ -94,6 +94,14 @@ class Generator:
         body.pop("tool_choice", None)
         if (body.get("response_format") or {}).get("type") not in (None, "text"):
             body.pop("response_format")
+        several = (body.get("n") or 1) > 1 or (
+            isinstance(body.get("prompt"), list)
+            and any(isinstance(p, str | list) for p in body["prompt"])
+        )
+        if several:  # prompt logprobs are not gathered per choice (refused)
+            body.pop("prompt_logprobs", None)
+            if body.get("echo"):
+                body.pop("logprobs", None)
         for msg in body.get("messages", []):
             if msg.get("content") is None and msg["role"] != "assistant":
                 msg["content"] = "hi"

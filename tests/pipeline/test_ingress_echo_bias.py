@@ -137,21 +137,16 @@ REFUSED = [
         ),
     ),
     (
-        {"echo": True, "logprobs": 1},
-        err(
-            "echo together with logprobs (the prompt tokens' logprobs) is not supported by "
-            "this server",
-            "echo",
-            "unsupported_value",
-        ),
+        {"prompt_logprobs": 21},
+        err("prompt_logprobs must be in [0, 20], got 21", "prompt_logprobs"),
     ),
     (
-        {"prompt_logprobs": 1},
-        err(
-            "prompt_logprobs (the logprobs of the prompt tokens) is not supported by this server",
-            "prompt_logprobs",
-            "unsupported_value",
-        ),
+        {"prompt_logprobs": -1},  # vLLM's "the whole vocabulary": not served
+        err("prompt_logprobs must be in [0, 20], got -1", "prompt_logprobs"),
+    ),
+    (
+        {"prompt_logprobs": 1, "stream": True},
+        err("prompt_logprobs is not available when stream is true", "prompt_logprobs"),
     ),
 ]
 

@@ -172,14 +172,9 @@ CASES = [
     ),
     (
         "/v1/completions",
-        {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1},
+        {"model": MODEL, "prompt": "x", "prompt_logprobs": 2, "stream": True},
         400,
-        err(
-            "echo together with logprobs (the prompt tokens' logprobs) is not supported by this "
-            "server",
-            "echo",
-            "unsupported_value",
-        ),
+        err("prompt_logprobs is not available when stream is true", "prompt_logprobs"),
     ),
     (
         "/v1/completions",

@@ -322,6 +322,12 @@ async def test_limits_refuse_with_400_and_queue_nothing(harness):
             "param": "n",
             "code": "unsupported_value",
         }
+        body = {"model": MODEL, "prompt": "x", "n": 2, "echo": True, "logprobs": 1}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["message"] == (
+            "prompt logprobs together with more than one choice is not supported by this server"
+        )
     assert await role.r.xlen(app.state.ingress.keys.decode_stream) == 0
 
 

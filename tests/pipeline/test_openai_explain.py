@@ -140,11 +140,18 @@ CASES = [
         f"tool type 'retrieval' (only function tools) {NOT_SUPPORTED}",
     ),
     (
+        CHAT,
+        {"prompt_logprobs": 21},
+        None,
+        "prompt_logprobs",
+        "prompt_logprobs must be in [0, 20], got 21",
+    ),
+    (
         TEXT,
-        {"echo": True, "logprobs": 0},
-        UNSUPPORTED,
-        "echo",
-        f"echo together with logprobs (the prompt tokens' logprobs) {NOT_SUPPORTED}",
+        {"prompt_logprobs": 0, "stream": True},
+        None,
+        "prompt_logprobs",
+        "prompt_logprobs is not available when stream is true",
     ),
     (
         TEXT,

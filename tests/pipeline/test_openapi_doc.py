@@ -63,6 +63,7 @@ COMMON = {
     "service_tier",
     "safety_identifier",
     "prompt_cache_key",
+    "prompt_logprobs",
 }
 
 

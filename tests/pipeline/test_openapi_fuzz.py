@@ -101,6 +101,9 @@ def _cases(doc: dict) -> list[tuple[str, str, dict]]:
         else:
             kind, mutated = gen.mutate(body, required)
             cases.append((path, kind, mutated))
+    # one refusal the schema cannot state, whatever the seeded stream reaches: a token id past
+    # the vocabulary (the stream shifts with every field added to the schemas)
+    cases.append(("/v1/completions", "range", {"model": MODEL, "prompt": [49152]}))
     return cases
 
 
@@ -110,7 +113,7 @@ async def test_generated_bodies_never_5xx_and_match_the_models(harness):
     async with http(app) as client:
         doc = (await client.get("/openapi.json")).json()
         cases = _cases(doc)
-        assert len(cases) == VALID + MUTATED
+        assert len(cases) == VALID + MUTATED + 1
         resps = []
         for start in range(0, len(cases), BATCH):
             batch = cases[start : start + BATCH]
@@ -154,4 +157,4 @@ async def test_generated_bodies_never_5xx_and_match_the_models(harness):
         "unsupported_value",
         "invalid_token_id",
     }
-    assert sum(counts.values()) == VALID + MUTATED
+    assert sum(counts.values()) == VALID + MUTATED + 1

@@ -154,6 +154,8 @@ Stop = Annotated[
     _StopText | Annotated[list[_StopText], Field(max_length=MAX_STOP)],
     Says(expect="a string or an array of strings", invalid=STOP_RULE, whole=True),
 ]
+PROMPT_LOGPROBS_STREAM = "prompt_logprobs is not available when stream is true"
+MANY_CHOICES_PROMPT_LOGPROBS = "prompt logprobs together with more than one choice"
 _WHOLE_IDS = Says(expect="an array of integers", whole=True)
 _TOKEN_KEY = re.compile(r"-?[0-9]{1,19}")  # int64 digits at most (the vocabulary bounds it)
 
@@ -227,6 +229,8 @@ class _Request(BaseModel):
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
     max_tokens: _bounded("max_tokens", Int64) | None = None
+    # vLLM's: each prompt token's logprob plus the top-n (not with stream, as vLLM refuses it)
+    prompt_logprobs: _bounded("prompt_logprobs", Int64) | None = None
     user: StrictStr | None = None
     # non-empty: the HTTP edge refuses "" (validate.check_cache_salt), which the producer
     # client sends for "no salt"
@@ -267,7 +271,14 @@ class _Request(BaseModel):
         limit = self.max_tokens_given()[0]
         if limit is not None and self.min_tokens is not None and self.min_tokens > limit:
             raise fail(MIN_TOKENS_RULE, field="min_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            raise fail(PROMPT_LOGPROBS_STREAM, field="prompt_logprobs")
+        if self.prompt_logprobs is not None and self.choices_per_prompt() > 1:
+            raise refuse(MANY_CHOICES_PROMPT_LOGPROBS, field="n")  # not gathered per choice yet
         return self
+
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
 
     @model_validator(mode="after")
     def _one_constraint(self) -> _Request:
@@ -326,6 +337,8 @@ class ChatCompletionRequest(_Request):
             raise fail(message, field="tool_choice")
         if calling is not None and self.tools:
             tool_constraint(calling, self.tools)  # required: the calls' schema compiles
+        if self.tools and self.choices_per_prompt() > 1:  # no tool-call parsing per choice yet
+            raise refuse("tools together with more than one choice", field="n")
         return self
 
     def tool_calling(self) -> ToolCalling | None:
@@ -360,13 +373,6 @@ class CompletionRequest(_Request):
     logprobs: _bounded("logprobs", Int64) | None = None
 
     @model_validator(mode="after")
-    def _echo_alone(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            # vLLM answers the prompt tokens' logprobs too, which the prefill does not keep
-            raise refuse("echo together with logprobs (the prompt tokens' logprobs)", field="echo")
-        return self
-
-    @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:
         n, best_of = self.n or 1, self.best_of
         if best_of is not None and best_of < n:
@@ -375,7 +381,19 @@ class CompletionRequest(_Request):
         if best_of is not None and best_of > n and self.stream:
             # the best choices are known only once all are done (vLLM and OpenAI refuse it too)
             raise refuse("stream with best_of greater than n", field="best_of")
+        several = (
+            self.choices_per_prompt() > 1
+            or isinstance(self.prompt, list)
+            and any(isinstance(p, str | list) for p in self.prompt)
+        )
+        # echo with logprobs asks for the prompt's logprobs too
+        wants = self.prompt_logprobs is not None or self.echo and self.logprobs is not None
+        if wants and several:
+            raise refuse(MANY_CHOICES_PROMPT_LOGPROBS, field="n")
         return self
+
+    def choices_per_prompt(self) -> int:
+        return max(self.n or 1, self.best_of or 1)
 
     @field_validator("prompt", mode="before")
     @classmethod

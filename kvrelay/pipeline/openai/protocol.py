@@ -101,6 +101,7 @@ def _request(req: _Request, api: str) -> GenerationRequest:
         stop=stop,
         stop_token_ids=list(req.stop_token_ids or ()),
         structured=req.structured(),
+        prompt_logprobs=req.prompt_logprobs,
         **given,
     ).normalize()
     options = req.stream_options
@@ -161,4 +162,7 @@ def parse_completion(body: Any) -> GenerationRequest:
     req.sampling.logprobs = completion.logprobs
     req.echo = bool(completion.echo)
     req.best_of = completion.best_of if (completion.best_of or 1) > req.n else None
+    if req.echo and req.logprobs and req.sampling.prompt_logprobs is None:
+        # vLLM's: the echoed prompt's tokens come with their logprobs, top-n as `logprobs`
+        req.sampling.prompt_logprobs = completion.logprobs
     return req

@@ -106,7 +106,11 @@ class ResponseFormatter:
             )
         return {"content": content}
 
-    def _text_logprobs(self, chunk: TokenChunk) -> dict | None:
+    def _text_logprobs(
+        self, chunk: TokenChunk, prompt: list[dict[str, Any]] | None = None
+    ) -> dict | None:
+        """Completions' logprobs; with echo, `prompt` (the prompt logprobs) come first: the
+        first prompt token has no logprob (null), as vLLM answers."""
         if not self.logprobs or chunk.logprobs is None:
             return None
         out: dict[str, list] = {
@@ -115,6 +119,18 @@ class ResponseFormatter:
             "top_logprobs": [],
             "text_offset": [],
         }
+        for entry in prompt or ():
+            text = self.token_text(int(entry["token_id"]))
+            out["tokens"].append(text)
+            first = entry.get("logprob") is None
+            out["token_logprobs"].append(None if first else float(entry["logprob"]))
+            out["top_logprobs"].append(
+                None
+                if first
+                else {self.token_text(int(i)): float(v) for i, v in entry.get("top", [])}
+            )
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(text)
         for tid, lp in zip(chunk.token_ids, chunk.logprobs, strict=False):
             text = self.token_text(tid)
             out["tokens"].append(text)
@@ -124,6 +140,32 @@ class ResponseFormatter:
             )
             out["text_offset"].append(self.text_offset)
             self.text_offset += len(text)
+        return out
+
+    def prompt_logprobs(self, entries: list[dict[str, Any]] | None) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs`: null for the first prompt token, then per token a map of
+        token id to {logprob, rank, decoded_token} (the prompt token, then the top-n)."""
+        if entries is None:
+            return None
+        out: list[dict | None] = []
+        for entry in entries:
+            if entry.get("logprob") is None:
+                out.append(None)
+                continue
+            tid = int(entry["token_id"])
+            ranked = {
+                tid: {
+                    "logprob": float(entry["logprob"]),
+                    "rank": int(entry["rank"]),
+                    "decoded_token": self.token_text(tid),
+                }
+            }
+            for rank, (i, v) in enumerate(entry.get("top", []), start=1):
+                ranked.setdefault(
+                    int(i),
+                    {"logprob": float(v), "rank": rank, "decoded_token": self.token_text(int(i))},
+                )
+            out.append({str(i): v for i, v in ranked.items()})
         return out
 
     # streaming --------------------------------------------------------------------------
@@ -143,8 +185,10 @@ class ResponseFormatter:
         client resuming from its last token's id gets the ending again."""
         self.completion_tokens = chunk.index + len(chunk.token_ids)
         text = chunk.text
+        echoed = None
         if self.echo and chunk.index == 0 and chunk.finish_reason != FinishReason.ERROR:
             text, self.echo = self.echo + text, ""  # the first chunk starts with the prompt
+            echoed = chunk.prompt_logprobs  # and its logprobs with the prompt tokens
         has_output = bool(chunk.token_ids or text)
         if not has_output and (not chunk.finished or chunk.finish_reason == FinishReason.ERROR):
             return None  # an error ending is sent as an error event by the caller
@@ -163,7 +207,7 @@ class ResponseFormatter:
             choice = {
                 "index": self.index,
                 "text": text,
-                "logprobs": self._text_logprobs(chunk),
+                "logprobs": self._text_logprobs(chunk, echoed),
                 "finish_reason": finish,
             }
         return sse(self._envelope([choice]), chunk.index if has_output else None)
@@ -230,14 +274,17 @@ class ResponseFormatter:
             }
             obj = "chat.completion"
         else:
+            echoed = result.prompt_logprobs if self.echo else None
             choice = {
                 "index": self.index,
                 "text": self.echo + result.text,
-                "logprobs": self._text_logprobs(chunk),
+                "logprobs": self._text_logprobs(chunk, echoed),
                 "finish_reason": result.finish_reason,
             }
+            if result.prompt_logprobs is not None:  # vLLM's place: in the choice
+                choice["prompt_logprobs"] = self.prompt_logprobs(result.prompt_logprobs)
             obj = "text_completion"
-        return {
+        body = {
             "id": self.request_id,
             "object": obj,
             "created": self.created,
@@ -245,3 +292,6 @@ class ResponseFormatter:
             "choices": [choice],
             "usage": usage_dict(result.usage, self.prompt_tokens, len(result.token_ids)),
         }
+        if self.api == CHAT and result.prompt_logprobs is not None:  # vLLM's: the response's
+            body["prompt_logprobs"] = self.prompt_logprobs(result.prompt_logprobs)
+        return body

@@ -106,8 +106,6 @@ _OPENAI_UNSUPPORTED = {
     "reasoning_effort": "reasoning_effort",
     "verbosity": "verbosity",
     "web_search_options": "web search",
-    # vLLM's: needs the prefill to keep every prompt position's logits (docs/api.md)
-    "prompt_logprobs": "prompt_logprobs (the logprobs of the prompt tokens)",
 }
 
 

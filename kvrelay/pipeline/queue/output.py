@@ -206,11 +206,14 @@ class Completion:
     stop_reason: str | int | None = None
     usage: dict[str, int] | None = None
     logprobs: list[dict[str, Any]] | None = None
+    prompt_logprobs: list[dict[str, Any]] | None = None  # from chunk 0
     error: str | None = None
 
     def add(self, chunk: TokenChunk) -> None:
         self.token_ids.extend(chunk.token_ids)
         self.text += chunk.text
+        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         if chunk.logprobs:
             self.logprobs = (self.logprobs or []) + list(chunk.logprobs)
         if chunk.finished:

@@ -36,10 +36,13 @@ logger = logging.getLogger(__name__)
 
 def request_digest(req: GenerationRequest) -> str:
     """Digest of what a request asks for; not of how it is delivered (stream, usage, user)."""
+    sampling = req.sampling.to_dict()
+    if sampling["prompt_logprobs"] is None:  # digests of requests without it stay as they were
+        del sampling["prompt_logprobs"]
     what = {
         "api": req.api,
         "model": req.model,
-        "sampling": req.sampling.to_dict(),  # before max_tokens is filled from the context
+        "sampling": sampling,  # before max_tokens is filled from the context
         # and before the model's defaults fill the fields left out: leaving one out differs
         "fields_set": sorted(req.fields_set),
         "messages": req.messages,

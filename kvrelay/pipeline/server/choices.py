@@ -25,7 +25,7 @@ from kvrelay.core import record as fields
 from kvrelay.core.enums import OPEN_STATUSES, RequestStatus
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.sampling import choice_seed
-from kvrelay.pipeline.errors import bad_request, unsupported
+from kvrelay.pipeline.errors import bad_request
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.model_registry import ModelEntry
 from kvrelay.pipeline.openai.protocol import GenerationRequest
@@ -46,8 +46,6 @@ def check_choices(parsed: GenerationRequest, request_id: str, max_choices: int) 
     """400 when the request asks for more choices than `max_choices`, or when its id leaves
     no room for the choices' ids (`{id}.{k}`)."""
     per_prompt, total = parsed.per_prompt, parsed.num_choices
-    if total > 1 and parsed.tools:  # the choices' output has no tool-call parsing yet
-        raise unsupported("n", "tools together with more than one choice")
     if per_prompt > max_choices:
         param = "best_of" if parsed.best_of else "n"
         raise bad_request(f"{param} must be at most {max_choices}, got {per_prompt}", param=param)

@@ -40,6 +40,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: dict[str, Any] = field(default_factory=dict)
+    # with the first output: the prompt tokens' logprobs (Sequence.prompt_logprobs)
+    prompt_logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -59,4 +61,6 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     b.new_token_ids = a.new_token_ids + b.new_token_ids
     b.new_logprobs = lps
     b.text_delta = a.text_delta + b.text_delta
+    if b.prompt_logprobs is None:
+        b.prompt_logprobs = a.prompt_logprobs
     return b

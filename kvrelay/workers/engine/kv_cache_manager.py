@@ -82,6 +82,8 @@ class KVCacheManager:
         return keys[:num_full]
 
     def _prefix_keys(self, seq: Sequence) -> list[bytes]:
+        if seq.wants_prompt_logprobs:  # every prompt position is computed (as vLLM does)
+            return []
         # At least one token must be computed to get logits for the next one.
         return self._keys(seq, (seq.num_tokens - 1) // self.page_size)
 

@@ -6,7 +6,8 @@ compiled, engine/grammar.py) -> the model runner computes their K/V (prefix hits
 device cache or the store are skipped) -> rows that reached their last token sample one token
 (masked by their grammar, if any) -> the output processor detokenizes and checks stops -> full
 blocks are keyed, registered and saved once -> a finished (or handed-off) sequence releases its
-blocks.
+blocks. A prompt_logprobs request computes its whole prompt (no prefix hits) and keeps every
+prompt position's logprobs, sent with its first output.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvrelay.workers.engine.kv_cache_manager import KVCacheManager
 from kvrelay.workers.engine.kv_connector import KVConnector
 from kvrelay.workers.engine.model_runner import ModelRunner
 from kvrelay.workers.engine.output_processor import OutputProcessor
-from kvrelay.workers.engine.sampler import Sampler, SampleRow
+from kvrelay.workers.engine.sampler import Sampler, SampleRow, prompt_logprobs
 from kvrelay.workers.engine.scheduler import Scheduler
 from kvrelay.workers.engine.sequence import Sequence, SequenceStatus
 from kvrelay.workers.errors import EngineError, InvalidRequestError
@@ -195,6 +196,10 @@ class Engine:
             handoff_after=handoff_after,
             num_resumed_tokens=len(outputs),
         )
+        if sampling.prompt_logprobs is not None and not outputs:  # resumed: emitted before
+            seq.prompt_logprobs = [
+                {"token_id": prompt[0], "logprob": None, "rank": None, "top": []}
+            ]
         self.outputs.start(seq, emitted_text_len)
         if sampling.structured is not None:
             seq.grammar = self.grammars.start(sampling.structured, outputs)
@@ -251,6 +256,11 @@ class Engine:
             return failed
         logits = self.runner.run(sched.scheduled)
         self.stats.num_steps += 1
+        for rows, prompt_logits in logits.prompt:
+            seq = rows.seq
+            targets = seq.token_ids[rows.first : rows.first + rows.num_rows]
+            n = seq.sampling.prompt_logprobs or 0
+            seq.prompt_logprobs.extend(prompt_logprobs(prompt_logits, targets, n))
         sampling_seqs = [s.seq for s in sched.scheduled if s.samples]
         for s in sched.scheduled:
             seq = s.seq
@@ -260,7 +270,7 @@ class Engine:
             seq.num_computed_tokens += s.num_new_tokens
             self.kv.commit(seq)
         rows = [self._sample_row(seq) for seq in sampling_seqs]
-        results = self.sampler(logits, rows) if rows else []
+        results = self.sampler(logits.sample, rows) if rows else []
         now = time.time()
         outs = failed
         for seq, res in zip(sampling_seqs, results, strict=True):
@@ -275,7 +285,10 @@ class Engine:
                 seq.status = SequenceStatus.FINISHED
                 seq.finished_time = now
             lps = [res.logprobs] if res.logprobs is not None else None
-            outs.append(self._output(seq, [res.token_id], lps, text))
+            out = self._output(seq, [res.token_id], lps, text)
+            if seq.num_new_outputs == 1:  # the first output carries the prompt's logprobs
+                out.prompt_logprobs = seq.prompt_logprobs
+            outs.append(out)
         return outs
 
     def _settle_grammars(self) -> list[RequestOutput]:

@@ -1,13 +1,36 @@
 """Turns one scheduler step into model inputs (token ids, positions, attention metadata), runs
-the forward and returns the logits of the rows that sample."""
+the forward and returns the logits of the rows that sample (and, for prompt_logprobs requests,
+of their prompt positions)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.workers.engine.scheduler import ScheduledSeq
+from kvrelay.workers.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """Logits rows of one prompt_logprobs sequence: row `i` predicts prompt token `first + i`."""
+
+    seq: Sequence
+    first: int
+    num_rows: int
+    start_row: int = 0  # in the step's logits
+
+
+@dataclass(slots=True)
+class StepLogits:
+    """float32 logits on CPU: `sample` `[sampling rows, vocab]`, and each prompt_logprobs
+    sequence's prompt rows."""
+
+    sample: torch.Tensor
+    prompt: list[tuple[PromptRows, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -21,8 +44,11 @@ class ModelRunner:
 
     def prepare(
         self, scheduled: list[ScheduledSeq]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(input_ids, positions, metadata, logits_indices) for one step."""
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[PromptRows]]:
+        """(input_ids, positions, metadata, logits_indices, prompt rows) for one step: a
+        sequence collecting prompt logprobs adds the rows of its prompt positions not yet
+        collected (once each, even when recomputed after a preemption) before its sampling
+        row; the indices are sorted, sampling rows are the others."""
         P = self.page_size
         num_seqs = len(scheduled)
         ids: list[int] = []
@@ -33,6 +59,7 @@ class ModelRunner:
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
         logits_indices: list[int] = []
+        prompt_rows: list[PromptRows] = []
         for i, s in enumerate(scheduled):
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
@@ -45,6 +72,15 @@ class ModelRunner:
             slot_parts.append(table[pos // P] * P + pos % P)
             context_lens[i] = end
             query_start[i + 1] = query_start[i] + n
+            if seq.wants_prompt_logprobs:
+                # token k is predicted at position k - 1; tokens already collected are skipped
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > first:
+                    row = PromptRows(seq, first + 1, last - first, len(logits_indices))
+                    prompt_rows.append(row)
+                    base = int(query_start[i]) - start
+                    logits_indices.extend(range(base + first, base + last))
             if end == seq.num_tokens:
                 logits_indices.append(int(query_start[i + 1]) - 1)
         dev = self.device
@@ -63,11 +99,21 @@ class ModelRunner:
             positions,
             meta,
             torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            prompt_rows,
         )
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Compute K/V of the scheduled tokens; float32 logits `[sampling rows, vocab]` on CPU."""
-        input_ids, positions, meta, logits_indices = self.prepare(scheduled)
+    def run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
+        """Compute K/V of the scheduled tokens; their logits (sampling and prompt rows)."""
+        input_ids, positions, meta, logits_indices, prompt_rows = self.prepare(scheduled)
         logits = self.model(input_ids, positions, self.kv_pool, meta, logits_indices)
-        return logits.float().cpu()
+        logits = logits.float().cpu()
+        if not prompt_rows:
+            return StepLogits(logits)
+        keep = torch.ones(logits.shape[0], dtype=torch.bool)
+        prompt = []
+        for rows in prompt_rows:
+            span = slice(rows.start_row, rows.start_row + rows.num_rows)
+            keep[span] = False
+            prompt.append((rows, logits[span]))
+        return StepLogits(logits[keep], prompt)

@@ -136,6 +136,33 @@ def _logprobs(raw: torch.Tensor, token_id: int, n: int) -> dict[int, float]:
     return out
 
 
+def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], n: int) -> list[dict]:
+    """Raw logprobs of `token_ids[i]` under row `i` of `logits` `[rows, vocab]` (the position
+    before it), with its rank (tokens at least as likely, itself included: vLLM's) and the
+    top-n: TokenChunk entries. Row-local, so batch invariant."""
+    lp = torch.log_softmax(logits, dim=-1)
+    ids = torch.as_tensor(token_ids, dtype=torch.long)[:, None]
+    chosen = lp.gather(1, ids)
+    ranks = (lp >= chosen).sum(dim=-1)
+    top_values, top_ids = torch.topk(lp, n) if n > 0 else (lp[:, :0], ids[:, :0])
+    return [
+        {
+            "token_id": tok,
+            "logprob": value,
+            "rank": rank,
+            "top": [[i, v] for i, v in zip(top_i, top_v, strict=True)],
+        }
+        for tok, value, rank, top_i, top_v in zip(
+            token_ids,
+            chosen[:, 0].tolist(),
+            ranks.tolist(),
+            top_ids.tolist(),
+            top_values.tolist(),
+            strict=True,
+        )
+    ]
+
+
 class Sampler:
     """Samples one token per row of a float32 logits matrix `[rows, vocab]`."""
 

@@ -56,6 +56,17 @@ class Sequence:
     emitted_text_len: int = 0
     detokenizer: Any = None
     grammar: Any = None  # structured output: a GrammarState (engine/grammar.py), else None
+    # prompt_logprobs: one entry per prompt token so far (see TokenChunk.prompt_logprobs);
+    # None when not asked for, or when the prompt was computed elsewhere (resumed)
+    prompt_logprobs: list[dict[str, Any]] | None = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still collecting prompt logprobs: every prompt position must be computed (no
+        prefix hits), and its logits kept."""
+        return (
+            self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
     @property
     def grammar_ready(self) -> bool:

@@ -31,9 +31,10 @@ class Generator:
     def value(self, schema: dict[str, Any], top: bool = False) -> Any:
         """A value `schema` accepts (small numbers: limits the schema cannot know stay far)."""
         rng, schema = self.rng, self.resolve(schema)
-        if "anyOf" in schema:
-            branches = [b for b in schema["anyOf"] if b.get("type") != "null"]
-            return self.value(rng.choice(branches))
+        for union in ("anyOf", "oneOf"):
+            if union in schema:
+                branches = [b for b in schema[union] if b.get("type") != "null"]
+                return self.value(rng.choice(branches))
         if "const" in schema:
             return schema["const"]
         if "enum" in schema:
@@ -102,6 +103,8 @@ class Generator:
             body.pop("prompt_logprobs", None)
             if body.get("echo"):
                 body.pop("logprobs", None)
+        if ((body.get("text") or {}).get("format") or {}).get("type") not in (None, "text"):
+            body.pop("text")  # the Responses API's format: likewise
         for msg in body.get("messages", []):
             if msg.get("content") is None and msg["role"] != "assistant":
                 msg["content"] = "hi"

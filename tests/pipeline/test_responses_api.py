@@ -297,10 +297,27 @@ async def test_store_false_and_unknown_ids(harness):
 @pytest.mark.parametrize(
     ("extra", "param", "code"),
     [
-        ({"tools": [{"type": "function", "name": "f"}]}, "tools", "unsupported_value"),
-        ({"tool_choice": "required"}, "tool_choice", "unsupported_value"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_value"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice", None),  # no parser
+        (
+            {"tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}]},
+            "tools[0].parameters",
+            None,
+        ),
+        ({"tool_choice": "required"}, "tool_choice", None),
+        ({"tool_choice": {"type": "file_search"}}, "tool_choice.type", "unsupported_value"),
         ({"reasoning": {"effort": "low"}}, "reasoning", "unsupported_value"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format", "unsupported_value"),
+        ({"text": {"format": {"type": "grammar"}}}, "text.format.type", "unsupported_value"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no"}}}},
+            "text.format.schema",
+            None,
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "schema": {}}}},
+            "text.format.name",
+            "missing_required_parameter",
+        ),
         ({"truncation": "auto"}, "truncation", "unsupported_value"),
         ({"background": True}, "background", "unknown_parameter"),
         ({"max_output_tokens": 0}, "max_output_tokens", None),
@@ -311,7 +328,17 @@ async def test_store_false_and_unknown_ids(harness):
             "input[0].content[0].type",
             "unsupported_value",
         ),
-        ({"input": [{"type": "function_call_output"}]}, "input[0].type", "unsupported_value"),
+        ({"input": [{"type": "reasoning"}]}, "input[0].type", "unsupported_value"),
+        (
+            {"input": [{"type": "function_call_output", "output": "x"}]},
+            "input[0].call_id",
+            "missing_required_parameter",
+        ),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": 1}]},
+            "input[0].arguments",
+            "invalid_type",
+        ),
         ({"model": "gpt-17"}, "model", "model_not_found"),
     ],
 )
@@ -375,7 +402,7 @@ async def test_official_client(valkey_session, smollm_tokenizer):
             await client.responses.create(
                 model=MODEL, input="Hi", tools=[{"type": "function", "name": "f", "parameters": {}}]
             )
-        assert info.value.param == "tools"
+        assert info.value.param == "tool_choice"  # auto needs --tool-call-parser
         await client.close()
 
 

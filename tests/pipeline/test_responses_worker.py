@@ -1,15 +1,21 @@
 """The Responses API with a real decode worker (SmolLM2 on CPU, real Valkey): greedy answers
-equal the chat endpoint's for the same conversation, through `previous_response_id` too."""
+equal the chat endpoint's for the same conversation, through `previous_response_id` too;
+`text.format` json_schema through the official client's `responses.parse`, and a named function
+call whose arguments are valid for its parameters."""
 # ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
+import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 
+from kvrelay.pipeline.openai.tool_calls import call_id
 from kvrelay.pipeline.server.app import create_app
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
@@ -18,6 +24,7 @@ from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     smollm_tokenizer,
     unique_prefix,
 )
+from tests.pipeline.test_tool_calling import WEATHER
 
 pytestmark = pytest.mark.anyio
 
@@ -94,3 +101,60 @@ async def test_greedy_answers_match_chat_completions(
         assert "".join(deltas) == second.output_text == chat.choices[0].message.content
         assert (await client.responses.retrieve(second.id)).output_text == second.output_text
     await app.state.ingress.aclose()
+
+
+@pytest.fixture
+async def client(valkey_session, smollm_tokenizer, decode_worker):
+    app = create_app(
+        make_config(valkey_session.url, key_prefix=PREFIX, mode="colocated"),
+        tokenizers={MODEL: smollm_tokenizer},
+    )
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://ingress/v1") as http:
+            yield openai.AsyncOpenAI(
+                base_url="http://ingress/v1", api_key="none", http_client=http, max_retries=0
+            )
+    finally:
+        await app.state.ingress.aclose()
+
+
+class City(BaseModel):
+    name: str
+    country: str
+
+
+async def test_parse_with_a_pydantic_text_format(client):
+    parsed = await client.responses.parse(
+        model=MODEL,
+        input="Name a city in France.",
+        text_format=City,
+        temperature=0,
+        max_output_tokens=40,
+    )
+    assert parsed.status == "completed"
+    fmt = parsed.text.format
+    assert (fmt.type, fmt.name, fmt.strict) == ("json_schema", "City", True)
+    assert fmt.schema_ == City.model_json_schema() | {"additionalProperties": False}
+    assert parsed.output_parsed == City(name="Paris", country="France")
+    # greedy, as the 135M model spaces its JSON under the schema's grammar
+    assert parsed.output_text == '{\n\n"name": "Paris"\n\n,\n\n"country": "France"\n\n}'
+
+
+async def test_named_function_call_arguments_are_valid(client):
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    response = await client.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=tools,
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=60,
+        extra_headers={"X-Request-Id": "resp-wn"},
+    )
+    (call,) = response.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    assert call.call_id == call_id("resp-wn", 0)
+    # greedy, as the engine writes JSON: the same arguments as chat's named choice
+    assert call.arguments == '{\n  "city": "Paris",\n  "unit": "celsius"\n}'
+    jsonschema.validate(json.loads(call.arguments), WEATHER)

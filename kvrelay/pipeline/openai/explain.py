@@ -158,18 +158,19 @@ def _join(path: str, below: str) -> str:
 def _walk(loc: tuple[int | str, ...], model: type[BaseModel]) -> tuple[str, str, str, Any]:
     """(reported path, exact path, field name, the field's Says) for an error location.
 
-    Location items are field names, list indices and union branch tags (skipped). Below a
-    `whole` field the reported path stays the field's; the exact one goes on (for int64).
+    Location items are field names, list indices and union branch tags (skipped; the field
+    is looked up in each model of the union, first first). Below a `whole` field the
+    reported path stays the field's; the exact one goes on (for int64).
     """
     path = exact = name = ""
-    says, current, whole = None, model, False
+    says, current, whole = None, [model], False
     for item in loc:
         if isinstance(item, int):
             exact += f"[{item}]"
             if not whole:  # an item of the list: the list's own wording is not the item's
                 path, says = exact, None
             continue
-        fields = current.model_fields if current is not None else {}
+        fields = next((m.model_fields for m in current if item in m.model_fields), {})
         if item not in fields:
             continue  # a union branch tag such as 'list[TextPart]'
         info = fields[item]
@@ -179,7 +180,7 @@ def _walk(loc: tuple[int | str, ...], model: type[BaseModel]) -> tuple[str, str,
         path, name = exact, item
         says = next((m for m in info.metadata if isinstance(m, Says)), None)
         says = says or _says_in(info.annotation)
-        current = _model_in(info.annotation)
+        current = _models_in(info.annotation)
         whole = says is not None and says.whole
     return path, exact, name, says
 
@@ -193,12 +194,9 @@ def _says_in(annotation: Any) -> Says | None:
     return None
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The request model nested in a field's type, if any (`list[ChatMessage] | None`)."""
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The request models nested in a field's type, in order (`list[ChatMessage] | None`;
+    a union of input items gives each)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in get_args(annotation):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
+        return [annotation]
+    return [found for arg in get_args(annotation) for found in _models_in(arg)]

@@ -1,6 +1,6 @@
 """The Responses API's answer: the `response` object and its typed SSE events, from TokenChunks.
 
-One output item, an assistant message with one `output_text` part. A stream is
+Without tools, one output item, an assistant message with one `output_text` part. A stream is
 
     response.created, response.in_progress, response.output_item.added,
     response.content_part.added, response.output_text.delta (one per chunk with text),
@@ -9,17 +9,26 @@ One output item, an assistant message with one `output_text` part. A stream is
 
 each as `event: <type>` and `data: <json>` lines with a `sequence_number` counted from 0. The
 numbers depend only on the chunks in out:{id}, so a client that reattaches sees the same ones.
+
+With tools, the text goes through chat's ToolCallStream (tool_calls.py) and each run of text
+between calls is a message item, each call a `function_call` item (`id` "fc_" + the hash of
+its `call_id`), in the order the model wrote them. An item is opened when its first piece
+arrives (output_item.added, then for a message content_part.added) and closed when the next
+one opens or the answer ends (message: output_text.done, content_part.done; call:
+function_call_arguments.done; then output_item.done); a call's arguments stream as
+response.function_call_arguments.delta events. A chunk's events carry its `id:` on the last.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.core.enums import FinishReason
 from kvrelay.core.messages import TokenChunk
+from kvrelay.pipeline.openai.tool_calls import ToolCallStream
 from kvrelay.pipeline.queue.output import Completion
 
 RESPONSE_PREFIX, REQUEST_PREFIX = "resp_", "resp-"
@@ -83,7 +92,13 @@ class ResponseBuilder:
     top_p: float | None = None
     previous_response_id: str | None = None
     store: bool = True
+    tool_calls: ToolCallStream | None = None  # a call with tools: finds the answer's calls
     sequence: int = 0
+    items: list[dict[str, Any]] = field(default_factory=list)  # with tools: the output so far
+    _open: bool = False  # with tools: the last item is still being written
+    _fed: bool = False  # with tools: the chunks were fed one by one (a stream)
+    _finished: bool = False  # with tools: the parser was told the text ended
+    _pending: list[dict[str, Any]] = field(default_factory=list)  # events made by final()
 
     @property
     def id(self) -> str:
@@ -100,9 +115,11 @@ class ResponseBuilder:
         usage: dict | None = None,
         incomplete: str | None = None,
         error: dict | None = None,
+        output: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """The `response` object; `text` None: no output yet."""
-        output = [] if text is None else [self.message(text, _item_status(status))]
+        """The `response` object; `text` None: no output yet (`output`: the items, given)."""
+        if output is None:
+            output = [] if text is None else [self.message(text, _item_status(status))]
         body: dict[str, Any] = {
             "id": self.id,
             "object": "response",
@@ -126,9 +143,9 @@ class ResponseBuilder:
             "service_tier": self.repeated.get("service_tier"),
             "store": self.store,
             "temperature": self.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": self.repeated.get("text") or {"format": {"type": "text"}},
             "tool_choice": self.repeated.get("tool_choice", "auto"),
-            "tools": [],
+            "tools": self.repeated.get("tools") or [],
             "top_p": self.top_p,
             "truncation": "disabled",
             "usage": usage,
@@ -136,10 +153,10 @@ class ResponseBuilder:
         }
         return body
 
-    def message(self, text: str, status: str = "completed") -> dict[str, Any]:
-        """The output item: the assistant message."""
+    def message(self, text: str, status: str = "completed", index: int = 0) -> dict[str, Any]:
+        """An output item: an assistant message (`index`: its place in the output)."""
         return {
-            "id": self.message_id,
+            "id": self.message_id + (f"_{index}" if index else ""),
             "type": "message",
             "role": "assistant",
             "status": status,
@@ -159,7 +176,16 @@ class ResponseBuilder:
             error = {"code": "server_error", "message": result.error or f"generation {reason}"}
         usage = usage_object(result.usage, self.prompt_tokens, len(result.token_ids))
         incomplete = "max_output_tokens" if reason == FinishReason.LENGTH else None
-        return self.response(status, result.text, usage, incomplete, error)
+        if self.tool_calls is None:
+            return self.response(status, result.text, usage, incomplete, error)
+        if not self._fed:
+            self._apply(self.tool_calls.feed(result.text))  # the whole text: no events sent
+        if not self._finished:
+            self._finished = True
+            self._pending += self._apply(self.tool_calls.finish())
+        output = [dict(item) for item in self.items] or [self.message("")]
+        output[-1]["status"] = _item_status(status) if self._open or not self.items else "completed"
+        return self.response(status, None, usage, incomplete, error, output=output)
 
     # streaming --------------------------------------------------------------------------
     def event(self, body: dict[str, Any], event_id: int | None = None) -> bytes:
@@ -170,8 +196,14 @@ class ResponseBuilder:
         return f"{head}event: {body['type']}\ndata: {_dumps(body)}\n\n".encode()
 
     def opening(self) -> list[bytes]:
-        """The events before the first token: created, in_progress, the item and its part."""
+        """The events before the first token: created, in_progress, the item and its part
+        (with tools, an item opens when its first piece arrives)."""
         start = self.response()
+        if self.tool_calls is not None:
+            return [
+                self.event({"type": "response.created", "response": start}),
+                self.event({"type": "response.in_progress", "response": start}),
+            ]
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         item = {**self.message("", "in_progress"), "content": []}
         return [
@@ -182,7 +214,10 @@ class ResponseBuilder:
         ]
 
     def delta(self, chunk: TokenChunk) -> bytes | None:
-        """The delta event of one chunk (None: it has no text); `id:` its first token's index."""
+        """The delta event of one chunk (None: it has no text); `id:` its first token's index
+        (with tools: the chunk's events, the last with the `id:`)."""
+        if self.tool_calls is not None:
+            return self._tool_events(chunk)
         if not chunk.text:
             return None
         body = {
@@ -197,6 +232,13 @@ class ResponseBuilder:
 
     def closing(self, final: dict[str, Any]) -> list[bytes]:
         """The events after the last token, ending with the final response object."""
+        if self.tool_calls is not None:
+            bodies = self._pending
+            if not self.items:  # no text and no call: an empty message, as without tools
+                bodies += self._open_message()
+            bodies += self._close(final["output"][-1]["status"])
+            bodies.append({"type": FINAL_EVENT[final["status"]], "response": final})
+            return [self.event(body) for body in bodies]
         message = final["output"][0]
         text = message["content"][0]["text"]
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
@@ -207,6 +249,104 @@ class ResponseBuilder:
             self.event({"type": "response.content_part.done", **where, "part": self.part(text)}),
             self.event({"type": "response.output_item.done", "output_index": 0, "item": message}),
             self.event({"type": FINAL_EVENT[final["status"]], "response": final}),
+        ]
+
+    # with tools -------------------------------------------------------------------------
+    def _tool_events(self, chunk: TokenChunk) -> bytes | None:
+        assert self.tool_calls is not None
+        self._fed = True
+        bodies = self._apply(self.tool_calls.feed(chunk.text))
+        if chunk.finished and chunk.finish_reason != FinishReason.ERROR and not self._finished:
+            self._finished = True
+            bodies += self._apply(self.tool_calls.finish())
+        if not bodies:
+            return None
+        last = chunk.index if chunk.token_ids else None
+        return b"".join(
+            self.event(body, last if i == len(bodies) - 1 else None)
+            for i, body in enumerate(bodies)
+        )
+
+    def _apply(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Chat deltas (content, a call's head, its arguments) into items and event bodies."""
+        bodies: list[dict[str, Any]] = []
+        for delta in deltas:
+            if "content" in delta:
+                if not self._open or self.items[-1]["type"] != "message":
+                    bodies += self._close() + self._open_message()
+                where = self._where()
+                self.items[-1]["content"][0]["text"] += delta["content"]
+                text = {"delta": delta["content"], "logprobs": []}
+                bodies.append({"type": "response.output_text.delta", **where, **text})
+                continue
+            call = delta["tool_calls"][0]
+            if "id" in call:
+                bodies += self._close()
+                item = {
+                    "type": "function_call",
+                    "id": "fc_" + call["id"].removeprefix("call_"),
+                    "call_id": call["id"],
+                    "name": call["function"]["name"],
+                    "arguments": "",
+                    "status": "in_progress",
+                }
+                self.items.append(item)
+                self._open = True
+                index = len(self.items) - 1
+                bodies.append(
+                    {"type": "response.output_item.added", "output_index": index, "item": {**item}}
+                )
+            arguments = call["function"].get("arguments") or ""
+            if arguments:
+                self.items[-1]["arguments"] += arguments
+                where = self._where()
+                del where["content_index"]
+                bodies.append(
+                    {"type": "response.function_call_arguments.delta", **where, "delta": arguments}
+                )
+        return bodies
+
+    def _where(self) -> dict[str, Any]:
+        index = len(self.items) - 1
+        return {"item_id": self.items[index]["id"], "output_index": index, "content_index": 0}
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        index = len(self.items)
+        item = self.message("", "in_progress", index)
+        self.items.append(item)
+        self._open = True
+        where = self._where()
+        return [
+            {
+                "type": "response.output_item.added",
+                "output_index": index,
+                "item": {**item, "content": []},
+            },
+            {"type": "response.content_part.added", **where, "part": self.part("")},
+        ]
+
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
+        """The events that end the last item (none when it has ended)."""
+        if not self._open:
+            return []
+        self._open = False
+        item = self.items[-1]
+        item["status"] = status
+        where = self._where()
+        done = {"type": "response.output_item.done", "output_index": where["output_index"]}
+        if item["type"] == "message":
+            part = item["content"][0]
+            text = {"text": part["text"], "logprobs": []}
+            return [
+                {"type": "response.output_text.done", **where, **text},
+                {"type": "response.content_part.done", **where, "part": {**part}},
+                {**done, "item": {**item, "content": [{**part}]}},
+            ]
+        del where["content_index"]
+        arguments = {"arguments": item["arguments"]}
+        return [
+            {"type": "response.function_call_arguments.done", **where, **arguments},
+            {**done, "item": {**item}},
         ]
 
     def error_event(self, message: str, code: str | None, param: str | None = None) -> bytes:

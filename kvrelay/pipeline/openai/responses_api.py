@@ -1,9 +1,14 @@
-"""Parse OpenAI `/v1/responses` bodies (the Responses API, text only) into a ResponsesCall.
+"""Parse OpenAI `/v1/responses` bodies (the Responses API) into a ResponsesCall.
 
 The request model states each field once, as `models.py` does for the completion endpoints
 (types, ranges, wording; a field this server does not know is a 400 naming it). A call maps
 onto the chat path: `instructions` becomes a system message, then the conversation of
-`previous_response_id` (resolved by the ingress from its store), then `input`.
+`previous_response_id` (resolved by the ingress from its store), then `input`. Input items
+become chat messages: `function_call` items an assistant message's `tool_calls` (joined to
+the assistant message before them), `function_call_output` items `tool` messages. Function
+`tools` (Responses' flat shape) and `tool_choice` become chat's (tools.py), and so take the
+same constraints and parsers; `text.format` json_schema / json_object the same
+StructuredOutput as chat's `response_format`.
 """
 
 from __future__ import annotations
@@ -17,19 +22,34 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictStr,
+    Tag,
+    TypeAdapter,
     ValidationError,
     WithJsonSchema,
     model_validator,
 )
 
 from kvrelay.core.sampling import SamplingParams
+from kvrelay.core.structured import JSON_OBJECT, StructuredOutput
 from kvrelay.pipeline.errors import RequestError, bad_request
-from kvrelay.pipeline.openai.explain import Says, explain, fail, refuse
+from kvrelay.pipeline.openai.explain import Says, explain, fail, fail_as, refuse
 from kvrelay.pipeline.openai.models import Int64, Number, _bounded, field_names
 from kvrelay.pipeline.openai.protocol import GenerationRequest
+from kvrelay.pipeline.openai.structured import checked_json_schema
+from kvrelay.pipeline.openai.tools import (
+    CallFunction,
+    FunctionDefinition,
+    FunctionTool,
+    NamedToolChoice,
+    ToolCalling,
+    tool_calling,
+    tool_constraint,
+)
 from kvrelay.pipeline.openai.validate import check_known_fields, check_unicode
 
 RESPONSES = "responses"  # GenerationRequest.api of a Responses call
@@ -63,7 +83,7 @@ class InputPart(_Nested):
 
 
 class InputMessage(_Nested):
-    """One input item: a message (`type` "message" or absent), content a string or parts."""
+    """An input message (`type` "message" or absent): content a string or text parts."""
 
     type: Literal["message"] | None = None
     role: InputRole
@@ -78,7 +98,7 @@ class InputMessage(_Nested):
         if not isinstance(data, dict):
             return data  # refused as "must be an object"
         kind = data.get("type")
-        if kind is not None and kind != "message":
+        if kind is not None and kind not in ITEM_TYPES:
             raise refuse(f"input item type {str(kind)[:64]!r}", field="type")
         if data.get("role") not in INPUT_ROLES:
             message = f"{{param}} must be one of {', '.join(INPUT_ROLES)}"
@@ -89,17 +109,103 @@ class InputMessage(_Nested):
         return data
 
 
-class TextFormat(_Nested):
-    """`text.format`: plain text only (json_schema and json_object come with structured output)."""
+class FunctionCallItem(_Nested):
+    """A function call the model made earlier (an earlier response's output item)."""
 
-    type: Literal["text"]
+    type: Literal["function_call"]
+    call_id: Annotated[StrictStr, Field(min_length=1)]
+    name: Annotated[StrictStr, Field(min_length=1)]
+    arguments: StrictStr  # JSON text, as the model wrote it
+
+    def tool_call(self) -> dict[str, Any]:
+        """As chat templates take an assistant's tool call (see CallFunction)."""
+        arguments = CallFunction(name=self.name, arguments=self.arguments).template_arguments()
+        function = {"name": self.name, "arguments": arguments}
+        return {"id": self.call_id, "type": "function", "function": function}
+
+
+class FunctionCallOutputItem(_Nested):
+    """The result of a function call, for the model to read (a chat `tool` message)."""
+
+    type: Literal["function_call_output"]
+    call_id: Annotated[StrictStr, Field(min_length=1)]
+    output: Annotated[
+        StrictStr | Annotated[list[InputPart], Field(min_length=1)],
+        Says(expect="a string or an array of input_text parts"),
+    ]
+
+
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+
+
+def _item_type(data: Any) -> str:
+    """The input item's branch; anything unknown is a message, which words the refusal."""
+    kind = data.get("type") if isinstance(data, dict) else None
+    return kind if kind in ITEM_TYPES[1:] else "message"
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
+
+
+class TextFormat(_Nested):
+    """`text.format`: `text`, `json_object` (any JSON object) or `json_schema` (output valid
+    for `schema`; Responses' flat shape of chat's `response_format.json_schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)] | None = None
+    description: StrictStr | None = None
+    schema_: Annotated[
+        dict[str, Any] | None, Field(alias="schema"), WithJsonSchema({"type": "object"})
+    ] = None
+    strict: StrictBool | None = None  # the schema is always enforced exactly
+    _spec: StructuredOutput | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
-    def _plain(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("type") != "text":
-            raise refuse(f"text.format type {str(data.get('type'))[:64]!r}")
+    def _known(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kind = data.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            if not isinstance(kind, str):
+                raise fail_as("type", field="type", expected="a string")
+            raise refuse(f"text.format type {kind[:64]!r}", field="type")
+        if kind == "json_schema":
+            for name in ("name", "schema"):
+                if data.get(name) is None:
+                    raise fail_as("missing", field=name)
+            if not isinstance(data["schema"], dict):
+                raise fail_as("type", field="schema", expected="an object (a JSON schema)")
         return data
+
+    @model_validator(mode="after")
+    def _compile(self) -> TextFormat:
+        if self.type == "json_object":
+            self._spec = StructuredOutput(JSON_OBJECT)
+        elif self.type == "json_schema" and self.schema_ is not None:
+            self._spec = checked_json_schema(self.schema_, "schema")
+        return self
+
+    def spec(self) -> StructuredOutput | None:
+        """The constraint asked for (None for text)."""
+        return self._spec
+
+    def echo(self) -> dict[str, Any]:
+        """As the response object repeats it."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {
+            "type": "json_schema",
+            "name": self.name,
+            "description": self.description,
+            "schema": self.schema_,
+            "strict": self.strict,
+        }
 
 
 class TextConfig(_Nested):
@@ -108,18 +214,79 @@ class TextConfig(_Nested):
     format: TextFormat | None = None
 
 
+class ResponsesFunctionTool(FunctionDefinition):
+    """One entry of `tools`: a function, in Responses' flat shape (no `function` wrapper)."""
+
+    type: Literal["function"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _function_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "function":
+            kind = data.get("type")
+            if not isinstance(kind, str):
+                raise fail_as("type", field="type", expected="a string")
+            raise refuse(f"tool type {kind[:64]!r} (only function tools)", field="type")
+        return data
+
+    def chat_tool(self) -> FunctionTool:
+        """The same tool in chat's shape (what the tool machinery and templates take)."""
+        definition = FunctionDefinition.model_construct(
+            name=self.name,
+            description=self.description,
+            parameters=self.parameters,
+            strict=self.strict,
+        )
+        return FunctionTool.model_construct(type="function", function=definition)
+
+    def echo(self) -> dict[str, Any]:
+        """As the response object repeats it."""
+        return {
+            "type": "function",
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
+            "strict": self.strict,
+        }
+
+
+class NamedFunction(_Nested):
+    """`tool_choice: {"type": "function", "name": ...}`."""
+
+    type: Literal["function"]
+    name: StrictStr
+
+    @model_validator(mode="before")
+    @classmethod
+    def _function_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "function":
+            kind = data.get("type")
+            if isinstance(kind, str):
+                raise refuse(f"tool_choice type {kind[:64]!r}", field="type")
+        return data
+
+
+_CHOICES = '"none", "auto", "required" or {"type": "function", "name": ...}'
+ResponsesToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedFunction,
+    Says(
+        expect=_CHOICES,
+        invalid="'{param}' must be " + _CHOICES.replace("{", "{{").replace("}", "}}"),
+    ),
+]
+
+
 _EMPTY_INPUT = Says(expect="a string or a non-empty array of input items")
 
 
 class ResponsesRequest(BaseModel):
-    """POST /v1/responses (text in, text out; no tools, no reasoning)."""
+    """POST /v1/responses (text and function calls; no hosted tools, no reasoning)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     model: Annotated[str, Field(min_length=1), Says(missing="you must provide a model parameter")]
     input: Annotated[
-        Annotated[StrictStr, Field(min_length=1)]
-        | Annotated[list[InputMessage], Field(min_length=1)],
+        Annotated[StrictStr, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)],
         _EMPTY_INPUT,
     ]
     instructions: StrictStr | None = None
@@ -135,10 +302,8 @@ class ResponsesRequest(BaseModel):
     reasoning: Annotated[
         Any, WithJsonSchema({"type": "object", "maxProperties": 0}), Says(refused="reasoning")
     ] = None
-    tools: Annotated[list[Any], Field(max_length=0), Says(refused="tools")] | None = None
-    tool_choice: (
-        Annotated[Literal["none", "auto"], Says(refused="tool_choice={value!r}")] | None
-    ) = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: ResponsesToolChoice | None = None
     user: StrictStr | None = None
     # pass-through: accepted, change nothing (docs/api.md); metadata is repeated in the answer
     metadata: (
@@ -168,6 +333,42 @@ class ResponsesRequest(BaseModel):
                 raise fail("'input' must not be empty", field="input", code="invalid_value")
             return {name: value for name, value in data.items() if value is not None}
         return data
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ResponsesRequest:
+        calling = self.tool_calling()
+        text_format = self.text.format if self.text is not None else None
+        constrained = text_format is not None and text_format.spec() is not None
+        if calling is not None and calling.mode != "auto" and constrained:
+            message = (
+                f"tool_choice {calling.mode} cannot be combined with another output "
+                "constraint (text.format)"
+            )
+            raise fail(message, field="tool_choice")
+        if calling is not None:
+            tool_constraint(calling, self.chat_tools())  # required: the calls' schema compiles
+        return self
+
+    def chat_tools(self) -> list[FunctionTool]:
+        return [tool.chat_tool() for tool in self.tools or ()]
+
+    def tool_calling(self) -> ToolCalling | None:
+        """What the output is with tools (None: plain text), by chat's rules."""
+        choice: Any = self.tool_choice
+        if isinstance(choice, NamedFunction):
+            choice = NamedToolChoice.model_validate(
+                {"type": "function", "function": {"name": choice.name}}
+            )
+        return tool_calling(self.chat_tools(), choice, self.parallel_tool_calls)
+
+    def structured(self) -> StructuredOutput | None:
+        """The output constraint: a named or required tool choice's, else text.format's."""
+        calling = self.tool_calling()
+        if calling is not None:
+            spec = tool_constraint(calling, self.chat_tools())
+            if spec is not None:
+                return spec
+        return self.text.format.spec() if self.text and self.text.format else None
 
 
 @functools.cache
@@ -204,11 +405,40 @@ class ResponsesCall:
         return hashlib.sha256(raw.encode()).hexdigest()
 
 
-def _message(item: InputMessage) -> dict[str, Any]:
-    content = item.content
-    if isinstance(content, list):
-        content = "".join(part.text for part in content)
-    return {"role": item.role, "content": content}
+def _text(content: str | list[InputPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
+    """Input items as chat messages: a function call joins the assistant message before it
+    (as one chat answer holds its text and its calls), an output is a `tool` message."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, FunctionCallItem):
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(item.tool_call())
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [item.tool_call()]})
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}
+            )
+        else:
+            out.append({"role": item.role, "content": _text(item.content)})
+    return out
+
+
+_OUTPUT_ITEMS: TypeAdapter[list[Any]] = TypeAdapter(list[InputItem])
+
+
+def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stored response's output items (messages, function calls) as the chat messages a
+    follow-up continues from; an answer with no output is an empty assistant turn."""
+    try:
+        messages = chat_messages(_OUTPUT_ITEMS.validate_python(output))
+    except ValidationError:
+        messages = []
+    return messages or [{"role": "assistant", "content": ""}]
 
 
 def parse_responses(body: Any) -> ResponsesCall:
@@ -225,11 +455,11 @@ def parse_responses(body: Any) -> ResponsesCall:
         if (value := getattr(req, name)) is not None
     }
     limit = req.max_output_tokens
-    sampling = SamplingParams(max_tokens=limit, **given).normalize()
+    sampling = SamplingParams(max_tokens=limit, structured=req.structured(), **given).normalize()
     if isinstance(req.input, str):
         messages = [{"role": "user", "content": req.input}]
     else:
-        messages = [_message(item) for item in req.input]
+        messages = chat_messages(req.input)
     generation = GenerationRequest(
         api=RESPONSES,
         model=req.model,
@@ -240,12 +470,21 @@ def parse_responses(body: Any) -> ResponsesCall:
         max_tokens_param="max_output_tokens",
         fields_set=frozenset([*given, *(["max_tokens"] if limit is not None else [])]),
     )
+    if req.tools:
+        generation.tools = [tool.chat_tool().to_dict() for tool in req.tools]
+        generation.tool_calling = req.tool_calling()
+    text_format = req.text.format if req.text and req.text.format else None
+    choice = req.tool_choice
+    if isinstance(choice, NamedFunction):
+        choice = {"type": "function", "name": choice.name}
     repeated = {
         "instructions": req.instructions,
         "max_output_tokens": limit,
         "metadata": req.metadata or {},
         "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-        "tool_choice": req.tool_choice or "auto",
+        "tool_choice": choice or "auto",
+        "tools": [tool.echo() for tool in req.tools or ()],
+        "text": {"format": text_format.echo() if text_format else {"type": "text"}},
         "user": req.user,
         "service_tier": req.service_tier,
         "safety_identifier": req.safety_identifier,

@@ -54,6 +54,11 @@ def _checked(spec: StructuredOutput, field: str, what: str) -> StructuredOutput:
     return spec
 
 
+def checked_json_schema(schema: dict[str, Any], field: str) -> StructuredOutput:
+    """The constraint of a JSON schema given in `field`, or its 400 (the grammar compiles)."""
+    return _checked(StructuredOutput(JSON, json_schema_text(schema)), field, "invalid JSON schema")
+
+
 class JsonSchemaFormat(BaseModel):
     """`response_format.json_schema`: OpenAI's {name, description, schema, strict}."""
 
@@ -102,8 +107,7 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             self._spec = StructuredOutput(JSON_OBJECT)
         elif self.type == "json_schema" and self.json_schema is not None:
-            spec = StructuredOutput(JSON, json_schema_text(self.json_schema.schema_))
-            self._spec = _checked(spec, "json_schema.schema", "invalid JSON schema")
+            self._spec = checked_json_schema(self.json_schema.schema_, "json_schema.schema")
         return self
 
     def spec(self) -> StructuredOutput | None:

@@ -5,7 +5,8 @@ record (`record_ttl_s`).
 Fields: `response` (the response object as JSON: in progress from submission, final once the
 ingress delivered its last token), `messages` (the conversation it answered, as chat messages:
 the earlier turns and its input, without its instructions, which a later turn does not
-inherit), `request_id`, `key_id` (the API key that created it; other keys see nothing).
+inherit; function calls and their outputs as chat's `tool_calls` and `tool` messages),
+`request_id`, `key_id` (the API key that created it; other keys see nothing).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import redis.asyncio as aioredis
 
 from kvrelay.core.keys import Keys
 from kvrelay.core.record import as_str
+from kvrelay.pipeline.openai.responses_api import output_messages
 
 RESPONSE, MESSAGES, REQUEST_ID, KEY_ID = "response", "messages", "request_id", "key_id"
 
@@ -35,14 +37,9 @@ class StoredResponse:
         return str(self.response.get("status", ""))
 
     def conversation(self) -> list[dict[str, Any]]:
-        """The turns a follow-up continues: the messages answered, then the answer itself."""
-        text = "".join(
-            part.get("text", "")
-            for item in self.response.get("output", [])
-            if item.get("type") == "message"
-            for part in item.get("content", [])
-        )
-        return [*self.messages, {"role": "assistant", "content": text}]
+        """The turns a follow-up continues: the messages answered, then the answer itself
+        (its text and its function calls, as a chat assistant message's `tool_calls`)."""
+        return [*self.messages, *output_messages(self.response.get("output") or [])]
 
 
 class ResponseStore:

@@ -2,7 +2,8 @@
 
 POST lifecycle: API key -> request id (`resp-…`; the response id is `resp_…`, the same
 suffix) -> body -> Responses fields -> the conversation of `previous_response_id` from the
-store (400 when it is not there) -> chat messages -> then the chat path's steps (same id
+store (400 when it is not there) -> chat messages -> tool choice (auto needs
+--tool-call-parser) -> then the chat path's steps (same id
 already used? reattach or 409; admission; tokenize + limits; route; queue) -> the answer is
 stored in progress (`store: true`) -> ResponseJob delivers and stores the final object.
 """
@@ -41,10 +42,12 @@ from kvrelay.pipeline.queue.output import ENDED, output_gone
 from kvrelay.pipeline.queue.submit import new_request_id, valid_request_id
 from kvrelay.pipeline.server.attach import (
     check_same,
+    check_tool_choice,
     last_event_id,
     owned_record,
     raw_record,
     request_digest,
+    tool_stream,
 )
 from kvrelay.pipeline.server.http import (
     REQUEST_ID_HEADER,
@@ -80,7 +83,7 @@ class _Prepared:
 
 @dataclass(slots=True)
 class ResponsesApi:
-    """Endpoints of the Responses API (text; tools come with tool calling)."""
+    """Endpoints of the Responses API."""
 
     ingress: Ingress
     store: ResponseStore = field(init=False)
@@ -109,6 +112,7 @@ class ResponsesApi:
             else:
                 call = parse_responses(body)
             prepared = await self._prepare(call, request_id, key_id)
+            tool_options = check_tool_choice(call.generation, ing.config.tool_call_parser)
             if header_id is not None:
                 rec = await ing.producer.ride_out(request_id, lambda: raw_record(ing, request_id))
                 if rec is not None:
@@ -128,6 +132,8 @@ class ResponsesApi:
                 "temperature": sub.sampling.temperature,
                 "top_p": sub.sampling.top_p,
             }
+            if tool_options:  # a reattached client parses the same calls
+                options["tool_calls"] = tool_options
             record = {
                 fields.INGRESS: options,
                 fields.USER: call.generation.user or "",
@@ -284,6 +290,7 @@ def _builder(
         top_p=options.get("top_p"),
         previous_response_id=call.previous_response_id,
         store=call.store,
+        tool_calls=tool_stream(request_id, options.get("tool_calls")),
     )
 
 

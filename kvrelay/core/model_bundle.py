@@ -20,6 +20,12 @@ from pathlib import Path
 from kvrelay.core.record import as_str
 from kvrelay.core.tokenizer import TOKENIZER_FILES, Tokenizer, read_tokenizer_files
 
+# A model's files and its `models` entry outlive every worker of the model this long: producers
+# that cached the files do not care, new ones need a worker anyway; old versions of a model's
+# files do not pile up in Valkey, and a model no worker has served for this long is no longer
+# listed (the entry carries `published`, the time of its last heartbeat).
+PUBLICATION_TTL_S = 7 * 86400
+
 
 def bundle_digest(files: Mapping[str, bytes]) -> str:
     """Hex blake2b over the files' names and contents, in name order."""

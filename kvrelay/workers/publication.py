@@ -1,17 +1,19 @@
 """What a worker publishes about its model, so producers on any host can queue requests for it.
 
 Two keys: the `models` hash entry (fingerprint, page size, max_model_len, vocab size, the
-generation defaults, the digest of the files) and `model-files:{digest}`, the tokenizer files
-(`core.model_bundle`). The files are content-addressed: every worker of a model writes the same
-key, and a producer fetches it once per digest. The heartbeat calls `publish` each beat: it
-refreshes the files' expiry and writes them again only when they are gone (a Valkey restarted
-without its data), before the entry that names them.
+generation defaults, the digest of the files, when it was `published`) and
+`model-files:{digest}`, the tokenizer files (`core.model_bundle`). The files are
+content-addressed: every worker of a model writes the same key, and a producer fetches it once
+per digest. The heartbeat calls `publish` each beat: it refreshes the files' expiry and writes
+them again only when they are gone (a Valkey restarted without its data), before the entry that
+names them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,15 +21,13 @@ from typing import Any
 import redis
 
 from kvrelay.core.keys import Keys
-from kvrelay.core.model_bundle import ModelBundle
+from kvrelay.core.model_bundle import PUBLICATION_TTL_S, ModelBundle
 from kvrelay.core.modelref import model_generation_defaults
 from kvrelay.core.sampling import GenerationDefaults
 
 logger = logging.getLogger(__name__)
 
-# Files outlive every worker of their model this long: producers that cached them do not care,
-# new ones need a worker anyway; old versions of a model's files do not pile up in Valkey.
-FILES_TTL_S = 7 * 86400
+FILES_TTL_S = PUBLICATION_TTL_S
 
 
 @dataclass(slots=True)
@@ -78,4 +78,5 @@ class ModelPublication:
                     self.bundle.digest,
                     sum(len(data) for data in self.bundle.files.values()),
                 )
-        r.hset(keys.models, self.name, json.dumps(self.entry))
+        entry = {**self.entry, "published": round(time.time(), 3)}  # staleness, for readers
+        r.hset(keys.models, self.name, json.dumps(entry))

@@ -216,3 +216,29 @@ async def test_ingress_on_another_host_serves_with_published_files(
     finally:
         await ing.aclose()
         await role.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_model_no_worker_published_for_a_week_is_not_listed(valkey_session):
+    import json
+    import time
+
+    import redis.asyncio as aioredis
+
+    from kvrelay.core.model_bundle import PUBLICATION_TTL_S
+    from kvrelay.pipeline.queue.cluster import ClusterState
+
+    keys = Keys("stale-models:")
+    r = aioredis.from_url(valkey_session.url)
+    now = time.time()
+    await r.hset(keys.models, mapping={
+        "fresh": json.dumps({"page_size": 16, "published": now - 60}),
+        "stale": json.dumps({"page_size": 16, "published": now - PUBLICATION_TTL_S - 60}),
+        "unstamped": json.dumps({"page_size": 16}),  # a worker from before `published`
+    })  # fmt: skip
+    cluster = ClusterState(r, keys)
+    try:
+        assert sorted(await cluster.models(fresh=True)) == ["fresh", "unstamped"]
+    finally:
+        cluster.close()
+        await r.aclose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -34,8 +35,11 @@ def test_publication_writes_files_before_the_entry_and_restores_them(r, model_di
         # the model's own (kvrelay's table for SmolLM2) under the worker's override
         "generation_defaults": {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "max_tokens": 512},
     }
+    before = time.time()
     publication.publish(r, KEYS)
-    assert json.loads(r.hget(KEYS.models, DEFAULT_MODEL)) == publication.entry
+    published = json.loads(r.hget(KEYS.models, DEFAULT_MODEL))
+    assert before - 0.01 <= published.pop("published") <= time.time()  # each beat's time
+    assert published == publication.entry
     files = r.hgetall(KEYS.model_files(digest))
     assert sorted(files) == FILE_NAMES
     assert files[b"tokenizer.json"] == (model_dir / "tokenizer.json").read_bytes()
@@ -65,6 +69,7 @@ def test_worker_heartbeat_publishes_model_with_its_override(r, valkey_session, l
     worker.streams.ensure_group(KEYS.decode_stream, "decode")
     worker.heartbeat.beat()
     entry = json.loads(r.hget(KEYS.models, DEFAULT_MODEL))
+    entry.pop("published")
     digest = ModelBundle.from_dir(loaded_model.dir).digest
     assert entry == {
         "fingerprint": engine.fingerprint,

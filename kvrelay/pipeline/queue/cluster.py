@@ -19,6 +19,7 @@ from redis.exceptions import ResponseError
 
 from kvrelay.core.enums import Stage
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from kvrelay.core.model_bundle import PUBLICATION_TTL_S
 from kvrelay.core.record import as_str
 
 logger = logging.getLogger(__name__)
@@ -169,14 +170,19 @@ class ClusterState:
 
     async def _fetch_models(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
+        now = time.time()
         for name, raw in (await self.redis.hgetall(self.keys.models)).items():
             try:
                 info = json.loads(raw)
             except ValueError:
                 logger.warning("ignoring unreadable models entry %r", name)
                 continue
-            if isinstance(info, dict):
-                out[as_str(name)] = info
+            if not isinstance(info, dict):
+                continue
+            published = info.get("published")
+            if isinstance(published, int | float) and now - published > PUBLICATION_TTL_S:
+                continue  # no worker has served it for a week (its files have expired too)
+            out[as_str(name)] = info
         return out
 
     async def _fetch_workers(self) -> list[WorkerInfo]:

@@ -95,14 +95,6 @@ class Generator:
         body.pop("tool_choice", None)
         if (body.get("response_format") or {}).get("type") not in (None, "text"):
             body.pop("response_format")
-        several = (body.get("n") or 1) > 1 or (
-            isinstance(body.get("prompt"), list)
-            and any(isinstance(p, str | list) for p in body["prompt"])
-        )
-        if several:  # prompt logprobs are not gathered per choice (refused)
-            body.pop("prompt_logprobs", None)
-            if body.get("echo"):
-                body.pop("logprobs", None)
         if ((body.get("text") or {}).get("format") or {}).get("type") not in (None, "text"):
             body.pop("text")  # the Responses API's format: likewise
         for msg in body.get("messages", []):

@@ -100,6 +100,44 @@ def test_requests_show_and_cancel(r, valkey_session, capsys):
     assert (code, err) == (3, "kvrelay requests: error: no request 'nope'\n")
 
 
+def test_requests_show_and_cancel_of_a_request_of_several_choices(r, valkey_session, capsys):
+    # the parent record as the ingress stores it (its status stays queued) and two choices
+    r.hset(KEYS.request("p"), mapping={"status": "queued", "model": "m", "prompt_tokens": 3,
+                                       "completion_tokens": 0, "num_choices": 2})  # fmt: skip
+    r.hset(KEYS.request("p.0"), mapping={"status": "finished", "completion_tokens": 2,
+                                         "emitted": 2, "finish_reason": "stop"})  # fmt: skip
+    r.hset(KEYS.request("p.1"), mapping={"status": "prefilling", "prompt_tokens": 3})
+    r.xadd(KEYS.out("p.0"), {MESSAGE_FIELD: TokenChunk(0, [5, 6], text="hi").encode()})
+    code, out, _ = cli(capsys, valkey_session, "requests", "show", "p")
+    assert code == 0 and "status             prefilling\n" in out
+    code, out, _ = cli(capsys, valkey_session, "requests", "show", "p", "--json")
+    data = json.loads(out)
+    assert (data["status"], data["completion_tokens"], data["emitted"]) == ("prefilling", 2, 2)
+    assert (data["prompt_tokens"], data["num_choices"], data["finish_reason"]) == (3, 2, None)
+    assert [(c["id"], c["status"], c["finish_reason"]) for c in data["choices"]] == [
+        ("p.0", "finished", "stop"), ("p.1", "prefilling", None)]  # fmt: skip
+    assert (data["output_tokens"], data["output_text"], data["finished"]) == (2, None, False)
+    code, out, _ = cli(capsys, valkey_session, "requests", "cancel", "p", "--json")
+    assert json.loads(out) == {
+        "request_id": "p",
+        "cancelled": True,
+        "status": "prefilling",
+        "finish_reason": None,
+    }
+    assert [r.get(KEYS.cancel(i)) for i in ("p", "p.0", "p.1")] == [b"1", b"1", b"1"]
+    r.delete(*(KEYS.cancel(i) for i in ("p", "p.0", "p.1")))
+    # one failed, one cancelled: failed wins; nothing is left to cancel
+    r.hset(KEYS.request("p.0"), mapping={"status": "failed", "error": "boom"})
+    r.hset(KEYS.request("p.1"), mapping={"status": "cancelled", "finish_reason": "cancelled"})
+    code, out, _ = cli(capsys, valkey_session, "requests", "show", "p", "--json")
+    data = json.loads(out)
+    assert (data["status"], data["error"], data["finish_reason"]) == ("failed", "boom", "stop")
+    code, out, _ = cli(capsys, valkey_session, "requests", "cancel", "p")
+    ended = "request p already ended (status failed, finish_reason stop); not cancelled\n"
+    assert (code, out) == (0, ended)
+    assert [r.exists(KEYS.cancel(i)) for i in ("p", "p.0", "p.1")] == [0, 0, 0]
+
+
 def test_dlq_ls_show_replay_purge(r, valkey_session, capsys):
     s = seed(r)
     entries = s.read(KEYS.prefill_stream, PREFILL_GROUP, 5, None)

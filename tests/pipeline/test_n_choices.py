@@ -10,8 +10,11 @@ import json
 
 import pytest
 
+from kvrelay.cli.main import main as cli_main
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.sampling import SamplingParams, choice_seed, derive_seed
+from kvrelay.pipeline.client.producer import AsyncClient
+from kvrelay.pipeline.openai.tool_calls import call_id
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     Taken,
@@ -311,23 +314,6 @@ async def test_limits_refuse_with_400_and_queue_nothing(harness):
         )
         assert resp.status_code == 400
         assert resp.json()["error"]["code"] == "invalid_request_id"
-        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2,
-                "tools": [tool], "tool_choice": "required"}  # fmt: skip
-        resp = await client.post("/v1/chat/completions", json=chat)
-        assert resp.status_code == 400, resp.text
-        assert resp.json()["error"] == {
-            "message": "tools together with more than one choice is not supported by this server",
-            "type": "invalid_request_error",
-            "param": "n",
-            "code": "unsupported_value",
-        }
-        body = {"model": MODEL, "prompt": "x", "n": 2, "echo": True, "logprobs": 1}
-        resp = await client.post("/v1/completions", json=body)
-        assert resp.status_code == 400, resp.text
-        assert resp.json()["error"]["message"] == (
-            "prompt logprobs together with more than one choice is not supported by this server"
-        )
     assert await role.r.xlen(app.state.ingress.keys.decode_stream) == 0
 
 
@@ -371,3 +357,362 @@ async def test_deadline_ends_every_choice(harness):
         tail = [d for _, d in parse_sse(stream.content)[-2:]]
         assert json.loads(tail[0])["error"]["code"] == "request_timeout"
         assert tail[1] == "[DONE]"
+
+
+# ---- tools: each choice's calls parsed on their own -------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def call(request_id: str, arguments: str) -> dict:
+    """A choice's first call to f, its id derived from the choice's own id."""
+    function = {"name": "f", "arguments": arguments}
+    return {"id": call_id(request_id, 0), "type": "function", "function": function}
+
+
+async def test_n3_chat_with_tools_parses_each_choice(harness):
+    factory, worker = harness
+    app = factory(tool_call_parser="hermes")
+    role = await worker(app)
+    body = {"model": MODEL, "messages": HI, "n": 3, "tools": [TOOL], "tool_choice": "auto"}
+    texts = {
+        "tt.0": '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
+        "tt.1": 'Sure.<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>',
+        "tt.2": "No.",
+    }
+    async with http(app) as client:
+        post = asyncio.create_task(
+            client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "tt"})
+        )
+        tasks = await take_all(role, 3)
+        for rid in ("tt.2", "tt.0", "tt.1"):
+            await answer(role, tasks[rid], [(5, texts[rid])])
+        resp = await post
+        assert resp.status_code == 200, resp.text
+        again = await client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "tt"})
+    got = resp.json()
+    assert got["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": None, "tool_calls": [
+                call("tt.0", '{"a": 1}')]},
+            "logprobs": None,
+            "finish_reason": "tool_calls",
+        },
+        {
+            "index": 1,
+            "message": {"role": "assistant", "content": "Sure.", "tool_calls": [
+                call("tt.1", '{"a": 2}')]},
+            "logprobs": None,
+            "finish_reason": "tool_calls",
+        },
+        {
+            "index": 2,
+            "message": {"role": "assistant", "content": "No."},
+            "logprobs": None,
+            "finish_reason": "stop",
+        },
+    ]  # fmt: skip
+    assert call_id("tt.0", 0) != call_id("tt.1", 0)
+    assert again.json()["choices"] == got["choices"]  # reattached: the same ids
+
+
+async def test_n2_chat_stream_with_tools_sends_each_choices_deltas(harness):
+    factory, worker = harness
+    app = factory(tool_call_parser="hermes")
+    role = await worker(app)
+    body = {"model": MODEL, "messages": HI, "n": 2, "tools": [TOOL], "stream": True}
+    async with http(app) as client:
+        post = asyncio.create_task(
+            client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "ts"})
+        )
+        tasks = await take_all(role, 2)
+        order = [
+            ("ts.1", TokenChunk(0, [10], "Hm.")),
+            ("ts.0", TokenChunk(0, [20], '<tool_call>{"name": "f", "arguments": ')),
+            ("ts.0", TokenChunk(1, [21], '{"a": 1}}</tool_call>', finish_reason="stop")),
+            ("ts.1", TokenChunk(1, [11], " No.", finish_reason="length")),
+        ]
+        for rid, chunk in order:
+            await role.emit(rid, chunk)
+            await asyncio.sleep(0.3)  # each event out before the next chunk exists
+        for taken in tasks.values():
+            await role.finish(taken)
+        resp = await post
+        replay = await client.get("/v1/requests/ts/stream")
+        # reattached: every choice again (interleaved as read), with the same call ids
+        assert sorted(parse_sse(replay.content)) == sorted(parse_sse(resp.content))
+    events = parse_sse(resp.content)
+    assert events[-1][1] == "[DONE]"
+    seen = [
+        [(c["index"], c["delta"], c["finish_reason"]) for c in json.loads(d)["choices"]]
+        for _, d in events[:-1]
+    ]
+    head = {"index": 0, "id": call_id("ts.0", 0), "type": "function"}
+    assert seen == [
+        [(0, {"role": "assistant", "content": ""}, None)],
+        [(1, {"role": "assistant", "content": ""}, None)],
+        [(1, {"content": "Hm."}, None)],
+        [(0, {"tool_calls": [{**head, "function": {"name": "f", "arguments": ""}}]}, None)],
+        # the chunk's last delta carries its finish reason
+        [(0, {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}, "tool_calls")],
+        [(1, {"content": " No."}, "length")],
+    ]
+
+
+async def test_n2_chat_forced_named_call_ends_each_choice_with_stop(harness):
+    factory, worker = harness
+    app = factory()
+    role = await worker(app)
+    named = {"type": "function", "function": {"name": "f"}}
+    body = {"model": MODEL, "messages": HI, "n": 2, "tools": [TOOL], "tool_choice": named}
+    async with http(app) as client:
+        post = asyncio.create_task(
+            client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "tn"})
+        )
+        tasks = await take_all(role, 2)
+        await answer(role, tasks["tn.0"], [(5, '{"a": 1}')])
+        await answer(role, tasks["tn.1"], [(6, '{"a": 2}')])
+        resp = await post
+    assert [
+        (c["index"], c["message"], c["finish_reason"]) for c in resp.json()["choices"]
+    ] == [
+        (0, {"role": "assistant", "content": None, "tool_calls": [call("tn.0", '{"a": 1}')]},
+         "stop"),
+        (1, {"role": "assistant", "content": None, "tool_calls": [call("tn.1", '{"a": 2}')]},
+         "stop"),
+    ]  # fmt: skip
+
+
+# ---- prompt logprobs: each prompt's, shown in each of its choices ---------------------------
+
+
+def prompt_entries(ids: list[int], base: float) -> list[dict]:
+    """A worker's prompt logprobs of `ids` (chunk 0): none for the first token."""
+    out: list[dict] = [{"token_id": ids[0], "logprob": None, "rank": None, "top": []}]
+    for k, tid in enumerate(ids[1:], start=1):
+        out.append({"token_id": tid, "logprob": base - k, "rank": 2, "top": [[7, -0.5]]})
+    return out
+
+
+async def emit_with_prompt(role, taken: Taken, entries: list[dict], tid: int, text: str) -> None:
+    """One token, its chunk 0 carrying the prompt logprobs, then the task acked."""
+    prompt = len(taken.task.prompt_token_ids)
+    chunk = TokenChunk(
+        0,
+        [tid],
+        text,
+        finish_reason="stop",
+        usage=usage(prompt, 1),
+        logprobs=[{"logprob": -0.25, "top": [[tid, -0.25]]}],
+        prompt_logprobs=entries,
+    )
+    await role.emit(taken.task.request_id, chunk)
+    await role.finish(taken)
+
+
+async def test_completions_prompt_list_n2_echo_logprobs_and_prompt_logprobs(
+    harness, smollm_tokenizer
+):
+    factory, worker = harness
+    app = factory()
+    role = await worker(app)
+    tok = smollm_tokenizer
+
+    def text(tid: int) -> str:
+        return tok.decode([tid], skip_special_tokens=False)
+
+    prompts = [tok.encode("The sky is"), tok.encode("Grass")]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "echo": True, "logprobs": 1,
+            "prompt_logprobs": 1}  # fmt: skip
+    entries = [prompt_entries(prompts[0], -1.0), prompt_entries(prompts[1], -3.0)]
+    async with http(app) as client:
+        post = asyncio.create_task(
+            client.post("/v1/completions", json=body, headers={"X-Request-Id": "pp"})
+        )
+        tasks = await take_all(role, 4)
+        assert [tasks[f"pp.{k}"].task.sampling.prompt_logprobs for k in range(4)] == [1] * 4
+        for k in (3, 1, 0, 2):  # every choice computes its prompt's (the same values)
+            await emit_with_prompt(role, tasks[f"pp.{k}"], entries[k // 2], 100 + k, f"{k}")
+        resp = await post
+        assert resp.status_code == 200, resp.text
+        again = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "pp"})
+    choices = resp.json()["choices"]
+    assert again.json()["choices"] == choices
+    for k, choice in enumerate(choices):
+        ids = prompts[k // 2]
+        prompt_text = "".join(text(t) for t in ids)
+        assert choice["index"] == k
+        assert choice["text"] == prompt_text + f"{k}"
+        offsets = [len("".join(text(t) for t in ids[:i])) for i in range(len(ids) + 1)]
+        base = -1.0 if k < 2 else -3.0
+        assert choice["logprobs"] == {
+            "tokens": [*(text(t) for t in ids), text(100 + k)],
+            "token_logprobs": [None, *(base - i for i in range(1, len(ids))), -0.25],
+            "top_logprobs": [None, *({text(7): -0.5} for _ in ids[1:]), {text(100 + k): -0.25}],
+            "text_offset": offsets,
+        }
+        assert choice["prompt_logprobs"] == [
+            None,
+            *(
+                {
+                    str(t): {"logprob": base - i, "rank": 2, "decoded_token": text(t)},
+                    "7": {"logprob": -0.5, "rank": 1, "decoded_token": text(7)},
+                }
+                for i, t in enumerate(ids[1:], start=1)
+            ),
+        ]
+        assert choice["finish_reason"] == "stop"
+    # both choices of a prompt show that prompt's values
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    assert choices[2]["prompt_logprobs"] != choices[0]["prompt_logprobs"]
+
+
+async def test_completions_n2_stream_echo_logprobs_start_with_the_prompt(harness, smollm_tokenizer):
+    factory, worker = harness
+    app = factory()
+    role = await worker(app)
+    tok = smollm_tokenizer
+    ids = tok.encode("Hi there")
+    body = {"model": MODEL, "prompt": ids, "n": 2, "echo": True, "logprobs": 0, "stream": True}
+    entries = prompt_entries(ids, -1.0)
+    async with http(app) as client:
+        post = asyncio.create_task(
+            client.post("/v1/completions", json=body, headers={"X-Request-Id": "pe2"})
+        )
+        tasks = await take_all(role, 2)
+        assert [t.task.sampling.prompt_logprobs for t in tasks.values()] == [0, 0]
+        await emit_with_prompt(role, tasks["pe2.1"], entries, 30, "!")
+        await asyncio.sleep(0.3)
+        await emit_with_prompt(role, tasks["pe2.0"], entries, 31, "?")
+        resp = await post
+    datas = [json.loads(d) for _, d in parse_sse(resp.content)[:-1]]
+    prompt_lps = [None, *(-1.0 - i for i in range(1, len(ids)))]
+    assert [
+        (c["index"], c["text"], c["logprobs"]["token_logprobs"], c["finish_reason"])
+        for d in datas
+        for c in d["choices"]
+    ] == [
+        (1, "Hi there!", [*prompt_lps, -0.25], "stop"),
+        (0, "Hi there?", [*prompt_lps, -0.25], "stop"),
+    ]
+
+
+async def test_chat_n2_prompt_logprobs_are_the_prompts_at_the_top(harness, smollm_tokenizer):
+    factory, worker = harness
+    app = factory()
+    role = await worker(app)
+    body = {"model": MODEL, "messages": HI, "n": 2, "prompt_logprobs": 0}
+    async with http(app) as client:
+        post = asyncio.create_task(
+            client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "cp"})
+        )
+        tasks = await take_all(role, 2)
+        ids = tasks["cp.0"].task.prompt_token_ids
+        entries = prompt_entries(ids, -1.0)
+        await emit_with_prompt(role, tasks["cp.1"], entries, 40, "b")
+        await emit_with_prompt(role, tasks["cp.0"], entries, 41, "a")
+        resp = await post
+    got = resp.json()
+    assert [c["message"]["content"] for c in got["choices"]] == ["a", "b"]
+    assert all("prompt_logprobs" not in c for c in got["choices"])
+
+    def text(tid: int) -> str:
+        return smollm_tokenizer.decode([tid], skip_special_tokens=False)
+
+    assert got["prompt_logprobs"] == [
+        None,
+        *(
+            {
+                str(t): {"logprob": -1.0 - i, "rank": 2, "decoded_token": text(t)},
+                "7": {"logprob": -0.5, "rank": 1, "decoded_token": text(7)},
+            }
+            for i, t in enumerate(ids[1:], start=1)
+        ),
+    ]
+
+
+def kvrelay_cli(ing, capsys, *argv: str) -> dict:
+    """`kvrelay ... --json` against the app's Valkey and key prefix, its JSON output."""
+    code = cli_main([*argv, "--json", "--redis-url", ing.config.redis_url,
+                     "--key-prefix", ing.keys.prefix])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    return json.loads(out)
+
+
+async def test_parent_status_is_combined_for_client_and_cli_and_cancel_stops_all(
+    harness, smollm_tokenizer, capsys
+):
+    factory, worker = harness
+    app = factory()
+    role = await worker(app)
+    ing = app.state.ingress
+    body = {"model": MODEL, "prompt": [1, 2, 3], "n": 2, "max_tokens": 4}
+    producer = AsyncClient(
+        ing.config.redis_url, key_prefix=ing.keys.prefix, tokenizers={MODEL: smollm_tokenizer}
+    )
+    async with http(app) as client, producer:
+        post = asyncio.create_task(
+            client.post("/v1/completions", json=body, headers={"X-Request-Id": "st"})
+        )
+        tasks = await take_all(role, 2)
+        await answer(role, tasks["st.0"], [(20, "a"), (21, "b")])
+        await role.emit("st.1", TokenChunk(0, [30], text="c"))
+        # what the workers record of their progress
+        await role.r.hset(ing.keys.request("st.0"), mapping={
+            "completion_tokens": 2, "emitted": 2, "finish_reason": "stop"})  # fmt: skip
+        await role.r.hset(ing.keys.request("st.1"), mapping={
+            "completion_tokens": 1, "emitted": 1})  # fmt: skip
+        assert await ing.redis.hget(ing.keys.request("st"), "status") == b"queued"  # as stored
+
+        state = (await client.get("/v1/requests/st")).json()
+        assert (state["status"], state["completion_tokens"], state["emitted"]) == (
+            "decoding", 3, 3)  # fmt: skip
+        assert (state["prompt_tokens"], state["finish_reason"], state["error"]) == (3, None, None)
+        assert [(c["id"], c["status"], c["completion_tokens"]) for c in state["choices"]] == [
+            ("st.0", "finished", 2), ("st.1", "decoding", 1)]  # fmt: skip
+        status = await producer.status("st")
+        assert status == {
+            k: v for k, v in state.items() if k not in ("id", "object", "cancel_requested")
+        }
+        shown = kvrelay_cli(ing, capsys, "requests", "show", "st")
+        assert (shown["status"], shown["completion_tokens"], shown["emitted"]) == (
+            "decoding", 3, 3)  # fmt: skip
+        assert shown["choices"] == state["choices"]
+        output = (shown["output_tokens"], shown["output_chunks"], shown["output_text"])
+        assert output == (3, 3, None)
+        assert (shown["finished"], shown["cancel_requested"]) == (False, False)
+
+        cancelled = kvrelay_cli(ing, capsys, "requests", "cancel", "st")
+        assert cancelled == {
+            "request_id": "st",
+            "cancelled": True,
+            "status": "decoding",
+            "finish_reason": None,
+        }
+        flags = ["st", "st.0", "st.1"]
+        assert [await ing.redis.exists(ing.keys.cancel(f)) for f in flags] == [1, 1, 1]
+        await ing.redis.delete(*(ing.keys.cancel(f) for f in flags))
+        await producer.cancel("st")  # the client's cancel flags every choice too
+        assert [await ing.redis.exists(ing.keys.cancel(f)) for f in flags] == [1, 1, 1]
+
+        await role.emit("st.1", TokenChunk(1, [], finish_reason="cancelled"))  # what workers do
+        await role.finish(tasks["st.1"], "cancelled")
+        got = (await post).json()
+        assert [c["finish_reason"] for c in got["choices"]] == ["stop", "cancelled"]
+        state = (await client.get("/v1/requests/st")).json()
+        assert (state["status"], state["cancel_requested"]) == ("cancelled", True)
+        assert await producer.status("st") == {
+            k: v for k, v in state.items() if k not in ("id", "object", "cancel_requested")
+        }
+        shown = kvrelay_cli(ing, capsys, "requests", "show", "st")
+        assert (shown["status"], shown["finished"], shown["cancel_requested"]) == (
+            "cancelled", True, True)  # fmt: skip
+        assert kvrelay_cli(ing, capsys, "requests", "cancel", "st") == {
+            "request_id": "st",
+            "cancelled": False,
+            "status": "cancelled",
+            "finish_reason": "stop",
+        }
+        assert await producer.status("nope") is None

@@ -37,6 +37,7 @@ from kvrelay.pipeline.client.validate import (
 from kvrelay.pipeline.errors import RequestError, bad_request, queue_unavailable
 from kvrelay.pipeline.model_registry import ModelRegistry
 from kvrelay.pipeline.openai.validate import type_error
+from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.cluster import ClusterState
 from kvrelay.pipeline.queue.outage import REDIS_RETRY_S
 from kvrelay.pipeline.queue.output import (
@@ -46,7 +47,6 @@ from kvrelay.pipeline.queue.output import (
     RequestNotFound,
     read_chunks,
 )
-from kvrelay.pipeline.queue.records import read_record
 from kvrelay.pipeline.queue.redis_options import async_redis
 from kvrelay.pipeline.queue.route import Router
 from kvrelay.pipeline.queue.submit import Producer, new_request_id
@@ -220,22 +220,23 @@ class AsyncClient:
         return await self.result(await self.submit(prompt, **kwargs))
 
     async def cancel(self, request_id: str, ttl_s: int = 3600) -> None:
-        """Ask the workers to stop the request (it finishes with finish_reason 'cancelled')."""
+        """Ask the workers to stop the request (it finishes with finish_reason 'cancelled'), and
+        every choice of a request of several."""
         checked_id(request_id)
         try:
-            await self.redis.set(self.keys.cancel(request_id), b"1", ex=ttl_s)
+            await choices_state.cancel(self.redis, self.keys, request_id, ttl_s)
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
 
     async def status(self, request_id: str) -> dict[str, Any] | None:
         """The req:{id} record, typed as GET /v1/requests/{id} shows it (counts int, times
-        float, absent fields None); None when unknown or expired."""
+        float, absent fields None; a request of several choices combined from them, with
+        `choices`); None when unknown or expired."""
         checked_id(request_id)
         try:
-            record = await read_record(self.redis, self.keys, request_id)
+            return await choices_state.request_view(self.redis, self.keys, request_id)
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
-        return None if record is None else record.public()
 
 
 class Client:

@@ -155,7 +155,6 @@ Stop = Annotated[
     Says(expect="a string or an array of strings", invalid=STOP_RULE, whole=True),
 ]
 PROMPT_LOGPROBS_STREAM = "prompt_logprobs is not available when stream is true"
-MANY_CHOICES_PROMPT_LOGPROBS = "prompt logprobs together with more than one choice"
 _WHOLE_IDS = Says(expect="an array of integers", whole=True)
 _TOKEN_KEY = re.compile(r"-?[0-9]{1,19}")  # int64 digits at most (the vocabulary bounds it)
 
@@ -273,8 +272,6 @@ class _Request(BaseModel):
             raise fail(MIN_TOKENS_RULE, field="min_tokens")
         if self.prompt_logprobs is not None and self.stream:
             raise fail(PROMPT_LOGPROBS_STREAM, field="prompt_logprobs")
-        if self.prompt_logprobs is not None and self.choices_per_prompt() > 1:
-            raise refuse(MANY_CHOICES_PROMPT_LOGPROBS, field="n")  # not gathered per choice yet
         return self
 
     def choices_per_prompt(self) -> int:
@@ -337,8 +334,6 @@ class ChatCompletionRequest(_Request):
             raise fail(message, field="tool_choice")
         if calling is not None and self.tools:
             tool_constraint(calling, self.tools)  # required: the calls' schema compiles
-        if self.tools and self.choices_per_prompt() > 1:  # no tool-call parsing per choice yet
-            raise refuse("tools together with more than one choice", field="n")
         return self
 
     def tool_calling(self) -> ToolCalling | None:
@@ -381,15 +376,6 @@ class CompletionRequest(_Request):
         if best_of is not None and best_of > n and self.stream:
             # the best choices are known only once all are done (vLLM and OpenAI refuse it too)
             raise refuse("stream with best_of greater than n", field="best_of")
-        several = (
-            self.choices_per_prompt() > 1
-            or isinstance(self.prompt, list)
-            and any(isinstance(p, str | list) for p in self.prompt)
-        )
-        # echo with logprobs asks for the prompt's logprobs too
-        wants = self.prompt_logprobs is not None or self.echo and self.logprobs is not None
-        if wants and several:
-            raise refuse(MANY_CHOICES_PROMPT_LOGPROBS, field="n")
         return self
 
     def choices_per_prompt(self) -> int:

@@ -224,9 +224,14 @@ class ResponseFormatter:
             return None
         if finish == FinishReason.STOP and calls.calls and calls.calling.mode != NAMED:
             finish = TOOL_CALLS
-        events = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        events = [
+            {"index": self.index, "delta": d, "logprobs": None, "finish_reason": None}
+            for d in deltas
+        ]
         if not events:
-            events.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": None})
+            events.append(
+                {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": None}
+            )
         events[-1]["logprobs"] = self._chat_logprobs(chunk)
         events[-1]["finish_reason"] = finish
         last = chunk.index if chunk.token_ids else None
@@ -259,7 +264,7 @@ class ResponseFormatter:
             if finish == FinishReason.STOP and self.tool_calls.calls and calling.mode != NAMED:
                 finish = TOOL_CALLS
             choice = {
-                "index": 0,
+                "index": self.index,
                 "message": message,
                 "logprobs": self._chat_logprobs(chunk),
                 "finish_reason": finish,

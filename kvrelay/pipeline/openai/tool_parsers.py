@@ -11,6 +11,7 @@ call (a tag's first characters), so content streams as it comes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvrelay.pipeline.openai.tool_calls import (
     ARGUMENTS,
@@ -162,3 +163,11 @@ def tool_call_stream(request_id: str, calling: ToolCalling, parser: str = "") ->
     else:
         found = TOOL_PARSERS[parser]()
     return ToolCallStream(request_id, calling, found)
+
+
+def tool_stream(request_id: str, options: Any) -> ToolCallStream | None:
+    """The tool-call finder of a request from its stored options (None: plain text)."""
+    calling = ToolCalling.from_dict(options)
+    if calling is None:
+        return None
+    return tool_call_stream(request_id, calling, str(options.get("parser") or ""))

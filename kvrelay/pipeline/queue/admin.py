@@ -14,7 +14,8 @@ from kvrelay.core import record as rec
 from kvrelay.core.enums import DONE_STATUSES, RequestStatus
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import MessageError, TokenChunk
-from kvrelay.core.record import as_str
+from kvrelay.core.record import RequestRecord, as_str
+from kvrelay.pipeline.queue import choices_state
 
 logger = logging.getLogger(__name__)
 
@@ -132,45 +133,73 @@ def _chunks(r: redis.Redis, out_key: str) -> tuple[list[TokenChunk], int]:
 
 
 def show_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any] | None:
-    """The req:{id} record plus what its output stream holds; None when neither exists."""
-    record = request_record(_hash(r, keys.request(request_id)))
-    out_key = keys.out(request_id)
-    chunks, bad = _chunks(r, out_key)
-    if not record and not chunks and not bad:
+    """The req:{id} record plus what its output stream holds; None when neither exists.
+
+    A request of several choices shows its status, counts and times combined from its
+    choices' (as GET /v1/requests/{id} does), `choices` (each one's public view), and the
+    output of all of them summed (`output_text` null: each choice's is `show {id}.{k}`)."""
+    raw = _hash(r, keys.request(request_id))
+    record = request_record(raw)
+    parent = RequestRecord.decode(raw)
+    count = (parent.num_choices or 0) if parent is not None else 0
+    if parent is not None and count:
+        records = choices_state.read_choices_sync(r, keys, request_id, count)
+        combined = choices_state.combine(parent, records).public()
+        record.update({name: combined[name] for name in choices_state.COMBINED_FIELDS})
+        record["choices"] = choices_state.choices_view(request_id, records)
+    ids = [choices_state.choice_id(request_id, k) for k in range(count)] or [request_id]
+    outputs = [_chunks(r, keys.out(one)) for one in ids]
+    if not record and not outputs[0][0] and not outputs[0][1]:
         return None
-    tokens = [t for c in chunks for t in c.token_ids]
+    chunks = [c for one, _ in outputs for c in one]
     return {
         "request_id": request_id,
         **record,
-        "output_tokens": len(tokens),
+        "output_tokens": sum(len(c.token_ids) for c in chunks),
         "output_chunks": len(chunks),
-        "output_bad_chunks": bad,
-        "output_text": "".join(c.text for c in chunks),
-        "finished": any(c.finished for c in chunks),
+        "output_bad_chunks": sum(bad for _, bad in outputs),
+        "output_text": None if count else "".join(c.text for c in chunks),
+        "finished": all(any(c.finished for c in one) for one, _ in outputs),
         "cancel_requested": bool(r.exists(keys.cancel(request_id))),
-        "out_ttl_s": r.ttl(out_key),
+        "out_ttl_s": min(r.ttl(keys.out(one)) for one in ids),
     }
 
 
 def cancel_request(
     r: redis.Redis, keys: Keys, request_id: str, ttl_s: int = 3600
 ) -> dict[str, Any] | None:
-    """Set cancel:{id} unless the request already ended; None if unknown.
+    """Set cancel:{id} (and each choice's, for a request of several) unless the request
+    already ended; None if unknown.
 
     Returns {request_id, cancelled, status, finish_reason}: `cancelled` is False when the
-    request had already ended (nothing to stop; the HTTP DELETE answers the same way).
+    request had already ended (nothing to stop; the HTTP DELETE answers the same way). The
+    status of a request of several choices is combined from theirs.
     """
     raw = _hash(r, keys.request(request_id))
     out_key = keys.out(request_id)
     if not raw and not r.exists(out_key):
         return None
+    parent = RequestRecord.decode(raw)
+    count = (parent.num_choices or 0) if parent is not None else 0
+    if parent is not None and count:
+        combined = choices_state.combine(
+            parent, choices_state.read_choices_sync(r, keys, request_id, count)
+        )
+        raw = {
+            **raw,
+            rec.STATUS: str(combined.status),
+            rec.FINISH_REASON: combined.finish_reason or "",
+        }
     status = raw.get(rec.STATUS, "")
     ended = status in DONE_STATUSES
     if not ended and not raw:  # no record (expired): the output stream tells whether it ended
         ended = any(c.finished for c in _chunks(r, out_key)[0])
         status = RequestStatus.FINISHED if ended else ""
     if not ended:
-        r.set(keys.cancel(request_id), 1, ex=ttl_s)
+        with r.pipeline(transaction=False) as pipe:
+            for one in choices_state.cancel_ids(request_id, count):
+                pipe.set(keys.cancel(one), 1, ex=ttl_s)
+            pipe.execute()
     return {
         "request_id": request_id,
         "cancelled": not ended,

@@ -1,16 +1,11 @@
-"""Reading the `req:{id}` record through its one typed view (for the ingress and the client)."""
+"""Reading the `req:{id}` record as stored (the typed public view: choices_state.request_view)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvrelay.core.keys import Keys
-from kvrelay.core.record import RequestRecord, decode_strings
-
-
-async def read_record(redis: Any, keys: Keys, request_id: str) -> RequestRecord | None:
-    """The typed `req:{id}`, or None when unknown or expired (asyncio redis client)."""
-    return RequestRecord.decode(await redis.hgetall(keys.request(request_id)))
+from kvrelay.core.record import decode_strings
 
 
 async def read_record_fields(redis: Any, keys: Keys, request_id: str) -> dict[str, str] | None:

@@ -34,6 +34,7 @@ from kvrelay.pipeline.errors import RequestError, bad_request, overloaded
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.openai.protocol import GenerationRequest
 from kvrelay.pipeline.queue import scripts
+from kvrelay.pipeline.queue.choices_state import choice_id as choice_id  # where it was
 from kvrelay.pipeline.queue.outage import REDIS_RETRY_S, Outage
 from kvrelay.pipeline.queue.route import DECODE, Route, Router
 from kvrelay.pipeline.tokens import (
@@ -58,11 +59,6 @@ _SUBMIT_LUA = scripts.source("submit")
 # lua/submit_choices.lua: the same for a request fanned out into several choices (a parent
 # record, and a record and a task per choice), all or nothing
 _SUBMIT_CHOICES_LUA = scripts.source("submit_choices")
-
-
-def choice_id(request_id: str, choice: int) -> str:
-    """The request id of choice `choice` of a request that asks for several."""
-    return f"{request_id}.{choice}"
 
 
 def new_request_id(prefix: str = "req") -> str:

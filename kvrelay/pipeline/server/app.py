@@ -34,11 +34,12 @@ from kvrelay.core.keys import Keys
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import Metrics
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
+from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.backpressure import Backpressure
 from kvrelay.pipeline.queue.cluster import ClusterState
 from kvrelay.pipeline.queue.redis_options import async_redis, resilient
 from kvrelay.pipeline.queue.route import Router
-from kvrelay.pipeline.queue.submit import Producer, choice_id
+from kvrelay.pipeline.queue.submit import Producer
 from kvrelay.pipeline.server.config import IngressConfig, load_config
 from kvrelay.pipeline.server.http import error_response
 from kvrelay.pipeline.server.info import InfoApi
@@ -148,12 +149,7 @@ class Ingress:
     async def cancel(self, request_id: str) -> None:
         """Set cancel:{id} (and each choice's, for a request of several); workers drop the
         request and finish it as cancelled."""
-        count = await self.redis.hget(self.keys.request(request_id), fields.NUM_CHOICES)
-        ids = [request_id, *(choice_id(request_id, k) for k in range(int(count or 0)))]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for one in ids:
-                pipe.set(self.keys.cancel(one), b"1", ex=self.config.cancel_ttl_s)
-            await pipe.execute()
+        await choices_state.cancel(self.redis, self.keys, request_id, self.config.cancel_ttl_s)
 
     async def try_cancel(self, request_id: str) -> None:
         """cancel() that only logs when Redis is unavailable (the deadline stops workers too)."""

@@ -20,9 +20,8 @@ from kvrelay.core import record as fields
 from kvrelay.pipeline.errors import RequestError, bad_request, unsupported
 from kvrelay.pipeline.openai.protocol import COMPLETION, GenerationRequest
 from kvrelay.pipeline.openai.responses import ResponseFormatter
-from kvrelay.pipeline.openai.tool_calls import ToolCallStream
-from kvrelay.pipeline.openai.tool_parsers import tool_call_stream
-from kvrelay.pipeline.openai.tools import AUTO, ToolCalling
+from kvrelay.pipeline.openai.tool_parsers import tool_stream
+from kvrelay.pipeline.openai.tools import AUTO
 from kvrelay.pipeline.queue.output import ENDED, output_gone
 from kvrelay.pipeline.queue.records import read_record_fields
 from kvrelay.pipeline.server.choices_output import choices_job
@@ -74,14 +73,6 @@ def check_tool_choice(req: GenerationRequest, parser: str | None) -> dict[str, A
             param="tool_choice",
         )
     return {**calling.to_dict(), "parser": parser if calling.mode == AUTO else ""}
-
-
-def tool_stream(request_id: str, options: Any) -> ToolCallStream | None:
-    """The tool-call finder of a request from its stored options (None: plain text)."""
-    calling = ToolCalling.from_dict(options)
-    if calling is None:
-        return None
-    return tool_call_stream(request_id, calling, str(options.get("parser") or ""))
 
 
 def id_conflict(request_id: str) -> RequestError:

@@ -22,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvrelay.core import record as fields
-from kvrelay.core.enums import OPEN_STATUSES, RequestStatus
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.sampling import choice_seed
 from kvrelay.pipeline.errors import bad_request
@@ -30,6 +29,7 @@ from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.model_registry import ModelEntry
 from kvrelay.pipeline.openai.protocol import GenerationRequest
 from kvrelay.pipeline.queue.backpressure import Slot
+from kvrelay.pipeline.queue.choices_state import combined_status, public_view, read_choices
 from kvrelay.pipeline.queue.submit import Submission, choice_id
 from kvrelay.pipeline.server.attach import check_same, owned_record, reattach
 from kvrelay.pipeline.server.choices_output import choices_job
@@ -75,10 +75,12 @@ async def generate_choices(
     slot: Slot,
     arrival: float,
     echo_text: Callable[[GenerationRequest, list[int], ModelEntry], str],
+    tool_options: dict[str, Any] | None = None,
 ) -> Response:
     """Queue every choice of `parsed` and answer them (or reattach when the id raced in).
 
-    `echo_text(parsed, prompt ids, entry)`: a prompt's text as `echo` returns it."""
+    `echo_text(parsed, prompt ids, entry)`: a prompt's text as `echo` returns it;
+    `tool_options`: how to find the calls in each choice (None: plain text)."""
     per_prompt = parsed.per_prompt
     prompts: list[str | list[int] | None] = list(parsed.prompts or [None])
     subs: list[Submission] = []
@@ -123,6 +125,8 @@ async def generate_choices(
     }
     if parsed.echo:
         options["echoes"] = echoes
+    if tool_options:  # every choice's calls parsed, also for a reattached client
+        options["tool_calls"] = tool_options
     record = {fields.INGRESS: options, fields.USER: parsed.user or "", fields.KEY_ID: key_id}
     choice_record = {fields.USER: parsed.user or "", fields.KEY_ID: key_id}
     routes = await ing.producer.enqueue_choices(request_id, subs, entry, record, choice_record)
@@ -151,55 +155,18 @@ async def generate_choices(
     return job.response()
 
 
-async def choice_records(ing: Ingress, request_id: str, count: int) -> list[RequestRecord]:
-    """The records of the request's `count` choices (an expired one reads as empty)."""
-    async with ing.redis.pipeline(transaction=False) as pipe:
-        for k in range(count):
-            pipe.hgetall(ing.keys.request(choice_id(request_id, k)))
-        raw = await pipe.execute()
-    return [RequestRecord.decode(r) or RequestRecord() for r in raw]
-
-
-# how far a request has got, for the status of a parent whose choices are not all done
-_PROGRESS = (RequestStatus.QUEUED, RequestStatus.PREFILLING, RequestStatus.DECODING)
-
-
-def combined_status(records: list[RequestRecord]) -> str:
-    """One status for the request: while any choice is open, the furthest an open one has got;
-    then failed if any failed, else cancelled if any was, else finished."""
-    statuses = [r.status for r in records]
-    open_ = [s for s in statuses if s in OPEN_STATUSES]
-    if open_:
-        return str(max(open_, key=lambda s: _PROGRESS.index(s) if s in _PROGRESS else 0))
-    for status in (RequestStatus.FAILED, RequestStatus.CANCELLED):
-        if status in statuses:
-            return str(status)
-    return str(RequestStatus.FINISHED)
-
-
 async def choices_state(ing: Ingress, request_id: str, rec: dict[str, str]) -> dict[str, Any]:
-    """GET /v1/requests/{id} of a request of several choices: the parent record with its
-    status, counts and times combined from its choices, and each choice's own view."""
-    count = int(rec.get(fields.NUM_CHOICES) or 0)
-    records = await choice_records(ing, request_id, count)
+    """GET /v1/requests/{id} of a request of several choices: the parent record combined from
+    its choices, and each choice's own view (queue.choices_state)."""
     parent = RequestRecord.decode(rec) or RequestRecord()
-    parent.status = combined_status(records)
-    parent.completion_tokens = sum(r.completion_tokens or 0 for r in records)
-    emitted = [r.emitted for r in records if r.emitted is not None]
-    parent.emitted = sum(emitted) if emitted else None
-    started = [r.started for r in records if r.started is not None]
-    parent.started = min(started) if started else None
-    updated = [r.updated for r in records if r.updated is not None]
-    parent.updated = max([*updated, parent.updated or 0.0]) or None
-    if all(r.ended for r in records):
-        parent.finish_reason = records[0].finish_reason if records else None
-    errors = [r.error for r in records if r.error]
-    parent.error = errors[0] if errors else None
-    body = parent.public()
-    body["choices"] = [
-        {"id": choice_id(request_id, k), **r.public()} for k, r in enumerate(records)
-    ]
-    return body
+    records = await read_choices(ing.redis, ing.keys, request_id, num_choices(rec))
+    return public_view(request_id, parent, records)
+
+
+async def choices_status(ing: Ingress, request_id: str, rec: dict[str, str]) -> str:
+    """The combined status of a request of several choices (what DELETE answers)."""
+    records = await read_choices(ing.redis, ing.keys, request_id, num_choices(rec))
+    return combined_status(records)
 
 
 def num_choices(rec: dict[str, str]) -> int:

@@ -29,6 +29,7 @@ from kvrelay.pipeline.errors import error_body
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.protocol import CHAT, COMPLETION
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter, usage_dict
+from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.output import (
     DEADLINE_PASSED,
@@ -258,6 +259,8 @@ class ChoicesJob:
         body = {key: bodies[0][key] for key in ("id", "object", "created", "model")}
         body["choices"] = [b["choices"][0] for b in bodies]
         body["usage"] = usage
+        if "prompt_logprobs" in bodies[0]:  # chat: the prompt's, at the top as vLLM puts it
+            body["prompt_logprobs"] = bodies[0]["prompt_logprobs"]
         await send_json(send, 200, body, self._headers)
 
     def _best(self, results: list[Completion]) -> list[int]:
@@ -322,6 +325,8 @@ def choices_job(
             token_text=token_text,
             echo=echoes[i // per_prompt] if echoes else "",
             index=i,
+            # each choice's own calls, their ids derived from its id (distinct, stable)
+            tool_calls=tool_stream(choice_id(request_id, i), options.get("tool_calls")),
         )
         choices.append(Choice(choice_id(request_id, i), fmt, i // per_prompt))
     return ChoicesJob(

@@ -37,6 +37,7 @@ from kvrelay.pipeline.openai.response_builder import (
     request_id_of,
 )
 from kvrelay.pipeline.openai.responses_api import ResponsesCall, parse_responses
+from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.output import ENDED, output_gone
 from kvrelay.pipeline.queue.submit import new_request_id, valid_request_id
@@ -47,7 +48,6 @@ from kvrelay.pipeline.server.attach import (
     owned_record,
     raw_record,
     request_digest,
-    tool_stream,
 )
 from kvrelay.pipeline.server.http import (
     REQUEST_ID_HEADER,

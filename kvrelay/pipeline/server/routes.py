@@ -35,6 +35,7 @@ from kvrelay.pipeline.openai.protocol import (
     parse_completion,
 )
 from kvrelay.pipeline.openai.responses import ResponseFormatter
+from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.openai.validate import check_cache_salt
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.submit import check_request_id, new_request_id, valid_request_id
@@ -45,13 +46,11 @@ from kvrelay.pipeline.server.attach import (
     raw_record,
     reattach,
     request_digest,
-    tool_stream,
 )
 from kvrelay.pipeline.server.choices import (
     check_choices,
-    choice_records,
     choices_state,
-    combined_status,
+    choices_status,
     generate_choices,
     num_choices,
 )
@@ -117,7 +116,16 @@ class GenerationApi:
             slot = await ing.backpressure.admit(parsed.num_choices)
             if parsed.num_choices > 1:  # n, best_of, several prompts: choices.py
                 return await generate_choices(
-                    ing, request, parsed, request_id, digest, key_id, slot, arrival, echo_text
+                    ing,
+                    request,
+                    parsed,
+                    request_id,
+                    digest,
+                    key_id,
+                    slot,
+                    arrival,
+                    echo_text,
+                    tool_options,
                 )
             sub, entry = await ing.producer.prepare_parsed(parsed, request_id=request_id)
             created = int(time.time())
@@ -214,8 +222,8 @@ class GenerationApi:
 
         async def cancel(request_id: str, rec: dict[str, str]) -> Response:
             status = rec.get(fields.STATUS, "")
-            if count := num_choices(rec):  # several choices: done when all are
-                status = combined_status(await choice_records(self.ingress, request_id, count))
+            if num_choices(rec):  # several choices: done when all are
+                status = await choices_status(self.ingress, request_id, rec)
             done = status in DONE_STATUSES
             if not done:
                 await self.ingress.cancel(request_id)

@@ -1,0 +1,135 @@
+"""The state of a request answered by several choices (n, best_of, a list of prompts).
+
+Its parent record req:{id} holds the request (model, prompt tokens, options, how many choices)
+but not how far it has got: workers only ever write the choices' records req:{id}.{k}. Every
+reader (GET /v1/requests/{id}, the producer client's status(), `kvrelay requests show`) and
+every canceller combines and flags them the one way defined here; the combining is pure, the
+async (ingress, client) and sync (admin CLI) readers around it only fetch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from kvrelay.core import record as fields
+from kvrelay.core.enums import OPEN_STATUSES, RequestStatus
+from kvrelay.core.keys import Keys
+from kvrelay.core.record import RequestRecord, as_str
+
+# the parent's fields that come from its choices; the others are the parent's own
+COMBINED_FIELDS = (
+    "status",
+    "completion_tokens",
+    "emitted",
+    "started",
+    "updated",
+    "finish_reason",
+    "error",
+)
+# how far a request has got, for the status of a parent whose choices are not all done
+_PROGRESS = (RequestStatus.QUEUED, RequestStatus.PREFILLING, RequestStatus.DECODING)
+
+
+def choice_id(request_id: str, choice: int) -> str:
+    """The request id of choice `choice` of a request that asks for several."""
+    return f"{request_id}.{choice}"
+
+
+def cancel_ids(request_id: str, count: int) -> list[str]:
+    """The ids a cancel flags: the request's, then each of its `count` choices'."""
+    return [request_id, *(choice_id(request_id, k) for k in range(count))]
+
+
+def combined_status(records: list[RequestRecord]) -> str:
+    """One status for the request: while any choice is open, the furthest an open one has got;
+    then failed if any failed, else cancelled if any was, else finished."""
+    statuses = [r.status for r in records]
+    open_ = [s for s in statuses if s in OPEN_STATUSES]
+    if open_:
+        return str(max(open_, key=lambda s: _PROGRESS.index(s) if s in _PROGRESS else 0))
+    for status in (RequestStatus.FAILED, RequestStatus.CANCELLED):
+        if status in statuses:
+            return str(status)
+    return str(RequestStatus.FINISHED)
+
+
+def combine(parent: RequestRecord, records: list[RequestRecord]) -> RequestRecord:
+    """The parent record with COMBINED_FIELDS from its choices: the status above, the summed
+    completion tokens and emitted, the first start, the last update, and (once all ended)
+    the first choice's finish reason; the first error."""
+    out = copy.copy(parent)
+    out.status = combined_status(records)
+    out.completion_tokens = sum(r.completion_tokens or 0 for r in records)
+    emitted = [r.emitted for r in records if r.emitted is not None]
+    out.emitted = sum(emitted) if emitted else None
+    started = [r.started for r in records if r.started is not None]
+    out.started = min(started) if started else None
+    updated = [r.updated for r in records if r.updated is not None]
+    out.updated = max([*updated, parent.updated or 0.0]) or None
+    out.finish_reason = (
+        records[0].finish_reason if records and all(r.ended for r in records) else None
+    )
+    errors = [r.error for r in records if r.error]
+    out.error = errors[0] if errors else None
+    return out
+
+
+def choices_view(request_id: str, records: list[RequestRecord]) -> list[dict[str, Any]]:
+    """Each choice's public view, with its id `{id}.{k}`."""
+    return [{"id": choice_id(request_id, k), **r.public()} for k, r in enumerate(records)]
+
+
+def public_view(request_id: str, parent: RequestRecord, records: list[RequestRecord]) -> dict:
+    """What clients see of a request of several choices: the combined parent's public fields
+    and `choices`."""
+    return {**combine(parent, records).public(), "choices": choices_view(request_id, records)}
+
+
+def _count(value: Any) -> int:
+    """A stored num_choices as an int (absent, empty or not a number: 0)."""
+    text = as_str(value)
+    return int(text) if text.isdigit() else 0
+
+
+def _decode(raw: list[Any]) -> list[RequestRecord]:
+    return [RequestRecord.decode(r) or RequestRecord() for r in raw]  # expired: empty
+
+
+async def read_choices(redis: Any, keys: Keys, request_id: str, count: int) -> list[RequestRecord]:
+    """The records of the request's `count` choices (asyncio redis; an expired one is empty)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for k in range(count):
+            pipe.hgetall(keys.request(choice_id(request_id, k)))
+        return _decode(await pipe.execute())
+
+
+def read_choices_sync(r: Any, keys: Keys, request_id: str, count: int) -> list[RequestRecord]:
+    """read_choices() for sync redis-py (the admin CLI)."""
+    with r.pipeline(transaction=False) as pipe:
+        for k in range(count):
+            pipe.hgetall(keys.request(choice_id(request_id, k)))
+        return _decode(pipe.execute())
+
+
+async def request_view(redis: Any, keys: Keys, request_id: str) -> dict[str, Any] | None:
+    """The public view of req:{id} (combined from its choices when it has several); None when
+    unknown or expired (asyncio redis)."""
+    parent = RequestRecord.decode(await redis.hgetall(keys.request(request_id)))
+    if parent is None:
+        return None
+    if count := parent.num_choices or 0:
+        return public_view(request_id, parent, await read_choices(redis, keys, request_id, count))
+    return parent.public()
+
+
+async def cancel(redis: Any, keys: Keys, request_id: str, ttl_s: int) -> list[str]:
+    """Set cancel:{id} and, for a request of several choices, each choice's (asyncio redis);
+    the ids flagged."""
+    count = await redis.hget(keys.request(request_id), fields.NUM_CHOICES)
+    ids = cancel_ids(request_id, _count(count))
+    async with redis.pipeline(transaction=False) as pipe:
+        for one in ids:
+            pipe.set(keys.cancel(one), b"1", ex=ttl_s)
+        await pipe.execute()
+    return ids

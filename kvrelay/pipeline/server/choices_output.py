@@ -19,29 +19,25 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
-from starlette.responses import Response
 from starlette.types import Send
 
 from kvrelay.core.enums import FinishReason
 from kvrelay.core.errors import KvrelayError
 from kvrelay.core.messages import TokenChunk
-from kvrelay.pipeline.errors import error_body
+from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.protocol import CHAT, COMPLETION
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter, usage_dict
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.output import (
-    DEADLINE_PASSED,
     Completion,
-    OutputExpired,
     OutputTimeout,
-    RequestNotFound,
     read_chunks,
 )
 from kvrelay.pipeline.queue.submit import choice_id
-from kvrelay.pipeline.server.http import REQUEST_ID_HEADER, WatchedResponse, send_json, sse_start
-from kvrelay.pipeline.server.output import output_expired
+from kvrelay.pipeline.server.http import send_json
+from kvrelay.pipeline.server.output import READ_FAILURES, Delivery, finish_failure, read_failure
 
 if TYPE_CHECKING:
     from kvrelay.pipeline.server.app import Ingress
@@ -66,23 +62,13 @@ class _Ended(KvrelayError):
         self.chunk = chunk
 
 
-def _failure(exc: BaseException, request_id: str) -> tuple[int, dict]:
-    """The status and OpenAI error body for what ended a reply early."""
-    if isinstance(exc, OutputTimeout):
-        return 504, error_body(DEADLINE_PASSED, "timeout", None, "request_timeout")
-    if isinstance(exc, _Ended) and exc.chunk.finish_reason == FinishReason.TIMEOUT:
-        return 504, error_body(DEADLINE_PASSED, "timeout", None, "request_timeout")
-    if isinstance(exc, _Ended):
-        message = exc.chunk.error or "generation failed"
-        return 500, error_body(message, "server_error", None, "generation_failed")
-    if isinstance(exc, RedisError):
-        message = "the request queue (Redis) is unavailable"
-        return 503, error_body(message, "service_unavailable", None, "queue_unavailable")
-    if isinstance(exc, OutputExpired):
-        err = output_expired(request_id)
-        return err.status, err.body()
-    message = f"request {request_id} is unknown or expired"
-    return 404, error_body(message, "invalid_request_error", None, "request_not_found")
+def _failure(exc: BaseException, request_id: str) -> RequestError:
+    """The error for what ended a reply early."""
+    if isinstance(exc, _Ended):  # raised for the finishes finish_failure answers
+        failed = finish_failure(exc.chunk.finish_reason, exc.chunk.error)
+        assert failed is not None
+        return failed
+    return read_failure(exc, request_id)
 
 
 def _strip_id(event: bytes) -> bytes:
@@ -93,7 +79,7 @@ def _strip_id(event: bytes) -> bytes:
 
 
 @dataclass(slots=True)
-class ChoicesJob:
+class ChoicesJob(Delivery):
     """Delivers every choice of `request_id` to one HTTP client, from the start."""
 
     ingress: Ingress
@@ -104,24 +90,10 @@ class ChoicesJob:
     prompt_tokens: int  # of the whole request, each prompt counted once
     include_usage: bool = False
     deadline: float | None = None
-    timer: RequestTimer | None = None  # None on a reattach: the first reader measures
+    timer: RequestTimer | None = None
     attach_seq: int = 0
-    server_ended: bool = False  # the ingress ended the reply (Redis lost): no cancel then
+    server_ended: bool = False
     slot: Slot | None = None
-
-    def response(self) -> Response:
-        produce = self._stream if self.stream else self._whole
-        return WatchedResponse(produce, self._disconnected, self._closed)
-
-    def _closed(self) -> None:
-        if self.slot is not None:
-            self.slot.release()
-        if self.timer:
-            self.timer.close()
-
-    @property
-    def _headers(self) -> dict[str, str]:
-        return {REQUEST_ID_HEADER: self.request_id}
 
     def _chunks(self, i: int) -> AsyncIterator[TokenChunk]:
         return read_chunks(
@@ -158,8 +130,7 @@ class ChoicesJob:
     async def _end_early(self, exc: BaseException) -> None:
         """What ended the reply before every choice finished: count it, stop the others."""
         if isinstance(exc, RedisError):
-            self.server_ended = True
-            logger.error("request %s: lost an output stream: %s", self.request_id, exc)
+            self._lost(exc)
             return
         if isinstance(exc, OutputTimeout) or (
             isinstance(exc, _Ended) and exc.chunk.finish_reason == FinishReason.TIMEOUT
@@ -207,22 +178,15 @@ class ChoicesJob:
             if self.include_usage:
                 yield self.choices[0].fmt.usage_event(usage)
             self._finished(first_reason or FinishReason.STOP, usage)
-        except (_Ended, OutputTimeout, RedisError, OutputExpired, RequestNotFound) as exc:
+        except (_Ended, *READ_FAILURES) as exc:
             await self._end_early(exc)
-            _status, body = _failure(exc, self.request_id)
-            error = body["error"]
-            yield ResponseFormatter.error_event(error["message"], error["type"], error["code"])
+            err = _failure(exc, self.request_id)
+            yield ResponseFormatter.error_event(err.message, err.type, err.code)
         finally:
             for reader in readers:
                 reader.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
         yield DONE
-
-    async def _stream(self, send: Send) -> None:
-        await send(sse_start(self._headers))
-        async for event in self._events():
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # one body -----------------------------------------------------------------------------
     async def _collect(self, i: int, result: Completion) -> None:
@@ -238,10 +202,10 @@ class ChoicesJob:
         tasks = [asyncio.create_task(self._collect(i, r)) for i, r in enumerate(results)]
         try:
             await asyncio.gather(*tasks)
-        except (_Ended, OutputTimeout, RedisError, OutputExpired, RequestNotFound) as exc:
+        except (_Ended, *READ_FAILURES) as exc:
             await self._end_early(exc)
-            status, body = _failure(exc, self.request_id)
-            await send_json(send, status, body, self._headers)
+            err = _failure(exc, self.request_id)
+            await send_json(send, err.status, err.body(), self._headers)
             return
         finally:
             for task in tasks:
@@ -275,20 +239,6 @@ class ChoicesJob:
             ranked = sorted(group, key=lambda i: -_cumulative_logprob(results[i]))
             kept += ranked[: self.n]
         return kept
-
-    async def _disconnected(self) -> None:
-        logger.info("request %s: client disconnected", self.request_id)
-        timer = self.timer
-        if timer:
-            timer.close()
-        if self.server_ended:
-            return
-
-        def cancelled() -> None:
-            if timer:
-                timer.finish(FinishReason.CANCELLED, None, time.monotonic())
-
-        await self.ingress.client_gone(self.request_id, self.attach_seq, cancelled)
 
 
 def _cumulative_logprob(result: Completion) -> float:

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.types import Send
 
 from kvrelay.core.enums import FinishReason
-from kvrelay.pipeline.errors import RequestError, error_body
+from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter
 from kvrelay.pipeline.queue.backpressure import Slot
@@ -37,10 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _error(message: str, type_: str, code: str) -> dict:
-    return error_body(message, type_, None, code)
-
-
 def output_expired(request_id: str) -> RequestError:
     """410: the request ended and its output stream expired (its state record remains)."""
     return RequestError(
@@ -51,27 +47,67 @@ def output_expired(request_id: str) -> RequestError:
     )
 
 
-@dataclass(slots=True)
-class OutputJob:
-    """Delivers `out:{request_id}` from token `start_index` on to one HTTP client."""
+# What can stop a reply before its final chunk: read_failure() says what the client gets.
+READ_FAILURES = (OutputTimeout, RedisError, OutputExpired, RequestNotFound)
 
+
+def read_failure(exc: BaseException, request_id: str) -> RequestError:
+    """The error for an output that could not be read to its end (one of READ_FAILURES): the
+    deadline passed (504), Redis is lost (503), the output expired (410), the request is
+    unknown (404)."""
+    if isinstance(exc, OutputTimeout):
+        return RequestError(DEADLINE_PASSED, 504, type="timeout", code="request_timeout")
+    if isinstance(exc, RedisError):
+        return RequestError(
+            "the request queue (Redis) is unavailable",
+            503,
+            type="service_unavailable",
+            code="queue_unavailable",
+        )
+    if isinstance(exc, OutputExpired):
+        return output_expired(request_id)
+    return RequestError(
+        f"request {request_id} is unknown or expired", 404, code="request_not_found"
+    )
+
+
+def finish_failure(reason: str | None, error: str | None) -> RequestError | None:
+    """The error for a request its worker ended without an answer (timeout 504, error 500);
+    None for every other finish."""
+    if reason == FinishReason.TIMEOUT:
+        return RequestError(DEADLINE_PASSED, 504, type="timeout", code="request_timeout")
+    if reason == FinishReason.ERROR:
+        message = error or "generation failed"
+        return RequestError(message, 500, type="server_error", code="generation_failed")
+    return None
+
+
+class Delivery:
+    """What every reply to a request shares (OutputJob, the Responses API's and the several
+    choices' jobs, dataclasses with these attributes): the response object, the end of the
+    reply (its in-flight slot given back), the SSE framing and what a client that goes away
+    does to its request."""
+
+    __slots__ = ()
     ingress: Ingress
     request_id: str
-    fmt: ResponseFormatter
     stream: bool
-    deadline: float | None = None
-    start_index: int = 0
-    timer: RequestTimer | None = None  # None on a reattach: the first reader measures
-    send_role: bool = True
-    attach_seq: int = 0  # which attach of this request this reader is (disconnect grace)
+    timer: RequestTimer | None  # None on a reattach: the first reader measures
+    attach_seq: int  # which attach of this request this reader is (disconnect grace)
     # Set when the ingress itself ends the response (Redis lost): a client that then hangs up
     # did not abandon the request, so it is not cancelled; it can reattach by its id.
-    server_ended: bool = False
-    slot: Slot | None = None  # this request's in-flight place, given back when the reply ends
+    server_ended: bool
+    slot: Slot | None  # this request's in-flight place, given back when the reply ends
 
     def response(self) -> Response:
         produce = self._stream if self.stream else self._whole
         return WatchedResponse(produce, self._disconnected, self._closed)
+
+    def _events(self) -> AsyncIterator[bytes]:
+        raise NotImplementedError
+
+    async def _whole(self, send: Send) -> None:
+        raise NotImplementedError
 
     def _closed(self) -> None:
         if self.slot is not None:
@@ -82,6 +118,48 @@ class OutputJob:
     @property
     def _headers(self) -> dict[str, str]:
         return {REQUEST_ID_HEADER: self.request_id}
+
+    async def _stream(self, send: Send) -> None:
+        await send(sse_start(self._headers))
+        async for event in self._events():
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _lost(self, exc: RedisError) -> None:
+        """Redis is gone: the ingress ends the reply itself (no cancel when the client goes)."""
+        self.server_ended = True
+        logger.error("request %s: lost the output stream: %s", self.request_id, exc)
+
+    async def _disconnected(self) -> None:
+        logger.info("request %s: client disconnected", self.request_id)
+        timer = self.timer
+        if timer:
+            timer.close()
+        if self.server_ended:
+            return
+
+        def cancelled() -> None:
+            if timer:  # counted once the cancel flag is set (after the grace period, if any)
+                timer.finish(FinishReason.CANCELLED, None, time.monotonic())
+
+        await self.ingress.client_gone(self.request_id, self.attach_seq, cancelled)
+
+
+@dataclass(slots=True)
+class OutputJob(Delivery):
+    """Delivers `out:{request_id}` from token `start_index` on to one HTTP client."""
+
+    ingress: Ingress
+    request_id: str
+    fmt: ResponseFormatter
+    stream: bool
+    deadline: float | None = None
+    start_index: int = 0
+    timer: RequestTimer | None = None
+    send_role: bool = True
+    attach_seq: int = 0
+    server_ended: bool = False
+    slot: Slot | None = None
 
     @property
     def _read_from(self) -> int:
@@ -117,44 +195,19 @@ class OutputJob:
                     if event and not replayed:
                         yield event
                 if chunk.finished:
-                    if chunk.finish_reason == FinishReason.ERROR:
-                        yield fmt.error_event(
-                            chunk.error or "generation failed", code="generation_failed"
-                        )
-                    elif chunk.finish_reason == "timeout":  # the worker ended it at the deadline
-                        yield fmt.error_event(DEADLINE_PASSED, "timeout", "request_timeout")
+                    # failed, or the worker ended it at the deadline
+                    failed = finish_failure(chunk.finish_reason, chunk.error)
+                    if failed is not None:
+                        yield fmt.error_event(failed.message, failed.type, failed.code)
                     if fmt.include_usage:
                         yield fmt.usage_event(chunk.usage)
                     if timer:
                         timer.finish(chunk.finish_reason or FinishReason.STOP, chunk.usage, now)
                         self.ingress.observe_queue_time(self.request_id, timer.model)
-        except OutputTimeout:
-            await self._deadline_passed()
-            yield fmt.error_event(DEADLINE_PASSED, "timeout", "request_timeout")
-        except RedisError as exc:
-            self.server_ended = True
-            logger.error("request %s: lost the output stream: %s", self.request_id, exc)
-            yield fmt.error_event(
-                "the request queue (Redis) is unavailable",
-                "service_unavailable",
-                "queue_unavailable",
-            )
-        except OutputExpired:
-            err = output_expired(self.request_id)
+        except READ_FAILURES as exc:
+            err = await self._read_failed(exc)
             yield fmt.error_event(err.message, err.type, err.code)
-        except RequestNotFound:
-            yield fmt.error_event(
-                f"request {self.request_id} is unknown or expired",
-                "invalid_request_error",
-                "request_not_found",
-            )
         yield DONE
-
-    async def _stream(self, send: Send) -> None:
-        await send(sse_start(self._headers))
-        async for event in self._events():
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _whole(self, send: Send) -> None:
         result, timer = Completion(self.request_id), self.timer
@@ -163,45 +216,27 @@ class OutputJob:
                 if timer:
                     timer.tokens(len(chunk.token_ids), time.monotonic())
                 result.add(chunk)
-        except OutputTimeout:
-            await self._deadline_passed()
-            body = _error(DEADLINE_PASSED, "timeout", "request_timeout")
-            await send_json(send, 504, body, self._headers)
-            return
-        except RedisError as exc:
-            self.server_ended = True
-            logger.error("request %s: lost the output stream: %s", self.request_id, exc)
-            body = _error(
-                "the request queue (Redis) is unavailable",
-                "service_unavailable",
-                "queue_unavailable",
-            )
-            await send_json(send, 503, body, self._headers)
-            return
-        except OutputExpired:
-            err = output_expired(self.request_id)
+        except READ_FAILURES as exc:
+            err = await self._read_failed(exc)
             await send_json(send, err.status, err.body(), self._headers)
-            return
-        except RequestNotFound:
-            body = _error(
-                f"request {self.request_id} is unknown or expired",
-                "invalid_request_error",
-                "request_not_found",
-            )
-            await send_json(send, 404, body, self._headers)
             return
         if timer:
             timer.finish(result.finish_reason or FinishReason.STOP, result.usage, time.monotonic())
             self.ingress.observe_queue_time(self.request_id, timer.model)
-        if result.finish_reason == "timeout":  # as the SSE error event and the record say
-            body = _error(DEADLINE_PASSED, "timeout", "request_timeout")
-            await send_json(send, 504, body, self._headers)
-            return
-        if result.finish_reason == FinishReason.ERROR:
-            body = _error(result.error or "generation failed", "server_error", "generation_failed")
-            await send_json(send, 500, body, self._headers)
+        # as the SSE error event and the record say
+        failed = finish_failure(result.finish_reason, result.error)
+        if failed is not None:
+            await send_json(send, failed.status, failed.body(), self._headers)
             return
         await send_json(send, 200, self.fmt.response(result), self._headers)
+
+    async def _read_failed(self, exc: BaseException) -> RequestError:
+        """What ended the reading (READ_FAILURES), acted on: the client's error."""
+        if isinstance(exc, OutputTimeout):
+            await self._deadline_passed()
+        elif isinstance(exc, RedisError):
+            self._lost(exc)
+        return read_failure(exc, self.request_id)
 
     async def _deadline_passed(self) -> None:
         """The reply ends at the deadline: stop the workers (they record it as a timeout, the
@@ -209,17 +244,3 @@ class OutputJob:
         if self.timer:
             self.timer.finish(FinishReason.TIMEOUT, None, time.monotonic())
         await self.ingress.try_cancel(self.request_id)
-
-    async def _disconnected(self) -> None:
-        logger.info("request %s: client disconnected", self.request_id)
-        timer = self.timer
-        if timer:
-            timer.close()
-        if self.server_ended:
-            return
-
-        def cancelled() -> None:
-            if timer:  # counted once the cancel flag is set (after the grace period, if any)
-                timer.finish(FinishReason.CANCELLED, None, time.monotonic())
-
-        await self.ingress.client_gone(self.request_id, self.attach_seq, cancelled)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 
 import httpx
 import pytest
@@ -25,6 +24,7 @@ from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     http,
     make_config,
     parse_sse,
+    running_worker,
     smollm_tokenizer,
     unique_prefix,
 )
@@ -40,26 +40,8 @@ GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True, "stream": True}
 @pytest.fixture(scope="module")
 def decode_worker(valkey_session):
     """One real decode worker (it prefills locally) under this module's key prefix."""
-    from kvrelay.workers.config import WorkerConfig
-    from kvrelay.workers.decode import DecodeWorker
-    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
-
-    engine = Engine(EngineConfig(kv_cache_bytes=32 << 20, num_threads=1))
-    config = WorkerConfig(
-        redis_url=valkey_session.url,
-        key_prefix=PREFIX,
-        name=WORKER,
-        heartbeat_s=0.2,
-        metrics_port=-1,
-        block_ms=20,
-    )
-    worker = DecodeWorker(config, engine)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    yield worker
-    worker.stop()
-    thread.join(30)
-    assert not thread.is_alive()
+    with running_worker(valkey_session.url, PREFIX, WORKER) as worker:
+        yield worker
 
 
 async def _until(check, timeout_s: float = 30.0) -> None:

@@ -8,7 +8,9 @@ ingress app per test under its own key prefix.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -49,6 +51,34 @@ def smollm_tokenizer():
 
 def unique_prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}:"
+
+
+@contextlib.contextmanager
+def running_worker(redis_url: str, key_prefix: str, name: str, role=None, loaded=None):
+    """A real worker (`role`: its class, DecodeWorker by default, which prefills locally) on
+    its own thread, with a quick heartbeat and no metrics port; stopped on exit."""
+    from kvrelay.workers.config import WorkerConfig
+    from kvrelay.workers.decode import DecodeWorker
+    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(kv_cache_bytes=32 << 20, num_threads=1), loaded=loaded)
+    config = WorkerConfig(
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+        name=name,
+        heartbeat_s=0.2,
+        metrics_port=-1,
+        block_ms=20,
+    )
+    worker = (role or DecodeWorker)(config, engine)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert not thread.is_alive()
 
 
 def make_config(valkey_url: str, **overrides) -> IngressConfig:

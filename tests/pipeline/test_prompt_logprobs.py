@@ -5,8 +5,8 @@ worker prefilling locally (colocated). The values are the engine's own, bitwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import threading
 
 import pytest
 
@@ -22,6 +22,7 @@ from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     anyio_backend,
     http,
     make_config,
+    running_worker,
     smollm_tokenizer,
     unique_prefix,
 )
@@ -42,38 +43,21 @@ def loaded():
 @pytest.fixture(scope="module")
 def workers(valkey_session, loaded):
     """One prefill and one decode worker on the same streams."""
-    from kvrelay.workers.config import WorkerConfig
     from kvrelay.workers.decode import DecodeWorker
-    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
     from kvrelay.workers.prefill import PrefillWorker
 
-    running = []
-    for name, cls in (("prefill-plp", PrefillWorker), ("decode-plp", DecodeWorker)):
-        engine = Engine(EngineConfig(kv_cache_bytes=32 << 20, num_threads=1), loaded=loaded)
-        config = WorkerConfig(
-            redis_url=valkey_session.url,
-            key_prefix=PREFIX,
-            name=name,
-            heartbeat_s=0.2,
-            metrics_port=-1,
-            block_ms=20,
-        )
-        worker = cls(config, engine)
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        running.append((worker, thread))
-    yield running
-    for worker, thread in running:
-        worker.stop()
-        thread.join(30)
-        assert not thread.is_alive()
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(running_worker(valkey_session.url, PREFIX, name, role, loaded))
+            for name, role in (("prefill-plp", PrefillWorker), ("decode-plp", DecodeWorker))
+        ]
 
 
 @pytest.fixture(params=["disaggregated", "colocated"])
 async def ingress(request, valkey_session, smollm_tokenizer, workers):
     config = make_config(valkey_session.url, key_prefix=PREFIX, mode=request.param)
     app = create_app(config, tokenizers={MODEL: smollm_tokenizer})
-    prefill = workers[0][0].engine.stats
+    prefill = workers[0].engine.stats
     before = prefill.num_prompt_tokens_computed
     try:
         async with http(app) as client:

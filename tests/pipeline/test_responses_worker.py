@@ -7,7 +7,6 @@ call whose arguments are valid for its parameters."""
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import jsonschema
@@ -21,6 +20,7 @@ from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     anyio_backend,
     make_config,
+    running_worker,
     smollm_tokenizer,
     unique_prefix,
 )
@@ -34,26 +34,8 @@ PREFIX = unique_prefix()
 @pytest.fixture(scope="module")
 def decode_worker(valkey_session):
     """One real decode worker (it prefills locally) under this module's key prefix."""
-    from kvrelay.workers.config import WorkerConfig
-    from kvrelay.workers.decode import DecodeWorker
-    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
-
-    engine = Engine(EngineConfig(kv_cache_bytes=32 << 20, num_threads=1))
-    config = WorkerConfig(
-        redis_url=valkey_session.url,
-        key_prefix=PREFIX,
-        name="decode-r",
-        heartbeat_s=0.2,
-        metrics_port=-1,
-        block_ms=20,
-    )
-    worker = DecodeWorker(config, engine)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    yield worker
-    worker.stop()
-    thread.join(30)
-    assert not thread.is_alive()
+    with running_worker(valkey_session.url, PREFIX, "decode-r") as worker:
+        yield worker
 
 
 async def test_greedy_answers_match_chat_completions(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 
 import jsonschema
 import pytest
@@ -28,6 +27,7 @@ from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     anyio_backend,
     http,
     make_config,
+    running_worker,
     smollm_tokenizer,
     unique_prefix,
 )
@@ -242,26 +242,8 @@ KEYS = Keys(PREFIX)
 
 @pytest.fixture(scope="module")
 def decode_worker(valkey_session):
-    from kvrelay.workers.config import WorkerConfig
-    from kvrelay.workers.decode import DecodeWorker
-    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
-
-    engine = Engine(EngineConfig(kv_cache_bytes=32 << 20, num_threads=1))
-    config = WorkerConfig(
-        redis_url=valkey_session.url,
-        key_prefix=PREFIX,
-        name="decode-so",
-        heartbeat_s=0.2,
-        metrics_port=-1,
-        block_ms=20,
-    )
-    worker = DecodeWorker(config, engine)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    yield worker
-    worker.stop()
-    thread.join(30)
-    assert not thread.is_alive()
+    with running_worker(valkey_session.url, PREFIX, "decode-so") as worker:
+        yield worker
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ fi
 "${PIP[@]}" --no-deps ucxx-cu12 libucxx-cu12 libucx-cu12 librmm-cu12 rapids-logger
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 # The C++ CPU kernels (paged attention, fused RoPE + KV write), compiled once with this machine's gcc
-# into $KVRELAY_CACHE_DIR; without them the engine runs the (slower) torch path.
+# into $KVRELAY_CACHE_DIR (the avx2 build and this CPU's best, e.g. avx512); without them the engine
+# runs the (slower) torch path.
 "$PY" -m kvrelay.kernels.cpu_build || echo "C++ CPU kernels not built: the torch attention path will be used"
 echo "kvrelay installed: $(command -v kvrelay || echo "$PY -m kvrelay.cli.main")"

@@ -1,4 +1,4 @@
-"""The C++ CPU path (fp32, AVX2): paged attention reading pages in place, and KV writes.
+"""The C++ CPU path (fp32, AVX2 or AVX-512): paged attention reading pages in place, and KV writes.
 
 Shapes the extension does not cover (other dtypes, head_dim not in HEAD_DIMS, pages over 256
 keys, non-CPU tensors) go to the torch path, which stays the reference.

@@ -259,7 +259,7 @@ def pack_int8_weight(q: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
 
 
 def int8_linear_available() -> bool:
-    """True where the C++ kernel behind `int8_linear` is built (x86-64 with AVX2)."""
+    """True where the C++ kernel behind `int8_linear` is built (x86-64 with AVX2 and FMA)."""
     from kvrelay.kernels import cpu_build
 
     return cpu_build.load() is not None

@@ -98,6 +98,7 @@ class Worker:
             "fingerprint": engine.fingerprint,
             "metrics_port": "",
             "max_num_seqs": config.max_num_seqs,
+            "kernel_isa": getattr(engine, "kernel_isa", ""),
         }
         self.heartbeat = Heartbeat(
             self.streams,

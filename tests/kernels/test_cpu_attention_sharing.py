@@ -88,7 +88,7 @@ SHAPES = {  # heads, kv_heads, head_dim, page_size: row tiles 3, 2+2, 3+2, 1, 3+
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-def test_shared_prefix_rows_equal_rows_alone(name: str) -> None:
+def test_shared_prefix_rows_equal_rows_alone(isa, name: str) -> None:
     heads, kv_heads, head_dim, page = SHAPES[name]
     fam = _family(5, heads, kv_heads, head_dim, seed=len(name))
     other = _family(1, heads, kv_heads, head_dim, seed=99)[0]  # same lengths, its own blocks
@@ -107,7 +107,7 @@ def test_shared_prefix_rows_equal_rows_alone(name: str) -> None:
         torch.testing.assert_close(out[i].double(), _dense(*spec), rtol=1e-5, atol=1e-5)
 
 
-def test_thread_count_does_not_change_shared_rows() -> None:
+def test_thread_count_does_not_change_shared_rows(isa) -> None:
     fam = _family(4, 9, 3, 64, seed=3)
     specs = [(fam[0], 430, 1), (fam[1], 417, 1), (fam[2], 420, 9), (fam[3], 301, 1)]
     before = torch.get_num_threads()
@@ -138,7 +138,7 @@ def _exact_seq(length: int, heads: int, kv_heads: int, head_dim: int) -> SeqData
 PINNED = "ac824b600c4d5e682f5daaa7dafefc499a9d38237ab0958b17f0c66af62df092"
 
 
-def test_output_bits_pinned_to_the_original_kernel() -> None:
+def test_output_bits_pinned_to_the_original_kernel(isa) -> None:
     seq = _exact_seq(300, 9, 3, 64)
     specs = [(seq, 300, 1), (seq, 257, 1), (seq, 300, 20), (seq, 37, 37)]
     out = torch.cat(_shared_batch(specs, 16, shared_pages=2))

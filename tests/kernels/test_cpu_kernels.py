@@ -57,7 +57,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_matches_torch_reference(name: str) -> None:
+def test_matches_torch_reference(isa, name: str) -> None:
     ctx, qlen, shape = CASES[name]
     case = make_case(ctx, qlen, **shape)
     out = paged_attention(case.query, case.kv_pool, 1, case.meta, 0.25, impl="cpp")
@@ -68,7 +68,7 @@ def test_matches_torch_reference(name: str) -> None:
     torch.testing.assert_close(out.double(), dense, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_rows_equal_prefill_rows(seq, full) -> None:
+def test_decode_rows_equal_prefill_rows(isa, seq, full) -> None:
     edges = [0, 1, 7, 8, 15, 16, 17, 255, 256, 257, 511, 512, 513, LENGTH - 1]
     for pos in edges + list(range(30, LENGTH, 61)):
         (row,) = attend_batch([(seq, pos + 1, 1)], seed=pos, impl="cpp")
@@ -76,7 +76,7 @@ def test_decode_rows_equal_prefill_rows(seq, full) -> None:
 
 
 @pytest.mark.parametrize("chunk", [16, 37])
-def test_chunked_prefill_equals_one_shot(seq, full, chunk: int) -> None:
+def test_chunked_prefill_equals_one_shot(isa, seq, full, chunk: int) -> None:
     rows = []
     for start in range(0, LENGTH, chunk):
         end = min(LENGTH, start + chunk)
@@ -84,7 +84,7 @@ def test_chunked_prefill_equals_one_shot(seq, full, chunk: int) -> None:
     assert torch.equal(torch.cat(rows), full)
 
 
-def test_rows_independent_of_other_sequences(seq, full) -> None:
+def test_rows_independent_of_other_sequences(isa, seq, full) -> None:
     others = [random_seq(n, seed=20 + n) for n in (5, 17, 700, 64)]
     specs = [
         (others[0], 5, 1),
@@ -116,14 +116,14 @@ def _shared_prefix_batch(seq, contexts: list[int], page_size: int = 16) -> torch
     return paged_attention(query, pool, 0, meta, 0.125, impl="cpp")
 
 
-def test_shared_prefix_rows_equal_unshared_rows(seq, full) -> None:
+def test_shared_prefix_rows_equal_unshared_rows(isa, seq, full) -> None:
     contexts = [520, 513, 600, 300, 520, 1, 257, 256]
     out = _shared_prefix_batch(seq, contexts)
     for i, c in enumerate(contexts):
         assert torch.equal(out[i], full[c - 1]), c
 
 
-def test_thread_count_does_not_change_rows(seq, full) -> None:
+def test_thread_count_does_not_change_rows(isa, seq, full) -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -58,12 +58,17 @@ def test_packing_puts_64_columns_of_one_k_side_by_side():
         pack_int8_weight(q, scales[:, :0])
 
 
+# (start, rows): 1 row, 2 rows and 3+ rows take different tile shapes (the avx512 variant: 1-2
+# rows, up to 95 rows and more rows take three other tilings), all with the same bits.
+SLICES = ((0, 1), (3, 1), (5, 2), (1, 3), (2, 7), (9, 13), (0, 64), (30, 100))
+
+
 # N: whole groups, a partial last group, less than one sub-block; K: blocks of 32, a partial
 # last block, less than one block.
 @pytest.mark.parametrize(("n", "k"), [(192, 576), (100, 37), (7, 20)])
-def test_matches_float64_and_each_row_stands_alone(n, k):
+def test_matches_float64_and_each_row_stands_alone(isa, n, k):
     q, scales, bias = layer(n, k, n + k)
-    x = torch.randn(70, k, generator=torch.Generator().manual_seed(1)) * 3
+    x = torch.randn(130, k, generator=torch.Generator().manual_seed(1)) * 3
     w = pack_int8_weight(q, scales)
     full = int8_linear(x, w, bias)
     ref = x.double() @ dequantize(q, scales).T + bias.double()
@@ -74,8 +79,7 @@ def test_matches_float64_and_each_row_stands_alone(n, k):
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
             assert torch.equal(int8_linear(x, w, bias), full)
-            # 1 row, 2 rows and 3+ rows take different tile shapes: same bits
-            for start, rows in ((0, 1), (3, 1), (5, 2), (1, 3), (2, 7), (9, 13), (0, 64)):
+            for start, rows in SLICES:
                 part = int8_linear(x[start : start + rows], w, bias)
                 assert torch.equal(part, full[start : start + rows])
     finally:

@@ -22,7 +22,7 @@ def rows(n: int, dim: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dim", [576, 1000, 5])  # full 8-lane vectors, a tail, only a tail
-def test_rms_norm_matches_torch_and_each_row_stands_alone(dim):
+def test_rms_norm_matches_torch_and_each_row_stands_alone(isa, dim):
     x, w = rows(300, dim, 1), rows(1, dim, 2)[0]
     out = rms_norm(x, w, EPS)
     torch.testing.assert_close(out, F.rms_norm(x, (dim,), w, EPS), rtol=1e-6, atol=1e-5)
@@ -30,7 +30,7 @@ def test_rms_norm_matches_torch_and_each_row_stands_alone(dim):
         assert torch.equal(rms_norm(x[start : start + n], w, EPS), out[start : start + n])
 
 
-def test_add_rms_norm_adds_in_place_exactly_then_normalizes():
+def test_add_rms_norm_adds_in_place_exactly_then_normalizes(isa):
     x, d, w = rows(40, 576, 3), rows(40, 576, 4), rows(1, 576, 5)[0]
     residual = x.clone()
     out = add_rms_norm(residual, d, w, EPS)
@@ -40,7 +40,7 @@ def test_add_rms_norm_adds_in_place_exactly_then_normalizes():
         add_rms_norm(x.clone(), d[:3], w, EPS)
 
 
-def test_silu_mul_matches_torch_and_each_row_stands_alone():
+def test_silu_mul_matches_torch_and_each_row_stands_alone(isa):
     gu = rows(64, 2 * 1536, 6)
     out = silu_mul(gu)
     assert out.shape == (64, 1536)
@@ -49,7 +49,7 @@ def test_silu_mul_matches_torch_and_each_row_stands_alone():
     assert torch.equal(silu_mul(gu[5:6]), out[5:6])
 
 
-def test_quantize_rows_is_bitwise_the_torch_formula():
+def test_quantize_rows_is_bitwise_the_torch_formula(isa):
     x = rows(33, 576, 7)
     x[3] = 0.0  # an all-zero row: scale 1e-30 / 127, every value at the zero point
     x[4, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 127.0, -127.0, 63.5])  # ties round even

@@ -137,4 +137,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &kvr::swiglu, release(), "SiLU(gate) * up of rows [gate | up]");
   m.def("int8_linear", &kvr::int8_linear, release(), "x . (W * scales)^T (+ bias), W packed int8");
   m.def("quantize_rows", &kvr::quantize, release(), "Symmetric int8 per row: (uint8 q, scale)");
+  m.def("simd_width", &kvr::simd_width, "Floats per vector of this build (8 AVX2, 16 AVX-512)");
 }

@@ -1,5 +1,5 @@
-// Entry points of the kvrelay CPU kernels (fp32, AVX2/FMA). Torch-free: only bindings.cpp
-// includes the (slow to compile) torch headers.
+// Entry points of the kvrelay CPU kernels (fp32, AVX2/FMA; AVX-512 in the avx512 build
+// variant). Torch-free: only bindings.cpp includes the (slow to compile) torch headers.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -88,5 +88,8 @@ struct WInt8Args {
 };
 
 void wint8_linear(const WInt8Args& args);
+
+// Floats per vector of this build (8: AVX2, 16: AVX-512), to tell the ISA variants apart.
+int simd_width();
 
 }  // namespace kvr

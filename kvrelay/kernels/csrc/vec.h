@@ -3,6 +3,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace kvr {
 
 // exp(x) for 8 lanes (Cephes polynomial, ~2 ulp). x <= -87.3 gives exactly 0 (no denormals,
@@ -51,5 +53,36 @@ inline float hmax8(__m256 v) {
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+#if defined(__AVX512F__)
+// AVX-512 forms of the helpers above, for the avx512 build variant. Each lane takes exactly the
+// operations of the 8-lane form (same constants, same order, same rounding), so a lane's
+// result has the same bits whichever form computed it.
+
+// exp(x) for 16 lanes: exp8's clamp, polynomial and rounding.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
+                                23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// Lanes [0, count) set (count <= 16): masked loads/stores of a row's last columns.
+inline __mmask16 mask16(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF)
+                     : static_cast<__mmask16>((1u << count) - 1u);
+}
+#endif
 
 }  // namespace kvr

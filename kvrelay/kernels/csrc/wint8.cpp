@@ -11,7 +11,8 @@
 // sum by its scale, blocks in order, then one add of the bias.
 // That sequence does not depend on the other rows, on how rows and columns are tiled or on the
 // thread count, so a row's result is bitwise the same in any batch. Outputs sit in vector
-// lanes (16 columns per block), never reduced across lanes.
+// lanes (16 columns per block), never reduced across lanes, so the avx512 build variant
+// (16-column zmm registers, other tiles) gives the same bits as the AVX2 code.
 //
 // Packed weight layout: [ceil(N / 64) groups][K][64] int8 (N padded with zero rows): a group's
 // 64 columns at one k are one cache line, so batch 1 streams each group front to back. A tile
@@ -117,10 +118,128 @@ void rows_tile(const WInt8Args& a, int64_t m0, int rows, int64_t group, int sub0
   }
 }
 
+
+#if defined(__AVX512F__)
+// The avx512 variant: 16 columns per zmm register, the same per-lane operations as `tile` (a
+// block sum from 0 over the block's k in order, one FMA by the scale per block, blocks in
+// order, then the bias add), so every output has the same bits as in the AVX2 code. With 32
+// registers a tile holds up to 24 accumulators: more rows share each widened weight load.
+
+inline __m512 widen16(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
+// R rows x J sub-blocks (J divides 4: one group) from sub-block `sub` on (global index: group
+// sub / 4, part sub % 4).
+template <int R, int J>
+void tile16(const WInt8Args& a, int64_t m0, int64_t sub) {
+  alignas(64) float tot[R][J][16] = {};
+  const int64_t K = a.k, xs = a.x_stride, blocks = (K + kScaleBlock - 1) / kScaleBlock;
+  const int64_t group = sub / 4, part = sub % 4;
+  const int8_t* w = a.packed + group * K * kGroup + part * kSub;
+  const float* sc = a.scale + group * blocks * kGroup + part * kSub;
+  const float* x = a.x + m0 * xs;
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += kScaleBlock, ++b) {
+    __m512 acc[R][J];
+#pragma GCC unroll 24
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
+    const int64_t k1 = std::min<int64_t>(K, k0 + kScaleBlock);
+    for (int64_t k = k0; k < k1; ++k) {
+      __m512 wv[J];
+#pragma GCC unroll 8
+      for (int j = 0; j < J; ++j) wv[j] = widen16(w + k * kGroup + j * kSub);
+#pragma GCC unroll 24
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * xs + k]);
+#pragma GCC unroll 8
+        for (int j = 0; j < J; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) {
+      const __m512 s = _mm512_loadu_ps(sc + b * kGroup + j * kSub);
+#pragma GCC unroll 24
+      for (int r = 0; r < R; ++r)
+        _mm512_store_ps(tot[r][j], _mm512_fmadd_ps(acc[r][j], s, _mm512_load_ps(tot[r][j])));
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < J; ++j) {
+    const int64_t c = (sub + j) * kSub;
+    if (c >= a.n) break;
+    const __mmask16 mask = mask16(a.n - c);
+    const __m512 bias = a.bias != nullptr ? _mm512_maskz_loadu_ps(mask, a.bias + c)
+                                          : _mm512_setzero_ps();
+#pragma GCC unroll 24
+    for (int r = 0; r < R; ++r) {
+      const __m512 t = _mm512_load_ps(tot[r][j]);
+      _mm512_mask_storeu_ps(a.y + (m0 + r) * a.y_stride + c, mask,
+                            a.bias != nullptr ? _mm512_add_ps(t, bias) : t);
+    }
+  }
+}
+
+// A tile of `rows` (1 to kMaxRows) rows and J sub-blocks.
+template <int J, int R = 1>
+void rows_tile16(const WInt8Args& a, int64_t m0, int rows, int64_t sub) {
+  constexpr int kMaxRows = 24 / J;
+  if constexpr (R < kMaxRows) {
+    if (rows > R) {
+      rows_tile16<J, R + 1>(a, m0, rows, sub);
+      return;
+    }
+  }
+  tile16<R, J>(a, m0, sub);
+}
+
+template <int J>
+void linear16(const WInt8Args& a, int max_rows) {
+  const int64_t subs = (a.n + kSub - 1) / kSub;  // sub-blocks holding real columns
+  const int64_t units = (subs + J - 1) / J;
+  const int64_t work = std::max<int64_t>(1, a.m * a.k * kSub * J);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
+  const int64_t tiles = (a.m + max_rows - 1) / max_rows;
+  const int rows = static_cast<int>((a.m + tiles - 1) / tiles);  // balanced tiles
+  parallel_for(units, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      for (int64_t m0 = 0; m0 < a.m; m0 += rows) {
+        const int r = static_cast<int>(std::min<int64_t>(rows, a.m - m0));
+        rows_tile16<J>(a, m0, r, u * J);
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
+
+int simd_width() {
+#if defined(__AVX512F__)
+  return 16;
+#else
+  return 8;
+#endif
+}
 
 void wint8_linear(const WInt8Args& a) {
   if (a.m == 0 || a.n == 0) return;  // nothing to compute (and no tile size to derive)
+#if defined(__AVX512F__)
+  // Measured on Zen 4 (one thread, SmolLM2's shapes): batch 1 and 2 take a whole group per
+  // tile (4 or 8 independent FMA chains); up to 95 rows one 16-column sub-block and tiles of
+  // up to 24 rows (each widened weight feeds 24 FMAs); more rows a whole group and 6-row tiles
+  // (each x load feeds 4 FMAs: x streams through the cache less often).
+  if (a.m <= 2) {
+    linear16<4>(a, 2);
+  } else if (a.m < 96) {
+    linear16<1>(a, 24);
+  } else {
+    linear16<4>(a, 6);
+  }
+  return;
+#endif
   const int64_t groups = (a.n + kGroup - 1) / kGroup;
   // One row: a whole group (8 accumulators) keeps enough independent FMA chains in flight.
   // Two rows: half a group. More: one sub-block and tiles of up to six rows (12

@@ -24,6 +24,7 @@ import torch
 from kvrelay.core.enums import FinishReason
 from kvrelay.core.limits import bad_token_id, context_overflow, token_id_message
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams, effective_seed
+from kvrelay.kernels import loaded_isa
 from kvrelay.workers.engine.block_pool import BlockPool
 from kvrelay.workers.engine.config import EngineConfig, EngineStats, RequestOutput, merge_outputs
 from kvrelay.workers.engine.grammar import Grammars
@@ -111,12 +112,15 @@ class Engine:
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._compiling: list[Sequence] = []  # waiting for their structured-output grammar
+        # Which C++ CPU kernel build runs ("avx2", "avx512"), "" when none does (GPU, torch).
+        self.kernel_isa = (loaded_isa() or "") if loaded.device.type == "cpu" else ""
         logger.info(
-            "engine ready: model %s, %d blocks of %d tokens, max_model_len %d",
+            "engine ready: model %s, %d blocks of %d tokens, max_model_len %d, CPU kernels %s",
             self.model_name,
             num_blocks,
             P,
             self.max_model_len,
+            self.kernel_isa or "none",
         )
 
     @property

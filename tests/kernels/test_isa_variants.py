@@ -1,0 +1,178 @@
+"""ISA variants of the C++ kernels: selection, side-by-side loading, and the same bits."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvrelay.kernels import KernelError, cpu_build, pack_int8_weight
+
+AVX2 = ("avx2", "fma")
+AVX512 = (*AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+
+def test_supported_variants_follow_the_cpu_flags():
+    assert cpu_build.supported_variants(()) == ()
+    assert cpu_build.supported_variants(("avx2",)) == ()  # FMA too
+    assert cpu_build.supported_variants((*AVX2, "avx512f")) == ("avx2",)
+    assert cpu_build.supported_variants((*AVX512, "amx_tile")) == ("avx2", "avx512")
+
+
+def test_choose_variant_takes_the_best_or_the_override(caplog):
+    both = ("avx2", "avx512")
+    assert cpu_build.choose_variant("auto", both) == "avx512"
+    assert cpu_build.choose_variant("", both) == "avx512"
+    assert cpu_build.choose_variant("AVX2", both) == "avx2"
+    assert cpu_build.choose_variant("avx512", both) == "avx512"
+    assert cpu_build.choose_variant("auto", ()) is None
+    assert not caplog.records
+
+
+def test_choose_variant_refuses_what_the_cpu_lacks(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvrelay.kernels.cpu_build"):
+        assert cpu_build.choose_variant("avx512", ("avx2",)) == "avx2"
+        assert cpu_build.choose_variant("sse", ("avx2", "avx512")) == "avx512"
+    first, second = (r.getMessage() for r in caplog.records)
+    assert first == (
+        "KVRELAY_KERNELS_ISA=avx512 refused: this CPU lacks avx512bw, avx512dq, avx512f, "
+        "avx512vl; using avx2"
+    )
+    assert second == "KVRELAY_KERNELS_ISA=sse is not one of auto, avx2, avx512: using avx512"
+
+
+def test_load_variant_refuses_a_variant_the_cpu_lacks(monkeypatch):
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: frozenset(AVX2))
+    with pytest.raises(KernelError, match="cannot run the avx512 kernels \\(lacks avx512bw"):
+        cpu_build.load_variant("avx512")
+    with pytest.raises(KernelError, match="unknown kernel ISA variant 'avx1024'"):
+        cpu_build.load_variant("avx1024")
+
+
+def test_each_variant_has_its_own_build_key_and_flags():
+    assert cpu_build.variant_cflags("avx2") == cpu_build.CFLAGS
+    assert cpu_build.variant_cflags("avx512")[-4:] == (
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+    )
+    assert "-ffp-contract=off" in cpu_build.variant_cflags("avx512")
+    keys = {v: cpu_build.build_key(v) for v in cpu_build.VARIANTS}
+    assert len(set(keys.values())) == len(keys)
+    name, build_dir, so_path = cpu_build._paths("avx512")
+    assert name == f"kvrelay_cpu_avx512_{keys['avx512']}"
+    assert build_dir == cpu_build.cache_dir() / name and so_path.name == f"{name}.so"
+
+
+def _isa_in_subprocess(**env: str) -> list[str]:
+    code = (
+        "import logging\n"
+        "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
+        "from kvrelay.kernels import cpu_build\n"
+        "print(cpu_build.loaded_isa())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "KVRELAY_KERNELS_CPU": "", "KVRELAY_KERNELS_ISA": "", **env},
+    )
+    assert out.returncode == 0, out.stderr
+    return [out.stdout.strip(), out.stderr]
+
+
+def test_env_picks_the_variant_and_load_reports_it():
+    supported = cpu_build.supported_variants()
+    if not supported:
+        pytest.skip("CPU without AVX2 and FMA: no variant runs")
+    isa, log = _isa_in_subprocess()
+    assert isa == supported[-1]
+    assert f"C++ CPU kernels: {isa} variant" in log
+    assert _isa_in_subprocess(KVRELAY_KERNELS_ISA="avx2")[0] == "avx2"
+    assert _isa_in_subprocess(KVRELAY_KERNELS_CPU="torch")[0] == "None"
+
+
+needs_both = pytest.mark.skipif(
+    cpu_build.supported_variants() != ("avx2", "avx512"),
+    reason="needs a CPU with AVX-512 F/BW/VL/DQ to compare the avx512 variant with avx2",
+)
+
+
+@pytest.fixture(scope="module")
+def variants():
+    return {v: cpu_build.load_variant(v) for v in ("avx2", "avx512")}
+
+
+@needs_both
+def test_variants_load_side_by_side(variants):
+    assert variants["avx2"].__name__ != variants["avx512"].__name__
+    # each module runs its own code (no symbol of one resolves to the other)
+    assert variants["avx2"].simd_width() == 8
+    assert variants["avx512"].simd_width() == 16
+
+
+# The model's linears (qkv, o, gate_up, down, LM head) and awkward ones: n not a multiple of 64
+# or 16, k not a multiple of 32, fewer columns than a sub-block.
+LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+AWKWARD_SHAPES = [(100, 37), (7, 20), (1000, 61), (65, 33), (17, 1), (130, 96)]
+
+
+def _int8_layer(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, -(-k // 32), generator=g) * 0.01 + 1e-3
+    return pack_int8_weight(q, scales), torch.randn(n, generator=g)
+
+
+@needs_both
+@pytest.mark.parametrize(("n", "k"), LINEAR_SHAPES + AWKWARD_SHAPES)
+def test_int8_linear_same_bits_in_both_variants(variants, n, k):
+    w, bias = _int8_layer(n, k, n * 7 + k)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)) * 3
+    row_counts = range(1, 41) if n * k <= 600_000 else (1, 2, 3, 8, 24, 25, 40)
+    for m in row_counts:
+        for b in (bias, None):
+            a2 = variants["avx2"].int8_linear(x[:m], w.packed, w.scales, b, n)
+            a5 = variants["avx512"].int8_linear(x[:m], w.packed, w.scales, b, n)
+            assert torch.equal(a2, a5), (m, b is None)
+
+
+@needs_both
+def test_int8_linear_same_bits_past_96_rows(variants):
+    w, bias = _int8_layer(200, 70, 3)
+    x = torch.randn(300, 70, generator=torch.Generator().manual_seed(4))
+    for m in (95, 96, 97, 131, 300):
+        a2 = variants["avx2"].int8_linear(x[:m], w.packed, w.scales, bias, 200)
+        assert torch.equal(a2, variants["avx512"].int8_linear(x[:m], w.packed, w.scales, bias, 200))
+
+
+def _rows_with_edges(n: int, dim: int, seed: int) -> torch.Tensor:
+    x = torch.randn(n, dim, generator=torch.Generator().manual_seed(seed)) * 4
+    edge = torch.tensor([0.0, -0.0, 88.5, -88.5, -100.0, 1e-30, float("inf"), -float("inf")])
+    x[0, : min(dim, 8)] = edge[: min(dim, 8)]
+    if dim > 20:
+        x[1, 20] = float("nan")
+    return x
+
+
+@needs_both
+@pytest.mark.parametrize("dim", [1536, 1000, 24, 17, 5])  # 16-lane vectors, 8-lane, tails
+def test_rowwise_ops_same_bits_in_both_variants(variants, dim):
+    a2, a5 = variants["avx2"], variants["avx512"]
+    gu = _rows_with_edges(40, 2 * dim, dim)
+    torch.testing.assert_close(a2.silu_mul(gu), a5.silu_mul(gu), rtol=0, atol=0, equal_nan=True)
+    x, w = _rows_with_edges(40, dim, dim + 1)[2:], torch.randn(dim)
+    assert torch.equal(a2.rms_norm(x, w, 1e-5), a5.rms_norm(x, w, 1e-5))
+    d = torch.randn_like(x)
+    r2, r5 = x.clone(), x.clone()
+    assert torch.equal(a2.add_rms_norm(r2, d, w, 1e-5), a5.add_rms_norm(r5, d, w, 1e-5))
+    assert torch.equal(r2, r5)
+    q2, s2 = a2.quantize_rows(x, 127.0, 128)
+    q5, s5 = a5.quantize_rows(x, 127.0, 128)
+    assert torch.equal(q2, q5) and torch.equal(s2, s5)

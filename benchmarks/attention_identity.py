@@ -31,7 +31,9 @@ def build_reference(rev: str):
     """The kernels of revision `rev`, built once into the kernel cache."""
     from torch.utils import cpp_extension
 
-    files = {n: _git_show(rev, f"{CSRC}/{n}") for n in (*cpu_build.SOURCES, *cpu_build.HEADERS)}
+    # files added since `rev` (wint8.cpp, kv_types.h, ...) are not used by its sources
+    names = [n for n in (*cpu_build.SOURCES, *cpu_build.HEADERS) if _exists(rev, n)]
+    files = {n: _git_show(rev, f"{CSRC}/{n}") for n in names}
     digest = hashlib.sha256(b"".join(n.encode() + files[n] for n in sorted(files))).hexdigest()
     name = f"kvrelay_cpu_ref_{digest[:12]}"
     build_dir = cpu_build.cache_dir() / name
@@ -43,10 +45,15 @@ def build_reference(rev: str):
             (src / n).write_bytes(data)
     return cpp_extension.load(
         name=name,
-        sources=[str(src / s) for s in cpu_build.SOURCES],
+        sources=[str(src / s) for s in cpu_build.SOURCES if s in files],
         extra_cflags=list(cpu_build.CFLAGS),
         build_directory=str(build_dir),
     )
+
+
+def _exists(rev: str, name: str) -> bool:
+    args = ["git", "cat-file", "-e", f"{rev}:{CSRC}/{name}"]
+    return subprocess.run(args, cwd=REPO, check=False, capture_output=True).returncode == 0
 
 
 def _git_show(rev: str, path: str) -> bytes:

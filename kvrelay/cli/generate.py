@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.cli.errors import CommandError
-from kvrelay.core.modelref import QUANTIZATION_SCHEMES
+from kvrelay.cli.worker import KV_DTYPE_HELP, flag_options
 
 EXIT_BAD_INPUT = 2
 DEFAULT_MAX_TOKENS = 128  # when neither the request nor the model's defaults give max_tokens
@@ -50,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='JSONL file: {"id", "prompt"|"messages", sampling fields...} per line',
     )
     for flag, dest, kind, help_text in engine_flags():
-        choices = tuple(QUANTIZATION_SCHEMES) if dest == "quantization" else None
-        p.add_argument(flag, dest=dest, type=kind, default=None, choices=choices, help=help_text)
+        p.add_argument(
+            flag, dest=dest, type=kind, default=None, help=help_text, **flag_options(dest)
+        )
 
 
 # (field, help): the engine's flags, generated from EngineConfig; its variables are the
@@ -65,6 +66,7 @@ _ENGINE_HELP = [
         "int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
         "int8: int8 weights and activations (CPU fp32)",
     ),
+    ("kv_cache_dtype", KV_DTYPE_HELP),
 ]
 
 
@@ -227,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_threads=args.num_threads,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         engine = Engine(config)
     except (ModelNotFoundError, ConfigError, EngineError) as exc:

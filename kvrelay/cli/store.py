@@ -25,7 +25,8 @@ _HELP = [
     ("disk_bytes", "disk tier size cap"),
     ("page_bytes", "payload bytes of one page (or give --model)"),
     ("model", "model whose pages this node stores (sets page bytes and fingerprint)"),
-    ("dtype", "page dtype with --model"),
+    ("dtype", "page dtype with --model (the workers' --kv-cache-dtype)"),
+    ("model_dtype", "workers' compute dtype with --model when not the page dtype (fingerprint)"),
     ("page_size", "tokens per page with --model"),
     ("quantization", "workers' weight quantization with --model (fingerprint)"),
     ("fingerprint", "accept only pages of this model fingerprint (none: any)"),
@@ -70,7 +71,10 @@ def build_config(args: argparse.Namespace):
 
         try:
             info = read_model_info(
-                converted_dir(resolve_model(cfg.model)), cfg.dtype, cfg.quantization
+                converted_dir(resolve_model(cfg.model)),
+                cfg.model_dtype or cfg.dtype,
+                cfg.quantization,
+                kv_dtype=cfg.dtype,
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None

@@ -10,11 +10,28 @@ from typing import Any
 
 from kvrelay.core.config import config_file_help
 from kvrelay.core.enums import Stage
-from kvrelay.core.modelref import QUANTIZATION_SCHEMES
+from kvrelay.core.modelref import KV_CACHE_DTYPES, QUANTIZATION_SCHEMES
 
 logger = logging.getLogger(__name__)
 
 LOADER_THREADS = 4  # concurrent store fetches of one worker (the node fetches 4 remotely too)
+
+
+KV_DTYPE_HELP = (
+    "KV page dtype: auto (the model's: bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16; "
+    "16-bit pages fit twice the tokens in --kv-cache-bytes"
+)
+# --kv-cache-dtype values: the short names, and the long ones normalize_dtype also takes
+KV_DTYPE_CHOICES = (*KV_CACHE_DTYPES, "float32", "bfloat16", "float16")
+
+
+def flag_options(dest: str) -> dict[str, Any]:
+    """argparse choices (and metavar) of an engine setting's flag; none: any value of its type."""
+    if dest == "quantization":
+        return {"choices": tuple(QUANTIZATION_SCHEMES)}
+    if dest == "kv_cache_dtype":  # the long names are accepted, the short ones shown
+        return {"choices": KV_DTYPE_CHOICES, "metavar": "{" + ",".join(KV_CACHE_DTYPES) + "}"}
+    return {}
 
 
 # (field, help): flag names, types and defaults come from WorkerConfig (KVRELAY_WORKER_*).
@@ -31,6 +48,7 @@ _HELP = [
         "int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
         "int8: int8 weights and activations (CPU fp32)",
     ),
+    ("kv_cache_dtype", KV_DTYPE_HELP),
     ("kv_cache_bytes", "KV pool bytes"),
     ("max_num_seqs", "most sequences per step"),
     ("max_num_batched_tokens", "most tokens per step"),
@@ -57,8 +75,9 @@ def worker_flags() -> list[tuple[str, str, Any, str]]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("role", choices=list(Stage), help="which stream this worker serves")
     for flag, dest, kind, help_text in worker_flags():
-        choices = tuple(QUANTIZATION_SCHEMES) if dest == "quantization" else None
-        p.add_argument(flag, dest=dest, type=kind, default=None, choices=choices, help=help_text)
+        p.add_argument(
+            flag, dest=dest, type=kind, default=None, help=help_text, **flag_options(dest)
+        )
     p.add_argument("--config", default=None, metavar="FILE", **config_file_help("worker"))
 
 
@@ -116,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=config.max_model_len,
             num_threads=config.threads,
             quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
     )
     return serve(args.role, config, engine)

@@ -108,6 +108,22 @@ def normalize_dtype(dtype: str) -> str:
     return name
 
 
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16")  # --kv-cache-dtype (long names accepted too)
+
+
+def normalize_kv_cache_dtype(value: str) -> str:
+    """`auto` or the canonical dtype name of a `--kv-cache-dtype` value (fp32, bfloat16, ...)."""
+    name = str(value).strip().lower()
+    if name == "auto":
+        return name
+    try:
+        return normalize_dtype(name)
+    except ValueError:
+        raise ValueError(
+            f"unsupported kv cache dtype {value!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
+        ) from None
+
+
 def cache_root() -> Path:
     """`$KVRELAY_CACHE_DIR`, default `~/.cache/kvrelay`."""
     env = os.environ.get("KVRELAY_CACHE_DIR")
@@ -250,10 +266,14 @@ def normalize_quantization(quantization: str | None) -> str:
 
 
 def model_fingerprint(
-    directory: str | os.PathLike, dtype: str = "float32", quantization: str = "none"
+    directory: str | os.PathLike,
+    dtype: str = "float32",
+    quantization: str = "none",
+    kv_dtype: str | None = None,
 ) -> str:
-    """Hex fingerprint of (config, weights, dtype, quantization); the weight digest is cached
-    in kvrelay.json."""
+    """Hex fingerprint of (config, weights, dtype, quantization, KV page dtype); the weight
+    digest is cached in kvrelay.json. `kv_dtype` (None: `dtype`) is hashed in only when it
+    differs from `dtype`, so pages in the compute dtype keep their fingerprint."""
     directory = Path(directory)
     meta = read_meta(directory)
     digest = meta.get("weights_digest")
@@ -271,6 +291,8 @@ def model_fingerprint(
     scheme = QUANTIZATION_SCHEMES[normalize_quantization(quantization)]
     if scheme:
         h.update(b"|" + scheme.encode())
+    if kv_dtype is not None and normalize_dtype(kv_dtype) != normalize_dtype(dtype):
+        h.update(b"|kv=" + normalize_dtype(kv_dtype).encode())
     return h.hexdigest()
 
 
@@ -285,9 +307,13 @@ def flat_config(cfg: dict) -> dict:
 
 
 def read_model_info(
-    directory: str | os.PathLike, dtype: str = "float32", quantization: str = "none"
+    directory: str | os.PathLike,
+    dtype: str = "float32",
+    quantization: str = "none",
+    kv_dtype: str | None = None,
 ) -> ModelInfo:
-    """Architecture numbers and fingerprint of a converted model directory."""
+    """Architecture numbers and fingerprint of a converted model directory (`dtype`: compute,
+    `kv_dtype`: KV pages, None: the same)."""
     cfg = read_config(directory)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
@@ -301,7 +327,7 @@ def read_model_info(
         vocab_size=int(cfg["vocab_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         dtype=normalize_dtype(dtype),
-        fingerprint=model_fingerprint(directory, dtype, quantization),
+        fingerprint=model_fingerprint(directory, dtype, quantization, kv_dtype),
     )
 
 

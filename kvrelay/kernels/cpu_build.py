@@ -34,13 +34,14 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("plan.cpp", "attention.cpp", "cache_ops.cpp", "rowwise.cpp", "wint8.cpp", "bindings.cpp")
-HEADERS = ("ops.h", "parallel.h", "vec.h")
+HEADERS = ("ops.h", "parallel.h", "vec.h", "kv_types.h")
 # -ffp-contract=off: the compiler must not fuse a*b+c on its own; the kernels place their FMAs
 # explicitly, so the arithmetic of a row is exactly what the source says.
+# -mf16c: fp16 KV pages widen and narrow with vcvtph2ps / vcvtps2ph (every AVX2 CPU has F16C).
 # -fopenmp: at::parallel_for (ATen/Parallel-inl.h) only splits work across torch's threads when
 # the including file is compiled with OpenMP; without it every kernel ran on one thread. The
 # library links libgomp.so.1, which resolves to the one torch already loaded (same soname).
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-fopenmp")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 # ISA variants, from the most basic up: flags added to CFLAGS, and the /proc/cpuinfo flags the
 # CPU needs to run the result.

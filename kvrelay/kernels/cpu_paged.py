@@ -1,7 +1,10 @@
-"""The C++ CPU path (fp32, AVX2 or AVX-512): paged attention reading pages in place, and KV writes.
+"""The C++ CPU path (fp32 compute, AVX2 or AVX-512; the KV pool fp32, bf16 or fp16): paged
+attention reading pages in place, KV writes.
 
-Shapes the extension does not cover (other dtypes, head_dim not in HEAD_DIMS, pages over 256
-keys, non-CPU tensors) go to the torch path, which stays the reference.
+The pool may hold fp32, bf16 or fp16 (KV_DTYPES): loads widen to fp32 exactly and writes round
+to nearest even like `.to(pool.dtype)`. Shapes the extension does not cover (other dtypes,
+head_dim not in HEAD_DIMS, pages over 256 keys, non-CPU tensors) go to the torch path, which
+stays the reference.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ __all__ = ["gather_pages", "paged_attention", "rope_write_kv", "scatter_pages", 
 CHUNK_KEYS = 256  # keys per chunk: the unit of parallel work and of the final merge
 HEAD_DIMS = (8, 16, 32, 64, 128)
 MAX_PAGE_SIZE = 256
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(slots=True)
@@ -38,6 +42,11 @@ def _f32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
+def _pool_ok(kv_pool: torch.Tensor) -> bool:
+    """A contiguous CPU pool of an element type the extension reads and writes."""
+    return kv_pool.dtype in KV_DTYPES and kv_pool.device.type == "cpu" and kv_pool.is_contiguous()
+
+
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] with each token's [H, D] contiguous (a view of a fused QKV row is fine)."""
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
@@ -52,9 +61,9 @@ def write_kv(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Copy each token's K/V to its slot (negative slots skipped); bitwise the torch result."""
+    """Write each token's K/V to its slot (negative slots skipped); bitwise the torch result."""
     ext = cpu_build.load()
-    if ext is None or not _f32_cpu(kv_pool, key, value) or not kv_pool.is_contiguous():
+    if ext is None or not _f32_cpu(key, value) or not _pool_ok(kv_pool):
         torch_ref.write_kv(kv_pool, layer, key, value, slot_mapping)
         return
     ext.write_kv(
@@ -74,7 +83,7 @@ def rope_write_kv(
 ) -> torch.Tensor:
     """RoPE on q and k of a fused QKV [T, (heads + 2 kv_heads) * D]; k and v go to the pool."""
     ext = cpu_build.load()
-    if ext is None or not _f32_cpu(qkv, cos, sin, kv_pool) or not kv_pool.is_contiguous():
+    if ext is None or not _f32_cpu(qkv, cos, sin) or not _pool_ok(kv_pool):
         return torch_ref.rope_write_kv(
             qkv, positions, cos, sin, kv_pool, layer, slot_mapping, num_heads
         )
@@ -95,8 +104,8 @@ def rope_write_kv(
 def supports(query: torch.Tensor, kv_pool: torch.Tensor) -> bool:
     """True when the extension can run this attention call."""
     return (
-        _f32_cpu(query, kv_pool)
-        and kv_pool.is_contiguous()
+        _f32_cpu(query)
+        and _pool_ok(kv_pool)
         and query.shape[2] in HEAD_DIMS
         and kv_pool.shape[3] <= MAX_PAGE_SIZE
     )

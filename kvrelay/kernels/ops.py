@@ -1,4 +1,8 @@
-"""Public kernel ops: validate arguments, then dispatch to Triton (CUDA), C++ (CPU fp32), torch."""
+"""Public kernel ops: validate arguments, then dispatch to Triton (CUDA), C++ (CPU fp32), torch.
+
+The dispatch follows the compute dtype (query, key/value, qkv), never the pool's: an fp32 model
+runs the C++ kernels on an fp32, bf16 or fp16 pool alike.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from kvrelay.kernels.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 _IMPLS = ("auto", "torch", "triton", "cpp")
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _backend(impl: str, tensor: torch.Tensor) -> ModuleType:
@@ -52,6 +57,10 @@ def _check_pool(kv_pool: torch.Tensor, layer: int) -> None:
         )
     if not 0 <= layer < kv_pool.shape[1]:
         raise KernelError(f"layer {layer} out of range for {kv_pool.shape[1]} layers")
+    if kv_pool.dtype not in KV_DTYPES:
+        raise KernelError(
+            f"kv_pool dtype must be float32, bfloat16 or float16, got {kv_pool.dtype}"
+        )
 
 
 def write_kv(
@@ -74,7 +83,7 @@ def write_kv(
     num_slots = kv_pool.shape[0] * kv_pool.shape[3]
     if not slot_mapping.is_cuda and slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
         raise KernelError(f"slot {int(slot_mapping.max())} outside the pool's {num_slots} slots")
-    _backend(impl, kv_pool).write_kv(kv_pool, layer, key, value, slot_mapping)
+    _backend(impl, key).write_kv(kv_pool, layer, key, value, slot_mapping)
 
 
 def rope_write_kv(
@@ -106,7 +115,7 @@ def rope_write_kv(
             raise KernelError(f"positions must be in [0, {cos.shape[0]})")
         if int(slot_mapping.max()) >= kv_pool.shape[0] * kv_pool.shape[3]:
             raise KernelError(f"slot {int(slot_mapping.max())} outside the pool")
-    backend = _backend(impl, kv_pool)
+    backend = _backend(impl, qkv)
     fn = getattr(backend, "rope_write_kv", None)
     if fn is None:
         from kvrelay.kernels import torch_ref

@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from kvrelay.core.config import ConfigError, env_name, from_env, read_config_file
-from kvrelay.core.modelref import normalize_quantization
+from kvrelay.core.modelref import normalize_kv_cache_dtype, normalize_quantization
 from kvrelay.core.sampling import GenerationDefaults, generation_override
 
 SECTION = "WORKER"
@@ -31,6 +31,8 @@ class WorkerConfig:
     device: str = "auto"
     # none | int8 | fp16 (CPU fp32 only; see kvrelay.workers.model.quant)
     quantization: str = "none"
+    # KV page dtype: auto (the model dtype) | fp32 | bf16 | fp16; part of the page fingerprint
+    kv_cache_dtype: str = "auto"
     threads: int | None = None  # compute threads (torch); None: torch's default
     page_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -72,6 +74,7 @@ class WorkerConfig:
                 raise ConfigError(f"{name} must be at least 1")
         try:
             normalize_quantization(self.quantization)
+            normalize_kv_cache_dtype(self.kv_cache_dtype)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         if self.threads is not None and self.threads < 1:

@@ -154,7 +154,8 @@ def test_flags_are_generated_from_the_settings_fields():
     )
     assert [f for f, *_ in worker_flags()] == [
         "--name", "--model", "--redis-url", "--key-prefix", "--threads", "--device", "--dtype",
-        "--quantization", "--kv-cache-bytes", "--max-num-seqs", "--max-num-batched-tokens",
+        "--quantization", "--kv-cache-dtype", "--kv-cache-bytes", "--max-num-seqs",
+        "--max-num-batched-tokens",
         "--store-run-dir", "--lease-ms", "--metrics-port", "--override-generation-config",
     ]  # fmt: skip
     parser = build_parser()

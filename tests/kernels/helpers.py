@@ -114,10 +114,13 @@ def random_seq(length, heads=9, kv_heads=3, head_dim=64, seed=0) -> SeqData:
     )
 
 
-def attend_batch(specs, *, page_size=16, seed=0, scale=0.125, impl="auto", device="cpu"):
+def attend_batch(
+    specs, *, page_size=16, seed=0, scale=0.125, impl="auto", device="cpu", kv_dtype=None
+):
     """Attention for a batch of (SeqData, context_len, num_query_rows); outputs per sequence.
 
-    The pool places pages in random blocks (seeded), so layouts differ between calls.
+    The pool places pages in random blocks (seeded), so layouts differ between calls. Its dtype
+    is `kv_dtype` (default: the keys' dtype); queries keep the keys' dtype.
     """
     from kvrelay.kernels import paged_attention
 
@@ -133,7 +136,7 @@ def attend_batch(specs, *, page_size=16, seed=0, scale=0.125, impl="auto", devic
     kv_heads, head_dim = seq0.keys.shape[1:]
     # Unused slots hold finite junk: stale data must never leak into results.
     pool = torch.randn(num_blocks, 1, 2, page_size, kv_heads, head_dim, generator=g)
-    pool = pool.to(device=device, dtype=seq0.keys.dtype)
+    pool = pool.to(device=device, dtype=kv_dtype or seq0.keys.dtype)
     full = build_meta(tables, [c for _, c, _ in specs], [c for _, c, _ in specs], page_size, device)
     keys = torch.cat([s.keys[:c] for s, c, _ in specs]).to(device)
     values = torch.cat([s.values[:c] for s, c, _ in specs]).to(device)

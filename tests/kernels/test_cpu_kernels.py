@@ -40,10 +40,21 @@ def seq():
     return random_seq(LENGTH, seed=5)
 
 
+# The invariance tests run on fp32 and bf16 pools (fp32 queries): a 16-bit pool is widened on
+# load and nothing else changes, so its rows are as invariant as fp32's.
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def kv_dtype(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def full(seq):
+def full(seq, kv_dtype):
     """All positions in one prefill chunk: what every other schedule must reproduce bitwise."""
-    return attend_batch([(seq, LENGTH, LENGTH)], impl="cpp")[0]
+    return attend_batch([(seq, LENGTH, LENGTH)], impl="cpp", kv_dtype=kv_dtype)[0]
+
+
+def cpp(specs, kv_dtype, **kw):
+    return attend_batch(specs, impl="cpp", kv_dtype=kv_dtype, **kw)
 
 
 CASES = {
@@ -68,23 +79,42 @@ def test_matches_torch_reference(isa, name: str) -> None:
     torch.testing.assert_close(out.double(), dense, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_rows_equal_prefill_rows(isa, seq, full) -> None:
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_16bit_pool_equals_fp32_kernel_on_widened_pool(name: str, kv: torch.dtype) -> None:
+    """Loads widen exactly and nothing else depends on the pool dtype: bitwise fp32's rows."""
+    ctx, qlen, shape = CASES[name]
+    case = make_case(ctx, qlen, **shape)
+    pool = case.kv_pool.to(kv)
+    out = paged_attention(case.query, pool, 1, case.meta, 0.25, impl="cpp")
+    assert out.dtype == torch.float32
+    assert torch.equal(
+        out, paged_attention(case.query, pool.float(), 1, case.meta, 0.25, impl="cpp")
+    )
+    # auto dispatches on the query's dtype: fp32 queries run the C++ kernel on a 16-bit pool
+    assert torch.equal(out, paged_attention(case.query, pool, 1, case.meta, 0.25))
+    # and the torch path on the same pool agrees to fp32 rounding
+    ref = paged_attention(case.query, pool, 1, case.meta, 0.25, impl="torch")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_rows_equal_prefill_rows(isa, seq, full, kv_dtype) -> None:
     edges = [0, 1, 7, 8, 15, 16, 17, 255, 256, 257, 511, 512, 513, LENGTH - 1]
     for pos in edges + list(range(30, LENGTH, 61)):
-        (row,) = attend_batch([(seq, pos + 1, 1)], seed=pos, impl="cpp")
+        (row,) = cpp([(seq, pos + 1, 1)], kv_dtype, seed=pos)
         assert torch.equal(row[0], full[pos]), pos
 
 
 @pytest.mark.parametrize("chunk", [16, 37])
-def test_chunked_prefill_equals_one_shot(isa, seq, full, chunk: int) -> None:
+def test_chunked_prefill_equals_one_shot(isa, seq, full, kv_dtype, chunk: int) -> None:
     rows = []
     for start in range(0, LENGTH, chunk):
         end = min(LENGTH, start + chunk)
-        rows += attend_batch([(seq, end, end - start)], seed=start, impl="cpp")
+        rows += cpp([(seq, end, end - start)], kv_dtype, seed=start)
     assert torch.equal(torch.cat(rows), full)
 
 
-def test_rows_independent_of_other_sequences(isa, seq, full) -> None:
+def test_rows_independent_of_other_sequences(isa, seq, full, kv_dtype) -> None:
     others = [random_seq(n, seed=20 + n) for n in (5, 17, 700, 64)]
     specs = [
         (others[0], 5, 1),
@@ -95,19 +125,19 @@ def test_rows_independent_of_other_sequences(isa, seq, full) -> None:
         (seq, LENGTH, 6),
         (others[3], 64, 0),  # no query rows this step
     ]
-    out = attend_batch(specs, seed=11, impl="cpp")
+    out = cpp(specs, kv_dtype, seed=11)
     assert torch.equal(out[1], full[190:290])
     assert torch.equal(out[3], full[256:257])
     assert torch.equal(out[5], full[LENGTH - 6 :])
     assert out[6].shape[0] == 0
     for i, spec in enumerate(specs[:6]):
-        assert torch.equal(out[i], attend_batch([spec], seed=3, impl="cpp")[0]), i
+        assert torch.equal(out[i], cpp([spec], kv_dtype, seed=3)[0]), i
 
 
-def _shared_prefix_batch(seq, contexts: list[int], page_size: int = 16) -> torch.Tensor:
+def _shared_prefix_batch(seq, contexts: list[int], kv_dtype, page_size: int = 16) -> torch.Tensor:
     """Decode rows of sequences that all use one block table (a shared prefix): one row each."""
     num_pages = -(-LENGTH // page_size)
-    pool = torch.randn(num_pages + 1, 1, 2, page_size, 3, 64)
+    pool = torch.randn(num_pages + 1, 1, 2, page_size, 3, 64).to(kv_dtype)
     table = list(range(num_pages, 0, -1))  # shuffled order, block 0 unused
     full_meta = build_meta([table], [LENGTH], [LENGTH], page_size)
     write_kv(pool, 0, seq.keys, seq.values, full_meta.slot_mapping, impl="torch")
@@ -116,20 +146,20 @@ def _shared_prefix_batch(seq, contexts: list[int], page_size: int = 16) -> torch
     return paged_attention(query, pool, 0, meta, 0.125, impl="cpp")
 
 
-def test_shared_prefix_rows_equal_unshared_rows(isa, seq, full) -> None:
+def test_shared_prefix_rows_equal_unshared_rows(isa, seq, full, kv_dtype) -> None:
     contexts = [520, 513, 600, 300, 520, 1, 257, 256]
-    out = _shared_prefix_batch(seq, contexts)
+    out = _shared_prefix_batch(seq, contexts, kv_dtype)
     for i, c in enumerate(contexts):
         assert torch.equal(out[i], full[c - 1]), c
 
 
-def test_thread_count_does_not_change_rows(isa, seq, full) -> None:
+def test_thread_count_does_not_change_rows(isa, seq, full, kv_dtype) -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = attend_batch([(seq, LENGTH, LENGTH)], impl="cpp")[0]
-        dec = attend_batch([(seq, 513, 1), (seq, 77, 1)], impl="cpp")
-        shared = _shared_prefix_batch(seq, [600, 300])
+        one = cpp([(seq, LENGTH, LENGTH)], kv_dtype)[0]
+        dec = cpp([(seq, 513, 1), (seq, 77, 1)], kv_dtype)
+        shared = _shared_prefix_batch(seq, [600, 300], kv_dtype)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, full)
@@ -155,20 +185,66 @@ def test_bad_metadata_raises_kernel_error() -> None:
         paged_attention(torch.zeros(4, 2, 8), pool, 0, build_meta([[0]], [3], [4], 4), 1.0)
 
 
-def test_write_kv_bitwise_equal_to_torch() -> None:
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+KV_IDS = ["fp32", "bf16", "fp16"]
+_INT_OF = {4: torch.int32, 2: torch.int16}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits (NaN payloads included): torch.equal on them is bitwise equality."""
+    return t.view(_INT_OF[t.element_size()])
+
+
+# Values where rounding to 16 bits is delicate: ties, overflow, subnormals, inf and NaN.
+SPECIAL = [
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    1e30,  # over fp16's range: inf
+    65519.0,  # fp16 max rounds down, 65520 up to inf
+    65520.0,
+    1.0 + 2**-8,  # bf16 tie, rounds to even (1.0)
+    1.0 + 3 * 2**-8,  # bf16 tie, rounds to even (up)
+    1.0 + 2**-11,  # fp16 tie
+    -(2**-126) * 0.75,  # fp32 subnormal (bf16 keeps it)
+    6e-8,  # fp16 subnormal
+    1e-41,
+    -0.0,
+    3.0e38,
+    -3.4e38,
+    2**-149,
+]
+
+
+def _special_rows(g: torch.Generator, n: int, width: int) -> torch.Tensor:
+    x = torch.randn(n, width, generator=g) * 100
+    flat = x.view(-1)
+    flat[: len(SPECIAL)] = torch.tensor(SPECIAL)
+    flat[-len(SPECIAL) :] = -torch.tensor(SPECIAL)
+    return x
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES, ids=KV_IDS)
+def test_write_kv_bitwise_equal_to_torch(kv: torch.dtype) -> None:
+    """C++ narrows exactly like torch's `.to(dtype)` (ties to even, overflow, NaN)."""
     g = torch.Generator().manual_seed(0)
-    pools = [torch.randn(6, 3, 2, 4, 2, 8, generator=g) for _ in range(2)]
+    pools = [torch.randn(6, 3, 2, 4, 2, 8, generator=g).to(kv) for _ in range(2)]
     pools[1].copy_(pools[0])
-    qkv = torch.randn(5, 8, 8, generator=g)  # a fused row: k = heads 2-3, v = heads 4-5
+    qkv = _special_rows(g, 5, 64).view(5, 8, 8)  # a fused row: k = heads 2-3, v = heads 4-5
     key, value = qkv[:, 2:4], qkv[:, 4:6]  # non-contiguous views, as the model passes them
     slots = torch.tensor([9, -1, 0, 23, 4])
     write_kv(pools[0], 2, key, value, slots, impl="cpp")
     write_kv(pools[1], 2, key, value, slots, impl="torch")
-    assert torch.equal(pools[0], pools[1])
-    assert torch.equal(pools[0][2, 2, 0, 1], key[0]) and torch.equal(pools[0][5, 2, 1, 3], value[3])
+    assert torch.equal(_bits(pools[0]), _bits(pools[1]))
+    assert torch.equal(_bits(pools[0][5, 2, 1, 3]), _bits(value[3].to(kv)))
+    assert torch.equal(_bits(pools[0][0, 2, 0, 0]), _bits(key[2].to(kv)))
+    assert int(pools[0].isnan().sum()) == int(key[[0, 2, 3, 4]].isnan().sum()) + int(
+        value[[0, 2, 3, 4]].isnan().sum()
+    )
 
 
-def test_rope_write_kv_bitwise_equal_to_torch() -> None:
+@pytest.mark.parametrize("kv", KV_DTYPES, ids=KV_IDS)
+def test_rope_write_kv_bitwise_equal_to_torch(kv: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, n = 9, 3, 64, 37
     angles = torch.arange(64, dtype=torch.float64)[:, None] * (1e4 ** -torch.arange(0, 1, 2 / dim))
@@ -177,11 +253,12 @@ def test_rope_write_kv_bitwise_equal_to_torch() -> None:
     positions = torch.randint(0, 64, (n,), generator=g)
     slots = torch.randperm(8 * 16, generator=g)[:n]
     slots[5] = -1
-    pools = [torch.randn(8, 2, 2, 16, kv_heads, dim, generator=g) for _ in range(2)]
+    qkv[:, -len(SPECIAL) :] = torch.tensor(SPECIAL)  # v of the last head: written as is
+    pools = [torch.randn(8, 2, 2, 16, kv_heads, dim, generator=g).to(kv) for _ in range(2)]
     pools[1].copy_(pools[0])
     q = rope_write_kv(qkv, positions, cos, sin, pools[0], 1, slots, heads, impl="cpp")
     ref = torch_ref.rope_write_kv(qkv, positions, cos, sin, pools[1], 1, slots, heads)
-    assert torch.equal(q, ref) and torch.equal(pools[0], pools[1])
+    assert torch.equal(q, ref) and torch.equal(_bits(pools[0]), _bits(pools[1]))
     with pytest.raises(KernelError, match="positions must be in"):
         rope_write_kv(qkv, positions + 64, cos, sin, pools[0], 1, slots, heads, impl="cpp")
 

@@ -104,6 +104,12 @@ def test_bad_input_raises_clear_errors() -> None:
         paged_attention(torch.zeros(3, 2, 8), pool, 0, too_long, 1.0)
     with pytest.raises(KernelError, match="4 query rows but context length 3"):
         paged_attention(torch.zeros(4, 2, 8), pool, 0, build_meta([[0]], [3], [4], 4), 1.0)
+    wide = make_pool(2, 1, 4, 2, 8, torch.float64)
+    message = "kv_pool dtype must be float32, bfloat16 or float16, got torch.float64"
+    with pytest.raises(KernelError, match=message):
+        paged_attention(torch.zeros(3, 2, 8), wide, 0, meta, 1.0)
+    with pytest.raises(KernelError, match=message):
+        write_kv(wide, 0, torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), meta.slot_mapping)
 
 
 def test_sequence_without_query_rows_is_skipped() -> None:

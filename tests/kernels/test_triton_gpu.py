@@ -71,6 +71,28 @@ def test_triton_rows_are_path_invariant(dtype) -> None:
     assert torch.equal(mixed[1], full[200:250])
 
 
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float16])
+def test_fp32_queries_over_16bit_pool(kv) -> None:
+    """--kv-cache-dtype bf16/fp16 with an fp32 model: 16-bit pages, fp32 queries and output."""
+    case = make_case([700, 512, 40], [188, 512, 1], heads=9, kv_heads=3, head_dim=64, page_size=16)
+    pool = case.kv_pool.to(kv)
+    got = paged_attention(case.query.cuda(), pool.cuda(), 1, _cuda_meta(case.meta), 0.125)
+    ref = paged_attention(case.query, pool, 1, case.meta, 0.125, impl="torch")
+    assert got.dtype == torch.float32
+    err = (got.cpu() - ref).abs().max().item()  # the kernel's dots round q to the pool dtype
+    assert err < TOL[torch.bfloat16], err
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn(40, 3, 64, generator=g), torch.randn(40, 3, 64, generator=g)
+    slots = torch.randperm(128, generator=g)[:40]
+    gpu_pool, cpu_pool = (
+        torch.zeros(8, 3, 2, 16, 3, 64, dtype=kv).cuda(),
+        torch.zeros(8, 3, 2, 16, 3, 64, dtype=kv),
+    )
+    write_kv(gpu_pool, 2, key.cuda(), value.cuda(), slots.cuda())
+    write_kv(cpu_pool, 2, key, value, slots, impl="torch")
+    assert torch.equal(gpu_pool.cpu().view(torch.int16), cpu_pool.view(torch.int16))
+
+
 def test_write_kv_and_pages_match_torch() -> None:
     g = torch.Generator().manual_seed(0)
     pool = torch.zeros(8, 3, 2, 16, 3, 64)

@@ -393,3 +393,41 @@ def test_status_topology_counts_live_workers_and_names_the_choice():
         "1 decode worker, 2 threads each, decode prefills locally (auto: 2 CPU cores, no GPU: "
         "a prefill worker would take cores decode needs)"
     )
+
+
+def test_kv_cache_dtype_reaches_the_workers_and_the_store(tmp_path, monkeypatch):
+    """`up --kv-cache-dtype bf16`: workers get the setting, and the store expects their pages:
+    bf16 page bytes and the fingerprint of fp32 compute with bf16 pages."""
+    import argparse
+
+    from kvrelay.cli.main import build_parser
+    from kvrelay.cli.store import add_store_arguments, build_config
+    from kvrelay.cli.up.command import build_programs
+    from kvrelay.core.modelref import converted_dir, model_fingerprint, resolve_model
+
+    args = build_parser().parse_args(["up", "--threads", "2", "--kv-cache-dtype", "bf16"])
+    programs, state = build_programs(args, tmp_path)
+    assert state["kv_cache_dtype"] == "bf16"
+    env = {p.name: p.env for p in programs}
+    assert env["decode-0"]["KVRELAY_WORKER_KV_CACHE_DTYPE"] == "bf16"
+    store_env = env["store"]
+    assert (store_env["KVRELAY_STORE_DTYPE"], store_env["KVRELAY_STORE_MODEL_DTYPE"]) == (
+        "bfloat16",
+        "float32",
+    )
+    for name, value in store_env.items():
+        monkeypatch.setenv(name, value)
+    p = argparse.ArgumentParser()
+    add_store_arguments(p)
+    cfg = build_config(p.parse_args([]))
+    directory = converted_dir(resolve_model(args.model))
+    quant = state["quantization"]
+    assert cfg.fingerprint == model_fingerprint(directory, "float32", quant, "bfloat16")
+    assert cfg.fingerprint != model_fingerprint(directory, "float32", quant)
+    monkeypatch.delenv("KVRELAY_STORE_DTYPE")
+    monkeypatch.delenv("KVRELAY_STORE_MODEL_DTYPE")
+    assert build_config(p.parse_args([])).page_bytes == 2 * cfg.page_bytes
+    args = build_parser().parse_args(["up", "--threads", "2"])  # auto: nothing set
+    programs, state = build_programs(args, tmp_path / "auto")
+    assert state["kv_cache_dtype"] == "auto"
+    assert all("KVRELAY_WORKER_KV_CACHE_DTYPE" not in p.env for p in programs)

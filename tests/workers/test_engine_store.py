@@ -1,5 +1,6 @@
 """Engine + the real store (StoreNode in a thread, StoreClient, StoreConnector): pages saved once,
-a fresh engine resumes from stored pages plus a recomputed tail with bitwise-equal results."""
+a fresh engine resumes from stored pages plus a recomputed tail with bitwise-equal results, with
+fp32 pages and with bf16 pages (--kv-cache-dtype bf16: half the bytes, another fingerprint)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,20 @@ from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 PAGE = 16
 
 
+@pytest.fixture(params=["float32", "bfloat16"])
+def kv_dtype(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def connector(tmp_path, loaded_model):
+def fingerprint(loaded_model, kv_dtype) -> str:
+    from kvrelay.core.modelref import model_fingerprint
+
+    return model_fingerprint(loaded_model.dir, "float32", "none", kv_dtype)
+
+
+@pytest.fixture
+def connector(tmp_path, loaded_model, kv_dtype, fingerprint):
     from kvrelay.kvstore.client import StoreClient
     from kvrelay.kvstore.config import StoreConfig
     from kvrelay.kvstore.connector import StoreConnector
@@ -25,7 +38,7 @@ def connector(tmp_path, loaded_model):
     from kvrelay.kvstore.server import StoreNode, arena_path
 
     c = loaded_model.config
-    spec = PageSpec(loaded_model.fingerprint, "float32", c.num_layers, PAGE, c.num_kv_heads,
+    spec = PageSpec(fingerprint, kv_dtype, c.num_layers, PAGE, c.num_kv_heads,
                     c.head_dim)  # fmt: skip
     config = StoreConfig(node_id=f"engtest{os.getpid()}", run_dir=str(tmp_path / "run"),
                          arena_bytes=48 * spec.slot_bytes, page_bytes=spec.page_bytes,
@@ -53,22 +66,26 @@ def connector(tmp_path, loaded_model):
     arena_path(config).unlink(missing_ok=True)
 
 
-def test_resume_from_store_pages_and_recomputed_tail(loaded_model, connector):
+def test_resume_from_store_pages_and_recomputed_tail(loaded_model, connector, kv_dtype):
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(100, 40000, (100,), generator=g).tolist()
     sp = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=9, logprobs=2,
                         ignore_eos=True)  # fmt: skip
-    first = Engine(EngineConfig(num_blocks=16), connector, loaded=loaded_model)
+    config = EngineConfig(num_blocks=16, kv_cache_dtype=kv_dtype)
+    first = Engine(config, connector, loaded=loaded_model)
+    assert first.runner.kv_pool.dtype == getattr(torch, kv_dtype)
+    assert first.fingerprint == connector.client.spec.fingerprint
+    assert (first.fingerprint == loaded_model.fingerprint) == (kv_dtype == "float32")
     full = first.generate([prompt], [sp], ["r"])[0]
     tokens = prompt + full.output_token_ids
     # every full page of prompt + generated tokens whose K/V was computed is in the store once
-    keys = page_keys(tokens[:-1], PAGE, loaded_model.fingerprint)
+    keys = page_keys(tokens[:-1], PAGE, first.fingerprint)
     assert len(keys) == (140 - 1) // PAGE == 8
     assert connector.lookup(keys) == 8
     assert connector.saved == keys  # each full page saved exactly once, in order
     # a fresh engine (empty device cache) resumes after 30 outputs: 129 tokens known,
     # 8 pages (128 tokens) come from the store, 1 token is recomputed, then decoding goes on
-    second = Engine(EngineConfig(num_blocks=16), connector, loaded=loaded_model)
+    second = Engine(config, connector, loaded=loaded_model)
     second.add_request("r", prompt, sp, output_token_ids=full.output_token_ids[:30])
     outs = []
     while second.has_unfinished_requests():
@@ -83,3 +100,18 @@ def test_resume_from_store_pages_and_recomputed_tail(loaded_model, connector):
     assert again.num_cached_tokens == 96 and again.metrics["num_device_cached_tokens"] == 96
     assert again.new_token_ids == full.new_token_ids
     assert connector.saved == keys  # loaded and device-cached pages are never saved again
+
+
+def test_store_refuses_pages_of_another_dtype(loaded_model, connector, kv_dtype):
+    """A bf16 page is half an fp32 page; a pool of the other dtype is refused, not misread."""
+    from kvrelay.kvstore.errors import StoreError
+
+    spec = connector.client.spec
+    c = loaded_model.config
+    assert spec.page_bytes == c.num_layers * 2 * PAGE * c.num_kv_heads * c.head_dim * (
+        4 if kv_dtype == "float32" else 2
+    )
+    other = "bfloat16" if kv_dtype == "float32" else "float32"
+    engine = Engine(EngineConfig(num_blocks=4, kv_cache_dtype=other), loaded=loaded_model)
+    with pytest.raises(StoreError, match=f"store pages are .* {kv_dtype}"):
+        connector.save([b"k" * 16], [0], engine.runner.kv_pool)

@@ -20,9 +20,10 @@ from kvrelay.cli.up.launch import Program, Supervisor, check_port_free, read_sta
 from kvrelay.cli.up.progress import UpProgress
 from kvrelay.cli.up.ready import CrashLoopError, check_redis, wait_ready
 from kvrelay.cli.up.topology import Topology, choose, default_weights
+from kvrelay.cli.worker import KV_DTYPE_CHOICES
 from kvrelay.core.config import check_redis_url
 from kvrelay.core.enums import Stage
-from kvrelay.core.modelref import QUANTIZATION_SCHEMES
+from kvrelay.core.modelref import QUANTIZATION_SCHEMES, normalize_dtype
 from kvrelay.pipeline.server.config import MODES
 
 DEFAULT_RUN_DIR = "kvrelay-run"
@@ -95,6 +96,14 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="worker weights: auto (int8-weight-only on x86-64 CPU hosts, else the model's), "
         "none (model dtype), int8-weight-only, fp16 or int8 (CPU only; see docs/benchmarks.md)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_DTYPE_CHOICES,
+        default="auto",
+        metavar="{auto,fp32,bf16,fp16}",
+        help="worker KV page dtype: auto (the model's: bf16 on GPUs, fp32 on CPU), fp32, bf16 "
+        "or fp16; the store expects the same pages",
     )
     p.add_argument("--detach", action="store_true", help="return once the stack is ready")
     p.add_argument(
@@ -264,6 +273,11 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     mode = ingress_mode(args)
     topo = resolve_topology(args)
     gpus = topo.gpus
+    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+    if kv_dtype != "auto":  # the store must expect these pages: their size and fingerprint
+        env["KVRELAY_WORKER_KV_CACHE_DTYPE"] = kv_dtype
+        env.setdefault("KVRELAY_STORE_DTYPE", normalize_dtype(kv_dtype))
+        env.setdefault("KVRELAY_STORE_MODEL_DTYPE", "bfloat16" if gpus else "float32")
     if gpus:  # workers hold bf16 pages on CUDA (dtype auto); the store must expect that size
         env.setdefault("KVRELAY_STORE_DTYPE", "bfloat16")
     programs.append(Program("store", [*py, "store"], env=env, priority=20))
@@ -311,6 +325,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "decode": args.decode,
         "topology": topo.to_dict(),
         "quantization": quantization,
+        "kv_cache_dtype": kv_dtype,
     }
     return programs, state
 

@@ -1,4 +1,7 @@
-// Paged attention on CPU, fp32, reading K/V pages in place from the pool.
+// Paged attention on CPU, fp32 compute, reading K/V pages in place from the pool (fp32, bf16
+// or fp16 elements: kv_types.h widens each K/V load to fp32 exactly, and nothing else
+// depends on the element type, so a 16-bit pool gives bitwise the fp32 result on its
+// widened values).
 //
 // Every (query row, head) gets a fixed sequence of float operations that depends only on its
 // query, its position and its sequence's K/V:
@@ -24,6 +27,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "kv_types.h"
 #include "ops.h"
 #include "parallel.h"
 #include "vec.h"
@@ -35,9 +39,10 @@ namespace {
 constexpr int kMaxPage = 256;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+template <class T>
 struct Args {
   const float* query;
-  const float* pool;
+  const T* pool;
   const int* tables;
   const int* items;
   const int* entries;
@@ -50,15 +55,15 @@ struct Args {
 };
 
 // Scores of keys [j0, j0 + 8) (only j < nvalid are read; others are -inf) for one row.
-template <int ND>
-inline __m256 scores8(const __m256* q, const float* k, int64_t stride, int j0, int nvalid) {
+template <int ND, class T>
+inline __m256 scores8(const __m256* q, const T* k, int64_t stride, int j0, int nvalid) {
   __m256 a[8];
   if (j0 + 8 <= nvalid) {
     for (int jj = 0; jj < 8; ++jj)
-      a[jj] = _mm256_mul_ps(q[0], _mm256_loadu_ps(k + (j0 + jj) * stride));
+      a[jj] = _mm256_mul_ps(q[0], load8(k + (j0 + jj) * stride));
     for (int d = 1; d < ND; ++d)
       for (int jj = 0; jj < 8; ++jj)
-        a[jj] = _mm256_fmadd_ps(q[d], _mm256_loadu_ps(k + (j0 + jj) * stride + 8 * d), a[jj]);
+        a[jj] = _mm256_fmadd_ps(q[d], load8(k + (j0 + jj) * stride + 8 * d), a[jj]);
     return reduce8(a);
   }
   alignas(32) float valid[8];
@@ -67,9 +72,9 @@ inline __m256 scores8(const __m256* q, const float* k, int64_t stride, int j0, i
     a[jj] = _mm256_setzero_ps();
     valid[jj] = j < nvalid ? 0.0f : kNegInf;
     if (j >= nvalid) continue;
-    a[jj] = _mm256_mul_ps(q[0], _mm256_loadu_ps(k + j * stride));
+    a[jj] = _mm256_mul_ps(q[0], load8(k + j * stride));
     for (int d = 1; d < ND; ++d)
-      a[jj] = _mm256_fmadd_ps(q[d], _mm256_loadu_ps(k + j * stride + 8 * d), a[jj]);
+      a[jj] = _mm256_fmadd_ps(q[d], load8(k + j * stride + 8 * d), a[jj]);
   }
   // Adding -inf to invalid lanes masks them; valid lanes add +0 (exact).
   return _mm256_add_ps(reduce8(a), _mm256_load_ps(valid));
@@ -77,8 +82,8 @@ inline __m256 scores8(const __m256* q, const float* k, int64_t stride, int j0, i
 
 // One row meets one page: keys [0, nvalid) of k/v (stride between keys) update its state
 // st = [max, sum, acc[head_dim]].
-template <int ND>
-inline void row_page(const float* qrow, __m256 scale, const float* k, const float* v,
+template <int ND, class T>
+inline void row_page(const float* qrow, __m256 scale, const T* k, const T* v,
                      int64_t stride, int nvalid, float* st) {
   __m256 q[ND];
   for (int d = 0; d < ND; ++d) q[d] = _mm256_mul_ps(_mm256_loadu_ps(qrow + 8 * d), scale);
@@ -110,24 +115,26 @@ inline void row_page(const float* qrow, __m256 scale, const float* k, const floa
   l = l + hsum8(lsum);
   for (int j = 0; j < nvalid; ++j) {
     const __m256 p = _mm256_set1_ps(s[j]);
-    const float* vj = v + j * stride;
-    for (int d = 0; d < ND; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * d), acc[d]);
+    const T* vj = v + j * stride;
+    for (int d = 0; d < ND; ++d) acc[d] = _mm256_fmadd_ps(p, load8(vj + 8 * d), acc[d]);
   }
   st[0] = m_new;
   st[1] = l;
   for (int d = 0; d < ND; ++d) _mm256_storeu_ps(st + 2 + 8 * d, acc[d]);
 }
 
-alignas(32) const float kZeroKey[128] = {};  // stands in for keys past nvalid (read, then masked)
+// Stands in for keys past nvalid (read, then masked): 512 zero bytes, a zero key of any type.
+alignas(32) const float kZeroKey[128] = {};
 
 // scores8 for R rows at once: each K vector is loaded once and used by every row. Per row and
 // key the operations are scores8's (mul, FMAs over d in order, reduce8's tree, then the same
 // masking add on a partial tile), so each lane is bitwise scores8's.
-template <int ND, int R>
-inline void scores8_rows(const float* qs, const float* k, int64_t stride, int j0, int nvalid,
+template <int ND, int R, class T>
+inline void scores8_rows(const float* qs, const T* k, int64_t stride, int j0, int nvalid,
                          __m256* out) {
-  const float* kp[8];
-  for (int jj = 0; jj < 8; ++jj) kp[jj] = j0 + jj < nvalid ? k + (j0 + jj) * stride : kZeroKey;
+  const T* kp[8];
+  const T* zero = reinterpret_cast<const T*>(kZeroKey);
+  for (int jj = 0; jj < 8; ++jj) kp[jj] = j0 + jj < nvalid ? k + (j0 + jj) * stride : zero;
   // Keys in passes of KP: R * KP accumulators, R q vectors and KP K vectors in registers.
   // hadd of key pairs, then of the pairs, then low + high half: reduce8's tree per key.
   constexpr int KP = R >= 3 ? 2 : 4;
@@ -135,11 +142,11 @@ inline void scores8_rows(const float* qs, const float* k, int64_t stride, int j0
   for (int hf = 0; hf < 2; ++hf) {
     __m256 t[R][2];
     for (int p0 = 0; p0 < 4; p0 += KP) {
-      const float* const* kk = kp + 4 * hf + p0;
+      const T* const* kk = kp + 4 * hf + p0;
       __m256 acc[R][KP];
       {
         __m256 kv[KP];
-        for (int jj = 0; jj < KP; ++jj) kv[jj] = _mm256_loadu_ps(kk[jj]);
+        for (int jj = 0; jj < KP; ++jj) kv[jj] = load8(kk[jj]);
         for (int r = 0; r < R; ++r) {
           const __m256 qv = _mm256_load_ps(qs + r * 8 * ND);
           for (int jj = 0; jj < KP; ++jj) acc[r][jj] = _mm256_mul_ps(qv, kv[jj]);
@@ -147,7 +154,7 @@ inline void scores8_rows(const float* qs, const float* k, int64_t stride, int j0
       }
       for (int d = 1; d < ND; ++d) {
         __m256 kv[KP];
-        for (int jj = 0; jj < KP; ++jj) kv[jj] = _mm256_loadu_ps(kk[jj] + 8 * d);
+        for (int jj = 0; jj < KP; ++jj) kv[jj] = load8(kk[jj] + 8 * d);
         for (int r = 0; r < R; ++r) {
           const __m256 qv = _mm256_load_ps(qs + r * 8 * ND + 8 * d);
           for (int jj = 0; jj < KP; ++jj) acc[r][jj] = _mm256_fmadd_ps(qv, kv[jj], acc[r][jj]);
@@ -179,8 +186,8 @@ inline void scores8_rows(const float* qs, const float* k, int64_t stride, int j0
 
 // row_page for R rows of one KV head (consecutive query rows and states) on the same keys: the
 // rows share every K and V load; each row's arithmetic is row_page's, in the same order.
-template <int ND, int R>
-inline void rows_page(const float* qrow, __m256 scale, const float* k, const float* v,
+template <int ND, int R, class T>
+inline void rows_page(const float* qrow, __m256 scale, const T* k, const T* v,
                       int64_t stride, int nvalid, float* st0) {
   constexpr int kD = 8 * ND, kState = 2 + kD;
   alignas(32) float qs[R * kD];
@@ -233,9 +240,9 @@ inline void rows_page(const float* qrow, __m256 scale, const float* k, const flo
       }
     }
     for (int j = 0; j < nvalid; ++j) {
-      const float* vj = v + j * stride + 8 * d0;
+      const T* vj = v + j * stride + 8 * d0;
       for (int i = 0; i < kB; ++i) {
-        const __m256 vv = _mm256_loadu_ps(vj + 8 * i);
+        const __m256 vv = load8(vj + 8 * i);
         for (int r = 0; r < R; ++r)
           acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(s[r][j]), vv, acc[r][i]);
       }
@@ -247,8 +254,8 @@ inline void rows_page(const float* qrow, __m256 scale, const float* k, const flo
 }
 
 // The G query rows of one KV head, in tiles of up to 3 rows (4 = 2 + 2).
-template <int ND>
-inline void group_page(const float* qrow, int group, __m256 scale, const float* k, const float* v,
+template <int ND, class T>
+inline void group_page(const float* qrow, int group, __m256 scale, const T* k, const T* v,
                        int64_t stride, int nvalid, float* st) {
   constexpr int kD = 8 * ND, kState = 2 + kD;
   for (int g = 0; g < group;) {
@@ -266,7 +273,8 @@ inline void group_page(const float* qrow, int group, __m256 scale, const float* 
 }
 
 // Start of a page's K and V for this layer.
-inline const char* page_span(const Args& a, const int* table, int page) {
+template <class T>
+inline const char* page_span(const Args<T>& a, const int* table, int page) {
   return (const char*)(a.pool + table[page] * a.block_stride + a.layer_stride);
 }
 
@@ -275,25 +283,28 @@ inline void prefetch_l2(const char* base, int64_t from, int64_t to) {
 }
 
 // One KV head's K and V rows of a page into L1.
-inline void prefetch_head(const Args& a, const char* base, int h) {
-  const int64_t row = (int64_t)a.kv_heads * a.head_dim * 4, kv = a.kv_stride * 4;
-  const char* k = base + (int64_t)h * a.head_dim * 4;
+template <class T>
+inline void prefetch_head(const Args<T>& a, const char* base, int h) {
+  constexpr int64_t el = sizeof(T);
+  const int64_t row = (int64_t)a.kv_heads * a.head_dim * el, kv = a.kv_stride * el;
+  const char* k = base + (int64_t)h * a.head_dim * el;
   for (int j = 0; j < a.page_size; ++j, k += row)
-    for (int off = 0; off < a.head_dim * 4; off += 64) {
+    for (int off = 0; off < a.head_dim * el; off += 64) {
       _mm_prefetch(k + off, _MM_HINT_T0);
       _mm_prefetch(k + kv + off, _MM_HINT_T0);
     }
 }
 
 // The first page's K and V of an item.
-inline const char* first_span(const Args& a, int index) {
+template <class T>
+inline const char* first_span(const Args<T>& a, int index) {
   const int* item = a.items + 3 * index;
   const int* table = a.tables + a.width * a.entries[4 * item[1]];
   return page_span(a, table, item[0] * a.chunk_pages);
 }
 
-template <int ND>
-void run_item(const Args& a, int index, bool prefetched, int after) {
+template <int ND, class T>
+void run_item(const Args<T>& a, int index, bool prefetched, int after) {
   const int* item = a.items + 3 * index;
   const int chunk = item[0], e0 = item[1], e1 = item[2];
   const int state = 2 + a.head_dim;
@@ -316,7 +327,7 @@ void run_item(const Args& a, int index, bool prefetched, int after) {
   const int last = std::min(pmax / a.page_size, first + a.chunk_pages - 1);
   const __m256 scale = _mm256_set1_ps(a.scale);
   const int64_t stride = (int64_t)a.kv_heads * a.head_dim;
-  const int64_t span = 2 * a.kv_stride * 4;  // bytes of a page's K and V (contiguous)
+  const int64_t span = 2 * a.kv_stride * (int64_t)sizeof(T);  // bytes of a page's K and V
   const int64_t share = (span / 64 + a.kv_heads - 1) / a.kv_heads * 64;
   // Memory-bound in decode: keep misses in flight. A page goes to L2 one head's share at a time
   // during the page before it (an item's first page during the thread's previous item), and
@@ -329,8 +340,8 @@ void run_item(const Args& a, int index, bool prefetched, int after) {
   for (int page = first; page <= last; ++page) {
     const char* base = page_span(a, table, page);
     const char* next = page < last ? page_span(a, table, page + 1) : following;
-    const float* kbase = (const float*)base;
-    const float* vbase = kbase + a.kv_stride;
+    const T* kbase = (const T*)base;
+    const T* vbase = kbase + a.kv_stride;
     const int kstart = page * a.page_size;
     for (int h = 0; h < a.kv_heads; ++h) {
       if (next) prefetch_l2(next, h * share, std::min(span, (h + 1) * share));
@@ -356,8 +367,8 @@ void run_item(const Args& a, int index, bool prefetched, int after) {
 }
 
 // Merge a row's chunk partials in chunk order and normalise.
-template <int ND>
-void merge_row(const Args& a, int t, float* out) {
+template <int ND, class T>
+void merge_row(const Args<T>& a, int t, float* out) {
   const int state = 2 + a.head_dim;
   const int chunks = a.tokpos[t] / (a.page_size * a.chunk_pages) + 1;
   for (int hq = 0; hq < a.num_heads; ++hq) {
@@ -382,8 +393,8 @@ void merge_row(const Args& a, int t, float* out) {
   }
 }
 
-template <int ND>
-void run(const Args& a, int num_items, int num_tokens, int num_threads, float* out) {
+template <int ND, class T>
+void run(const Args<T>& a, int num_items, int num_tokens, int num_threads, float* out) {
   std::atomic<int> next{0};
   const int threads = std::max(1, std::min(num_threads, num_items));
   parallel_for(threads, 1, [&](int64_t, int64_t) {
@@ -403,19 +414,16 @@ void run(const Args& a, int num_items, int num_tokens, int num_threads, float* o
 
 thread_local std::vector<float> partial_buffer;  // reused: fresh MBs would page-fault per call
 
-}  // namespace
-
-void paged_attention(const AttentionArgs& x, int num_threads) {
-  if (x.page_size > kMaxPage || x.head_dim % 8 || x.head_dim > 128)
-    throw std::invalid_argument("unsupported page_size or head_dim");
+template <class T>
+void run_typed(const AttentionArgs& x, int num_threads) {
   const int64_t total = x.chunk_off[x.num_tokens];
   const size_t need = total * x.num_heads * (2 + x.head_dim);
   if (partial_buffer.size() < need) partial_buffer.resize(need);
   const int64_t kv_stride = (int64_t)x.page_size * x.kv_heads * x.head_dim;
-  Args a{x.query, x.pool, x.block_tables, x.items, x.entries, x.positions, x.chunk_off,
-         partial_buffer.data(), x.width, x.layer * 2 * kv_stride, x.num_layers * 2 * kv_stride,
-         kv_stride, x.num_heads, x.kv_heads, x.num_heads / x.kv_heads, x.head_dim, x.page_size,
-         x.chunk_pages, x.scale};
+  Args<T> a{x.query, static_cast<const T*>(x.pool), x.block_tables, x.items, x.entries,
+            x.positions, x.chunk_off, partial_buffer.data(), x.width, x.layer * 2 * kv_stride,
+            x.num_layers * 2 * kv_stride, kv_stride, x.num_heads, x.kv_heads,
+            x.num_heads / x.kv_heads, x.head_dim, x.page_size, x.chunk_pages, x.scale};
   switch (x.head_dim / 8) {
     case 1: run<1>(a, x.num_items, x.num_tokens, num_threads, x.out); break;
     case 2: run<2>(a, x.num_items, x.num_tokens, num_threads, x.out); break;
@@ -423,6 +431,19 @@ void paged_attention(const AttentionArgs& x, int num_threads) {
     case 8: run<8>(a, x.num_items, x.num_tokens, num_threads, x.out); break;
     case 16: run<16>(a, x.num_items, x.num_tokens, num_threads, x.out); break;
     default: throw std::invalid_argument("head_dim must be 8, 16, 32, 64 or 128");
+  }
+}
+
+}  // namespace
+
+void paged_attention(const AttentionArgs& x, int num_threads) {
+  if (x.page_size > kMaxPage || x.head_dim % 8 || x.head_dim > 128)
+    throw std::invalid_argument("unsupported page_size or head_dim");
+  switch (x.pool_type) {
+    case KVType::f32: run_typed<float>(x, num_threads); break;
+    case KVType::bf16: run_typed<bf16>(x, num_threads); break;
+    case KVType::f16: run_typed<fp16>(x, num_threads); break;
+    default: throw std::invalid_argument("kv pool dtype must be float32, bfloat16 or float16");
   }
 }
 

@@ -1,5 +1,6 @@
 // Python bindings of the kvrelay CPU kernels: tensors in, raw pointers to the kernels.
-// Callers (kvrelay/kernels/cpu_paged.py) pass contiguous fp32 CPU tensors of checked shapes.
+// Callers (kvrelay/kernels/cpu_paged.py) pass contiguous CPU tensors of checked shapes: fp32
+// everywhere but the KV pool, which may also be bf16 or fp16.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -30,23 +31,32 @@ std::vector<torch::Tensor> plan(const torch::Tensor& tables, const torch::Tensor
           to_tensor(p.chunk_off, 1)};
 }
 
+KVType kv_type(const torch::Tensor& pool) {
+  switch (pool.scalar_type()) {
+    case torch::kFloat32: return KVType::f32;
+    case torch::kBFloat16: return KVType::bf16;
+    case torch::kFloat16: return KVType::f16;
+    default: throw std::invalid_argument("kv pool dtype must be float32, bfloat16 or float16");
+  }
+}
+
 torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& pool, int64_t layer,
                         const torch::Tensor& tables, const torch::Tensor& items,
                         const torch::Tensor& entries, const torch::Tensor& positions,
                         const torch::Tensor& chunk_off, int64_t chunk_pages, double scale) {
   auto out = torch::empty_like(query);
-  AttentionArgs a{query.data_ptr<float>(), pool.data_ptr<float>(), out.data_ptr<float>(),
+  AttentionArgs a{query.data_ptr<float>(), pool.data_ptr(), out.data_ptr<float>(),
                   tables.data_ptr<int>(), items.data_ptr<int>(), entries.data_ptr<int>(),
                   positions.data_ptr<int>(), chunk_off.data_ptr<int>(), tables.size(1), layer,
                   (int)items.size(0), (int)query.size(0), (int)pool.size(1), (int)query.size(1),
                   (int)pool.size(4), (int)query.size(2), (int)pool.size(3), (int)chunk_pages,
-                  (float)scale};
+                  (float)scale, kv_type(pool)};
   paged_attention(a, at::get_num_threads());
   return out;
 }
 
 KVWriteArgs kv_args(torch::Tensor& pool, int64_t layer, const torch::Tensor& slots) {
-  return KVWriteArgs{pool.data_ptr<float>(), layer, pool.size(1), pool.size(3),
+  return KVWriteArgs{pool.data_ptr(), kv_type(pool), layer, pool.size(1), pool.size(3),
                      pool.size(4) * pool.size(5), nullptr, nullptr, 0, 0,
                      slots.data_ptr<int64_t>(), slots.size(0)};
 }

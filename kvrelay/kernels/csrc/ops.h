@@ -1,8 +1,11 @@
-// Entry points of the kvrelay CPU kernels (fp32, AVX2/FMA; AVX-512 in the avx512 build
-// variant). Torch-free: only bindings.cpp includes the (slow to compile) torch headers.
+// Entry points of the kvrelay CPU kernels (fp32 compute, AVX2/FMA/F16C; AVX-512 in the avx512
+// build variant; the KV pool may hold fp32, bf16 or fp16 elements, kv_types.h). Torch-free: only
+// bindings.cpp includes the (slow to compile) torch headers.
 #pragma once
 #include <cstdint>
 #include <vector>
+
+#include "kv_types.h"
 
 namespace kvr {
 
@@ -20,7 +23,7 @@ PlanOut build_plan(const int* block_tables, int num_seqs, int width, const int* 
 
 struct AttentionArgs {
   const float* query;  // [T, heads, head_dim] contiguous
-  const float* pool;   // [blocks, layers, 2, page, kv_heads, head_dim] contiguous
+  const void* pool;    // [blocks, layers, 2, page, kv_heads, head_dim] contiguous, pool_type
   float* out;          // [T, heads, head_dim]
   const int* block_tables;
   const int* items;
@@ -30,12 +33,14 @@ struct AttentionArgs {
   int64_t width, layer;
   int num_items, num_tokens, num_layers, num_heads, kv_heads, head_dim, page_size, chunk_pages;
   float scale;
+  KVType pool_type;
 };
 
 void paged_attention(const AttentionArgs& args, int num_threads);
 
 struct KVWriteArgs {
-  float* pool;
+  void* pool;  // elements of pool_type; writes round to nearest even
+  KVType pool_type;
   int64_t layer, num_layers, page_size, row;  // row = kv_heads * head_dim
   const float* key;
   const float* value;

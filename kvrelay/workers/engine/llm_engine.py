@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvrelay.core.config import ConfigError
 from kvrelay.core.enums import FinishReason
 from kvrelay.core.limits import bad_token_id, context_overflow, token_id_message
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams, effective_seed
@@ -56,14 +57,19 @@ class Engine:
         loaded: LoadedModel | None = None,
     ):
         """`loaded`: reuse an already loaded model (several engines sharing weights, tests)."""
+        from kvrelay.core.modelref import model_fingerprint
         from kvrelay.workers.model.llama import allocate_kv_pool
-        from kvrelay.workers.model.loader import load_model
+        from kvrelay.workers.model.loader import load_model, resolve_kv_dtype
 
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {config.page_size}")
+        try:  # a bad value fails before the model loads
+            resolve_kv_dtype(config.kv_cache_dtype, torch.float32)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if loaded is None:
             loaded = load_model(
                 config.model,
@@ -79,7 +85,13 @@ class Engine:
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
+        self.kv_dtype = kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, loaded.dtype)
+        # Pages of another dtype are other pages: the KV dtype is part of their identity.
         self.fingerprint = loaded.fingerprint
+        if kv_dtype != loaded.dtype:
+            self.fingerprint = model_fingerprint(
+                loaded.dir, _dtype_name(loaded.dtype), loaded.quantization, _dtype_name(kv_dtype)
+            )
         mc = loaded.config
         self.vocab_size = mc.vocab_size
         limit = mc.max_position_embeddings
@@ -91,10 +103,10 @@ class Engine:
             * P
             * mc.num_kv_heads
             * mc.head_dim
-            * torch.empty((), dtype=loaded.dtype).element_size()
+            * torch.empty((), dtype=kv_dtype).element_size()
         )
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
-        kv_pool = allocate_kv_pool(mc, num_blocks, P, loaded.dtype, loaded.device)
+        kv_pool = allocate_kv_pool(mc, num_blocks, P, kv_dtype, loaded.device)
         self.runner = ModelRunner(loaded.model, kv_pool, P)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(
@@ -115,10 +127,12 @@ class Engine:
         # Which C++ CPU kernel build runs ("avx2", "avx512"), "" when none does (GPU, torch).
         self.kernel_isa = (loaded_isa() or "") if loaded.device.type == "cpu" else ""
         logger.info(
-            "engine ready: model %s, %d blocks of %d tokens, max_model_len %d, CPU kernels %s",
+            "engine ready: model %s, %d blocks of %d tokens (%s KV), max_model_len %d, "
+            "CPU kernels %s",
             self.model_name,
             num_blocks,
             P,
+            _dtype_name(kv_dtype),
             self.max_model_len,
             self.kernel_isa or "none",
         )
@@ -382,3 +396,7 @@ class Engine:
                 prev = merged.get(out.request_id)
                 merged[out.request_id] = out if prev is None else merge_outputs(prev, out)
         return [merged[rid] for rid in ids]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

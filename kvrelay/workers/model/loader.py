@@ -30,6 +30,7 @@ from kvrelay.core.modelref import (
     is_prepared,
     model_fingerprint,
     normalize_dtype,
+    normalize_kv_cache_dtype,
     normalize_quantization,
     read_config,
     read_meta,
@@ -217,6 +218,17 @@ def resolve_device_dtype(dtype: str = "auto", device: str = "auto"):
     if str(dtype) == "auto":
         return (torch.bfloat16 if device.type == "cuda" else torch.float32), device
     return getattr(torch, normalize_dtype(str(dtype))), device
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype):
+    """The KV pool's torch dtype for `--kv-cache-dtype`: `auto` is the model's dtype (bf16 on
+    CUDA, fp32 on CPU). The one place that decides the default."""
+    import torch
+
+    name = normalize_kv_cache_dtype(kv_cache_dtype)
+    if name == "auto":
+        return model_dtype
+    return getattr(torch, name)
 
 
 def load_model(

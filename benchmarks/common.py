@@ -7,9 +7,11 @@ import datetime
 import os
 import platform
 import re
+import shlex
 import shutil
 import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +55,27 @@ def memory_copy_gbs(mib: int = 64, repeats: int = 5) -> float:
     return round((mib << 20) / best / 1e9, 2)
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The first CPU's flags from /proc/cpuinfo (or from the text given); empty elsewhere."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def isa_line(flags: set[str]) -> str:
+    """Which of ISA_FLAGS the CPU has, e.g. `avx2 yes, avx512f yes, ..., amx_bf16 no`."""
+    return ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ISA_FLAGS)
+
+
 def machine_line() -> str:
     """Date, CPU, cores, load average and memory copy bandwidth, measured now."""
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -79,17 +102,70 @@ def free_port() -> int:
 
 
 # ---- servers for benchmarks/peers.py: each started alone, polled until ready, SIGTERMed ----
+@dataclass(slots=True)
+class PeerConfig:
+    """Each peer's best settings for this host (`peer_config`)."""
+
+    vllm_dtype: str = "float32"  # vLLM CPU's --dtype (its KV follows it)
+    llama_args: list[str] = field(default_factory=list)  # host-specific llama-server flags
+    why: str = ""
+
+
+def peer_config(flags: set[str], vllm_dtype: str = "auto") -> PeerConfig:
+    """The peers' settings for a CPU with these /proc/cpuinfo flags.
+
+    On AMX hosts vLLM CPU runs bf16 (its oneDNN bf16 GEMMs use AMX; fp32 elsewhere, where bf16
+    would be emulated) and llama-server gets --no-repack (its AMX repack of the Q4_1 model
+    crashes at warm-up). `vllm_dtype` other than auto overrides the vLLM choice."""
+    amx = "amx_bf16" in flags
+    dtype = vllm_dtype if vllm_dtype != "auto" else ("bfloat16" if amx else "float32")
+    why = "AMX host" if amx else "no AMX"
+    if vllm_dtype != "auto":
+        why += f"; vLLM --dtype {vllm_dtype} as asked"
+    return PeerConfig(dtype, ["--no-repack"] if amx else [], why)
+
+
+def kv_bytes(tokens: int, dtype: str, slack: float = 1.2) -> int:
+    """Bytes of SmolLM2 KV for `tokens` tokens in `dtype`, with room for pages and the rest."""
+    from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
+
+    info = read_model_info(converted_dir(resolve_model("smollm2-135m-instruct")))
+    return int(tokens * info.kv_bytes_per_token(dtype) * slack)
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` in argv (`--flag V` or `--flag=V`), the last one winning."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 class Server:
-    """One OpenAI-compatible server process on 127.0.0.1 (its own session, its own log)."""
+    """One OpenAI-compatible server process on 127.0.0.1 (its own session, its own log).
+
+    `slots` requests at most at once, each up to `ctx_per_slot` tokens; `kv_tokens` (0: the
+    server's default pool) tokens of KV in use at once at the busiest level."""
 
     name = ""
     ready_path = "/health"
     ready_timeout_s = 600.0
 
-    def __init__(self, args, slots: int, ctx_per_slot: int):
+    def __init__(
+        self,
+        args,
+        slots: int,
+        ctx_per_slot: int,
+        kv_tokens: int = 0,
+        peer: PeerConfig | None = None,
+    ):
         import tempfile
 
         self.args, self.slots, self.ctx_per_slot = args, slots, ctx_per_slot
+        self.kv_tokens, self.peer = kv_tokens, peer or PeerConfig()
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix=f"peers-{self.name}-"))
         self.log = self.dir / "server.log"
@@ -101,6 +177,15 @@ class Server:
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         raise NotImplementedError
+
+    def settings(self) -> tuple[list[str], dict[str, str]]:
+        """The flags and environment that configure the server (no paths, host or port)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """`settings()` as one line for the results' header."""
+        flags, env = self.settings()
+        return " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, flags)])
 
     def start(self) -> None:
         """Launch and wait until `ready_path` answers 200; raises with the log tail otherwise."""
@@ -150,14 +235,27 @@ class Server:
 class KvrelayServer(Server):
     name = "kvrelay"
 
+    def kv_cache_bytes(self) -> int | None:
+        """A pool for `kv_tokens` when that is more than the default 1 GiB and none was given."""
+        extra = self.args.kvrelay_extra
+        if not self.kv_tokens or flag_value(extra, "--kv-cache-bytes") is not None:
+            return None
+        need = kv_bytes(self.kv_tokens, flag_value(extra, "--kv-cache-dtype") or "float32")
+        return need if need > 1 << 30 else None
+
+    def settings(self) -> tuple[list[str], dict[str, str]]:
+        flags = ["--threads", str(self.args.threads), "--quantization", self.args.quantization]
+        if (pool := self.kv_cache_bytes()) is not None:
+            flags += ["--kv-cache-bytes", str(pool)]
+        return flags + self.args.kvrelay_extra, {}
+
     def command(self) -> tuple[list[str], dict[str, str]]:
         import sys
 
         cmd = [sys.executable, "-m", "kvrelay.cli.main", "up", "--run-dir",
-               str(self.dir / "run"), "--port", str(self.port), "--threads",
-               str(self.args.threads), "--timeout", "900"]  # fmt: skip
-        cmd += ["--quantization", self.args.quantization]
-        return cmd + self.args.kvrelay_extra, {}
+               str(self.dir / "run"), "--port", str(self.port), "--timeout", "900"]  # fmt: skip
+        flags, env = self.settings()
+        return cmd + flags, env
 
 
 def smollm2_gguf() -> Path:
@@ -173,21 +271,38 @@ def smollm2_gguf() -> Path:
 class LlamaServer(Server):
     name = "llama"
 
+    def settings(self) -> tuple[list[str], dict[str, str]]:
+        # -c is divided among the --parallel slots: give each slot the longest request.
+        flags = ["-t", str(self.args.threads), "-tb", str(self.args.threads), "--parallel",
+                 str(self.slots), "-c", str(self.slots * self.ctx_per_slot)]  # fmt: skip
+        return flags + self.peer.llama_args + self.args.llama_extra, {}
+
     def command(self) -> tuple[list[str], dict[str, str]]:
         if not Path(self.args.llama_server).is_file():
             raise RuntimeError(f"no llama-server at {self.args.llama_server} (--llama-server)")
         model = self.args.llama_model or str(smollm2_gguf())
-        # -c is divided among the --parallel slots: give each slot the longest request.
         cmd = [self.args.llama_server, "-m", model, "--host", "127.0.0.1", "--port",
-               str(self.port), "-t", str(self.args.threads), "-tb", str(self.args.threads),
-               "--parallel", str(self.slots), "-c", str(self.slots * self.ctx_per_slot),
-               ]  # fmt: skip
-        return cmd + self.args.llama_extra, {}
+               str(self.port)]  # fmt: skip
+        flags, env = self.settings()
+        return cmd + flags, env
 
 
 class VllmServer(Server):
     name = "vllm"
     ready_timeout_s = 900.0  # the first start compiles for minutes
+
+    def kv_gib(self) -> int:
+        """--vllm-kv-gib, or (None) enough for `kv_tokens` in its KV dtype, at least 4."""
+        if self.args.vllm_kv_gib:
+            return int(self.args.vllm_kv_gib)
+        return max(4, -(-kv_bytes(self.kv_tokens, self.peer.vllm_dtype) // (1 << 30)))
+
+    def settings(self) -> tuple[list[str], dict[str, str]]:
+        flags = ["--dtype", self.peer.vllm_dtype, "--max-model-len",
+                 str(max(4096, self.ctx_per_slot))]  # fmt: skip
+        env = {"OMP_NUM_THREADS": str(self.args.threads),
+               "VLLM_CPU_KVCACHE_SPACE": str(self.kv_gib())}  # fmt: skip
+        return flags + self.args.vllm_extra, env
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         from kvrelay.core.modelref import converted_dir, resolve_model
@@ -196,12 +311,10 @@ class VllmServer(Server):
         if not Path(self.args.vllm_python).is_file():
             raise RuntimeError(f"no vLLM python at {self.args.vllm_python} (--vllm-python)")
         cmd = [self.args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-               str(model_dir), "--served-model-name", "smollm2-135m-instruct", "--dtype",
-               "float32", "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len",
-               str(max(4096, self.ctx_per_slot))]  # fmt: skip
-        threads = str(self.args.threads)
-        env = {"OMP_NUM_THREADS": threads, "VLLM_CPU_KVCACHE_SPACE": str(self.args.vllm_kv_gib)}
-        return cmd + self.args.vllm_extra, env
+               str(model_dir), "--served-model-name", "smollm2-135m-instruct", "--host",
+               "127.0.0.1", "--port", str(self.port)]  # fmt: skip
+        flags, env = self.settings()
+        return cmd + flags, env
 
 
 SERVERS: dict[str, type[Server]] = {"kvrelay": KvrelayServer, "llama": LlamaServer,
@@ -217,15 +330,17 @@ WEIGHTS = {
 }
 
 
-def precision(name: str, args) -> str:
+def precision(name: str, args, peer: PeerConfig | None = None) -> str:
     """What each server computes in, as configured by peers.py."""
     if name == "kvrelay":
         from kvrelay.cli.up.topology import default_weights
 
         q = default_weights(0)[0] if args.quantization == "auto" else args.quantization
         how = " (`kvrelay up` default)" if args.quantization == "auto" else ""
-        return f"{WEIGHTS[q]}{how}, fp32 KV"
+        kv = flag_value(getattr(args, "kvrelay_extra", []), "--kv-cache-dtype") or "fp32"
+        return f"{WEIGHTS[q]}{how}, {kv} KV"
     if name == "llama":
         model = args.llama_model or "SmolLM2-135M-Instruct.Q4_1.gguf"
         return f"weights as stored in {Path(model).name} (Q4_1 by default), f16 KV (default)"
-    return "fp32 weights and KV (--dtype float32)"
+    dtype = (peer or PeerConfig()).vllm_dtype
+    return f"{dtype} weights and KV (--dtype {dtype})"

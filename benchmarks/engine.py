@@ -4,9 +4,17 @@ Measures prefill tokens/s for single prompts of several lengths and aggregate de
 several batch sizes (greedy, eos ignored, equal-length random prompts so transformers needs no
 padding). Prints one JSON line and a table; `--write-docs` updates docs/benchmarks.md.
 
+`--decode-context N` times the engine's decode step instead, with every sequence of a batch
+holding N tokens of context (ms/step and tok/s; transformers is left out: its batched prefill of
+32 x 2,048 tokens alone would take minutes). The script only uses the engine's public API, so it
+also measures an older tree: run it with PYTHONPATH at that tree, `--json` each run, and
+`--compare OLD.json NEW.json` prints NEW/OLD.
+
     python benchmarks/engine.py                      # full run (several minutes on 2 cores)
     python benchmarks/engine.py --quick              # smoke run
     python benchmarks/engine.py --write-docs
+    python benchmarks/engine.py --decode-context 2048 --batches 32 --prefill-lens 2048 --json a.json
+    python benchmarks/engine.py --compare a.json b.json
 """
 
 from __future__ import annotations
@@ -63,6 +71,58 @@ def engine_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
     return time.perf_counter() - t
 
 
+def engine_decode_steps(
+    engine, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, int, int]:
+    """(seconds, steps, tokens) of the steps after every request has its first token.
+
+    The prefix cache is kept: a repeat's prefill is then almost free, and the decode steps read
+    the same context either way."""
+    from kvrelay.core.sampling import SamplingParams
+
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, sp)
+    have_first: set[str] = set()
+    while len(have_first) < len(prompts):
+        have_first.update(o.request_id for o in engine.step())
+    steps = tokens = 0
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
+    return time.perf_counter() - t, steps, tokens
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """K and V bytes of one token over all layers, from the model's config.json."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return int(cfg["num_hidden_layers"]) * 2 * kv_heads * head_dim * itemsize
+
+
+def kv_cache_bytes(args: argparse.Namespace) -> int:
+    """--kv-cache-mib, or (none given) room for the largest decode batch with its context."""
+    if args.kv_cache_mib:
+        return args.kv_cache_mib << 20
+    from kvrelay.core.modelref import converted_dir, resolve_model
+
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(
+        args.kv_cache_dtype or "float32", args.kv_cache_dtype or "float32"
+    )
+    context = (args.decode_context or args.prompt_len) + args.decode_tokens + 16
+    need = (
+        max(args.batches)
+        * context
+        * kv_bytes_per_token(converted_dir(resolve_model(args.model)), dtype)
+    )
+    return max(512 << 20, int(need * 1.1))
+
+
 # ---- transformers ----------------------------------------------------------------------------
 @torch.inference_mode()
 def hf_prefill(model, prompt: list[int]) -> float:
@@ -99,13 +159,19 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    max_len = max(args.prefill_lens)
-    engine = Engine(EngineConfig(
-        model=args.model, max_num_seqs=max(args.batches), num_threads=args.num_threads,
-        max_num_batched_tokens=max(max_len, args.prompt_len * max(args.batches)),
-        kv_cache_bytes=args.kv_cache_mib << 20, save_to_store=False,
-        quantization=args.quantization,
-    ))  # fmt: skip
+    max_len = max(args.prefill_lens, default=0)
+    context = args.decode_context or args.prompt_len
+    extra = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
+    try:
+        config = EngineConfig(
+            model=args.model, max_num_seqs=max(args.batches), num_threads=args.num_threads,
+            max_num_batched_tokens=max(max_len, min(context * max(args.batches), 8192)),
+            kv_cache_bytes=kv_cache_bytes(args), save_to_store=False,
+            quantization=args.quantization, **extra,
+        )  # fmt: skip
+    except TypeError as exc:  # an older tree without kv_cache_dtype
+        raise SystemExit(f"this kvrelay's EngineConfig rejects --kv-cache-dtype: {exc}") from None
+    engine = Engine(config)
     hf = AutoModelForCausalLM.from_pretrained(engine.loaded.dir, dtype=torch.float32).eval()
     vocab = engine.vocab_size
     results: dict = {"prefill": [], "decode": []}
@@ -124,7 +190,30 @@ def run(args: argparse.Namespace) -> dict:
             }
         )
         print(f"prefill {n}: kvrelay {e:.1f} tok/s, transformers {h:.1f} tok/s", file=sys.stderr)
-    for b in args.batches:
+    for b in args.batches if args.decode_context else ():
+        prompts = [random_prompt(context, 1000 + b * 100 + i, vocab) for i in range(b)]
+        engine_decode_steps(engine, prompts, 4)  # warm-up (and the prompts' pages cached)
+        runs = [
+            engine_decode_steps(engine, prompts, args.decode_tokens) for _ in range(args.repeats)
+        ]
+        secs, steps, tokens = min(runs)
+        results["decode"].append(
+            {
+                "batch": b,
+                "context": context,
+                "steps": steps,
+                "ms_per_step": round(secs / steps * 1000, 2),
+                "kvrelay_tok_s": round(tokens / secs, 1),
+                "hf_tok_s": None,
+                "ratio": None,
+            }
+        )
+        print(
+            f"decode batch {b} at {context} tokens: {secs / steps * 1000:.2f} ms/step, "
+            f"{tokens / secs:.1f} tok/s",
+            file=sys.stderr,
+        )
+    for b in args.batches if not args.decode_context else ():
         prompts = [random_prompt(args.prompt_len, 1000 + b * 100 + i, vocab) for i in range(b)]
         steps = args.decode_tokens - 1
         engine_decode(engine, prompts, 4)  # warm-up
@@ -156,6 +245,8 @@ def run(args: argparse.Namespace) -> dict:
         args.decode_tokens, "repeats": args.repeats, "page_size": engine.config.page_size,
         "load_average_at_start": round(load_at_start, 2),
         "quantization": engine.config.quantization,
+        "decode_context": args.decode_context, "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_bytes": engine.config.kv_cache_bytes,
     }  # fmt: skip
     return results
 
@@ -166,8 +257,51 @@ def table(res: dict) -> str:
         lines.append(f"| prefill {r['tokens']} tokens | {r['kvrelay_tok_s']} | {r['hf_tok_s']} "
                      f"| {r['ratio']}x |")  # fmt: skip
     for r in res["decode"]:
+        if r.get("context"):
+            lines.append(
+                f"| decode batch {r['batch']} x {r['context']}-token context: "
+                f"{r['ms_per_step']} ms/step | {r['kvrelay_tok_s']} | - | - |"
+            )
+            continue
         lines.append(f"| decode batch {r['batch']} (aggregate) | {r['kvrelay_tok_s']} | "
                      f"{r['hf_tok_s']} | {r['ratio']}x |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def row_key(kind: str, r: dict) -> str:
+    if kind == "prefill":
+        return f"prefill {r['tokens']} tokens"
+    if r.get("context"):
+        return f"decode batch {r['batch']} x {r['context']} context"
+    return f"decode batch {r['batch']}"
+
+
+def compare(old: dict, new: dict) -> list[dict]:
+    """NEW/OLD for every row both runs have: tok/s ratio (and old/new ms per step)."""
+    before = {row_key(k, r): r for k in ("prefill", "decode") for r in old.get(k, [])}
+    out = []
+    for kind in ("prefill", "decode"):
+        for r in new.get(kind, []):
+            o = before.get(row_key(kind, r))
+            if o is None or not o["kvrelay_tok_s"]:
+                continue
+            row = {"row": row_key(kind, r), "old_tok_s": o["kvrelay_tok_s"],
+                   "new_tok_s": r["kvrelay_tok_s"],
+                   "speedup": round(r["kvrelay_tok_s"] / o["kvrelay_tok_s"], 2)}  # fmt: skip
+            if o.get("ms_per_step") and r.get("ms_per_step"):
+                row.update(old_ms_per_step=o["ms_per_step"], new_ms_per_step=r["ms_per_step"])
+            out.append(row)
+    return out
+
+
+def compare_table(rows: list[dict]) -> str:
+    lines = ["| row | old tok/s | new tok/s | new / old | old ms/step | new ms/step |",
+             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        ms = f"{r.get('old_ms_per_step', '-')} | {r.get('new_ms_per_step', '-')}"
+        lines.append(
+            f"| {r['row']} | {r['old_tok_s']} | {r['new_tok_s']} | {r['speedup']}x | {ms} |"
+        )
     return "\n".join(lines)
 
 
@@ -190,7 +324,9 @@ def write_docs(res: dict, command: str) -> None:
         f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}  ",
         f"Machine: {machine()}, {c['threads']} torch threads; load average at start "
         f"{c['load_average_at_start']} (other jobs share the cores: rerun on a quiet machine)  ",
-        f"Model: {c['model']} ({c['dtype']}); decode: {c['prompt_len']}-token prompts, "
+        f"Model: {c['model']} ({c['dtype']}); decode: "
+        f"{c.get('decode_context') or c['prompt_len']}-token "
+        f"{'contexts (engine only)' if c.get('decode_context') else 'prompts'}, "
         f"{c['decode_tokens']} new tokens, greedy; best of {c['repeats']}.", "",
         "transformers runs the same weights with its `DynamicCache` in the same process. Decode "
         "throughput is aggregate (all sequences) and excludes the prefill step.", "",
@@ -209,23 +345,57 @@ def write_docs(res: dict, command: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512, 2048])
+    p.add_argument("--prefill-lens", type=int, nargs="*", default=[128, 512, 2048],
+                   help="prompt lengths of the prefill rows (none: no prefill rows)")  # fmt: skip
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=64, help="decode prompts' length")
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--kv-cache-mib", type=int, default=512)
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "fp16"],
+    p.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=None,
+        help="the engine's KV pool (default: room for the largest decode batch, >= 512)",
+    )
+    p.add_argument(
+        "--decode-context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="time decode steps with N tokens of context per sequence (engine only)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="EngineConfig.kv_cache_dtype (passed only when given)",
+    )
+    p.add_argument(
+        "--json", type=Path, default=None, metavar="OUT", help="also write the results to this file"
+    )
+    p.add_argument("--compare", type=Path, nargs=2, default=None, metavar=("OLD", "NEW"),
+                   help="print NEW/OLD of two --json files and exit")  # fmt: skip
+    p.add_argument("--quantization", default="none",
+                   choices=["none", "int8", "fp16", "int8-weight-only"],
                    help="the engine's weights (transformers stays fp32: the baseline)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script works")
     p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     args = p.parse_args(argv)
+    if args.compare:
+        old, new = (json.loads(f.read_text()) for f in args.compare)
+        rows = compare(old, new)
+        print(json.dumps({"benchmark": "engine-compare", "rows": rows}))
+        print(compare_table(rows))
+        return 0
     if args.quick:
         args.prefill_lens, args.batches, args.decode_tokens, args.repeats = [64], [1, 4], 6, 1
+        if args.decode_context:
+            args.decode_context = min(args.decode_context, 128)
     res = run(args)
     print(json.dumps({"benchmark": "engine", **res}))
     print(table(res))
+    if args.json:
+        args.json.write_text(json.dumps({"benchmark": "engine", **res}, indent=1) + "\n")
     if args.write_docs:
         write_docs(res, "python benchmarks/engine.py " + " ".join(argv or sys.argv[1:]))
     return 0

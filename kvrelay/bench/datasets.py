@@ -2,7 +2,9 @@
 
 Every set is deterministic for a given seed and needs no tokenizer, so the same requests go to
 any OpenAI-compatible server. Sizes in tokens are measured with the SmolLM2 tokenizer; other
-tokenizers give somewhat different counts.
+tokenizers give somewhat different counts. `long-context` documents are built from pieces that
+are one SmolLM2 token each, so their prompts are exactly LONG_CONTEXT_TOKENS long for that model
+(chat template included).
 
 JSONL files hold one request per line, either `{"messages": [{"role": ..., "content": ...}]}`
 (chat) or `{"prompt": "..."}` (text), each with an optional `"max_tokens"`.
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from kvrelay.core.errors import KvrelayError
 
-BUILTIN = ("short", "shared-prefix", "long", "multi-turn")
+BUILTIN = ("short", "shared-prefix", "long", "long-context", "multi-turn")
 TOPICS = [
     "the sea",
     "mountains",
@@ -54,6 +56,31 @@ WORDS = _WORD_TEXT.split()  # the vocabulary of synthetic sentences
 SHARED_PREFIX_RULES = 34  # about 1,500 SmolLM2 tokens
 LONG_WORDS = 1800  # about 2,000 SmolLM2 tokens
 MULTI_TURN_TURNS = 4
+LONG_CONTEXT_TOKENS = 4000  # SmolLM2 tokens of one long-context prompt, chat template included
+# SmolLM2's template around one user message: its default system prompt, role markers and the
+# generation prompt (checked against the real template in tests/bench).
+CHAT_TEMPLATE_TOKENS = 30
+# `kvrelay bench --concurrency` when not given, per dataset (others: 8).
+DEFAULT_CONCURRENCY = {"long-context": "8,32"}
+
+# long-context prose: every word below is one SmolLM2 token after a space, every opener one
+# token with or without a space, so a document's token count is its number of pieces.
+_NOUNS = WORDS[WORDS.index("river") : WORDS.index("quiet")]
+_ADJECTIVES = WORDS[WORDS.index("quiet") : WORDS.index("walks")]
+_VERBS = WORDS[WORDS.index("walks") : WORDS.index("slowly")]
+_ADVERBS = ["slowly", "often", "always", "again", "together", "alone", "suddenly", "gently"]
+_PREPOSITIONS = ["near", "by", "from", "with", "behind", "under", "across", "beside"]
+_OPENERS = ["The", "Each", "Every", "One", "That", "This"]
+# sentence shapes: O opener, N noun, A adjective, V verb, D adverb, P preposition, others literal
+_SHAPES = [
+    "O A N V the N D .",
+    "O N V a A N P the N .",
+    "O N V the A N , and the N V it D .",
+    "O A N D V the N P the A N .",
+    "O N P the N V a A N , D .",
+]
+_LONGEST_SHAPE = max(len(s.split()) for s in _SHAPES)
+_QUESTION = ["\n", "\n", "What", " is", " the", " text", " above", " about", "?"]
 
 
 class DatasetError(KvrelayError, ValueError):
@@ -127,6 +154,58 @@ def shared_system_prompt() -> str:
     return "\n".join(lines)
 
 
+def _piece(rng: random.Random, slot: str, first: bool) -> str:
+    words = {"N": _NOUNS, "A": _ADJECTIVES, "V": _VERBS, "D": _ADVERBS, "P": _PREPOSITIONS}
+    if slot == "O":
+        word = rng.choice(_OPENERS)
+        return word if first else " " + word
+    if slot in (".", ","):
+        return slot
+    return " " + (rng.choice(words[slot]) if slot in words else slot)
+
+
+def _sentence_pieces(rng: random.Random, shape: str, first: bool) -> list[str]:
+    pieces = [_piece(rng, slot, first and i == 0) for i, slot in enumerate(shape.split())]
+    for i, p in enumerate(pieces[:-1]):
+        if p == " a" and pieces[i + 1][1] in "aeiou":
+            pieces[i] = " an"
+    return pieces
+
+
+def long_context_document(rng: random.Random, num_tokens: int) -> list[str]:
+    """Paragraphs of plain sentences as pieces of one SmolLM2 token each, `num_tokens` of them."""
+    pieces: list[str] = []
+    left = num_tokens
+    paragraph_left = rng.randint(4, 8)  # sentences until the next paragraph break
+    first = True
+    # Whole sentences while another one still fits, then one sentence of exactly what is left.
+    while left > _LONGEST_SHAPE + 2 + 6:
+        if paragraph_left == 0:
+            pieces += ["\n", "\n"]
+            left -= 2
+            paragraph_left, first = rng.randint(4, 8), True
+        sentence = _sentence_pieces(rng, rng.choice(_SHAPES), first)
+        pieces += sentence
+        left -= len(sentence)
+        paragraph_left -= 1
+        first = False
+    pairs, odd = divmod(left - 6, 2)
+    tail = ["O", "N", "V", "the", "N"] + [",", "N"] * pairs + ["D"] * odd + ["."]
+    pieces += _sentence_pieces(rng, " ".join(tail), first)
+    return pieces
+
+
+def long_context_prompt(rng: random.Random) -> str:
+    """A user message of its own document and a question: LONG_CONTEXT_TOKENS with the template."""
+    body = LONG_CONTEXT_TOKENS - CHAT_TEMPLATE_TOKENS - len(_QUESTION)
+    return "".join(long_context_document(rng, body) + _QUESTION)
+
+
+def default_concurrency(name: str) -> str:
+    """`--concurrency` of a run on this dataset when none is given."""
+    return DEFAULT_CONCURRENCY.get(name, "8")
+
+
 def _question(rng: random.Random, index: int) -> str:
     return f"({index}) " + rng.choice(TASKS).format(rng.choice(TOPICS))
 
@@ -146,6 +225,8 @@ def builtin(name: str, seed: int) -> Dataset:
                     {"role": "user", "content": _question(rng, index)},
                 ]
             )
+        if name == "long-context":
+            return Session(messages=[{"role": "user", "content": long_context_prompt(rng)}])
         if name == "long":
             doc = _text(rng, LONG_WORDS)
             ask = "Summarize the text above in one sentence."

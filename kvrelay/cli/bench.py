@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 DATASET_HELP = (
     "short | shared-prefix (a common ~1,500-token system prompt) | long (~2,000-token prompts) "
+    "| long-context (4,000-token prompts, each its own document; --concurrency 8,32 by default) "
     '| multi-turn (4-turn conversations) | FILE.jsonl with one {"messages": [...]} or '
     '{"prompt": "..."} per line, optional "max_tokens" (default short)'
 )
@@ -52,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--concurrency",
         default=None,
         metavar="N[,N...]",
-        help="closed loop: requests in flight, or a sweep like 1,8,32 (default 8)",
+        help="closed loop: requests in flight, or a sweep like 1,8,32 "
+        "(default 8; long-context: 8,32)",
     )
     p.add_argument(
         "--request-rate",
@@ -167,7 +169,7 @@ def resolve_model(url: str, model: str | None, api_key: str | None) -> str:
 
 
 def _config(args: argparse.Namespace):
-    from kvrelay.bench.datasets import DatasetError
+    from kvrelay.bench.datasets import DatasetError, default_concurrency
     from kvrelay.bench.datasets import load as load_dataset
     from kvrelay.bench.request import RequestOptions, Target
     from kvrelay.bench.stats import Slo
@@ -177,7 +179,8 @@ def _config(args: argparse.Namespace):
     if args.request_rate is not None:
         mode, points = "rate", _points(args.request_rate, "--request-rate", float)
     else:
-        mode, points = "concurrency", _points(args.concurrency or "8", "--concurrency", int)
+        concurrency = args.concurrency or default_concurrency(args.dataset)
+        mode, points = "concurrency", _points(concurrency, "--concurrency", int)
     try:
         load_dataset(args.dataset, args.seed)  # fail on a bad file before touching a server
     except DatasetError as exc:

@@ -252,8 +252,11 @@ class KvrelayServer(Server):
     def command(self) -> tuple[list[str], dict[str, str]]:
         import sys
 
+        # The request deadline matches the client's 900 s (the peers have none): 32 streams of
+        # 4,000-token prompts queue for minutes on a small CPU.
         cmd = [sys.executable, "-m", "kvrelay.cli.main", "up", "--run-dir",
-               str(self.dir / "run"), "--port", str(self.port), "--timeout", "900"]  # fmt: skip
+               str(self.dir / "run"), "--port", str(self.port), "--timeout", "900",
+               "--request-timeout", "900"]  # fmt: skip
         flags, env = self.settings()
         return cmd + flags, env
 

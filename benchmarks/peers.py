@@ -74,10 +74,11 @@ def system_prompt(salt: str, target: int = 1500) -> tuple[str, int]:
 
 
 def requests_for(
-    workload: str, streams: int, salt: str, sys_text: str, seed: int = 0
+    workload: str, streams: int, salt: str, sys_text: str, seed: int = 0, per_stream: int = 2
 ) -> list[list[dict]]:
-    """The conversations of one level: 2 per stream (at least 4); `seed` picks long documents."""
-    n = max(4, 2 * streams)
+    """The conversations of one level: `per_stream` per stream (at least 4); `seed` picks the
+    long documents."""
+    n = max(4, per_stream * streams)
     if workload == "long-context":
         data = builtin("long-context", seed)
         return [data.session(i).messages for i in range(n)]
@@ -233,7 +234,12 @@ def run(args: argparse.Namespace) -> dict:
                 for workload, streams in levels:
                     # Same requests for every server of a round; new ones every level and round.
                     convs = requests_for(
-                        workload, streams, f"r{rep}-{streams}", sys_text, rep * 1000 + streams
+                        workload,
+                        streams,
+                        f"r{rep}-{streams}",
+                        sys_text,
+                        rep * 1000 + streams,
+                        args.requests_per_stream,
                     )
                     res, wall = asyncio.run(closed_loop(server.url, convs, args.tokens, streams))
                     key = (name, workload, streams)
@@ -364,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         "--workloads", default="short,shared-prefix", help=f"comma-separated: {','.join(WORKLOADS)}"
     )
     p.add_argument("--long-context-streams", default="8,32", help="long-context's stream levels")
+    p.add_argument(
+        "--requests-per-stream", type=int, default=2, help="requests per stream and level (2)"
+    )
     p.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="alternating rounds")
     p.add_argument("--threads", type=int, default=2)
@@ -438,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             + "; ".join(f"{k}: `{v}`" for k, v in res["configs"].items()) + "  ",
             f"{args.threads} threads each, one server at a time, {args.repeats} alternating "
             f"round(s); streamed chat, greedy, {args.tokens} output tokens per request "
-            f"(ignore_eos + min_tokens), closed loop with 2 requests per stream (at least 4)"
+            f"(ignore_eos + min_tokens), closed loop with "
+            f"{args.requests_per_stream} request(s) per stream (at least 4)"
             f"{workload_notes(args, res)}. ITL = gaps between content chunks (pooled); "
             "TPOT = (latency - TTFT) / (tokens - 1) per request. Ratios are kvrelay / peer: "
             "above 1 favors kvrelay for throughput, below 1 for TTFT and ITL. Start-up "

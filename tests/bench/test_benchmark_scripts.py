@@ -82,6 +82,8 @@ def test_long_context_requests_come_from_the_bench_dataset():
     assert len(convs) == 16
     assert convs[3] == builtin("long-context", 1008).session(3).messages
     assert len({c[0]["content"] for c in convs}) == 16
+    assert len(peers.requests_for("long-context", 32, "s", "", 1032, per_stream=1)) == 32
+    assert len(peers.requests_for("short", 1, "s", "", per_stream=1)) == 4
 
 
 def engine(*argv: str) -> dict:

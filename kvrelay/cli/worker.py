@@ -18,8 +18,9 @@ LOADER_THREADS = 4  # concurrent store fetches of one worker (the node fetches 4
 
 
 KV_DTYPE_HELP = (
-    "KV page dtype: auto (the model's: bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16; "
-    "16-bit pages fit twice the tokens in --kv-cache-bytes"
+    "KV page dtype: auto (bf16 for an fp32 model on CPU with the C++ kernels, else the "
+    "model's: bf16 on CUDA, fp32 on the torch path), fp32, bf16 or fp16; 16-bit pages fit "
+    "twice the tokens in --kv-cache-bytes"
 )
 # --kv-cache-dtype values: the short names, and the long ones normalize_dtype also takes
 KV_DTYPE_CHOICES = (*KV_CACHE_DTYPES, "float32", "bfloat16", "float16")

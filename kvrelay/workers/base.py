@@ -99,6 +99,8 @@ class Worker:
             "metrics_port": "",
             "max_num_seqs": config.max_num_seqs,
             "kernel_isa": getattr(engine, "kernel_isa", ""),
+            # the KV pool's dtype ("float32", "bfloat16", "float16"; "" for engines without one)
+            "kv_dtype": str(getattr(engine, "kv_dtype", "")).removeprefix("torch."),
         }
         self.heartbeat = Heartbeat(
             self.streams,

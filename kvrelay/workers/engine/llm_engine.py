@@ -57,7 +57,7 @@ class Engine:
         loaded: LoadedModel | None = None,
     ):
         """`loaded`: reuse an already loaded model (several engines sharing weights, tests)."""
-        from kvrelay.core.modelref import model_fingerprint
+        from kvrelay.core.modelref import model_fingerprint, normalize_kv_cache_dtype
         from kvrelay.workers.model.llama import allocate_kv_pool
         from kvrelay.workers.model.loader import load_model, resolve_kv_dtype
 
@@ -67,7 +67,7 @@ class Engine:
         if config.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {config.page_size}")
         try:  # a bad value fails before the model loads
-            resolve_kv_dtype(config.kv_cache_dtype, torch.float32)
+            normalize_kv_cache_dtype(config.kv_cache_dtype)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if loaded is None:
@@ -85,7 +85,9 @@ class Engine:
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self.kv_dtype = kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, loaded.dtype)
+        self.kv_dtype = kv_dtype = resolve_kv_dtype(
+            config.kv_cache_dtype, loaded.dtype, loaded.device
+        )
         # Pages of another dtype are other pages: the KV dtype is part of their identity.
         self.fingerprint = loaded.fingerprint
         if kv_dtype != loaded.dtype:

@@ -25,7 +25,7 @@ _HELP = [
     ("disk_bytes", "disk tier size cap"),
     ("page_bytes", "payload bytes of one page (or give --model)"),
     ("model", "model whose pages this node stores (sets page bytes and fingerprint)"),
-    ("dtype", "page dtype with --model (the workers' --kv-cache-dtype)"),
+    ("dtype", "page dtype with --model (the workers' --kv-cache-dtype; auto: CPU workers')"),
     ("model_dtype", "workers' compute dtype with --model when not the page dtype (fingerprint)"),
     ("page_size", "tokens per page with --model"),
     ("quantization", "workers' weight quantization with --model (fingerprint)"),
@@ -70,15 +70,16 @@ def build_config(args: argparse.Namespace):
         from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
 
         try:
+            model_dtype, kv_dtype = page_dtypes(cfg.dtype, cfg.model_dtype)
             info = read_model_info(
                 converted_dir(resolve_model(cfg.model)),
-                cfg.model_dtype or cfg.dtype,
+                model_dtype,
                 cfg.quantization,
-                kv_dtype=cfg.dtype,
+                kv_dtype=kv_dtype,
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
-        page_bytes = info.page_bytes(cfg.dtype, cfg.page_size)
+        page_bytes = info.page_bytes(kv_dtype, cfg.page_size)
         if cfg.page_bytes not in (None, page_bytes):
             raise CommandError(
                 f"--page-bytes {cfg.page_bytes} contradicts --model "
@@ -88,6 +89,26 @@ def build_config(args: argparse.Namespace):
     if cfg.page_bytes is None:
         raise CommandError("give --page-bytes or --model (or KVRELAY_STORE_PAGE_BYTES)")
     return cfg
+
+
+def page_dtypes(dtype: str, model_dtype: str | None) -> tuple[str, str]:
+    """(workers' compute dtype, page dtype) for --dtype/--model-dtype. `auto` resolves as the
+    workers' own --kv-cache-dtype auto does for an fp32 model on this host's CPU
+    (loader.resolve_kv_dtype_name: bfloat16 when the C++ kernels load, else float32)."""
+    from kvrelay.core.modelref import normalize_dtype, normalize_kv_cache_dtype
+
+    if normalize_kv_cache_dtype(dtype) != "auto":
+        return normalize_dtype(model_dtype or dtype), normalize_dtype(dtype)
+    model_dtype = normalize_dtype(model_dtype or "float32")
+    try:
+        from kvrelay.kernels.cpu_build import load
+    except ImportError:  # no torch on this host: no CPU worker here either; fp32 pages
+        kernels = False
+    else:
+        kernels = load() is not None
+    from kvrelay.workers.model.loader import resolve_kv_dtype_name
+
+    return model_dtype, resolve_kv_dtype_name("auto", model_dtype, "cpu", kernels)
 
 
 def run_store(args: argparse.Namespace) -> int:

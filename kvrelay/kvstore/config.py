@@ -23,8 +23,11 @@ class StoreConfig:
     disk_bytes: int = 16 << 30
     page_bytes: int | None = None  # payload bytes of one page; or derived from `model`
     model: str | None = None
-    dtype: str = "float32"  # with `model`: the page dtype (the workers' KV cache dtype)
+    # with `model`: the page dtype (the workers' --kv-cache-dtype); auto: what `auto` gives
+    # fp32 workers on this host's CPU (bfloat16 with the C++ kernels, else float32)
+    dtype: str = "auto"
     # with `model`: the workers' compute dtype (fingerprint) when it is not the page dtype
+    # (default: float32 under dtype auto, else the page dtype)
     model_dtype: str | None = None
     page_size: int = 16  # with `model`: tokens per page
     quantization: str = "none"  # with `model`: the workers' weight quantization (fingerprint)

@@ -424,10 +424,49 @@ def test_kv_cache_dtype_reaches_the_workers_and_the_store(tmp_path, monkeypatch)
     quant = state["quantization"]
     assert cfg.fingerprint == model_fingerprint(directory, "float32", quant, "bfloat16")
     assert cfg.fingerprint != model_fingerprint(directory, "float32", quant)
-    monkeypatch.delenv("KVRELAY_STORE_DTYPE")
+    monkeypatch.setenv("KVRELAY_STORE_DTYPE", "fp32")
     monkeypatch.delenv("KVRELAY_STORE_MODEL_DTYPE")
     assert build_config(p.parse_args([])).page_bytes == 2 * cfg.page_bytes
-    args = build_parser().parse_args(["up", "--threads", "2"])  # auto: nothing set
-    programs, state = build_programs(args, tmp_path / "auto")
-    assert state["kv_cache_dtype"] == "auto"
-    assert all("KVRELAY_WORKER_KV_CACHE_DTYPE" not in p.env for p in programs)
+
+
+def test_kv_cache_dtype_auto_is_resolved_once_for_workers_and_store(tmp_path, monkeypatch):
+    """`up` resolves --kv-cache-dtype auto by the workers' rule (bf16 pages for fp32 compute
+    on CPU with the C++ kernels, fp32 on the torch path), hands every worker the result and
+    the store the matching page dtype, and records it in stack.json; a standalone store's
+    default (auto) expects the same pages."""
+    import argparse
+
+    from kvrelay.cli.main import build_parser
+    from kvrelay.cli.store import add_store_arguments, build_config
+    from kvrelay.cli.up.command import build_programs
+    from kvrelay.core.modelref import converted_dir, model_fingerprint, resolve_model
+    from kvrelay.kernels import cpu_build
+
+    for name in ("KVRELAY_STORE_DTYPE", "KVRELAY_STORE_MODEL_DTYPE", "KVRELAY_KERNELS_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    kernels = cpu_build.load() is not None
+    for extra, short, long in (
+        ([], "bf16" if kernels else "fp32", "bfloat16" if kernels else "float32"),
+        (["--env", "KVRELAY_KERNELS_CPU=torch"], "fp32", "float32"),
+        (["--env", "KVRELAY_WORKER_KV_CACHE_DTYPE=fp16"], "fp16", "float16"),
+    ):
+        args = build_parser().parse_args(["up", "--threads", "2", "--prefill", "1", *extra])
+        programs, state = build_programs(args, tmp_path / short)
+        assert state["kv_cache_dtype"] == short, extra
+        env = {p.name: p.env for p in programs}
+        assert {env[w]["KVRELAY_WORKER_KV_CACHE_DTYPE"] for w in ("prefill-0", "decode-0")} == {
+            short
+        }
+        assert (env["store"]["KVRELAY_STORE_DTYPE"], env["store"]["KVRELAY_STORE_MODEL_DTYPE"]) == (
+            long,
+            "float32",
+        )
+    directory = converted_dir(resolve_model(args.model))
+    p = argparse.ArgumentParser()
+    add_store_arguments(p)
+    cfg = build_config(p.parse_args(["--model", args.model]))  # dtype auto
+    expected = "bfloat16" if kernels else "float32"
+    assert cfg.fingerprint == model_fingerprint(directory, "float32", "none", expected)
+    bf16 = build_config(p.parse_args(["--model", args.model, "--dtype", "bf16", "--model-dtype",
+                                      "float32"]))  # fmt: skip
+    assert cfg.page_bytes == bf16.page_bytes * (1 if kernels else 2)

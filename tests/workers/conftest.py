@@ -96,8 +96,9 @@ def run_batch(model, kv_pool: torch.Tensor, chunks: list[SeqChunk], page_size: i
 
 
 def quantized_engine_factory(quantization: str):
-    """A module-scoped `make_engine` fixture: make(**kw) builds an Engine (64 blocks unless
-    given) over the model loaded once with `quantization`."""
+    """A module-scoped `make_engine` fixture: make(**kw) builds an Engine (64 blocks and fp32
+    KV pages unless given: the tests compare the weight schemes with fp32 and pin values
+    measured on fp32 pages) over the model loaded once with `quantization`."""
 
     @pytest.fixture(scope="module")
     def make_engine(model_dir):
@@ -109,6 +110,7 @@ def quantized_engine_factory(quantization: str):
 
         def make(**kw):
             kw.setdefault("num_blocks", 64)
+            kw.setdefault("kv_cache_dtype", "fp32")
             return Engine(EngineConfig(quantization=quantization, **kw), loaded=loaded)
 
         return make

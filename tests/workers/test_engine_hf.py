@@ -60,7 +60,8 @@ def hf_generate(hf_model, prompts: list[list[int]], pad_id: int):
 
 
 def test_greedy_matches_transformers_generate(loaded_model, hf_model):
-    engine = Engine(EngineConfig(num_blocks=200), loaded=loaded_model)
+    # fp32 pages: the same numbers as transformers' fp32 cache (auto would pick bf16 pages)
+    engine = Engine(EngineConfig(num_blocks=200, kv_cache_dtype="fp32"), loaded=loaded_model)
     prompts = chat_prompts(engine.tokenizer)
     ours = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     ref_tokens, ref_logits = hf_generate(hf_model, prompts, engine.tokenizer.eos_token_id)

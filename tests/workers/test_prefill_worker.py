@@ -72,7 +72,7 @@ def decode_tasks(r) -> dict[str, DecodeTask]:
     return {t.request_id: t for t in tasks}
 
 
-def test_handoff_emits_first_token_and_decode_task(stack):
+def test_handoff_emits_first_token_and_decode_task(stack, capsys):
     r, worker, prompt, ref = stack
     submit(r, "h1", prompt, arrival_time=1.5, cache_salt="")
     [chunk] = chunks(r, "h1")
@@ -96,6 +96,17 @@ def test_handoff_emits_first_token_and_decode_task(stack):
     assert abs(float(rec[b"started"]) - time.time()) < 60
     info = r.hgetall(KEYS.worker("prefill-t"))
     assert info[b"role"] == b"prefill" and info[b"model"] == b"smollm2-135m-instruct"
+    # the kernels and KV pages it runs, shown by `kvrelay status` (KERNELS, KV)
+    isa, kv = worker.engine.kernel_isa, str(worker.engine.kv_dtype).removeprefix("torch.")
+    assert (info[b"kernel_isa"].decode(), info[b"kv_dtype"].decode()) == (isa, kv)
+    assert kv == ("bfloat16" if isa else "float32")  # fp32 model on CPU: auto
+    from kvrelay.cli.main import main
+
+    capsys.readouterr()
+    assert main(["status", "--redis-url", worker.config.redis_url, "--key-prefix", "pw:"]) == 0
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prefill-t")]
+    short = {"bfloat16": "bf16", "float32": "fp32"}[kv]
+    assert row.endswith(f"s  {isa or '-':<9}{short:<6}ok")
     assert b'"page_size": 16' in r.hget(KEYS.models, "smollm2-135m-instruct")
 
 

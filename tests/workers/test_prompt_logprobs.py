@@ -34,10 +34,11 @@ def prompt(loaded_model):
     return tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}])
 
 
-def expected(model, prompt: list[int], n: int) -> list[dict]:
-    """The entries from one forward of the whole prompt on a fresh pool (all rows' logits)."""
+def expected(model, prompt: list[int], n: int, kv_dtype: torch.dtype) -> list[dict]:
+    """The entries from one forward of the whole prompt on a fresh pool of the engine's KV
+    dtype (all rows' logits)."""
     blocks = list(range(-(-len(prompt) // PAGE)))
-    pool = model.allocate_kv_pool(len(blocks), PAGE)
+    pool = model.allocate_kv_pool(len(blocks), PAGE, kv_dtype)
     logits = run_batch(model, pool, [SeqChunk(blocks, 0, prompt)], PAGE)
     out = [{"token_id": prompt[0], "logprob": None, "rank": None, "top": []}]
     for k in range(1, len(prompt)):
@@ -64,14 +65,15 @@ def test_prompt_logprobs_equal_a_full_forward(make_engine, loaded_model, prompt,
     engine = make_engine(max_num_batched_tokens=budget)
     out = engine.generate([prompt], params(), ["a"])[0]
     assert len(prompt) > 2 * PAGE
-    assert out.prompt_logprobs == expected(loaded_model.model, prompt, TOP)
+    assert out.prompt_logprobs == expected(loaded_model.model, prompt, TOP, engine.kv_dtype)
     assert out.prompt_logprobs[1]["rank"] >= 1
     assert len(out.new_token_ids) == 2
 
 
 def test_prompt_logprobs_zero_has_no_top(make_engine, loaded_model, prompt):
-    out = make_engine().generate([prompt], params(0), ["z"])[0]
-    want = expected(loaded_model.model, prompt, 1)
+    engine = make_engine()
+    out = engine.generate([prompt], params(0), ["z"])[0]
+    want = expected(loaded_model.model, prompt, 1, engine.kv_dtype)
     for entry in want:
         entry["top"] = []
     assert out.prompt_logprobs == want

@@ -44,6 +44,16 @@ def test_greedy_answer_is_fp32s(make_engine):
     assert greedy_capital_answer(make_engine()).output_token_ids == FP32_CAPITAL_ANSWER
 
 
+def test_default_stack_bf16_pages_keep_the_answer(make_engine, model_dir):
+    """What `kvrelay up` runs on this CPU (int8-weight-only, kv_cache_dtype auto: bf16 pages
+    with the C++ kernels) still gives fp32's greedy answer, under its own fingerprint."""
+    engine = make_engine(kv_cache_dtype="auto")
+    assert engine.kv_dtype == torch.bfloat16
+    assert greedy_capital_answer(engine).output_token_ids == FP32_CAPITAL_ANSWER
+    own = model_fingerprint(model_dir, "float32", "int8-weight-only", "bfloat16")
+    assert engine.fingerprint == own
+
+
 def test_alone_equals_in_batch_of_8_and_chunked(make_engine):
     check_alone_equals_in_batch_of_8_and_chunked(make_engine)
 

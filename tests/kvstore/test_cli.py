@@ -170,9 +170,17 @@ def test_model_sets_page_bytes_and_fingerprint():
         pytest.skip("SmolLM2 not converted yet (run `kvrelay generate` once)")
     p = argparse.ArgumentParser()
     add_store_arguments(p)
-    cfg = build_config(p.parse_args(["--model", "smollm2-135m-instruct"]))
-    assert cfg.page_bytes == 737_280
+    cfg = build_config(p.parse_args(["--model", "smollm2-135m-instruct", "--dtype", "fp32"]))
+    assert cfg.page_bytes == 737_280  # 16 tokens x 46,080 bytes
     assert cfg.fingerprint == read_model_info(converted_dir(ref), "float32").fingerprint
+    # default --dtype auto: the pages fp32 workers' --kv-cache-dtype auto gives on this CPU
+    from kvrelay.kernels import cpu_build
+
+    auto = build_config(p.parse_args(["--model", "smollm2-135m-instruct"]))
+    kv = "bfloat16" if cpu_build.load() is not None else "float32"
+    assert auto.page_bytes == (368_640 if kv == "bfloat16" else 737_280)
+    info = read_model_info(converted_dir(ref), "float32", kv_dtype=kv)
+    assert auto.fingerprint == info.fingerprint
     with pytest.raises(CommandError, match="--page-bytes 1024 contradicts --model"):
         build_config(p.parse_args(["--model", "smollm2-135m-instruct", "--page-bytes", "1024"]))
 

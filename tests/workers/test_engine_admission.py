@@ -64,7 +64,8 @@ def test_slow_store_fetch_delays_only_its_own_request(loaded_model, store, valke
     prompt_b = torch.randint(100, 40000, (70,), generator=g).tolist()
     prompt_c = torch.randint(100, 40000, (40,), generator=g).tolist()
     sp = SamplingParams(max_tokens=24, temperature=0.7, seed=4, ignore_eos=True)
-    refs = Engine(EngineConfig(num_blocks=32), loaded=loaded_model).generate(
+    # fp32 pages: the store's PageSpec and the directory's page keys use the fp32 fingerprint
+    refs = Engine(EngineConfig(num_blocks=32, kv_cache_dtype="fp32"), loaded=loaded_model).generate(
         [prompt_a, prompt_b, prompt_c], [sp] * 3, ["a", "b", "c"]
     )
     # A peer "holding" B's prompt pages: it accepts TCP connections and never answers.
@@ -79,7 +80,8 @@ def test_slow_store_fetch_delays_only_its_own_request(loaded_model, store, valke
     for key in b_keys:
         r.sadd(keys.page(key.hex()), "blackhole")
 
-    engine = Engine(EngineConfig(num_blocks=32, max_num_seqs=4), loaded=loaded_model)
+    config = EngineConfig(num_blocks=32, max_num_seqs=4, kv_cache_dtype="fp32")
+    engine = Engine(config, loaded=loaded_model)
     conns = [_connector(run_dir, spec) for _ in range(3)]  # saves, two loader threads
     try:
         _run(engine, conns, [prompt_a, prompt_b, prompt_c], sp, refs)

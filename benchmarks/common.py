@@ -133,6 +133,15 @@ def kv_bytes(tokens: int, dtype: str, slack: float = 1.2) -> int:
     return int(tokens * info.kv_bytes_per_token(dtype) * slack)
 
 
+def kvrelay_kv_dtype(extra: list[str]) -> str:
+    """The KV dtype kvrelay's workers use on this (CPU) host: --kv-cache-dtype in `extra`, else
+    what `auto` resolves to (bfloat16 with the C++ kernels, float32 on the torch path)."""
+    from kvrelay.workers.model.loader import resolve_kv_dtype_name
+
+    given = flag_value(extra, "--kv-cache-dtype") or "auto"
+    return resolve_kv_dtype_name(given, "float32", "cpu")
+
+
 def flag_value(argv: list[str], flag: str) -> str | None:
     """The value of `flag` in argv (`--flag V` or `--flag=V`), the last one winning."""
     value = None
@@ -240,7 +249,7 @@ class KvrelayServer(Server):
         extra = self.args.kvrelay_extra
         if not self.kv_tokens or flag_value(extra, "--kv-cache-bytes") is not None:
             return None
-        need = kv_bytes(self.kv_tokens, flag_value(extra, "--kv-cache-dtype") or "float32")
+        need = kv_bytes(self.kv_tokens, kvrelay_kv_dtype(extra))
         return need if need > 1 << 30 else None
 
     def settings(self) -> tuple[list[str], dict[str, str]]:
@@ -340,7 +349,8 @@ def precision(name: str, args, peer: PeerConfig | None = None) -> str:
 
         q = default_weights(0)[0] if args.quantization == "auto" else args.quantization
         how = " (`kvrelay up` default)" if args.quantization == "auto" else ""
-        kv = flag_value(getattr(args, "kvrelay_extra", []), "--kv-cache-dtype") or "fp32"
+        short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+        kv = short[kvrelay_kv_dtype(getattr(args, "kvrelay_extra", []))]
         return f"{WEIGHTS[q]}{how}, {kv} KV"
     if name == "llama":
         model = args.llama_model or "SmolLM2-135M-Instruct.Q4_1.gguf"

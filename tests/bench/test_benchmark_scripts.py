@@ -49,9 +49,13 @@ def test_peers_are_sized_for_32_long_context_streams(monkeypatch, capsys):
     assert (out["rule"], out["slots"], out["tokens_per_slot"]) == ("no AMX", 64, 4192)
     assert out["kv_tokens"] == 32 * (4064 + 128)
     assert out["levels"][-2:] == [["long-context", 8], ["long-context", 32]]
-    # fp32 KV: 46,080 bytes a token, 1.2x room; llama: 64 slots of 4,192 tokens
+    # kvrelay's KV dtype auto (this host's: bf16 with the C++ kernels, 23,040 bytes a token;
+    # fp32 on the torch path, 46,080), 1.2x room; llama: 64 slots of 4,192 tokens
+    from kvrelay.kernels import cpu_build
+
+    pool = 3708813312 if cpu_build.load() is not None else 7417626624
     assert out["servers"] == {
-        "kvrelay": "--threads 2 --quantization auto --kv-cache-bytes 7417626624",
+        "kvrelay": f"--threads 2 --quantization auto --kv-cache-bytes {pool}",
         "llama": "-t 2 -tb 2 --parallel 64 -c 268288",
         "vllm": "OMP_NUM_THREADS=2 VLLM_CPU_KVCACHE_SPACE=7 --dtype float32 --max-model-len 4192",
     }

@@ -130,7 +130,7 @@ def run_status(args: argparse.Namespace) -> int:
     for w in data["workers"]:
         shown = "draining" if w.get("draining") else "ok"
         pid, load, rate = ("" if w.get(k) is None else str(w[k]) for k in NUMBER_COLUMNS)
-        kernels, kv = worker_compute(w)
+        kernels, kv = status_data.worker_compute(w)
         print(
             f"{w.get('name', '?'):<24}{w.get('role', '?'):<9}{pid:>8}"
             f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {kernels:<9}{kv:<6}{shown}"
@@ -147,16 +147,6 @@ def run_status(args: argparse.Namespace) -> int:
         print(store_line(data["store"]))
     print(f"topology: {data['topology']['summary']}")
     return 0
-
-
-KV_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def worker_compute(w: dict[str, Any]) -> tuple[str, str]:
-    """The KERNELS and KV columns of a worker's heartbeat: the C++ CPU kernel ISA ("avx512"; "-"
-    when none runs: GPU, torch path) and the KV page dtype ("bf16"; "-" when not reported)."""
-    kv = str(w.get("kv_dtype") or "")
-    return str(w.get("kernel_isa") or "-"), KV_SHORT.get(kv, kv or "-")
 
 
 TIERS = ("host", "disk", "remote")  # always listed, in this order

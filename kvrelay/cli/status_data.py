@@ -14,6 +14,16 @@ from kvrelay.core.enums import Stage
 
 logger = logging.getLogger(__name__)
 
+KV_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def worker_compute(w: dict[str, Any]) -> tuple[str, str]:
+    """The KERNELS and KV columns of a worker's heartbeat: the C++ CPU kernel ISA ("avx512"; "-"
+    when none runs: GPU, torch path) and the KV page dtype ("bf16"; "-" when not reported)."""
+    kv = str(w.get("kv_dtype") or "")
+    return str(w.get("kernel_isa") or "-"), KV_SHORT.get(kv, kv or "-")
+
+
 # Worker series read from its /metrics (summed over labels), as status keys
 WORKER_SERIES = {
     "kvrelay:generation_tokens_total": "generation_tokens",

@@ -12,6 +12,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from kvrelay.cli.status_data import worker_compute
+
 logger = logging.getLogger(__name__)
 
 TIER_NAMES = {"device": "device (worker pools)", "host": "host (DRAM arena)", "disk": "disk"}
@@ -34,8 +36,10 @@ def worker_state(w: dict[str, Any]) -> str:
 
 def workers_table(workers: list[dict[str, Any]]) -> Table:
     t = Table(title="Workers", title_justify="left", expand=False)
-    for col in ("NAME", "STAGE", "STATE", "BATCH", "WAITING", "KV USE", "TOK/S", "HEARTBEAT"):
-        t.add_column(col, justify="left" if col in ("NAME", "STAGE", "STATE") else "right")
+    left = ("NAME", "STAGE", "STATE", "KERNELS", "KV")
+    for col in ("NAME", "STAGE", "STATE", "BATCH", "WAITING", "KV USE", "TOK/S", "HEARTBEAT",
+                "KERNELS", "KV"):  # fmt: skip
+        t.add_column(col, justify="left" if col in left else "right")
     for w in workers:
         batch = w.get("running") if w.get("running") is not None else w.get("load")
         usage = (w.get("metrics") or {}).get("kv_cache_usage_perc")
@@ -48,9 +52,10 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
             _pct(usage),
             _num(w.get("tokens_per_s"), "{:.1f}"),
             f"{w['age_s']:.1f}s ago",
+            *worker_compute(w),
         )
     if not workers:
-        t.add_row("(no live workers)", "", "", "", "", "", "", "")
+        t.add_row("(no live workers)", "", "", "", "", "", "", "", "", "")
     return t
 
 

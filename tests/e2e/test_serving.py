@@ -193,6 +193,10 @@ def test_admin_status_and_worker_metrics(stack, client):
     assert set(workers) == {"prefill-0", "decode-0"}
     assert [s["pending"] for s in status["streams"]] == [0, 0]
     assert status["store"]["pages"]["host"] > 0
+    # both workers hold the pages `up` resolved (auto: bf16 with the C++ kernels) and the store
+    # took them (host pages above): one dtype across the stack
+    kv = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[stack.state["kv_cache_dtype"]]
+    assert {w["kv_dtype"] for w in workers.values()} == {kv}
     human = subprocess.run([sys.executable, "-m", "kvrelay.cli.main", "status",
                             "--run-dir", str(stack.run_dir)], capture_output=True, text=True,
                            timeout=60).stdout  # fmt: skip

@@ -160,6 +160,25 @@ def test_emit_many_pipelines_in_order_and_cancel_flags(r):
     assert a.cancelled(["q0", "q1", "q2"]) == {"q1"}
 
 
+def test_emit_many_sends_no_script_exists_and_reloads_a_flushed_script(r):
+    a = make(r, "a")
+    eid = add_task(r, "s1")
+    a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
+    em = Emission(KEYS.prefill_stream, PREFILL_GROUP, eid, "s1", TokenChunk(0, [4]))
+    r.script_flush()  # as after a Valkey restart: NOSCRIPT, load, send again (once)
+    r.config_resetstat()
+    assert [(x.status, x.emitted) for x in a.emit_many([em, em])] == [
+        (OK, 1),
+        (INDEX_MISMATCH, 1),
+    ]
+    assert [c.token_ids for c in out_chunks(r, "s1")] == [[4]]
+    stats = r.info("commandstats")
+    assert "cmdstat_script|exists" not in stats
+    em.chunk = TokenChunk(1, [5])
+    assert a.emit(em).emitted == 2
+    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 5  # 2 NOSCRIPT + 2 + 1
+
+
 def test_trim_acked_keeps_pending_and_undelivered(r):
     a = make(r, "a")
     eids = [add_task(r, f"q{i}") for i in range(5)]

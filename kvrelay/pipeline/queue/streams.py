@@ -187,32 +187,56 @@ class Streams:
         return self.emit_many([emission])[0]
 
     def emit_many(self, emissions: list[Emission]) -> list[FencedResult]:
-        """Fenced emission of several chunks in one round trip (results in order)."""
+        """Fenced emission of several chunks in one round trip (results in order).
+
+        Plain EVALSHA in the pipeline: redis-py's `Script` in a pipeline sends SCRIPT EXISTS
+        before every execute, a second round trip per token (issue 19, one stream). A server
+        that lost its script cache (a restart) answers NOSCRIPT; the script is loaded and only
+        those calls are sent again (a NOSCRIPT call ran nothing, so nothing can repeat)."""
         if not emissions:
             return []
-        pipe = self.r.pipeline(transaction=False)
         now = f"{time.time():.3f}"
+        calls = []
         for em in emissions:
             chunk = em.chunk
-            final = "1" if chunk.finished else "0"
             fields = {"updated": now, **(em.req_fields or {})}
-            self._emit(
-                keys=[em.stream, self.keys.out(em.request_id), self.keys.request(em.request_id)],
-                args=[
+            calls.append(
+                (
+                    em.stream,
+                    self.keys.out(em.request_id),
+                    self.keys.request(em.request_id),
                     em.group,
                     self.consumer,
                     em.entry_id,
                     chunk.index,
                     len(chunk.token_ids),
                     chunk.encode(),
-                    final,
+                    "1" if chunk.finished else "0",
                     self.out_ttl_s,
                     self.req_ttl_s,
                     *_flat(fields),
-                ],
-                client=pipe,
+                )
             )
-        return [_fenced(reply) for reply in pipe.execute()]
+        replies: list = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(2):
+            pipe = self.r.pipeline(transaction=False)
+            for i in todo:
+                pipe.execute_command("EVALSHA", self._emit.sha, 3, *calls[i])
+            results = pipe.execute(raise_on_error=False)
+            missing = []
+            for i, res in zip(todo, results, strict=True):
+                if isinstance(res, redis.exceptions.NoScriptError) and attempt == 0:
+                    missing.append(i)
+                elif isinstance(res, Exception):
+                    raise res
+                else:
+                    replies[i] = res
+            if not missing:
+                break
+            self.r.script_load(self._emit.script)
+            todo = missing
+        return [_fenced(reply) for reply in replies]
 
     def handoff(
         self,

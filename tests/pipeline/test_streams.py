@@ -175,8 +175,10 @@ def test_emit_many_sends_no_script_exists_and_reloads_a_flushed_script(r):
     stats = r.info("commandstats")
     assert "cmdstat_script|exists" not in stats
     em.chunk = TokenChunk(1, [5])
+    r.script_flush()  # a single emission is sent without a pipeline: the same recovery
     assert a.emit(em).emitted == 2
-    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 5  # 2 NOSCRIPT + 2 + 1
+    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 6  # 2 NOSCRIPT + 2, 1 + 1
+    assert [c.token_ids for c in out_chunks(r, "s1")] == [[4], [5]]
 
 
 def test_trim_acked_keeps_pending_and_undelivered(r):

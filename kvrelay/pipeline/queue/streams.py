@@ -217,6 +217,13 @@ class Streams:
                     *_flat(fields),
                 )
             )
+        if len(calls) == 1:  # the usual case at low load: no pipeline object to build
+            try:
+                reply = self.r.execute_command("EVALSHA", self._emit.sha, 3, *calls[0])
+            except redis.exceptions.NoScriptError:
+                self.r.script_load(self._emit.script)
+                reply = self.r.execute_command("EVALSHA", self._emit.sha, 3, *calls[0])
+            return [_fenced(reply)]
         replies: list = [None] * len(calls)
         todo = list(range(len(calls)))
         for attempt in range(2):

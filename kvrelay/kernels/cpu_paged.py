@@ -38,13 +38,14 @@ class CppPlan:
     chunk_pages: int
 
 
+# is_cpu rather than device.type in these per-call checks: a device object costs ~0.3 us.
 def _f32_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return all(t.dtype == torch.float32 and t.is_cpu for t in tensors)
 
 
 def _pool_ok(kv_pool: torch.Tensor) -> bool:
     """A contiguous CPU pool of an element type the extension reads and writes."""
-    return kv_pool.dtype in KV_DTYPES and kv_pool.device.type == "cpu" and kv_pool.is_contiguous()
+    return kv_pool.dtype in KV_DTYPES and kv_pool.is_cpu and kv_pool.is_contiguous()
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +105,8 @@ def rope_write_kv(
 def supports(query: torch.Tensor, kv_pool: torch.Tensor) -> bool:
     """True when the extension can run this attention call."""
     return (
-        _f32_cpu(query)
+        query.dtype == torch.float32
+        and query.is_cpu
         and _pool_ok(kv_pool)
         and query.shape[2] in HEAD_DIMS
         and kv_pool.shape[3] <= MAX_PAGE_SIZE
@@ -153,7 +155,8 @@ def paged_attention(
     ext = cpu_build.load()
     if ext is None or not supports(query, kv_pool):
         return torch_paged.paged_attention(query, kv_pool, layer, meta, scale)
-    plan = get_plan(meta, kv_pool.shape[3], kv_pool.shape[0], query.shape[0])
+    shape = kv_pool.shape
+    plan = get_plan(meta, shape[3], shape[0], query.shape[0])
     return ext.paged_attention(
         query.contiguous(),
         kv_pool,

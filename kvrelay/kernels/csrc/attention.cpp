@@ -13,8 +13,10 @@
 //
 // Work split (plan.cpp): an item is one key chunk for the row blocks of one or more sequences
 // whose block ids in that chunk are the same (a shared prefix), so its K/V is read once for all
-// of them. Within an item: page by page, KV head by KV head, the GQA rows of each query token
-// go through the page together in tiles of up to 3 rows (rows_page; 4 = 2 + 2, single rows use
+// of them. A step with fewer than about 4 items per thread (decode at small batch: one item
+// per 256 keys of context) and at least 16 pages cuts each item into units of KV heads, so
+// that every thread gets work; heads are independent, so units change no bit. Within an item:
+// page by page, KV head by KV head, the GQA rows of each query token go through the page together in tiles of up to 3 rows (rows_page; 4 = 2 + 2, single rows use
 // row_page): each K and V vector is loaded once and feeds every row of the tile, while each row
 // keeps row_page's operations in the same order (same FMA chains per key, reduce8's tree,
 // masking, softmax update and P.V order), so tiles change no bit. Decode reads a page once per
@@ -37,6 +39,7 @@ namespace kvr {
 namespace {
 
 constexpr int kMaxPage = 256;
+constexpr int kSplitPages = 16;  // fewest pages in a step for cutting items by KV heads
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <class T>
@@ -295,7 +298,17 @@ inline void prefetch_head(const Args<T>& a, const char* base, int h) {
     }
 }
 
-// The first page's K and V of an item.
+// KV heads [h0, h1) of work unit u: an item's heads cut into `split` parts (split = 1: all).
+struct Unit {
+  int item, h0, h1;
+};
+
+inline Unit unit_of(int u, int split, int kv_heads) {
+  const int part = u % split;
+  return Unit{u / split, part * kv_heads / split, (part + 1) * kv_heads / split};
+}
+
+// The first page's K and V of a unit's item, and the unit's first KV head.
 template <class T>
 inline const char* first_span(const Args<T>& a, int index) {
   const int* item = a.items + 3 * index;
@@ -303,10 +316,15 @@ inline const char* first_span(const Args<T>& a, int index) {
   return page_span(a, table, item[0] * a.chunk_pages);
 }
 
+// One unit: the item's chunk for its row blocks, KV heads [h0, h1) only. Heads are independent
+// (each (row, head) state sees the same pages, tiles and order whichever unit holds its head),
+// so cutting an item by heads changes no bit; it only gives a second thread work when a step
+// has fewer items than threads (decode at batch 1: one item per 256 keys of context).
 template <int ND, class T>
-void run_item(const Args<T>& a, int index, bool prefetched, int after) {
-  const int* item = a.items + 3 * index;
+void run_item(const Args<T>& a, Unit un, bool prefetched, const Unit* after) {
+  const int* item = a.items + 3 * un.item;
   const int chunk = item[0], e0 = item[1], e1 = item[2];
+  const int h0 = un.h0, h1 = un.h1;
   const int state = 2 + a.head_dim;
   const int* table = a.tables + a.width * a.entries[4 * e0];
   int pmax = 0;
@@ -316,8 +334,8 @@ void run_item(const Args<T>& a, int index, bool prefetched, int after) {
     for (int t = en[1]; t < en[1] + en[2]; ++t) {
       // A row block may start before this chunk: its earlier rows have no partial here.
       if (a.tokpos[t] < chunk * a.chunk_pages * a.page_size) continue;
-      float* st = a.partial + ((int64_t)(a.chunk_off[t] + chunk) * a.num_heads) * state;
-      for (int hq = 0; hq < a.num_heads; ++hq, st += state) {
+      float* st = a.partial + ((int64_t)(a.chunk_off[t] + chunk) * a.num_heads + h0 * a.group) * state;
+      for (int hq = h0 * a.group; hq < h1 * a.group; ++hq, st += state) {
         st[0] = kNegInf;
         std::fill(st + 1, st + state, 0.0f);
       }
@@ -328,27 +346,29 @@ void run_item(const Args<T>& a, int index, bool prefetched, int after) {
   const __m256 scale = _mm256_set1_ps(a.scale);
   const int64_t stride = (int64_t)a.kv_heads * a.head_dim;
   const int64_t span = 2 * a.kv_stride * (int64_t)sizeof(T);  // bytes of a page's K and V
-  const int64_t share = (span / 64 + a.kv_heads - 1) / a.kv_heads * 64;
+  const int nh = h1 - h0;  // the unit's heads share the L2 prefetch of the next page
+  const int64_t share = (span / 64 + nh - 1) / nh * 64;
   // Memory-bound in decode: keep misses in flight. A page goes to L2 one head's share at a time
   // during the page before it (an item's first page during the thread's previous item), and
   // each head's K/V rows go to L1 while the previous head computes. No arithmetic changes.
   if (!prefetched) {  // the thread's first item
     prefetch_l2(page_span(a, table, first), 0, span);
-    prefetch_head(a, page_span(a, table, first), 0);
+    prefetch_head(a, page_span(a, table, first), h0);
   }
-  const char* following = after >= 0 ? first_span(a, after) : nullptr;
+  const char* following = after ? first_span(a, after->item) : nullptr;
+  const int following_h = after ? after->h0 : 0;
   for (int page = first; page <= last; ++page) {
     const char* base = page_span(a, table, page);
     const char* next = page < last ? page_span(a, table, page + 1) : following;
     const T* kbase = (const T*)base;
     const T* vbase = kbase + a.kv_stride;
     const int kstart = page * a.page_size;
-    for (int h = 0; h < a.kv_heads; ++h) {
-      if (next) prefetch_l2(next, h * share, std::min(span, (h + 1) * share));
-      if (h + 1 < a.kv_heads)
+    for (int h = h0; h < h1; ++h) {
+      if (next) prefetch_l2(next, (h - h0) * share, std::min(span, (h - h0 + 1) * share));
+      if (h + 1 < h1)
         prefetch_head(a, base, h + 1);
       else if (next)
-        prefetch_head(a, next, 0);
+        prefetch_head(a, next, page < last ? h0 : following_h);
       for (int e = e0; e < e1; ++e) {
         const int* en = a.entries + 4 * e;
         for (int j = 0; j < en[2]; ++j) {
@@ -396,14 +416,34 @@ void merge_row(const Args<T>& a, int t, float* out) {
 template <int ND, class T>
 void run(const Args<T>& a, int num_items, int num_tokens, int num_threads, float* out) {
   std::atomic<int> next{0};
-  const int threads = std::max(1, std::min(num_threads, num_items));
+  // Fewer items than about 4 per thread: cut each item by KV heads, so that every thread has
+  // work (bitwise the same; see run_item). A single thread keeps whole items, and so does a
+  // step of under kSplitPages pages in all (waking a thread would cost what it saves).
+  int split = 1;
+  if (num_threads > 1 && num_items < 4 * num_threads && a.kv_heads > 1) {
+    int pages = 0;
+    for (int i = 0; i < num_items; ++i) {
+      const int* item = a.items + 3 * i;
+      int pmax = 0;
+      for (int e = item[1]; e < item[2]; ++e)
+        pmax = std::max(pmax, a.entries[4 * e + 3] + a.entries[4 * e + 2] - 1);
+      const int first = item[0] * a.chunk_pages;
+      pages += std::min(pmax / a.page_size, first + a.chunk_pages - 1) - first + 1;
+    }
+    if (pages >= kSplitPages)
+      split = std::min(a.kv_heads, (4 * num_threads + num_items - 1) / num_items);
+  }
+  const int num_units = num_items * split;
+  const int threads = std::max(1, std::min(num_threads, num_units));
   parallel_for(threads, 1, [&](int64_t, int64_t) {
-    // Each thread claims its next item before running the current one, so that the current
-    // item's last page can prefetch the next item's first page.
+    // Each thread claims its next unit before running the current one, so that the current
+    // unit's last page can prefetch the next unit's first page.
     int i = next.fetch_add(1);
-    for (bool prefetched = false; i < num_items; prefetched = true) {
+    for (bool prefetched = false; i < num_units; prefetched = true) {
       const int after = next.fetch_add(1);
-      run_item<ND>(a, i, prefetched, after < num_items ? after : -1);
+      const Unit following = unit_of(after, split, a.kv_heads);
+      run_item<ND>(a, unit_of(i, split, a.kv_heads), prefetched,
+                   after < num_units ? &following : nullptr);
       i = after;
     }
   });

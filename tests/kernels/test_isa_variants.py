@@ -176,3 +176,84 @@ def test_rowwise_ops_same_bits_in_both_variants(variants, dim):
     q2, s2 = a2.quantize_rows(x, 127.0, 128)
     q5, s5 = a5.quantize_rows(x, 127.0, 128)
     assert torch.equal(q2, q5) and torch.equal(s2, s5)
+
+
+def _attention_case(group: int, kv_heads: int, ctx: list[int], qlen: list[int], page: int, dtype):
+    """Pool, block tables, plan inputs and queries of one batch (shuffled block ids)."""
+    g = torch.Generator().manual_seed(group * 1000 + sum(ctx) + sum(qlen) + page)
+    head_dim = 64
+    pages = [-(-c // page) for c in ctx]
+    blocks = torch.randperm(sum(pages) + 2, generator=g)
+    rows, at = [], 0
+    for p in pages:
+        rows.append(blocks[at : at + p].tolist() + [0] * (max(pages) - p))
+        at += p
+    pool = torch.randn(sum(pages) + 2, 2, 2, page, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(sum(qlen), group * kv_heads, head_dim, generator=g) * 2
+    qsl = torch.tensor([0, *torch.tensor(qlen).cumsum(0).tolist()], dtype=torch.int32)
+    return (
+        q,
+        pool,
+        torch.tensor(rows, dtype=torch.int32),
+        torch.tensor(ctx, dtype=torch.int32),
+        qsl,
+        page,
+    )
+
+
+def _attend(mod, case, threads: int) -> torch.Tensor:
+    q, pool, tables, ctx, qsl, page = case
+    chunk_pages = max(1, 256 // page)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        plan = mod.build_plan(tables, ctx, qsl, q.shape[0], page, chunk_pages, pool.shape[0])
+        return mod.paged_attention(q, pool, 1, tables, *plan, chunk_pages, 0.125)
+    finally:
+        torch.set_num_threads(before)
+
+
+# (context lengths, query rows) per batch: prefill chunks long enough for many row blocks and
+# odd token counts, decode at batch 1 over several chunks (items cut by KV heads at 2 threads),
+# decode batches, a prefill chunk next to decode rows.
+ATTENTION_BATCHES = [
+    ([300], [300]),
+    ([77], [77]),
+    ([530], [45]),
+    ([700], [1]),
+    ([260], [1]),
+    ([40, 700, 300], [1, 1, 1]),
+    ([500, 33], [71, 1]),
+]
+
+
+@needs_both
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_same_bits_in_both_variants(variants, group, dtype):
+    for (ctx, qlen), page in zip(ATTENTION_BATCHES, (16, 5, 16, 16, 16, 8, 32), strict=True):
+        for kv_heads in (1, 3):
+            case = _attention_case(group, kv_heads, ctx, qlen, page, dtype)
+            one = _attend(variants["avx2"], case, 1)
+            for v in ("avx2", "avx512"):
+                for threads in (1, 2):
+                    out = _attend(variants[v], case, threads)
+                    assert torch.equal(out, one), (ctx, qlen, kv_heads, v, threads)
+
+
+@pytest.mark.parametrize("variant", tuple(cpu_build.VARIANTS))
+def test_attention_items_cut_by_heads_keep_the_bits(variant):
+    """Decode at batch 1 with 2-3 chunks: at 2 threads (more than 1 thread per item) each item
+    is cut by KV heads; the rows equal one thread's and the prefill's rows of those positions."""
+    if variant not in cpu_build.supported_variants():
+        pytest.skip(f"this CPU cannot run the {variant} kernels")
+    mod = cpu_build.load_variant(variant)
+    for kv_heads in (2, 3, 5):
+        full = _attention_case(3, kv_heads, [700], [700], 16, torch.float32)
+        rows = _attend(mod, full, 1)
+        q, pool, tables, _, _, page = full
+        for pos in (255, 256, 511, 699):
+            one = (q[pos : pos + 1], pool, tables, torch.tensor([pos + 1], dtype=torch.int32),
+                   torch.tensor([0, 1], dtype=torch.int32), page)  # fmt: skip
+            for threads in (1, 2, 3):
+                assert torch.equal(_attend(mod, one, threads)[0], rows[pos]), (pos, threads)

@@ -13,16 +13,18 @@
 //
 // Work split (plan.cpp): an item is one key chunk for the row blocks of one or more sequences
 // whose block ids in that chunk are the same (a shared prefix), so its K/V is read once for all
-// of them. A step with fewer than about 4 items per thread (decode at small batch: one item
-// per 256 keys of context) and at least 16 pages cuts each item into units of KV heads, so
-// that every thread gets work; heads are independent, so units change no bit. Within an item:
-// page by page, KV head by KV head, the GQA rows of each query token go through the page together in tiles of up to 3 rows (rows_page; 4 = 2 + 2, single rows use
-// row_page): each K and V vector is loaded once and feeds every row of the tile, while each row
-// keeps row_page's operations in the same order (same FMA chains per key, reduce8's tree,
-// masking, softmax update and P.V order), so tiles change no bit. Decode reads a page once per
-// layer and step from memory: a page is prefetched into L2 during the page before it (across
-// items too: a thread claims its next item before running the current one), and each head's
-// K/V rows into L1 while the previous head computes.
+// of them. A step with fewer than 2 items per thread (decode at small batch: one item per 256
+// keys of context) cuts each item into units of KV heads (run()), so that every
+// thread gets work; heads are independent, so units change no bit. Within an item: page by
+// page, KV head by KV head, the GQA rows of each query token go through the page together in
+// tiles of up to 3 rows (rows_page; 4 = 2 + 2, single rows use row_page): each K and V vector
+// is loaded once and feeds every row of the tile, while each row keeps row_page's operations
+// in the same order (same FMA chains per key, reduce8's tree, masking, softmax update and P.V
+// order), so tiles change no bit. (Tiles of several query tokens, up to 6 rows sharing each
+// load, measured no faster on Zen 4 at a 2,048-token prefill: the tile is FMA-bound, not
+// load-bound.) Decode reads a page once per layer and step from memory: a page is prefetched
+// into L2 during the page before it (across items too: a thread claims its next item before
+// running the current one), and each head's K/V rows into L1 while the previous head computes.
 #include <algorithm>
 #include <atomic>
 #include <limits>
@@ -39,7 +41,7 @@ namespace kvr {
 namespace {
 
 constexpr int kMaxPage = 256;
-constexpr int kSplitPages = 16;  // fewest pages in a step for cutting items by KV heads
+constexpr int kSplitWork = 16;  // fewest pages x query rows for cutting items by KV heads
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <class T>
@@ -320,11 +322,13 @@ inline const char* first_span(const Args<T>& a, int index) {
 // (each (row, head) state sees the same pages, tiles and order whichever unit holds its head),
 // so cutting an item by heads changes no bit; it only gives a second thread work when a step
 // has fewer items than threads (decode at batch 1: one item per 256 keys of context).
-template <int ND, class T>
+// kSplit = false: whole items (h0 = 0, h1 = kv_heads as constants of the loops: the compiler
+// then emits the whole-item loop as before the cut, measured ~10% faster with avx512).
+template <int ND, bool kSplit, class T>
 void run_item(const Args<T>& a, Unit un, bool prefetched, const Unit* after) {
   const int* item = a.items + 3 * un.item;
   const int chunk = item[0], e0 = item[1], e1 = item[2];
-  const int h0 = un.h0, h1 = un.h1;
+  const int h0 = kSplit ? un.h0 : 0, h1 = kSplit ? un.h1 : a.kv_heads;
   const int state = 2 + a.head_dim;
   const int* table = a.tables + a.width * a.entries[4 * e0];
   int pmax = 0;
@@ -334,7 +338,8 @@ void run_item(const Args<T>& a, Unit un, bool prefetched, const Unit* after) {
     for (int t = en[1]; t < en[1] + en[2]; ++t) {
       // A row block may start before this chunk: its earlier rows have no partial here.
       if (a.tokpos[t] < chunk * a.chunk_pages * a.page_size) continue;
-      float* st = a.partial + ((int64_t)(a.chunk_off[t] + chunk) * a.num_heads + h0 * a.group) * state;
+      const int64_t row0 = (int64_t)(a.chunk_off[t] + chunk) * a.num_heads + h0 * a.group;
+      float* st = a.partial + row0 * state;
       for (int hq = h0 * a.group; hq < h1 * a.group; ++hq, st += state) {
         st[0] = kNegInf;
         std::fill(st + 1, st + state, 0.0f);
@@ -356,7 +361,7 @@ void run_item(const Args<T>& a, Unit un, bool prefetched, const Unit* after) {
     prefetch_head(a, page_span(a, table, first), h0);
   }
   const char* following = after ? first_span(a, after->item) : nullptr;
-  const int following_h = after ? after->h0 : 0;
+  const int following_h = kSplit && after ? after->h0 : 0;
   for (int page = first; page <= last; ++page) {
     const char* base = page_span(a, table, page);
     const char* next = page < last ? page_span(a, table, page + 1) : following;
@@ -416,35 +421,47 @@ void merge_row(const Args<T>& a, int t, float* out) {
 template <int ND, class T>
 void run(const Args<T>& a, int num_items, int num_tokens, int num_threads, float* out) {
   std::atomic<int> next{0};
-  // Fewer items than about 4 per thread: cut each item by KV heads, so that every thread has
-  // work (bitwise the same; see run_item). A single thread keeps whole items, and so does a
-  // step of under kSplitPages pages in all (waking a thread would cost what it saves).
+  // Fewer than 2 items per thread (decode at batch 1 and under 256 * 2 * threads keys): cut
+  // each item by KV heads, so that every thread has work (bitwise the same; see run_item). A
+  // single thread keeps whole items, and so does a small step: under kSplitWork (pages x query
+  // rows) in all, or 4 times that for one item, whose thread the cut would wake (at batch 1,
+  // 256 keys: +3 us for -4 us, measured worse). More items already balance: cutting them
+  // measured slower (4 items on 2 threads).
   int split = 1;
-  if (num_threads > 1 && num_items < 4 * num_threads && a.kv_heads > 1) {
-    int pages = 0;
+  if (num_threads > 1 && num_items < 2 * num_threads && a.kv_heads > 1) {
+    int64_t work = 0;
     for (int i = 0; i < num_items; ++i) {
       const int* item = a.items + 3 * i;
-      int pmax = 0;
-      for (int e = item[1]; e < item[2]; ++e)
+      int pmax = 0, rows = 0;
+      for (int e = item[1]; e < item[2]; ++e) {
         pmax = std::max(pmax, a.entries[4 * e + 3] + a.entries[4 * e + 2] - 1);
+        rows += a.entries[4 * e + 2];
+      }
       const int first = item[0] * a.chunk_pages;
-      pages += std::min(pmax / a.page_size, first + a.chunk_pages - 1) - first + 1;
+      const int last = std::min(pmax / a.page_size, first + a.chunk_pages - 1);
+      work += (int64_t)rows * (last - first + 1);
     }
-    if (pages >= kSplitPages)
+    if (work >= (num_items > 1 ? kSplitWork : 4 * kSplitWork))
       split = std::min(a.kv_heads, (4 * num_threads + num_items - 1) / num_items);
   }
   const int num_units = num_items * split;
   const int threads = std::max(1, std::min(num_threads, num_units));
+  const bool ahead = num_units >= 2 * threads;
   parallel_for(threads, 1, [&](int64_t, int64_t) {
     // Each thread claims its next unit before running the current one, so that the current
-    // unit's last page can prefetch the next unit's first page.
+    // unit's last page can prefetch the next unit's first page; but not with fewer than 2 units
+    // per thread: the first thread would claim the units the others wake up for (2 items on
+    // 2 threads ran one after the other).
     int i = next.fetch_add(1);
-    for (bool prefetched = false; i < num_units; prefetched = true) {
-      const int after = next.fetch_add(1);
+    for (bool prefetched = false; i < num_units; prefetched = ahead) {
+      const int after = ahead ? next.fetch_add(1) : num_units;
       const Unit following = unit_of(after, split, a.kv_heads);
-      run_item<ND>(a, unit_of(i, split, a.kv_heads), prefetched,
-                   after < num_units ? &following : nullptr);
-      i = after;
+      const Unit* then = after < num_units ? &following : nullptr;
+      if (split > 1)
+        run_item<ND, true>(a, unit_of(i, split, a.kv_heads), prefetched, then);
+      else
+        run_item<ND, false>(a, unit_of(i, split, a.kv_heads), prefetched, then);
+      i = ahead ? after : next.fetch_add(1);
     }
   });
   parallel_for(num_tokens, 4, [&](int64_t b, int64_t e) {

@@ -120,6 +120,17 @@ async def _wait_cancel(app, request_id: str) -> bool:
     return False
 
 
+async def _wait_metric(app, line: str) -> str:
+    """The rendered metrics once they hold `line` (the count lands after the cancel key)."""
+    text = ""
+    for _ in range(250):  # up to 5 s on a busy machine
+        text = app.state.ingress.metrics.render().decode()
+        if line in text:
+            break
+        await asyncio.sleep(0.02)
+    return text
+
+
 async def test_disconnect_cancels_the_request(valkey_session, smollm_tokenizer):
     from kvrelay.core.messages import TokenChunk
 
@@ -149,9 +160,9 @@ async def test_disconnect_cancels_the_request(valkey_session, smollm_tokenizer):
                 timeout=0.5,
             )
         assert await _wait_cancel(app, "d-2")
-        text = app.state.ingress.metrics.render().decode()
         label = f'finished_reason="cancelled",model_name="{MODEL}"'
-        assert f"kvrelay:request_success_total{{{label}}} 2.0" in text
+        line = f"kvrelay:request_success_total{{{label}}} 2.0"
+        assert line in await _wait_metric(app, line)
         ing = app.state.ingress
         assert not await ing.redis.exists(ing.keys.cancel("d-3"))
 

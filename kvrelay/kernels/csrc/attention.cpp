@@ -29,6 +29,7 @@
 #include <atomic>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "kv_types.h"
@@ -41,6 +42,8 @@ namespace kvr {
 namespace {
 
 constexpr int kMaxPage = 256;
+// 16-bit pages: a page a head's rows meet at least this often is widened once (run_item).
+constexpr int kWidenUsers = 8;
 constexpr int kSplitWork = 16;  // fewest pages x query rows for cutting items by KV heads
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -318,6 +321,25 @@ inline const char* first_span(const Args<T>& a, int index) {
   return page_span(a, table, item[0] * a.chunk_pages);
 }
 
+// Every query row of the item's entries that reaches this page, for KV head h: K/V rows of the
+// page at k/v (stride elements between keys).
+template <int ND, class T, class KV>
+inline void rows_of_page(const Args<T>& a, int e0, int e1, int chunk, int h, int kstart,
+                         __m256 scale, const KV* k, const KV* v, int64_t stride, int state) {
+  for (int e = e0; e < e1; ++e) {
+    const int* en = a.entries + 4 * e;
+    for (int j = 0; j < en[2]; ++j) {
+      const int pos = en[3] + j, t = en[1] + j;
+      if (pos < kstart) continue;
+      const int nvalid = std::min(a.page_size, pos - kstart + 1);
+      const int64_t row0 = (int64_t)(a.chunk_off[t] + chunk) * a.num_heads + h * a.group;
+      float* st = a.partial + row0 * state;
+      const float* qrow = a.query + ((int64_t)t * a.num_heads + h * a.group) * a.head_dim;
+      group_page<ND>(qrow, a.group, scale, k, v, stride, nvalid, st);
+    }
+  }
+}
+
 // One unit: the item's chunk for its row blocks, KV heads [h0, h1) only. Heads are independent
 // (each (row, head) state sees the same pages, tiles and order whichever unit holds its head),
 // so cutting an item by heads changes no bit; it only gives a second thread work when a step
@@ -374,19 +396,30 @@ void run_item(const Args<T>& a, Unit un, bool prefetched, const Unit* after) {
         prefetch_head(a, base, h + 1);
       else if (next)
         prefetch_head(a, next, page < last ? h0 : following_h);
-      for (int e = e0; e < e1; ++e) {
-        const int* en = a.entries + 4 * e;
-        for (int j = 0; j < en[2]; ++j) {
-          const int pos = en[3] + j, t = en[1] + j;
-          if (pos < kstart) continue;
-          const int nvalid = std::min(a.page_size, pos - kstart + 1);
-          const int64_t row0 = (int64_t)(a.chunk_off[t] + chunk) * a.num_heads + h * a.group;
-          float* st = a.partial + row0 * state;
-          const float* qrow = a.query + ((int64_t)t * a.num_heads + h * a.group) * a.head_dim;
-          group_page<ND>(qrow, a.group, scale, kbase + h * a.head_dim, vbase + h * a.head_dim,
-                         stride, nvalid, st);
+      const T* kh = kbase + h * a.head_dim;
+      const T* vh = vbase + h * a.head_dim;
+      if constexpr (!std::is_same_v<T, float>) {
+        // 16-bit pages in prefill: many query tokens meet this page, and widening each K/V
+        // load for every one of them made prefill compute-bound on the conversions. Widen the
+        // head's K and V rows once into fp32 (exact) and run the same tiles on those: each
+        // row's arithmetic is unchanged, only where its K/V values are read from.
+        int users = 0;
+        for (int e = e0; e < e1; ++e) {
+          const int* en = a.entries + 4 * e;
+          users += std::max(0, std::min(en[2], en[3] + en[2] - kstart));
+        }
+        if (users >= kWidenUsers) {
+          thread_local float kw[kMaxPage * 128], vw[kMaxPage * 128];
+          for (int j = 0; j < a.page_size; ++j)
+            for (int d = 0; d < ND; ++d) {
+              _mm256_storeu_ps(kw + j * a.head_dim + 8 * d, load8(kh + j * stride + 8 * d));
+              _mm256_storeu_ps(vw + j * a.head_dim + 8 * d, load8(vh + j * stride + 8 * d));
+            }
+          rows_of_page<ND>(a, e0, e1, chunk, h, kstart, scale, kw, vw, a.head_dim, state);
+          continue;
         }
       }
+      rows_of_page<ND>(a, e0, e1, chunk, h, kstart, scale, kh, vh, stride, state);
     }
   }
 }

@@ -55,20 +55,10 @@ def engine_prefill(engine, prompt: list[int]) -> float:
 
 
 def engine_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Seconds for the decode steps after every request has its first token."""
-    from kvrelay.core.sampling import SamplingParams
-
+    """Seconds for the decode steps after every request has its first token (cold prefix
+    cache)."""
     engine.pool.reset_prefix_cache()
-    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, sp)
-    have_first: set[str] = set()
-    while len(have_first) < len(prompts):
-        have_first.update(o.request_id for o in engine.step())
-    t = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - t
+    return engine_decode_steps(engine, prompts, new_tokens)[0]
 
 
 def engine_decode_steps(
@@ -94,32 +84,15 @@ def engine_decode_steps(
     return time.perf_counter() - t, steps, tokens
 
 
-def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
-    """K and V bytes of one token over all layers, from the model's config.json."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = {**cfg, **cfg.get("text_config", {})}
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    return int(cfg["num_hidden_layers"]) * 2 * kv_heads * head_dim * itemsize
-
-
 def kv_cache_bytes(args: argparse.Namespace) -> int:
     """--kv-cache-mib, or (none given) room for the largest decode batch with its context."""
     if args.kv_cache_mib:
         return args.kv_cache_mib << 20
-    from kvrelay.core.modelref import converted_dir, resolve_model
+    from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
 
-    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(
-        args.kv_cache_dtype or "float32", args.kv_cache_dtype or "float32"
-    )
+    info = read_model_info(converted_dir(resolve_model(args.model)))
     context = (args.decode_context or args.prompt_len) + args.decode_tokens + 16
-    need = (
-        max(args.batches)
-        * context
-        * kv_bytes_per_token(converted_dir(resolve_model(args.model)), dtype)
-    )
+    need = max(args.batches) * context * info.kv_bytes_per_token(args.kv_cache_dtype or "float32")
     return max(512 << 20, int(need * 1.1))
 
 

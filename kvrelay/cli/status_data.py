@@ -11,17 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.core.enums import Stage
+from kvrelay.core.modelref import SHORT_DTYPE_NAMES
 
 logger = logging.getLogger(__name__)
-
-KV_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def worker_compute(w: dict[str, Any]) -> tuple[str, str]:
     """The KERNELS and KV columns of a worker's heartbeat: the C++ CPU kernel ISA ("avx512"; "-"
     when none runs: GPU, torch path) and the KV page dtype ("bf16"; "-" when not reported)."""
     kv = str(w.get("kv_dtype") or "")
-    return str(w.get("kernel_isa") or "-"), KV_SHORT.get(kv, kv or "-")
+    return str(w.get("kernel_isa") or "-"), SHORT_DTYPE_NAMES.get(kv, kv or "-")
 
 
 # Worker series read from its /metrics (summed over labels), as status keys

@@ -50,6 +50,8 @@ META_FILE = "kvrelay.json"
 META_FORMAT = 1
 KINDS = ("gguf", "hf_dir", "safetensors")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The short names of the `--kv-cache-dtype` flag and `kvrelay status`.
+SHORT_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",

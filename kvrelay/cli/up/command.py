@@ -23,7 +23,7 @@ from kvrelay.cli.up.topology import Topology, choose, default_weights
 from kvrelay.cli.worker import KV_DTYPE_CHOICES
 from kvrelay.core.config import check_redis_url
 from kvrelay.core.enums import Stage
-from kvrelay.core.modelref import QUANTIZATION_SCHEMES
+from kvrelay.core.modelref import QUANTIZATION_SCHEMES, SHORT_DTYPE_NAMES
 from kvrelay.pipeline.server.config import MODES
 
 DEFAULT_RUN_DIR = "kvrelay-run"
@@ -215,9 +215,6 @@ def ingress_mode(args: argparse.Namespace) -> str:
     return mode
 
 
-SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
 def resolve_kv_cache_dtype(
     args: argparse.Namespace, env: dict[str, str], model_dtype: str, device_type: str
 ) -> str:
@@ -301,7 +298,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     # here, once, and every worker gets the result, so the stack cannot disagree on it.
     model_dtype = "bfloat16" if gpus else "float32"  # the workers' dtype auto
     kv_dtype = resolve_kv_cache_dtype(args, env, model_dtype, "cuda" if gpus else "cpu")
-    env["KVRELAY_WORKER_KV_CACHE_DTYPE"] = SHORT_DTYPES[kv_dtype]
+    env["KVRELAY_WORKER_KV_CACHE_DTYPE"] = SHORT_DTYPE_NAMES[kv_dtype]
     env.setdefault("KVRELAY_STORE_DTYPE", kv_dtype)
     env.setdefault("KVRELAY_STORE_MODEL_DTYPE", model_dtype)
     programs.append(Program("store", [*py, "store"], env=env, priority=20))
@@ -349,7 +346,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "decode": args.decode,
         "topology": topo.to_dict(),
         "quantization": quantization,
-        "kv_cache_dtype": SHORT_DTYPES[kv_dtype],  # resolved: what the workers hold
+        "kv_cache_dtype": SHORT_DTYPE_NAMES[kv_dtype],  # resolved: what the workers hold
     }
     return programs, state
 

@@ -36,3 +36,12 @@ class FinishReason(enum.StrEnum):
 
 OPEN_STATUSES = frozenset({RequestStatus.QUEUED, RequestStatus.PREFILLING, RequestStatus.DECODING})
 DONE_STATUSES = frozenset({RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED})
+
+
+class Speculation(enum.StrEnum):
+    """Where a worker's draft tokens come from (`--speculation`)."""
+
+    AUTO = "auto"  # `draft` when a draft model is given, else `ngram`
+    OFF = "off"
+    NGRAM = "ngram"  # prompt lookup: earlier occurrences of the last n tokens
+    DRAFT = "draft"  # a smaller model with the same tokenizer (`--draft-model`)

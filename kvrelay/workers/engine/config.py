@@ -25,6 +25,15 @@ class EngineConfig:
     # fp32 model on CPU with the C++ kernels, else the model dtype (loader.resolve_kv_dtype_name).
     # 16-bit pages halve the pool's bytes per token.
     kv_cache_dtype: str = "auto"
+    # Speculative decoding (engine/speculator.py), never changing the output: auto | off |
+    # ngram | draft (auto: draft with a draft_model, else ngram); drafts of up to
+    # num_speculative_tokens tokens, as long as each row is likely enough to pay.
+    speculation: str = "auto"
+    num_speculative_tokens: int = 6
+    prompt_lookup_min: int = 2  # n-gram lengths matched, longest first (vLLM's names)
+    prompt_lookup_max: int = 4
+    draft_model: str | None = None  # same tokenizer as `model`; loaded like it
+    spec_row_cost: float = 0.0  # a row's cost over a step's fixed cost; 0: the device's default
 
 
 @dataclass(slots=True)
@@ -54,6 +63,9 @@ class EngineStats:
     num_computed_tokens: int = 0  # tokens whose K/V this engine computed (prefill + decode)
     num_prompt_tokens_computed: int = 0
     num_generated_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_accepted_tokens: int = 0  # ... and accepted (each an output token)
+    num_verifications: int = 0  # sequence-steps that verified a draft
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:

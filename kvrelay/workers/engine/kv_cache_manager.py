@@ -213,6 +213,7 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        seq.spec.draft_computed = 0  # a draft model's K/V lives in the same block ids
 
     def commit(self, seq: Sequence) -> None:
         """After a step: key newly full computed blocks, register them and save each page once."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrelay.core.config import ConfigError
-from kvrelay.core.enums import FinishReason
+from kvrelay.core.enums import FinishReason, Speculation
 from kvrelay.core.limits import bad_token_id, context_overflow, token_id_message
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams, effective_seed
 from kvrelay.kernels import loaded_isa
@@ -34,8 +34,15 @@ from kvrelay.workers.engine.kv_connector import KVConnector
 from kvrelay.workers.engine.model_runner import ModelRunner
 from kvrelay.workers.engine.output_processor import OutputProcessor
 from kvrelay.workers.engine.sampler import Sampler, SampleRow, prompt_logprobs
-from kvrelay.workers.engine.scheduler import Scheduler
+from kvrelay.workers.engine.scheduler import ScheduledSeq, Scheduler
 from kvrelay.workers.engine.sequence import Sequence, SequenceStatus
+from kvrelay.workers.engine.speculator import (
+    Drafter,
+    NgramDrafter,
+    Speculator,
+    default_row_cost,
+    resolve_speculation,
+)
 from kvrelay.workers.errors import EngineError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -120,6 +127,7 @@ class Engine:
             save_to_store=config.save_to_store,
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.speculator = self._speculator(config)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
@@ -138,6 +146,19 @@ class Engine:
             self.max_model_len,
             self.kernel_isa or "none",
         )
+
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        mode = resolve_speculation(config.speculation, config.draft_model)
+        if mode is Speculation.OFF:
+            return None
+        if mode is Speculation.DRAFT:
+            from kvrelay.workers.engine.draft_model import DraftModelDrafter
+
+            drafter: Drafter = DraftModelDrafter(self, config.draft_model)
+        else:
+            drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        row_cost = config.spec_row_cost or default_row_cost(self.loaded.device.type)
+        return Speculator(drafter, config.num_speculative_tokens, row_cost, self.max_model_len)
 
     @property
     def num_blocks(self) -> int:
@@ -246,13 +267,11 @@ class Engine:
         self, request_id: str, reason: str = FinishReason.CANCELLED
     ) -> RequestOutput | None:
         """Drop a request; returns its final output, or None if it is unknown or done."""
-        seq = self._seqs.pop(request_id, None)
+        seq = self._seqs.get(request_id)
         if seq is None:
             return None
-        self.scheduler.remove(seq)
-        seq.status = SequenceStatus.FINISHED
+        self._retire(seq, time.time())
         seq.finish_reason = reason
-        seq.finished_time = time.time()
         return self._output(seq, [], None, self.outputs.finish_text(seq))
 
     def has_unfinished_requests(self) -> bool:
@@ -266,6 +285,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler iteration; returns the new tokens of every request that got one."""
         failed = self._settle_grammars() if self._compiling else []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.kv.has_pending_fetches():  # nothing to compute until a store fetch lands
@@ -281,35 +302,84 @@ class Engine:
             targets = seq.token_ids[rows.first : rows.first + rows.num_rows]
             n = seq.sampling.prompt_logprobs or 0
             seq.prompt_logprobs.extend(prompt_logprobs(prompt_logits, targets, n))
-        sampling_seqs = [s.seq for s in sched.scheduled if s.samples]
+        sampling = [s for s in sched.scheduled if s.samples]
         for s in sched.scheduled:
             seq = s.seq
+            computed = s.num_new_tokens - len(s.draft)  # the draft's K/V counts once accepted
             prompt_left = max(0, seq.num_tokens - 1 - seq.num_computed_tokens)
-            self.stats.num_prompt_tokens_computed += min(prompt_left, s.num_new_tokens)
+            self.stats.num_prompt_tokens_computed += min(prompt_left, computed)
             self.stats.num_computed_tokens += s.num_new_tokens
-            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_computed_tokens += computed
             self.kv.commit(seq)
-        rows = [self._sample_row(seq) for seq in sampling_seqs]
-        results = self.sampler(logits.sample, rows) if rows else []
+        # Each sampling sequence's first row is what plain decoding samples: all in one call.
+        first_rows, row = [], 0
+        for s in sampling:
+            first_rows.append(row)
+            row += 1 + len(s.draft)
+        first = logits.sample if row == len(sampling) else logits.sample[first_rows]
+        rows = [self._sample_row(s.seq) for s in sampling]
+        results = self.sampler(first, rows) if rows else []
         now = time.time()
         outs = failed
-        for seq, res in zip(sampling_seqs, results, strict=True):
+        for s, start, res in zip(sampling, first_rows, results, strict=True):
+            seq = s.seq
+            tokens, lps = [res.token_id], [res.logprobs]
             text = self.outputs.append(seq, res.token_id)
-            self.stats.num_generated_tokens += 1
+            if s.draft:
+                text += self._verify(s, logits.sample, start, tokens, lps)
+            self.stats.num_generated_tokens += len(tokens)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
             if seq.finish_reason is not None or seq.handoff:
-                self._seqs.pop(seq.request_id, None)
-                self.scheduler.remove(seq)
-                seq.status = SequenceStatus.FINISHED
-                seq.finished_time = now
-            lps = [res.logprobs] if res.logprobs is not None else None
-            out = self._output(seq, [res.token_id], lps, text)
-            if seq.num_new_outputs == 1:  # the first output carries the prompt's logprobs
+                self._retire(seq, now)
+            out = self._output(seq, tokens, lps if lps[0] is not None else None, text)
+            if seq.num_new_outputs == len(tokens):  # the first output carries the prompt's
                 out.prompt_logprobs = seq.prompt_logprobs
             outs.append(out)
         return outs
+
+    def _verify(
+        self,
+        s: ScheduledSeq,
+        logits: torch.Tensor,
+        start: int,
+        tokens: list[int],
+        lps: list[dict[int, float] | None],
+    ) -> str:
+        """Accept `s.draft` while each sampled token equals its draft token: row `start + j`
+        of `logits` follows the first `j` draft tokens, so its sample (with the draw of its own
+        output position) is plain decoding's next token once they are accepted. Appends the
+        tokens after the first (already in `tokens`); returns their text."""
+        seq, draft = s.seq, s.draft
+        text = ""
+        accepted, rejected = 0, False
+        while accepted < len(draft) and seq.finish_reason is None and not seq.handoff:
+            if tokens[-1] != draft[accepted]:
+                rejected = True
+                break
+            accepted += 1
+            row = logits[start + accepted : start + accepted + 1]
+            res = self.sampler(row, [self._sample_row(seq)])[0]
+            tokens.append(res.token_id)
+            lps.append(res.logprobs)
+            text += self.outputs.append(seq, res.token_id)
+        seq.spec.record(len(draft), accepted, rejected)
+        self.stats.num_draft_tokens += len(draft)
+        self.stats.num_accepted_tokens += accepted
+        self.stats.num_verifications += 1
+        seq.num_computed_tokens += accepted  # K/V of the accepted draft tokens is valid
+        self.kv.commit(seq)
+        return text
+
+    def _retire(self, seq: Sequence, now: float) -> None:
+        """`seq` is done here (finished, handed off, failed, aborted): free what it holds."""
+        self._seqs.pop(seq.request_id, None)
+        self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finished_time = now
 
     def _settle_grammars(self) -> list[RequestOutput]:
         """Give compiled grammars to their sequences; finish those whose grammar failed (an
@@ -322,11 +392,8 @@ class Engine:
                 waiting.append(seq)
             elif seq.grammar.error is not None:
                 logger.warning("request %s: %s", seq.request_id, seq.grammar.error)
-                self._seqs.pop(seq.request_id, None)
-                self.scheduler.remove(seq)
-                seq.status = SequenceStatus.FINISHED
+                self._retire(seq, time.time())
                 seq.finish_reason = FinishReason.ERROR
-                seq.finished_time = time.time()
                 outs.append(self._output(seq, [], None, ""))
         self._compiling = waiting
         return outs
@@ -376,6 +443,9 @@ class Engine:
             "num_preemptions": seq.num_preemptions,
             "num_device_cached_tokens": seq.num_device_cached_tokens,
             "num_store_cached_tokens": seq.num_store_cached_tokens,
+            "num_draft_tokens": seq.spec.num_draft_tokens,
+            "num_accepted_tokens": seq.spec.num_accepted_tokens,
+            "num_verifications": seq.spec.num_verifications,
         }
 
     def generate(

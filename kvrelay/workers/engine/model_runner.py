@@ -26,8 +26,8 @@ class PromptRows:
 
 @dataclass(slots=True)
 class StepLogits:
-    """float32 logits on CPU: `sample` `[sampling rows, vocab]`, and each prompt_logprobs
-    sequence's prompt rows."""
+    """float32 logits on CPU: `sample` `[sampling rows, vocab]` (1 + len(draft) rows per
+    sampling sequence, in step order), and each prompt_logprobs sequence's prompt rows."""
 
     sample: torch.Tensor
     prompt: list[tuple[PromptRows, torch.Tensor]] = field(default_factory=list)
@@ -46,9 +46,10 @@ class ModelRunner:
         self, scheduled: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[PromptRows]]:
         """(input_ids, positions, metadata, logits_indices, prompt rows) for one step: a
-        sequence collecting prompt logprobs adds the rows of its prompt positions not yet
-        collected (once each, even when recomputed after a preemption) before its sampling
-        row; the indices are sorted, sampling rows are the others."""
+                sequence collecting prompt logprobs adds the rows of its prompt positions not yet
+                collected (once each, even when recomputed after a preemption) before its sampling
+                row; a sequence with a draft has a sampling row for its last token and one per draft
+        token; the indices are sorted, sampling rows are the others."""
         P = self.page_size
         num_seqs = len(scheduled)
         ids: list[int] = []
@@ -61,10 +62,11 @@ class ModelRunner:
         logits_indices: list[int] = []
         prompt_rows: list[PromptRows] = []
         for i, s in enumerate(scheduled):
-            seq, n = s.seq, s.num_new_tokens
+            seq, n, draft = s.seq, s.num_new_tokens, s.draft
             start = seq.num_computed_tokens
             end = start + n
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.token_ids[start : end - len(draft)])
+            ids.extend(draft)
             table = np.asarray(seq.block_table, dtype=np.int64)
             block_tables[i, : table.shape[0]] = table
             pos = np.arange(start, end, dtype=np.int64)
@@ -81,8 +83,9 @@ class ModelRunner:
                     prompt_rows.append(row)
                     base = int(query_start[i]) - start
                     logits_indices.extend(range(base + first, base + last))
-            if end == seq.num_tokens:
-                logits_indices.append(int(query_start[i + 1]) - 1)
+            if end - len(draft) == seq.num_tokens:  # the last token's row, then the draft's
+                last = int(query_start[i + 1])
+                logits_indices.extend(range(last - 1 - len(draft), last))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),

@@ -2,14 +2,17 @@
 
 A request's path: `waiting` (FCFS deque) -> admitted into `running` once its prefix hits are
 attached and blocks for its first chunk are free -> one or more steps computing prompt chunks
--> decode steps (one token each) -> finished (blocks released). When the pool runs out, the
+-> decode steps (one token each, or the last token and a draft to verify,
+engine/speculator.py) -> finished (blocks released). When the pool runs out, the
 newest running sequence is preempted by recompute: its blocks are released (its full blocks
 stay in the prefix cache, so the recompute is mostly cache hits) and it goes back to the front
 of `waiting` keeping every token it has produced.
 
 Each step every running sequence is visited in admission order (the decodes of older requests
-come first), each taking `min(remaining tokens, budget left)`; waiting requests are admitted
-only with the budget and sequence slots left over, and not in a step that had to preempt.
+come first), each taking `min(remaining tokens, budget left)` plus as much of its draft as the
+budget leaves (a draft is dropped rather than preempt anyone for its blocks); waiting requests
+are admitted only with the budget and sequence slots left over, and not in a step that had to
+preempt.
 A waiting request whose prefix pages are still coming from the store keeps its place (and a
 sequence slot) but does not hold up the requests behind it.
 """
@@ -30,12 +33,15 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens whose K/V is computed this step (from num_computed_tokens)
+    # tokens whose K/V is computed this step (from num_computed_tokens), the draft included
+    num_new_tokens: int
+    draft: list[int] = field(default_factory=list)  # verified after the sequence's last token
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the sequence's last token (so a token is sampled)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        seq = self.seq
+        return seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == seq.num_tokens
 
 
 @dataclass(slots=True)
@@ -96,7 +102,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, n):
+            draft = seq.draft[: budget - n]
+            while not self.kv.allocate_slots(seq, n + len(draft)):
+                if draft:  # a draft never preempts anyone: drop it first
+                    draft = []
+                    continue
                 victim = self.running[-1]
                 if id(victim) in scheduled_ids:  # never undo work already in this batch
                     victim = seq
@@ -105,9 +115,9 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, n))
+                out.scheduled.append(ScheduledSeq(seq, n + len(draft), draft))
                 scheduled_ids.add(id(seq))
-                budget -= n
+                budget -= n + len(draft)
                 i += 1
                 continue
             # `seq` itself was preempted: the list shifted, do not advance.

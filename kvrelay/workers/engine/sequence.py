@@ -8,6 +8,46 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.core.sampling import SamplingParams
+from kvrelay.workers.engine.ngram import NgramIndex
+
+# A request's acceptance estimate starts at PRIOR_ACCEPTED / PRIOR_TRIALS and forgets old
+# verifications by DECAY per verification (and per step without a draft, so a request whose
+# drafts stopped paying is probed again now and then).
+PRIOR_ACCEPTED = 1.0
+PRIOR_TRIALS = 2.0
+DECAY = 0.9
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One request's speculation: its prompt-lookup index and acceptance record."""
+
+    ngram: NgramIndex | None = None
+    accepted: float = PRIOR_ACCEPTED  # decayed draft tokens accepted
+    trials: float = PRIOR_TRIALS  # decayed draft tokens verified (up to the first rejection)
+    num_draft_tokens: int = 0  # drafted and verified
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0  # steps that verified a draft
+    draft_computed: int = 0  # draft model: tokens whose K/V its pool holds for this request
+
+    @property
+    def acceptance(self) -> float:
+        """Estimated probability that the next draft token is accepted."""
+        return self.accepted / self.trials
+
+    def record(self, drafted: int, accepted: int, rejected: bool) -> None:
+        """A verification of `drafted` tokens that accepted the first `accepted`, then
+        rejected the next (`rejected`) or stopped (all accepted, or the request ended)."""
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.num_verifications += 1
+        self.accepted = self.accepted * DECAY + accepted
+        self.trials = self.trials * DECAY + accepted + rejected
+
+    def idle(self) -> None:
+        """A step without a draft: drift back toward the prior."""
+        self.accepted = self.accepted * DECAY + PRIOR_ACCEPTED * (1 - DECAY)
+        self.trials = self.trials * DECAY + PRIOR_TRIALS * (1 - DECAY)
 
 
 class SequenceStatus(enum.Enum):
@@ -59,6 +99,16 @@ class Sequence:
     # prompt_logprobs: one entry per prompt token so far (see TokenChunk.prompt_logprobs);
     # None when not asked for, or when the prompt was computed elsewhere (resumed)
     prompt_logprobs: list[dict[str, Any]] | None = None
+    spec: SpecState = field(default_factory=SpecState)
+    draft: list[int] = field(default_factory=list)  # proposed for the coming step
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the last is computed: the next step samples one (or verifies a
+        draft)."""
+        return (
+            self.num_computed_tokens == len(self.token_ids) - 1 and not self.wants_prompt_logprobs
+        )
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -22,7 +22,6 @@ stop paying drafts nothing and drifts back toward the prior estimate, so it is p
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 from kvrelay.core.enums import Speculation
@@ -126,11 +125,11 @@ class Speculator:
 
     def _worth(self, acceptance: float, threshold: float) -> int:
         """Draft positions j (1-based) with acceptance ** j > threshold, at most max_draft."""
-        if acceptance <= threshold:
-            return 0
-        if acceptance >= 1.0:
-            return self.max_draft
-        return min(self.max_draft, math.ceil(math.log(threshold) / math.log(acceptance)) - 1)
+        j, p = 0, acceptance
+        while j < self.max_draft and p > threshold:
+            j += 1
+            p *= acceptance
+        return j
 
     def _room(self, seq: Sequence) -> int:
         """Draft tokens that can still become outputs: within max_tokens and the context."""

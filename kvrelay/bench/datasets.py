@@ -4,7 +4,9 @@ Every set is deterministic for a given seed and needs no tokenizer, so the same 
 any OpenAI-compatible server. Sizes in tokens are measured with the SmolLM2 tokenizer; other
 tokenizers give somewhat different counts. `long-context` documents are built from pieces that
 are one SmolLM2 token each, so their prompts are exactly LONG_CONTEXT_TOKENS long for that model
-(chat template included).
+(chat template included). `grounded` requests are tasks on a passage or a Python file given in
+the prompt (summarize, rewrite, edit the code; kvrelay.bench.grounded), whose answers copy long
+spans of the input, the case prompt-lookup (n-gram) speculative decoding speeds up.
 
 JSONL files hold one request per line, either `{"messages": [{"role": ..., "content": ...}]}`
 (chat) or `{"prompt": "..."}` (text), each with an optional `"max_tokens"`.
@@ -18,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrelay.bench import grounded
 from kvrelay.core.errors import KvrelayError
 
-BUILTIN = ("short", "shared-prefix", "long", "long-context", "multi-turn")
+BUILTIN = ("short", "shared-prefix", "long", "long-context", "multi-turn", "grounded")
 TOPICS = [
     "the sea",
     "mountains",
@@ -57,6 +60,9 @@ SHARED_PREFIX_RULES = 34  # about 1,500 SmolLM2 tokens
 LONG_WORDS = 1800  # about 2,000 SmolLM2 tokens
 MULTI_TURN_TURNS = 4
 LONG_CONTEXT_TOKENS = 4000  # SmolLM2 tokens of one long-context prompt, chat template included
+# SmolLM2 tokens of a grounded prompt, chat template included (checked for every combination of
+# source and task in tests/bench).
+GROUNDED_MIN_TOKENS, GROUNDED_MAX_TOKENS = 300, 900
 # SmolLM2's template around one user message: its default system prompt, role markers and the
 # generation prompt (checked against the real template in tests/bench).
 CHAT_TEMPLATE_TOKENS = 30
@@ -206,6 +212,28 @@ def default_concurrency(name: str) -> str:
     return DEFAULT_CONCURRENCY.get(name, "8")
 
 
+def grounded_task(kind: str, source: int, task: int) -> str:
+    """The user message of one grounded request: task `task` of `kind` on source `source`
+    (passages for summarize and rewrite, Python files for code-edit), without the index tag."""
+    if kind == "code-edit":
+        src = grounded.CODE[source]
+        return f"{src.edits[task]}\n\n```python\n# {src.name}\n{src.code}```"
+    tasks = grounded.SUMMARIZE if kind == "summarize" else grounded.REWRITE
+    return f"{tasks[task]}\n\n{grounded.PASSAGES[source][1]}"
+
+
+def grounded_prompt(rng: random.Random, index: int) -> str:
+    """Request `index` of the grounded set: kinds in turn, source and task drawn from `rng`."""
+    kind = grounded.KINDS[index % len(grounded.KINDS)]
+    if kind == "code-edit":
+        source = rng.randrange(len(grounded.CODE))
+        task = rng.randrange(len(grounded.CODE[source].edits))
+    else:
+        source = rng.randrange(len(grounded.PASSAGES))
+        task = rng.randrange(len(grounded.SUMMARIZE if kind == "summarize" else grounded.REWRITE))
+    return f"({index}) " + grounded_task(kind, source, task)
+
+
 def _question(rng: random.Random, index: int) -> str:
     return f"({index}) " + rng.choice(TASKS).format(rng.choice(TOPICS))
 
@@ -227,6 +255,8 @@ def builtin(name: str, seed: int) -> Dataset:
             )
         if name == "long-context":
             return Session(messages=[{"role": "user", "content": long_context_prompt(rng)}])
+        if name == "grounded":
+            return Session(messages=[{"role": "user", "content": grounded_prompt(rng, index)}])
         if name == "long":
             doc = _text(rng, LONG_WORDS)
             ask = "Summarize the text above in one sentence."

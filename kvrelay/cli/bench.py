@@ -22,7 +22,9 @@ logger = logging.getLogger(__name__)
 DATASET_HELP = (
     "short | shared-prefix (a common ~1,500-token system prompt) | long (~2,000-token prompts) "
     "| long-context (4,000-token prompts, each its own document; --concurrency 8,32 by default) "
-    '| multi-turn (4-turn conversations) | FILE.jsonl with one {"messages": [...]} or '
+    "| multi-turn (4-turn conversations) | grounded (summarize, rewrite or edit a passage or "
+    "Python file given in the prompt: answers copy the input, as n-gram speculation needs) "
+    '| FILE.jsonl with one {"messages": [...]} or '
     '{"prompt": "..."} per line, optional "max_tokens" (default short)'
 )
 

@@ -232,7 +232,7 @@ def test_failed_requests_exit_1_with_summary(stack, tmp_path):
         (
             ["--dataset", "nope"],
             "--dataset: unknown dataset 'nope' (one of short, shared-prefix,"
-            " long, long-context, multi-turn or a .jsonl)",
+            " long, long-context, multi-turn, grounded or a .jsonl)",
         ),
     ],
 )

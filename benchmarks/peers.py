@@ -6,7 +6,14 @@ greedy, `ignore_eos` + `min_tokens` so each answer is exactly `--tokens` long, i
 - `short`: short chats at each `--streams` level, 2 requests per stream (at least 4);
 - `shared-prefix`: 8 streams whose requests share a ~1,500-token system prompt;
 - `long-context`: `--long-context-streams` (8 and 32), each request its own 4,000-token document
-  (`kvrelay bench --dataset long-context`: kvrelay.bench.datasets builds both).
+  (`kvrelay bench --dataset long-context`: kvrelay.bench.datasets builds both);
+- `grounded`: `--grounded-streams` (1 and 8), tasks on a passage or a Python file in the prompt
+  (summarize, rewrite, edit the code) whose answers copy spans of the input, the case n-gram
+  (prompt-lookup) speculative decoding speeds up (`kvrelay bench --dataset grounded`).
+Variants run one server several times with different flags, each its own column:
+`--kvrelay-variants plain:--speculation off,spec:--speculation ngram` gives `kvrelay` and
+`kvrelay-spec`, `--llama-variants plain:,ngram:--spec-type ngram-simple ...` gives `llama` and
+`llama-ngram` (`--compare-speculation` sets both to SPEC_VARIANTS; `plain` keeps the bare name).
 Each peer runs in its best configuration for the host (`peer_config`: bf16 vLLM and llama-server
 `--no-repack` on AMX hosts), with its context and KV pool sized for the busiest level.
 Reports output tok/s, TTFT and inter-token latency (SSE chunk gaps) p50/p90, errors, and the
@@ -16,6 +23,8 @@ kvrelay/peer ratios. Not part of CI; run it on a quiet machine:
     python benchmarks/peers.py --workloads short,shared-prefix,long-context --write-docs
     python benchmarks/peers.py --workloads long-context --print-config   # settings, no servers
     python benchmarks/peers.py --servers kvrelay --streams 1 --tokens 16 --repeats 1   # smoke
+    python benchmarks/peers.py --servers kvrelay,llama --workloads grounded,short \
+        --compare-speculation --write-docs          # with and without n-gram speculation
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -45,12 +55,36 @@ from benchmarks.common import (  # noqa: E402
     precision,
     write_section,
 )
-from kvrelay.bench.datasets import LONG_CONTEXT_TOKENS, builtin  # noqa: E402
+from kvrelay.bench.datasets import (  # noqa: E402
+    GROUNDED_MAX_TOKENS,
+    LONG_CONTEXT_TOKENS,
+    builtin,
+)
 
 MODEL = "smollm2-135m-instruct"
-WORKLOADS = ("short", "shared-prefix", "long-context")
+WORKLOADS = ("short", "shared-prefix", "long-context", "grounded")
 # Prompt tokens each workload's requests may hold (the shared system prompt is ~1,530 tokens).
-PROMPT_TOKENS = {"short": 128, "shared-prefix": 1700, "long-context": LONG_CONTEXT_TOKENS + 64}
+PROMPT_TOKENS = {"short": 128, "shared-prefix": 1700, "long-context": LONG_CONTEXT_TOKENS + 64,
+                 "grounded": GROUNDED_MAX_TOKENS + 64}  # fmt: skip
+# Draft length of both speculating servers, so they verify the same number of tokens per step.
+SPEC_TOKENS = 8
+# llama-server's closest match to kvrelay's prompt lookup is ngram-simple: it takes the last n
+# tokens (the sampled one included), finds their latest earlier occurrence in the prompt or the
+# output and drafts the m tokens that followed it. Its defaults (n 12, m 48) need a 12-token match
+# before drafting and then verify 48 tokens a step; a 3-token key is what prompt lookup uses and
+# drafts as soon as a copy starts, and m = SPEC_TOKENS. `--spec-draft-n-max` does not bound
+# ngram-simple's drafts (it is the draft-model length), so m is the setting. On one grounded
+# rewrite (SmolLM2 Q4_1, 2 threads) n 3 m 8 accepted 83 of 100 drafted tokens, 1.15-1.3x the
+# decode tok/s of no speculation (two runs); n 2 m 8, n 3 m 16, the defaults and ngram-mod all
+# did worse.
+LLAMA_NGRAM = (f"--spec-type ngram-simple --spec-ngram-simple-size-n 3 "
+               f"--spec-ngram-simple-size-m {SPEC_TOKENS}")  # fmt: skip
+# --compare-speculation: each server without and with n-gram speculation.
+SPEC_VARIANTS = {
+    "kvrelay": f"plain:--speculation off,spec:--speculation ngram --num-speculative-tokens "
+    f"{SPEC_TOKENS}",
+    "llama": f"plain:,ngram:{LLAMA_NGRAM}",
+}
 TOPICS = ["the sea", "mountains", "a city at night", "a robot", "a garden", "the moon",
           "a library", "winter", "trains", "a bakery", "the desert", "rain"]  # fmt: skip
 
@@ -79,8 +113,8 @@ def requests_for(
     """The conversations of one level: `per_stream` per stream (at least 4); `seed` picks the
     long documents."""
     n = max(4, per_stream * streams)
-    if workload == "long-context":
-        data = builtin("long-context", seed)
+    if workload in ("long-context", "grounded"):
+        data = builtin(workload, seed)
         return [data.session(i).messages for i in range(n)]
     msgs = []
     for i in range(n):
@@ -181,7 +215,42 @@ def workload_levels(args: argparse.Namespace) -> list[tuple[str, int]]:
         levels.append(("shared-prefix", 8))
     if "long-context" in args.workloads:
         levels += [("long-context", int(s)) for s in args.long_context_streams.split(",") if s]
+    if "grounded" in args.workloads:
+        levels += [("grounded", int(s)) for s in args.grounded_streams.split(",") if s]
     return levels
+
+
+def parse_variants(text: str, flag: str) -> list[tuple[str, list[str]]]:
+    """`NAME:ARGS,NAME:ARGS` as (name, argv) pairs; a comma inside ARGS (`--spec-type a,b`) stays
+    there unless `word:` follows it."""
+    out: list[tuple[str, list[str]]] = []
+    for part in re.split(r",(?=[\w.-]+:)", text.strip()):
+        name, sep, extra = part.partition(":")
+        name = name.strip()
+        if not sep or not re.fullmatch(r"[\w.-]+", name):
+            raise SystemExit(f"{flag}: {part!r} is not NAME:ARGS (e.g. plain: or spec:--flag v)")
+        if name in (n for n, _ in out):
+            raise SystemExit(f"{flag}: variant {name!r} given twice")
+        out.append((name, shlex.split(extra)))
+    return out
+
+
+def variant_label(server: str, name: str) -> str:
+    """The column of one variant: the server's own name for `plain`, else SERVER-NAME."""
+    return server if name == "plain" else f"{server}-{name}"
+
+
+def lineup(args: argparse.Namespace) -> dict[str, tuple[str, argparse.Namespace]]:
+    """Every server column in run order: label -> (server kind, its arguments), where a variant's
+    flags follow the server's own --*-extra."""
+    out: dict[str, tuple[str, argparse.Namespace]] = {}
+    for server in args.servers:
+        for name, extra in args.variants.get(server, [("plain", [])]):
+            own = argparse.Namespace(**vars(args))
+            key = f"{server}_extra"
+            setattr(own, key, [*getattr(args, key), *extra])
+            out[variant_label(server, name)] = (server, own)
+    return out
 
 
 def sizing(levels: list[tuple[str, int]], tokens: int) -> tuple[int, int, int]:
@@ -195,8 +264,8 @@ def server_settings(args: argparse.Namespace, flags: set[str]) -> dict:
     """What `run` would start each server with (`--print-config`)."""
     slots, budget, kv_tokens = sizing(workload_levels(args), args.tokens)
     servers = {}
-    for name in args.servers:
-        server = SERVERS[name](args, slots, budget, kv_tokens, args.peer)
+    for name, (kind, own) in lineup(args).items():
+        server = SERVERS[kind](own, slots, budget, kv_tokens, args.peer)
         servers[name] = server.describe()
         server.stop()  # removes its temporary directory
     return {"cpu": cpu_model(), "isa": isa_line(flags), "rule": args.peer.why,
@@ -212,12 +281,13 @@ def run(args: argparse.Namespace) -> dict:
     failed: dict[str, str] = {}
     configs: dict[str, str] = {}
     prompt_sizes = []
+    columns = lineup(args)
     for rep in range(args.repeats):
         sys_text, n_sys = system_prompt(f"round {rep}")
         prompt_sizes.append(n_sys)
-        for name in args.servers:
-            server: Server = SERVERS[name](
-                args, slots=slots, ctx_per_slot=budget, kv_tokens=kv_tokens, peer=args.peer
+        for name, (kind, own) in columns.items():
+            server: Server = SERVERS[kind](
+                own, slots=slots, ctx_per_slot=budget, kv_tokens=kv_tokens, peer=args.peer
             )
             configs[name] = server.describe()
             t = time.monotonic()
@@ -253,11 +323,12 @@ def run(args: argparse.Namespace) -> dict:
     rows = [{"server": k[0], "workload": k[1], "streams": k[2], **summarize(*v, args.tokens)}
             for k, v in raw.items()]  # fmt: skip
     order = {w: i for i, w in enumerate(WORKLOADS)}
-    rows.sort(key=lambda r: (order[r["workload"]], r["streams"], args.servers.index(r["server"])))
+    names = list(columns)
+    rows.sort(key=lambda r: (order[r["workload"]], r["streams"], names.index(r["server"])))
     return {
         "rows": rows,
         "configs": configs,
-        "ratios": ratios(rows),
+        "ratios": ratios(rows, {name: kind for name, (kind, _) in columns.items()}),
         "start_s": started,
         "start_failures": failed,
         "system_prompt_tokens": prompt_sizes,
@@ -268,17 +339,35 @@ def div(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a is not None and b else None
 
 
-def ratios(rows: list[dict]) -> list[dict]:
+def ratio_pairs(kinds: dict[str, str]) -> list[tuple[str, str]]:
+    """(A, B) column pairs reported as A / B: each variant against its server's plain column
+    (kvrelay-spec / kvrelay, llama-ngram / llama), then every kvrelay column against every peer
+    column (kvrelay / llama, kvrelay-spec / llama-ngram...). `kinds` maps each column to its
+    server, in run order."""
+    ours = [n for n, k in kinds.items() if k == "kvrelay"]
+    others = [n for n, k in kinds.items() if k != "kvrelay"]
+    own = [(n, k) for n, k in kinds.items() if n != k and kinds.get(k) == k]
+    return own + [(a, b) for a in ours for b in others]
+
+
+def ratios(rows: list[dict], kinds: dict[str, str] | None = None) -> list[dict]:
+    """A / B for each of `ratio_pairs` at every level both ran; `kinds` defaults to each row's
+    server being its own kind."""
     by = {(r["server"], r["workload"], r["streams"]): r for r in rows}
+    if kinds is None:
+        kinds = {r["server"]: r["server"] for r in rows}
+    levels = list(dict.fromkeys((r["workload"], r["streams"]) for r in rows))
     out = []
-    for (server, workload, streams), r in by.items():
-        k = by.get(("kvrelay", workload, streams))
-        if server == "kvrelay" or k is None:
-            continue
-        out.append({"peer": server, "workload": workload, "streams": streams,
-                    "throughput": div(k["output_tok_s"], r["output_tok_s"]),
-                    "ttft_p50": div(k["ttft_ms_p50"], r["ttft_ms_p50"]),
-                    "itl_p50": div(k["itl_ms_p50"], r["itl_ms_p50"])})  # fmt: skip
+    for workload, streams in levels:
+        for a, b in ratio_pairs(kinds):
+            x, y = by.get((a, workload, streams)), by.get((b, workload, streams))
+            if x is None or y is None:
+                continue
+            out.append({"server": a, "peer": b, "workload": workload, "streams": streams,
+                        "throughput": div(x["output_tok_s"], y["output_tok_s"]),
+                        "ttft_p50": div(x["ttft_ms_p50"], y["ttft_ms_p50"]),
+                        "itl_p50": div(x["itl_ms_p50"], y["itl_ms_p50"]),
+                        "tpot_p50": div(x["tpot_ms_p50"], y["tpot_ms_p50"])})  # fmt: skip
     return out
 
 
@@ -290,12 +379,12 @@ def tables(res: dict) -> str:
     for r in res["rows"]:
         lines.append(f"| {r['workload']} | {r['streams']} | {r['server']} | "
                      + " | ".join(str(r[c]) for c in cols) + " |")  # fmt: skip
-    lines += ["", "| workload | streams | kvrelay / peer | throughput | TTFT p50 | ITL p50 |",
-              "|---|---:|---|---:|---:|---:|"]  # fmt: skip
+    lines += ["", "| workload | streams | ratio | throughput | TTFT p50 | ITL p50 | TPOT p50 |",
+              "|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip
     for q in res["ratios"]:
         lines.append(
-            f"| {q['workload']} | {q['streams']} | kvrelay / {q['peer']} | "
-            f"{q['throughput']}x | {q['ttft_p50']}x | {q['itl_p50']}x |"
+            f"| {q['workload']} | {q['streams']} | {q['server']} / {q['peer']} | "
+            f"{q['throughput']}x | {q['ttft_p50']}x | {q['itl_p50']}x | {q['tpot_p50']}x |"
         )
     return "\n".join(lines)
 
@@ -310,6 +399,10 @@ def workload_notes(args: argparse.Namespace, res: dict) -> str:
         notes += (f"; long-context: {args.long_context_streams} streams, each request its own "
                   f"{LONG_CONTEXT_TOKENS}-token document (SmolLM2 tokens, chat template "
                   "included; new each round and level)")  # fmt: skip
+    if "grounded" in args.workloads:
+        notes += (f"; grounded: {args.grounded_streams} streams, summaries, rewrites and code "
+                  "edits of a passage or Python file given in the prompt (kvrelay bench "
+                  "--dataset grounded, new each round and level)")  # fmt: skip
     return notes
 
 
@@ -320,7 +413,9 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     long = [r for r in res["rows"] if r["workload"] == "long-context"]
-    fig, axes = plt.subplots(1, 5 if long else 4, figsize=(21 if long else 17, 4))
+    grounded = [r for r in res["rows"] if r["workload"] == "grounded"]
+    n = 4 + bool(long) + bool(grounded)
+    fig, axes = plt.subplots(1, n, figsize=(17 + 4 * (n - 4), 4))
     servers = list(dict.fromkeys(r["server"] for r in res["rows"]))
     panels = (("output_tok_s", "short: output tok/s"), ("ttft_ms_p50", "short: TTFT p50 (ms)"),
               ("itl_ms_p50", "short: ITL p50 (ms)"))  # fmt: skip
@@ -347,16 +442,18 @@ def plot(res: dict, path: Path) -> None:
     }
     axes[3].bar(list(shared), list(shared.values()), color=[f"C{servers.index(s)}" for s in shared])
     axes[3].set_title("shared 1,500-token prompt, 8 streams: tok/s")
-    if long:
-        levels = sorted({r["streams"] for r in long})
+    bars = [(long, f"{LONG_CONTEXT_TOKENS}-token documents: tok/s"),
+            (grounded, "grounded tasks (summarize, rewrite, edit code): tok/s")]  # fmt: skip
+    for ax, (rows, title) in zip(axes[4:], [b for b in bars if b[0]], strict=True):
+        levels = sorted({r["streams"] for r in rows})
         width = 0.8 / max(1, len(servers))
         for i, s in enumerate(servers):
-            tok_s = {r["streams"]: r["output_tok_s"] or 0 for r in long if r["server"] == s}
+            tok_s = {r["streams"]: r["output_tok_s"] or 0 for r in rows if r["server"] == s}
             xs = [j + i * width for j in range(len(levels))]
-            axes[4].bar(xs, [tok_s.get(n, 0) for n in levels], width, label=s, color=f"C{i}")
-        axes[4].set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(levels))],
-                           [f"{n} streams" for n in levels])  # fmt: skip
-        axes[4].set_title(f"{LONG_CONTEXT_TOKENS}-token documents: tok/s")
+            ax.bar(xs, [tok_s.get(n, 0) for n in levels], width, label=s, color=f"C{i}")
+        ax.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(levels))],
+                      [f"{n} streams" for n in levels])  # fmt: skip
+        ax.set_title(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -370,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workloads", default="short,shared-prefix", help=f"comma-separated: {','.join(WORKLOADS)}"
     )
     p.add_argument("--long-context-streams", default="8,32", help="long-context's stream levels")
+    p.add_argument("--grounded-streams", default="1,8", help="grounded's stream levels")
     p.add_argument(
         "--requests-per-stream", type=int, default=2, help="requests per stream and level (2)"
     )
@@ -398,6 +496,20 @@ def main(argv: list[str] | None = None) -> int:
         help="vLLM's --dtype (auto: bfloat16 on AMX hosts, float32 elsewhere)",
     )
     p.add_argument("--vllm-extra", default="")
+    for server in SERVERS:
+        p.add_argument(
+            f"--{server}-variants",
+            default=None,
+            metavar="NAME:ARGS,...",
+            help=f"run {server} once per variant, ARGS added to --{server}-extra; columns "
+            f"{server} (NAME plain) and {server}-NAME",
+        )
+    p.add_argument(
+        "--compare-speculation",
+        action="store_true",
+        help="variants without and with n-gram speculation where not given: "
+        + "; ".join(f"--{k}-variants '{v}'" for k, v in SPEC_VARIANTS.items()),
+    )
     p.add_argument("--write-docs", action="store_true")
     p.add_argument(
         "--print-config",
@@ -420,6 +532,18 @@ def main(argv: list[str] | None = None) -> int:
     args.peer = peer_config(flags, args.vllm_dtype)
     for extra in ("kvrelay_extra", "llama_extra", "vllm_extra"):
         setattr(args, extra, shlex.split(getattr(args, extra)))
+    args.variants = {}
+    for server in SERVERS:
+        text = getattr(args, f"{server}_variants")
+        if text is None and args.compare_speculation:
+            text = SPEC_VARIANTS.get(server)
+        if text is None:
+            continue
+        if server not in args.servers:
+            if getattr(args, f"{server}_variants") is not None:
+                raise SystemExit(f"--{server}-variants: {server} is not in --servers")
+            continue
+        args.variants[server] = parse_variants(text, f"--{server}-variants")
     if args.print_config:
         print(json.dumps(server_settings(args, flags), indent=1))
         return 0
@@ -431,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     res.update(machine=machine, load_at_end=round(os.getloadavg()[0], 2),
                load_at_start=round(load_start, 2), cpu=cpu_model(), isa=isa_line(flags),
                peer_rule=args.peer.why,
-               precision={s: precision(s, args, args.peer) for s in args.servers})  # fmt: skip
+               precision={name: precision(kind, own, args.peer)
+                          for name, (kind, own) in lineup(args).items()})  # fmt: skip
     print(json.dumps({"benchmark": "peers", **res}))
     text = tables(res)
     print(text)
@@ -450,8 +575,9 @@ def main(argv: list[str] | None = None) -> int:
             f"(ignore_eos + min_tokens), closed loop with "
             f"{args.requests_per_stream} request(s) per stream (at least 4)"
             f"{workload_notes(args, res)}. ITL = gaps between content chunks (pooled); "
-            "TPOT = (latency - TTFT) / (tokens - 1) per request. Ratios are kvrelay / peer: "
-            "above 1 favors kvrelay for throughput, below 1 for TTFT and ITL. Start-up "
+            "TPOT = (latency - TTFT) / (tokens - 1) per request (a speculating server sends "
+            "several tokens in a chunk, so compare TPOT there). Ratios are A / B: above 1 "
+            "favors A for throughput, below 1 for TTFT, ITL and TPOT. Start-up "
             f"seconds (last round): {res['start_s']}.", "",
             tables(res), "", "![peers](img/peers.png)", "",
             "Failed to start: " + ("; ".join(f"{k}: {v[:300]}" for k, v in

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import peers
-from benchmarks.common import PeerConfig, cpu_flags, isa_line, peer_config
+from benchmarks.common import SERVERS, PeerConfig, cpu_flags, isa_line, peer_config
 
 ROOT = Path(__file__).resolve().parents[2]
 AMX_CPUINFO = "processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n"
@@ -88,6 +88,125 @@ def test_long_context_requests_come_from_the_bench_dataset():
     assert len({c[0]["content"] for c in convs}) == 16
     assert len(peers.requests_for("long-context", 32, "s", "", 1032, per_stream=1)) == 32
     assert len(peers.requests_for("short", 1, "s", "", per_stream=1)) == 4
+
+
+def test_grounded_requests_come_from_the_bench_dataset(monkeypatch, capsys):
+    from kvrelay.bench.datasets import builtin
+
+    convs = peers.requests_for("grounded", 1, "salt", "", seed=1)
+    assert convs == [builtin("grounded", 1).session(i).messages for i in range(4)]
+    out = print_config(monkeypatch, capsys, ZEN_CPUINFO, "--workloads=grounded,short")
+    # grounded prompts are at most 900 tokens (+64 for other tokenizers), 1 and 8 streams
+    assert out["levels"][-2:] == [["grounded", 1], ["grounded", 8]]
+    assert (out["slots"], out["tokens_per_slot"]) == (64, 964 + 128)
+
+
+def test_variants_are_columns_of_their_own(monkeypatch, capsys):
+    assert peers.parse_variants(
+        "plain:,ngram:--spec-type ngram-simple,ngram-mod -x 'a b'", "--llama-variants"
+    ) == [("plain", []), ("ngram", ["--spec-type", "ngram-simple,ngram-mod", "-x", "a b"])]
+    out = print_config(
+        monkeypatch, capsys, ZEN_CPUINFO, "--workloads=short", "--servers=kvrelay,llama",
+        "--compare-speculation", "--kvrelay-extra=--kv-cache-dtype bf16",
+    )  # fmt: skip
+    assert out["servers"] == {
+        "kvrelay": "--threads 2 --quantization auto --kv-cache-dtype bf16 --speculation off",
+        "kvrelay-spec": "--threads 2 --quantization auto --kv-cache-dtype bf16 --speculation "
+        "ngram --num-speculative-tokens 8",
+        "llama": "-t 2 -tb 2 --parallel 64 -c 16384",
+        "llama-ngram": "-t 2 -tb 2 --parallel 64 -c 16384 --spec-type ngram-simple "
+        "--spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 8",
+    }
+    # given variants win over --compare-speculation; vllm has none, so runs once
+    out = print_config(
+        monkeypatch, capsys, ZEN_CPUINFO, "--workloads=short", "--compare-speculation",
+        "--kvrelay-variants=spec:--speculation ngram",
+    )  # fmt: skip
+    assert list(out["servers"]) == ["kvrelay-spec", "llama", "llama-ngram", "vllm"]
+    for argv, message in [
+        (["--llama-variants=plain:", "--servers=kvrelay"], "llama is not in --servers"),
+        (["--kvrelay-variants=spec"], "'spec' is not NAME:ARGS"),
+        (["--kvrelay-variants=a:,a:-x"], "variant 'a' given twice"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            peers.main(["--print-config", *argv])
+
+
+def test_ratios_compare_variants_with_their_plain_run_and_the_peers():
+    def row(server: str, tok_s: float, tpot: float) -> dict:
+        return {"server": server, "workload": "grounded", "streams": 1, "output_tok_s": tok_s,
+                "ttft_ms_p50": 100.0, "itl_ms_p50": tpot, "tpot_ms_p50": tpot}  # fmt: skip
+
+    kinds = {"kvrelay": "kvrelay", "kvrelay-spec": "kvrelay", "llama": "llama",
+             "llama-ngram": "llama"}  # fmt: skip
+    rows = [row("kvrelay", 100, 10), row("kvrelay-spec", 150, 6), row("llama", 120, 8),
+            row("llama-ngram", 140, 7)]  # fmt: skip
+    got = {(q["server"], q["peer"]): (q["throughput"], q["tpot_p50"])
+           for q in peers.ratios(rows, kinds)}  # fmt: skip
+    assert got == {
+        ("kvrelay-spec", "kvrelay"): (1.5, 0.6),
+        ("llama-ngram", "llama"): (1.17, 0.88),
+        ("kvrelay", "llama"): (0.83, 1.25),
+        ("kvrelay", "llama-ngram"): (0.71, 1.43),
+        ("kvrelay-spec", "llama"): (1.25, 0.75),
+        ("kvrelay-spec", "llama-ngram"): (1.07, 0.86),
+    }
+    # without variants: kvrelay / each peer, as before
+    plain = [row("kvrelay", 100, 10), row("llama", 120, 8), row("vllm", 50, 20)]
+    assert [(q["server"], q["peer"]) for q in peers.ratios(plain)] == [
+        ("kvrelay", "llama"),
+        ("kvrelay", "vllm"),
+    ]
+    table = peers.tables({"rows": [], "ratios": peers.ratios(rows, kinds)[:1]})
+    assert (
+        table.splitlines()[-1]
+        == "| grounded | 1 | kvrelay-spec / kvrelay | 1.5x | 1.0x | 0.6x | 0.6x |"
+    )
+
+
+def test_a_run_starts_each_variant_in_turn(monkeypatch, capsys):
+    # no real servers: each "server" answers at a speed set by its flags
+    started: list[list[str]] = []
+
+    def fake(kind: str) -> type:
+        class Fake(SERVERS[kind]):
+            def start(self) -> None:
+                started.append([kind, *self.settings()[0]])
+
+            def stop(self, grace_s: float = 60) -> None:
+                pass
+
+        return Fake
+
+    async def closed_loop(url, convs, tokens, streams):
+        argv = started[-1]
+        tok_s = 40.0 * (1.5 if "ngram" in " ".join(argv) else 1.0)
+        tok_s *= 1.25 if argv[0] == "kvrelay" else 1.0
+        one = {"ttft": 0.1, "latency": 0.1 + (tokens - 1) / tok_s, "tokens": tokens,
+               "chunks": tokens, "gaps": [1 / tok_s] * (tokens - 1), "prompt_tokens": 400,
+               "error": None}  # fmt: skip
+        return [dict(one) for _ in convs], len(convs) * tokens / tok_s / streams
+
+    monkeypatch.setattr(peers, "SERVERS", {k: fake(k) for k in SERVERS})
+    monkeypatch.setattr(peers, "closed_loop", closed_loop)
+    monkeypatch.setattr(peers, "machine_line", lambda: "test machine")
+    monkeypatch.setattr(peers, "cpu_flags", lambda: cpu_flags(ZEN_CPUINFO))
+    argv = ["--servers=kvrelay,llama", "--workloads=grounded", "--grounded-streams=1",
+            "--repeats=1", "--tokens=9", "--compare-speculation"]  # fmt: skip
+    assert peers.main(argv) == 0
+    assert [a[0] for a in started] == ["kvrelay", "kvrelay", "llama", "llama"]
+    assert started[1][-4:] == ["--speculation", "ngram", "--num-speculative-tokens", "8"]
+    out = capsys.readouterr().out.splitlines()
+    res = json.loads(out[0])
+    assert [(r["server"], r["requests"], r["output_tok_s"]) for r in res["rows"]] == [
+        ("kvrelay", 4, 50.0),
+        ("kvrelay-spec", 4, 75.0),
+        ("llama", 4, 40.0),
+        ("llama-ngram", 4, 60.0),
+    ]
+    assert set(res["precision"]) == {"kvrelay", "kvrelay-spec", "llama", "llama-ngram"}
+    assert "| grounded | 1 | kvrelay-spec / kvrelay | 1.5x | 1.0x | 0.67x | 0.67x |" in out
+    assert "| grounded | 1 | kvrelay-spec / llama-ngram | 1.25x | 1.0x | 0.8x | 0.8x |" in out
 
 
 def engine(*argv: str) -> dict:

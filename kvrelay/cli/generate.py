@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.cli.errors import CommandError
-from kvrelay.cli.worker import KV_DTYPE_HELP, flag_options
+from kvrelay.cli.worker import (
+    KV_DTYPE_HELP,
+    SPECULATION_FIELDS,
+    SPECULATION_HELP_TABLE,
+    flag_options,
+)
 
 EXIT_BAD_INPUT = 2
 DEFAULT_MAX_TOKENS = 128  # when neither the request nor the model's defaults give max_tokens
@@ -67,6 +72,7 @@ _ENGINE_HELP = [
         "int8: int8 weights and activations (CPU fp32)",
     ),
     ("kv_cache_dtype", KV_DTYPE_HELP),
+    *SPECULATION_HELP_TABLE,
 ]
 
 
@@ -172,7 +178,22 @@ def _sampling(req: dict[str, Any], model_defaults: dict[str, Any]):
         raise CLIInputError(f"request {req['id']!r}: {exc}") from exc
 
 
-def _result(out, text: str, started: float, first_token: float | None) -> dict[str, Any]:
+def speculation_stats(metrics: dict[str, Any], tokens: int, steps: int) -> dict[str, Any]:
+    """A finished request's speculative decoding: draft tokens verified, how many were
+    accepted, their ratio (None without drafts) and output tokens per step that sampled."""
+    drafted = int(metrics.get("num_draft_tokens") or 0)
+    accepted = int(metrics.get("num_accepted_tokens") or 0)
+    return {
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "tokens_per_step": round(tokens / steps, 4) if steps else None,
+    }
+
+
+def _result(
+    out, text: str, started: float, first_token: float | None, steps: int = 0
+) -> dict[str, Any]:
     end = time.perf_counter()
     n = len(out.output_token_ids)
     return {
@@ -190,6 +211,7 @@ def _result(out, text: str, started: float, first_token: float | None) -> dict[s
             if first_token and n > 1 and end > first_token
             else None,
         },
+        "speculation": speculation_stats(out.metrics, n, steps),
     }
 
 
@@ -213,7 +235,12 @@ def run(args: argparse.Namespace) -> int:
         _sampling(req, {})
     from kvrelay.core.config import ConfigError, from_env
     from kvrelay.core.modelref import ModelNotFoundError, model_generation_defaults
-    from kvrelay.workers.config import DEPRECATED_SECTIONS, SECTION, engine_env_names
+    from kvrelay.workers.config import (
+        DEPRECATED_SECTIONS,
+        SECTION,
+        check_speculation,
+        engine_env_names,
+    )
     from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
     from kvrelay.workers.errors import EngineError, InvalidRequestError
 
@@ -230,6 +257,14 @@ def run(args: argparse.Namespace) -> int:
             num_threads=args.num_threads,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            **{name: getattr(args, name) for name in SPECULATION_FIELDS},
+        )
+        check_speculation(
+            config.speculation,
+            config.num_speculative_tokens,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            config.draft_model,
         )
         engine = Engine(config)
     except (ModelNotFoundError, ConfigError, EngineError) as exc:
@@ -245,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
     stream = not args.json and len(requests) == 1
     texts: dict[str, list[str]] = {r["id"]: [] for r in requests}
     first: dict[str, float] = {}
+    steps: dict[str, int] = {}  # steps that gave the request tokens
     lines = {r["id"]: r["line"] for r in requests}
     done: dict[str, str] = {}  # finished, not printed yet: results come out in input order
     order = iter(requests)
@@ -252,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
     while engine.has_unfinished_requests():
         for out in engine.step():
             first.setdefault(out.request_id, time.perf_counter())
+            if out.new_token_ids:
+                steps[out.request_id] = steps.get(out.request_id, 0) + 1
             texts[out.request_id].append(out.text_delta)
             if stream and out.text_delta:
                 sys.stdout.write(out.text_delta)
@@ -259,7 +297,9 @@ def run(args: argparse.Namespace) -> int:
             if out.finished or out.handoff:
                 text = "".join(texts.pop(out.request_id))
                 line = lines[out.request_id]
-                done[out.request_id] = _report(out, text, line, args, stream, started, first)
+                done[out.request_id] = _report(
+                    out, text, line, args, stream, started, first, steps.get(out.request_id, 0)
+                )
         while waiting is not None and waiting["id"] in done:
             print(done.pop(waiting["id"]), flush=True)
             waiting = next(order, None)
@@ -274,11 +314,12 @@ def _report(
     streamed: bool,
     started: float,
     first: dict[str, float],
+    steps: int = 0,
 ) -> str:
     """The line printed for a finished request (after its streamed text: the newline); a JSON
     result of a batch file names the file's line the request came from."""
     if args.json:
-        result = _result(out, text, started, first.get(out.request_id))
+        result = _result(out, text, started, first.get(out.request_id), steps)
         if line is not None:
             result = {"id": result.pop("id"), "line": line, **result}
         return json.dumps(result, ensure_ascii=False)

@@ -10,7 +10,7 @@ import signal
 from typing import Any
 
 from kvrelay.core.config import config_file_help
-from kvrelay.core.enums import Stage
+from kvrelay.core.enums import Speculation, Stage
 from kvrelay.core.modelref import KV_CACHE_DTYPES, QUANTIZATION_SCHEMES
 
 logger = logging.getLogger(__name__)
@@ -23,6 +23,19 @@ KV_DTYPE_HELP = (
     "model's: bf16 on CUDA, fp32 on the torch path), fp32, bf16 or fp16; 16-bit pages fit "
     "twice the tokens in --kv-cache-bytes"
 )
+SPECULATION_HELP = (
+    "speculative decoding, never changing the output: auto (draft with --draft-model, else "
+    "ngram), off, ngram (prompt lookup) or draft (a draft model); decode steps only"
+)
+SPECULATION_CHOICES = tuple(m.value for m in Speculation)
+# the speculation settings' (field, help), shared by `kvrelay worker` and `kvrelay generate`
+SPECULATION_HELP_TABLE = [
+    ("speculation", SPECULATION_HELP),
+    ("num_speculative_tokens", "the longest draft verified in one step"),
+    ("prompt_lookup_min", "shortest n-gram prompt lookup matches"),
+    ("prompt_lookup_max", "longest n-gram prompt lookup matches (tried first)"),
+    ("draft_model", "draft model name or path, with the model's tokenizer (--speculation draft)"),
+]
 # --kv-cache-dtype values: the short names, and the long ones normalize_dtype also takes
 KV_DTYPE_CHOICES = (*KV_CACHE_DTYPES, "float32", "bfloat16", "float16")
 
@@ -31,6 +44,8 @@ def flag_options(dest: str) -> dict[str, Any]:
     """argparse choices (and metavar) of an engine setting's flag; none: any value of its type."""
     if dest == "quantization":
         return {"choices": tuple(QUANTIZATION_SCHEMES)}
+    if dest == "speculation":
+        return {"choices": SPECULATION_CHOICES}
     if dest == "kv_cache_dtype":  # the long names are accepted, the short ones shown
         return {"choices": KV_DTYPE_CHOICES, "metavar": "{" + ",".join(KV_CACHE_DTYPES) + "}"}
     return {}
@@ -51,6 +66,7 @@ _HELP = [
         "int8: int8 weights and activations (CPU fp32)",
     ),
     ("kv_cache_dtype", KV_DTYPE_HELP),
+    *SPECULATION_HELP_TABLE,
     ("kv_cache_bytes", "KV pool bytes"),
     ("max_num_seqs", "most sequences per step"),
     ("max_num_batched_tokens", "most tokens per step"),
@@ -118,6 +134,20 @@ def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:
     return node
 
 
+SPECULATION_FIELDS = (
+    "speculation",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "draft_model",
+)
+
+
+def speculation_settings(config: Any) -> dict[str, Any]:
+    """The speculation fields of a WorkerConfig, as EngineConfig takes them (same names)."""
+    return {name: getattr(config, name) for name in SPECULATION_FIELDS}
+
+
 def run(args: argparse.Namespace) -> int:
     from kvrelay.workers.config import load_worker_config
     from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
@@ -138,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             num_threads=config.threads,
             quantization=config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
+            **speculation_settings(config),
         )
     )
     return serve(args.role, config, engine)

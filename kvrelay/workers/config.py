@@ -34,6 +34,14 @@ class WorkerConfig:
     # KV page dtype: auto (the model dtype) | fp32 | bf16 | fp16; part of the page fingerprint
     kv_cache_dtype: str = "auto"
     threads: int | None = None  # compute threads (torch); None: torch's default
+    # Speculative decoding (never changes the output; docs/internals.md "Speculative
+    # decoding"): auto | off | ngram | draft (auto: draft with a draft_model, else ngram).
+    # Only decode steps speculate; a prefill worker stops after the first token.
+    speculation: str = "auto"
+    num_speculative_tokens: int = 6  # the longest draft verified per step
+    prompt_lookup_min: int = 2  # n-gram lengths prompt lookup matches, longest first
+    prompt_lookup_max: int = 4
+    draft_model: str | None = None  # a smaller model with the model's tokenizer (draft mode)
     page_size: int = 16
     kv_cache_bytes: int = 1 << 30
     # 64: a CPU box at 64 streams serves 1.17x the tokens of 32 with TTFT 1.5 s instead of 17 s
@@ -79,6 +87,13 @@ class WorkerConfig:
             raise ConfigError(str(exc)) from exc
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads must be at least 1")
+        check_speculation(
+            self.speculation,
+            self.num_speculative_tokens,
+            self.prompt_lookup_min,
+            self.prompt_lookup_max,
+            self.draft_model,
+        )
         if self.name is not None and (not self.name or any(c in self.name for c in " {}:")):
             raise ConfigError(f"invalid worker name {self.name!r} (no spaces, braces or ':')")
         generation_override(self.override_generation_config)
@@ -90,6 +105,29 @@ class WorkerConfig:
 
     def worker_name(self, role: str) -> str:
         return self.name or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def check_speculation(
+    mode: str, num_tokens: int, lookup_min: int, lookup_max: int, draft_model: str | None
+) -> str:
+    """The resolved speculation mode ("off", "ngram", "draft") of these settings; ConfigError
+    for an unknown mode, no draft tokens, an empty or inverted n-gram range, or `draft` without
+    a draft model."""
+    from kvrelay.workers.engine.speculator import resolve_speculation
+
+    try:
+        resolved = resolve_speculation(mode, draft_model or None)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if num_tokens < 1:
+        raise ConfigError(f"num_speculative_tokens must be at least 1, got {num_tokens}")
+    if lookup_min < 1:
+        raise ConfigError(f"prompt_lookup_min must be at least 1, got {lookup_min}")
+    if lookup_min > lookup_max:
+        raise ConfigError(
+            f"prompt_lookup_min ({lookup_min}) must not exceed prompt_lookup_max ({lookup_max})"
+        )
+    return str(resolved)
 
 
 def load_worker_config(

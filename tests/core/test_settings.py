@@ -154,8 +154,9 @@ def test_flags_are_generated_from_the_settings_fields():
     )
     assert [f for f, *_ in worker_flags()] == [
         "--name", "--model", "--redis-url", "--key-prefix", "--threads", "--device", "--dtype",
-        "--quantization", "--kv-cache-dtype", "--kv-cache-bytes", "--max-num-seqs",
-        "--max-num-batched-tokens",
+        "--quantization", "--kv-cache-dtype", "--speculation", "--num-speculative-tokens",
+        "--prompt-lookup-min", "--prompt-lookup-max", "--draft-model", "--kv-cache-bytes",
+        "--max-num-seqs", "--max-num-batched-tokens",
         "--store-run-dir", "--lease-ms", "--metrics-port", "--override-generation-config",
     ]  # fmt: skip
     parser = build_parser()
@@ -163,6 +164,86 @@ def test_flags_are_generated_from_the_settings_fields():
     assert (args.keep_arena, args.arena_bytes, args.node_id) == (False, 4096, None)
     args = parser.parse_args(["generate", "hi", "--num-threads", "2"])
     assert (args.num_threads, args.max_num_seqs) == (2, None)
+
+
+def test_speculation_settings_from_flags_env_and_file(tmp_path: Path):
+    from kvrelay.cli.main import build_parser
+
+    default = load_worker_config(environ={})
+    assert (default.speculation, default.num_speculative_tokens, default.prompt_lookup_min,
+            default.prompt_lookup_max, default.draft_model) == ("auto", 6, 2, 4, None)  # fmt: skip
+    env = {
+        "KVRELAY_WORKER_SPECULATION": "ngram",
+        "KVRELAY_WORKER_NUM_SPECULATIVE_TOKENS": "3",
+        "KVRELAY_WORKER_PROMPT_LOOKUP_MIN": "1",
+        "KVRELAY_WORKER_PROMPT_LOOKUP_MAX": "5",
+        "KVRELAY_WORKER_DRAFT_MODEL": "",  # empty: none
+    }
+    cfg = load_worker_config(environ=env)
+    assert (cfg.speculation, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
+            cfg.prompt_lookup_max, cfg.draft_model) == ("ngram", 3, 1, 5, None)  # fmt: skip
+    engine = from_env(EngineConfig, SECTION, environ=env, env_names=engine_env_names())
+    assert (engine.speculation, engine.num_speculative_tokens, engine.prompt_lookup_min,
+            engine.prompt_lookup_max, engine.draft_model) == ("ngram", 3, 1, 5, None)  # fmt: skip
+    path = tmp_path / "k.toml"
+    path.write_text('[worker]\nspeculation = "draft"\ndraft_model = "smollm2-135m"\n')
+    cfg = load_worker_config(environ={}, config_file=str(path), num_speculative_tokens=2)
+    assert (cfg.speculation, cfg.draft_model, cfg.num_speculative_tokens) == (
+        "draft", "smollm2-135m", 2)  # fmt: skip
+    parser = build_parser()
+    args = parser.parse_args(["worker", "decode", "--speculation", "off",
+                              "--num-speculative-tokens", "4", "--prompt-lookup-min", "3",
+                              "--prompt-lookup-max", "3", "--draft-model", "d"])  # fmt: skip
+    assert (args.speculation, args.num_speculative_tokens, args.prompt_lookup_min,
+            args.prompt_lookup_max, args.draft_model) == ("off", 4, 3, 3, "d")  # fmt: skip
+    args = parser.parse_args(["generate", "hi", "--speculation", "ngram",
+                              "--num-speculative-tokens", "2", "--prompt-lookup-max", "6",
+                              "--draft-model", "d"])  # fmt: skip
+    assert (args.speculation, args.num_speculative_tokens, args.prompt_lookup_min,
+            args.prompt_lookup_max, args.draft_model) == ("ngram", 2, None, 6, "d")  # fmt: skip
+    args = parser.parse_args(["up", "--speculation", "draft", "--num-speculative-tokens", "5",
+                              "--draft-model", "d"])  # fmt: skip
+    assert (args.speculation, args.num_speculative_tokens, args.draft_model) == ("draft", 5, "d")
+    assert parser.parse_args(["up"]).speculation is None  # not given: the workers' own
+
+
+SPECULATION_ERRORS = [
+    ({"KVRELAY_WORKER_SPECULATION": "eagle"},
+     "speculation must be one of auto, off, ngram, draft, got 'eagle'"),
+    ({"KVRELAY_WORKER_SPECULATION": "draft"},
+     "speculation 'draft' needs a draft model (--draft-model)"),
+    ({"KVRELAY_WORKER_NUM_SPECULATIVE_TOKENS": "0"},
+     "num_speculative_tokens must be at least 1, got 0"),
+    ({"KVRELAY_WORKER_PROMPT_LOOKUP_MIN": "0"}, "prompt_lookup_min must be at least 1, got 0"),
+    ({"KVRELAY_WORKER_PROMPT_LOOKUP_MIN": "5"},
+     "prompt_lookup_min (5) must not exceed prompt_lookup_max (4)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("env", "message"), SPECULATION_ERRORS)
+def test_bad_speculation_settings_are_refused(env, message):
+    with pytest.raises(ConfigError) as info:
+        load_worker_config(environ=env)
+    assert str(info.value) == message
+
+
+def test_bad_speculation_flags_exit_2_in_one_line(capsys):
+    from kvrelay.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["worker", "decode", "--speculation", "eagle"])
+    assert info.value.code == 2
+    assert "argument --speculation: invalid choice: 'eagle'" in capsys.readouterr().err
+    # refused by the settings' check, before the worker loads anything
+    assert main(["worker", "decode", "--speculation", "draft"]) == 2
+    assert capsys.readouterr().err == (
+        "kvrelay worker: error: speculation 'draft' needs a draft model (--draft-model)\n"
+    )
+    argv = ["worker", "decode", "--prompt-lookup-min", "3", "--prompt-lookup-max", "2"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "kvrelay worker: error: prompt_lookup_min (3) must not exceed prompt_lookup_max (2)\n"
+    )
 
 
 FILE_TYPE_ERRORS = [

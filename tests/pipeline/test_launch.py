@@ -279,6 +279,19 @@ HINT = " (see `kvrelay up --help`)"  # argparse usage errors name the help
             ["--port", "7001", "--redis-port", "7001"],
             "kvrelay up: error: --port and --redis-port are both 7001",
         ),
+        (
+            ["--speculation", "draft"],
+            "kvrelay up: error: workers: speculation 'draft' needs a draft model (--draft-model)",
+        ),
+        (
+            ["--env", "KVRELAY_WORKER_NUM_SPECULATIVE_TOKENS=0"],
+            "kvrelay up: error: workers: num_speculative_tokens must be at least 1, got 0",
+        ),
+        (
+            ["--num-speculative-tokens", "0"],
+            "kvrelay up: error: argument --num-speculative-tokens: size must be at least 1, "
+            "got 0" + HINT,
+        ),
     ],
 )
 def test_up_usage_errors_exit_2_before_launching(tmp_path, capsys, argv, message):
@@ -470,3 +483,41 @@ def test_kv_cache_dtype_auto_is_resolved_once_for_workers_and_store(tmp_path, mo
     bf16 = build_config(p.parse_args(["--model", args.model, "--dtype", "bf16", "--model-dtype",
                                       "float32"]))  # fmt: skip
     assert cfg.page_bytes == bf16.page_bytes * (1 if kernels else 2)
+
+
+def test_speculation_reaches_the_workers(tmp_path):
+    """`up --speculation/--num-speculative-tokens/--draft-model`: every worker gets the
+    variables (only decode steps speculate; prefill workers ignore them); the stack state
+    names the resolved mode; without the flags the workers' own settings hold."""
+    from kvrelay.cli.main import build_parser
+    from kvrelay.cli.up.command import build_programs
+
+    names = ("KVRELAY_WORKER_SPECULATION", "KVRELAY_WORKER_NUM_SPECULATIVE_TOKENS",
+             "KVRELAY_WORKER_DRAFT_MODEL")  # fmt: skip
+    cases = [
+        ([], (None, None, None), "ngram"),  # auto without a draft model
+        (["--speculation", "off"], ("off", None, None), "off"),
+        (["--speculation", "ngram", "--num-speculative-tokens", "3"], ("ngram", "3", None),
+         "ngram"),
+        (["--draft-model", "smollm2-135m-instruct"], (None, None, "smollm2-135m-instruct"),
+         "draft"),
+        # --env is applied after the flags, as for every other setting
+        (["--speculation", "ngram", "--env", "KVRELAY_WORKER_SPECULATION=off"],
+         ("off", None, None), "off"),
+    ]  # fmt: skip
+    for n, (argv, want, mode) in enumerate(cases):
+        args = build_parser().parse_args(["up", "--threads", "2", "--prefill", "1", *argv])
+        programs, state = build_programs(args, tmp_path / str(n))
+        by = {p.name: p.env for p in programs}
+        for worker in ("prefill-0", "decode-0"):
+            assert tuple(by[worker].get(v) for v in names) == want, argv
+        assert state["speculation"] == mode, argv
+
+
+def test_up_refuses_an_unknown_draft_model_before_launching(tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["up", "--detach", "--run-dir", str(run), "--port", str(free_port())]
+    code, line = _main(capsys, *argv, "--draft-model", "no-such-model")
+    assert code == 2
+    assert line.startswith("kvrelay up: error: draft model: unknown model 'no-such-model': ")
+    assert not run.exists()

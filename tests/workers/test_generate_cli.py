@@ -52,6 +52,28 @@ def test_batch_file_json(tmp_path):
     assert results["stopped"]["finish_reason"] == "stop"
 
 
+def test_speculation_changes_nothing_but_the_step_count():
+    """`--speculation off` and `ngram` answer the same tokens; --json reports the drafts."""
+    prompt = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
+    results = {}
+    for mode in ("off", "ngram"):
+        r = kvrelay(prompt, "--chat", "--temperature", "0", "--max-tokens", "32", "--json",
+                    "--speculation", mode)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        results[mode] = json.loads(r.stdout)
+    off, ngram = results["off"], results["ngram"]
+    assert off["text"] == ngram["text"] == "The quick brown fox jumps over lazy dog."
+    assert off["token_ids"] == ngram["token_ids"] and off["completion_tokens"] == 10
+    assert off["speculation"] == {
+        "draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None, "tokens_per_step": 1.0,
+    }  # fmt: skip
+    spec = ngram["speculation"]
+    drafted, accepted = spec["draft_tokens"], spec["accepted_tokens"]
+    assert 0 < accepted <= drafted
+    assert spec["acceptance_rate"] == round(accepted / drafted, 4)
+    assert spec["tokens_per_step"] == round(10 / (10 - accepted), 4)
+
+
 @pytest.mark.parametrize(
     ("args", "lines", "message"),
     [
@@ -65,6 +87,10 @@ def test_batch_file_json(tmp_path):
         ((), ['{"id": "a", "prompt": [1, 99999999]}'],
          "request 'a': token id 99999999 is outside the vocabulary (size 49152)"),
         ((), ['{"id": "a", "prompt": "x", "top_p": 2}'], "request 'a': top_p must be in"),
+        (("hi", "--num-speculative-tokens", "0"), None,
+         "num_speculative_tokens must be at least 1, got 0"),
+        (("hi", "--speculation", "draft"), None,
+         "speculation 'draft' needs a draft model (--draft-model)"),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_with_one_line(tmp_path, args, lines, message):

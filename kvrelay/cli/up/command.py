@@ -20,7 +20,7 @@ from kvrelay.cli.up.launch import Program, Supervisor, check_port_free, read_sta
 from kvrelay.cli.up.progress import UpProgress
 from kvrelay.cli.up.ready import CrashLoopError, check_redis, wait_ready
 from kvrelay.cli.up.topology import Topology, choose, default_weights
-from kvrelay.cli.worker import KV_DTYPE_CHOICES
+from kvrelay.cli.worker import KV_DTYPE_CHOICES, SPECULATION_CHOICES
 from kvrelay.core.config import check_redis_url
 from kvrelay.core.enums import Stage
 from kvrelay.core.modelref import QUANTIZATION_SCHEMES, SHORT_DTYPE_NAMES
@@ -105,6 +105,27 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         help="worker KV page dtype: auto (bf16, or fp32 on CPUs without the C++ kernels), "
         "fp32, bf16 or fp16; resolved once here, the store expects the same pages",
     )
+    p.add_argument(
+        "--speculation",
+        choices=SPECULATION_CHOICES,
+        default=None,
+        help="speculative decoding on the workers, never changing the output: auto (draft "
+        "with --draft-model, else ngram), off, ngram (prompt lookup) or draft (default: the "
+        "workers' default, auto; KVRELAY_WORKER_SPECULATION)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=size,
+        default=None,
+        metavar="K",
+        help="the longest draft a worker verifies in one step (default 6)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="NAME",
+        help="draft model name or path, with the model's tokenizer; prepared here like --model",
+    )
     p.add_argument("--detach", action="store_true", help="return once the stack is ready")
     p.add_argument(
         "--timeout",
@@ -131,6 +152,50 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
 def extra_env(args: argparse.Namespace) -> dict[str, str]:
     """The `--env KEY=VALUE` items (checked by argparse) as a dict; a later KEY wins."""
     return dict(item.partition("=")[::2] for item in args.env)
+
+
+# `up`'s speculation flags -> the workers' variables (the workers read and check them)
+SPECULATION_ENV = {
+    "speculation": "KVRELAY_WORKER_SPECULATION",
+    "num_speculative_tokens": "KVRELAY_WORKER_NUM_SPECULATIVE_TOKENS",
+    "draft_model": "KVRELAY_WORKER_DRAFT_MODEL",
+}
+
+
+def speculation_env(args: argparse.Namespace) -> dict[str, str]:
+    """The workers' variables for the speculation flags given to `up` (none: theirs)."""
+    out = {}
+    for dest, var in SPECULATION_ENV.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            out[var] = str(value)
+    return out
+
+
+def check_worker_config(args: argparse.Namespace):
+    """The workers' settings as they will read them (flags, then --env, over this process's
+    environment); CommandError (exit 2) for what they would refuse, before launching."""
+    from kvrelay.core.config import ConfigError
+    from kvrelay.workers.config import load_worker_config
+
+    env = {**os.environ, **speculation_env(args), **extra_env(args)}
+    try:
+        return load_worker_config(environ=env)
+    except ConfigError as exc:
+        raise CommandError(f"workers: {exc}") from None
+
+
+def speculation_mode(config) -> str:
+    """The workers' speculation, resolved (off, ngram or draft)."""
+    from kvrelay.workers.config import check_speculation
+
+    return check_speculation(
+        config.speculation,
+        config.num_speculative_tokens,
+        config.prompt_lookup_min,
+        config.prompt_lookup_max,
+        config.draft_model,
+    )
 
 
 def ingress_flags(args: argparse.Namespace) -> list[str]:
@@ -290,6 +355,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     if quantization != "none":  # the store must expect the quantized model's fingerprint
         env["KVRELAY_WORKER_QUANTIZATION"] = quantization
         env["KVRELAY_STORE_QUANTIZATION"] = quantization
+    env.update(speculation_env(args))  # decode steps speculate; prefill stops after one token
     env.update(extra_env(args))
     mode = ingress_mode(args)
     topo = resolve_topology(args)
@@ -347,6 +413,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "topology": topo.to_dict(),
         "quantization": quantization,
         "kv_cache_dtype": SHORT_DTYPE_NAMES[kv_dtype],  # resolved: what the workers hold
+        "speculation": speculation_mode(check_worker_config(args)),  # resolved
     }
     return programs, state
 
@@ -356,6 +423,7 @@ def _preflight(args: argparse.Namespace, run_dir: Path) -> None:
     if args.redis_url is not None:
         check_redis_url(args.redis_url, "--redis-url")  # bad usage: exit 2
     check_ingress_config(args, ingress_mode(args))
+    check_worker_config(args)
     if Supervisor(run_dir).pid() is not None:
         raise CommandError(f"a stack is already running in {run_dir}", EXIT_UNAVAILABLE)
     check_port_free(args.host, args.port)
@@ -375,10 +443,16 @@ def run_up(args: argparse.Namespace) -> int:
     from kvrelay.core.modelref import ModelNotFoundError
     from kvrelay.workers.model.loader import prepare_model
 
-    try:
-        prepare_model(args.model)  # convert once here so workers never race to do it
-    except ModelNotFoundError as exc:
-        raise CommandError(str(exc)) from None
+    workers = check_worker_config(args)
+    # convert once here so workers never race to do it; the draft model too, when they load one
+    models = [("", args.model)]
+    if speculation_mode(workers) == "draft":
+        models.append(("draft model: ", workers.draft_model))
+    for what, name in models:
+        try:
+            prepare_model(name)
+        except ModelNotFoundError as exc:
+            raise CommandError(f"{what}{exc}") from None
     run_dir.mkdir(parents=True, exist_ok=True)
     sup = Supervisor(run_dir)
     programs, state = build_programs(args, run_dir)
@@ -386,6 +460,8 @@ def run_up(args: argparse.Namespace) -> int:
     print(f"kvrelay: topology: {args.topology.describe()}", file=sys.stderr)
     why = getattr(args, "quantization_why", "given")
     print(f"kvrelay: weights: {state['quantization']} ({why})", file=sys.stderr)
+    draft = f" ({workers.draft_model})" if state["speculation"] == "draft" else ""
+    print(f"kvrelay: speculative decoding: {state['speculation']}{draft}", file=sys.stderr)
     progress = UpProgress(state, run_dir / "logs")  # before the start: log sizes of earlier runs
     sup.start(detach=args.detach)
     where = f"http://{args.host}:{args.port}"

@@ -125,15 +125,16 @@ def run_status(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{'WORKER':<24}{'ROLE':<9}{'PID':>8}{'LOAD':>6}{'TOK/S':>8}{'AGE':>7}  "
-        f"{'KERNELS':<9}{'KV':<6}STATE"
+        f"{'KERNELS':<9}{'KV':<6}{'SPEC':<7}STATE"
     )
     for w in data["workers"]:
         shown = "draining" if w.get("draining") else "ok"
         pid, load, rate = ("" if w.get(k) is None else str(w[k]) for k in NUMBER_COLUMNS)
         kernels, kv = status_data.worker_compute(w)
+        spec = status_data.worker_speculation(w)
         print(
             f"{w.get('name', '?'):<24}{w.get('role', '?'):<9}{pid:>8}"
-            f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {kernels:<9}{kv:<6}{shown}"
+            f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {kernels:<9}{kv:<6}{spec:<7}{shown}"
         )
     print(f"\n{'STREAM':<34}{'LENGTH':>8}{'PENDING':>9}{'LAG':>6}{'CONSUMERS':>11}")
     for s in data["streams"]:

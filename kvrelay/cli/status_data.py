@@ -23,6 +23,12 @@ def worker_compute(w: dict[str, Any]) -> tuple[str, str]:
     return str(w.get("kernel_isa") or "-"), SHORT_DTYPE_NAMES.get(kv, kv or "-")
 
 
+def worker_speculation(w: dict[str, Any]) -> str:
+    """The SPEC column: the worker's speculative decoding (off, ngram, draft; "-" when not
+    reported)."""
+    return str(w.get("speculation") or "-")
+
+
 # Worker series read from its /metrics (summed over labels), as status keys
 WORKER_SERIES = {
     "kvrelay:generation_tokens_total": "generation_tokens",

@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kvrelay.cli.status_data import worker_compute
+from kvrelay.cli.status_data import worker_compute, worker_speculation
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +36,9 @@ def worker_state(w: dict[str, Any]) -> str:
 
 def workers_table(workers: list[dict[str, Any]]) -> Table:
     t = Table(title="Workers", title_justify="left", expand=False)
-    left = ("NAME", "STAGE", "STATE", "KERNELS", "KV")
+    left = ("NAME", "STAGE", "STATE", "KERNELS", "KV", "SPEC")
     for col in ("NAME", "STAGE", "STATE", "BATCH", "WAITING", "KV USE", "TOK/S", "HEARTBEAT",
-                "KERNELS", "KV"):  # fmt: skip
+                "KERNELS", "KV", "SPEC"):  # fmt: skip
         t.add_column(col, justify="left" if col in left else "right")
     for w in workers:
         batch = w.get("running") if w.get("running") is not None else w.get("load")
@@ -53,9 +53,10 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
             _num(w.get("tokens_per_s"), "{:.1f}"),
             f"{w['age_s']:.1f}s ago",
             *worker_compute(w),
+            worker_speculation(w),
         )
     if not workers:
-        t.add_row("(no live workers)", "", "", "", "", "", "", "", "", "")
+        t.add_row("(no live workers)", "", "", "", "", "", "", "", "", "", "")
     return t
 
 

@@ -28,6 +28,9 @@ DEADLINE = "deadline"
 PROMPT_TOKENS = "prompt_tokens"
 COMPLETION_TOKENS = "completion_tokens"
 CACHED_TOKENS = "cached_tokens"
+# speculative decoding on the worker that finished it: draft tokens verified, and accepted
+DRAFT_TOKENS = "draft_tokens"
+ACCEPTED_TOKENS = "accepted_tokens"
 FINISH_REASON = "finish_reason"
 ERROR = "error"
 EMITTED = "emitted"
@@ -75,6 +78,8 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
     emitted: int | None = None

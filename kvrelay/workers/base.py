@@ -101,6 +101,8 @@ class Worker:
             "kernel_isa": getattr(engine, "kernel_isa", ""),
             # the KV pool's dtype ("float32", "bfloat16", "float16"; "" for engines without one)
             "kv_dtype": str(getattr(engine, "kv_dtype", "")).removeprefix("torch."),
+            # speculative decoding, resolved: off, ngram or draft ("" for engines without it)
+            "speculation": engine_speculation(engine),
         }
         self.heartbeat = Heartbeat(
             self.streams,
@@ -169,6 +171,9 @@ class Worker:
         if self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 self._on_output(out)
+            stats = getattr(self.engine, "stats", None)
+            if stats is not None:
+                self.metrics.count_engine(stats)
         else:
             with contextlib.suppress(queue.Empty):
                 self._admit(self.admissions.get(timeout=0.05))
@@ -289,8 +294,14 @@ class Worker:
         }
 
     def _emit(
-        self, act: Active, chunk: TokenChunk, done: bool, status: RequestStatus | None = None
+        self,
+        act: Active,
+        chunk: TokenChunk,
+        done: bool,
+        status: RequestStatus | None = None,
+        record: dict[str, int] | None = None,
     ) -> None:
+        """Write `chunk` (and with the final one, the record's ending fields and `record`)."""
         fields: dict[str, str | int | float] = {rec.OWNER: self.name, rec.STAGE: self.role}
         if done:
             fields[rec.STATUS] = status or RequestStatus.FINISHED
@@ -299,6 +310,7 @@ class Worker:
                 fields[rec.ERROR] = chunk.error
             if chunk.usage:
                 fields[rec.CACHED_TOKENS] = chunk.usage.get("cached_tokens", 0)
+            fields.update(record or {})
         em = Emission(self.stream, self.group, act.entry_id, act.task.request_id, chunk, fields)
         self.emitter.put(
             Outgoing("emit", act.task.request_id, act.entry_id, emission=em, done=done)
@@ -334,6 +346,8 @@ class Worker:
         act.next_index += len(out.new_token_ids)
         self._tokens += len(out.new_token_ids)
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        if out.new_token_ids:
+            self.metrics.generation_steps.inc()
         return chunk
 
     def _stats(self) -> dict[str, Any]:
@@ -350,6 +364,32 @@ class Worker:
             "tokens_per_s": f"{rate:.1f}",
             "metrics_port": self.metrics.port or "",
         }
+
+
+def speculation_record(metrics: dict[str, Any]) -> dict[str, int]:
+    """The request record's speculation fields from a finished RequestOutput's metrics (none
+    when the engine does not report them)."""
+    if "num_draft_tokens" not in metrics:
+        return {}
+    return {
+        rec.DRAFT_TOKENS: int(metrics["num_draft_tokens"] or 0),
+        rec.ACCEPTED_TOKENS: int(metrics.get("num_accepted_tokens") or 0),
+    }
+
+
+def engine_speculation(engine: Any) -> str:
+    """The engine's speculative decoding, resolved ("off", "ngram", "draft"); "" when its
+    config has none (a test's fake engine)."""
+    config = getattr(engine, "config", None)
+    mode = getattr(config, "speculation", None)
+    if not isinstance(mode, str):
+        return ""
+    from kvrelay.workers.engine.speculator import resolve_speculation
+
+    try:
+        return str(resolve_speculation(mode, getattr(config, "draft_model", None)))
+    except ValueError:
+        return ""
 
 
 def _logprobs(

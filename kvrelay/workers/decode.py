@@ -16,7 +16,7 @@ from typing import Any
 
 from kvrelay.core.enums import Stage
 from kvrelay.core.messages import DecodeTask
-from kvrelay.workers.base import Worker
+from kvrelay.workers.base import Worker, speculation_record
 
 logger = logging.getLogger(__name__)
 
@@ -37,4 +37,6 @@ class DecodeWorker(Worker):
             if not task.prefilled:
                 self.metrics.finished(len(task.prompt_token_ids), cached)
             chunk.usage = self._usage(act, act.next_index, cached)
-        self._emit(act, chunk, done=out.finished)
+            self._emit(act, chunk, done=True, record=speculation_record(out.metrics))
+            return
+        self._emit(act, chunk, done=False)

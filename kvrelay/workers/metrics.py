@@ -55,6 +55,36 @@ class WorkerMetrics:
             ["model_name"],
             registry=r,
         ).labels(model)
+        # Speculative decoding (vLLM's names): draft tokens verified, accepted, and drafts
+        # verified (a request's step with a draft), from the engine's stats (count_engine).
+        # generation_tokens / generation_steps is output tokens per request-step (1 without
+        # speculation); num_accepted_tokens / num_draft_tokens the acceptance rate.
+        self.spec_draft_tokens = Counter(
+            PREFIX + "spec_decode_num_draft_tokens",
+            "Draft tokens verified by speculative decoding.",
+            ["model_name"],
+            registry=r,
+        ).labels(model)
+        self.spec_accepted_tokens = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted (each one an output token).",
+            ["model_name"],
+            registry=r,
+        ).labels(model)
+        self.spec_drafts = Counter(
+            PREFIX + "spec_decode_num_drafts",
+            "Drafts verified: request-steps that checked a draft.",
+            ["model_name"],
+            registry=r,
+        ).labels(model)
+        self.generation_steps = Counter(
+            PREFIX + "generation_steps",
+            "Request-steps that produced output tokens (one per request per engine step); "
+            "generation_tokens / generation_steps is tokens per step.",
+            ["model_name"],
+            registry=r,
+        ).labels(model)
+        self._engine_counts = (0, 0, 0)
         self.generation_tokens = self.base.generation_tokens.labels(model)
         self.prompt_tokens = self.base.prompt_tokens.labels(model)
         if engine is not None:
@@ -64,6 +94,9 @@ class WorkerMetrics:
         """Report `engine`'s block pool usage in `kv_cache_usage_perc` (read at each scrape)
         and its size in `cache_config_info` (vLLM's info gauge: labels, value 1). Call once."""
         self.kv_cache_usage.labels(self.model).set_function(lambda: kv_cache_usage(engine.pool))
+        stats = getattr(engine, "stats", None)
+        if stats is not None:  # count_engine counts from here (not what ran before)
+            self._engine_counts = _spec_counts(stats)
         page_size = getattr(getattr(engine, "config", None), "page_size", "")
         Gauge(
             PREFIX + "cache_config_info",
@@ -71,6 +104,19 @@ class WorkerMetrics:
             ["model_name", "block_size", "num_gpu_blocks"],
             registry=self.base.registry,
         ).labels(self.model, str(page_size), str(engine.pool.num_blocks)).set(1)
+
+    def count_engine(self, stats: Any) -> None:
+        """Add what the engine's speculation counters (EngineStats) gained since the last call."""
+        now = _spec_counts(stats)
+        before, self._engine_counts = self._engine_counts, now
+        for counter, new, old in zip(
+            (self.spec_draft_tokens, self.spec_accepted_tokens, self.spec_drafts),
+            now,
+            before,
+            strict=True,
+        ):
+            if new > old:
+                counter.inc(new - old)
 
     def admitted(self, task: Any, num_resumed: int) -> None:
         """Count the prompt of a newly admitted request."""
@@ -131,6 +177,14 @@ class CountingConnector:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def _spec_counts(stats: Any) -> tuple[int, int, int]:
+    return (
+        getattr(stats, "num_draft_tokens", 0),
+        getattr(stats, "num_accepted_tokens", 0),
+        getattr(stats, "num_verifications", 0),
+    )
 
 
 def kv_cache_usage(pool: Any) -> float:

@@ -94,8 +94,9 @@ def test_field_types_are_declared_once_on_the_dataclass():
         "private": rec.PRIVATE_FIELDS,
     }  # fmt: skip
     assert kinds == {
-        "int": {"prompt_tokens", "completion_tokens", "cached_tokens", "emitted", "attach",
-                "claim_emitted", "claim_delivery", "num_choices"},
+        "int": {"prompt_tokens", "completion_tokens", "cached_tokens", "draft_tokens",
+                "accepted_tokens", "emitted", "attach", "claim_emitted", "claim_delivery",
+                "num_choices"},
         "float": {"created", "updated", "started", "deadline"},
         "json": {"ingress"},
         "private": {"ingress", "key_id", "attach", "submission_id", "num_choices", "parent"},
@@ -136,6 +137,7 @@ def test_public_view_has_json_types_and_null_for_what_is_absent():
         "status": "finished", "stage": "decode", "owner": "w1", "model": "m",
         "created": "1700000000.250000", "updated": "1700000001.500000", "deadline": "",
         "prompt_tokens": "31", "completion_tokens": "8", "cached_tokens": "16", "emitted": "8",
+        "draft_tokens": "12", "accepted_tokens": "7",
         "finish_reason": "length", "error": "", "source": "client", "user": "",
         "ingress": "{}", "key_id": "k", "attach": "2", "submission_id": "ab12",
         "claim_entry": "1-0", "claim_emitted": "3", "claim_delivery": "2",
@@ -146,9 +148,10 @@ def test_public_view_has_json_types_and_null_for_what_is_absent():
     assert public == {
         "status": "finished", "stage": "decode", "owner": "w1", "model": "m",
         "created": 1700000000.25, "updated": 1700000001.5, "started": None, "deadline": None,
-        "prompt_tokens": 31, "completion_tokens": 8, "cached_tokens": 16,
-        "finish_reason": "length", "error": None, "emitted": 8, "source": "client",
-        "user": None, "claim_entry": "1-0", "claim_emitted": 3, "claim_delivery": 2,
+        "prompt_tokens": 31, "completion_tokens": 8, "cached_tokens": 16, "draft_tokens": 12,
+        "accepted_tokens": 7, "finish_reason": "length", "error": None, "emitted": 8,
+        "source": "client", "user": None, "claim_entry": "1-0", "claim_emitted": 3,
+        "claim_delivery": 2,
     }  # fmt: skip
     assert list(public) == list(rec.PUBLIC_FIELDS)
     assert type(public["status"]) is str  # the enum's plain string

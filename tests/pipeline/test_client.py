@@ -94,6 +94,8 @@ async def test_status_is_the_typed_record_get_shows(harness, smollm_tokenizer):
         "prompt_tokens": 1,
         "completion_tokens": 0,
         "cached_tokens": 0,
+        "draft_tokens": None,
+        "accepted_tokens": None,
         "finish_reason": None,
         "error": None,
         "emitted": None,

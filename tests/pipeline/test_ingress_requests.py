@@ -251,6 +251,8 @@ async def test_request_state_shows_the_public_fields_with_their_types(harness):
         "prompt_tokens": 5,
         "completion_tokens": -1,
         "cached_tokens": None,
+        "draft_tokens": None,
+        "accepted_tokens": None,
         "finish_reason": None,
         "error": None,
         "emitted": 2,

@@ -21,6 +21,8 @@ from kvrelay.core.record import RequestRecord, as_str
 COMBINED_FIELDS = (
     "status",
     "completion_tokens",
+    "draft_tokens",
+    "accepted_tokens",
     "emitted",
     "started",
     "updated",
@@ -56,11 +58,14 @@ def combined_status(records: list[RequestRecord]) -> str:
 
 def combine(parent: RequestRecord, records: list[RequestRecord]) -> RequestRecord:
     """The parent record with COMBINED_FIELDS from its choices: the status above, the summed
-    completion tokens and emitted, the first start, the last update, and (once all ended)
-    the first choice's finish reason; the first error."""
+    completion tokens, draft and accepted tokens and emitted, the first start, the last
+    update, and (once all ended) the first choice's finish reason; the first error."""
     out = copy.copy(parent)
     out.status = combined_status(records)
     out.completion_tokens = sum(r.completion_tokens or 0 for r in records)
+    for name in ("draft_tokens", "accepted_tokens"):
+        counts = [getattr(r, name) for r in records if getattr(r, name) is not None]
+        setattr(out, name, sum(counts) if counts else None)
     emitted = [r.emitted for r in records if r.emitted is not None]
     out.emitted = sum(emitted) if emitted else None
     started = [r.started for r in records if r.started is not None]

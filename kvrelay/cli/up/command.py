@@ -174,19 +174,23 @@ def speculation_env(args: argparse.Namespace) -> dict[str, str]:
 
 def check_worker_config(args: argparse.Namespace):
     """The workers' settings as they will read them (flags, then --env, over this process's
-    environment); CommandError (exit 2) for what they would refuse, before launching."""
-    from kvrelay.core.config import ConfigError
-    from kvrelay.workers.config import load_worker_config
+    environment); CommandError (exit 2) for a value they cannot parse or speculation settings
+    they would refuse, before launching. (Other settings are the workers' to check: a worker
+    that refuses them crash-loops, and `up` fails with its log.)"""
+    from kvrelay.core.config import ConfigError, from_env
+    from kvrelay.workers.config import SECTION, WorkerConfig
 
     env = {**os.environ, **speculation_env(args), **extra_env(args)}
     try:
-        return load_worker_config(environ=env)
+        config = from_env(WorkerConfig, SECTION, environ=env)
+        speculation_mode(config)
     except ConfigError as exc:
         raise CommandError(f"workers: {exc}") from None
+    return config
 
 
 def speculation_mode(config) -> str:
-    """The workers' speculation, resolved (off, ngram or draft)."""
+    """The workers' speculation, resolved (off, ngram or draft); ConfigError when refused."""
     from kvrelay.workers.config import check_speculation
 
     return check_speculation(
@@ -460,8 +464,6 @@ def run_up(args: argparse.Namespace) -> int:
     print(f"kvrelay: topology: {args.topology.describe()}", file=sys.stderr)
     why = getattr(args, "quantization_why", "given")
     print(f"kvrelay: weights: {state['quantization']} ({why})", file=sys.stderr)
-    draft = f" ({workers.draft_model})" if state["speculation"] == "draft" else ""
-    print(f"kvrelay: speculative decoding: {state['speculation']}{draft}", file=sys.stderr)
     progress = UpProgress(state, run_dir / "logs")  # before the start: log sizes of earlier runs
     sup.start(detach=args.detach)
     where = f"http://{args.host}:{args.port}"

@@ -40,9 +40,7 @@ def prompts(eng, dataset: str, n: int, seed: int) -> list[list[int]]:
     from kvrelay.bench.datasets import load
 
     data = load(dataset, seed)
-    return [
-        eng.tokenizer.apply_chat_template(data.session(i).messages) for i in range(n)
-    ]
+    return [eng.tokenizer.apply_chat_template(data.session(i).messages) for i in range(n)]
 
 
 def serve_one_stream(eng, prompt_list: list[list[int]], max_tokens: int) -> dict:

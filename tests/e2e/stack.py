@@ -118,8 +118,8 @@ class Stack:
 def generate_reference(
     tmp_path: Path, requests: list[dict], max_tokens: int, quantization: str = "none"
 ) -> dict[str, dict]:
-    """`kvrelay generate --json` (the in-process engine, with the stack's weights) for JSONL
-    requests; results by id."""
+    """`kvrelay generate --json` (the in-process engine, with the stack's weights, plain
+    decoding) for JSONL requests (greedy unless a line says otherwise); results by id."""
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(json.dumps(r) + "\n" for r in requests))
     done = subprocess.run(
@@ -139,6 +139,8 @@ def generate_reference(
             "1",
             "--quantization",
             quantization,
+            "--speculation",  # the reference is plain decoding: speculation must not show
+            "off",
         ],
         capture_output=True,
         text=True,

@@ -102,7 +102,7 @@ PASSAGE = (
     "the ledger fills quickly, because fishing boats come in early and the ferries wait in the "
     "channel until the wind drops."
 )
-CODE = '''def total_weight(items):
+CODE = """def total_weight(items):
     total = 0
     for item in items:
         if item.weight is None:
@@ -117,7 +117,7 @@ def heaviest(items):
         if best is None or item.weight > best.weight:
             best = item
     return best
-'''
+"""
 TASKS = [
     ("chat", "Repeat this text exactly, word for word:\n\n" + PASSAGE),
     ("chat", "Rewrite this code with type hints, changing nothing else:\n\n" + CODE),

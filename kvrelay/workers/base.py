@@ -102,7 +102,7 @@ class Worker:
             # the KV pool's dtype ("float32", "bfloat16", "float16"; "" for engines without one)
             "kv_dtype": str(getattr(engine, "kv_dtype", "")).removeprefix("torch."),
             # speculative decoding, resolved: off, ngram or draft ("" for engines without it)
-            "speculation": engine_speculation(engine),
+            "speculation": str(getattr(engine, "speculation", "")),
         }
         self.heartbeat = Heartbeat(
             self.streams,
@@ -375,21 +375,6 @@ def speculation_record(metrics: dict[str, Any]) -> dict[str, int]:
         rec.DRAFT_TOKENS: int(metrics["num_draft_tokens"] or 0),
         rec.ACCEPTED_TOKENS: int(metrics.get("num_accepted_tokens") or 0),
     }
-
-
-def engine_speculation(engine: Any) -> str:
-    """The engine's speculative decoding, resolved ("off", "ngram", "draft"); "" when its
-    config has none (a test's fake engine)."""
-    config = getattr(engine, "config", None)
-    mode = getattr(config, "speculation", None)
-    if not isinstance(mode, str):
-        return ""
-    from kvrelay.workers.engine.speculator import resolve_speculation
-
-    try:
-        return str(resolve_speculation(mode, getattr(config, "draft_model", None)))
-    except ValueError:
-        return ""
 
 
 def _logprobs(

@@ -148,7 +148,10 @@ class Engine:
         )
 
     def _speculator(self, config: EngineConfig) -> Speculator | None:
-        mode = resolve_speculation(config.speculation, config.draft_model)
+        try:
+            self.speculation = mode = resolve_speculation(config.speculation, config.draft_model)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if mode is Speculation.OFF:
             return None
         if mode is Speculation.DRAFT:

@@ -18,6 +18,12 @@ power of its position `j`) exceeds `c B / (T0 + B c)`; `row_cost` is `c / T0` (m
 docs/internals.md "Speculative decoding"). At one stream short drafts are nearly free; at 32
 streams only requests whose drafts are usually accepted draft at all. A request whose drafts
 stop paying drafts nothing and drifts back toward the prior estimate, so it is probed again.
+
+A draft model also runs a forward per draft position, costing `d T0` (the drafter's `cost`
+`d`: its weights over the target's, engine/draft_model.py; 0 for prompt lookup). Shared by the
+`B` sequences (as if all drafted that far), a draft token then costs `c + d T0 / B`, so a row
+pays when `a ** j > (c B + d T0) / (T0 + B c)`. A draft model as large as the target (`d >= 1`)
+never pays, and drafts nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ def resolve_speculation(mode: str, draft_model: str | None) -> Speculation:
 class Drafter(Protocol):
     """A source of draft tokens."""
 
+    cost: float  # its forward per draft position over a target step's fixed cost (see above)
+
     def draft(self, seqs: list[Sequence], lengths: list[int]) -> list[list[int]]:
         """Up to `lengths[i]` tokens guessed to follow `seqs[i].token_ids`, for each i."""
         ...
@@ -65,6 +73,8 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Prompt lookup: each sequence's own `NgramIndex` over its prompt and outputs."""
+
+    cost = 0.0  # a dictionary lookup
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         NgramIndex(min_n, max_n)  # validates
@@ -107,7 +117,7 @@ class Speculator:
         if not decoding:
             return
         rb = self.row_cost * len(decoding)
-        threshold = rb / (1.0 + rb)
+        threshold = (rb + self.drafter.cost) / (1.0 + rb)
         seqs, lengths = [], []
         for seq in decoding:
             k = min(self._worth(seq.spec.acceptance, threshold), self._room(seq))

@@ -97,9 +97,9 @@ def test_stops_and_eos_same_output(make_engine):
     off, engine = make_engine("off"), make_engine()
     prompts = chat_prompts(off.tokenizer)
     params = [
-        greedy(max_tokens=40, stop=["Paris"]),  # a stop string inside a draft
-        greedy(max_tokens=40, stop=[", 2001"], include_stop_str_in_output=True),
-        SamplingParams(temperature=0.8, seed=3, max_tokens=40, stop=["\n"]),
+        greedy(max_tokens=32, stop=["Paris"]),  # a stop string inside a draft
+        greedy(max_tokens=32, stop=["in 1999"], include_stop_str_in_output=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=32, stop=["\n"]),
         greedy(max_tokens=1),  # no room for a draft
     ]
     want = off.generate(prompts, params)
@@ -110,16 +110,41 @@ def test_stops_and_eos_same_output(make_engine):
 
 
 def test_preemption_same_output(make_engine):
-    off = make_engine("off", num_blocks=12)
-    engine = make_engine(num_blocks=12)
-    prompts = chat_prompts(off.tokenizer)
-    params = greedy(max_tokens=40, ignore_eos=True)
+    off = make_engine("off", num_blocks=9)
+    engine = make_engine(num_blocks=9)
+    prompts = chat_prompts(off.tokenizer)[:3]  # 3 pages each, 4 once done: 9 do not hold all
+    params = greedy(max_tokens=24, ignore_eos=True)
     want = off.generate(prompts, params)
     got = engine.generate(prompts, params)
     same(want, got)
     assert engine.scheduler.num_preemptions > 0
     assert engine.stats.num_accepted_tokens == engine.stats.num_draft_tokens > 0
     assert engine.pool.num_free_blocks == engine.num_blocks  # every block came back
+
+
+def test_draft_kv_equals_target_kv(make_engine):
+    """With the same model, the draft K/V the bookkeeping counts as valid is bitwise the
+    target's, after rejections (sampling), preemptions and prefix-cache sharing."""
+    engine = make_engine(num_blocks=12, max_num_batched_tokens=32)
+    drafter = engine.speculator.drafter
+    prompts = chat_prompts(engine.tokenizer)
+    prompts.append(prompts[0])  # shares the first prompt's cached blocks
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True)
+        engine.add_request(f"r{i}", prompt, params)
+    P, checked = engine.config.page_size, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            n = min(seq.spec.draft_computed, seq.num_computed_tokens)
+            pos = torch.arange(n)
+            blocks = torch.tensor(seq.block_table)[pos // P]
+            target = engine.runner.kv_pool[blocks, :, :, pos % P]
+            assert torch.equal(drafter.runner.kv_pool[blocks, :, :, pos % P], target)
+            checked += n
+    assert checked > 0
+    assert engine.scheduler.num_preemptions > 0
+    assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
 
 
 def test_draft_pool_mirrors_target_pool(make_engine):

@@ -9,21 +9,25 @@ sequence holds its target K/V in the target pool and its draft K/V in the draft 
 drafter therefore needs no allocator, and preemption frees both at once.
 
 Bookkeeping, per sequence: `seq.spec.draft_computed` tokens of `seq.token_ids` have valid draft
-K/V. A draft of `k` tokens first computes the tokens from there to the last one (a chunked
-prefill for a new sequence, usually just the last one or two tokens later), whose last row gives
-draft token 1, then `k - 1` one-token forwards (draft tokens 2..k); all sequences drafting in a
-step share each forward. It leaves `draft_computed = num_tokens + k - 1`. The target then accepts
-some draft tokens: the draft K/V beyond them is stale, so the next draft starts from
-`min(draft_computed, num_computed_tokens)` (accepted draft tokens are exactly the tokens there).
-`KVCacheManager.free` resets it to 0 (preemption); a prefix hit or store load brings only target
-K/V, and a sequence starts at 0, so it recomputes its whole prefix in the draft model. Two
-sequences sharing a cached block both write its draft K/V, with identical values (same tokens,
-same positions, batch- and chunk-invariant kernels), so sharing is harmless.
+K/V. A draft of `k` tokens first computes the tokens from there to the last one, whose last row
+gives draft token 1, then `k - 1` one-token forwards (draft tokens 2..k); all sequences drafting
+in a step share each forward. That first forward is a prefill of the whole prompt for a new
+sequence (at most `max_num_batched_tokens` a step: one not caught up drafts nothing yet), later
+the few tokens since its last draft. It leaves `draft_computed = num_tokens + k - 1`. The target
+then accepts some draft tokens: the draft K/V beyond them is stale, so the next draft starts
+from `min(draft_computed, num_computed_tokens)` (accepted draft tokens are exactly the tokens
+there). `KVCacheManager.free` resets it to 0 (preemption); a prefix hit or store load brings
+only target K/V, and a sequence starts at 0, so it recomputes its whole prefix in the draft
+model. Two sequences sharing a cached block both write its draft K/V, with identical values
+(same tokens, same positions, batch- and chunk-invariant kernels), so sharing is harmless.
 
 Blocks: drafting runs before the scheduler allocates the step's slots, so the drafter allocates
 the target's slots for the last token and the draft (`allocate_slots(seq, 1 + k)`: what the
 scheduler would take for the step anyway) and drafts nothing when they are not free, leaving
 every running sequence a block for its own next token (a draft never preempts anyone).
+
+Cost: `cost` (the draft's matmul weights over the target's; a decode step is bound by reading
+them) is what the Speculator's row-cost rule charges per draft position for the draft forward.
 """
 
 from __future__ import annotations

@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="off,ngram", help="speculation modes, first = baseline")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--spec-row-cost", type=float, default=None)
+    p.add_argument("--prompt-lookup-min", type=int, default=None)
+    p.add_argument("--prompt-lookup-max", type=int, default=None)
     p.add_argument("--rows", action="store_true", help="time rows per step instead")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--repeat", type=int, default=7)
@@ -142,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         res, base = [], None
         for mode in args.modes.split(","):
             kw = {"speculation": mode}
-            if args.num_speculative_tokens:
-                kw["num_speculative_tokens"] = args.num_speculative_tokens
+            for name in ("num_speculative_tokens", "spec_row_cost", "prompt_lookup_min",
+                         "prompt_lookup_max"):  # fmt: skip
+                if getattr(args, name) is not None:
+                    kw[name] = getattr(args, name)
             eng = engine(args, **kw)
             r = serve_one_stream(eng, prompts(eng, args.dataset, args.requests, args.seed),
                                  args.max_tokens)  # fmt: skip

@@ -233,6 +233,11 @@ void wint8_linear(const WInt8Args& a) {
   // (each x load feeds 4 FMAs: x streams through the cache less often).
   if (a.m <= 2) {
     linear16<4>(a, 2);
+  } else if (a.m <= 6 && a.n >= 8192) {
+    // A few rows (a verified draft) of a wide layer (the LM head): whole-group tiles give
+    // 4 x rows independent FMA chains where one sub-block gives only `rows`; narrower layers
+    // keep one sub-block per unit, which spreads their few groups over the threads.
+    linear16<4>(a, 6);
   } else if (a.m < 96) {
     linear16<1>(a, 24);
   } else {

@@ -367,8 +367,10 @@ class Engine:
             tokens.append(res.token_id)
             lps.append(res.logprobs)
             text += self.outputs.append(seq, res.token_id)
-        seq.spec.record(len(draft), accepted, rejected)
-        self.stats.num_draft_tokens += len(draft)
+        # draft tokens left unchecked because the request ended are not counted as drafted
+        checked = accepted + rejected if rejected or accepted < len(draft) else len(draft)
+        seq.spec.record(checked, accepted, rejected)
+        self.stats.num_draft_tokens += checked
         self.stats.num_accepted_tokens += accepted
         self.stats.num_verifications += 1
         seq.num_computed_tokens += accepted  # K/V of the accepted draft tokens is valid

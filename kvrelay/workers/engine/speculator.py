@@ -34,9 +34,11 @@ from kvrelay.core.enums import Speculation
 from kvrelay.workers.engine.ngram import NgramIndex
 from kvrelay.workers.engine.sequence import Sequence
 
-# c / T0 (see the module docstring) measured with `python benchmarks/speculation.py --rows`:
-# CPU int8 SmolLM2-135M, 2 threads: TODO; a GPU step is weight-bound far longer.
-ROW_COST = {"cpu": 0.05, "cuda": 0.01}
+# c / T0 (see the module docstring). CPU: SmolLM2-135M int8-weight-only, 2 threads, Zen 4
+# (`python benchmarks/speculation.py --rows`): one row 8.2 ms, four 12.3, eight 21.3; the
+# extra rows are FMA-bound. 0.15 served grounded prompts fastest of 0.05 / 0.15 / 0.3
+# (docs/benchmarks.md "Speculative decoding"). A GPU step stays weight-bound far longer.
+ROW_COST = {"cpu": 0.15, "cuda": 0.01}
 
 
 def default_row_cost(device_type: str) -> float:

@@ -261,4 +261,4 @@ def test_off_drafts_nothing_and_bad_settings_are_refused(make_engine) -> None:
     assert eng.speculator is None
     with pytest.raises(ValueError, match="max_draft"):
         make_engine(num_speculative_tokens=0)
-    assert math.isclose(make_engine().speculator.row_cost, 0.15)
+    assert math.isclose(make_engine().speculator.row_cost, 0.25)

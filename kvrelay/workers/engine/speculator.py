@@ -36,9 +36,11 @@ from kvrelay.workers.engine.sequence import Sequence
 
 # c / T0 (see the module docstring). CPU: SmolLM2-135M int8-weight-only, 2 threads, Zen 4
 # (`python benchmarks/speculation.py --rows`): one row 8.2 ms, four 12.3, eight 21.3; the
-# extra rows are FMA-bound. 0.15 served grounded prompts fastest of 0.05 / 0.15 / 0.3
-# (docs/benchmarks.md "Speculative decoding"). A GPU step stays weight-bound far longer.
-ROW_COST = {"cpu": 0.15, "cuda": 0.01}
+# extra rows are FMA-bound. At one stream 0.15, 0.2 and 0.25 serve grounded prompts equally
+# fast (1.45-1.51x); at 8 streams 0.15 still drafted where the rejected rows took CPU from the
+# other workers (0.95-1.00x on open-ended chat), so 0.25 (docs/benchmarks.md "Speculative
+# decoding"). A GPU step stays weight-bound far longer.
+ROW_COST = {"cpu": 0.25, "cuda": 0.01}
 
 
 def default_row_cost(device_type: str) -> float:

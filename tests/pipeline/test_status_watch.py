@@ -114,6 +114,23 @@ def _read_until(fd: int, proc: subprocess.Popen, wanted, timeout_s: float) -> st
     raise AssertionError(f"not rendered in {timeout_s}s: {ANSI.sub('', raw.decode())[-3000:]}")
 
 
+def _exit_code(fd: int, proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """Wait for `proc` to exit while reading its terminal: a child blocked writing to a full
+    terminal (frames keep coming until Ctrl-C is handled) would never exit otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            try:
+                os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                break
+    try:
+        return proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def _row(*cells: str) -> re.Pattern:
     return re.compile(r"\s*│\s*".join(re.escape(c) for c in cells))
 
@@ -155,7 +172,7 @@ def test_watch_renders_in_a_terminal_and_ctrl_c_exits_0(stack):
         stack.r.xadd(KEYS.dlq, {MESSAGE_FIELD: b"", "reason": "again"})
         _read_until(master, proc, lambda t: "DLQ: 2 entries" in t, 10)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
+        assert _exit_code(master, proc, 10) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -156,3 +156,24 @@ def test_bad_inputs_raise_clear_errors(loaded_model):
     with pytest.raises(ValueError, match="must all be"):
         model(batch.input_ids, batch.positions[:2], pool, batch.meta, batch.logits_indices)
     assert torch.count_nonzero(pool) == 0  # nothing written
+
+
+def test_verification_step_rows_and_rejected_draft_kv(loaded_model, seqs, reference):
+    """A speculative verification step (the last token plus a draft, beside another sequence's
+    decode) gives the reference rows up to the first wrong draft token; the K/V it wrote for
+    the rejected tokens is overwritten when decoding goes on, leaving the reference pages."""
+    a, _b, c = seqs
+    ref_logits, ref_pages = reference
+    model = loaded_model.model
+    pool = model.allocate_kv_pool(16, PAGE)
+    blocks, c_blocks = [3, 6, 1, 5], [9, 10, 11]
+    n0 = 20
+    run_batch(model, pool, [SeqChunk(blocks, 0, a[:n0], all_logits=False)], PAGE)
+    run_batch(model, pool, [SeqChunk(c_blocks, 0, c[:-1], all_logits=False)], PAGE)
+    wrong = [(t + 1) % 1000 for t in a[n0 + 4 : n0 + 7]]
+    chunks = [SeqChunk(c_blocks, len(c) - 1, c[-1:]), SeqChunk(blocks, n0, a[n0 : n0 + 4] + wrong)]
+    got = run_batch(model, pool, chunks, PAGE)
+    for p in range(n0, n0 + 4):  # rows of the last token and the three right draft tokens
+        assert torch.equal(got[(1, p)], ref_logits[p]), p
+    _run_schedule(model, pool, blocks, a, (1, 2, 0), ref_logits, start=n0 + 4)
+    assert torch.equal(_pages(pool, blocks), ref_pages)

@@ -36,6 +36,11 @@ WORKER_SERIES = {
     "kvrelay:prefix_cache_queries_total": "prefix_cache_queries",
     "kvrelay:prefix_cache_hits_total": "prefix_cache_hits",
     "kvrelay:kv_cache_usage_perc": "kv_cache_usage_perc",
+    # speculative decoding: acceptance = accepted / draft tokens, tokens per request-step =
+    # generation_tokens / generation_steps
+    "kvrelay:spec_decode_num_draft_tokens_total": "spec_draft_tokens",
+    "kvrelay:spec_decode_num_accepted_tokens_total": "spec_accepted_tokens",
+    "kvrelay:generation_steps_total": "generation_steps",
 }
 STORE_TIERS = (("host", "host_slots"), ("disk", "disk_capacity"))  # (tier, its capacity field)
 

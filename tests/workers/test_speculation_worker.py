@@ -9,7 +9,9 @@ import time
 
 import pytest
 import redis
+from prometheus_client import generate_latest
 
+from kvrelay.cli.status_data import WORKER_SERIES, parse_metrics
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import DecodeTask, TokenChunk
 from kvrelay.core.sampling import SamplingParams
@@ -120,3 +122,7 @@ def test_speculating_worker_emits_plain_tokens_and_counts_acceptance(stack):
     assert steps == 2 * GREEDY["max_tokens"] - accepted
     beat = r.hget(KEYS.worker("decode-spec"), "speculation")
     assert beat == b"ngram"
+    # what `kvrelay status --json` scrapes from the worker's /metrics
+    scraped = parse_metrics(generate_latest(worker.metrics.base.registry).decode(), WORKER_SERIES)
+    assert (scraped["spec_draft_tokens"], scraped["spec_accepted_tokens"]) == (drafted, accepted)
+    assert scraped["generation_steps"] == steps

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from kvrelay.cli.errors import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, CommandError
-from kvrelay.core.enums import Stage
+from kvrelay.core.enums import Stage, WorkerField
 
 
 def connection_args(p: argparse.ArgumentParser) -> None:
@@ -70,7 +70,7 @@ def connect(args: argparse.Namespace):
 
 def topology_of(workers: list[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
     """Live worker counts by role, and what `kvrelay up` chose (when its stack.json is known)."""
-    live = {role: sum(w.get("role") == role for w in workers) for role in Stage}
+    live = {role: sum(w.get(WorkerField.ROLE) == role for w in workers) for role in Stage}
     layout = "disaggregated" if live[Stage.PREFILL] else "colocated"
     summary = f"{live['prefill']} prefill + {live['decode']} decode live ({layout}"
     summary += ")" if live[Stage.PREFILL] else ": decode workers prefill locally)"
@@ -92,7 +92,8 @@ def add_status_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-NUMBER_COLUMNS = ("pid", "load", "tokens_per_s")  # None (field empty or missing) prints blank
+# None (field empty or missing) prints blank
+NUMBER_COLUMNS = (WorkerField.PID, WorkerField.LOAD, WorkerField.TOKENS_PER_S)
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -128,12 +129,12 @@ def run_status(args: argparse.Namespace) -> int:
         f"{'KERNELS':<9}{'KV':<6}{'SPEC':<7}STATE"
     )
     for w in data["workers"]:
-        shown = "draining" if w.get("draining") else "ok"
+        shown = "draining" if w.get(WorkerField.DRAINING) else "ok"
         pid, load, rate = ("" if w.get(k) is None else str(w[k]) for k in NUMBER_COLUMNS)
         kernels, kv = status_data.worker_compute(w)
         spec = status_data.worker_speculation(w)
         print(
-            f"{w.get('name', '?'):<24}{w.get('role', '?'):<9}{pid:>8}"
+            f"{w.get(WorkerField.NAME, '?'):<24}{w.get(WorkerField.ROLE, '?'):<9}{pid:>8}"
             f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {kernels:<9}{kv:<6}{spec:<7}{shown}"
         )
     print(f"\n{'STREAM':<34}{'LENGTH':>8}{'PENDING':>9}{'LAG':>6}{'CONSUMERS':>11}")

@@ -12,7 +12,7 @@ import signal
 import sys
 
 from kvrelay.core.config import config_file_help, setting_flags
-from kvrelay.pipeline.server.config import SECTION, IngressConfig
+from kvrelay.pipeline.server.config import MODES, SECTION, IngressConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mode",
-        choices=("auto", "disaggregated", "colocated"),
+        choices=MODES,
         default=None,
         help="routing: auto (conditional disaggregation, default), "
         "disaggregated (always prefill first), colocated (decode only)",

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvrelay.cli.status_data import worker_compute, worker_speculation
+from kvrelay.core.enums import WorkerField
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +30,11 @@ def _pct(value: Any) -> str:
 
 def worker_state(w: dict[str, Any]) -> str:
     """ok, draining (finishing what it holds) or drained (draining and holding nothing)."""
-    if not w.get("draining"):
+    if not w.get(WorkerField.DRAINING):
         return "ok"
-    return "drained" if not w.get("load") and not w.get("running") else "draining"
+    return (
+        "drained" if not w.get(WorkerField.LOAD) and not w.get(WorkerField.RUNNING) else "draining"
+    )
 
 
 def workers_table(workers: list[dict[str, Any]]) -> Table:
@@ -41,16 +44,20 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
                 "KERNELS", "KV", "SPEC"):  # fmt: skip
         t.add_column(col, justify="left" if col in left else "right")
     for w in workers:
-        batch = w.get("running") if w.get("running") is not None else w.get("load")
+        batch = (
+            w.get(WorkerField.RUNNING)
+            if w.get(WorkerField.RUNNING) is not None
+            else w.get(WorkerField.LOAD)
+        )
         usage = (w.get("metrics") or {}).get("kv_cache_usage_perc")
         t.add_row(
-            str(w.get("name", "?")),
-            str(w.get("role", "?")),
+            str(w.get(WorkerField.NAME, "?")),
+            str(w.get(WorkerField.ROLE, "?")),
             worker_state(w),
             _num(batch),
-            _num(w.get("waiting")),
+            _num(w.get(WorkerField.WAITING)),
             _pct(usage),
-            _num(w.get("tokens_per_s"), "{:.1f}"),
+            _num(w.get(WorkerField.TOKENS_PER_S), "{:.1f}"),
             f"{w['age_s']:.1f}s ago",
             *worker_compute(w),
             worker_speculation(w),

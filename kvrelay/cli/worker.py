@@ -11,7 +11,7 @@ from typing import Any
 
 from kvrelay.core.config import config_file_help
 from kvrelay.core.enums import Speculation, Stage
-from kvrelay.core.modelref import KV_CACHE_DTYPES, QUANTIZATION_SCHEMES
+from kvrelay.core.modelref import KV_CACHE_DTYPES, QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ KV_DTYPE_CHOICES = (*KV_CACHE_DTYPES, "float32", "bfloat16", "float16")
 def flag_options(dest: str) -> dict[str, Any]:
     """argparse choices (and metavar) of an engine setting's flag; none: any value of its type."""
     if dest == "quantization":
-        return {"choices": tuple(QUANTIZATION_SCHEMES)}
+        return {"choices": QUANTIZATIONS}
     if dest == "speculation":
         return {"choices": SPECULATION_CHOICES}
     if dest == "kv_cache_dtype":  # the long names are accepted, the short ones shown

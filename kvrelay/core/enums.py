@@ -45,3 +45,37 @@ class Speculation(enum.StrEnum):
     OFF = "off"
     NGRAM = "ngram"  # prompt lookup: earlier occurrences of the last n tokens
     DRAFT = "draft"  # a smaller model with the same tokenizer (`--draft-model`)
+
+
+class Quantization(enum.StrEnum):
+    """A worker's weight quantization (`--quantization`); `core.modelref.QUANTIZATION_SCHEMES`
+    gives each its name in the model fingerprint."""
+
+    NONE = "none"
+    INT8 = "int8"  # int8 weights (7-bit) and per-token int8 activations (oneDNN)
+    FP16 = "fp16"  # fp16 weights, fp32 activations (fbgemm)
+    INT8_WEIGHT_ONLY = "int8-weight-only"  # int8 weights, a scale per 32 inputs (C++ kernel)
+
+
+class WorkerField(enum.StrEnum):
+    """The fields of a worker's `worker:{name}` heartbeat hash."""
+
+    NAME = "name"
+    ROLE = "role"  # a Stage
+    HOST = "host"
+    PID = "pid"
+    CONSUMER = "consumer"  # its consumer name in the stream groups
+    UPDATED = "updated"  # unix seconds of the last heartbeat
+    LOAD = "load"  # stream entries it owns
+    DRAIN = "drain"  # set by `kvrelay drain`: "1" asks it to take no new work
+    DRAINING = "draining"  # published by the worker: "1" once it saw `drain`
+    MODEL = "model"
+    FINGERPRINT = "fingerprint"
+    METRICS_PORT = "metrics_port"  # "" when it serves no metrics
+    MAX_NUM_SEQS = "max_num_seqs"
+    KERNEL_ISA = "kernel_isa"
+    KV_DTYPE = "kv_dtype"
+    SPECULATION = "speculation"  # a Speculation, resolved ("" for engines without it)
+    RUNNING = "running"  # requests in its batch
+    WAITING = "waiting"  # admitted, not yet in the batch
+    TOKENS_PER_S = "tokens_per_s"

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay.core.enums import Quantization
 from kvrelay.core.errors import KvrelayError
 from kvrelay.core.sampling import GenerationDefaults, InvalidSamplingParams
 
@@ -249,28 +250,28 @@ def write_meta(directory: Path, meta: dict) -> None:
 # --quantization value -> the scheme's name in the fingerprint ("none" adds nothing, so fp32
 # fingerprints are unchanged); a changed scheme gets a new name so old KV pages never match.
 QUANTIZATION_SCHEMES = {
-    "none": "",
-    "int8": "int8-qkv-o-gateup-lmhead-w7a8-v1",
-    "fp16": "fp16-weights-all-linears-lmhead-v1",
-    "int8-weight-only": "int8-weights-scale-per-32-all-linears-lmhead-v1",
+    Quantization.NONE: "",
+    Quantization.INT8: "int8-qkv-o-gateup-lmhead-w7a8-v1",
+    Quantization.FP16: "fp16-weights-all-linears-lmhead-v1",
+    Quantization.INT8_WEIGHT_ONLY: "int8-weights-scale-per-32-all-linears-lmhead-v1",
 }
+QUANTIZATIONS = tuple(q.value for q in Quantization)  # flag choices (plain strings for argparse)
 
 
-def normalize_quantization(quantization: str | None) -> str:
-    """A `QUANTIZATION_SCHEMES` name from a flag value; ValueError naming the choices otherwise."""
-    name = "none" if quantization is None else str(quantization).strip().lower()
+def normalize_quantization(quantization: str | None) -> Quantization:
+    """The Quantization a flag value names; ValueError naming the choices otherwise."""
+    name = Quantization.NONE if quantization is None else str(quantization).strip().lower()
     if name not in QUANTIZATION_SCHEMES:
         raise ValueError(
-            f"unsupported quantization {quantization!r}; use one of "
-            f"{', '.join(QUANTIZATION_SCHEMES)}"
+            f"unsupported quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}"
         )
-    return name
+    return Quantization(name)
 
 
 def model_fingerprint(
     directory: str | os.PathLike,
     dtype: str = "float32",
-    quantization: str = "none",
+    quantization: str = Quantization.NONE,
     kv_dtype: str | None = None,
 ) -> str:
     """Hex fingerprint of (config, weights, dtype, quantization, KV page dtype); the weight
@@ -311,7 +312,7 @@ def flat_config(cfg: dict) -> dict:
 def read_model_info(
     directory: str | os.PathLike,
     dtype: str = "float32",
-    quantization: str = "none",
+    quantization: str = Quantization.NONE,
     kv_dtype: str | None = None,
 ) -> ModelInfo:
     """Architecture numbers and fingerprint of a converted model directory (`dtype`: compute,

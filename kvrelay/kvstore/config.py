@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.core.config import ConfigError
+from kvrelay.core.enums import Quantization
+from kvrelay.kvstore.transport import TRANSPORT_CHOICES, Transport
 
 SOCKET_NAME = "kvstore.sock"
 
@@ -30,13 +32,13 @@ class StoreConfig:
     # (default: float32 under dtype auto, else the page dtype)
     model_dtype: str | None = None
     page_size: int = 16  # with `model`: tokens per page
-    quantization: str = "none"  # with `model`: the workers' weight quantization (fingerprint)
+    quantization: str = Quantization.NONE  # with `model`: the workers' (in the fingerprint)
     fingerprint: str | None = None  # None: accept any model whose pages have page_bytes
     listen_host: str = "127.0.0.1"
     advertise_host: str | None = None  # address peers dial; default listen_host
     tcp_port: int = 0  # 0: pick a free port; -1: no TCP listener
     ucx_port: int = 0  # 0: pick a free port; -1: no UCX listener (also when ucxx is missing)
-    transport: str = "auto"  # remote fetch transport: auto (UCX if both sides have it) | ucx | tcp
+    transport: str = Transport.AUTO  # remote fetch transport: auto (UCX if both sides have it)
     ucx_same_host: bool = True  # same-host peers: UCX over exchanged worker addresses (shm)
     secret: str | None = None  # shared secret for store-to-store transfers
     transfer_timeout_s: float = 5.0
@@ -53,7 +55,7 @@ class StoreConfig:
             raise ConfigError(f"arena_bytes must be positive, got {self.arena_bytes}")
         if self.page_bytes is not None and self.page_bytes <= 0:
             raise ConfigError(f"page_bytes must be positive, got {self.page_bytes}")
-        if self.transport not in ("auto", "ucx", "tcp"):
+        if self.transport not in TRANSPORT_CHOICES:
             raise ConfigError(f"transport must be auto, ucx or tcp, got {self.transport!r}")
         if self.transfer_timeout_s <= 0:
             raise ConfigError("transfer_timeout_s must be positive")

@@ -16,6 +16,7 @@ from kvrelay.kvstore.directory import Directory
 from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
 from kvrelay.kvstore.metrics import StoreMetrics
 from kvrelay.kvstore.store import NodeStore
+from kvrelay.kvstore.transport import Transport
 from kvrelay.kvstore.transport.session import fetch_request
 from kvrelay.kvstore.transport.tcp import TcpPeer
 
@@ -59,7 +60,7 @@ class Remote:
         directory: Directory,
         metrics: StoreMetrics,
         secret: bytes,
-        transport: str,
+        transport: Transport | str,
         timeout_s: float,
         loop: asyncio.AbstractEventLoop | None,
         ucx_ok: bool,
@@ -69,19 +70,19 @@ class Remote:
         self.loop, self.ucx_ok = loop, ucx_ok
         # (transport, address) -> idle sessions; a fetch takes one out while it uses it, so
         # concurrent fetches (the node's pool threads) never share a session.
-        self._peers: dict[tuple[str, str], list] = {}
+        self._peers: dict[tuple[Transport, str], list] = {}
         self._peers_lock = threading.Lock()
         self.local = None  # LocalUcx when this node runs UCX (same-host worker addresses)
         self.host_id: str | None = None
         self.same_host = True
         self._tls = threading.local()  # the current fetch's deadline, per pool thread
 
-    def _take(self, kind: str, address: str):
+    def _take(self, kind: Transport, address: str):
         with self._peers_lock:
             idle = self._peers.get((kind, address))
             return idle.pop() if idle else None
 
-    def _give(self, kind: str, address: str, peer) -> None:
+    def _give(self, kind: Transport, address: str, peer) -> None:
         with self._peers_lock:
             self._peers.setdefault((kind, address), []).append(peer)
 
@@ -161,13 +162,15 @@ class Remote:
             and info.get("host_id") == self.host_id
         )
 
-    def _transfer(self, kind: str, address: str, request: dict, dsts: list[memoryview]) -> int:
+    def _transfer(
+        self, kind: Transport, address: str, request: dict, dsts: list[memoryview]
+    ) -> int:
         """One fetch over a cached session; a stale session is replaced once (not on timeout)."""
         for attempt in (0, 1):
             peer = self._take(kind, address)
             reused = peer is not None
             try:
-                if kind == "tcp":
+                if kind == Transport.TCP:
                     if peer is None:
                         host, port = address.rsplit(":", 1)
                         peer = TcpPeer(host, int(port), self.secret, self._left())
@@ -175,13 +178,13 @@ class Remote:
                 else:
                     found = self._ucx(address, request, dsts)
             except TransferError as exc:
-                if peer is not None and kind == "tcp":
+                if peer is not None and kind == Transport.TCP:
                     peer.close()
                 if attempt or not reused or isinstance(exc, TransferTimeoutError | AuthError):
                     raise
                 logger.info("session to %s broke (%s); reconnecting", address, exc)
                 continue
-            if kind == "tcp":
+            if kind == Transport.TCP:
                 self._give(kind, address, peer)
             return found
         raise AssertionError("unreachable")
@@ -192,7 +195,7 @@ class Remote:
         left = self._left()
 
         async def run() -> int:
-            peer = self._take("ucx", address)
+            peer = self._take(Transport.UCX, address)
             if peer is None:
                 host, port = address.rsplit(":", 1)
                 peer = UcxPeer(host, int(port))
@@ -202,7 +205,7 @@ class Remote:
             except BaseException:
                 peer.close()
                 raise
-            self._give("ucx", address, peer)
+            self._give(Transport.UCX, address, peer)
             return found
 
         fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
@@ -230,17 +233,21 @@ class Remote:
         keys, slots = keys[:n], slots[:n]
         if not keys:
             return 0
-        use_ucx = self.ucx_ok and info.get("ucx") and self.transport in ("auto", "ucx")
-        kind = "ucx" if use_ucx else "tcp"
+        use_ucx = (
+            self.ucx_ok
+            and info.get(Transport.UCX)
+            and self.transport in (Transport.AUTO, Transport.UCX)
+        )
+        kind = Transport.UCX if use_ucx else Transport.TCP
         request = fetch_request(keys, self.store.fingerprint, self.store.page_bytes)
         dsts = [self.arena.slot(s) for s in slots]
         found = 0
-        via = kind
+        via: Transport = kind
         try:
-            if self.transport == "ucx" and not use_ucx:
+            if self.transport == Transport.UCX and not use_ucx:
                 raise TransferError(f"peer {node_id} has no UCX listener (or ucxx is missing)")
             if use_ucx and self._same_host(info):
-                via = "ucx_local"
+                via = Transport.UCX_LOCAL
                 left = self._left()
                 fut = asyncio.run_coroutine_threadsafe(
                     self.local.fetch(info["ucx_addr"], request, dsts, left), self.loop

@@ -27,6 +27,7 @@ from kvrelay.kvstore.errors import StoreError
 from kvrelay.kvstore.metrics import StoreMetrics
 from kvrelay.kvstore.protocol import Later, handle_request
 from kvrelay.kvstore.store import NodeStore
+from kvrelay.kvstore.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class StoreNode:
             cfg.socket_url,
             self.arena.num_slots,
             cfg.disk_dir,
-            self.addresses or "off",
+            {str(k): v for k, v in self.addresses.items()} or "off",  # plain keys
         )
         self.ready.set()
 
@@ -133,7 +134,7 @@ class StoreNode:
             logger.warning("no --secret: store-to-store transfers use an empty shared secret")
         secret = (cfg.secret or "").encode()
         ucx_ok = False
-        if cfg.ucx_port >= 0 or cfg.transport == "ucx":
+        if cfg.ucx_port >= 0 or cfg.transport == Transport.UCX:
             from kvrelay.kvstore.transport import ucx as ucx_transfer
             from kvrelay.kvstore.transport import ucx_runtime
 
@@ -171,13 +172,13 @@ class StoreNode:
                     cfg.ucx_port, secret, self.remote.serve, cfg.transfer_timeout_s
                 )
                 self._servers.append(lis)
-                self.addresses["ucx"] = f"{host}:{lis.port}"
+                self.addresses[Transport.UCX] = f"{host}:{lis.port}"
 
         if cfg.tcp_port >= 0:
             self._tcp = TcpServer(
                 cfg.listen_host, cfg.tcp_port, secret, self.remote.serve, cfg.transfer_timeout_s
             )
-            self.addresses["tcp"] = f"{host}:{self._tcp.port}"
+            self.addresses[Transport.TCP] = f"{host}:{self._tcp.port}"
         if self._loop is not None:
             asyncio.run_coroutine_threadsafe(listen(), self._loop).result(30)
 

@@ -22,13 +22,13 @@ from typing import Any, ClassVar
 import redis
 
 from kvrelay.core import record as rec
-from kvrelay.core.enums import FinishReason, RequestStatus, Stage
+from kvrelay.core.enums import FinishReason, RequestStatus, Stage, WorkerField
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, Task, TokenChunk
 from kvrelay.pipeline.queue.output import DEADLINE_PASSED
 from kvrelay.pipeline.queue.streams import Emission, Streams
 from kvrelay.workers.config import WorkerConfig
-from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing
+from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing, OutgoingKind
 from kvrelay.workers.metrics import WorkerMetrics
 from kvrelay.workers.publication import ModelPublication
 from kvrelay.workers.reader import Admission, read_loop
@@ -94,15 +94,15 @@ class Worker:
             config.generation_override,
         )
         info = {
-            "model": engine.model_name,
-            "fingerprint": engine.fingerprint,
-            "metrics_port": "",
-            "max_num_seqs": config.max_num_seqs,
-            "kernel_isa": getattr(engine, "kernel_isa", ""),
+            WorkerField.MODEL: engine.model_name,
+            WorkerField.FINGERPRINT: engine.fingerprint,
+            WorkerField.METRICS_PORT: "",
+            WorkerField.MAX_NUM_SEQS: config.max_num_seqs,
+            WorkerField.KERNEL_ISA: getattr(engine, "kernel_isa", ""),
             # the KV pool's dtype ("float32", "bfloat16", "float16"; "" for engines without one)
-            "kv_dtype": str(getattr(engine, "kv_dtype", "")).removeprefix("torch."),
+            WorkerField.KV_DTYPE: str(getattr(engine, "kv_dtype", "")).removeprefix("torch."),
             # speculative decoding, resolved: off, ngram or draft ("" for engines without it)
-            "speculation": str(getattr(engine, "speculation", "")),
+            WorkerField.SPECULATION: str(getattr(engine, "speculation", "")),
         }
         self.heartbeat = Heartbeat(
             self.streams,
@@ -242,7 +242,7 @@ class Worker:
             self.inflight.remove(rid, adm.entry_id)
             self.emitter.put(
                 Outgoing(
-                    "dead_letter",
+                    OutgoingKind.DEAD_LETTER,
                     rid,
                     adm.entry_id,
                     payload=task.encode(),
@@ -313,7 +313,7 @@ class Worker:
             fields.update(record or {})
         em = Emission(self.stream, self.group, act.entry_id, act.task.request_id, chunk, fields)
         self.emitter.put(
-            Outgoing("emit", act.task.request_id, act.entry_id, emission=em, done=done)
+            Outgoing(OutgoingKind.EMIT, act.task.request_id, act.entry_id, emission=em, done=done)
         )
 
     def _release_all(self, reason: str) -> None:
@@ -327,7 +327,7 @@ class Worker:
                 self.engine.abort_request(rid, FinishReason.ABORT)
             self.active.pop(rid)
             logger.warning("request %s: released after %s", rid, reason)
-            self.emitter.put(Outgoing("release", rid, act.entry_id, reason=reason))
+            self.emitter.put(Outgoing(OutgoingKind.RELEASE, rid, act.entry_id, reason=reason))
 
     def _on_output(self, out: Any) -> None:
         raise NotImplementedError
@@ -359,10 +359,10 @@ class Worker:
             self._rate = (now, self._tokens, rate)
         self.metrics.set_load(len(self.active), self.admissions.qsize())
         return {
-            "running": len(self.active),
-            "waiting": self.admissions.qsize(),
-            "tokens_per_s": f"{rate:.1f}",
-            "metrics_port": self.metrics.port or "",
+            WorkerField.RUNNING: len(self.active),
+            WorkerField.WAITING: self.admissions.qsize(),
+            WorkerField.TOKENS_PER_S: f"{rate:.1f}",
+            WorkerField.METRICS_PORT: self.metrics.port or "",
         }
 
 

@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from kvrelay.core.config import ConfigError, env_name, from_env, read_config_file
+from kvrelay.core.enums import Quantization, Speculation
 from kvrelay.core.modelref import normalize_kv_cache_dtype, normalize_quantization
 from kvrelay.core.sampling import GenerationDefaults, generation_override
 
@@ -30,14 +31,14 @@ class WorkerConfig:
     dtype: str = "auto"
     device: str = "auto"
     # none | int8 | fp16 (CPU fp32 only; see kvrelay.workers.model.quant)
-    quantization: str = "none"
+    quantization: str = Quantization.NONE
     # KV page dtype: auto (the model dtype) | fp32 | bf16 | fp16; part of the page fingerprint
     kv_cache_dtype: str = "auto"
     threads: int | None = None  # compute threads (torch); None: torch's default
     # Speculative decoding (never changes the output; docs/internals.md "Speculative
     # decoding"): auto | off | ngram | draft (auto: draft with a draft_model, else ngram).
     # Only decode steps speculate; a prefill worker stops after the first token.
-    speculation: str = "auto"
+    speculation: str = Speculation.AUTO
     num_speculative_tokens: int = 6  # the longest draft verified per step
     prompt_lookup_min: int = 2  # n-gram lengths prompt lookup matches, longest first
     prompt_lookup_max: int = 4

@@ -8,6 +8,7 @@ writes them in order (pipelined fenced Lua calls), reporting refused writes back
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import queue
@@ -18,17 +19,27 @@ from dataclasses import dataclass, field
 
 import redis
 
-from kvrelay.pipeline.queue.streams import INDEX_MISMATCH, OK, Emission, Streams
+from kvrelay.core.enums import WorkerField
+from kvrelay.pipeline.queue.streams import Emission, FenceStatus, Streams
 from kvrelay.workers.publication import ModelPublication
 
 logger = logging.getLogger(__name__)
+
+
+class OutgoingKind(enum.StrEnum):
+    """What an `Outgoing` item writes."""
+
+    EMIT = "emit"  # a chunk to out:{id} (fenced)
+    HANDOFF = "handoff"  # a chunk and the next stage's task (fenced)
+    DEAD_LETTER = "dead_letter"  # the entry to the DLQ (fenced)
+    RELEASE = "release"  # the entry back to the group, claimable at once
 
 
 @dataclass(slots=True)
 class Outgoing:
     """One write for the emitter: a chunk, a hand-off (chunk + next task) or a dead letter."""
 
-    kind: str  # "emit" | "handoff" | "dead_letter" | "release"
+    kind: OutgoingKind
     request_id: str
     entry_id: str
     emission: Emission | None = None
@@ -93,12 +104,12 @@ class Emitter:
     def _write_once(self, items: list[Outgoing]) -> None:
         batch: list[Outgoing] = []
         for item in items:
-            if item.kind == "emit":
+            if item.kind == OutgoingKind.EMIT:
                 batch.append(item)
                 continue
             self._flush(batch)
             batch = []
-            if item.kind == "handoff":
+            if item.kind == OutgoingKind.HANDOFF:
                 res = self.streams.handoff(
                     self.stream,
                     self.group,
@@ -110,7 +121,7 @@ class Emitter:
                     item.req_fields,
                 )
                 self._settle(item, res.status, res.emitted)
-            elif item.kind == "release":  # after the writes queued before it
+            elif item.kind == OutgoingKind.RELEASE:  # after the writes queued before it
                 self.streams.release(self.stream, self.group, [item.entry_id], self.lease_ms)
                 self.inflight.remove(item.request_id, item.entry_id)
             else:
@@ -133,16 +144,18 @@ class Emitter:
         for item, res in zip(batch, results, strict=True):
             self._settle(item, res.status, res.emitted)
 
-    def _settle(self, item: Outgoing, status: str, emitted: int) -> None:
+    def _settle(self, item: Outgoing, status: FenceStatus, emitted: int) -> None:
         chunk = item.emission.chunk if item.emission else None
-        if status == INDEX_MISMATCH and chunk and emitted >= chunk.index + len(chunk.token_ids):
-            status = OK  # our own write that landed before a connection error: already done
-        if status == OK:
+        landed = chunk and emitted >= chunk.index + len(chunk.token_ids)
+        if status == FenceStatus.INDEX_MISMATCH and landed:
+            # our own write that landed before a connection error: already done
+            status = FenceStatus.OK
+        if status == FenceStatus.OK:
             if item.done:
                 self.inflight.remove(item.request_id, item.entry_id)
             return
         at = f"chunk at token {chunk.index}" if chunk else item.kind
-        if status == INDEX_MISMATCH:  # `emitted` is the count out:{id} holds: worth showing
+        if status == FenceStatus.INDEX_MISMATCH:  # `emitted`: the count out:{id} holds
             why = f"index-mismatch: {at}, {emitted} tokens already emitted"
         else:  # not-owner: the script stops at the fence, so it reports no token count
             why = f"not-owner: entry {item.entry_id} was claimed by another worker; {at}"
@@ -214,16 +227,16 @@ class Heartbeat:
     def beat(self) -> None:
         """One heartbeat: publish, renew leases, read the drain flag (raises on Redis errors)."""
         r, key = self.streams.r, self.streams.keys.worker(self.name)
-        self.draining = r.hget(key, "drain") not in (None, b"", b"0")
+        self.draining = r.hget(key, WorkerField.DRAIN) not in (None, b"", b"0")
         fields = {
-            "name": self.name,
-            "role": self.role,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "consumer": self.streams.consumer,
-            "updated": f"{time.time():.3f}",
-            "load": len(self.inflight),
-            "draining": int(self.draining),
+            WorkerField.NAME: self.name,
+            WorkerField.ROLE: self.role,
+            WorkerField.HOST: socket.gethostname(),
+            WorkerField.PID: os.getpid(),
+            WorkerField.CONSUMER: self.streams.consumer,
+            WorkerField.UPDATED: f"{time.time():.3f}",
+            WorkerField.LOAD: len(self.inflight),
+            WorkerField.DRAINING: int(self.draining),
             **self.info,
             **{k: str(v) for k, v in self.stats().items()},
         }

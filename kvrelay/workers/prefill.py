@@ -17,7 +17,7 @@ from kvrelay.core.enums import RequestStatus, Stage
 from kvrelay.core.messages import DecodeTask, PrefillTask
 from kvrelay.pipeline.queue.streams import Emission
 from kvrelay.workers.base import Worker
-from kvrelay.workers.emitter import Outgoing
+from kvrelay.workers.emitter import Outgoing, OutgoingKind
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class PrefillWorker(Worker):
         em = Emission(self.stream, self.group, act.entry_id, task.request_id, chunk)
         self.emitter.put(
             Outgoing(
-                "handoff",
+                OutgoingKind.HANDOFF,
                 task.request_id,
                 act.entry_id,
                 emission=em,

@@ -15,7 +15,7 @@ from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus, Stage
 from kvrelay.core.messages import MessageError, Task
 from kvrelay.pipeline.queue.streams import Entry
-from kvrelay.workers.emitter import Outgoing
+from kvrelay.workers.emitter import Outgoing, OutgoingKind
 from kvrelay.workers.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ def dead_letter(w: Worker, entry: Entry, reason: str, request_id: str) -> None:
     w.metrics.dead_letters.inc()
     w.emitter.put(
         Outgoing(
-            "dead_letter",
+            OutgoingKind.DEAD_LETTER,
             request_id,
             entry.entry_id,
             payload=entry.payload or b"",

@@ -6,7 +6,7 @@ import time
 
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
-from kvrelay.pipeline.queue.streams import INDEX_MISMATCH, NOT_OWNER, OK, Emission, Streams
+from kvrelay.pipeline.queue.streams import Emission, FenceStatus, Streams
 
 KEYS = Keys("t:")
 
@@ -43,10 +43,10 @@ def test_emit_checks_index_and_final_acks_and_expires(r):
     a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
     em = Emission(KEYS.prefill_stream, PREFILL_GROUP, eid, "r1", TokenChunk(0, [5, 6], "ab"))
     res = a.emit(em)
-    assert (res.status, res.emitted) == (OK, 2)
+    assert (res.status, res.emitted) == (FenceStatus.OK, 2)
     em.chunk = TokenChunk(1, [7])  # duplicate of an index already emitted
     res = a.emit(em)
-    assert (res.status, res.emitted) == (INDEX_MISMATCH, 2)
+    assert (res.status, res.emitted) == (FenceStatus.INDEX_MISMATCH, 2)
     em.chunk = TokenChunk(2, [7], "ç", finish_reason="stop", usage={"completion_tokens": 3})
     em.req_fields = {"status": "finished", "finish_reason": "stop"}
     assert a.emit(em).emitted == 3
@@ -70,11 +70,11 @@ def test_stale_consumer_refused_after_claim(r):
     assert b.emitted_tokens("r1") == ([9], 0, False)
     # the stale owner can no longer emit, hand off, renew or dead-letter
     stale = a.emit(Emission(KEYS.prefill_stream, PREFILL_GROUP, eid, "r1", TokenChunk(1, [4])))
-    assert stale.status == NOT_OWNER
+    assert stale.status == FenceStatus.NOT_OWNER
     task = DecodeTask(request_id="r1", prompt_token_ids=[1], sampling={}).encode()
     assert (
         a.handoff(KEYS.prefill_stream, PREFILL_GROUP, eid, KEYS.decode_stream, "r1", task).status
-        == NOT_OWNER
+        == FenceStatus.NOT_OWNER
     )
     assert a.renew(KEYS.prefill_stream, PREFILL_GROUP, [eid]) == [eid]
     assert a.dead_letter(KEYS.prefill_stream, PREFILL_GROUP, eid, b"x", "bad") is None
@@ -90,7 +90,7 @@ def test_stale_consumer_refused_after_claim(r):
         chunk=TokenChunk(1, [4]),
         req_fields={"status": "decoding"},
     )
-    assert res.status == OK and res.new_entry_id
+    assert res.status == FenceStatus.OK and res.new_entry_id
     assert [c.token_ids for c in out_chunks(r, "r1")] == [[9], [4]]
     assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 0
     assert DecodeTask.decode(r.xrange(KEYS.decode_stream)[0][1][MESSAGE_FIELD]).request_id == "r1"
@@ -111,7 +111,7 @@ def test_handoff_index_mismatch_changes_nothing(r):
         b"t",
         chunk=TokenChunk(0, [4]),
     )
-    assert (res.status, res.emitted) == (INDEX_MISMATCH, 1)
+    assert (res.status, res.emitted) == (FenceStatus.INDEX_MISMATCH, 1)
     assert r.xlen(KEYS.decode_stream) == 0
     assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 1
 
@@ -155,7 +155,9 @@ def test_emit_many_pipelines_in_order_and_cancel_flags(r):
         for i, e in enumerate(eids)
     ]
     ems.append(Emission(KEYS.prefill_stream, PREFILL_GROUP, eids[0], "q0", TokenChunk(2, [1])))
-    assert [(x.status, x.emitted) for x in a.emit_many(ems)] == [(OK, 2)] * 3 + [(OK, 3)]
+    assert [(x.status, x.emitted) for x in a.emit_many(ems)] == [(FenceStatus.OK, 2)] * 3 + [
+        (FenceStatus.OK, 3)
+    ]
     r.set(KEYS.cancel("q1"), 1)
     assert a.cancelled(["q0", "q1", "q2"]) == {"q1"}
 
@@ -168,8 +170,8 @@ def test_emit_many_sends_no_script_exists_and_reloads_a_flushed_script(r):
     r.script_flush()  # as after a Valkey restart: NOSCRIPT, load, send again (once)
     r.config_resetstat()
     assert [(x.status, x.emitted) for x in a.emit_many([em, em])] == [
-        (OK, 1),
-        (INDEX_MISMATCH, 1),
+        (FenceStatus.OK, 1),
+        (FenceStatus.INDEX_MISMATCH, 1),
     ]
     assert [c.token_ids for c in out_chunks(r, "s1")] == [[4]]
     stats = r.info("commandstats")

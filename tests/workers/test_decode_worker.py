@@ -12,7 +12,7 @@ import redis
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, Keys
 from kvrelay.core.messages import DecodeTask, TokenChunk
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.pipeline.queue.streams import NOT_OWNER, Emission, Streams
+from kvrelay.pipeline.queue.streams import Emission, FenceStatus, Streams
 from kvrelay.workers.config import WorkerConfig
 
 KEYS = Keys("dw:")
@@ -142,7 +142,7 @@ def test_claimed_request_resumes_without_gaps_or_duplicates(stack):
     assert "".join(c.text for c in got) == refs[1].text_delta
     # the presumed-dead owner wakes up: its next token is refused
     em.chunk = TokenChunk(3, refs[1].output_token_ids[3:4])
-    assert ghost.emit(em).status == NOT_OWNER
+    assert ghost.emit(em).status == FenceStatus.NOT_OWNER
     assert tokens_of(chunks(r, "resume")) == refs[1].output_token_ids
 
 

@@ -22,8 +22,9 @@ from kvrelay.cli.up.ready import CrashLoopError, check_redis, wait_ready
 from kvrelay.cli.up.topology import Topology, choose, default_weights
 from kvrelay.cli.worker import KV_DTYPE_CHOICES, SPECULATION_CHOICES
 from kvrelay.core.config import check_redis_url
-from kvrelay.core.enums import Stage
-from kvrelay.core.modelref import QUANTIZATION_SCHEMES, SHORT_DTYPE_NAMES
+from kvrelay.core.enums import Quantization, Speculation, Stage
+from kvrelay.core.modelref import QUANTIZATIONS, SHORT_DTYPE_NAMES
+from kvrelay.pipeline.queue.route import RouteMode
 from kvrelay.pipeline.server.config import MODES
 
 DEFAULT_RUN_DIR = "kvrelay-run"
@@ -92,7 +93,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=size, default=None, help="per-worker KV pool bytes")
     p.add_argument(
         "--quantization",
-        choices=("auto", *QUANTIZATION_SCHEMES),
+        choices=("auto", *QUANTIZATIONS),
         default="auto",
         help="worker weights: auto (int8-weight-only on x86-64 CPU hosts, else the model's), "
         "none (model dtype), int8-weight-only, fp16 or int8 (CPU only; see docs/benchmarks.md)",
@@ -254,7 +255,7 @@ def resolve_topology(args: argparse.Namespace) -> Topology:
         _num_gpus(),
         args.prefill,
         args.decode,
-        wants_prefill=asked in ("auto", "disaggregated"),
+        wants_prefill=asked in (RouteMode.AUTO, RouteMode.DISAGGREGATED),
     )
     args.prefill, args.decode, args.topology = topo.prefill, topo.decode, topo
     return topo
@@ -274,12 +275,16 @@ def ingress_mode(args: argparse.Namespace) -> str:
     """The ingress routing mode for these `up` arguments (CommandError when they disagree)."""
     resolve_topology(args)
     env = extra_env(args)
-    mode = args.mode or env.get(MODE_ENV) or ("colocated" if args.prefill == 0 else "auto")
+    mode = (
+        args.mode
+        or env.get(MODE_ENV)
+        or (RouteMode.COLOCATED if args.prefill == 0 else RouteMode.AUTO)
+    )
     if args.mode and env.get(MODE_ENV, args.mode) != args.mode:
         raise CommandError(f"--mode {args.mode} disagrees with --env {MODE_ENV}={env[MODE_ENV]}")
     if mode not in MODES:
         raise CommandError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
-    if args.prefill == 0 and mode != "colocated":
+    if args.prefill == 0 and mode != RouteMode.COLOCATED:
         raise CommandError(f"--prefill 0 needs mode colocated (no prefill worker), got {mode}")
     return mode
 
@@ -356,7 +361,8 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     if args.kv_cache_bytes:
         env["KVRELAY_WORKER_KV_CACHE_BYTES"] = str(args.kv_cache_bytes)
     quantization = resolve_quantization(args)
-    if quantization != "none":  # the store must expect the quantized model's fingerprint
+    # the store must expect the quantized model's fingerprint
+    if quantization != Quantization.NONE:
         env["KVRELAY_WORKER_QUANTIZATION"] = quantization
         env["KVRELAY_STORE_QUANTIZATION"] = quantization
     env.update(speculation_env(args))  # decode steps speculate; prefill stops after one token
@@ -450,7 +456,7 @@ def run_up(args: argparse.Namespace) -> int:
     workers = check_worker_config(args)
     # convert once here so workers never race to do it; the draft model too, when they load one
     models = [("", args.model)]
-    if speculation_mode(workers) == "draft":
+    if speculation_mode(workers) == Speculation.DRAFT:
         models.append(("draft model: ", workers.draft_model))
     for what, name in models:
         try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrelay.cli.up.launch import listens
+from kvrelay.core.enums import WorkerField
 
 REMIND_S = 30.0  # an unchanged line is repeated this often, so a long wait still shows life
 # (text in a worker's log line, the phase it starts); the latest matching line wins
@@ -122,7 +123,7 @@ class UpProgress:
         pipe = self._redis.pipeline(transaction=False)
         pipe.hget(keys.store_node(self.state.get("store_node", "node0")), "pid")
         for name in self.workers:
-            pipe.hget(keys.worker(name), "pid")
+            pipe.hget(keys.worker(name), WorkerField.PID)
         try:
             pids = pipe.execute()
         except redis.RedisError:  # valkey still starting: nothing registered yet

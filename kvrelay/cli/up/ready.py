@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvrelay.cli.errors import EXIT_UNAVAILABLE, CommandError, redact_url
 from kvrelay.cli.up.launch import Supervisor, listens
-from kvrelay.core.enums import Stage
+from kvrelay.core.enums import Stage, WorkerField
 from kvrelay.core.errors import KvrelayError
 
 
@@ -58,7 +58,7 @@ def _heartbeat_pids(state: dict, names: list[str]) -> list[bytes | None]:
         try:
             pipe = client.pipeline(transaction=False)
             for name in names:
-                pipe.hget(keys.worker(name), "pid")
+                pipe.hget(keys.worker(name), WorkerField.PID)
             return pipe.execute()
         finally:
             client.close()

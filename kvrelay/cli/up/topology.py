@@ -13,6 +13,8 @@ from __future__ import annotations
 import platform
 from dataclasses import asdict, dataclass
 
+from kvrelay.core.enums import Quantization
+
 # One CPU engine scales poorly past this many threads on small models (GEMMs of a few hundred
 # rows, a Python step loop); beyond it another decode worker (its own batch) uses cores better.
 CPU_CORES_PER_WORKER = 16
@@ -99,14 +101,17 @@ def default_weights(
     the kernel is not built; elsewhere, and on GPUs (bf16 models), the model's own weights.
     `int8_kernel` None: ask the kernel build (loads it, or builds it once)."""
     if gpus:
-        return "none", "GPU workers keep the model's weights"
+        return Quantization.NONE, "GPU workers keep the model's weights"
     arch = (machine or platform.machine()).lower()
     if arch not in ("x86_64", "amd64"):
-        return "none", f"no fp16 GEMM on {arch}: fp32 weights"
+        return Quantization.NONE, f"no fp16 GEMM on {arch}: fp32 weights"
     if int8_kernel is None:
         from kvrelay.kernels.ops import int8_linear_available
 
         int8_kernel = int8_linear_available()
     if int8_kernel:
-        return "int8-weight-only", "CPU host: int8 weights (a scale per 32), fp32 activations"
-    return "fp16", "CPU host, C++ kernels not built: fp16 weights, fp32 activations"
+        return (
+            Quantization.INT8_WEIGHT_ONLY,
+            "CPU host: int8 weights (a scale per 32), fp32 activations",
+        )
+    return Quantization.FP16, "CPU host, C++ kernels not built: fp16 weights, fp32 activations"

@@ -48,7 +48,7 @@ from kvrelay.pipeline.queue.output import (
     read_chunks,
 )
 from kvrelay.pipeline.queue.redis_options import async_redis
-from kvrelay.pipeline.queue.route import Router
+from kvrelay.pipeline.queue.route import RouteMode, Router
 from kvrelay.pipeline.queue.submit import Producer, new_request_id
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class AsyncClient:
         *,
         key_prefix: str = "kvrelay:",
         model: str = DEFAULT_MODEL,
-        mode: str = "auto",
+        mode: RouteMode | str = RouteMode.AUTO,
         route_threshold: int = 64,
         timeout_s: float | None = 600.0,
         max_prompt_tokens: int = 32768,

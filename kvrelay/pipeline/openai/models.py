@@ -40,6 +40,7 @@ from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.openai.explain import Says, fail, fail_as, refuse
 from kvrelay.pipeline.openai.structured import ResponseFormat, StructuredOutputs
 from kvrelay.pipeline.openai.tools import (
+    AUTO,
     FunctionTool,
     ToolCall,
     ToolCalling,
@@ -327,7 +328,7 @@ class ChatCompletionRequest(_Request):
     @model_validator(mode="after")
     def _tool_choice(self) -> ChatCompletionRequest:
         calling = tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
-        if calling is not None and calling.mode != "auto" and super().structured() is not None:
+        if calling is not None and calling.mode != AUTO and super().structured() is not None:
             message = (
                 f"tool_choice {calling.mode} cannot be combined with another output constraint"
             )

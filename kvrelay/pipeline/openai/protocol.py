@@ -8,6 +8,7 @@ output unnoticed.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,14 +25,20 @@ from kvrelay.pipeline.openai.models import (
 )
 from kvrelay.pipeline.openai.tools import ToolCalling
 
-CHAT, COMPLETION = "chat", "completion"
+
+class Api(enum.StrEnum):
+    """Which OpenAI API a request came in by (`GenerationRequest.api`; the attach options)."""
+
+    CHAT = "chat"  # /v1/chat/completions
+    COMPLETION = "completion"  # /v1/completions
+    RESPONSES = "responses"  # /v1/responses
 
 
 @dataclass(slots=True)
 class GenerationRequest:
     """A validated request, before tokenization."""
 
-    api: str  # chat | completion
+    api: Api | str
     model: str
     sampling: SamplingParams  # max_tokens None: fill from the context left
     messages: list[dict[str, Any]] | None = None
@@ -91,7 +98,7 @@ _SAMPLING = (
 )
 
 
-def _request(req: _Request, api: str) -> GenerationRequest:
+def _request(req: _Request, api: Api) -> GenerationRequest:
     """The fields both endpoints share, as a GenerationRequest (the prompt not yet set)."""
     given = {name: getattr(req, name) for name in _SAMPLING if getattr(req, name) is not None}
     stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop is not None else []
@@ -136,7 +143,7 @@ def _message(msg: ChatMessage) -> dict[str, Any]:
 def parse_chat(body: Any) -> GenerationRequest:
     """Validate a /v1/chat/completions body."""
     chat: ChatCompletionRequest = _validated(ChatCompletionRequest, body)
-    req = _request(chat, CHAT)
+    req = _request(chat, Api.CHAT)
     req.messages = [_message(msg) for msg in chat.messages]
     req.logprobs = bool(chat.logprobs)
     req.sampling.logprobs = (chat.top_logprobs or 0) if req.logprobs else None
@@ -149,7 +156,7 @@ def parse_chat(body: Any) -> GenerationRequest:
 def parse_completion(body: Any) -> GenerationRequest:
     """Validate a /v1/completions body (a prompt, text or token ids, or a list of them)."""
     completion: CompletionRequest = _validated(CompletionRequest, body)
-    req = _request(completion, COMPLETION)
+    req = _request(completion, Api.COMPLETION)
     prompt = completion.prompt  # a batch of one is already unwrapped by the model
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         req.prompts = [p if isinstance(p, str) else list(p) for p in prompt]

@@ -10,7 +10,7 @@ from typing import Any
 from kvrelay.core.enums import FinishReason
 from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.errors import error_body
-from kvrelay.pipeline.openai.protocol import CHAT
+from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.openai.tool_calls import ToolCallStream
 from kvrelay.pipeline.openai.tools import NAMED
 from kvrelay.pipeline.queue.output import Completion
@@ -48,7 +48,7 @@ def usage_dict(usage: dict[str, int] | None, prompt_tokens: int, completion_toke
 class ResponseFormatter:
     """Formats one request's output the way OpenAI does for its endpoint."""
 
-    api: str  # chat | completion
+    api: Api | str
     request_id: str
     model: str
     created: int
@@ -65,7 +65,7 @@ class ResponseFormatter:
 
     @property
     def object_name(self) -> str:
-        if self.api == CHAT:
+        if self.api == Api.CHAT:
             return "chat.completion.chunk"
         return "text_completion"
 
@@ -193,9 +193,9 @@ class ResponseFormatter:
         if not has_output and (not chunk.finished or chunk.finish_reason == FinishReason.ERROR):
             return None  # an error ending is sent as an error event by the caller
         finish = chunk.finish_reason if chunk.finish_reason != FinishReason.ERROR else None
-        if self.api == CHAT and self.tool_calls is not None:
+        if self.api == Api.CHAT and self.tool_calls is not None:
             return self._tool_events(chunk, finish)
-        if self.api == CHAT:
+        if self.api == Api.CHAT:
             delta = {"content": text} if has_output else {}
             choice = {
                 "index": self.index,
@@ -256,7 +256,7 @@ class ResponseFormatter:
             index=0, token_ids=result.token_ids, text=result.text, logprobs=result.logprobs
         )
         finish = result.finish_reason
-        if self.api == CHAT and self.tool_calls is not None:
+        if self.api == Api.CHAT and self.tool_calls is not None:
             self.tool_calls.feed(result.text)
             self.tool_calls.finish()
             message = self.tool_calls.message()
@@ -270,7 +270,7 @@ class ResponseFormatter:
                 "finish_reason": finish,
             }
             obj = "chat.completion"
-        elif self.api == CHAT:
+        elif self.api == Api.CHAT:
             choice = {
                 "index": self.index,
                 "message": {"role": "assistant", "content": result.text},
@@ -297,6 +297,6 @@ class ResponseFormatter:
             "choices": [choice],
             "usage": usage_dict(result.usage, self.prompt_tokens, len(result.token_ids)),
         }
-        if self.api == CHAT and result.prompt_logprobs is not None:  # vLLM's: the response's
+        if self.api == Api.CHAT and result.prompt_logprobs is not None:  # vLLM's: the response's
             body["prompt_logprobs"] = self.prompt_logprobs(result.prompt_logprobs)
         return body

@@ -39,9 +39,10 @@ from kvrelay.core.structured import JSON_OBJECT, StructuredOutput
 from kvrelay.pipeline.errors import RequestError, bad_request
 from kvrelay.pipeline.openai.explain import Says, explain, fail, fail_as, refuse
 from kvrelay.pipeline.openai.models import Int64, Number, _bounded, field_names
-from kvrelay.pipeline.openai.protocol import GenerationRequest
+from kvrelay.pipeline.openai.protocol import Api, GenerationRequest
 from kvrelay.pipeline.openai.structured import checked_json_schema
 from kvrelay.pipeline.openai.tools import (
+    AUTO,
     CallFunction,
     FunctionDefinition,
     FunctionTool,
@@ -52,7 +53,6 @@ from kvrelay.pipeline.openai.tools import (
 )
 from kvrelay.pipeline.openai.validate import check_known_fields, check_unicode
 
-RESPONSES = "responses"  # GenerationRequest.api of a Responses call
 InputRole = Literal["user", "assistant", "system", "developer"]
 INPUT_ROLES: tuple[str, ...] = get_args(InputRole)
 # content part types that carry text: input_text (any role), output_text (earlier answers)
@@ -339,7 +339,7 @@ class ResponsesRequest(BaseModel):
         calling = self.tool_calling()
         text_format = self.text.format if self.text is not None else None
         constrained = text_format is not None and text_format.spec() is not None
-        if calling is not None and calling.mode != "auto" and constrained:
+        if calling is not None and calling.mode != AUTO and constrained:
             message = (
                 f"tool_choice {calling.mode} cannot be combined with another output "
                 "constraint (text.format)"
@@ -461,7 +461,7 @@ def parse_responses(body: Any) -> ResponsesCall:
     else:
         messages = chat_messages(req.input)
     generation = GenerationRequest(
-        api=RESPONSES,
+        api=Api.RESPONSES,
         model=req.model,
         sampling=sampling,
         messages=list(messages),

@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from kvrelay.core import record as rec
-from kvrelay.core.enums import DONE_STATUSES, RequestStatus
+from kvrelay.core.enums import DONE_STATUSES, RequestStatus, WorkerField
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import MessageError, TokenChunk
 from kvrelay.core.record import RequestRecord, as_str
@@ -26,16 +26,16 @@ REQUEST_INT_FIELDS = rec.INT_FIELDS
 REQUEST_FLOAT_FIELDS = rec.FLOAT_FIELDS
 # worker:{name} fields that hold numbers (Redis keeps strings); "" (e.g. metrics off) -> None
 INT_FIELDS = {
-    "pid",
-    "load",
-    "running",
-    "waiting",
-    "draining",
-    "drain",
-    "max_num_seqs",
-    "metrics_port",
+    WorkerField.PID,
+    WorkerField.LOAD,
+    WorkerField.RUNNING,
+    WorkerField.WAITING,
+    WorkerField.DRAINING,
+    WorkerField.DRAIN,
+    WorkerField.MAX_NUM_SEQS,
+    WorkerField.METRICS_PORT,
 }
-FLOAT_FIELDS = {"updated", "tokens_per_s"}
+FLOAT_FIELDS = {WorkerField.UPDATED, WorkerField.TOKENS_PER_S}
 
 
 def _hash(r: redis.Redis, key: str) -> dict[str, str]:
@@ -53,7 +53,7 @@ def workers(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
         for name, value in info.items():
             if name in INT_FIELDS or name in FLOAT_FIELDS:
                 info[name] = _number(value, int if name in INT_FIELDS else float)
-        info["age_s"] = round(now - float(info.get("updated", now)), 2)
+        info["age_s"] = round(now - float(info.get(WorkerField.UPDATED, now)), 2)
         info["ttl_s"] = r.ttl(key)
         out.append(info)
     return out
@@ -213,7 +213,7 @@ def drain(r: redis.Redis, keys: Keys, worker: str, undo: bool = False) -> bool:
     key = keys.worker(worker)
     if not r.exists(key):
         return False
-    r.hset(key, "drain", 0 if undo else 1)
+    r.hset(key, WorkerField.DRAIN, 0 if undo else 1)
     return True
 
 
@@ -224,7 +224,7 @@ def wait_draining(
     key, want = keys.worker(worker), b"1" if draining else b"0"
     deadline = time.monotonic() + timeout_s
     while True:
-        value = r.hget(key, "draining")
+        value = r.hget(key, WorkerField.DRAINING)
         if value == want:
             return True
         if value is None and not r.exists(key):

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from kvrelay.core.enums import Stage
+from kvrelay.core.enums import Stage, WorkerField
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from kvrelay.core.model_bundle import PUBLICATION_TTL_S
 from kvrelay.core.record import as_str
@@ -162,7 +162,7 @@ class ClusterState:
         """Live, not draining workers serving `model` (or not saying which), by role."""
         counts: dict[str, int] = {}
         for w in await self.workers():
-            if w.fields.get("draining", "0") not in ("", "0"):
+            if w.fields.get(WorkerField.DRAINING, "0") not in ("", "0"):
                 continue  # finishing its work, taking no more
             if not w.model or w.model == model:
                 counts[w.role] = counts.get(w.role, 0) + 1
@@ -200,7 +200,10 @@ class ClusterState:
             fields = {as_str(k): as_str(v) for k, v in raw.items()}
             workers.append(
                 WorkerInfo(
-                    as_str(name)[prefix:], fields.get("role", ""), fields.get("model", ""), fields
+                    as_str(name)[prefix:],
+                    fields.get(WorkerField.ROLE, ""),
+                    fields.get(WorkerField.MODEL, ""),
+                    fields,
                 )
             )
         return workers

@@ -8,6 +8,7 @@ page directory) skip the prefill stage, and so does everything when no prefill w
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,14 @@ from kvrelay.pipeline.queue.cluster import ClusterState
 logger = logging.getLogger(__name__)
 
 PREFILL, DECODE = Stage.PREFILL, Stage.DECODE
+
+
+class RouteMode(enum.StrEnum):
+    """How the ingress picks a request's first stream (`--mode`)."""
+
+    AUTO = "auto"  # decode for short or cached prompts (or no prefill worker), else prefill
+    DISAGGREGATED = "disaggregated"  # always prefill first
+    COLOCATED = "colocated"  # always decode (decode workers compute the prompt too)
 
 
 @dataclass(slots=True)
@@ -42,7 +51,7 @@ class Router:
         self,
         redis: aioredis.Redis,
         keys: Keys,
-        mode: str = "auto",
+        mode: RouteMode | str = RouteMode.AUTO,
         threshold: int = 64,
         cluster: ClusterState | None = None,
     ):
@@ -68,9 +77,9 @@ class Router:
         return hits
 
     async def route(self, model: ModelEntry, prompt_ids: Sequence[int], salt: str = "") -> Route:
-        if self.mode == "colocated":
+        if self.mode == RouteMode.COLOCATED:
             return Route(DECODE, reason="colocated")
-        if self.mode == "disaggregated":
+        if self.mode == RouteMode.DISAGGREGATED:
             return Route(PREFILL, reason="disaggregated")
         if len(prompt_ids) <= self.threshold:
             return Route(DECODE, reason="short prompt")

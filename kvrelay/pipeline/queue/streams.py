@@ -8,6 +8,7 @@ consumer whose entry was claimed by another worker is therefore refused instead 
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import redis
 
 from kvrelay.core import record as rec
-from kvrelay.core.enums import FinishReason
+from kvrelay.core.enums import FinishReason, WorkerField
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.record import as_str
@@ -23,7 +24,13 @@ from kvrelay.pipeline.queue import scripts
 
 logger = logging.getLogger(__name__)
 
-OK, NOT_OWNER, INDEX_MISMATCH = "ok", "not-owner", "index-mismatch"
+
+class FenceStatus(enum.StrEnum):
+    """The outcome of a fenced write (the Lua scripts' replies, see `_fenced`)."""
+
+    OK = "ok"
+    NOT_OWNER = "not-owner"  # the entry was claimed by another consumer
+    INDEX_MISMATCH = "index-mismatch"  # the chunk does not start at the tokens emitted
 
 
 @dataclass(slots=True)
@@ -37,15 +44,15 @@ class Entry:
 
 @dataclass(slots=True)
 class FencedResult:
-    """Outcome of a fenced write: status OK, NOT_OWNER or INDEX_MISMATCH."""
+    """Outcome of a fenced write."""
 
-    status: str
+    status: FenceStatus
     emitted: int = 0  # tokens emitted after the write (or currently, on a mismatch)
     new_entry_id: str = ""
 
     @property
     def ok(self) -> bool:
-        return self.status == OK
+        return self.status == FenceStatus.OK
 
 
 @dataclass(slots=True)
@@ -72,11 +79,11 @@ def _fenced(reply: list) -> FencedResult:
     if code == 1:
         value = reply[1]
         if isinstance(value, bytes | str):
-            return FencedResult(OK, new_entry_id=as_str(value))
-        return FencedResult(OK, emitted=int(value))
+            return FencedResult(FenceStatus.OK, new_entry_id=as_str(value))
+        return FencedResult(FenceStatus.OK, emitted=int(value))
     if code == 0:
-        return FencedResult(NOT_OWNER)
-    return FencedResult(INDEX_MISMATCH, emitted=int(reply[1]))
+        return FencedResult(FenceStatus.NOT_OWNER)
+    return FencedResult(FenceStatus.INDEX_MISMATCH, emitted=int(reply[1]))
 
 
 class Streams:
@@ -199,7 +206,7 @@ class Streams:
         calls = []
         for em in emissions:
             chunk = em.chunk
-            fields = {"updated": now, **(em.req_fields or {})}
+            fields = {rec.UPDATED: now, **(em.req_fields or {})}
             calls.append(
                 (
                     em.stream,
@@ -257,7 +264,7 @@ class Streams:
         req_fields: dict[str, str | int | float] | None = None,
     ) -> FencedResult:
         """XADD `payload` to the next stream and XACK this entry, emitting `chunk` first."""
-        fields = {"updated": f"{time.time():.3f}", **(req_fields or {})}
+        fields = {rec.UPDATED: f"{time.time():.3f}", **(req_fields or {})}
         reply = self._handoff(
             keys=[stream, next_stream, self.keys.request(request_id), self.keys.out(request_id)],
             args=[
@@ -362,7 +369,7 @@ class Streams:
         """Consumer names the live workers publish in their worker:{name} hashes."""
         pipe = self.r.pipeline(transaction=False)
         for key in self.r.scan_iter(match=self.keys.worker_pattern, count=1000):
-            pipe.hget(key, "consumer")
+            pipe.hget(key, WorkerField.CONSUMER)
         return {as_str(name) for name in pipe.execute() if name}
 
     def prune_consumers(

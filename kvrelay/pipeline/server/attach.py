@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from kvrelay.core import record as fields
 from kvrelay.pipeline.errors import RequestError, bad_request, unsupported
-from kvrelay.pipeline.openai.protocol import COMPLETION, GenerationRequest
+from kvrelay.pipeline.openai.protocol import Api, GenerationRequest
 from kvrelay.pipeline.openai.responses import ResponseFormatter
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.openai.tools import AUTO
@@ -159,7 +159,7 @@ async def reattach(
     entry = await ing.registry.get(model)
     created = int(opts.get("created") or float(rec.get(fields.CREATED) or time.time()))
     fmt = ResponseFormatter(
-        opts.get("api", COMPLETION),
+        opts.get("api", Api.COMPLETION),
         request_id,
         model,
         created,

@@ -26,7 +26,7 @@ from kvrelay.core.errors import KvrelayError
 from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import RequestTimer
-from kvrelay.pipeline.openai.protocol import CHAT, COMPLETION
+from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter, usage_dict
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.queue.backpressure import Slot
@@ -149,7 +149,7 @@ class ChoicesJob(Delivery):
             await queue.put((i, exc))
 
     async def _events(self) -> AsyncIterator[bytes]:
-        if self.choices[0].fmt.api == CHAT:
+        if self.choices[0].fmt.api == Api.CHAT:
             for choice in self.choices:
                 yield choice.fmt.role_event()
         queue: asyncio.Queue = asyncio.Queue()
@@ -265,7 +265,7 @@ def choices_job(
     choices = []
     for i in range(count):
         fmt = ResponseFormatter(
-            options.get("api", COMPLETION),
+            options.get("api", Api.COMPLETION),
             request_id,
             model,
             int(options.get("created") or time.time()),

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from kvrelay.core.config import ConfigError, from_env, read_config_file
 from kvrelay.core.sampling import GenerationDefaults, generation_override
 from kvrelay.pipeline.openai.tool_parsers import TOOL_PARSERS
+from kvrelay.pipeline.queue.route import RouteMode
 
 SECTION = "INGRESS"
-MODES = ("auto", "disaggregated", "colocated")
+MODES = tuple(m.value for m in RouteMode)  # plain strings: argparse shows them
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,7 @@ class IngressConfig:
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int = 32768  # also capped by the model's context length
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
-    mode: str = "auto"  # auto | disaggregated | colocated
+    mode: str = RouteMode.AUTO
     route_threshold: int = 64  # auto: at most this many uncached prompt tokens -> decode
     max_waiting: int = 512  # backpressure: undelivered stream entries before 429
     max_inflight: int = 4096  # backpressure: open requests in this ingress before 429

@@ -9,10 +9,11 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvrelay.core.enums import WorkerField
 from kvrelay.pipeline.errors import RequestError, model_not_found
 from kvrelay.pipeline.metrics import CONTENT_TYPE
 from kvrelay.pipeline.queue.cluster import WorkerInfo
-from kvrelay.pipeline.queue.route import DECODE, PREFILL
+from kvrelay.pipeline.queue.route import DECODE, PREFILL, RouteMode
 from kvrelay.pipeline.server.http import check_api_key, error_response
 from kvrelay.pipeline.server.openapi import openapi_document
 
@@ -102,10 +103,12 @@ class InfoApi:
 
 def _drained(fields: dict[str, str]) -> bool:
     """Draining (acknowledged) or asked to drain: the worker takes no new entry."""
-    return any(fields.get(name, "0") not in ("", "0") for name in ("draining", "drain"))
+    return any(
+        fields.get(name, "0") not in ("", "0") for name in (WorkerField.DRAINING, WorkerField.DRAIN)
+    )
 
 
-def stage_readiness(workers: list[WorkerInfo], mode: str) -> dict[str, dict[str, Any]]:
+def stage_readiness(workers: list[WorkerInfo], mode: RouteMode | str) -> dict[str, dict[str, Any]]:
     """Per stage: whether a live, non-draining worker will take its entries, and which role.
 
     Prefill runs on decode workers in colocated mode, and in auto mode when no prefill worker
@@ -117,7 +120,7 @@ def stage_readiness(workers: list[WorkerInfo], mode: str) -> dict[str, dict[str,
             serving[w.role] += 1
     decode = serving[DECODE]
     prefill_by = PREFILL
-    if mode == "colocated" or (mode == "auto" and not serving[PREFILL]):
+    if mode == RouteMode.COLOCATED or (mode == RouteMode.AUTO and not serving[PREFILL]):
         prefill_by = DECODE
     prefill = serving[prefill_by]
     return {

@@ -19,6 +19,7 @@ from starlette.types import Send
 from kvrelay.core.enums import FinishReason
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import RequestTimer
+from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.output import (
@@ -181,7 +182,7 @@ class OutputJob(Delivery):
 
     async def _events(self) -> AsyncIterator[bytes]:
         fmt, timer = self.fmt, self.timer
-        if self.send_role and self.start_index == 0 and fmt.api == "chat":
+        if self.send_role and self.start_index == 0 and fmt.api == Api.CHAT:
             yield fmt.role_event()
         try:
             async for chunk in self._chunks():

@@ -29,7 +29,7 @@ from kvrelay.pipeline.errors import (
     queue_unavailable,
 )
 from kvrelay.pipeline.metrics import RequestTimer
-from kvrelay.pipeline.openai.protocol import CHAT
+from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.openai.response_builder import (
     REQUEST_PREFIX,
     RESPONSE_PREFIX,
@@ -40,6 +40,7 @@ from kvrelay.pipeline.openai.responses_api import ResponsesCall, parse_responses
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.output import ENDED, output_gone
+from kvrelay.pipeline.queue.route import RouteMode
 from kvrelay.pipeline.queue.submit import new_request_id, valid_request_id
 from kvrelay.pipeline.server.attach import (
     check_same,
@@ -101,7 +102,7 @@ class ResponsesApi:
             omit_request_id(request.scope)  # no request was created: send no id back
             return error_response(_bad_id(REQUEST_ID_HEADER))
         request_id = header_id or new_request_id(REQUEST_PREFIX.rstrip("-"))
-        ing.cluster.prefetch(workers=ing.config.mode == "auto")
+        ing.cluster.prefetch(workers=ing.config.mode == RouteMode.AUTO)
         slot: Slot | None = None
         try:
             key_id = check_api_key(request, ing.config.api_keys)
@@ -123,7 +124,7 @@ class ResponsesApi:
             created = int(time.time())
             options = {
                 # GET /v1/requests/{id}/stream replays a response as chat.completion.chunks
-                "api": CHAT,
+                "api": Api.CHAT,
                 "created": created,
                 "stream": call.generation.stream,
                 "include_usage": False,

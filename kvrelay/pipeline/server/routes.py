@@ -28,8 +28,7 @@ from kvrelay.pipeline.errors import RequestError, client_closed_request, queue_u
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.model_registry import ModelEntry
 from kvrelay.pipeline.openai.protocol import (
-    CHAT,
-    COMPLETION,
+    Api,
     GenerationRequest,
     parse_chat,
     parse_completion,
@@ -38,6 +37,7 @@ from kvrelay.pipeline.openai.responses import ResponseFormatter
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.openai.validate import check_cache_salt
 from kvrelay.pipeline.queue.backpressure import Slot
+from kvrelay.pipeline.queue.route import RouteMode
 from kvrelay.pipeline.queue.submit import check_request_id, new_request_id, valid_request_id
 from kvrelay.pipeline.server.attach import (
     check_same,
@@ -78,22 +78,22 @@ class GenerationApi:
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
-        return await self._generate(request, CHAT)
+        return await self._generate(request, Api.CHAT)
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
-        return await self._generate(request, COMPLETION)
+        return await self._generate(request, Api.COMPLETION)
 
-    async def _generate(self, request: Request, api: str) -> Response:
+    async def _generate(self, request: Request, api: Api) -> Response:
         ing = self.ingress
         arrival = time.monotonic()
         header_id = request.headers.get(REQUEST_ID_HEADER)
         if header_id is not None and not valid_request_id(header_id):
             omit_request_id(request.scope)  # no request was created: send no id back
             return error_response(_bad_id(header_id, REQUEST_ID_HEADER))
-        request_id = header_id or new_request_id("chatcmpl" if api == CHAT else "cmpl")
+        request_id = header_id or new_request_id("chatcmpl" if api == Api.CHAT else "cmpl")
         # the snapshots admission, the registry and routing read: fetch them while we parse
-        ing.cluster.prefetch(workers=ing.config.mode == "auto")
+        ing.cluster.prefetch(workers=ing.config.mode == RouteMode.AUTO)
         slot: Slot | None = None
         try:
             key_id = check_api_key(request, ing.config.api_keys)
@@ -257,9 +257,9 @@ class GenerationApi:
             return error_response(queue_unavailable(exc), request_id)
 
 
-def _parse(body: Any, api: str) -> tuple[GenerationRequest, str]:
+def _parse(body: Any, api: Api) -> tuple[GenerationRequest, str]:
     """The validated request and its digest (what a re-post must match)."""
-    parsed = parse_chat(body) if api == CHAT else parse_completion(body)
+    parsed = parse_chat(body) if api == Api.CHAT else parse_completion(body)
     check_cache_salt(body)
     return parsed, request_digest(parsed)
 

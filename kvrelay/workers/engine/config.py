@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.core.enums import Quantization, Speculation
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -20,7 +22,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
     enable_prefix_caching: bool = True
     save_to_store: bool = True
-    quantization: str = "none"  # none | int8 (CPU fp32: int8 weights, per-token int8 activations)
+    quantization: str = Quantization.NONE  # any but none: CPU fp32 only
     # KV pool dtype: auto | fp32 | bf16 | fp16 (or float32/bfloat16/float16); auto = bf16 for an
     # fp32 model on CPU with the C++ kernels, else the model dtype (loader.resolve_kv_dtype_name).
     # 16-bit pages halve the pool's bytes per token.
@@ -28,7 +30,7 @@ class EngineConfig:
     # Speculative decoding (engine/speculator.py), never changing the output: auto | off |
     # ngram | draft (auto: draft with a draft_model, else ngram); drafts of up to
     # num_speculative_tokens tokens, as long as each row is likely enough to pay.
-    speculation: str = "auto"
+    speculation: str = Speculation.AUTO
     num_speculative_tokens: int = 6
     prompt_lookup_min: int = 2  # n-gram lengths matched, longest first (vLLM's names)
     prompt_lookup_max: int = 4

@@ -86,8 +86,8 @@ class Engine:
             )
         elif loaded.quantization != config.quantization:
             raise ValueError(
-                f"the loaded model has quantization {loaded.quantization!r}, "
-                f"the config asks for {config.quantization!r}"
+                f"the loaded model has quantization {str(loaded.quantization)!r}, "
+                f"the config asks for {str(config.quantization)!r}"
             )
         self.loaded = loaded
         self.model_name = loaded.name

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.core.enums import Quantization
+from kvrelay.core.modelref import QUANTIZATIONS
 from kvrelay.kernels import (
     AttentionMetadata,
     add_rms_norm,
@@ -156,16 +158,16 @@ class LlamaForCausalLM(nn.Module):
         """Replace linears by `method`'s (see `kvrelay.workers.model.quant`); "none" keeps fp32.
         int8: QKV, O, gate/up and the LM head (unless `lm_head` is False); fp16 and
         int8-weight-only: every linear and the LM head. Call once after loading."""
-        from kvrelay.workers.model.quant import QUANTIZATIONS, WEIGHT_ONLY, quantized_linear
+        from kvrelay.workers.model.quant import WEIGHT_ONLY, quantized_linear
 
         if method not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {method!r}; use one of {QUANTIZATIONS}")
-        if method == "none":
+        if method == Quantization.NONE:
             return
         # int8 keeps `down` fp32: its input (SiLU(gate) * up) has outlier channels that per-token
         # int8 rounds away (measured perplexity vs fp32: +5.2% with `down` in int8, +2.6%
         # without). fp16 and int8-weight-only keep fp32 activations: only weights are rounded.
-        all_four = method in ("fp16", WEIGHT_ONLY)
+        all_four = method in (Quantization.FP16, WEIGHT_ONLY)
         names = ("qkv", "o", "gate_up", "down") if all_four else ("qkv", "o", "gate_up")
         slots = [(layer, name) for layer in self.layers for name in names]
         if lm_head:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay.core.enums import Quantization
 from kvrelay.core.modelref import (
     GGUF_SAMPLING_KEYS,
     GGUF_SAMPLING_META,
@@ -205,7 +206,7 @@ class LoadedModel:
     fingerprint: str
     dtype: object  # torch.dtype
     device: object  # torch.device
-    quantization: str = "none"
+    quantization: str = Quantization.NONE
 
 
 def resolve_device_dtype(dtype: str = "auto", device: str = "auto"):
@@ -258,7 +259,7 @@ def load_model(
     dtype: str = "auto",
     device: str = "auto",
     progress: bool = True,
-    quantization: str = "none",
+    quantization: str = Quantization.NONE,
 ) -> LoadedModel:
     """Prepare (convert once) and load a model with its tokenizer and fingerprint;
     `quantization` "int8" replaces its linears by int8 ones (`kvrelay.workers.model.quant`)."""
@@ -275,7 +276,10 @@ def load_model(
     start = time.monotonic()
     directory = prepare_model(name, progress=progress)
     torch_dtype, torch_device = resolve_device_dtype(dtype, device)
-    if quantization != "none" and (torch_device.type, torch_dtype) != ("cpu", torch.float32):
+    if quantization != Quantization.NONE and (torch_device.type, torch_dtype) != (
+        "cpu",
+        torch.float32,
+    ):
         raise ModelLoadError(
             f"--quantization {quantization} runs on CPU with float32 only "
             f"(got {torch_device.type}, {str(torch_dtype).removeprefix('torch.')})"
@@ -283,7 +287,7 @@ def load_model(
     config = ModelConfig.from_hf(read_config(directory))
     with torch.inference_mode():
         model = LlamaForCausalLM(config, torch_dtype, torch_device)
-        if quantization == "none":
+        if quantization == Quantization.NONE:
             load_weights(model, directory)
         else:  # quantize from the dense fp32 weights, then pack what stays fp32
             load_weights(model, directory, pack=False)

@@ -34,22 +34,21 @@ import logging
 import torch
 
 from kvrelay import kernels
-from kvrelay.core.modelref import QUANTIZATION_SCHEMES
+from kvrelay.core.enums import Quantization
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = tuple(QUANTIZATION_SCHEMES)  # flag values: none, int8, fp16, int8-weight-only
 WEIGHT_MAX = 63  # 7-bit weights: exact int32 sums on AVX2 (see the module docstring)
 ACT_MAX = 127
 ACT_ZERO_POINT = 128
-WEIGHT_ONLY = "int8-weight-only"
+WEIGHT_ONLY = Quantization.INT8_WEIGHT_ONLY
 
 
-def can_quantize(weight: torch.Tensor, method: str = "int8") -> bool:
+def can_quantize(weight: torch.Tensor, method: str = Quantization.INT8) -> bool:
     """True where `method`'s path runs: CPU fp32 with oneDNN's int8 / fbgemm's fp16 linear."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return False
-    if method == "fp16":
+    if method == Quantization.FP16:
         return "fbgemm" in torch.backends.quantized.supported_engines
     if method == WEIGHT_ONLY:
         return kernels.int8_linear_available()
@@ -118,7 +117,7 @@ class Fp16Linear:
     __slots__ = ("packed", "bias", "out_features", "in_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        if not can_quantize(weight, "fp16"):
+        if not can_quantize(weight, Quantization.FP16):
             raise ValueError(
                 f"fp16 weights need CPU float32 weights (got {weight.dtype} on "
                 f"{weight.device.type}) and a torch built with fbgemm"
@@ -156,7 +155,7 @@ class Int8WeightLinear:
 
 def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None):
     """`method`'s linear layer for a dense fp32 weight."""
-    if method == "fp16":
+    if method == Quantization.FP16:
         return Fp16Linear(weight, bias)
     if method == WEIGHT_ONLY:
         return Int8WeightLinear(weight, bias)

@@ -1,0 +1,344 @@
+"""No closed-set state value is spelled as a quoted string outside its type (issue 24).
+
+Walks `kvrelay/` with `ast` and flags a string constant equal to a member of one of the StrEnums
+below where the code uses it *as* that set's value:
+
+- compared (`==`, `!=`, `in`, `not in`) with an expression named like the set's subject
+  (`self.mode == "auto"`, `opts.get("api") == "chat"`, `item.kind in ("emit", ...)`);
+- given to such a name: a parameter or field default (`mode: str = "auto"`), an assignment
+  (`via = "ucx_local"`), a keyword argument (`Router(mode="auto")`), a dict entry
+  (`{"api": "chat"}`), `Outgoing`'s kind;
+- a `worker:{name}` hash field: the field of `hget`/`hset`/`hdel` on a worker key, the keys of a
+  dict given as `hset(..., mapping=...)`, and `.get("...")`/`["..."]` on a worker dict (`w`,
+  `worker`, `w.fields`).
+
+Only these positions are read, so the text of docstrings, log messages and f-strings never
+matches; the enum's own module may spell its values (it defines them).
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrelay.core.enums import (
+    FinishReason,
+    Quantization,
+    RequestStatus,
+    Speculation,
+    Stage,
+    WorkerField,
+)
+from kvrelay.kvstore.transport import Transport
+from kvrelay.pipeline.openai.protocol import Api
+from kvrelay.pipeline.queue.route import RouteMode
+from kvrelay.pipeline.queue.streams import FenceStatus
+from kvrelay.workers.emitter import OutgoingKind
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "kvrelay"
+
+COMPARE_ONLY = frozenset({"compare"})
+ALL_POSITIONS = frozenset({"compare", "default", "assign", "keyword", "dict"})
+
+
+@dataclass(frozen=True)
+class ClosedSet:
+    enum: type[enum.StrEnum]
+    subjects: frozenset[str]  # names (variables, attributes, dict keys) that hold its values
+    positions: frozenset[str] = ALL_POSITIONS
+    elsewhere: tuple[str, ...] = ()  # packages where the subject names another protocol's set
+
+    @property
+    def module(self) -> Path:
+        return PACKAGE.parent / (self.enum.__module__.replace(".", "/") + ".py")
+
+
+SETS = (
+    ClosedSet(RouteMode, frozenset({"mode"})),
+    ClosedSet(Api, frozenset({"api"})),
+    ClosedSet(Quantization, frozenset({"quantization", "method"})),
+    ClosedSet(Transport, frozenset({"transport", "kind", "via"})),
+    ClosedSet(OutgoingKind, frozenset({"kind"})),
+    ClosedSet(Speculation, frozenset({"speculation"})),
+    ClosedSet(Stage, frozenset({"stage", "role"})),
+    ClosedSet(FinishReason, frozenset({"finish_reason", "reason"})),
+    # "ok", "failed", "cancelled" are also other APIs' statuses (/health, the Responses API's
+    # objects): only comparisons, where the code decides on a request's or a write's status;
+    # in kvrelay/pipeline/openai/ a `status` is a Responses API object's
+    ClosedSet(FenceStatus, frozenset({"status"}), COMPARE_ONLY),
+    ClosedSet(RequestStatus, frozenset({"status"}), COMPARE_ONLY, ("pipeline/openai/",)),
+)
+
+HASH_FIELD_CALLS = {"hget": 1, "hset": 1, "hdel": 1, "hincrby": 1, "hsetnx": 1, "hexists": 1}
+WORKER_DICTS = frozenset({"w", "worker", "w.fields"})
+
+
+def member_values(closed: type[enum.StrEnum]) -> set[str]:
+    return {m.value for m in closed}  # `"x" in Enum` raises TypeError before Python 3.12
+
+
+def subject(node: ast.expr) -> str | None:
+    """The name an expression is about: `mode`, `self.mode`, `opts.get("mode")`, `d["mode"]`."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "get"
+        and node.args
+    ):
+        return _str(node.args[0])
+    if isinstance(node, ast.Subscript) and _str(node.slice) is not None:
+        return _str(node.slice)
+    return None
+
+
+def _str(node: ast.AST | None) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return None
+
+
+def leaves(node: ast.expr | None) -> Iterator[ast.Constant]:
+    """The string constants an expression can evaluate to (or, for a container, hold)."""
+    if node is None:
+        return
+    if _str(node) is not None:
+        yield node  # type: ignore[misc]
+    elif isinstance(node, ast.IfExp):
+        yield from leaves(node.body)
+        yield from leaves(node.orelse)
+    elif isinstance(node, ast.BoolOp):
+        for value in node.values:
+            yield from leaves(value)
+    elif isinstance(node, ast.Tuple | ast.List | ast.Set):
+        for elt in node.elts:
+            yield from leaves(elt)
+
+
+def _target_names(target: ast.expr) -> list[str | None]:
+    if isinstance(target, ast.Tuple | ast.List):
+        return [subject(t) for t in target.elts]
+    return [subject(target)]
+
+
+def _bindings(func: ast.AST) -> dict[str, list[ast.expr]]:
+    """Local name -> the expressions assigned to it (tuples paired up) or iterated by `for`."""
+    out: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(func):
+        pairs: list[tuple[ast.expr, ast.expr]] = []
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs += zip(target.elts, node.value.elts, strict=False)
+                else:
+                    pairs.append((target, node.value))
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            pairs.append((node.target, node.value))
+        elif isinstance(node, ast.For | ast.AsyncFor):
+            pairs.append((node.target, node.iter))
+        for target, value in pairs:
+            if isinstance(target, ast.Name):
+                out.setdefault(target.id, []).append(value)
+    return out
+
+
+class Finder(ast.NodeVisitor):
+    """Collects (line, value, enum member, position) of the literals in one module."""
+
+    def __init__(self, sets: tuple[ClosedSet, ...], path: Path | None = None):
+        rel = "" if path is None else path.relative_to(PACKAGE).as_posix()
+        self.sets = [
+            s
+            for s in sets
+            if path is None or (s.module != path and not rel.startswith(s.elsewhere))
+        ]
+        self.check_worker_fields = (
+            path is None or path != ClosedSet(WorkerField, frozenset()).module
+        )
+        self.found: list[tuple[int, str, str, str]] = []
+        self._scopes: list[dict[str, list[ast.expr]]] = [{}]
+
+    # -- the closed sets named by subject ---------------------------------------------------
+    def _check(self, name: str | None, values: ast.expr | None, position: str) -> None:
+        if name is None:
+            return
+        for const in leaves(values):
+            for s in self.sets:
+                if (
+                    position in s.positions
+                    and name in s.subjects
+                    and const.value in member_values(s.enum)
+                ):
+                    member = s.enum(const.value)
+                    where = f"{position} of {name!r}"
+                    self.found.append((const.lineno, const.value, repr(member), where))
+
+    def visit_Compare(self, node: ast.Compare) -> None:
+        operands = [node.left, *node.comparators]
+        for op, left, right in zip(node.ops, operands, operands[1:], strict=False):
+            if isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn):
+                self._check(subject(left), right, "compare")
+                if isinstance(op, ast.Eq | ast.NotEq):
+                    self._check(subject(right), left, "compare")
+        self.generic_visit(node)
+
+    def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> None:
+        args = node.args
+        positional = [*args.posonlyargs, *args.args]
+        defaulted = positional[len(positional) - len(args.defaults) :]
+        for arg, default in zip(defaulted, args.defaults, strict=True):
+            self._check(arg.arg, default, "default")
+        for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
+            self._check(arg.arg, default, "default")
+        self._scopes.append(_bindings(node))
+        self.generic_visit(node)
+        self._scopes.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        for target in node.targets:
+            if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                for t, v in zip(target.elts, node.value.elts, strict=False):
+                    self._check(subject(t), v, "assign")
+            else:
+                for name in _target_names(target):
+                    self._check(name, node.value, "assign")
+        self.generic_visit(node)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self._check(subject(node.target), node.value, "default")
+        self.generic_visit(node)
+
+    def visit_Dict(self, node: ast.Dict) -> None:
+        for key, value in zip(node.keys, node.values, strict=True):
+            self._check(_str(key), value, "dict")
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        for kw in node.keywords:
+            self._check(kw.arg, kw.value, "keyword")
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+        if name == "Outgoing" and node.args:
+            self._check("kind", node.args[0], "keyword")
+        if self.check_worker_fields:
+            self._worker_call(node, name)
+        self.generic_visit(node)
+
+    # -- the worker:{name} hash -------------------------------------------------------------
+    def _field(self, node: ast.expr | None, position: str) -> None:
+        value = _str(node)
+        if value is not None and value in member_values(WorkerField):
+            member = repr(WorkerField(value))
+            self.found.append((node.lineno, value, member, position))  # type: ignore[union-attr]
+
+    def _is_worker_key(self, node: ast.expr, depth: int = 0) -> bool:
+        text = ast.unparse(node)
+        if ".worker(" in text or "worker_pattern" in text:
+            return True
+        if isinstance(node, ast.Name) and depth < 3:
+            return any(self._is_worker_key(v, depth + 1) for v in self._scopes[-1].get(node.id, []))
+        return False
+
+    def _mapping_keys(self, node: ast.expr) -> list[ast.expr | None]:
+        if isinstance(node, ast.Dict):
+            return list(node.keys)
+        if isinstance(node, ast.Name):
+            return [k for v in self._scopes[-1].get(node.id, []) for k in self._mapping_keys(v)]
+        return []
+
+    def _worker_call(self, node: ast.Call, name: str | None) -> None:
+        if name in HASH_FIELD_CALLS and node.args and self._is_worker_key(node.args[0]):
+            for arg in node.args[HASH_FIELD_CALLS[name] :][: 1 if name != "hdel" else None]:
+                self._field(arg, f"{name} field")
+            for kw in node.keywords:
+                if kw.arg == "mapping":
+                    for key in self._mapping_keys(kw.value):
+                        self._field(key, f"{name} mapping key")
+        if (
+            name == "get"
+            and isinstance(node.func, ast.Attribute)
+            and ast.unparse(node.func.value) in WORKER_DICTS
+            and node.args
+        ):
+            self._field(node.args[0], "worker dict .get")
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        if self.check_worker_fields and ast.unparse(node.value) in WORKER_DICTS:
+            self._field(node.slice, "worker dict subscript")
+        self.generic_visit(node)
+
+
+def find(source: str, path: Path | None = None) -> list[tuple[int, str, str, str]]:
+    finder = Finder(SETS, path)
+    finder.visit(ast.parse(source))
+    return sorted(set(finder.found))
+
+
+def test_no_state_literal_outside_its_type():
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for line, value, member, where in find(path.read_text(), path):
+            rel = path.relative_to(ROOT)
+            problems.append(f"{rel}:{line}: {value!r} is {member} ({where})")
+    assert not problems, "state literals outside their type:\n" + "\n".join(problems)
+
+
+def test_finder_catches_each_position():
+    source = """
+def f(w, item, r, keys, mode="auto", *, api="chat"):
+    if item.kind == "handoff" or opts.get("transport") in ("tcp", "ucx"):
+        pass
+    via = "ucx_local" if w else "tcp"
+    Outgoing("dead_letter", 1, 2)
+    Router(quantization="int8-weight-only")
+    x = {"speculation": "ngram", "finish_reason": "length"}
+    key = keys.worker(name)
+    r.hget(key, "draining")
+    fields = {"pid": 1, "other": 2}
+    r.hset(key, mapping=fields)
+    w.get("tokens_per_s"), w["load"], w.fields.get("drain")
+    return status == "not-owner" or record.status != "finished"
+"""
+    found = {(line, value) for line, value, _, _ in find(source)}
+    assert found == {
+        (2, "auto"),
+        (2, "chat"),
+        (3, "handoff"),
+        (3, "tcp"),
+        (3, "ucx"),
+        (5, "ucx_local"),
+        (5, "tcp"),
+        (6, "dead_letter"),
+        (7, "int8-weight-only"),
+        (8, "ngram"),
+        (8, "length"),
+        (10, "draining"),
+        (11, "pid"),
+        (13, "tokens_per_s"),
+        (13, "load"),
+        (13, "drain"),
+        (14, "not-owner"),
+        (14, "finished"),
+    }
+
+
+def test_finder_ignores_text_and_other_hashes():
+    source = '''
+def g(r, keys, mode):
+    """mode == "auto": the default."""
+    logger.info("mode %s, transport tcp, draining", mode)
+    msg = f"{mode == 'auto'}"
+    r.hget(keys.store_node(n), "pid")
+    info.get("name"), message.role == "user", kind == "fetch"
+    return {"status": "ok", "model": "m"}, impl == "auto"
+'''
+    assert [(line, value) for line, value, _, _ in find(source)] == [(5, "auto")]

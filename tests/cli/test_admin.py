@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import signal
 import subprocess
 import sys
@@ -14,8 +13,8 @@ import redis
 from kvrelay.cli.main import main
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk
-from kvrelay.pipeline.queue.streams import Emission, Streams
-from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing, OutgoingKind
+from kvrelay.pipeline.queue.streams import Streams
+from kvrelay.workers.emitter import Heartbeat, Inflight
 from tests.conftest import free_port
 
 KEYS = Keys("adm:")
@@ -328,23 +327,3 @@ def test_consumers_of_dead_workers_are_pruned(r, valkey_session, capsys):
     assert json.loads(out)["streams"][0]["consumers"] == 2  # live.3 and me.4
     assert pruner.prune_consumers(stream, PREFILL_GROUP, idle_ms=100) == 1  # idle even if live
     assert [c["name"] for c in r.xinfo_consumers(stream, PREFILL_GROUP)] == [b"me.4"]
-
-
-def test_fenced_out_write_logs_what_happened(r, caplog):
-    s = seed(r)
-    [entry] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
-    Streams(r, KEYS, "w2").claim(KEYS.prefill_stream, PREFILL_GROUP, 0, 10)  # w1 is fenced out
-    inflight = Inflight()
-    inflight.add("q2", entry.entry_id)
-    emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight)
-    emitter.thread.start()
-    chunk = TokenChunk(0, [5, 6], text="hi")
-    emission = Emission(KEYS.prefill_stream, PREFILL_GROUP, entry.entry_id, "q2", chunk)
-    with caplog.at_level(logging.WARNING, logger="kvrelay.workers.emitter"):
-        emitter.put(Outgoing(OutgoingKind.EMIT, "q2", entry.entry_id, emission))
-        emitter.close()
-    assert emitter.lost.get_nowait() == "q2" and len(inflight) == 0
-    assert caplog.messages == [
-        f"request q2: write refused (not-owner: entry {entry.entry_id} was claimed by another "
-        "worker; chunk at token 0); dropping it"
-    ]

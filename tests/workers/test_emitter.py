@@ -1,0 +1,35 @@
+"""The worker's emitter on a real Valkey: a write fenced out by another worker's claim."""
+
+from __future__ import annotations
+
+import logging
+
+from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
+from kvrelay.core.messages import PrefillTask, TokenChunk
+from kvrelay.pipeline.queue.streams import Emission, Streams
+from kvrelay.workers.emitter import Emitter, Inflight, Outgoing
+
+KEYS = Keys("emit:")
+
+
+def test_fenced_out_write_logs_what_happened(r, caplog):
+    s = Streams(r, KEYS, "w1")
+    s.ensure_group(KEYS.prefill_stream, PREFILL_GROUP)
+    task = PrefillTask(request_id="q2", prompt_token_ids=[1, 2], sampling={})
+    r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
+    [entry] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
+    Streams(r, KEYS, "w2").claim(KEYS.prefill_stream, PREFILL_GROUP, 0, 10)  # w1 is fenced out
+    inflight = Inflight()
+    inflight.add("q2", entry.entry_id)
+    emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight)
+    emitter.thread.start()
+    chunk = TokenChunk(0, [5, 6], text="hi")
+    emission = Emission(KEYS.prefill_stream, PREFILL_GROUP, entry.entry_id, "q2", chunk)
+    with caplog.at_level(logging.WARNING, logger="kvrelay.workers.emitter"):
+        emitter.put(Outgoing("emit", "q2", entry.entry_id, emission))
+        emitter.close()
+    assert emitter.lost.get_nowait() == "q2" and len(inflight) == 0
+    assert caplog.messages == [
+        f"request q2: write refused (not-owner: entry {entry.entry_id} was claimed by another "
+        "worker; chunk at token 0); dropping it"
+    ]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import redis
@@ -101,3 +103,58 @@ def r(valkey_session) -> Iterator[redis.Redis]:
     client.flushdb()
     yield client
     client.close()
+
+
+class _StandIn:
+    """A module's stand-in: the given names replaced, every other attribute the real module's."""
+
+    def __init__(self, real: ModuleType, **names):
+        self._real = real
+        self.__dict__.update(names)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+class FakeClock:
+    """A clock that moves only when the code under test sleeps on it, so a test asserts how long
+    that code waited (in its own clock) exactly instead of timing it with the wall clock."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self._monkeypatch = monkeypatch
+        # round starts: the same waits give the same float sums on every run
+        self._mono, self._wall = 1000.0, float(int(time.time()))
+        self.slept: list[float] = []  # every sleep's length, in order
+
+    @property
+    def waited(self) -> float:
+        return sum(self.slept)
+
+    def monotonic(self) -> float:
+        return self._mono + self.waited
+
+    def time(self) -> float:
+        return self._wall + self.waited
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+    async def async_sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        await asyncio.sleep(0)  # yield to the event loop as a real sleep does
+
+    def install(self, *modules: ModuleType) -> FakeClock:
+        """Be `time.monotonic`, `time.time`, `time.sleep` (and `asyncio.sleep`) of `modules`."""
+        for module in modules:
+            fake_time = _StandIn(time, monotonic=self.monotonic, time=self.time, sleep=self.sleep)
+            self._monkeypatch.setattr(module, "time", fake_time)
+            if hasattr(module, "asyncio"):
+                fake_asyncio = _StandIn(asyncio, sleep=self.async_sleep)
+                self._monkeypatch.setattr(module, "asyncio", fake_asyncio)
+        return self
+
+
+@pytest.fixture
+def fake_clock(monkeypatch) -> FakeClock:
+    """A FakeClock; `fake_clock.install(module)` makes it that module's clock for one test."""
+    return FakeClock(monkeypatch)

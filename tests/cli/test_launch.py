@@ -300,7 +300,7 @@ def test_up_usage_errors_exit_2_before_launching(tmp_path, capsys, argv, message
     assert not (tmp_path / "run").exists()
 
 
-def test_up_refuses_ports_in_use_and_unreachable_redis(tmp_path, capsys):
+def test_up_refuses_ports_in_use_and_unreachable_redis(tmp_path, capsys, monkeypatch):
     run = str(tmp_path / "run")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -316,10 +316,16 @@ def test_up_refuses_ports_in_use_and_unreachable_redis(tmp_path, capsys):
         assert (code, line) == (2, f"kvrelay up: error: port {busy} on 0.0.0.0 is in use")
     closed = free_port()
     url = f"redis://app:s3cret@127.0.0.1:{closed}/0"
-    started = time.monotonic()
+    pinged, ping = [], redis.Redis.ping
+
+    def counted_ping(client, **kwargs):
+        pinged.append(client.connection_pool.connection_kwargs["port"])
+        return ping(client, **kwargs)
+
+    monkeypatch.setattr(redis.Redis, "ping", counted_ping)
     code, line = _main(capsys, "up", "--detach", "--run-dir", run, "--port", str(free_port()),
                        "--redis-url", url)  # fmt: skip
-    assert time.monotonic() - started < 3
+    assert pinged == [closed]  # one PING, refused: `up` does not wait for that Redis to come up
     assert (code, line) == (
         1,
         f"kvrelay up: error: Redis at redis://app:***@127.0.0.1:{closed}/0 is not reachable: "

@@ -4,7 +4,6 @@ on in the append-only file) and yields every token once; a longer outage is repo
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import redis
@@ -12,6 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import TokenChunk
+from kvrelay.pipeline.queue import outage as outage_module
 from kvrelay.pipeline.queue.output import read_chunks
 from kvrelay.pipeline.queue.redis_options import async_redis
 
@@ -55,19 +55,19 @@ def test_reader_survives_a_valkey_restart(valkey):
     assert got[-1].finish_reason == "length"
 
 
-def test_an_outage_longer_than_the_retry_window_is_raised(valkey):
+def test_an_outage_longer_than_the_retry_window_is_raised(valkey, fake_clock):
     _add(valkey.url, TokenChunk(0, [11], "a"))
     got: list[TokenChunk] = []
+    fake_clock.install(outage_module)  # the outage's clock moves only as the reader waits
 
-    async def scenario() -> float:
+    async def scenario() -> None:
         reader = asyncio.create_task(_read(valkey.url, 1.0, got))
         await asyncio.sleep(0.5)
         valkey.stop(kill=True)
-        t0 = time.monotonic()
         with pytest.raises(RedisConnectionError):
             await asyncio.wait_for(reader, 20)
-        return time.monotonic() - t0
 
-    waited = asyncio.run(scenario())
+    asyncio.run(scenario())
     assert [c.index for c in got] == [0]
-    assert 1.0 <= waited < 5.0
+    # retried with pauses for exactly the 1 s retry window, then raised
+    assert len(fake_clock.slept) > 1 and fake_clock.waited == pytest.approx(1.0, abs=1e-3)

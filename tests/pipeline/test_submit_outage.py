@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 
 import pytest
 import redis
@@ -18,6 +17,8 @@ from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.client.producer import AsyncClient
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.openai.protocol import parse_completion
+from kvrelay.pipeline.queue import outage as outage_module
+from kvrelay.pipeline.queue import submit as submit_module
 from kvrelay.pipeline.server.app import create_app
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
@@ -119,32 +120,40 @@ async def test_a_lost_reply_to_a_queued_request_queues_it_once(valkey_session, s
 async def test_a_429_is_not_retried(valkey_session, smollm_tokenizer):
     prefix = unique_prefix()
     async with _client(valkey_session.url, prefix, smollm_tokenizer) as client:
-        client.producer.max_waiting = 1
+        producer = client.producer
+        producer.max_waiting = 1
         await client.submit("Hello")
-        start = time.monotonic()
+        script, replies = producer._submit, []
+
+        async def counted(keys, args):
+            replies.append(await script(keys=keys, args=args))
+            return replies[-1]
+
+        producer._submit = counted
         with pytest.raises(RequestError) as info:
             await client.submit("Hello")
         assert (info.value.status, info.value.code) == (429, "overloaded")
-        assert time.monotonic() - start < 1.0
+        assert replies == [1]  # one try, refused with the queue length: no retry
     assert _entries(valkey_session.url, Keys(prefix)) == 1
 
 
 @pytest.mark.parametrize(
     ("wait_s", "timeout_s"), [(0.5, 600.0), (30.0, 0.5)], ids=["submit_wait_s", "deadline"]
 )
-async def test_client_gives_503_when_valkey_stays_down(valkey, smollm_tokenizer, wait_s,
-                                                        timeout_s):  # fmt: skip
+async def test_client_gives_503_when_valkey_stays_down(valkey, smollm_tokenizer, fake_clock,
+                                                        wait_s, timeout_s):  # fmt: skip
     prefix = unique_prefix()
+    # the clock of the outage wait and of the deadline: it moves only as the submission waits
+    fake_clock.install(outage_module, submit_module)
     async with _client(
         valkey.url, prefix, smollm_tokenizer, submit_wait_s=wait_s, timeout_s=timeout_s
     ) as client:
         valkey.stop(kill=True)
-        start = time.monotonic()
         with pytest.raises(RequestError) as info:
             await client.submit("Hello")
-        took = time.monotonic() - start
     assert (info.value.status, info.value.code) == (503, "queue_unavailable")
-    assert 0.5 <= took < 5.0, took
+    # retried with pauses for exactly the bound (submit_wait_s or the deadline), then gave up
+    assert len(fake_clock.slept) > 1 and fake_clock.waited == pytest.approx(0.5, abs=1e-3)
 
 
 @pytest.mark.parametrize("request_id", [None, "chosen-1"], ids=["new-id", "x-request-id"])
@@ -173,17 +182,17 @@ async def test_http_request_waits_for_a_valkey_restart(valkey, smollm_tokenizer,
     assert _entries(valkey.url, ing.keys) == 1
 
 
-async def test_http_request_gets_503_past_submit_wait_s(valkey, smollm_tokenizer):
+async def test_http_request_gets_503_past_submit_wait_s(valkey, smollm_tokenizer, fake_clock):
     config = make_config(valkey.url, submit_wait_s=0.5)
     app = create_app(config, tokenizers={MODEL: smollm_tokenizer})
     try:
         async with http(app) as client:
             valkey.stop(kill=True)
-            start = time.monotonic()
+            fake_clock.install(outage_module, submit_module)  # moves only as the wait pauses
             resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
-            took = time.monotonic() - start
         assert resp.status_code == 503
         assert resp.json()["error"]["code"] == "queue_unavailable"
-        assert 0.5 <= took < 5.0, took
+        # retried with pauses for exactly submit_wait_s, then gave up
+        assert len(fake_clock.slept) > 1 and fake_clock.waited == pytest.approx(0.5, abs=1e-3)
     finally:
         await app.state.ingress.aclose()

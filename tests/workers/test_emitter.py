@@ -7,7 +7,7 @@ import logging
 from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk
 from kvrelay.pipeline.queue.streams import Emission, Streams
-from kvrelay.workers.emitter import Emitter, Inflight, Outgoing
+from kvrelay.workers.emitter import Emitter, Inflight, Outgoing, OutgoingKind
 
 KEYS = Keys("emit:")
 
@@ -26,7 +26,7 @@ def test_fenced_out_write_logs_what_happened(r, caplog):
     chunk = TokenChunk(0, [5, 6], text="hi")
     emission = Emission(KEYS.prefill_stream, PREFILL_GROUP, entry.entry_id, "q2", chunk)
     with caplog.at_level(logging.WARNING, logger="kvrelay.workers.emitter"):
-        emitter.put(Outgoing("emit", "q2", entry.entry_id, emission))
+        emitter.put(Outgoing(OutgoingKind.EMIT, "q2", entry.entry_id, emission))
         emitter.close()
     assert emitter.lost.get_nowait() == "q2" and len(inflight) == 0
     assert caplog.messages == [

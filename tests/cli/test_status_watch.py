@@ -131,6 +131,10 @@ def _exit_code(fd: int, proc: subprocess.Popen, timeout_s: float) -> int | None:
         return None
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _row(*cells: str) -> re.Pattern:
     return re.compile(r"\s*│\s*".join(re.escape(c) for c in cells))
 
@@ -142,7 +146,10 @@ def test_watch_renders_in_a_terminal_and_ctrl_c_exits_0(stack):
     env.pop("NO_COLOR", None)
     cmd = [sys.executable, "-m", "kvrelay.cli.main", "status", "--watch", "--interval",
            "0.3", "--run-dir", stack.run_dir]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env)
+    # Ctrl-C must reach the watch even when this test runs in a background job (which starts
+    # with SIGINT ignored, and a child inherits that: Python then installs no handler)
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env,
+                            preexec_fn=_default_sigint)  # fmt: skip
     os.close(slave)
     try:
         first = [

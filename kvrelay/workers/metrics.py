@@ -49,46 +49,38 @@ class WorkerMetrics:
             ["model_name", "op"],
             registry=r,
         )
-        self.dead_letters = Counter(
-            PREFIX + "dead_letters",
-            "Stream entries this worker sent to the DLQ.",
-            ["model_name"],
-            registry=r,
-        ).labels(model)
+        self.dead_letters = self._counter(
+            "dead_letters", "Stream entries this worker sent to the DLQ."
+        )
         # Speculative decoding (vLLM's names): draft tokens verified, accepted, and drafts
         # verified (a request's step with a draft), from the engine's stats (count_engine).
         # generation_tokens / generation_steps is output tokens per request-step (1 without
         # speculation); num_accepted_tokens / num_draft_tokens the acceptance rate.
-        self.spec_draft_tokens = Counter(
-            PREFIX + "spec_decode_num_draft_tokens",
-            "Draft tokens verified by speculative decoding.",
-            ["model_name"],
-            registry=r,
-        ).labels(model)
-        self.spec_accepted_tokens = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens",
-            "Draft tokens accepted (each one an output token).",
-            ["model_name"],
-            registry=r,
-        ).labels(model)
-        self.spec_drafts = Counter(
-            PREFIX + "spec_decode_num_drafts",
-            "Drafts verified: request-steps that checked a draft.",
-            ["model_name"],
-            registry=r,
-        ).labels(model)
-        self.generation_steps = Counter(
-            PREFIX + "generation_steps",
+        self.spec_draft_tokens = self._counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified by speculative decoding."
+        )
+        self.spec_accepted_tokens = self._counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted (each one an output token)."
+        )
+        self.spec_drafts = self._counter(
+            "spec_decode_num_drafts", "Drafts verified: request-steps that checked a draft."
+        )
+        self.generation_steps = self._counter(
+            "generation_steps",
             "Request-steps that produced output tokens (one per request per engine step); "
             "generation_tokens / generation_steps is tokens per step.",
-            ["model_name"],
-            registry=r,
-        ).labels(model)
+        )
         self._engine_counts = (0, 0, 0)
         self.generation_tokens = self.base.generation_tokens.labels(model)
         self.prompt_tokens = self.base.prompt_tokens.labels(model)
         if engine is not None:
             self.track_engine(engine)
+
+    def _counter(self, name: str, documentation: str) -> Any:
+        """A counter of this worker's model (`PREFIX + name`, labelled by model_name)."""
+        return Counter(
+            PREFIX + name, documentation, ["model_name"], registry=self.base.registry
+        ).labels(self.model)
 
     def track_engine(self, engine: Any) -> None:
         """Report `engine`'s block pool usage in `kv_cache_usage_perc` (read at each scrape)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 
-import pytest
-
 from kvrelay.bench import grounded
 from kvrelay.bench.datasets import (
     BUILTIN,
@@ -17,13 +15,6 @@ from kvrelay.bench.datasets import (
     grounded_task,
     load,
 )
-from kvrelay.core.modelref import converted_dir, resolve_model
-from kvrelay.core.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(converted_dir(resolve_model("smollm2-135m-instruct")))
 
 
 def combinations() -> list[tuple[str, int, int]]:

@@ -5,21 +5,13 @@ from __future__ import annotations
 
 import hashlib
 
-import pytest
-
 from kvrelay.bench.datasets import (
     CHAT_TEMPLATE_TOKENS,
     LONG_CONTEXT_TOKENS,
     builtin,
     default_concurrency,
 )
-from kvrelay.core.modelref import converted_dir, resolve_model
 from kvrelay.core.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(converted_dir(resolve_model("smollm2-135m-instruct")))
 
 
 def prompt_ids(tokenizer: Tokenizer, seed: int, index: int) -> list[int]:

@@ -46,9 +46,9 @@ class ModelRunner:
         self, scheduled: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[PromptRows]]:
         """(input_ids, positions, metadata, logits_indices, prompt rows) for one step: a
-                sequence collecting prompt logprobs adds the rows of its prompt positions not yet
-                collected (once each, even when recomputed after a preemption) before its sampling
-                row; a sequence with a draft has a sampling row for its last token and one per draft
+        sequence collecting prompt logprobs adds the rows of its prompt positions not yet
+        collected (once each, even when recomputed after a preemption) before its sampling
+        row; a sequence with a draft has a sampling row for its last token and one per draft
         token; the indices are sorted, sampling rows are the others."""
         P = self.page_size
         num_seqs = len(scheduled)

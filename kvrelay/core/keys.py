@@ -55,8 +55,22 @@ class Keys:
     def request(self, request_id: str) -> str:
         return self._p + f"req:{request_id}"
 
-    def cancel(self, request_id: str) -> str:
-        return self._p + f"cancel:{request_id}"
+    @property
+    def progress(self) -> str:
+        """Hash: request id -> its `Progress` (tokens emitted, feeds, owner, cancel flag, the
+        chunks not yet in out:{id}); `kvrelay.pipeline.queue.progress`."""
+        return self._p + "prog"
+
+    @property
+    def consumers(self) -> str:
+        """Hash: stream consumer name -> unix time of its worker's last heartbeat (the lease:
+        the entries of a consumer silent for a lease are claimed)."""
+        return self._p + "consumers"
+
+    def feed(self, reader_id: str) -> str:
+        """Stream: the live chunks of every request one output reader (an ingress process or
+        a producer client) follows, one entry per worker step (field = request id)."""
+        return self._p + f"feed:{reader_id}"
 
     def response(self, response_id: str) -> str:
         """Hash: a stored Responses API answer (`pipeline/server/response_store.py`)."""

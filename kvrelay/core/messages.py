@@ -157,3 +157,32 @@ class TokenChunk(Message, tag="chunk"):
 
 
 Task = PrefillTask | DecodeTask
+
+
+def frame(payload: bytes) -> bytes:
+    """One payload with its 4-byte big-endian length in front (`unframe` reads a run of them).
+
+    `out:{id}` entries and the tail of a request's progress hold chunks framed like this; the
+    Lua scripts frame with `struct.pack('>I4', #payload)`."""
+    return len(payload).to_bytes(4, "big") + payload
+
+
+def unframe(data: bytes) -> list[bytes]:
+    """The payloads of a run of frames; MessageError for a truncated run."""
+    out: list[bytes] = []
+    at = 0
+    while at < len(data):
+        if at + 4 > len(data):
+            raise MessageError("truncated frame header")
+        size = int.from_bytes(data[at : at + 4], "big")
+        at += 4
+        if at + size > len(data):
+            raise MessageError("truncated frame")
+        out.append(data[at : at + size])
+        at += size
+    return out
+
+
+def decode_chunks(data: bytes) -> list[TokenChunk]:
+    """The TokenChunks of a run of frames (an out:{id} entry, a progress tail)."""
+    return [TokenChunk.decode(p) for p in unframe(data)]

@@ -86,6 +86,13 @@ def fenced(name: str) -> str:
     return source("owner") + source(name)
 
 
+@functools.cache
+def with_progress(name: str) -> str:
+    """lua/{name}.lua after the progress.lua prelude (`prog_parse`, `prog_encode`,
+    `prog_store`, `frame`): the scripts that read or write a request's progress."""
+    return source("progress") + source(name)
+
+
 def names() -> list[str]:
     """Every script under lua/ by name (the file stem)."""
     lua = resources.files("kvrelay.pipeline.queue") / "lua"

@@ -1,0 +1,90 @@
+"""A request's progress: the one field per request of the `prog` hash that workers update once
+per step for all their sequences (the queue plane's hot state, docs/internals.md "Queue plane").
+
+The value is a header of five lines and a tail:
+
+    <emitted>\\n<hist>\\n<cancel>\\n<feeds>\\n<owner>\\n<tail>
+
+- `emitted`: tokens emitted so far (the fence: a chunk must start exactly there);
+- `hist`: how many of them `out:{id}` holds; the rest are the chunks in `tail`;
+- `cancel`: "1" once the request was cancelled (the workers see it at their next write);
+- `feeds`: the output readers (ingress processes, producer clients) following the request,
+  comma-separated: each step's chunks go to `feed:{reader}` of every one;
+- `owner`: `<consumer>/<entry id>` of the worker holding the request's stream entry ("" while
+  it waits in a stream): only the owner's writes are accepted;
+- `tail`: the framed chunks (`core.messages.frame`) not yet flushed to `out:{id}`.
+
+The Lua side parses the same layout (`lua/progress.lua`); this module is its Python twin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrelay.core.messages import TokenChunk, decode_chunks
+
+SEP = b"\n"
+FEED_SEP = ","
+MAX_FEEDS = 4  # readers following one request at once (the newest kept)
+
+
+@dataclass(slots=True)
+class Progress:
+    emitted: int = 0
+    hist: int = 0
+    cancelled: bool = False
+    feeds: list[str] = field(default_factory=list)
+    owner: str = ""
+    tail: bytes = b""
+
+    @classmethod
+    def parse(cls, raw: bytes | None) -> Progress | None:
+        """The progress stored in `raw` (an HGET reply); None for a missing field."""
+        if raw is None:
+            return None
+        parts = raw.split(SEP, 5)
+        if len(parts) != 6:
+            raise ValueError(f"malformed progress value {raw[:60]!r}")
+        emitted, hist, cancel, feeds, owner, tail = parts
+        return cls(
+            emitted=int(emitted),
+            hist=int(hist),
+            cancelled=cancel == b"1",
+            feeds=[f for f in feeds.decode().split(FEED_SEP) if f],
+            owner=owner.decode(),
+            tail=tail,
+        )
+
+    def encode(self) -> bytes:
+        head = [
+            str(self.emitted).encode(),
+            str(self.hist).encode(),
+            b"1" if self.cancelled else b"0",
+            FEED_SEP.join(self.feeds).encode(),
+            self.owner.encode(),
+        ]
+        return SEP.join([*head, self.tail])
+
+    def tail_chunks(self) -> list[TokenChunk]:
+        """The chunks emitted after those in out:{id}, in order."""
+        return decode_chunks(self.tail) if self.tail else []
+
+
+def new_progress(feed: str = "") -> bytes:
+    """The value the submit scripts write for a request just queued."""
+    return Progress(feeds=[feed] if feed else []).encode()
+
+
+def owner_of(consumer: str, entry_id: str) -> str:
+    """The `owner` value of a consumer holding a stream entry."""
+    return f"{consumer}/{entry_id}"
+
+
+# Lua probe (redis-py cannot parse `COMMAND INFO` of a command the server lacks): 1 when the
+# server has HSETEX (per-field expiry, Valkey 9 / Redis 8), else 0
+FIELD_TTL_PROBE = "local i = redis.call('COMMAND', 'INFO', 'HSETEX'); return (i[1] and 1) or 0"
+
+
+def field_ttl_flag(reply: object) -> str:
+    """The scripts' `ttl_fields` argument from the probe's reply: "1" or "0"."""
+    return "1" if reply in (1, b"1", "1") else "0"

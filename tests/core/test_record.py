@@ -27,7 +27,8 @@ def _raw_scripts() -> dict[str, str]:
 
 
 def test_every_script_loads_filled_in():
-    expected = "dead_letter emit handoff owner progress prune release renew strikes submit"
+    expected = "dead_letter emit field_ttl handoff owner progress prune release renew strikes"
+    expected += " submit"
     expected += " submit_choices"
     assert scripts.names() == expected.split()
     for name in scripts.names():

@@ -80,11 +80,7 @@ def owner_of(consumer: str, entry_id: str) -> str:
     return f"{consumer}/{entry_id}"
 
 
-# Lua probe (redis-py cannot parse `COMMAND INFO` of a command the server lacks): 1 when the
-# server has HSETEX (per-field expiry, Valkey 9 / Redis 8), else 0
-FIELD_TTL_PROBE = "local i = redis.call('COMMAND', 'INFO', 'HSETEX'); return (i[1] and 1) or 0"
-
-
 def field_ttl_flag(reply: object) -> str:
-    """The scripts' `ttl_fields` argument from the probe's reply: "1" or "0"."""
+    """The scripts' `ttl_fields` argument from the reply of `lua/field_ttl.lua` (a probe for
+    HSETEX, per-field expiry): "1" or "0"."""
     return "1" if reply in (1, b"1", "1") else "0"

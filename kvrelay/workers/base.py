@@ -1,12 +1,14 @@
 """What prefill and decode workers share: a reader thread, a compute loop, an emitter thread.
 
 A request's path through a worker:
-  reader thread: XREADGROUP (or XAUTOCLAIM after a lease) -> decode/validate (bad -> DLQ) ->
-      read out:{id} for tokens already emitted -> `admissions` queue
+  reader thread: XREADGROUP (or a claim of a dead consumer's entries) -> decode/validate
+      (bad -> DLQ) -> admit (owner; after a claim, read the tokens already emitted) ->
+      `admissions` queue
   compute loop: cancel/deadline check -> engine.add_request -> engine.step() ... ->
       each RequestOutput becomes an Outgoing write (token chunk, hand-off, final chunk)
-  emitter thread: fenced Lua writes in order; a refused write (entry claimed by another worker)
-      puts the request on `lost` and the compute loop drops it.
+  emitter thread: one fenced step script per batch of writes; a refused write (entry claimed
+      by another worker) puts the request on `lost` and the compute loop drops it; cancel flags
+      come back with every write.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvrelay.core.enums import FinishReason, RequestStatus, Stage, WorkerField
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, Task, TokenChunk
 from kvrelay.pipeline.queue.output import DEADLINE_PASSED
-from kvrelay.pipeline.queue.streams import Emission, Streams
+from kvrelay.pipeline.queue.streams import Streams
 from kvrelay.workers.config import WorkerConfig
 from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing, OutgoingKind
 from kvrelay.workers.metrics import WorkerMetrics
@@ -72,11 +74,17 @@ class Worker:
             self.r, self.keys, self.consumer, out_ttl_s=config.out_ttl_s, req_ttl_s=config.req_ttl_s
         )
         self.inflight = Inflight()
-        self.emitter = Emitter(
-            self.streams, self.stream, self.group, self.inflight, config.lease_ms
-        )
         self.admissions: queue.Queue[Admission] = queue.Queue()
         self.cancels: queue.Queue[str] = queue.Queue()
+        self.emitter = Emitter(
+            self.streams,
+            self.stream,
+            self.group,
+            self.inflight,
+            next_stream=self.keys.decode_stream,
+            cancels=self.cancels,
+            check_s=config.cancel_poll_s,
+        )
         self.active: dict[str, Active] = {}
         self.metrics = metrics or WorkerMetrics(engine.model_name, engine)
         self.stop_event = threading.Event()
@@ -189,8 +197,8 @@ class Worker:
         self.emitter.close()
         # make what is left claimable at once instead of after a lease
         with contextlib.suppress(redis.RedisError):
-            entry_ids = list(self.inflight.snapshot().values())
-            self.streams.release(self.stream, self.group, entry_ids, self.config.lease_ms)
+            held = [(eid, rid) for rid, eid in self.inflight.snapshot().items()]
+            self.streams.release(self.stream, self.group, held)
         self.heartbeat.stop()
         logger.info("%s worker %s stopped", self.role, self.name)
 
@@ -205,7 +213,6 @@ class Worker:
         for q, reason in (
             (self.cancels, FinishReason.CANCELLED),
             (self.emitter.lost, None),
-            (self.heartbeat.lost, None),
         ):
             while True:
                 try:
@@ -302,8 +309,10 @@ class Worker:
         record: dict[str, int] | None = None,
     ) -> None:
         """Write `chunk` (and with the final one, the record's ending fields and `record`)."""
-        fields: dict[str, str | int | float] = {rec.OWNER: self.name, rec.STAGE: self.role}
+        fields: dict[str, str | int | float] = {}
         if done:
+            fields[rec.OWNER] = self.name
+            fields[rec.STAGE] = self.role
             fields[rec.STATUS] = status or RequestStatus.FINISHED
             fields[rec.FINISH_REASON] = chunk.finish_reason or ""
             if chunk.error:
@@ -311,9 +320,15 @@ class Worker:
             if chunk.usage:
                 fields[rec.CACHED_TOKENS] = chunk.usage.get("cached_tokens", 0)
             fields.update(record or {})
-        em = Emission(self.stream, self.group, act.entry_id, act.task.request_id, chunk, fields)
         self.emitter.put(
-            Outgoing(OutgoingKind.EMIT, act.task.request_id, act.entry_id, emission=em, done=done)
+            Outgoing(
+                OutgoingKind.EMIT,
+                act.task.request_id,
+                act.entry_id,
+                chunk=chunk,
+                req_fields=fields,
+                done=done,
+            )
         )
 
     def _release_all(self, reason: str) -> None:

@@ -50,14 +50,15 @@ class WorkerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     store_run_dir: str | None = None  # the local store node's run dir; None: no store
-    lease_ms: int = 10000  # an entry idle this long is claimed by another worker
+    lease_ms: int = 10000  # a worker silent (no heartbeat) this long loses its entries
     # redeliveries in a row with no new token in between (poison, not churn) -> DLQ
     max_deliveries: int = 5
     read_batch: int = 16  # entries per XREADGROUP
-    block_ms: int = 50  # XREADGROUP BLOCK slice (stop/drain checks happen between slices)
+    block_ms: int = 500  # XREADGROUP BLOCK slice (stop/drain checks happen between slices)
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: int = 10
-    cancel_poll_s: float = 0.1
+    # a cancel is seen at the next write; requests silent this long are checked on their own
+    cancel_poll_s: float = 0.5
     out_ttl_s: int = 600  # out:{id} lifetime after the final chunk
     req_ttl_s: int = 86400  # req:{id} lifetime after the final chunk
     stop_grace_s: float = 5.0  # on SIGTERM, finish in-flight work this long, then release it

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import redis
 
 from kvrelay.core.enums import WorkerField
-from kvrelay.pipeline.queue.streams import Emission, FenceStatus, Streams
+from kvrelay.core.messages import TokenChunk
+from kvrelay.pipeline.queue.streams import FenceStatus, StepWrite, Streams, WriteMode
 from kvrelay.workers.publication import ModelPublication
 
 logger = logging.getLogger(__name__)
@@ -29,10 +30,13 @@ logger = logging.getLogger(__name__)
 class OutgoingKind(enum.StrEnum):
     """What an `Outgoing` item writes."""
 
-    EMIT = "emit"  # a chunk to out:{id} (fenced)
+    EMIT = "emit"  # a chunk of a request (fenced; `done` for the final one)
     HANDOFF = "handoff"  # a chunk and the next stage's task (fenced)
     DEAD_LETTER = "dead_letter"  # the entry to the DLQ (fenced)
     RELEASE = "release"  # the entry back to the group, claimable at once
+
+
+FLUSH_BYTES = 4096  # a request's chunks move from its progress tail to out:{id} past this
 
 
 @dataclass(slots=True)
@@ -42,25 +46,38 @@ class Outgoing:
     kind: OutgoingKind
     request_id: str
     entry_id: str
-    emission: Emission | None = None
-    next_stream: str = ""
-    payload: bytes = b""
+    chunk: TokenChunk | None = None
+    payload: bytes = b""  # the next stage's task (HANDOFF) or the entry's (DEAD_LETTER)
     reason: str = ""
     req_fields: dict[str, str | int | float] = field(default_factory=dict)
     done: bool = False  # the entry is finished (acked) once this write succeeds
 
 
 class Emitter:
-    """Writes Outgoing items in order from its own thread; refused requests go to `lost`."""
+    """Writes Outgoing items in order from its own thread: the chunks queued since its last
+    write go out in one step call (`Streams.step`); refused requests go to `lost`, requests
+    found cancelled to `cancels`. While nothing is written for `check_s` and requests are
+    held, a check-only call reads their cancel flags."""
 
     def __init__(
-        self, streams: Streams, stream: str, group: str, inflight: Inflight, lease_ms: int = 0
+        self,
+        streams: Streams,
+        stream: str,
+        group: str,
+        inflight: Inflight,
+        *,
+        next_stream: str = "",
+        cancels: queue.Queue[str] | None = None,
+        check_s: float = 0.25,
     ):
         self.streams, self.stream, self.group = streams, stream, group
-        self.lease_ms = lease_ms  # a released entry looks idle this long: claimable at once
+        self.next_stream = next_stream or stream
         self.inflight = inflight
+        self.check_s = check_s
         self.queue: queue.Queue[Outgoing | None] = queue.Queue()
         self.lost: queue.Queue[str] = queue.Queue()
+        self.cancels: queue.Queue[str] = cancels if cancels is not None else queue.Queue()
+        self._tail: dict[str, int] = {}  # request id -> chunk bytes written since its flush
         self.thread = threading.Thread(target=self._run, name="emitter", daemon=True)
 
     def put(self, item: Outgoing) -> None:
@@ -73,14 +90,20 @@ class Emitter:
 
     def _run(self) -> None:
         stopping = False
+        checked = time.monotonic()  # the cancel flags were last read with a write then
         while not stopping:
-            items = [self.queue.get()]
-            while len(items) < 256:
+            try:
+                wait = max(0.0, checked + self.check_s - time.monotonic())
+                items = [self.queue.get(timeout=wait)]
+            except queue.Empty:
+                items = []
+            checked = time.monotonic()
+            while len(items) < 1024:
                 try:
                     items.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
-            if items[-1] is None or None in items:
+            if None in items:
                 stopping = True
                 items = [i for i in items if i is not None]
             try:
@@ -88,11 +111,11 @@ class Emitter:
             except Exception:  # the emitter must outlive any one bad write
                 logger.exception("emitter: dropping %d writes", len(items))
                 for item in items:
-                    self.inflight.remove(item.request_id, item.entry_id)
+                    self._forget(item)
                     self.lost.put(item.request_id)
 
     def _write(self, items: list[Outgoing]) -> None:
-        while items:
+        while True:
             try:
                 self._write_once(items)
                 return
@@ -102,28 +125,19 @@ class Emitter:
                 time.sleep(0.5)
 
     def _write_once(self, items: list[Outgoing]) -> None:
+        if not items:
+            if len(self.inflight):
+                self._step([])  # nothing to write: read the cancel flags only
+            return
         batch: list[Outgoing] = []
         for item in items:
-            if item.kind == OutgoingKind.EMIT:
+            if item.kind in (OutgoingKind.EMIT, OutgoingKind.HANDOFF):
                 batch.append(item)
                 continue
-            self._flush(batch)
+            self._step(batch)
             batch = []
-            if item.kind == OutgoingKind.HANDOFF:
-                res = self.streams.handoff(
-                    self.stream,
-                    self.group,
-                    item.entry_id,
-                    item.next_stream,
-                    item.request_id,
-                    item.payload,
-                    item.emission.chunk if item.emission else None,
-                    item.req_fields,
-                )
-                self._settle(item, res.status, res.emitted)
-            elif item.kind == OutgoingKind.RELEASE:  # after the writes queued before it
-                self.streams.release(self.stream, self.group, [item.entry_id], self.lease_ms)
-                self.inflight.remove(item.request_id, item.entry_id)
+            if item.kind == OutgoingKind.RELEASE:  # after the writes queued before it
+                self.streams.release(self.stream, self.group, [(item.entry_id, item.request_id)])
             else:
                 self.streams.dead_letter(
                     self.stream,
@@ -133,34 +147,70 @@ class Emitter:
                     item.reason,
                     item.request_id,
                 )
-                self.inflight.remove(item.request_id, item.entry_id)
-        self._flush(batch)
+            self._forget(item)
+        self._step(batch)
         del items[:]
 
-    def _flush(self, batch: list[Outgoing]) -> None:
-        if not batch:
-            return
-        results = self.streams.emit_many([b.emission for b in batch])
-        for item, res in zip(batch, results, strict=True):
-            self._settle(item, res.status, res.emitted)
+    def _step(self, batch: list[Outgoing]) -> None:
+        """Write `batch` in as few step calls as its order allows (one per request per call)."""
+        while True:
+            seen: set[str] = set()
+            now: list[Outgoing] = []
+            for item in batch:
+                if item.request_id in seen:
+                    break
+                seen.add(item.request_id)
+                now.append(item)
+            check = [rid for rid in self.inflight.snapshot() if rid not in seen]
+            if not now and not check:
+                return
+            writes = [self._write_of(item) for item in now]
+            res = self.streams.step(self.stream, self.group, self.next_stream, writes, check)
+            for rid in res.cancelled:
+                self.cancels.put(rid)
+            for item, one in zip(now, res.results, strict=True):
+                self._settle(item, one.status, one.emitted)
+            batch = batch[len(now) :]
+            if not batch:
+                return
+
+    def _write_of(self, item: Outgoing) -> StepWrite:
+        chunk = item.chunk or TokenChunk()
+        size = self._tail.get(item.request_id, 0) + len(chunk.encode())
+        if item.kind == OutgoingKind.HANDOFF:
+            mode = WriteMode.HANDOFF
+        elif item.done:
+            mode = WriteMode.DONE
+        elif size >= FLUSH_BYTES:
+            mode = WriteMode.FLUSH
+        else:
+            mode = WriteMode.EMIT
+        self._tail[item.request_id] = 0 if mode in (WriteMode.FLUSH, WriteMode.DONE) else size
+        return StepWrite(
+            item.entry_id, item.request_id, chunk, mode, item.payload, item.req_fields or None
+        )
+
+    def _forget(self, item: Outgoing) -> None:
+        self.inflight.remove(item.request_id, item.entry_id)
+        self._tail.pop(item.request_id, None)
 
     def _settle(self, item: Outgoing, status: FenceStatus, emitted: int) -> None:
-        chunk = item.emission.chunk if item.emission else None
+        chunk = item.chunk
         landed = chunk and emitted >= chunk.index + len(chunk.token_ids)
         if status == FenceStatus.INDEX_MISMATCH and landed:
             # our own write that landed before a connection error: already done
             status = FenceStatus.OK
         if status == FenceStatus.OK:
             if item.done:
-                self.inflight.remove(item.request_id, item.entry_id)
+                self._forget(item)
             return
         at = f"chunk at token {chunk.index}" if chunk else item.kind
-        if status == FenceStatus.INDEX_MISMATCH:  # `emitted`: the count out:{id} holds
+        if status == FenceStatus.INDEX_MISMATCH:  # `emitted`: the tokens already emitted
             why = f"index-mismatch: {at}, {emitted} tokens already emitted"
         else:  # not-owner: the script stops at the fence, so it reports no token count
-            why = f"not-owner: entry {item.entry_id} was claimed by another worker; {at}"
+            why = f"not-owner: entry {item.entry_id} is no longer ours; {at}"
         logger.warning("request %s: write refused (%s); dropping it", item.request_id, why)
-        self.inflight.remove(item.request_id, item.entry_id)
+        self._forget(item)
         self.lost.put(item.request_id)
 
 
@@ -197,8 +247,9 @@ class Inflight:
 
 
 class Heartbeat:
-    """Publishes worker:{name} (with TTL) and the served model (`ModelPublication`: numbers,
-    defaults, tokenizer files); renews leases; reads `drain`."""
+    """Publishes worker:{name} (with TTL), the consumer's beat (its lease on every entry it
+    holds: nothing is renewed per entry) and the served model (`ModelPublication`: numbers,
+    defaults, tokenizer files); reads `drain`."""
 
     def __init__(
         self,
@@ -219,15 +270,12 @@ class Heartbeat:
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self.info, self.publication, self.stats = info, publication, stats
         self.draining = False
-        self.lost: queue.Queue[str] = queue.Queue()
         self._stop = threading.Event()
         self._last_trim = float("-inf")  # trim and prune on the first beat after a (re)start
         self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def beat(self) -> None:
-        """One heartbeat: publish, renew leases, read the drain flag (raises on Redis errors)."""
-        r, key = self.streams.r, self.streams.keys.worker(self.name)
-        self.draining = r.hget(key, WorkerField.DRAIN) not in (None, b"", b"0")
+        """One heartbeat: publish, beat, read the drain flag (raises on Redis errors)."""
         fields = {
             WorkerField.NAME: self.name,
             WorkerField.ROLE: self.role,
@@ -236,22 +284,13 @@ class Heartbeat:
             WorkerField.CONSUMER: self.streams.consumer,
             WorkerField.UPDATED: f"{time.time():.3f}",
             WorkerField.LOAD: len(self.inflight),
-            WorkerField.DRAINING: int(self.draining),
             **self.info,
             **{k: str(v) for k, v in self.stats().items()},
         }
-        pipe = r.pipeline(transaction=False)
-        pipe.hset(key, mapping=fields)
-        pipe.expire(key, self.ttl_s)
-        pipe.execute()
+        key = self.streams.keys.worker(self.name)
+        self.draining = self.streams.beat(key, fields, self.ttl_s)
         if self.publication is not None:
-            self.publication.publish(r, self.streams.keys)
-        owned = self.inflight.snapshot()
-        by_entry = {eid: rid for rid, eid in owned.items()}
-        for eid in self.streams.renew(self.stream, self.group, list(by_entry)):
-            logger.warning("request %s: entry %s was claimed by another worker", by_entry[eid], eid)
-            self.inflight.remove(by_entry[eid], eid)
-            self.lost.put(by_entry[eid])
+            self.publication.publish(self.streams.r, self.streams.keys)
         if time.monotonic() - self._last_trim > 30:
             self._last_trim = time.monotonic()
             self.streams.trim_acked(self.stream, self.group)

@@ -3,7 +3,7 @@
 A request's path: stream:prefill entry -> reader thread (validate; bad -> DLQ) -> engine with
 `handoff_after=1` (prefix pages from the device cache or the store are reused; new full pages
 are put in the store as they are computed) -> first token sampled -> emitter thread runs the
-fenced hand-off script: emit token 0 to out:{id}, XADD the DecodeTask to stream:decode, XACK.
+fenced step script: emit token 0, XADD the DecodeTask to stream:decode, XACK.
 A request that finishes on its first token (max_tokens=1, eos) gets its final chunk instead.
 """
 
@@ -15,7 +15,6 @@ from typing import Any
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus, Stage
 from kvrelay.core.messages import DecodeTask, PrefillTask
-from kvrelay.pipeline.queue.streams import Emission
 from kvrelay.workers.base import Worker
 from kvrelay.workers.emitter import Outgoing, OutgoingKind
 
@@ -64,14 +63,12 @@ class PrefillWorker(Worker):
             rec.PROMPT_TOKENS: len(task.prompt_token_ids),
             rec.CACHED_TOKENS: cached,
         }
-        em = Emission(self.stream, self.group, act.entry_id, task.request_id, chunk)
         self.emitter.put(
             Outgoing(
                 OutgoingKind.HANDOFF,
                 task.request_id,
                 act.entry_id,
-                emission=em,
-                next_stream=self.keys.decode_stream,
+                chunk=chunk,
                 payload=nxt.encode(),
                 req_fields=fields,
                 done=True,

@@ -1,6 +1,7 @@
-"""The reader thread of a worker: XREADGROUP new entries, XAUTOCLAIM entries whose lease ran
-out, poll cancel flags; validated tasks go to the compute loop's admission queue, poison to the
-DLQ (through the emitter, so writes stay in order)."""
+"""The reader thread of a worker: XREADGROUP new entries, claim the entries of consumers whose
+worker stopped beating; validated tasks are admitted (one script call per batch: this worker
+becomes their owner) and go to the compute loop's admission queue, poison to the DLQ (through
+the emitter, so writes stay in order). Cancel flags come back from the emitter's writes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import redis
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus, Stage
 from kvrelay.core.messages import MessageError, Task
-from kvrelay.pipeline.queue.streams import Entry
+from kvrelay.pipeline.queue.streams import Admitted, Entry
 from kvrelay.workers.emitter import Outgoing, OutgoingKind
 from kvrelay.workers.errors import InvalidRequestError
 
@@ -34,33 +35,28 @@ class Admission:
 
 
 def read_loop(w: Worker) -> None:
-    """The reader thread: new entries, claims of idle ones, cancel flags -> worker queues."""
-    cursor, last_claim, last_cancel = "0-0", 0.0, 0.0
+    """The reader thread: new entries and claims of dead consumers' ones -> admissions."""
+    last_claim = 0.0
     claim_every = max(0.2, w.config.lease_ms / 4000)
     while not w.stop_event.is_set():
         try:
-            now = time.monotonic()
-            if now - last_cancel >= w.config.cancel_poll_s:
-                last_cancel = now
-                for rid in w.streams.cancelled(list(w.inflight.snapshot())):
-                    w.cancels.put(rid)
             room = w.config.max_num_seqs - len(w.inflight)
             if w.heartbeat.draining or room <= 0:
                 time.sleep(w.config.block_ms / 1000)
                 continue
+            now = time.monotonic()
             if now - last_claim >= claim_every:
                 last_claim = now
-                cursor, entries = w.streams.claim(
-                    w.stream, w.group, w.config.lease_ms, room, cursor
-                )
-                for entry in entries:
-                    receive(w, entry, claimed=True)
+                claimed = w.streams.claim(w.stream, w.group, w.config.lease_ms, room)
+                if claimed:
+                    receive(w, claimed, claimed=True)
                 room = w.config.max_num_seqs - len(w.inflight)
                 if room <= 0:
                     continue
             count = min(room, w.config.read_batch)
-            for entry in w.streams.read(w.stream, w.group, count, w.config.block_ms):
-                receive(w, entry)
+            entries = w.streams.read(w.stream, w.group, count, w.config.block_ms)
+            if entries:
+                receive(w, entries)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             logger.warning("reader: redis unavailable (%s); retrying", exc)
             time.sleep(0.5)
@@ -69,23 +65,49 @@ def read_loop(w: Worker) -> None:
             time.sleep(0.1)
 
 
-def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
-    """Validate one entry (poison -> DLQ), learn what was emitted, queue it for admission."""
+def receive(w: Worker, entries: list[Entry], claimed: bool = False) -> None:
+    """Validate entries (poison -> DLQ), admit the rest in one script call (this worker
+    becomes their owner), learn what was emitted, queue them for the compute loop."""
+    taken: list[tuple[Entry, Task]] = []
+    for entry in entries:
+        task = _validate(w, entry)
+        if task is not None:
+            taken.append((entry, task))
+    if not taken:
+        return
+    try:
+        found = w.streams.admit([_admit_args(w, entry, task, claimed) for entry, task in taken])
+    except BaseException:
+        # not queued for admission: forget them so the entries are claimed again
+        for entry, task in taken:
+            w.inflight.remove(task.request_id, entry.entry_id)
+        raise
+    for (entry, task), admitted in zip(taken, found, strict=True):
+        admission = _admission(w, entry, task, claimed, admitted)
+        if admission is not None:
+            w.admissions.put(admission)
+
+
+def _validate(w: Worker, entry: Entry) -> Task | None:
+    """The entry's task, now held by this worker; None when it went to the DLQ or is ours."""
     if entry.payload is None:
-        return dead_letter(w, entry, "entry has no 'm' field", "")
+        dead_letter(w, entry, "entry has no 'm' field", "")
+        return None
     try:
         task = w.message.decode(entry.payload)
     except MessageError as exc:
-        return dead_letter(w, entry, f"invalid {w.role} task: {exc}", "")
+        dead_letter(w, entry, f"invalid {w.role} task: {exc}", "")
+        return None
     grammar_error = _compile_grammar(w, task)
     if grammar_error is not None:
-        return dead_letter(w, entry, grammar_error, task.request_id)
+        dead_letter(w, entry, grammar_error, task.request_id)
+        return None
     queued = len(getattr(task, "output_token_ids", ()))
     if w.inflight.get(task.request_id) is not None:
-        # running here already: our own entry, re-claimed because a renewal came late; a live
+        # running here already: our own entry again (released, then claimed back); a live
         # holder is no crash, so this delivery is no strike
         w.streams.strikes(task.request_id, entry.entry_id, entry.deliveries, queued, alive=True)
-        return
+        return None
     if entry.deliveries > 1:
         # Poison is an entry whose holders die (or wedge) before it makes progress; a request
         # that emitted tokens since its last claim is churn, however often it was claimed.
@@ -95,43 +117,52 @@ def receive(w: Worker, entry: Entry, claimed: bool = False) -> None:
                 f"delivered {entry.deliveries} times, {strikes} times in a row without "
                 f"progress (limit {w.config.max_deliveries})"
             )
-            return dead_letter(w, entry, reason, task.request_id)
+            dead_letter(w, entry, reason, task.request_id)
+            return None
     w.inflight.add(task.request_id, entry.entry_id)
-    try:
-        admission = _admission(w, entry, task, claimed)
-    except BaseException:
-        # not queued for admission: stop renewing the lease so the entry is claimed again
-        w.inflight.remove(task.request_id, entry.entry_id)
-        raise
-    if admission is not None:
-        w.admissions.put(admission)
+    return task
 
 
-def _admission(w: Worker, entry: Entry, task: Task, claimed: bool) -> Admission | None:
-    """Read what out:{id} holds, mark the request as ours; None when nothing is left to do."""
-    text_len: int | None = None
-    try:
-        if claimed or entry.deliveries > 1:
-            emitted, text_len, finished = w.streams.emitted_tokens(task.request_id)
-        else:  # first delivery: out:{id} holds exactly what the task says (saves a round trip;
-            # were it otherwise, the fenced emit refuses and the entry is claimed and re-read)
-            emitted, finished = list(getattr(task, "output_token_ids", ())), False
-    except (MessageError, ValueError) as exc:
-        w.inflight.remove(task.request_id, entry.entry_id)
-        dead_letter(w, entry, f"corrupt output stream: {exc}", task.request_id)
-        return None
-    if finished:  # finished by a worker whose final write landed: only the ack is left
+def _admit_args(
+    w: Worker, entry: Entry, task: Task, claimed: bool
+) -> tuple[str, str, int, dict[str, str | int | float]]:
+    status = RequestStatus.PREFILLING if w.role == Stage.PREFILL else RequestStatus.DECODING
+    now = f"{time.time():.3f}"
+    fields: dict[str, str | int | float] = {
+        rec.STATUS: status,
+        rec.STAGE: w.role,
+        rec.OWNER: w.name,
+        rec.UPDATED: now,
+    }
+    first_stage = w.role == Stage.PREFILL or not getattr(task, "prefilled", True)
+    if first_stage and entry.deliveries == 1 and not claimed:
+        fields[rec.STARTED] = now  # the ingress's queue-time metric
+    queued = len(getattr(task, "output_token_ids", ()))
+    return entry.entry_id, task.request_id, queued, fields
+
+
+def _admission(
+    w: Worker, entry: Entry, task: Task, claimed: bool, found: Admitted
+) -> Admission | None:
+    """What the engine needs to go on; None when nothing is left to do."""
+    queued = list(getattr(task, "output_token_ids", ()))
+    if found.ended:  # ended before this delivery (its final write landed): only the ack is left
         w.r.xack(w.stream, w.group, entry.entry_id)
         w.inflight.remove(task.request_id, entry.entry_id)
         return None
-    key = w.keys.request(task.request_id)
-    pipe = w.r.pipeline(transaction=False)
-    status = RequestStatus.PREFILLING if w.role == Stage.PREFILL else RequestStatus.DECODING
-    pipe.hset(key, mapping={rec.STATUS: status, rec.STAGE: w.role, rec.OWNER: w.name})
-    pipe.hsetnx(key, rec.STARTED, f"{time.time():.3f}")  # the ingress's queue-time metric
-    pipe.exists(w.keys.cancel(task.request_id))
-    cancelled = bool(pipe.execute()[-1])
-    if claimed:
+    text_len: int | None = None
+    emitted = queued
+    if claimed or entry.deliveries > 1 or found.emitted != len(queued):
+        try:
+            emitted, text_len, finished = w.streams.emitted_tokens(task.request_id)
+        except (MessageError, ValueError) as exc:
+            w.inflight.remove(task.request_id, entry.entry_id)
+            dead_letter(w, entry, f"corrupt output stream: {exc}", task.request_id)
+            return None
+        if finished:
+            w.r.xack(w.stream, w.group, entry.entry_id)
+            w.inflight.remove(task.request_id, entry.entry_id)
+            return None
         logger.info(
             "request %s: claimed entry %s (delivery %d) with %d tokens already emitted",
             task.request_id,
@@ -139,7 +170,7 @@ def _admission(w: Worker, entry: Entry, task: Task, claimed: bool) -> Admission 
             entry.deliveries,
             len(emitted),
         )
-    return Admission(entry.entry_id, task, emitted, cancelled, text_len)
+    return Admission(entry.entry_id, task, emitted, found.cancelled, text_len)
 
 
 def _compile_grammar(w: Worker, task: Task) -> str | None:

@@ -27,15 +27,15 @@ def _raw_scripts() -> dict[str, str]:
 
 
 def test_every_script_loads_filled_in():
-    expected = "dead_letter emit field_ttl handoff owner progress prune release renew strikes"
-    expected += " submit"
-    expected += " submit_choices"
+    expected = "admit beat claim dead_letter field_ttl owner progress prune release step strikes"
+    expected += " submit submit_choices"
     assert scripts.names() == expected.split()
     for name in scripts.names():
         text = scripts.source(name)
         assert "${" not in text and "redis.call(" in text, name
         assert scripts.source(name) is text  # filled in once per process
-    assert scripts.fenced("emit") == scripts.source("owner") + scripts.source("emit")
+    fenced = scripts.source("owner") + scripts.source("progress") + scripts.source("release")
+    assert scripts.fenced("release") == fenced
 
 
 def test_scripts_spell_no_name_python_defines():
@@ -53,7 +53,9 @@ def test_scripts_spell_no_name_python_defines():
     claims = {"CLAIM_ENTRY", "CLAIM_EMITTED", "CLAIM_DELIVERY", "MESSAGE_FIELD"}
     dead_letter = {"STATUS.FAILED", "FINISH_REASON.ERROR"} | {f"DLQ.{name}" for name in dlq}
     submit = {"SUBMISSION_ID"}  # how the submit script knows a retry of its own submission
-    assert used == maintained | claims | dead_letter | submit
+    ended = {"STATUS.FINISHED", "STATUS.CANCELLED"}  # admission leaves an ended request alone
+    heartbeat = {"WORKER.DRAIN", "WORKER.DRAINING"}  # the beat mirrors the admin's drain flag
+    assert used == maintained | claims | dead_letter | submit | ended | heartbeat
     package = Path(kvrelay.__file__).parent
     inline = [str(p) for p in package.rglob("*.py") if "redis.call(" in p.read_text()]
     assert inline == []  # every script lives in lua/, loaded through the one loader

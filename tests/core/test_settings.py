@@ -74,7 +74,7 @@ def test_precedence_flag_env_file_default(tmp_path: Path):
                     '[ingress]\nmax_waiting = 11\n')  # fmt: skip
     env = {"KVRELAY_WORKER_MAX_NUM_SEQS": "6"}
     cfg = load_worker_config(environ=env, config_file=str(path), lease_ms=800)
-    assert (cfg.lease_ms, cfg.max_num_seqs, cfg.key_prefix, cfg.block_ms) == (800, 6, "file:", 50)
+    assert (cfg.lease_ms, cfg.max_num_seqs, cfg.key_prefix, cfg.block_ms) == (800, 6, "file:", 500)
     ingress = load_config(environ={}, config_file=str(path))
     assert (ingress.max_waiting, ingress.key_prefix) == (11, "file:")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import redis
 
 from kvrelay.cli.up.launch import Supervisor
-from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import TokenChunk
+from kvrelay.core.keys import Keys
 from tests.conftest import free_port
+from tests.queue_state import emitted_chunks
 
 MODEL = "smollm2-135m-instruct"
 
@@ -106,10 +106,10 @@ class Stack:
         raise TimeoutError(f"{program} did not come back: {self.sup.status()}{self.logs()}")
 
     def out_tokens(self, request_id: str) -> list[int]:
-        """Token ids in out:{id}, checking the chunk indices leave no gap and no overlap."""
+        """Token ids emitted (out:{id} and the progress tail), checking the chunk indices leave
+        no gap and no overlap."""
         tokens: list[int] = []
-        for _eid, fields in self.redis.xrange(self.keys.out(request_id)):
-            chunk = TokenChunk.decode(fields[MESSAGE_FIELD])
+        for chunk in emitted_chunks(self.redis, self.keys, request_id):
             assert chunk.index == len(tokens), f"chunk at {chunk.index}, expected {len(tokens)}"
             tokens.extend(chunk.token_ids)
         return tokens

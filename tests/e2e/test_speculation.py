@@ -13,9 +13,8 @@ import openai
 import pytest
 
 from kvrelay.bench.datasets import load
-from kvrelay.core.keys import MESSAGE_FIELD
-from kvrelay.core.messages import TokenChunk
 from tests.e2e.stack import MODEL, Stack, generate_reference
+from tests.queue_state import emitted_chunks
 
 NUM_REQUESTS = 100
 OPENAI_FIELDS = ("temperature", "top_p", "seed", "stop", "max_tokens")
@@ -135,16 +134,14 @@ def test_decode_worker_killed_mid_draft_resumes_identically(stack, client, tmp_p
         r.update(max_tokens=120, ignore_eos=True)
     ref = generate_reference(tmp_path, reqs, 120, stack.state["quantization"])
     for req in reqs:
-        key = stack.keys.out(req["id"])
         killed: dict[str, int] = {}
         done = threading.Event()
 
-        def watch(req=req, key=key, killed=killed, done=done) -> None:
+        def watch(req=req, killed=killed, done=done) -> None:
             # kill the owner once it has emitted a multi-token chunk (a verified draft) and
             # at least 20 tokens, while the request is still running
             while not done.is_set():
-                chunks = [TokenChunk.decode(f[MESSAGE_FIELD])
-                          for _, f in stack.redis.xrange(key)]  # fmt: skip
+                chunks = emitted_chunks(stack.redis, stack.keys, req["id"])
                 n = sum(len(c.token_ids) for c in chunks)
                 if n >= 20 and any(len(c.token_ids) > 1 for c in chunks):
                     owner = stack.redis.hget(stack.keys.request(req["id"]), "owner").decode()

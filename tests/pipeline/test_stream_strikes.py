@@ -4,6 +4,7 @@ released entries are claimable at once, never taken from another consumer."""
 from __future__ import annotations
 
 from kvrelay.core.keys import PREFILL_GROUP, Keys
+from kvrelay.pipeline.queue.progress import Progress
 from tests.pipeline.test_streams import add_task, make
 
 KEYS = Keys("t:")
@@ -31,13 +32,23 @@ def test_strikes_restart_with_progress_and_with_a_new_entry(r):
     assert not r.exists(KEYS.request("gone"))
 
 
+def test_strikes_read_the_live_count_from_the_progress(r):
+    s = make(r, "a")
+    r.hset(KEYS.request("q"), mapping={"status": "decoding", "emitted": 0})
+    r.hset(KEYS.progress, "q", Progress(emitted=0).encode())
+    assert s.strikes("q", "1-0", 2, 0) == 1
+    r.hset(KEYS.progress, "q", Progress(emitted=2).encode())  # the record still says 0
+    assert s.strikes("q", "1-0", 3, 0) == 0
+
+
 def test_release_makes_owned_entries_claimable_at_once(r):
     a, b = make(r, "a"), make(r, "b")
     e1, e2 = add_task(r, "r1"), add_task(r, "r2")
     a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)  # a holds e1
     b.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)  # b holds e2
-    a.release(KEYS.prefill_stream, PREFILL_GROUP, [e1, e2], 60_000)  # e2 is not a's: untouched
-    _, got = b.claim(KEYS.prefill_stream, PREFILL_GROUP, 60_000, 10)
+    b.beat(KEYS.worker("b"), {"name": "b"}, 10)
+    a.release(KEYS.prefill_stream, PREFILL_GROUP, [(e1, "r1"), (e2, "r2")])  # e2: untouched
+    got = b.claim(KEYS.prefill_stream, PREFILL_GROUP, 60_000, 10)
     assert [(e.entry_id, e.deliveries) for e in got] == [(e1, 2)]  # release counted no delivery
     assert {p["message_id"].decode(): p["consumer"].decode() for p in
             r.xpending_range(KEYS.prefill_stream, PREFILL_GROUP, "-", "+", 10)} == {

@@ -2,185 +2,241 @@
 
 from __future__ import annotations
 
-import time
-
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
-from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
-from kvrelay.pipeline.queue.streams import Emission, FenceStatus, Streams
+from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk, decode_chunks, frame
+from kvrelay.pipeline.queue.progress import Progress, new_progress
+from kvrelay.pipeline.queue.streams import FenceStatus, StepWrite, Streams, WriteMode
 
 KEYS = Keys("t:")
+P, D = KEYS.prefill_stream, KEYS.decode_stream
 
 
 def make(r, consumer: str) -> Streams:
     s = Streams(r, KEYS, consumer, out_ttl_s=50, req_ttl_s=100)
-    s.ensure_group(KEYS.prefill_stream, PREFILL_GROUP)
-    s.ensure_group(KEYS.decode_stream, DECODE_GROUP)
+    s.ensure_group(P, PREFILL_GROUP)
+    s.ensure_group(D, DECODE_GROUP)
     return s
 
 
-def add_task(r, request_id: str = "r1") -> str:
+def add_task(r, request_id: str = "r1", feed: str = "") -> str:
     task = PrefillTask(request_id=request_id, prompt_token_ids=[1, 2, 3], sampling={})
-    return r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()}).decode()
+    r.hset(KEYS.progress, request_id, new_progress(feed))  # what the submit script writes
+    return r.xadd(P, {MESSAGE_FIELD: task.encode()}).decode()
+
+
+def take(s: Streams, count: int = 1, fields=None) -> list[str]:
+    """Read `count` entries and admit them (the reader thread's two steps)."""
+    entries = s.read(P, PREFILL_GROUP, count, None)
+    found = s.admit([(e.entry_id, f"{_rid(e)}", 0, fields or {}) for e in entries])
+    assert all(not f.ended for f in found)
+    return [e.entry_id for e in entries]
+
+
+def _rid(entry) -> str:
+    return PrefillTask.decode(entry.payload).request_id
 
 
 def out_chunks(r, request_id: str) -> list[TokenChunk]:
-    return [TokenChunk.decode(f[MESSAGE_FIELD]) for _, f in r.xrange(KEYS.out(request_id))]
+    return [c for _, f in r.xrange(KEYS.out(request_id)) for c in decode_chunks(f[MESSAGE_FIELD])]
+
+
+def step(s: Streams, *writes: StepWrite, check=()):
+    return s.step(P, PREFILL_GROUP, D, list(writes), list(check))
 
 
 def test_ensure_group_twice_and_read_entries_added_before_group(r):
     eid = add_task(r)
     a = make(r, "a")
-    a.ensure_group(KEYS.prefill_stream, PREFILL_GROUP)  # BUSYGROUP tolerated
-    entries = a.read(KEYS.prefill_stream, PREFILL_GROUP, count=10, block_ms=None)
+    a.ensure_group(P, PREFILL_GROUP)  # BUSYGROUP tolerated
+    entries = a.read(P, PREFILL_GROUP, count=10, block_ms=None)
     assert [e.entry_id for e in entries] == [eid]
     assert PrefillTask.decode(entries[0].payload).prompt_token_ids == [1, 2, 3]
-    assert a.read(KEYS.prefill_stream, PREFILL_GROUP, count=10, block_ms=None) == []
+    assert a.read(P, PREFILL_GROUP, count=10, block_ms=None) == []
 
 
-def test_emit_checks_index_and_final_acks_and_expires(r):
+def test_step_checks_index_keeps_a_tail_and_the_end_flushes_acks_and_expires(r):
     a = make(r, "a")
-    eid = add_task(r)
-    a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
-    em = Emission(KEYS.prefill_stream, PREFILL_GROUP, eid, "r1", TokenChunk(0, [5, 6], "ab"))
-    res = a.emit(em)
-    assert (res.status, res.emitted) == (FenceStatus.OK, 2)
-    em.chunk = TokenChunk(1, [7])  # duplicate of an index already emitted
-    res = a.emit(em)
-    assert (res.status, res.emitted) == (FenceStatus.INDEX_MISMATCH, 2)
-    em.chunk = TokenChunk(2, [7], "ç", finish_reason="stop", usage={"completion_tokens": 3})
-    em.req_fields = {"status": "finished", "finish_reason": "stop"}
-    assert a.emit(em).emitted == 3
+    [eid] = [add_task(r, feed="f1")]
+    take(a, fields={"status": "prefilling"})
+    assert Progress.parse(r.hget(KEYS.progress, "r1")).owner == f"a/{eid}"
+    res = step(a, StepWrite(eid, "r1", TokenChunk(0, [5, 6], "ab")))
+    assert [(x.status, x.emitted) for x in res.results] == [(FenceStatus.OK, 2)]
+    res = step(a, StepWrite(eid, "r1", TokenChunk(1, [7])))  # an index already emitted
+    assert [(x.status, x.emitted) for x in res.results] == [(FenceStatus.INDEX_MISMATCH, 2)]
+    assert r.exists(KEYS.out("r1")) == 0  # not flushed yet: the chunks wait in the tail
+    prog = Progress.parse(r.hget(KEYS.progress, "r1"))
+    assert (prog.emitted, prog.hist, [c.token_ids for c in prog.tail_chunks()]) == (2, 0, [[5, 6]])
+    assert a.emitted_tokens("r1") == ([5, 6], 2, False)
+    last = TokenChunk(2, [7], "ç", finish_reason="stop", usage={"completion_tokens": 3})
+    fields = {"status": "finished", "finish_reason": "stop"}
+    res = step(a, StepWrite(eid, "r1", last, WriteMode.DONE, req_fields=fields))
+    assert res.results[0].emitted == 3
     assert [(c.index, c.token_ids) for c in out_chunks(r, "r1")] == [(0, [5, 6]), (2, [7])]
-    assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 0
+    assert len(r.xrange(KEYS.out("r1"))) == 1  # one entry: the tail and the final chunk
+    assert r.xpending(P, PREFILL_GROUP)["pending"] == 0
+    assert r.hget(KEYS.progress, "r1") is None
     assert 0 < r.ttl(KEYS.out("r1")) <= 50
     assert 50 < r.ttl(KEYS.request("r1")) <= 100
     req = r.hgetall(KEYS.request("r1"))
     assert req[b"status"] == b"finished" and req[b"completion_tokens"] == b"3"
+    assert req[b"emitted"] == b"3"
     assert a.emitted_tokens("r1") == ([5, 6, 7], 3, True)
+    # each step's chunk went to the feed, one entry per step, field = request id
+    feed = [{k.decode(): TokenChunk.decode(v).index for k, v in f.items()} for _, f in []]
+    assert feed == []  # the feed stream does not exist: XADD NOMKSTREAM wrote nothing
+
+
+def test_feeds_get_one_entry_per_step_for_all_requests(r):
+    a = make(r, "a")
+    r.xadd(KEYS.feed("f1"), {"hello": ""})  # the reader created its feed
+    eids = [add_task(r, f"q{i}", feed="f1") for i in range(3)]
+    take(a, 3)
+    res = step(a, *[StepWrite(e, f"q{i}", TokenChunk(0, [i, i])) for i, e in enumerate(eids)])
+    assert [(x.status, x.emitted) for x in res.results] == [(FenceStatus.OK, 2)] * 3
+    entries = r.xrange(KEYS.feed("f1"))[1:]
+    assert len(entries) == 1
+    assert {k.decode(): TokenChunk.decode(v).token_ids for k, v in entries[0][1].items()} == {
+        "q0": [0, 0],
+        "q1": [1, 1],
+        "q2": [2, 2],
+    }
+
+
+def test_flush_moves_the_tail_to_out(r):
+    a = make(r, "a")
+    eid = add_task(r)
+    take(a)
+    step(a, StepWrite(eid, "r1", TokenChunk(0, [1])))
+    step(a, StepWrite(eid, "r1", TokenChunk(1, [2]), WriteMode.FLUSH))
+    step(a, StepWrite(eid, "r1", TokenChunk(2, [3])))
+    [(_, fields)] = r.xrange(KEYS.out("r1"))
+    assert [c.token_ids for c in decode_chunks(fields[MESSAGE_FIELD])] == [[1], [2]]
+    prog = Progress.parse(r.hget(KEYS.progress, "r1"))
+    assert (prog.emitted, prog.hist, prog.tail) == (3, 2, frame(TokenChunk(2, [3]).encode()))
+    assert a.emitted_tokens("r1") == ([1, 2, 3], 0, False)
 
 
 def test_stale_consumer_refused_after_claim(r):
     a, b = make(r, "a"), make(r, "b")
     eid = add_task(r)
-    a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
-    assert a.emit(Emission(KEYS.prefill_stream, PREFILL_GROUP, eid, "r1", TokenChunk(0, [9]))).ok
-    time.sleep(0.06)
-    cursor, claimed = b.claim(KEYS.prefill_stream, PREFILL_GROUP, 50, 10)
+    take(a)
+    assert step(a, StepWrite(eid, "r1", TokenChunk(0, [9]))).results[0].ok
+    r.hset(KEYS.consumers, "a", 0)  # a's last beat is long past the lease
+    claimed = b.claim(P, PREFILL_GROUP, 10_000, 10)
     assert [(e.entry_id, e.deliveries) for e in claimed] == [(eid, 2)]
+    [found] = b.admit([(eid, "r1", 0, {})])
+    assert (found.emitted, found.cancelled) == (1, False)
     assert b.emitted_tokens("r1") == ([9], 0, False)
-    # the stale owner can no longer emit, hand off, renew or dead-letter
-    stale = a.emit(Emission(KEYS.prefill_stream, PREFILL_GROUP, eid, "r1", TokenChunk(1, [4])))
-    assert stale.status == FenceStatus.NOT_OWNER
+    # the stale owner can no longer emit, hand off or dead-letter
+    stale = step(a, StepWrite(eid, "r1", TokenChunk(1, [4])))
+    assert stale.results[0].status == FenceStatus.NOT_OWNER
     task = DecodeTask(request_id="r1", prompt_token_ids=[1], sampling={}).encode()
-    assert (
-        a.handoff(KEYS.prefill_stream, PREFILL_GROUP, eid, KEYS.decode_stream, "r1", task).status
-        == FenceStatus.NOT_OWNER
-    )
-    assert a.renew(KEYS.prefill_stream, PREFILL_GROUP, [eid]) == [eid]
-    assert a.dead_letter(KEYS.prefill_stream, PREFILL_GROUP, eid, b"x", "bad") is None
-    assert r.xlen(KEYS.decode_stream) == 0 and r.xlen(KEYS.dlq) == 0
+    handoff = StepWrite(eid, "r1", TokenChunk(1, [4]), WriteMode.HANDOFF, task)
+    assert step(a, handoff).results[0].status == FenceStatus.NOT_OWNER
+    assert a.dead_letter(P, PREFILL_GROUP, eid, b"x", "bad") is None
+    assert r.xlen(D) == 0 and r.xlen(KEYS.dlq) == 0
     # the new owner continues exactly where the output stopped
-    res = b.handoff(
-        KEYS.prefill_stream,
-        PREFILL_GROUP,
-        eid,
-        KEYS.decode_stream,
-        "r1",
-        task,
-        chunk=TokenChunk(1, [4]),
-        req_fields={"status": "decoding"},
-    )
-    assert res.status == FenceStatus.OK and res.new_entry_id
-    assert [c.token_ids for c in out_chunks(r, "r1")] == [[9], [4]]
-    assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 0
-    assert DecodeTask.decode(r.xrange(KEYS.decode_stream)[0][1][MESSAGE_FIELD]).request_id == "r1"
+    handoff.req_fields = {"status": "decoding"}
+    res = step(b, handoff)
+    assert res.results[0].status == FenceStatus.OK
+    assert b.emitted_tokens("r1") == ([9, 4], 0, False)
+    assert r.xpending(P, PREFILL_GROUP)["pending"] == 0
+    assert DecodeTask.decode(r.xrange(D)[0][1][MESSAGE_FIELD]).request_id == "r1"
     assert r.hget(KEYS.request("r1"), "status") == b"decoding"
+    assert Progress.parse(r.hget(KEYS.progress, "r1")).owner == ""  # waits for a decode worker
+
+
+def test_claim_takes_only_dead_consumers_entries_and_forgets_them_once_empty(r):
+    a, b = make(r, "a"), make(r, "b")
+    add_task(r)
+    take(a)
+    b.beat(KEYS.worker("b"), {"name": "b"}, 10)
+    a.beat(KEYS.worker("a"), {"name": "a"}, 10)
+    r.config_resetstat()
+    assert b.claim(P, PREFILL_GROUP, 10_000, 10) == []  # a beats: nothing read per entry
+    stats = r.info("commandstats")
+    assert "cmdstat_xpending" not in stats and "cmdstat_xclaim" not in stats
+    r.hset(KEYS.consumers, "gone", 0)  # a dead consumer that owns nothing
+    assert b.claim(P, PREFILL_GROUP, 10_000, 10) == []
+    assert r.hexists(KEYS.consumers, "gone") == 0
+
+
+def test_release_makes_entries_claimable_at_once_and_fences_the_releaser(r):
+    a, b = make(r, "a"), make(r, "b")
+    eid = add_task(r)
+    take(a)
+    a.beat(KEYS.worker("a"), {"name": "a"}, 10)
+    a.release(P, PREFILL_GROUP, [(eid, "r1")])
+    assert Progress.parse(r.hget(KEYS.progress, "r1")).owner == ""
+    assert step(a, StepWrite(eid, "r1", TokenChunk(0, [1]))).results[0].status == (
+        FenceStatus.NOT_OWNER
+    )
+    [entry] = b.claim(P, PREFILL_GROUP, 10_000, 10)
+    assert (entry.entry_id, entry.deliveries) == (eid, 2)  # the release itself counts none
 
 
 def test_handoff_index_mismatch_changes_nothing(r):
     a = make(r, "a")
     eid = add_task(r)
-    a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
-    r.hset(KEYS.request("r1"), "emitted", 1)
-    res = a.handoff(
-        KEYS.prefill_stream,
-        PREFILL_GROUP,
-        eid,
-        KEYS.decode_stream,
-        "r1",
-        b"t",
-        chunk=TokenChunk(0, [4]),
-    )
-    assert (res.status, res.emitted) == (FenceStatus.INDEX_MISMATCH, 1)
-    assert r.xlen(KEYS.decode_stream) == 0
-    assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 1
-
-
-def test_renew_resets_idle_so_claim_skips_live_entries(r):
-    a, b = make(r, "a"), make(r, "b")
-    eid = add_task(r)
-    a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
-    time.sleep(0.15)
-    assert a.renew(KEYS.prefill_stream, PREFILL_GROUP, [eid]) == []
-    assert b.claim(KEYS.prefill_stream, PREFILL_GROUP, 100, 10)[1] == []
-    assert a.deliveries(KEYS.prefill_stream, PREFILL_GROUP, [eid]) == {eid: 1}
+    take(a)
+    r.hset(KEYS.progress, "r1", Progress(emitted=1, owner=f"a/{eid}").encode())
+    res = step(a, StepWrite(eid, "r1", TokenChunk(0, [4]), WriteMode.HANDOFF, b"t"))
+    assert (res.results[0].status, res.results[0].emitted) == (FenceStatus.INDEX_MISMATCH, 1)
+    assert r.xlen(D) == 0
+    assert r.xpending(P, PREFILL_GROUP)["pending"] == 1
 
 
 def test_dead_letter_records_reason_acks_and_finishes_output(r):
     a = make(r, "a")
-    eid = r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: b"\xc1garbage"}).decode()
-    [entry] = a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
-    dlq_id = a.dead_letter(KEYS.prefill_stream, PREFILL_GROUP, eid, entry.payload, "bad payload")
+    eid = r.xadd(P, {MESSAGE_FIELD: b"\xc1garbage"}).decode()
+    [entry] = a.read(P, PREFILL_GROUP, 1, None)
+    dlq_id = a.dead_letter(P, PREFILL_GROUP, eid, entry.payload, "bad payload")
     assert dlq_id is not None
     [(got_id, fields)] = r.xrange(KEYS.dlq)
     assert got_id.decode() == dlq_id
     assert fields[b"reason"] == b"bad payload" and fields[b"m"] == b"\xc1garbage"
     assert fields[b"id"].decode() == eid and fields[b"consumer"] == b"a"
-    assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 0
-    # with a known request id the client gets a final error chunk
-    eid2 = add_task(r, "r2")
-    a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
-    a.dead_letter(KEYS.prefill_stream, PREFILL_GROUP, eid2, b"p", "too many deliveries", "r2")
-    [chunk] = out_chunks(r, "r2")
-    assert (chunk.index, chunk.finish_reason, chunk.error) == (0, "error", "too many deliveries")
+    assert r.xpending(P, PREFILL_GROUP)["pending"] == 0
+    # with a known request id the readers get a final error chunk after the tail
+    r.xadd(KEYS.feed("f2"), {"hello": ""})
+    eid2 = add_task(r, "r2", feed="f2")
+    take(a)
+    step(a, StepWrite(eid2, "r2", TokenChunk(0, [8])))
+    a.dead_letter(P, PREFILL_GROUP, eid2, b"p", "too many deliveries", "r2")
+    chunks = out_chunks(r, "r2")
+    assert [(c.index, c.finish_reason, c.error) for c in chunks] == [
+        (0, None, None),
+        (1, "error", "too many deliveries"),
+    ]
+    last = r.xrange(KEYS.feed("f2"))[-1][1]
+    assert TokenChunk.decode(last[b"r2"]).error == "too many deliveries"
     assert r.hget(KEYS.request("r2"), "status") == b"failed"
+    assert r.hget(KEYS.progress, "r2") is None
 
 
-def test_emit_many_pipelines_in_order_and_cancel_flags(r):
+def test_cancel_flags_come_back_with_writes_and_checks(r):
     a = make(r, "a")
     eids = [add_task(r, f"q{i}") for i in range(3)]
-    a.read(KEYS.prefill_stream, PREFILL_GROUP, 3, None)
-    ems = [
-        Emission(KEYS.prefill_stream, PREFILL_GROUP, e, f"q{i}", TokenChunk(0, [i, i]))
-        for i, e in enumerate(eids)
-    ]
-    ems.append(Emission(KEYS.prefill_stream, PREFILL_GROUP, eids[0], "q0", TokenChunk(2, [1])))
-    assert [(x.status, x.emitted) for x in a.emit_many(ems)] == [(FenceStatus.OK, 2)] * 3 + [
-        (FenceStatus.OK, 3)
-    ]
-    r.set(KEYS.cancel("q1"), 1)
-    assert a.cancelled(["q0", "q1", "q2"]) == {"q1"}
+    take(a, 3)
+    for rid in ("q1", "q2"):
+        prog = Progress.parse(r.hget(KEYS.progress, rid))
+        prog.cancelled = True
+        r.hset(KEYS.progress, rid, prog.encode())
+    res = step(a, StepWrite(eids[1], "q1", TokenChunk(0, [1])), check=["q0", "q2"])
+    assert res.cancelled == {"q1", "q2"}
+    assert a.admit([(eids[2], "q2", 0, {})])[0].cancelled
 
 
-def test_emit_many_sends_no_script_exists_and_reloads_a_flushed_script(r):
+def test_one_request_per_step_call_and_a_flushed_script_is_reloaded(r):
     a = make(r, "a")
     eid = add_task(r, "s1")
-    a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
-    em = Emission(KEYS.prefill_stream, PREFILL_GROUP, eid, "s1", TokenChunk(0, [4]))
+    take(a)
     r.script_flush()  # as after a Valkey restart: NOSCRIPT, load, send again (once)
     r.config_resetstat()
-    assert [(x.status, x.emitted) for x in a.emit_many([em, em])] == [
-        (FenceStatus.OK, 1),
-        (FenceStatus.INDEX_MISMATCH, 1),
-    ]
-    assert [c.token_ids for c in out_chunks(r, "s1")] == [[4]]
+    assert step(a, StepWrite(eid, "s1", TokenChunk(0, [4]))).results[0].emitted == 1
     stats = r.info("commandstats")
-    assert "cmdstat_script|exists" not in stats
-    em.chunk = TokenChunk(1, [5])
-    r.script_flush()  # a single emission is sent without a pipeline: the same recovery
-    assert a.emit(em).emitted == 2
-    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 6  # 2 NOSCRIPT + 2, 1 + 1
-    assert [c.token_ids for c in out_chunks(r, "s1")] == [[4], [5]]
+    assert stats["cmdstat_evalsha"]["calls"] == 2 and stats["cmdstat_hmget"]["calls"] == 1
+    assert a.emitted_tokens("s1") == ([4], 0, False)
 
 
 def test_trim_acked_keeps_pending_and_undelivered(r):
@@ -198,7 +254,19 @@ def test_prune_consumers_removes_idle_empty_ones(r):
     a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)  # "a" owns an entry
     b.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)  # "b" got nothing
     make(r, "c").read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
+    import time
+
     time.sleep(0.05)
     assert b.prune_consumers(KEYS.prefill_stream, PREFILL_GROUP, idle_ms=20) == 1  # only "c"
     names = {c["name"] for c in r.xinfo_consumers(KEYS.prefill_stream, PREFILL_GROUP)}
     assert names == {b"a", b"b"}
+
+
+def test_a_consumer_that_never_beat_is_adopted_for_claims(r):
+    a, b = make(r, "a"), make(r, "b")
+    add_task(r)
+    a.read(P, PREFILL_GROUP, 1, None)  # read, then died before its first heartbeat
+    b.beat(KEYS.worker("b"), {"name": "b", "consumer": "b"}, 10)
+    assert b.claim(P, PREFILL_GROUP, 10_000, 10) == []
+    b.prune_consumers(P, PREFILL_GROUP)
+    assert [e.deliveries for e in b.claim(P, PREFILL_GROUP, 10_000, 10)] == [2]

@@ -10,10 +10,12 @@ import pytest
 import redis
 
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, Keys
-from kvrelay.core.messages import DecodeTask, TokenChunk
+from kvrelay.core.messages import DecodeTask, TokenChunk, decode_chunks, frame
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.pipeline.queue.streams import Emission, FenceStatus, Streams
+from kvrelay.pipeline.queue.progress import Progress
+from kvrelay.pipeline.queue.streams import FenceStatus, StepWrite, Streams
 from kvrelay.workers.config import WorkerConfig
+from tests.queue_state import set_cancelled
 
 KEYS = Keys("dw:")
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -68,10 +70,22 @@ def chunks(r, request_id: str, timeout: float = 120) -> list[TokenChunk]:
     """Every chunk of the request once its final chunk is there."""
     deadline = time.monotonic() + timeout
     while True:
-        got = [TokenChunk.decode(f[MESSAGE_FIELD]) for _, f in r.xrange(KEYS.out(request_id))]
+        got = [
+            c for _, f in r.xrange(KEYS.out(request_id)) for c in decode_chunks(f[MESSAGE_FIELD])
+        ]
         if (got and got[-1].finished) or time.monotonic() > deadline:
             return got
         time.sleep(0.02)
+
+
+def ghost_step(ghost: Streams, write: StepWrite):
+    [res] = ghost.step(KEYS.decode_stream, DECODE_GROUP, KEYS.decode_stream, [write]).results
+    return res
+
+
+def emitted(r, request_id: str) -> int:
+    prog = Progress.parse(r.hget(KEYS.progress, request_id))
+    return prog.emitted if prog else 0
 
 
 def tokens_of(got: list[TokenChunk]) -> list[int]:
@@ -87,11 +101,8 @@ def test_batch_matches_generate(stack):
     for i, prompt in enumerate(prompts):  # decode prefills locally (ingress routed it here)
         submit(r, f"local{i}", prompt, [], prefilled=False)
     for i, prompt in enumerate(prompts):  # after a prefill worker emitted token 0
-        r.xadd(
-            KEYS.out(f"pre{i}"),
-            {MESSAGE_FIELD: TokenChunk(0, refs[i].output_token_ids[:1]).encode()},
-        )
-        r.hset(KEYS.request(f"pre{i}"), "emitted", 1)
+        first = TokenChunk(0, refs[i].output_token_ids[:1]).encode()
+        r.hset(KEYS.progress, f"pre{i}", Progress(emitted=1, tail=frame(first)).encode())
         submit(
             r, f"pre{i}", prompt, refs[i].output_token_ids[:1], prefilled=True, num_cached_tokens=32
         )
@@ -131,10 +142,12 @@ def test_claimed_request_resumes_without_gaps_or_duplicates(stack):
     assert got.decode() == eid
     ghost = Streams(r, KEYS, "ghost")  # a worker that dies after emitting three tokens
     done = refs[1].output_token_ids[:3]
-    r.xadd(KEYS.out("resume"), {MESSAGE_FIELD: TokenChunk(0, done[:1]).encode()})
-    r.hset(KEYS.request("resume"), "emitted", 1)
-    em = Emission(KEYS.decode_stream, DECODE_GROUP, eid, "resume", TokenChunk(1, done[1:]))
-    assert ghost.emit(em).ok
+    r.xadd(KEYS.out("resume"), {MESSAGE_FIELD: frame(TokenChunk(0, done[:1]).encode())})
+    r.hset(KEYS.progress, "resume", Progress(emitted=1, hist=1).encode())
+    ghost.admit([(eid, "resume", 1, {})])
+    em = StepWrite(eid, "resume", TokenChunk(1, done[1:]))
+    assert ghost_step(ghost, em).ok
+    r.hset(KEYS.consumers, "ghost", 0)  # its last beat is long past
     got = chunks(r, "resume")
     assert tokens_of(got) == refs[1].output_token_ids
     assert [c.index for c in got[:2]] == [0, 1] and got[2].index == 3
@@ -142,7 +155,7 @@ def test_claimed_request_resumes_without_gaps_or_duplicates(stack):
     assert "".join(c.text for c in got) == refs[1].text_delta
     # the presumed-dead owner wakes up: its next token is refused
     em.chunk = TokenChunk(3, refs[1].output_token_ids[3:4])
-    assert ghost.emit(em).status == FenceStatus.NOT_OWNER
+    assert ghost_step(ghost, em).status == FenceStatus.NOT_OWNER
     assert tokens_of(chunks(r, "resume")) == refs[1].output_token_ids
 
 
@@ -150,9 +163,9 @@ def test_cancel_mid_request(stack):
     r, _, prompts, _ = stack
     submit(r, "stopme", prompts[0], [], sampling={**GREEDY, "max_tokens": 200})
     deadline = time.monotonic() + 60
-    while r.xlen(KEYS.out("stopme")) < 2 and time.monotonic() < deadline:
+    while emitted(r, "stopme") < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    r.set(KEYS.cancel("stopme"), 1)
+    set_cancelled(r, KEYS, "stopme")
     got = chunks(r, "stopme")
     assert got[-1].finish_reason == "cancelled" and got[-1].token_ids == []
     n = len(tokens_of(got))
@@ -170,15 +183,17 @@ def test_many_claims_with_progress_between_are_churn_not_poison(stack):
     )  # fmt: skip
     pipe = r.pipeline(transaction=True)  # the ghost gets the entry before the live worker can
     pipe.xadd(KEYS.decode_stream, {MESSAGE_FIELD: task.encode()})
-    pipe.xreadgroup(DECODE_GROUP, "ghost", {KEYS.decode_stream: ">"}, count=1)
+    pipe.xreadgroup(DECODE_GROUP, "ghost2", {KEYS.decode_stream: ">"}, count=1)
     eid = pipe.execute()[0].decode()
-    r.xadd(KEYS.out("churn"), {MESSAGE_FIELD: TokenChunk(0, ref[:1]).encode()})
-    r.hset(KEYS.request("churn"), mapping={"status": "decoding", "emitted": 1})
-    ghost = Streams(r, KEYS, "ghost")  # holders that emit two tokens, then are killed
-    em = Emission(KEYS.decode_stream, DECODE_GROUP, eid, "churn", TokenChunk(1, ref[1:3]))
-    assert ghost.emit(em).ok
+    r.hset(KEYS.request("churn"), mapping={"status": "decoding"})
+    first = frame(TokenChunk(0, ref[:1]).encode())
+    r.hset(KEYS.progress, "churn", Progress(emitted=1, tail=first).encode())
+    ghost = Streams(r, KEYS, "ghost2")  # holders that emit two tokens, then are killed
+    ghost.admit([(eid, "churn", 1, {})])
+    assert ghost_step(ghost, StepWrite(eid, "churn", TokenChunk(1, ref[1:3]))).ok
     for _ in range(6):  # claimed by six more holders: 7 deliveries, more than max_deliveries
-        r.xclaim(KEYS.decode_stream, DECODE_GROUP, "ghost", 0, [eid])
+        r.xclaim(KEYS.decode_stream, DECODE_GROUP, "ghost2", 0, [eid])
+    r.hset(KEYS.consumers, "ghost2", 0)
     got = chunks(r, "churn")
     assert tokens_of(got) == ref and got[-1].finish_reason == "length"
     rec = r.hmget(KEYS.request("churn"), "status", "claim_emitted", "claim_delivery")

@@ -6,7 +6,8 @@ import logging
 
 from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk
-from kvrelay.pipeline.queue.streams import Emission, Streams
+from kvrelay.pipeline.queue.progress import new_progress
+from kvrelay.pipeline.queue.streams import Streams
 from kvrelay.workers.emitter import Emitter, Inflight, Outgoing, OutgoingKind
 
 KEYS = Keys("emit:")
@@ -16,20 +17,24 @@ def test_fenced_out_write_logs_what_happened(r, caplog):
     s = Streams(r, KEYS, "w1")
     s.ensure_group(KEYS.prefill_stream, PREFILL_GROUP)
     task = PrefillTask(request_id="q2", prompt_token_ids=[1, 2], sampling={})
+    r.hset(KEYS.progress, "q2", new_progress())
     r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
     [entry] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
-    Streams(r, KEYS, "w2").claim(KEYS.prefill_stream, PREFILL_GROUP, 0, 10)  # w1 is fenced out
+    s.admit([(entry.entry_id, "q2", 0, {})])
+    r.hset(KEYS.consumers, "w1", 0)  # w1 stopped beating: w2 claims its entry
+    w2 = Streams(r, KEYS, "w2")
+    w2.claim(KEYS.prefill_stream, PREFILL_GROUP, 10_000, 10)
+    w2.admit([(entry.entry_id, "q2", 0, {})])  # w1 is fenced out
     inflight = Inflight()
     inflight.add("q2", entry.entry_id)
     emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight)
     emitter.thread.start()
     chunk = TokenChunk(0, [5, 6], text="hi")
-    emission = Emission(KEYS.prefill_stream, PREFILL_GROUP, entry.entry_id, "q2", chunk)
     with caplog.at_level(logging.WARNING, logger="kvrelay.workers.emitter"):
-        emitter.put(Outgoing(OutgoingKind.EMIT, "q2", entry.entry_id, emission))
+        emitter.put(Outgoing(OutgoingKind.EMIT, "q2", entry.entry_id, chunk))
         emitter.close()
     assert emitter.lost.get_nowait() == "q2" and len(inflight) == 0
     assert caplog.messages == [
-        f"request q2: write refused (not-owner: entry {entry.entry_id} was claimed by another "
-        "worker; chunk at token 0); dropping it"
+        f"request q2: write refused (not-owner: entry {entry.entry_id} is no longer ours; "
+        "chunk at token 0); dropping it"
     ]

@@ -12,6 +12,7 @@ from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.config import WorkerConfig
+from tests.queue_state import emitted_chunks, progress, set_cancelled
 
 KEYS = Keys("pw:")
 GREEDY = {"max_tokens": 4, "temperature": 0.0}
@@ -61,7 +62,7 @@ def submit(r, request_id: str, prompt: list[int], **fields) -> None:
 def chunks(r, request_id: str, want: int = 1, timeout: float = 60) -> list[TokenChunk]:
     deadline = time.monotonic() + timeout
     while True:
-        got = [TokenChunk.decode(f[MESSAGE_FIELD]) for _, f in r.xrange(KEYS.out(request_id))]
+        got = emitted_chunks(r, KEYS, request_id)
         if len(got) >= want or time.monotonic() > deadline:
             return got
         time.sleep(0.02)
@@ -92,7 +93,7 @@ def test_handoff_emits_first_token_and_decode_task(stack, capsys):
     assert task.num_cached_tokens == (len(prompt) // 16) * 16
     assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 0
     rec = r.hgetall(KEYS.request("h1"))
-    assert rec[b"status"] == b"decoding" and rec[b"emitted"] == b"1"
+    assert rec[b"status"] == b"decoding" and progress(r, KEYS, "h1").emitted == 1
     assert abs(float(rec[b"started"]) - time.time()) < 60
     info = r.hgetall(KEYS.worker("prefill-t"))
     assert info[b"role"] == b"prefill" and info[b"model"] == b"smollm2-135m-instruct"
@@ -144,7 +145,7 @@ def test_poison_entries_go_to_dlq_and_worker_keeps_serving(stack):
 def test_deadline_cancel_and_delivery_limit(stack):
     r, worker, prompt, _ = stack
     submit(r, "late", prompt, deadline=time.time() - 1)
-    r.set(KEYS.cancel("gone"), 1)
+    set_cancelled(r, KEYS, "gone")
     submit(r, "gone", prompt)
     [late] = chunks(r, "late")
     assert (late.index, late.finish_reason, late.error) == (
@@ -163,6 +164,7 @@ def test_deadline_cancel_and_delivery_limit(stack):
     eid = pipe.execute()[0]
     for _ in range(4):  # each XCLAIM counts one more delivery
         r.xclaim(KEYS.prefill_stream, PREFILL_GROUP, "ghost", 0, [eid])
+    r.hset(KEYS.consumers, "ghost", 0)  # the ghost never beats
     [err] = chunks(r, "poison", timeout=30)
     assert err.finish_reason == "error"
     assert err.error == "delivered 6 times, 5 times in a row without progress (limit 5)"
@@ -179,7 +181,7 @@ def test_drain_stops_reading_until_undone(stack):
         assert r.hget(KEYS.worker("prefill-t"), "draining") == b"1"
         submit(r, "drained", prompt, sampling={"max_tokens": 1, "temperature": 0.0})
         time.sleep(0.5)
-        assert r.xlen(KEYS.out("drained")) == 0
+        assert emitted_chunks(r, KEYS, "drained") == []
         [group] = r.xinfo_groups(KEYS.prefill_stream)
         assert group["lag"] == 1
     finally:

@@ -16,6 +16,7 @@ from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import DecodeTask, TokenChunk
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.config import WorkerConfig
+from tests.queue_state import emitted_chunks
 
 KEYS = Keys("spec:")
 GREEDY = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
@@ -72,7 +73,7 @@ def run_request(r, request_id: str, prompt: list[int], timeout: float = 120) -> 
     r.xadd(KEYS.decode_stream, {MESSAGE_FIELD: task.encode()})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        got = [TokenChunk.decode(f[MESSAGE_FIELD]) for _, f in r.xrange(KEYS.out(request_id))]
+        got = emitted_chunks(r, KEYS, request_id)
         if got and got[-1].finished and r.hget(KEYS.request(request_id), "status") == b"finished":
             return got
         time.sleep(0.02)

@@ -14,10 +14,12 @@ import pytest
 import redis
 
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
+from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk, frame
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.core.structured import StructuredOutput
+from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.workers.config import WorkerConfig
+from tests.queue_state import emitted_chunks
 
 PREFIX = "sow:"
 KEYS = Keys(PREFIX)
@@ -78,7 +80,7 @@ def final_chunks(r, request_id: str, timeout_s: float = 120) -> list[TokenChunk]
     """Every chunk of the request once its final chunk is there."""
     deadline = time.monotonic() + timeout_s
     while True:
-        got = [TokenChunk.decode(f[MESSAGE_FIELD]) for _, f in r.xrange(KEYS.out(request_id))]
+        got = emitted_chunks(r, KEYS, request_id)
         if got and got[-1].finished:
             return got
         assert time.monotonic() < deadline, f"{request_id} did not finish"
@@ -112,8 +114,8 @@ def test_decode_task_resumed_at_token_k_continues_exactly(stack, k):
     r, prompt, ref, _decode = stack
     rid = f"so-resume-{k}"
     done = ref.output_token_ids[:k]
-    r.xadd(KEYS.out(rid), {MESSAGE_FIELD: TokenChunk(0, done).encode()})
-    r.hset(KEYS.request(rid), "emitted", k)
+    r.xadd(KEYS.out(rid), {MESSAGE_FIELD: frame(TokenChunk(0, done).encode())})
+    r.hset(KEYS.progress, rid, Progress(emitted=k, hist=k).encode())
     task = DecodeTask(
         request_id=rid,
         prompt_token_ids=prompt,

@@ -17,7 +17,7 @@ import re
 from importlib import resources
 
 from kvrelay.core import record as rec
-from kvrelay.core.enums import FinishReason, RequestStatus, Stage
+from kvrelay.core.enums import FinishReason, RequestStatus, Stage, WorkerField
 from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import MESSAGE_FIELD, DlqField
 
@@ -26,6 +26,7 @@ _ENUMS: dict[str, type[enum.StrEnum]] = {
     "STATUS": RequestStatus,
     "STAGE": Stage,
     "FINISH_REASON": FinishReason,
+    "WORKER": WorkerField,  # the worker:{name} hash's fields
 }
 
 
@@ -82,8 +83,8 @@ def source(name: str) -> str:
 
 @functools.cache
 def fenced(name: str) -> str:
-    """lua/{name}.lua after the owner.lua prelude (its `owns` and `hset_pairs` functions)."""
-    return source("owner") + source(name)
+    """lua/{name}.lua after the owner.lua prelude (`owns`, `hset_pairs`) and the progress one."""
+    return source("owner") + with_progress(name)
 
 
 @functools.cache

@@ -1,9 +1,11 @@
 """Redis stream delivery for workers (sync redis-py): groups, reads, claims and fenced Lua writes.
 
-Every write that moves a request forward (token emission, hand-off, dead-lettering) is one Lua
-script that first checks, with `XPENDING stream group id id 1`, that the calling consumer still
-owns the entry; emission also checks the chunk index against the tokens already emitted. A
-consumer whose entry was claimed by another worker is therefore refused instead of duplicating.
+A worker's writes for one engine step are one Lua call (`step`): each sequence's chunk lands
+only if the request's progress names this consumer as owner of the entry (set when it was
+admitted, `admit`) and the chunk starts at the tokens already emitted, so a worker whose entry
+was claimed by another is refused instead of duplicating. Leases are heartbeats (`beat`):
+entries are claimed only from consumers silent for a lease (`claim`). Dead-lettering and
+release check ownership in the stream's pending list itself. docs/internals.md "Queue plane".
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import redis
 from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, WorkerField
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import TokenChunk
+from kvrelay.core.messages import TokenChunk, decode_chunks
 from kvrelay.core.record import as_str
 from kvrelay.pipeline.queue import scripts
+from kvrelay.pipeline.queue.progress import Progress, field_ttl_flag
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +58,41 @@ class FencedResult:
         return self.status == FenceStatus.OK
 
 
-@dataclass(slots=True)
-class Emission:
-    """A chunk to append to out:{request_id} for the work-stream entry `entry_id`."""
+class WriteMode(enum.StrEnum):
+    """What a step write does besides appending its chunk (the step script's `mode`)."""
 
-    stream: str
-    group: str
+    EMIT = "e"
+    FLUSH = "f"  # also move the progress tail to out:{id}
+    DONE = "d"  # the final chunk: flush, ack the entry, write the record's end, drop progress
+    HANDOFF = "h"  # queue the next stage's task and ack the entry
+
+
+@dataclass(slots=True)
+class StepWrite:
+    """One sequence's part of a step: a chunk for the request held by entry `entry_id`."""
+
     entry_id: str
     request_id: str
     chunk: TokenChunk
+    mode: WriteMode = WriteMode.EMIT
+    next_payload: bytes = b""  # the next stage's task (HANDOFF)
     req_fields: dict[str, str | int | float] | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    results: list[FencedResult]  # one per write, in order
+    cancelled: set[str]  # request ids (written or checked) whose cancel flag is set
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A request's progress as the admission script found it."""
+
+    emitted: int = 0
+    cancelled: bool = False
+    tail_bytes: int = 0
+    ended: str = ""  # the record's status when the request already ended (nothing to do)
 
 
 def _flat(fields: dict[str, str | int | float] | None) -> list[str | int | float]:
@@ -77,10 +105,7 @@ def _flat(fields: dict[str, str | int | float] | None) -> list[str | int | float
 def _fenced(reply: list) -> FencedResult:
     code = int(reply[0])
     if code == 1:
-        value = reply[1]
-        if isinstance(value, bytes | str):
-            return FencedResult(FenceStatus.OK, new_entry_id=as_str(value))
-        return FencedResult(FenceStatus.OK, emitted=int(value))
+        return FencedResult(FenceStatus.OK, emitted=int(reply[1]))
     if code == 0:
         return FencedResult(FenceStatus.NOT_OWNER)
     return FencedResult(FenceStatus.INDEX_MISMATCH, emitted=int(reply[1]))
@@ -88,6 +113,8 @@ def _fenced(reply: list) -> FencedResult:
 
 class Streams:
     """Stream operations for one consumer over a sync Redis client (binary responses)."""
+
+    RELEASED = "released"  # the consumer released entries go to: it never beats (claimable)
 
     def __init__(
         self,
@@ -98,6 +125,7 @@ class Streams:
         out_ttl_s: int = 600,
         req_ttl_s: int = 86400,
         dlq_maxlen: int = 10000,
+        feed_maxlen: int = 10000,
     ):
         self.r = client
         self.keys = keys
@@ -105,13 +133,28 @@ class Streams:
         self.out_ttl_s = out_ttl_s
         self.req_ttl_s = req_ttl_s
         self.dlq_maxlen = dlq_maxlen
-        self._emit = client.register_script(scripts.fenced("emit"))
-        self._handoff = client.register_script(scripts.fenced("handoff"))
+        self.feed_maxlen = feed_maxlen
+        self._ttl_fields: str | None = None
+        self._step = client.register_script(scripts.with_progress("step"))
+        self._admit = client.register_script(scripts.with_progress("admit"))
+        self._claim = client.register_script(scripts.source("claim"))
+        self._beat = client.register_script(scripts.source("beat"))
         self._dead_letter = client.register_script(scripts.fenced("dead_letter"))
-        self._renew = client.register_script(scripts.fenced("renew"))
-        self._strikes = client.register_script(scripts.fenced("strikes"))
+        self._strikes = client.register_script(scripts.with_progress("strikes"))
         self._release = client.register_script(scripts.fenced("release"))
         self._prune = client.register_script(scripts.source("prune"))
+        self._probe = client.register_script(scripts.source("field_ttl"))
+
+    @property
+    def ttl_fields(self) -> str:
+        """ "1" when the server keeps per-field expiry (HSETEX), probed once."""
+        if self._ttl_fields is None:
+            self._ttl_fields = field_ttl_flag(self._probe())
+        return self._ttl_fields
+
+    @property
+    def feed_prefix(self) -> str:
+        return self.keys.feed("")
 
     # groups and reads
     def ensure_group(self, stream: str, group: str) -> None:
@@ -131,31 +174,21 @@ class Streams:
                 entries.append(Entry(as_str(entry_id), (fields or {}).get(MESSAGE_FIELD)))
         return entries
 
-    def claim(
-        self, stream: str, group: str, min_idle_ms: int, count: int, cursor: str = "0-0"
-    ) -> tuple[str, list[Entry]]:
-        """XAUTOCLAIM entries idle longer than the lease; returns (next cursor, entries)."""
-        reply = self.r.xautoclaim(stream, group, self.consumer, min_idle_ms, cursor, count=count)
-        next_cursor, items = as_str(reply[0]), reply[1]
-        entries = [
-            Entry(as_str(eid), (fields or {}).get(MESSAGE_FIELD)) for eid, fields in items if eid
-        ]
-        if entries:
-            counts = self.deliveries(stream, group, [e.entry_id for e in entries])
-            for entry in entries:
-                entry.deliveries = counts.get(entry.entry_id, 1)
-        return next_cursor, entries
+    def claim(self, stream: str, group: str, lease_ms: int, count: int) -> list[Entry]:
+        """Take up to `count` entries of consumers whose worker has not beaten for a lease
+        (`lua/claim.lua`); nothing is read per entry while every worker lives."""
+        reply = self._claim(
+            keys=[stream, self.keys.consumers], args=[group, self.consumer, lease_ms, count]
+        )
+        return [Entry(as_str(eid), payload or None, int(n)) for eid, payload, n in reply or []]
 
-    def deliveries(self, stream: str, group: str, entry_ids: list[str]) -> dict[str, int]:
-        """How many times each pending entry has been delivered."""
-        pipe = self.r.pipeline(transaction=False)
-        for eid in entry_ids:
-            pipe.xpending_range(stream, group, min=eid, max=eid, count=1)
-        out: dict[str, int] = {}
-        for eid, rows in zip(entry_ids, pipe.execute(), strict=True):
-            if rows:
-                out[eid] = int(rows[0]["times_delivered"])
-        return out
+    def beat(self, worker_key: str, fields: dict, ttl_s: int) -> bool:
+        """Publish the worker hash and this consumer's beat (its lease); True when the admin
+        asked the worker to drain."""
+        drain = self._beat(
+            keys=[worker_key, self.keys.consumers], args=[ttl_s, self.consumer, *_flat(fields)]
+        )
+        return bool(drain)
 
     def strikes(
         self,
@@ -165,120 +198,93 @@ class Streams:
         queued_tokens: int,
         alive: bool = False,
     ) -> int:
-        """Deliveries of the entry since the last one that found new tokens in out:{id}.
+        """Deliveries of the entry since the last one that found new tokens emitted.
 
         `queued_tokens`: the tokens the task carried when queued (its first delivery's count);
-        `alive`: the claimant already holds it (a late renewal), which proves no crash.
+        `alive`: the claimant already holds it, which proves no crash.
         Recorded in req:{id} (claim_entry, claim_emitted, claim_delivery) at every claim."""
-        args = [entry_id, deliveries, queued_tokens, "1" if alive else "0"]
-        return int(self._strikes(keys=[self.keys.request(request_id)], args=args))
+        args = [entry_id, deliveries, queued_tokens, "1" if alive else "0", request_id]
+        keys = [self.keys.request(request_id), self.keys.progress]
+        return int(self._strikes(keys=keys, args=args))
 
-    def renew(self, stream: str, group: str, entry_ids: list[str]) -> list[str]:
-        """Reset the lease of entries still owned; return the ids another consumer took."""
-        if not entry_ids:
+    def release(self, stream: str, group: str, entries: list[tuple[str, str]]) -> None:
+        """Give (entry id, request id) pairs this consumer holds back, claimable at once: they
+        go to the `released` consumer, which never beats, and their progress loses its owner.
+        An entry another consumer has claimed is left alone."""
+        if not entries:
+            return
+        args: list[str] = [group, self.consumer, self.ttl_fields, self.RELEASED]
+        for entry_id, request_id in entries:
+            args += [entry_id, request_id]
+        self._release(keys=[stream, self.keys.consumers, self.keys.progress], args=args)
+
+    # admission and the step's writes
+    def admit(
+        self, entries: list[tuple[str, str, int, dict[str, str | int | float]]]
+    ) -> list[Admitted]:
+        """Make this consumer the owner of each (entry id, request id, tokens the task carries,
+        record fields) and write the record fields; what each request's progress holds."""
+        if not entries:
             return []
-        lost = self._renew(keys=[stream], args=[group, self.consumer, *entry_ids])
-        return [as_str(x) for x in lost or []]
+        keys = [self.keys.progress]
+        args: list[str | int | float] = [self.consumer, self.ttl_fields, len(entries)]
+        for entry_id, request_id, queued, fields in entries:
+            keys.append(self.keys.request(request_id))
+            flat = _flat(fields)
+            args += [entry_id, request_id, queued, len(flat), *flat]
+        out = []
+        for row in self._admit(keys=keys, args=args):
+            if int(row[0]) < 0:
+                out.append(Admitted(ended=as_str(row[1])))
+            else:
+                out.append(Admitted(int(row[0]), bool(int(row[1])), int(row[2])))
+        return out
 
-    def release(self, stream: str, group: str, entry_ids: list[str], lease_ms: int) -> None:
-        """Mark entries this consumer holds as idle for a whole lease: claimable at once.
-
-        Fenced by the renew script's owner check, so an entry already claimed by another
-        consumer is left alone (XCLAIM JUSTID does not count a delivery)."""
-        if entry_ids:
-            self._release(keys=[stream], args=[group, self.consumer, lease_ms, *entry_ids])
-
-    # fenced writes
-    def emit(self, emission: Emission) -> FencedResult:
-        """Append one chunk to out:{id} if this consumer owns the entry and the index matches."""
-        return self.emit_many([emission])[0]
-
-    def emit_many(self, emissions: list[Emission]) -> list[FencedResult]:
-        """Fenced emission of several chunks in one round trip (results in order).
-
-        Plain EVALSHA in the pipeline: redis-py's `Script` in a pipeline sends SCRIPT EXISTS
-        before every execute, a second round trip per token (issue 19, one stream). A server
-        that lost its script cache (a restart) answers NOSCRIPT; the script is loaded and only
-        those calls are sent again (a NOSCRIPT call ran nothing, so nothing can repeat)."""
-        if not emissions:
-            return []
-        now = f"{time.time():.3f}"
-        calls = []
-        for em in emissions:
-            chunk = em.chunk
-            fields = {rec.UPDATED: now, **(em.req_fields or {})}
-            calls.append(
-                (
-                    em.stream,
-                    self.keys.out(em.request_id),
-                    self.keys.request(em.request_id),
-                    em.group,
-                    self.consumer,
-                    em.entry_id,
-                    chunk.index,
-                    len(chunk.token_ids),
-                    chunk.encode(),
-                    "1" if chunk.finished else "0",
-                    self.out_ttl_s,
-                    self.req_ttl_s,
-                    *_flat(fields),
-                )
-            )
-        if len(calls) == 1:  # the usual case at low load: no pipeline object to build
-            try:
-                reply = self.r.execute_command("EVALSHA", self._emit.sha, 3, *calls[0])
-            except redis.exceptions.NoScriptError:
-                self.r.script_load(self._emit.script)
-                reply = self.r.execute_command("EVALSHA", self._emit.sha, 3, *calls[0])
-            return [_fenced(reply)]
-        replies: list = [None] * len(calls)
-        todo = list(range(len(calls)))
-        for attempt in range(2):
-            pipe = self.r.pipeline(transaction=False)
-            for i in todo:
-                pipe.execute_command("EVALSHA", self._emit.sha, 3, *calls[i])
-            results = pipe.execute(raise_on_error=False)
-            missing = []
-            for i, res in zip(todo, results, strict=True):
-                if isinstance(res, redis.exceptions.NoScriptError) and attempt == 0:
-                    missing.append(i)
-                elif isinstance(res, Exception):
-                    raise res
-                else:
-                    replies[i] = res
-            if not missing:
-                break
-            self.r.script_load(self._emit.script)
-            todo = missing
-        return [_fenced(reply) for reply in replies]
-
-    def handoff(
+    def step(
         self,
         stream: str,
         group: str,
-        entry_id: str,
         next_stream: str,
-        request_id: str,
-        payload: bytes,
-        chunk: TokenChunk | None = None,
-        req_fields: dict[str, str | int | float] | None = None,
-    ) -> FencedResult:
-        """XADD `payload` to the next stream and XACK this entry, emitting `chunk` first."""
-        fields = {rec.UPDATED: f"{time.time():.3f}", **(req_fields or {})}
-        reply = self._handoff(
-            keys=[stream, next_stream, self.keys.request(request_id), self.keys.out(request_id)],
-            args=[
-                group,
-                self.consumer,
-                entry_id,
-                payload,
-                chunk.encode() if chunk else b"",
-                chunk.index if chunk else 0,
-                len(chunk.token_ids) if chunk else 0,
-                *_flat(fields),
-            ],
-        )
-        return _fenced(reply)
+        writes: list[StepWrite],
+        check: list[str] = (),  # type: ignore[assignment]
+    ) -> StepResult:
+        """One worker step in one script call (`lua/step.lua`): every write fenced by owner and
+        index; the cancel flags of the written and `check` requests come back. A request id
+        may appear once per call."""
+        keys = [stream, next_stream, self.keys.progress]
+        args: list = [
+            group,
+            self.consumer,
+            self.feed_prefix,
+            self.ttl_fields,
+            self.out_ttl_s,
+            self.req_ttl_s,
+            self.feed_maxlen,
+            len(writes),
+            len(check),
+        ]
+        now = f"{time.time():.3f}"
+        for w in writes:
+            keys += [self.keys.request(w.request_id), self.keys.out(w.request_id)]
+            fields = w.req_fields
+            if w.mode == WriteMode.DONE or fields:
+                fields = {rec.UPDATED: now, **(fields or {})}
+            flat = _flat(fields)
+            chunk = w.chunk
+            args += [
+                w.entry_id,
+                w.request_id,
+                chunk.index,
+                len(chunk.token_ids),
+                chunk.encode(),
+                w.mode.value,
+                w.next_payload,
+                len(flat),
+                *flat,
+            ]
+        args += list(check)
+        results, cancelled = self._step(keys=keys, args=args)
+        return StepResult([_fenced(r) for r in results], {as_str(c) for c in cancelled})
 
     def dead_letter(
         self,
@@ -289,17 +295,16 @@ class Streams:
         reason: str,
         request_id: str = "",
     ) -> str | None:
-        """Move an entry to the DLQ with its reason and ack it; finish the client's output."""
+        """Move an entry to the DLQ with its reason and ack it; end the request's output."""
         chunk_payload, index = b"", 0
         if request_id:
-            raw = self.r.hget(self.keys.request(request_id), rec.EMITTED)
-            index = int(raw or 0)
+            index = self.emitted(request_id)
             chunk = TokenChunk(index=index, finish_reason=FinishReason.ERROR, error=reason)
             chunk_payload = chunk.encode()
         req_key = self.keys.request(request_id) if request_id else self.keys.dlq
         out_key = self.keys.out(request_id) if request_id else self.keys.dlq
         reply = self._dead_letter(
-            keys=[stream, self.keys.dlq, req_key, out_key],
+            keys=[stream, self.keys.dlq, req_key, out_key, self.keys.progress],
             args=[
                 group,
                 self.consumer,
@@ -312,6 +317,8 @@ class Streams:
                 self.out_ttl_s,
                 f"{time.time():.3f}",
                 self.dlq_maxlen,
+                self.feed_prefix,
+                self.feed_maxlen,
             ],
         )
         if reply in (0, b"0"):
@@ -326,29 +333,37 @@ class Streams:
         return as_str(reply)
 
     # reads of request state
+    def progress(self, request_id: str) -> Progress | None:
+        return Progress.parse(self.r.hget(self.keys.progress, request_id))
+
+    def emitted(self, request_id: str) -> int:
+        """Tokens emitted so far: the progress's count, or the record's once it ended."""
+        prog = self.progress(request_id)
+        if prog is not None:
+            return prog.emitted
+        return int(self.r.hget(self.keys.request(request_id), rec.EMITTED) or 0)
+
     def emitted_tokens(self, request_id: str) -> tuple[list[int], int, bool]:
-        """What out:{id} already holds: the token ids (in order), the length of their text in
-        characters, and whether a final chunk was written."""
+        """What was emitted (out:{id} then the progress tail): the token ids in order, the
+        length of their text in characters, and whether a final chunk was written."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xrange(self.keys.out(request_id))
+        pipe.hget(self.keys.progress, request_id)
+        entries, raw = pipe.execute()
+        chunks = [c for _eid, fields in entries for c in decode_chunks(fields[MESSAGE_FIELD])]
+        prog = Progress.parse(raw)
+        if prog is not None:
+            chunks += prog.tail_chunks()
         tokens: list[int] = []
         text_len = 0
         finished = False
-        for _eid, fields in self.r.xrange(self.keys.out(request_id)):
-            chunk = TokenChunk.decode(fields[MESSAGE_FIELD])
+        for chunk in chunks:
             if chunk.index != len(tokens):
                 raise ValueError(f"out:{request_id} has a gap at index {len(tokens)}")
             tokens.extend(chunk.token_ids)
             text_len += len(chunk.text)
             finished = finished or chunk.finished
         return tokens, text_len, finished
-
-    def cancelled(self, request_ids: list[str]) -> set[str]:
-        """The subset of request ids with a cancel:{id} flag set."""
-        if not request_ids:
-            return set()
-        pipe = self.r.pipeline(transaction=False)
-        for rid in request_ids:
-            pipe.exists(self.keys.cancel(rid))
-        return {rid for rid, n in zip(request_ids, pipe.execute(), strict=True) if n}
 
     def trim_acked(self, stream: str, group: str) -> int:
         """Drop entries every consumer is done with (older than the oldest pending/undelivered)."""
@@ -376,11 +391,16 @@ class Streams:
         self, stream: str, group: str, idle_ms: int = 600_000, dead_idle_ms: int = 30_000
     ) -> int:
         """Delete consumers that own nothing and were idle `dead_idle_ms` while no live worker
-        names them (a restart makes a new consumer), or `idle_ms` in any case."""
+        names them (a restart makes a new consumer), or `idle_ms` in any case. A consumer that
+        owns entries but never beat (it died between its read and its first heartbeat) gets a
+        beat of 0 in the consumers hash: the next claim scan takes its entries."""
         live = self.live_consumers()
+        beating = {as_str(name) for name in self.r.hkeys(self.keys.consumers)}
         removed = 0
         for info in self.r.xinfo_consumers(stream, group):
             name = as_str(info["name"])
+            if info["pending"] and name not in beating and name not in live:
+                self.r.hsetnx(self.keys.consumers, name, 0)
             if name == self.consumer or info["pending"]:
                 continue  # entries of a dead consumer are claimed after the lease; prune later
             if info["idle"] > (idle_ms if name in live else min(idle_ms, dead_idle_ms)):

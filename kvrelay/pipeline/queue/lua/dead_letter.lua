@@ -1,8 +1,12 @@
 -- Fenced dead-lettering: copy the entry to the DLQ with its reason and XACK it; when the
--- request id is known, also finish out:{id} with an error chunk so the client is not left waiting.
--- KEYS: 1 work stream, 2 dlq, 3 req:{id} (or the dlq key when unknown), 4 out:{id} (likewise)
+-- request id is known, also end its output with an error chunk (out:{id} and the feeds
+-- following it, after the tail not yet flushed) so no reader is left waiting, and drop its
+-- progress.
+-- KEYS: 1 work stream, 2 dlq, 3 req:{id} (or the dlq key when unknown), 4 out:{id} (likewise),
+--       5 prog hash
 -- ARGV: 1 group, 2 consumer, 3 entry id, 4 payload, 5 reason, 6 request id ("" = unknown),
---       7 error chunk payload ("" = none), 8 chunk index, 9 out ttl s, 10 now, 11 dlq maxlen
+--       7 error chunk payload ("" = none), 8 chunk index, 9 out ttl s, 10 now, 11 dlq maxlen,
+--       12 feed key prefix, 13 feed maxlen
 -- Returns the DLQ entry id, or 0 when the consumer no longer owns the entry.
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return 0
@@ -13,12 +17,25 @@ local dlq_id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[11], '*',
   ${DLQ.TIME}, ARGV[10])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 if ARGV[6] ~= '' then
-  local emitted = tonumber(redis.call('HGET', KEYS[3], ${EMITTED}) or '0')
+  local p = prog_parse(redis.call('HGET', KEYS[5], ARGV[6]))
+  local emitted = p and p.emitted or tonumber(redis.call('HGET', KEYS[3], ${EMITTED}) or '0')
+  local history = p and p.tail or ''
   if ARGV[7] ~= '' and emitted == tonumber(ARGV[8]) then
-    redis.call('XADD', KEYS[4], '*', ${MESSAGE_FIELD}, ARGV[7])
+    history = history .. frame(ARGV[7])
+    if p then
+      for feed in string.gmatch(p.feeds, '[^,]+') do
+        redis.call('XADD', ARGV[12] .. feed, 'NOMKSTREAM', 'MAXLEN', '~', ARGV[13], '*',
+          ARGV[6], ARGV[7])
+      end
+    end
+  end
+  if history ~= '' then
+    redis.call('XADD', KEYS[4], '*', ${MESSAGE_FIELD}, history)
     redis.call('EXPIRE', KEYS[4], tonumber(ARGV[9]))
   end
+  if p then redis.call('HDEL', KEYS[5], ARGV[6]) end
   redis.call('HSET', KEYS[3], ${STATUS}, ${STATUS.FAILED}, ${FINISH_REASON},
-    ${FINISH_REASON.ERROR}, ${ERROR}, ARGV[5], ${UPDATED}, ARGV[10])
+    ${FINISH_REASON.ERROR}, ${ERROR}, ARGV[5], ${UPDATED}, ARGV[10], ${EMITTED}, emitted,
+    ${COMPLETION_TOKENS}, emitted)
 end
 return dlq_id

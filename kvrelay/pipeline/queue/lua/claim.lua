@@ -1,0 +1,39 @@
+-- Claim the entries of dead consumers: those whose worker has not beaten (consumers hash,
+-- server time) for a lease. Live workers renew nothing per entry: their heartbeat is the
+-- lease, so XPENDING and XCLAIM run only when a consumer is found dead. A dead consumer that
+-- owns nothing more leaves the hash.
+-- KEYS: 1 work stream, 2 consumers hash
+-- ARGV: 1 group, 2 claiming consumer, 3 lease ms, 4 most entries to claim
+-- Returns {entry id, payload or false, deliveries} per claimed entry.
+local group, me, lease_ms, room = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local beats = redis.call('HGETALL', KEYS[2])
+local claimed = {}
+for i = 1, #beats, 2 do
+  local name, beat_ms = beats[i], tonumber(beats[i + 1]) or 0
+  if name ~= me and now_ms - beat_ms > lease_ms and room > 0 then
+    local pending = redis.call('XPENDING', KEYS[1], group, '-', '+', room, name)
+    if #pending == 0 then
+      redis.call('HDEL', KEYS[2], name)
+    else
+      local ids, counts = {}, {}
+      for _, row in ipairs(pending) do
+        ids[#ids + 1] = row[1]
+        counts[row[1]] = tonumber(row[4]) + 1
+      end
+      for _, entry in ipairs(redis.call('XCLAIM', KEYS[1], group, me, 0, unpack(ids))) do
+        local id, fields = entry[1], entry[2]
+        local payload = false
+        if type(fields) == 'table' then
+          for k = 1, #fields, 2 do
+            if fields[k] == ${MESSAGE_FIELD} then payload = fields[k + 1] end
+          end
+        end
+        claimed[#claimed + 1] = {id, payload, counts[id] or 1}
+        room = room - 1
+      end
+    end
+  end
+end
+return claimed

@@ -87,8 +87,11 @@ class Keys:
     def request_pattern(self) -> str:
         return self._p + "req:*"
 
-    def page(self, page_key_hex: str) -> str:
-        return self._p + f"page:{page_key_hex}"
+    @property
+    def pages(self) -> str:
+        """Hash: page key (hex) -> the store nodes holding it, comma-separated (the page
+        directory; `core.page_keys.holders` reads a value)."""
+        return self._p + "pages"
 
     def store_node(self, node_id: str) -> str:
         return self._p + f"node:{node_id}"

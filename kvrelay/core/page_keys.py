@@ -45,3 +45,11 @@ def page_keys(
         )
         keys.append(parent)
     return keys
+
+
+def holders(value: bytes | str | None) -> list[str]:
+    """The store node ids in a page directory value (`Keys.pages`: comma-separated)."""
+    if not value:
+        return []
+    text = value.decode() if isinstance(value, bytes) else value
+    return [node for node in text.split(",") if node]

@@ -1,6 +1,7 @@
-"""The page directory in Redis: `node:{id}` (addresses, TTL heartbeat) and `page:{hex}` (set of
-node ids holding the page). Writes are batched by a background thread so the request path never
-waits on Redis; reads (`locate`) happen only on a local miss.
+"""The page directory in Redis: `node:{id}` (addresses, TTL heartbeat) and the `pages` hash
+(page key hex -> the node ids holding it). Writes are batched by a background thread, one
+script call per flush however many pages (`lua/pages.lua`), so the request path never waits on
+Redis; reads (`locate`, one HMGET) happen only on a local miss.
 """
 
 from __future__ import annotations
@@ -9,8 +10,12 @@ import logging
 import queue
 import threading
 import time
+from importlib import resources
 
 from kvrelay.core.keys import Keys
+from kvrelay.core.page_keys import holders
+
+FLUSH_S = 0.25  # page entries are written this often (one call each time)
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +34,8 @@ class Directory:
         import redis
 
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        script = resources.files("kvrelay.kvstore") / "lua" / "pages.lua"
+        self._pages = self.redis.register_script(script.read_text())
         self.keys = Keys(key_prefix)
         self.node_id = node_id
         self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
@@ -81,15 +88,13 @@ class Directory:
                 break
         if not ops:
             return
-        pipe = self.redis.pipeline(transaction=False)
+        added = {key.hex() for op in ops if op[0] == "add" for key in op[1]}
+        removed: list[str] = []
         for op in ops:
-            for key in op[1]:
-                name = self.keys.page(key.hex())
-                if op[0] == "add":
-                    pipe.sadd(name, self.node_id)
-                else:
-                    pipe.srem(name, op[2])
-        pipe.execute()
+            if op[0] == "rem":
+                for key in op[1]:
+                    removed += [key.hex(), op[2]]
+        self._pages(keys=[self.keys.pages], args=[self.node_id, len(added), *added, *removed])
 
     def _run(self) -> None:
         next_beat = time.monotonic() + self.heartbeat_s
@@ -101,16 +106,15 @@ class Directory:
                     next_beat = time.monotonic() + self.heartbeat_s
             except Exception as exc:  # noqa: BLE001 - keep serving locally while Redis is down
                 logger.warning("page directory update failed: %s", exc)
-            self._stop.wait(0.05)
+            self._stop.wait(FLUSH_S)
 
     def locate(self, keys: list[bytes]) -> list[list[str]]:
         """Node ids (other than this one, alive) holding each key."""
-        pipe = self.redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.smembers(self.keys.page(key.hex()))
+        if not keys:
+            return []
         out = []
-        for members in pipe.execute():
-            ids = sorted(m.decode() for m in members if m.decode() != self.node_id)
+        for value in self.redis.hmget(self.keys.pages, [key.hex() for key in keys]):
+            ids = sorted(i for i in holders(value) if i != self.node_id)
             out.append([i for i in ids if self.node_info(i) is not None])
         return out
 

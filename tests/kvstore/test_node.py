@@ -12,6 +12,7 @@ import redis
 import zmq
 
 from kvrelay.core.keys import Keys
+from kvrelay.core.page_keys import holders
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.errors import IncompatiblePageError, StoreError
 from kvrelay.kvstore.page import HEADER_BYTES, PageSpec
@@ -65,9 +66,9 @@ def test_put_3n_demotes_then_drops_lru_in_order(valkey, start_node, tmp_path):
         assert counters["puts"] == {"host": 12.0}
 
     def directory() -> dict[int, set]:
-        return {i: r.smembers(Keys().page(k.hex())) for i, k in enumerate(keys)}
+        return {i: holders(r.hget(Keys().pages, k.hex())) for i, k in enumerate(keys)}
 
-    expected = {i: set() if i < 5 else {b"n0"} for i in range(12)}  # gone pages leave it
+    expected = {i: [] if i < 5 else ["n0"] for i in range(12)}  # gone pages leave it
     wait_for(lambda: directory() == expected)
 
 

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from kvrelay.core.keys import Keys
+from kvrelay.core.page_keys import holders
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.server import arena_path
@@ -28,7 +29,7 @@ def wait_published(redis_url: str, key: bytes, node_id: str = "A") -> None:
     """Directory writes are batched in the background; wait until `key` is listed."""
     r = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + 5
-    while node_id.encode() not in r.smembers(Keys().page(key.hex())):
+    while node_id not in holders(r.hget(Keys().pages, key.hex())):
         assert time.monotonic() < deadline, "page never reached the directory"
         time.sleep(0.02)
 
@@ -135,7 +136,7 @@ def test_page_put_on_a_is_fetched_by_b(valkey, node_a, start_node, transport):
     idle = remote.local._idle if transport == "ucx" else remote._peers
     assert [len(sessions) for sessions in idle.values()] == [1]
     deadline = time.monotonic() + 5
-    while r.smembers(Keys().page(keys[5].hex())) != {b"A", b"B"}:
+    while holders(r.hget(Keys().pages, keys[5].hex())) != ["A", "B"]:
         assert time.monotonic() < deadline
         time.sleep(0.02)
 

@@ -38,7 +38,7 @@ async def _route(app, role, prompt, salt=""):
 async def _store_pages(app, prompt, n, salt=""):
     ing = app.state.ingress
     for key in page_keys(prompt, 16, MODEL_INFO["fingerprint"], salt)[:n]:
-        await ing.redis.hset(ing.keys.page(key.hex()), "node-a", 1)
+        await ing.redis.hset(ing.keys.pages, key.hex(), "node-a")
 
 
 async def test_auto_routes_by_uncached_tokens(harness):
@@ -75,7 +75,7 @@ async def test_a_gap_in_the_page_chain_stops_the_count(harness):
     ing = app.state.ingress
     keys = page_keys(PROMPT, 16, MODEL_INFO["fingerprint"])
     for key in (keys[0], keys[2]):
-        await ing.redis.hset(ing.keys.page(key.hex()), "node-a", 1)
+        await ing.redis.hset(ing.keys.pages, key.hex(), "node-a")
     entry = await ing.registry.get(MODEL)
     assert await ing.router.cached_pages(entry, PROMPT, "") == 1
 

@@ -78,7 +78,7 @@ def test_slow_store_fetch_delays_only_its_own_request(loaded_model, store, valke
     b_keys = page_keys(prompt_b[:-1], PAGE, loaded_model.fingerprint)
     assert len(b_keys) == 4
     for key in b_keys:
-        r.sadd(keys.page(key.hex()), "blackhole")
+        r.hset(keys.pages, key.hex(), "blackhole")
 
     config = EngineConfig(num_blocks=32, max_num_seqs=4, kv_cache_dtype="fp32")
     engine = Engine(config, loaded=loaded_model)

@@ -66,11 +66,8 @@ class Router:
         keys = page_keys(prompt_ids[:-1], model.page_size, model.fingerprint, salt)
         if not keys:
             return 0
-        pipe = self.redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self.keys.page(key.hex()))
         hits = 0
-        for found in await pipe.execute():
+        for found in await self.redis.hmget(self.keys.pages, [key.hex() for key in keys]):
             if not found:
                 break
             hits += 1

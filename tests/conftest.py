@@ -105,6 +105,94 @@ def r(valkey_session) -> Iterator[redis.Redis]:
     client.close()
 
 
+class ValkeyCluster:
+    """A local Valkey Cluster of `shards` primaries (children of the test, data under
+    `data_dir/node-<i>`), formed as `kvrelay up --shards N` forms its own."""
+
+    def __init__(self, data_dir: Path, shards: int = 3):
+        from kvrelay.cli.up.valkey import free_ports
+        from kvrelay.cli.up.valkey_cluster import make_nodes
+
+        ports = free_ports(2 * shards, set())
+        self.nodes = make_nodes(data_dir, ports[:shards], ports[shards:])
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        """The seed URL (the first node): what a cluster client is given."""
+        return self.nodes[0].url
+
+    def client(self, i: int) -> redis.Redis:
+        """A plain client of node `i` (no redirections: it sees that node's keys only)."""
+        return redis.Redis(port=self.nodes[i].port)
+
+    def start_node(self, i: int) -> None:
+        from kvrelay.cli.up.valkey_cluster import valkey_command
+
+        node = self.nodes[i]
+        Path(node.data_dir).mkdir(parents=True, exist_ok=True)
+        cmd = valkey_command(node.port, node.data_dir, node.bus_port)
+        self.procs[i] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop_node(self, i: int, kill: bool = False) -> None:
+        proc = self.procs.pop(i, None)
+        if proc is not None and proc.poll() is None:
+            (proc.kill if kill else proc.terminate)()
+            proc.wait(timeout=10)
+
+    def form(self, timeout_s: float = 30.0) -> bool:
+        from kvrelay.cli.up.valkey_cluster import form
+
+        return form(self.nodes, timeout_s)
+
+    def start(self) -> None:
+        for i in range(len(self.nodes)):
+            self.start_node(i)
+        self.form()
+
+    def stop(self) -> None:
+        for i in list(self.procs):
+            self.stop_node(i)
+
+    def flush(self) -> None:
+        """Delete every key on every node (the slots stay)."""
+        for i in range(len(self.nodes)):
+            client = self.client(i)
+            client.flushall()
+            client.close()
+
+
+@pytest.fixture
+def valkey_cluster(tmp_path: Path) -> Iterator[ValkeyCluster]:
+    """A fresh 3-node Valkey Cluster (every slot assigned, cluster_state:ok) for one test that
+    stops or restarts nodes; a node refuses to be ok in its first 2 s, so others share one."""
+    cluster = ValkeyCluster(tmp_path / "valkey-cluster")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster_session(tmp_path_factory) -> Iterator[ValkeyCluster]:
+    """One 3-node Valkey Cluster shared by a whole test session, flushed for each test that
+    asks for it through `shared_cluster`."""
+    cluster = ValkeyCluster(tmp_path_factory.mktemp("valkey-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def shared_cluster(valkey_cluster_session) -> ValkeyCluster:
+    """The session's Valkey Cluster with no keys on any node."""
+    valkey_cluster_session.flush()
+    return valkey_cluster_session
+
+
 class _StandIn:
     """A module's stand-in: the given names replaced, every other attribute the real module's."""
 

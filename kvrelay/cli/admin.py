@@ -39,10 +39,9 @@ def stack_state(run_dir: str | None) -> dict[str, Any]:
 
 def connect(args: argparse.Namespace):
     """(redis client, Keys, store run dir) from --run-dir, flags or the environment."""
-    import redis
-
     from kvrelay.core.config import check_redis_url
     from kvrelay.core.keys import Keys
+    from kvrelay.pipeline.queue.redis_options import sync_redis
 
     state: dict[str, Any] = {}
     if args.run_dir or not args.redis_url:
@@ -64,7 +63,7 @@ def connect(args: argparse.Namespace):
     args.stack_state = state  # `status` shows the topology `kvrelay up` chose
     args.redis_url = url  # named by the one-line error of `kvrelay.cli.main.main`
     timeout = max(0.1, args.timeout_s)
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = sync_redis(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     return client, Keys(prefix), store_dir
 
 
@@ -110,6 +109,9 @@ def run_status(args: argparse.Namespace) -> int:
     def snapshot() -> dict[str, Any]:
         data = status_data.collect(r, keys, store_dir, sampler)
         data["topology"] = topology_of(data["workers"], state)
+        cluster = status_data.cluster_nodes(r, state)
+        if cluster is not None:  # only a cluster's status has the key
+            data["cluster"] = cluster
         return data
 
     if args.watch:
@@ -148,7 +150,20 @@ def run_status(args: argparse.Namespace) -> int:
     if data["store"] is not None:
         print(store_line(data["store"]))
     print(f"topology: {data['topology']['summary']}")
+    if "cluster" in data:
+        print(*cluster_lines(data["cluster"]), sep="\n")
     return 0
+
+
+def cluster_lines(nodes: list[dict[str, Any]]) -> list[str]:
+    """The Valkey cluster's nodes, one line each: port, slots served, keys, up or down."""
+    lines = [f"\n{'VALKEY NODE':<24}{'PORT':>6}{'SLOTS':>7}{'KEYS':>8}  {'RANGES':<24}STATE"]
+    for n in nodes:
+        slots, count = ("-", "-") if not n["up"] else (n["slots"], n["keys"])
+        ranges = ",".join(n.get("slot_ranges") or []) or "-"
+        state = f"up ({n['cluster_state']})" if n["up"] else "down"
+        lines.append(f"{n['name']:<24}{n['port']:>6}{slots:>7}{count:>8}  {ranges:<24}{state}")
+    return lines
 
 
 TIERS = ("host", "disk", "remote")  # always listed, in this order

@@ -212,3 +212,20 @@ def status(r: Any, keys: Any, store_run_dir: str | None = None) -> dict[str, Any
         "requests_in_flight": sum(v for k, v in inflight.items() if k in OPEN_STATUSES),
         "store": store_stats(store_run_dir),
     }
+
+
+def cluster_nodes(r: Any, state: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Each Valkey cluster node's port, slots, keys and up/down: the nodes `kvrelay up
+    --shards N` started (from stack.json, so a stopped one shows as down), else the primaries
+    a cluster client knows; None for a plain Redis."""
+    from redis.cluster import RedisCluster
+
+    from kvrelay.cli.up.valkey_cluster import node_status
+
+    nodes = (state.get("cluster") or {}).get("nodes")
+    if not nodes and isinstance(r, RedisCluster):
+        nodes = [
+            {"name": f"{n.host}:{n.port}", "host": n.host, "port": n.port}
+            for n in sorted(r.get_primaries(), key=lambda n: (n.host, n.port))
+        ]
+    return [node_status(n) for n in nodes] if nodes else None

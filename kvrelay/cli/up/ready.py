@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvrelay.cli.errors import EXIT_UNAVAILABLE, CommandError, redact_url
 from kvrelay.cli.up.launch import Supervisor, listens
+from kvrelay.cli.up.valkey import valkey_ports
 from kvrelay.core.enums import Stage, WorkerField
 from kvrelay.core.errors import KvrelayError
 
@@ -49,12 +50,11 @@ def _heartbeat_pids(state: dict, names: list[str]) -> list[bytes | None]:
     import redis
 
     from kvrelay.core.keys import Keys
+    from kvrelay.pipeline.queue.redis_options import sync_redis
 
     keys = Keys(state["key_prefix"])
     try:
-        client = redis.Redis.from_url(
-            state["redis_url"], socket_timeout=2, socket_connect_timeout=2
-        )
+        client = sync_redis(state["redis_url"], socket_timeout=2, socket_connect_timeout=2)
         try:
             pipe = client.pipeline(transaction=False)
             for name in names:
@@ -78,9 +78,7 @@ def not_ready_reason(state: dict, status: dict, previous: dict) -> str | None:
             return f"{name} is {program_state}"
         if previous.get(name, (None, pid))[1] != pid:
             return f"{name} restarted"
-    ports = {"ingress": state["port"]}
-    if "valkey" in state["programs"]:
-        ports["valkey"] = int(state["redis_url"].rsplit(":", 1)[1].split("/")[0])
+    ports = {"ingress": state["port"], **valkey_ports(state)}
     for name, port in ports.items():
         if listens(status[name][1], port) is False:  # None: no /proc to tell, trust RUNNING
             return f"{name} (pid {status[name][1]}) is not listening on port {port}"

@@ -1,0 +1,149 @@
+"""The embedded Valkey of `kvrelay up`: one plain node (`--shards 1`, the default) or a local
+cluster of N primaries (`--shards N`), each a supervisord program.
+
+A cluster's programs start first; every other program is written with autostart off and
+started only once the slots are assigned and every node is ok (`start_cluster`), so no worker
+ever meets a cluster that cannot serve its keys. Ports are kept from the run directory's
+previous stack.json when they are free, so a restart finds its nodes where `nodes.conf` says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+from pathlib import Path
+
+from kvrelay.cli.errors import CommandError
+from kvrelay.cli.up.launch import Program, Supervisor, check_port_free, read_state
+from kvrelay.cli.up.valkey_cluster import (
+    MAX_SHARDS,
+    NODES_CONF,
+    ClusterNode,
+    form,
+    make_nodes,
+    valkey_command,
+)
+
+SINGLE = "valkey"  # the program name of the one plain node
+CLUSTER_DIR = "valkey-cluster"  # <run-dir>/valkey-cluster/node-<i>: each node's AOF, nodes.conf
+
+
+def free_ports(count: int, avoid: set[int]) -> list[int]:
+    """`count` distinct ports free now (the sockets stay open until all are picked)."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] not in avoid:  # the ingress port is free until it starts
+                ports.append(s.getsockname()[1])
+    finally:
+        for s in held:
+            s.close()
+    return ports
+
+
+def _existing_nodes(run_dir: Path) -> int:
+    """How many nodes of an earlier cluster left a nodes.conf in this run directory."""
+    return len(list((run_dir / CLUSTER_DIR).glob(f"node-*/{NODES_CONF}")))
+
+
+def check_shards(args: argparse.Namespace, run_dir: Path) -> None:
+    """Refuse (CommandError, exit 2) a shard count this run directory or these flags rule out."""
+    shards = args.shards
+    if not 1 <= shards <= MAX_SHARDS:
+        raise CommandError(f"--shards must be 1-{MAX_SHARDS}, got {shards}")
+    if shards > 1 and args.redis_url is not None:
+        raise CommandError(
+            "--shards starts embedded Valkey nodes; with --redis-url (a cluster's node "
+            "works too) leave --shards out"
+        )
+    if args.redis_url is None:
+        existing = _existing_nodes(run_dir)
+        if existing and existing != shards:
+            raise CommandError(
+                f"{run_dir / CLUSTER_DIR} holds a {existing}-node Valkey cluster: pass "
+                f"--shards {existing}, or remove that directory for a fresh one"
+            )
+    if args.redis_port and args.redis_port + shards - 1 > 65535:
+        raise CommandError(f"--redis-port {args.redis_port} leaves no room for {shards} nodes")
+
+
+def check_ports_free(args: argparse.Namespace) -> None:
+    """Refuse given embedded ports that clash with the ingress or another listener."""
+    ports = [args.redis_port + i for i in range(args.shards)] if args.redis_port else []
+    if args.port in ports:
+        flag = "--redis-port" if args.shards == 1 else f"--redis-port + {ports.index(args.port)}"
+        raise CommandError(f"--port and {flag} are both {args.port}")
+    for port in ports:
+        check_port_free("127.0.0.1", port)
+
+
+def _previous_ports(run_dir: Path, shards: int) -> tuple[list[int], list[int]] | None:
+    """The (ports, bus ports) of this run directory's last cluster when all are free again."""
+    try:
+        nodes = read_state(run_dir).get("cluster", {}).get("nodes", [])
+    except (OSError, ValueError):
+        return None
+    if len(nodes) != shards:
+        return None
+    ports = [n["port"] for n in nodes] + [n["bus_port"] for n in nodes]
+    try:
+        for port in ports:
+            check_port_free("127.0.0.1", port)
+    except CommandError:
+        return None
+    return ports[:shards], ports[shards:]
+
+
+def embedded_valkey(args: argparse.Namespace, run_dir: Path) -> tuple[list[Program], str, dict]:
+    """(programs, redis url, stack.json additions) of the embedded Valkey for `args`."""
+    shards = args.shards
+    if shards == 1:
+        port = args.redis_port or free_ports(1, {args.port})[0]
+        (run_dir / SINGLE).mkdir(parents=True, exist_ok=True)
+        cmd = valkey_command(port, run_dir / SINGLE)
+        return [Program(SINGLE, cmd, priority=10)], f"redis://127.0.0.1:{port}/0", {"shards": 1}
+    previous = None if args.redis_port else _previous_ports(run_dir, shards)
+    if previous is not None:
+        ports, bus_ports = previous
+    else:
+        given = [args.redis_port + i for i in range(shards)] if args.redis_port else []
+        picked = free_ports(2 * shards - len(given), {args.port, *given})
+        ports = given or picked[:shards]
+        bus_ports = picked[len(picked) - shards :]
+    nodes = make_nodes(run_dir / CLUSTER_DIR, ports, bus_ports)
+    programs = []
+    for node in nodes:
+        Path(node.data_dir).mkdir(parents=True, exist_ok=True)
+        cmd = valkey_command(node.port, node.data_dir, node.bus_port)
+        programs.append(Program(node.name, cmd, priority=10))
+    state = {"shards": shards, "cluster": {"nodes": [n.to_dict() for n in nodes]}}
+    return programs, nodes[0].url, state
+
+
+def valkey_ports(state: dict) -> dict[str, int]:
+    """Program name -> port of every embedded Valkey of this stack ({} with --redis-url)."""
+    nodes = (state.get("cluster") or {}).get("nodes")
+    if nodes:
+        return {n["name"]: int(n["port"]) for n in nodes}
+    if SINGLE in state["programs"]:
+        return {SINGLE: int(state["redis_url"].rsplit(":", 1)[1].split("/")[0])}
+    return {}
+
+
+def start_cluster(sup: Supervisor, state: dict, timeout_s: float) -> None:
+    """For a cluster stack: once its nodes run, form the cluster, then start the rest."""
+    nodes = [ClusterNode(**n) for n in (state.get("cluster") or {}).get("nodes", [])]
+    if not nodes:
+        return
+    started = time.monotonic()
+    sup.wait_running([n.name for n in nodes], timeout=timeout_s)
+    assigned = form(nodes, timeout_s=max(1.0, timeout_s - (time.monotonic() - started)))
+    how = "slots assigned" if assigned else "slots kept from nodes.conf"
+    print(f"kvrelay up: valkey cluster ok: {len(nodes)} nodes, {how}", file=sys.stderr)
+    sup.start_all()

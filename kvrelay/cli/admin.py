@@ -96,6 +96,8 @@ NUMBER_COLUMNS = (WorkerField.PID, WorkerField.LOAD, WorkerField.TOKENS_PER_S)
 
 
 def run_status(args: argparse.Namespace) -> int:
+    from redis import RedisError
+
     from kvrelay.cli import status_data
 
     if not 0.05 <= args.interval <= 3600:
@@ -119,7 +121,13 @@ def run_status(args: argparse.Namespace) -> int:
         from kvrelay.cli.status_watch import watch
 
         return watch(snapshot, redact_url(args.redis_url), args.interval)
-    data = snapshot()
+    try:
+        data = snapshot()
+    except RedisError:  # a cluster node down fails the Redis view: show which one first
+        nodes = status_data.cluster_nodes(None, state)
+        if nodes and not args.json:
+            print("\n".join(cluster_lines(nodes)).lstrip("\n"))
+        raise
     if args.json:  # a heartbeat field the worker left empty is null, like a missing one
         data["workers"] = [
             {k: None if v == "" else v for k, v in w.items()} for w in data["workers"]

@@ -41,7 +41,7 @@ def connect(args: argparse.Namespace):
     """(redis client, Keys, store run dir) from --run-dir, flags or the environment."""
     from kvrelay.core.config import check_redis_url
     from kvrelay.core.keys import Keys
-    from kvrelay.pipeline.queue.redis_options import sync_redis
+    from kvrelay.core.redis_client import sync_redis
 
     state: dict[str, Any] = {}
     if args.run_dir or not args.redis_url:

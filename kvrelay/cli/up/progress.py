@@ -116,7 +116,7 @@ class UpProgress:
         import redis
 
         from kvrelay.core.keys import Keys
-        from kvrelay.pipeline.queue.redis_options import sync_redis
+        from kvrelay.core.redis_client import sync_redis
 
         keys = Keys(self.state["key_prefix"])
         names = ["store", *self.workers]

@@ -50,7 +50,7 @@ def _heartbeat_pids(state: dict, names: list[str]) -> list[bytes | None]:
     import redis
 
     from kvrelay.core.keys import Keys
-    from kvrelay.pipeline.queue.redis_options import sync_redis
+    from kvrelay.core.redis_client import sync_redis
 
     keys = Keys(state["key_prefix"])
     try:

@@ -1,24 +1,21 @@
-"""The client factory: a cluster client for a Valkey Cluster node's URL, a plain one otherwise."""
+"""The sync client factory: a cluster client for a Valkey Cluster node's URL, else a plain one."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
 import redis
-import redis.asyncio as aioredis
-import redis.asyncio.cluster as aiocluster
 from redis.cluster import RedisCluster
 
-from kvrelay.pipeline.queue import redis_options
-from kvrelay.pipeline.queue.redis_options import async_redis, is_cluster, sync_redis
+from kvrelay.core import redis_client
+from kvrelay.core.redis_client import is_cluster, sync_redis
 from tests.conftest import free_port
 
 
 @pytest.fixture(autouse=True)
 def _fresh_probe_cache(monkeypatch):
-    monkeypatch.setattr(redis_options, "_cluster_urls", {})
+    monkeypatch.setattr(redis_client, "_cluster_urls", {})
 
 
 def test_a_cluster_url_gives_cluster_clients(shared_cluster):
@@ -36,20 +33,6 @@ def test_a_cluster_url_gives_cluster_clients(shared_cluster):
     finally:
         client.close()
 
-    async def use() -> list:
-        aclient = async_redis(shared_cluster.url, max_connections=8)
-        try:
-            assert type(aclient) is aiocluster.RedisCluster
-            await aclient.xadd("{b}:s", {"m": b"1"})
-            # a blocking read outlives the cluster client's 5 s default socket timeout: None here
-            assert aclient.get_connection_kwargs()["socket_timeout"] is None
-            return await aclient.xread({"{b}:s": "0"}, block=100)
-        finally:
-            await aclient.aclose()
-
-    [[stream, entries]] = asyncio.run(use())
-    assert stream == b"{b}:s" and [fields for _id, fields in entries] == [{b"m": b"1"}]
-
 
 def test_a_plain_valkey_url_gives_todays_clients(valkey_session):
     assert is_cluster(valkey_session.url) is False
@@ -58,26 +41,10 @@ def test_a_plain_valkey_url_gives_todays_clients(valkey_session):
     assert client.get_connection_kwargs()["socket_timeout"] == 2
     client.close()
 
-    async def make():
-        aclient = async_redis(valkey_session.url, max_connections=8, pool_timeout_s=1.5)
-        try:
-            assert type(aclient) is aioredis.Redis
-            pool = aclient.connection_pool
-            assert (type(pool), pool.max_connections, pool.timeout) == (
-                aioredis.BlockingConnectionPool,
-                8,
-                1.5,
-            )
-            assert await aclient.ping() is True
-        finally:
-            await aclient.aclose()
-
-    asyncio.run(make())
-
 
 def test_the_probe_runs_once_per_url_and_can_be_skipped(valkey_session, monkeypatch):
     assert is_cluster(valkey_session.url) is False
-    assert redis_options._cluster_urls == {valkey_session.url: False}
+    assert redis_client._cluster_urls == {valkey_session.url: False}
     monkeypatch.setattr(redis.Redis, "info", lambda *a, **k: pytest.fail("probed twice"))
     assert is_cluster(valkey_session.url) is False
     assert type(sync_redis("redis://127.0.0.1:1/0", cluster=False)) is redis.Redis  # no probe
@@ -85,9 +52,9 @@ def test_the_probe_runs_once_per_url_and_can_be_skipped(valkey_session, monkeypa
 
 def test_an_unreachable_server_counts_as_plain_and_is_asked_again(caplog):
     url = f"redis://:secret@127.0.0.1:{free_port()}/0"
-    with caplog.at_level(logging.WARNING, logger=redis_options.__name__):
+    with caplog.at_level(logging.WARNING, logger=redis_client.__name__):
         assert is_cluster(url) is False
-    assert redis_options._cluster_urls == {}  # not remembered: asked again next time
+    assert redis_client._cluster_urls == {}  # not remembered: asked again next time
     [record] = caplog.records
     assert record.getMessage().startswith(
         f"cannot tell whether {url.replace('secret', '***')} is a cluster ("

@@ -122,7 +122,11 @@ def test_a_supervised_cluster_forms_starts_the_rest_and_keeps_its_slots(tmp_path
         start_cluster(sup, state, timeout_s=30)
         assert capsys.readouterr().err == "kvrelay up: valkey cluster ok: 2 nodes, slots assigned\n"
         assert sup.wait_running(["after"], timeout=30)
-        sup.ctl("restart", "valkey-0", "valkey-1")  # both nodes stopped: only nodes.conf is left
+        with sup.rpc() as rpc:  # both nodes stopped: only their nodes.conf is left
+            for name in ("valkey-0", "valkey-1"):
+                rpc.supervisor.stopProcess(name)
+            for name in ("valkey-0", "valkey-1"):
+                rpc.supervisor.startProcess(name, False)
         start_cluster(sup, state, timeout_s=30)
         assert capsys.readouterr().err == (
             "kvrelay up: valkey cluster ok: 2 nodes, slots kept from nodes.conf\n"
@@ -139,7 +143,8 @@ def test_a_supervised_cluster_forms_starts_the_rest_and_keeps_its_slots(tmp_path
             }
             for i, ranges in enumerate(["0-8191", "8192-16383"])
         ]  # fmt: skip
-        sup.ctl("stop", "valkey-1")
+        with sup.rpc() as rpc:
+            rpc.supervisor.stopProcess("valkey-1")
         assert main(["status", "--run-dir", str(run)]) == 1  # the Redis view fails: which node
         out, err = capsys.readouterr()
         assert out.splitlines() == [

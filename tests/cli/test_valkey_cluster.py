@@ -7,6 +7,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
+from kvrelay.cli.up.valkey import free_ports
 from kvrelay.cli.up.valkey_cluster import (
     ClusterError,
     cluster_info,
@@ -81,7 +82,7 @@ def test_a_lua_script_on_one_hash_tag_runs_and_a_cross_slot_one_is_refused(share
         rc.close()
 
 
-def test_a_restarted_node_keeps_its_slots_and_keys_from_nodes_conf(valkey_cluster):
+def test_restarted_nodes_keep_their_slots_and_keys_from_nodes_conf(valkey_cluster):
     rc = RedisCluster.from_url(valkey_cluster.url)
     try:
         rc.set("{c}:kept", "1")  # slot 7365: the second node
@@ -103,6 +104,19 @@ def test_a_restarted_node_keeps_its_slots_and_keys_from_nodes_conf(valkey_cluste
         "slot_ranges": ["5462-10922"],
         "cluster_state": "ok",
     }
+    # then all nodes stopped and started on new ports (one recorded port was taken, say)
+    valkey_cluster.stop()
+    ports = free_ports(6, {n.port for n in valkey_cluster.nodes})
+    for i, node in enumerate(valkey_cluster.nodes):  # nodes.conf names the old ports
+        node.port, node.bus_port = ports[i], ports[3 + i]
+        valkey_cluster.start_node(i)
+    assert valkey_cluster.form(timeout_s=20) is False  # MEET updates the addresses
+    assert [own_slots(valkey_cluster.client(i)) for i in range(3)] == [[r] for r in THIRDS]
+    rc = RedisCluster.from_url(valkey_cluster.url)
+    try:
+        assert rc.get("{c}:kept") == b"1"
+    finally:
+        rc.close()
 
 
 def test_forming_with_a_node_down_names_it(tmp_path):

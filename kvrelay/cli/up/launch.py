@@ -185,7 +185,8 @@ class Supervisor:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         return done.stdout
 
-    def _proxy(self) -> xmlrpc.client.ServerProxy:
+    def rpc(self) -> xmlrpc.client.ServerProxy:
+        """An XML-RPC proxy of this supervisord (over the config's unix socket)."""
         from supervisor.xmlrpc import SupervisorTransport
 
         # XML-RPC over the config's unix socket: no supervisorctl process per query
@@ -195,7 +196,7 @@ class Supervisor:
     def status(self) -> dict[str, tuple[str, int | None]]:
         """Program name -> (state, pid) as supervisord reports it ({} while it is not up)."""
         try:
-            with self._proxy() as proxy:
+            with self.rpc() as proxy:
                 infos = proxy.supervisor.getAllProcessInfo()
         except (OSError, xmlrpc.client.Error):
             return {}
@@ -203,7 +204,7 @@ class Supervisor:
 
     def start_all(self) -> None:
         """Start every program not running yet (those written with autostart=False)."""
-        with self._proxy() as proxy:
+        with self.rpc() as proxy:
             proxy.supervisor.startAllProcesses(False)
 
     def wait_running(self, names: list[str], timeout: float = 60.0) -> dict[str, int]:

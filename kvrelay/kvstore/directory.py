@@ -31,9 +31,9 @@ class Directory:
         ttl_s: float = 10.0,
         heartbeat_s: float = 2.0,
     ):
-        import redis
+        from kvrelay.core.redis_client import sync_redis
 
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.redis = sync_redis(redis_url, socket_timeout=5, socket_connect_timeout=5)
         script = resources.files("kvrelay.kvstore") / "lua" / "pages.lua"
         self._pages = self.redis.register_script(script.read_text())
         self.keys = Keys(key_prefix)

@@ -27,6 +27,7 @@ from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, RequestStatus, Stage, WorkerField
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, Task, TokenChunk
+from kvrelay.core.redis_client import sync_redis
 from kvrelay.pipeline.queue.output import DEADLINE_PASSED
 from kvrelay.pipeline.queue.streams import Streams
 from kvrelay.workers.config import WorkerConfig
@@ -69,7 +70,7 @@ class Worker:
         self.keys = Keys(config.key_prefix)
         self.name = config.worker_name(self.role)
         self.consumer = f"{self.name}.{int(time.time() * 1000) % 10**9}"
-        self.r = client or redis.Redis.from_url(config.redis_url, health_check_interval=10)
+        self.r = client or sync_redis(config.redis_url, health_check_interval=10)
         self.streams = Streams(
             self.r, self.keys, self.consumer, out_ttl_s=config.out_ttl_s, req_ttl_s=config.req_ttl_s
         )

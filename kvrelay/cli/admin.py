@@ -39,6 +39,7 @@ def stack_state(run_dir: str | None) -> dict[str, Any]:
 
 def connect(args: argparse.Namespace):
     """(redis client, Keys, store run dir) from --run-dir, flags or the environment."""
+    from kvrelay.cli.up.valkey import cluster_mode
     from kvrelay.core.config import check_redis_url
     from kvrelay.core.keys import Keys
     from kvrelay.core.redis_client import sync_redis
@@ -63,7 +64,9 @@ def connect(args: argparse.Namespace):
     args.stack_state = state  # `status` shows the topology `kvrelay up` chose
     args.redis_url = url  # named by the one-line error of `kvrelay.cli.main.main`
     timeout = max(0.1, args.timeout_s)
-    client = sync_redis(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    # the mode stack.json knows, when the URL is its own (else the server is asked)
+    mode = cluster_mode(state) if url == state.get("redis_url") else None
+    client = sync_redis(url, mode, socket_timeout=timeout, socket_connect_timeout=timeout)
     return client, Keys(prefix), store_dir
 
 

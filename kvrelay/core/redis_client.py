@@ -45,7 +45,8 @@ def is_cluster(url: str) -> bool:
     try:
         enabled = str(probe.info("cluster").get("cluster_enabled", 0)) == "1"
     except redis.RedisError as exc:
-        logger.warning("cannot tell whether %s is a cluster (%s): plain", redact_url(url), exc)
+        # INFO, not WARNING: `kvrelay up` polls before its Valkey listens (it knows the mode)
+        logger.info("cannot tell whether %s is a cluster (%s): plain", redact_url(url), exc)
         return False
     finally:
         probe.close()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrelay.cli.up.launch import listens
-from kvrelay.cli.up.valkey import valkey_ports
+from kvrelay.cli.up.valkey import cluster_mode, valkey_ports
 from kvrelay.core.enums import WorkerField
 
 REMIND_S = 30.0  # an unchanged line is repeated this often, so a long wait still shows life
@@ -123,7 +123,10 @@ class UpProgress:
         if self._redis is None:
             try:
                 self._redis = sync_redis(
-                    self.state["redis_url"], socket_timeout=2, socket_connect_timeout=2
+                    self.state["redis_url"],
+                    cluster_mode(self.state),
+                    socket_timeout=2,
+                    socket_connect_timeout=2,
                 )
             except redis.RedisError:  # a cluster client asks for the slot map at once
                 return {}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvrelay.cli.errors import EXIT_UNAVAILABLE, CommandError, redact_url
 from kvrelay.cli.up.launch import Supervisor, listens
-from kvrelay.cli.up.valkey import valkey_ports
+from kvrelay.cli.up.valkey import cluster_mode, valkey_ports
 from kvrelay.core.enums import Stage, WorkerField
 from kvrelay.core.errors import KvrelayError
 
@@ -54,7 +54,9 @@ def _heartbeat_pids(state: dict, names: list[str]) -> list[bytes | None]:
 
     keys = Keys(state["key_prefix"])
     try:
-        client = sync_redis(state["redis_url"], socket_timeout=2, socket_connect_timeout=2)
+        client = sync_redis(
+            state["redis_url"], cluster_mode(state), socket_timeout=2, socket_connect_timeout=2
+        )
         try:
             pipe = client.pipeline(transaction=False)
             for name in names:

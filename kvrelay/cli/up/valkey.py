@@ -136,6 +136,14 @@ def valkey_ports(state: dict) -> dict[str, int]:
     return {}
 
 
+def cluster_mode(state: dict) -> bool | None:
+    """Whether this stack's Redis is a cluster, as stack.json knows it (None: --redis-url, ask
+    the server), so its clients need not probe a Valkey that is still starting."""
+    if (state.get("cluster") or {}).get("nodes"):
+        return True
+    return False if SINGLE in state.get("programs", ()) else None
+
+
 def start_cluster(sup: Supervisor, state: dict, timeout_s: float) -> None:
     """For a cluster stack: once its nodes run, form the cluster, then start the rest."""
     nodes = [ClusterNode(**n) for n in (state.get("cluster") or {}).get("nodes", [])]

@@ -156,9 +156,9 @@ async def _ingress(url, index, inflight, tokens, start, until, q) -> None:
         nonlocal received
         rid = new_request_id("sim")
         sub = Submission(rid, "sim", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=tokens))
-        chunks = feed.chunks(rid, submitted=True)
+        subscription = await feed.subscribe(rid)
         await producer.enqueue(sub, entry, feed=feed.reader_id)
-        async for chunk in chunks:
+        async for chunk in subscription.chunks(submitted=True):
             now = time.time()
             if start <= now < until and chunk.token_ids:
                 received += len(chunk.token_ids)
@@ -255,12 +255,14 @@ def main() -> None:
         if data_dir is not None:
             shutil.rmtree(data_dir, ignore_errors=True)
     if args.write_docs:
-        cmd = "python benchmarks/queue_sim.py " + " ".join(a for a in sys.argv[1:] if a != "--write-docs")
+        argv = [a for a in sys.argv[1:] if a != "--write-docs"]
+        cmd = "python benchmarks/queue_sim.py " + " ".join(argv)
         lines = [
             f"Measured {machine_line()}; `{cmd}`.",
             "",
-            "| workers x batch | steps/s per worker | offered tok/s | carried tok/s | p50 ms | "
-            "p99 ms | commands/token | Valkey CPU µs/token | Valkey CPU | tokens per Valkey core-s |",
+            "| workers x batch | steps/s per worker | offered tok/s | carried tok/s | p50 ms "
+            "| p99 ms | commands/token | Valkey CPU µs/token | Valkey CPU "
+            "| tokens per Valkey core-s |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for x in rows:

@@ -13,9 +13,10 @@ import redis
 from kvrelay.core import record as rec
 from kvrelay.core.enums import DONE_STATUSES, RequestStatus, WorkerField
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import MessageError, TokenChunk
+from kvrelay.core.messages import MessageError, TokenChunk, decode_chunks
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.pipeline.queue import choices_state
+from kvrelay.pipeline.queue.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +122,26 @@ def request_record(raw: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def _chunks(r: redis.Redis, out_key: str) -> tuple[list[TokenChunk], int]:
-    """The output stream's chunks, and how many entries did not decode (shown, not fatal)."""
+def _progress(r: redis.Redis, keys: Keys, request_id: str) -> Progress | None:
+    """The request's progress while it runs (None once it ended, or when unreadable)."""
+    try:
+        return Progress.parse(r.hget(keys.progress, request_id))
+    except ValueError:
+        logger.error("request %s: malformed progress", request_id)
+        return None
+
+
+def _chunks(r: redis.Redis, keys: Keys, request_id: str) -> tuple[list[TokenChunk], int]:
+    """The request's chunks (out:{id}, then the tail of its progress while it runs), and how
+    many entries did not decode (shown, not fatal)."""
     chunks, bad = [], 0
-    for _, fields in r.xrange(out_key):
+    runs = [fields.get(MESSAGE_FIELD, b"") for _, fields in r.xrange(keys.out(request_id))]
+    progress = _progress(r, keys, request_id)
+    if progress is not None and progress.tail:
+        runs.append(progress.tail)
+    for run in runs:
         try:
-            chunks.append(TokenChunk.decode(fields.get(MESSAGE_FIELD, b"")))
+            chunks.extend(decode_chunks(run))
         except MessageError:
             bad += 1
     return chunks, bad
@@ -147,8 +162,11 @@ def show_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any] 
         combined = choices_state.combine(parent, records).public()
         record.update({name: combined[name] for name in choices_state.COMBINED_FIELDS})
         record["choices"] = choices_state.choices_view(request_id, records)
+    elif (progress := _progress(r, keys, request_id)) is not None:
+        # while it runs, its progress holds the live count (the record's lags behind)
+        record.update(completion_tokens=progress.emitted, emitted=progress.emitted)
     ids = [choices_state.choice_id(request_id, k) for k in range(count)] or [request_id]
-    outputs = [_chunks(r, keys.out(one)) for one in ids]
+    outputs = [_chunks(r, keys, one) for one in ids]
     if not record and not outputs[0][0] and not outputs[0][1]:
         return None
     chunks = [c for one, _ in outputs for c in one]
@@ -160,16 +178,14 @@ def show_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any] 
         "output_bad_chunks": sum(bad for _, bad in outputs),
         "output_text": None if count else "".join(c.text for c in chunks),
         "finished": all(any(c.finished for c in one) for one, _ in outputs),
-        "cancel_requested": bool(r.exists(keys.cancel(request_id))),
+        "cancel_requested": choices_state.cancel_requested_sync(r, keys, request_id, count),
         "out_ttl_s": min(r.ttl(keys.out(one)) for one in ids),
     }
 
 
-def cancel_request(
-    r: redis.Redis, keys: Keys, request_id: str, ttl_s: int = 3600
-) -> dict[str, Any] | None:
-    """Set cancel:{id} (and each choice's, for a request of several) unless the request
-    already ended; None if unknown.
+def cancel_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any] | None:
+    """Set the cancel flag in the request's progress (and each choice's, for a request of
+    several) unless the request already ended; None if unknown.
 
     Returns {request_id, cancelled, status, finish_reason}: `cancelled` is False when the
     request had already ended (nothing to stop; the HTTP DELETE answers the same way). The
@@ -193,13 +209,10 @@ def cancel_request(
     status = raw.get(rec.STATUS, "")
     ended = status in DONE_STATUSES
     if not ended and not raw:  # no record (expired): the output stream tells whether it ended
-        ended = any(c.finished for c in _chunks(r, out_key)[0])
+        ended = any(c.finished for c in _chunks(r, keys, request_id)[0])
         status = RequestStatus.FINISHED if ended else ""
     if not ended:
-        with r.pipeline(transaction=False) as pipe:
-            for one in choices_state.cancel_ids(request_id, count):
-                pipe.set(keys.cancel(one), 1, ex=ttl_s)
-            pipe.execute()
+        choices_state.cancel_sync(r, keys, choices_state.cancel_ids(request_id, count))
     return {
         "request_id": request_id,
         "cancelled": not ended,

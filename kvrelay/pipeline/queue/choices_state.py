@@ -16,6 +16,9 @@ from kvrelay.core import record as fields
 from kvrelay.core.enums import OPEN_STATUSES, RequestStatus
 from kvrelay.core.keys import Keys
 from kvrelay.core.record import RequestRecord, as_str
+from kvrelay.pipeline.queue import scripts
+from kvrelay.pipeline.queue.field_ttl import field_ttl, field_ttl_sync
+from kvrelay.pipeline.queue.progress import Progress
 
 # the parent's fields that come from its choices; the others are the parent's own
 COMBINED_FIELDS = (
@@ -29,6 +32,7 @@ COMBINED_FIELDS = (
     "finish_reason",
     "error",
 )
+_CANCEL_LUA = scripts.with_progress("cancel")
 # how far a request has got, for the status of a parent whose choices are not all done
 _PROGRESS = (RequestStatus.QUEUED, RequestStatus.PREFILLING, RequestStatus.DECODING)
 
@@ -97,44 +101,92 @@ def _count(value: Any) -> int:
     return int(text) if text.isdigit() else 0
 
 
-def _decode(raw: list[Any]) -> list[RequestRecord]:
-    return [RequestRecord.decode(r) or RequestRecord() for r in raw]  # expired: empty
+def live(record: RequestRecord, raw_progress: bytes | None) -> RequestRecord:
+    """The record with the request's live token count: while it runs, its progress says how
+    many tokens went out (the record's `emitted` is written only at flushes and at the end)."""
+    progress = Progress.parse(raw_progress)
+    if progress is not None:
+        record.emitted = record.completion_tokens = progress.emitted
+    return record
+
+
+def _decode(raw: list[Any], progress: list[Any]) -> list[RequestRecord]:
+    return [
+        live(RequestRecord.decode(r) or RequestRecord(), p)  # expired: empty
+        for r, p in zip(raw, progress, strict=True)
+    ]
+
+
+def _choice_reads(pipe: Any, keys: Keys, request_id: str, count: int) -> None:
+    ids = [choice_id(request_id, k) for k in range(count)]
+    for one in ids:
+        pipe.hgetall(keys.request(one))
+    pipe.hmget(keys.progress, ids)
 
 
 async def read_choices(redis: Any, keys: Keys, request_id: str, count: int) -> list[RequestRecord]:
-    """The records of the request's `count` choices (asyncio redis; an expired one is empty)."""
+    """The records of the request's `count` choices, live (asyncio redis; an expired one is
+    empty)."""
+    if count == 0:
+        return []
     async with redis.pipeline(transaction=False) as pipe:
-        for k in range(count):
-            pipe.hgetall(keys.request(choice_id(request_id, k)))
-        return _decode(await pipe.execute())
+        _choice_reads(pipe, keys, request_id, count)
+        *raw, progress = await pipe.execute()
+    return _decode(raw, progress)
 
 
 def read_choices_sync(r: Any, keys: Keys, request_id: str, count: int) -> list[RequestRecord]:
     """read_choices() for sync redis-py (the admin CLI)."""
+    if count == 0:
+        return []
     with r.pipeline(transaction=False) as pipe:
-        for k in range(count):
-            pipe.hgetall(keys.request(choice_id(request_id, k)))
-        return _decode(pipe.execute())
+        _choice_reads(pipe, keys, request_id, count)
+        *raw, progress = pipe.execute()
+    return _decode(raw, progress)
 
 
 async def request_view(redis: Any, keys: Keys, request_id: str) -> dict[str, Any] | None:
-    """The public view of req:{id} (combined from its choices when it has several); None when
-    unknown or expired (asyncio redis)."""
-    parent = RequestRecord.decode(await redis.hgetall(keys.request(request_id)))
+    """The public view of req:{id} (combined from its choices when it has several; live); None
+    when unknown or expired (asyncio redis)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.request(request_id))
+        pipe.hget(keys.progress, request_id)
+        raw, progress = await pipe.execute()
+    parent = RequestRecord.decode(raw)
     if parent is None:
         return None
     if count := parent.num_choices or 0:
         return public_view(request_id, parent, await read_choices(redis, keys, request_id, count))
-    return parent.public()
+    return live(parent, progress).public()
 
 
-async def cancel(redis: Any, keys: Keys, request_id: str, ttl_s: int) -> list[str]:
-    """Set cancel:{id} and, for a request of several choices, each choice's (asyncio redis);
-    the ids flagged."""
+async def cancel(redis: Any, keys: Keys, request_id: str) -> list[str]:
+    """Set the cancel flag in the progress of the request and, for a request of several
+    choices, of each choice (asyncio redis; lua/cancel.lua); the ids flagged (those still
+    running: an ended request has no progress)."""
     count = await redis.hget(keys.request(request_id), fields.NUM_CHOICES)
     ids = cancel_ids(request_id, _count(count))
-    async with redis.pipeline(transaction=False) as pipe:
-        for one in ids:
-            pipe.set(keys.cancel(one), b"1", ex=ttl_s)
-        await pipe.execute()
-    return ids
+    flag = await field_ttl(redis)
+    flagged = await redis.eval(_CANCEL_LUA, 1, keys.progress, flag, *ids)
+    return [as_str(one) for one in flagged]
+
+
+def cancel_sync(r: Any, keys: Keys, ids: list[str]) -> list[str]:
+    """cancel() of the given ids for sync redis-py (the admin CLI)."""
+    flagged = r.eval(_CANCEL_LUA, 1, keys.progress, field_ttl_sync(r), *ids)
+    return [as_str(one) for one in flagged]
+
+
+def _flagged(values: list[Any]) -> bool:
+    return any((p := Progress.parse(v)) is not None and p.cancelled for v in values)
+
+
+async def cancel_requested(redis: Any, keys: Keys, request_id: str, count: int = 0) -> bool:
+    """Whether the progress of the request (or of one of its `count` choices) carries the
+    cancel flag; False once none has progress (ended)."""
+    return _flagged(await redis.hmget(keys.progress, cancel_ids(request_id, count)))
+
+
+def cancel_requested_sync(r: Any, keys: Keys, request_id: str, count: int = 0) -> bool:
+    """cancel_requested() for sync redis-py (the admin CLI)."""
+    return _flagged(r.hmget(keys.progress, cancel_ids(request_id, count)))

@@ -15,12 +15,18 @@ from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import MESSAGE_FIELD, DlqField, Keys
 from kvrelay.core.messages import DecodeTask, MessageError, PrefillTask
 from kvrelay.core.record import as_str
+from kvrelay.pipeline.queue.field_ttl import field_ttl_sync, set_progress_args
+from kvrelay.pipeline.queue.progress import new_progress
 
 logger = logging.getLogger(__name__)
 
 # The reason workers.reader gives an entry struck out by strikes.lua (docs/reliability.md):
 # its holders died MAX_DELIVERIES times in a row before it made progress.
 POISON_REASON = re.compile(r"delivered \d+ times, \d+ times in a row without progress")
+
+
+# the progress's time to live when the record has none (the submit scripts' default)
+DEFAULT_RECORD_TTL_S = 86400
 
 
 class NotReplayable(KvrelayError, ValueError):
@@ -121,9 +127,17 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
     task = _task(payload, stream, keys)
     request_id = as_str(fields.get(DlqField.REQUEST_ID.encode(), b""))
     request_id = request_id or (task.request_id if task else "")
+    flag = field_ttl_sync(r) if request_id else "0"
+    record_ttl = r.ttl(keys.request(request_id)) if request_id else -1
     pipe = r.pipeline(transaction=True)
-    if request_id:  # the error chunk ended the old output; a replay starts a fresh one
-        pipe.delete(keys.out(request_id), keys.cancel(request_id))
+    if request_id:
+        # the error chunk ended the old output; a replay starts a fresh one, with a fresh
+        # progress (nothing emitted, no owner, not cancelled; readers attach again)
+        pipe.delete(keys.out(request_id))
+        ttl_s = record_ttl if record_ttl > 0 else DEFAULT_RECORD_TTL_S
+        pipe.execute_command(
+            *set_progress_args(keys.progress, request_id, new_progress(), ttl_s, flag)
+        )
         pipe.hset(
             keys.request(request_id),
             mapping={

@@ -1,31 +1,28 @@
-"""Reading a request's output stream `out:{id}` (blocking XREAD), shared by ingress and client.
+"""What reading a request's output means, shared by ingress and client (the reading itself is
+`feed.py`'s): its errors, the made-up final chunk, cutting a chunk at a start index, and the
+`Completion` gathered from the chunks.
 
-Chunks come in token order; `start_index` resumes after tokens the reader already has. If the
-stream stays quiet while `req:{id}` says the request ended (failed, cancelled) without a final
+If a request stays quiet while `req:{id}` says it ended (failed, cancelled) without a final
 chunk, a final chunk is made up from the record so readers never wait for the deadline.
 `out:{id}` expires (workers' out_ttl, 10 min) long before `req:{id}` (24 h): a request that
-ended and whose stream is gone raises OutputExpired, never a deadline timeout.
+ended and whose history is gone raises OutputExpired, never a deadline timeout.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, RequestStatus
 from kvrelay.core.errors import KvrelayError
-from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import MessageError, TokenChunk
+from kvrelay.core.keys import Keys
+from kvrelay.core.messages import TokenChunk
 from kvrelay.core.record import as_str
-from kvrelay.pipeline.queue.outage import REDIS_RETRY_S, Outage
 
 logger = logging.getLogger(__name__)
 
@@ -94,102 +91,13 @@ def trim_chunk(
     )
 
 
-async def read_chunks(
-    redis: aioredis.Redis,
-    keys: Keys,
-    request_id: str,
-    *,
-    start_index: int = 0,
-    block_ms: int = 1000,
-    deadline: float | None = None,
-    retext: Callable[[list[int]], str] | None = None,
-    redis_retry_s: float = REDIS_RETRY_S,
-) -> AsyncIterator[TokenChunk]:
-    """Yield the chunks covering tokens >= start_index, ending with the final chunk.
-
-    `deadline` is unix seconds; past it OutputTimeout is raised (OutputExpired instead when
-    the request ended and its stream expired; RequestNotFound when there is no record).
-    Redis unreachable (a Valkey restart) is waited out for `redis_retry_s` before the
-    connection error is raised: the request lives on in the append-only file.
-    """
-    last_id, next_index = "0-0", 0
-    outage = Outage(f"request {request_id}", redis_retry_s)
-    while True:
-        try:
-            reply, final = await _poll(redis, keys, request_id, last_id, block_ms, deadline)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            # a read that timed out is retried too: it changes nothing, unlike a submission
-            if not await outage.wait(exc):
-                raise
-            continue
-        outage.over()
-        if final is not None:
-            final.index = max(final.index, next_index)
-            yield final
-            return
-        for entry_id, fields in reply:
-            last_id = entry_id
-            try:
-                chunk = TokenChunk.decode(fields[MESSAGE_FIELD])
-            except (KeyError, MessageError) as exc:
-                # A worker wrote it through the fenced script, so this is a bug worth shouting.
-                logger.error("request %s: unreadable out entry %s: %s", request_id, entry_id, exc)
-                continue
-            end = chunk.index + len(chunk.token_ids)
-            if chunk.token_ids and end <= next_index:
-                continue  # tokens this reader already yielded (never expected: fenced emits)
-            next_index = max(next_index, end)
-            if next_index > start_index or chunk.finished:
-                yield trim_chunk(chunk, start_index, retext)
-            if chunk.finished:
-                return
-
-
-async def _poll(
-    redis: aioredis.Redis,
-    keys: Keys,
-    request_id: str,
-    last_id: Any,
-    block_ms: int,
-    deadline: float | None,
-) -> tuple[list, TokenChunk | None]:
-    """One blocking read of out:{id}: (entries, None), or ([], made-up final chunk)."""
-    out_key, timeout = keys.out(request_id), block_ms
-    if deadline is not None:
-        left = deadline - time.time()
-        if left <= 0:
-            await check_output(redis, keys, request_id)
-            raise OutputTimeout(f"request {request_id} passed its deadline")
-        timeout = max(1, min(block_ms, int(left * 1000)))
-    reply = await redis.xread({out_key: last_id}, count=256, block=timeout)
-    entries = reply[0][1] if reply else []
-    if entries:
-        return entries, None
-    return [], await _ended_without_chunk(redis, keys, request_id, out_key, last_id)
-
-
-async def _ended_without_chunk(
-    redis: aioredis.Redis, keys: Keys, request_id: str, out_key: str, last_id: Any
-) -> TokenChunk | None:
-    """A made-up final chunk when the record says the request ended and no chunk says so."""
-    status, error, emitted = await redis.hmget(
-        keys.request(request_id), rec.STATUS, rec.ERROR, rec.EMITTED
-    )
-    if status is None:
-        if await redis.exists(out_key):
-            return None  # record expired first; the stream may still finish
-        raise RequestNotFound(request_id)
-    reason = TERMINAL.get(as_str(status))
-    if reason is None:
-        return None
-    if output_gone(as_str(status), emitted, bool(await redis.exists(out_key))):
-        raise OutputExpired(request_id, as_str(status))
-    # The final chunk may have landed between the empty read and the record check.
-    if await redis.xread({out_key: last_id}, count=1):
-        return None
-    message = as_str(error) if error else f"request ended with status {as_str(status)}"
+def ended_chunk(status: str, error: str | None, index: int) -> TokenChunk:
+    """The final chunk made up for a request whose record says it ended (`status`, one of
+    ENDED) without a final chunk: readers never wait for the deadline."""
+    reason = TERMINAL[status]
+    message = error or f"request ended with status {status}"
     return TokenChunk(
-        index=int(emitted or 0),
+        index=index,
         finish_reason=reason,
         error=message if reason == FinishReason.ERROR else None,
     )

@@ -1,8 +1,9 @@
 """Building and queueing requests: the one code path shared by the ingress and the client.
 
 prompt (messages | text | token ids) -> token ids -> length and sampling checks -> route ->
-one Lua script that creates `req:{id}` (refusing an id that exists) and XADDs the PrefillTask
-or DecodeTask, so a request is either fully queued or not at all.
+one Lua script that creates `req:{id}` (refusing an id that exists) and its progress (naming
+the feed of the reader that follows it) and XADDs the PrefillTask or DecodeTask, so a request
+is either fully queued or not at all.
 
 Redis unreachable (a Valkey restart) is waited out, up to `submit_wait_s` and the request's
 deadline (`outage.py`, as the output readers do): the caller gets a slower answer, not a 503.
@@ -35,7 +36,9 @@ from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.openai.protocol import GenerationRequest
 from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.choices_state import choice_id as choice_id  # where it was
+from kvrelay.pipeline.queue.field_ttl import field_ttl
 from kvrelay.pipeline.queue.outage import REDIS_RETRY_S, Outage
+from kvrelay.pipeline.queue.progress import new_progress
 from kvrelay.pipeline.queue.route import DECODE, Route, Router
 from kvrelay.pipeline.tokens import (
     check_lengths,
@@ -243,16 +246,23 @@ class Producer:
         )
 
     async def enqueue(
-        self, sub: Submission, entry: ModelEntry, record: dict[str, Any] | None = None
+        self,
+        sub: Submission,
+        entry: ModelEntry,
+        record: dict[str, Any] | None = None,
+        feed: str = "",
     ) -> Route | None:
         """Route and queue `sub`; None when another request with this id already exists.
+
+        `feed`: the output reader (`OutputFeed.reader_id`) that follows the request from its
+        first chunk ("" when none does yet: a reader attaches later).
 
         Raises a 429 RequestError when `max_waiting` entries already wait in the streams, and
         redis' ConnectionError when Redis stays unreachable past `submit_wait_s` or the
         deadline.
         """
         outage = Outage(f"request {sub.request_id}", self.submit_wait_s, sub.deadline)
-        route, entry_id = await outage.retry(lambda: self._queue(sub, entry, record))
+        route, entry_id = await outage.retry(lambda: self._queue(sub, entry, record, feed))
         if not entry_id:
             return None
         if isinstance(entry_id, int):  # the bound was reached: nothing was queued
@@ -276,7 +286,7 @@ class Producer:
         return route
 
     async def _queue(
-        self, sub: Submission, entry: ModelEntry, record: dict[str, Any] | None
+        self, sub: Submission, entry: ModelEntry, record: dict[str, Any] | None, feed: str
     ) -> tuple[Route, Any]:
         """One try: route, then the submit script; (route, the script's reply)."""
         route = await self.router.route(entry, sub.prompt_token_ids, sub.cache_salt)
@@ -284,9 +294,15 @@ class Producer:
         stream = self.keys.decode_stream if route.stage == DECODE else self.keys.prefill_stream
         flat = _record_items(sub, route.stage, len(sub.prompt_token_ids), route.cached_tokens)
         flat += _items(record or {})
-        keys = self.keys
+        keys, ttl_fields = self.keys, await field_ttl(self.redis)
         entry_id = await self._submit(
-            keys=[keys.request(sub.request_id), stream, keys.prefill_stream, keys.decode_stream],
+            keys=[
+                keys.request(sub.request_id),
+                stream,
+                keys.prefill_stream,
+                keys.decode_stream,
+                keys.progress,
+            ],
             args=[
                 self.record_ttl_s,
                 task.encode(),
@@ -294,6 +310,9 @@ class Producer:
                 PREFILL_GROUP,
                 DECODE_GROUP,
                 sub.submission_id,
+                sub.request_id,
+                new_progress(feed),
+                ttl_fields,
                 *flat,
             ],
         )
@@ -306,14 +325,16 @@ class Producer:
         entry: ModelEntry,
         record: dict[str, Any] | None = None,
         choice_record: dict[str, Any] | None = None,
+        feed: str = "",
     ) -> list[Route] | None:
         """Queue the choices `subs` (ids `choice_id(request_id, k)`, sharing one deadline)
         under the parent record req:{request_id}; their routes, or None when the id (or a
         choice's) exists. `record` goes into the parent record, `choice_record` into each
-        choice's. Raises as enqueue() does; nothing is queued unless all are."""
+        choice's; `feed` follows every choice (as in enqueue()). Raises as enqueue() does;
+        nothing is queued unless all are."""
         outage = Outage(f"request {request_id}", self.submit_wait_s, subs[0].deadline)
         routes, reply = await outage.retry(
-            lambda: self._queue_choices(request_id, subs, entry, record, choice_record)
+            lambda: self._queue_choices(request_id, subs, entry, record, choice_record, feed)
         )
         if isinstance(reply, int):  # the bound was reached: nothing was queued
             logger.warning(
@@ -345,6 +366,7 @@ class Producer:
         entry: ModelEntry,
         record: dict[str, Any] | None,
         choice_record: dict[str, Any] | None,
+        feed: str,
     ) -> tuple[list[Route], Any]:
         """One try: route each distinct prompt once (its choices go the same way), then the
         submit_choices script; (the routes, the script's reply)."""
@@ -369,6 +391,8 @@ class Producer:
             DECODE_GROUP,
             subs[0].submission_id,
             len(subs),
+            new_progress(feed),
+            await field_ttl(self.redis),
             len(parent),
             *parent,
         ]
@@ -376,13 +400,14 @@ class Producer:
             items = _record_items(sub, route.stage, len(sub.prompt_token_ids), route.cached_tokens)
             items += [rec.PARENT, request_id, *_items(choice_record or {})]
             stage = "d" if route.stage == DECODE else "p"
-            args += [stage, build_task(sub, route).encode(), len(items), *items]
+            args += [stage, sub.request_id, build_task(sub, route).encode(), len(items), *items]
         keys = self.keys
         reply = await self._submit_choices(
             keys=[
                 keys.request(request_id),
                 keys.prefill_stream,
                 keys.decode_stream,
+                keys.progress,
                 *(keys.request(sub.request_id) for sub in subs),
             ],
             args=args,

@@ -147,9 +147,9 @@ class Ingress:
         return fn
 
     async def cancel(self, request_id: str) -> None:
-        """Set cancel:{id} (and each choice's, for a request of several); workers drop the
-        request and finish it as cancelled."""
-        await choices_state.cancel(self.redis, self.keys, request_id, self.config.cancel_ttl_s)
+        """Set the cancel flag in the request's progress (and each choice's, for a request of
+        several); workers drop the request and finish it as cancelled."""
+        await choices_state.cancel(self.redis, self.keys, request_id)
 
     async def try_cancel(self, request_id: str) -> None:
         """cancel() that only logs when Redis is unavailable (the deadline stops workers too)."""

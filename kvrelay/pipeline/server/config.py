@@ -35,7 +35,6 @@ class IngressConfig:
     request_timeout_s: float = 600.0  # deadline given to workers
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     record_ttl_s: int = 86400  # req:{id} expiry set at submission
-    cancel_ttl_s: int = 3600
     # A client that loses its connection may reconnect (Last-Event-ID) this long before its
     # request is cancelled; 0 cancels at once. Long enough for a prompt retry, short enough
     # that an abandoned request does not hold a worker's batch slot for long.

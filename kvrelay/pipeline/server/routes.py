@@ -36,6 +36,7 @@ from kvrelay.pipeline.openai.protocol import (
 from kvrelay.pipeline.openai.responses import ResponseFormatter
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.openai.validate import check_cache_salt
+from kvrelay.pipeline.queue import choices_state as queue_choices
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.route import RouteMode
 from kvrelay.pipeline.queue.submit import check_request_id, new_request_id, valid_request_id
@@ -206,11 +207,16 @@ class GenerationApi:
         ing = self.ingress
 
         async def state(request_id: str, rec: dict[str, str]) -> Response:
-            cancel_requested = bool(await ing.redis.exists(ing.keys.cancel(request_id)))
-            if num_choices(rec):  # several choices: combined from theirs
+            count = num_choices(rec)
+            cancel_requested = await queue_choices.cancel_requested(
+                ing.redis, ing.keys, request_id, count
+            )
+            if count:  # several choices: combined from theirs
                 view = await choices_state(ing, request_id, rec)
             else:
-                view = (RequestRecord.decode(rec) or RequestRecord()).public()
+                progress = await ing.redis.hget(ing.keys.progress, request_id)
+                record = RequestRecord.decode(rec) or RequestRecord()
+                view = queue_choices.live(record, progress).public()
             body: dict[str, Any] = {"id": request_id, "object": "request", **view}
             body["cancel_requested"] = cancel_requested
             return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})

@@ -1,16 +1,19 @@
--- Queue one request: create req:{id} (refusing an id that exists) and XADD its task, unless
--- max_waiting entries no worker has read yet already wait. Checking and queueing in one script
--- makes the bound exact under any burst, from any number of ingress processes.
--- KEYS: 1 req:{id}, 2 work stream, 3 prefill stream, 4 decode stream
+-- Queue one request: create req:{id} (refusing an id that exists), its progress and XADD its
+-- task, unless max_waiting entries no worker has read yet already wait. Checking and queueing
+-- in one script makes the bound exact under any burst, from any number of ingress processes.
+-- KEYS: 1 req:{id}, 2 work stream, 3 prefill stream, 4 decode stream, 5 the prog hash
 -- ARGV: 1 ttl s, 2 payload, 3 max_waiting (0: no bound), 4 prefill group, 5 decode group,
---       6 submission id (random, one per submission), 7.. field/value pairs
+--       6 submission id (random, one per submission), 7 request id, 8 its progress value
+--       (naming the feed of the reader that follows it), 9 ttl_fields ("1": HSETEX),
+--       10.. field/value pairs
 -- Returns the new entry id; the submission id when this very submission is already queued
 -- (a retry whose first try ran but whose reply was lost: nothing is queued twice); false when
 -- req:{id} already exists for another submission (a duplicate id); the number of waiting
 -- entries when that reaches max_waiting.
 local function waiting(stream, group, bound)
-  if redis.call('EXISTS', stream) == 0 then return 0 end
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+  local groups = redis.pcall('XINFO', 'GROUPS', stream)
+  if type(groups) == 'table' and groups.err then return 0 end  -- no stream: nothing waits
+  for _, g in ipairs(groups) do
     local info = {}
     for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
     if info['name'] == group then
@@ -32,6 +35,12 @@ if bound > 0 then
   if n < bound then n = n + waiting(KEYS[4], ARGV[5], bound - n) end
   if n >= bound then return n end
 end
-redis.call('HSET', KEYS[1], ${SUBMISSION_ID}, ARGV[6], unpack(ARGV, 7))
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+local ttl = tonumber(ARGV[1])
+redis.call('HSET', KEYS[1], ${SUBMISSION_ID}, ARGV[6], unpack(ARGV, 10))
+redis.call('EXPIRE', KEYS[1], ttl)
+if ARGV[9] == '1' then
+  redis.call('HSETEX', KEYS[5], 'EX', ttl, 'FIELDS', 1, ARGV[7], ARGV[8])
+else
+  redis.call('HSET', KEYS[5], ARGV[7], ARGV[8])
+end
 return redis.call('XADD', KEYS[2], '*', ${MESSAGE_FIELD}, ARGV[2])

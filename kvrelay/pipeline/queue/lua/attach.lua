@@ -1,0 +1,31 @@
+-- Attach an output reader to a request: add its feed to the request's progress (the newest
+-- MAX_FEEDS kept) and read the history, in one step, so no chunk falls between what this
+-- returns and what the feed brings next.
+-- KEYS: 1 the prog hash, 2 out:{id}
+-- ARGV: 1 request id, 2 feed (reader) id ("" reads only), 3 max feeds, 4 ttl_fields ("1": HSETEX)
+-- Returns {progress value or false (no progress: the request ended, or never ran), the `m`
+-- values of out:{id} in order (each one or more framed chunks)}.
+local value = redis.call('HGET', KEYS[1], ARGV[1])
+local p = prog_parse(value)
+if p and ARGV[2] ~= '' then
+  local feeds, known = {}, false
+  for f in string.gmatch(p.feeds, '[^,]+') do
+    if f == ARGV[2] then known = true end
+    table.insert(feeds, f)
+  end
+  if not known then
+    table.insert(feeds, ARGV[2])
+    while #feeds > tonumber(ARGV[3]) do table.remove(feeds, 1) end
+    p.feeds = table.concat(feeds, ',')
+    value = prog_encode(p)
+    prog_store(KEYS[1], {ARGV[1], value}, ARGV[4])
+  end
+end
+local history = {}
+for _, entry in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
+  local fields = entry[2]
+  for i = 1, #fields, 2 do
+    if fields[i] == ${MESSAGE_FIELD} then table.insert(history, fields[i + 1]) end
+  end
+end
+return {value or false, history}

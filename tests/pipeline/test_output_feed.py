@@ -1,0 +1,232 @@
+"""OutputFeed: one blocking reader per process dispatching each request's chunks from the feed,
+history read on attach, gaps refilled, made-up finals, deadlines and a lost feed (workers are
+simulated by tests/pipeline/queue_sim.py, writing prog/out/feed as the design says)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvrelay.core import record as rec
+from kvrelay.core.enums import FinishReason, RequestStatus
+from kvrelay.core.keys import Keys
+from kvrelay.core.messages import TokenChunk
+from kvrelay.pipeline.queue.feed import OutputFeed
+from kvrelay.pipeline.queue.output import OutputExpired, OutputTimeout, RequestNotFound
+from kvrelay.pipeline.queue.progress import Progress
+from kvrelay.pipeline.queue.redis_options import async_redis
+from tests.pipeline.queue_sim import emit, step, submit
+
+KEYS = Keys("of:")
+
+
+def _c(index: int, ids: list[int], text: str = "", finish: str | None = None) -> TokenChunk:
+    return TokenChunk(index=index, token_ids=ids, text=text, finish_reason=finish)
+
+
+def _view(chunks: list[TokenChunk]) -> list[tuple]:
+    return [(c.index, c.token_ids, c.text, c.finish_reason) for c in chunks]
+
+
+async def _collect(agen, got: list[TokenChunk]) -> None:
+    async for chunk in agen:
+        got.append(chunk)
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def _run(url: str, scenario, **options) -> None:
+    async def main() -> None:
+        client = async_redis(url, 16)
+        feed = OutputFeed(client, KEYS, block_ms=100, **options)
+        try:
+            await scenario(feed)
+        finally:
+            await feed.stop()
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_one_feed_entry_reaches_several_requests_and_two_subscribers_of_one(r, valkey_session):
+    got: dict[str, list[TokenChunk]] = {"a": [], "b": [], "b2": []}
+
+    async def scenario(feed: OutputFeed) -> None:
+        sub_a, sub_b, sub_b2 = [await feed.subscribe(rid) for rid in ("a", "b", "b")]
+        submit(r, KEYS, "a", feed.reader_id)
+        submit(r, KEYS, "b", feed.reader_id)
+        readers = [
+            asyncio.create_task(_collect(sub.chunks(submitted=True), got[name]))
+            for sub, name in ((sub_a, "a"), (sub_b, "b"), (sub_b2, "b2"))
+        ]
+        step(r, KEYS, {"a": _c(0, [1], "x"), "b": _c(0, [7, 8], "yz")})
+        emit(r, KEYS, "a", _c(1, [2], "w", FinishReason.STOP))
+        emit(r, KEYS, "b", _c(2, [9], "v", FinishReason.LENGTH))
+        await asyncio.wait_for(asyncio.gather(*readers), 10)
+        assert feed._subs == {}  # every subscription ended with its reading
+
+    _run(valkey_session.url, scenario)
+    assert _view(got["a"]) == [(0, [1], "x", None), (1, [2], "w", "stop")]
+    assert _view(got["b"]) == [(0, [7, 8], "yz", None), (2, [9], "v", "length")]
+    assert _view(got["b2"]) == _view(got["b"])
+    assert r.xlen(KEYS.feed("x")) == 0  # nothing else was written
+
+
+def test_attach_reads_history_and_tail_then_live_without_loss_or_repeat(r, valkey_session):
+    got: list[TokenChunk] = []
+
+    async def scenario(feed: OutputFeed) -> None:
+        submit(r, KEYS, "h")
+        emit(r, KEYS, "h", _c(0, [1, 2], "ab"), flush=True)  # in out:{id}
+        emit(r, KEYS, "h", _c(2, [3], "c"))  # in the tail
+        reader = asyncio.create_task(_collect(feed.chunks("h"), got))
+        await _until(lambda: len(got) == 2)
+        progress = Progress.parse(r.hget(KEYS.progress, "h"))
+        assert progress is not None and progress.feeds == [feed.reader_id]  # attached
+        emit(r, KEYS, "h", _c(3, [4], "d"))
+        emit(r, KEYS, "h", _c(4, [5], "e", FinishReason.STOP))
+        await asyncio.wait_for(reader, 10)
+
+    _run(valkey_session.url, scenario)
+    assert _view(got) == [
+        (0, [1, 2], "ab", None),
+        (2, [3], "c", None),
+        (3, [4], "d", None),
+        (4, [5], "e", "stop"),
+    ]
+
+
+def test_attach_keeps_the_newest_feeds(r, valkey_session):
+    async def scenario(feed: OutputFeed) -> None:
+        submit(r, KEYS, "m", "f1")
+        progress = Progress.parse(r.hget(KEYS.progress, "m"))
+        progress.feeds = ["f1", "f2", "f3", "f4"]
+        r.hset(KEYS.progress, "m", progress.encode())
+        sub = await feed.subscribe("m")
+        history, runs = await sub.attach()
+        sub.close()
+        assert (history, runs) == ([], 0)
+
+    _run(valkey_session.url, scenario)
+    progress = Progress.parse(r.hget(KEYS.progress, "m"))
+    assert progress.feeds[:3] == ["f2", "f3", "f4"] and len(progress.feeds) == 4
+
+
+def test_a_chunk_trimmed_from_the_feed_is_refilled_from_the_history(r, valkey_session):
+    got: list[TokenChunk] = []
+
+    async def scenario(feed: OutputFeed) -> None:
+        sub = await feed.subscribe("g")
+        submit(r, KEYS, "g", feed.reader_id)
+        reader = asyncio.create_task(_collect(sub.chunks(submitted=True), got))
+        emit(r, KEYS, "g", _c(0, [1], "a"))
+        await _until(lambda: len(got) == 1)
+        # chunk 1's feed entry is trimmed before the reader sees it
+        with r.pipeline(transaction=True) as pipe:
+            progress = Progress.parse(r.hget(KEYS.progress, "g"))
+            emit(pipe, KEYS, "g", _c(1, [2], "b"), progress=progress)
+            pipe.xtrim(KEYS.feed(feed.reader_id), maxlen=0)
+            pipe.execute()
+        emit(r, KEYS, "g", _c(2, [3], "c", FinishReason.STOP))
+        await asyncio.wait_for(reader, 10)
+
+    _run(valkey_session.url, scenario)
+    assert _view(got) == [(0, [1], "a", None), (1, [2], "b", None), (2, [3], "c", "stop")]
+
+
+def test_a_failed_record_without_a_final_chunk_gets_a_made_up_one(r, valkey_session):
+    got: list[TokenChunk] = []
+    got_live: list[TokenChunk] = []
+
+    async def scenario(feed: OutputFeed) -> None:
+        submit(r, KEYS, "f")
+        emit(r, KEYS, "f", _c(0, [1, 2], "ab"), flush=True)
+        r.hset(KEYS.request("f"), mapping={rec.STATUS: RequestStatus.FAILED, rec.ERROR: "boom"})
+        r.hdel(KEYS.progress, "f")
+        await asyncio.wait_for(_collect(feed.chunks("f"), got), 10)
+        # a reader following it live notices once the request stays quiet
+        sub = await feed.subscribe("f2")
+        submit(r, KEYS, "f2", feed.reader_id)
+        reader = asyncio.create_task(_collect(sub.chunks(submitted=True), got_live))
+        emit(r, KEYS, "f2", _c(0, [5], "e"))
+        await _until(lambda: len(got_live) == 1)
+        r.hset(KEYS.request("f2"), mapping={rec.STATUS: RequestStatus.CANCELLED})
+        await asyncio.wait_for(reader, 10)
+
+    _run(valkey_session.url, scenario, quiet_s=0.2)
+    assert _view(got) == [(0, [1, 2], "ab", None), (2, [], "", "error")]
+    assert got[-1].error == "boom"
+    assert _view(got_live) == [(0, [5], "e", None), (1, [], "", "cancelled")]
+    assert got_live[-1].error is None
+
+
+def test_start_index_cuts_the_chunk_it_falls_in(r, valkey_session):
+    got: list[TokenChunk] = []
+
+    async def scenario(feed: OutputFeed) -> None:
+        submit(r, KEYS, "s")
+        emit(r, KEYS, "s", _c(0, [1, 2, 3], "abc"), flush=True)
+        emit(r, KEYS, "s", _c(3, [4], "d", FinishReason.STOP))
+        retext = lambda ids: "".join(chr(ord("a") + i - 1) for i in ids)  # noqa: E731
+        await asyncio.wait_for(_collect(feed.chunks("s", start_index=2, retext=retext), got), 10)
+
+    _run(valkey_session.url, scenario)
+    assert _view(got) == [(2, [3], "c", None), (3, [4], "d", "stop")]
+
+
+def test_the_deadline_ends_the_reading(r, valkey_session):
+    async def scenario(feed: OutputFeed) -> None:
+        submit(r, KEYS, "d")
+        with pytest.raises(OutputTimeout):
+            await asyncio.wait_for(_collect(feed.chunks("d", deadline=time.time() + 0.3), []), 10)
+
+    _run(valkey_session.url, scenario)
+
+
+def test_unknown_and_expired_requests(r, valkey_session):
+    async def scenario(feed: OutputFeed) -> None:
+        with pytest.raises(RequestNotFound):
+            await asyncio.wait_for(_collect(feed.chunks("nope"), []), 10)
+        r.hset(KEYS.request("old"), mapping={rec.STATUS: RequestStatus.FINISHED, rec.EMITTED: 3})
+        with pytest.raises(OutputExpired):
+            await asyncio.wait_for(_collect(feed.chunks("old"), []), 10)
+
+    _run(valkey_session.url, scenario)
+
+
+def test_a_vanished_feed_is_recreated_and_its_requests_attached_again(r, valkey_session):
+    got: list[TokenChunk] = []
+
+    async def scenario(feed: OutputFeed) -> None:
+        sub = await feed.subscribe("v")
+        submit(r, KEYS, "v", feed.reader_id)
+        reader = asyncio.create_task(_collect(sub.chunks(submitted=True), got))
+        emit(r, KEYS, "v", _c(0, [1], "a"))
+        await _until(lambda: len(got) == 1)
+        r.delete(KEYS.feed(feed.reader_id))
+        emit(r, KEYS, "v", _c(1, [2], "b"))  # NOMKSTREAM: lost with the feed
+        await _until(lambda: r.exists(KEYS.feed(feed.reader_id)) == 1)
+        await _until(lambda: len(got) == 2)
+        emit(r, KEYS, "v", _c(2, [3], "c", FinishReason.STOP))
+        await asyncio.wait_for(reader, 10)
+        assert 0 < r.ttl(KEYS.feed(feed.reader_id)) <= 60
+
+    _run(valkey_session.url, scenario, renew_s=0.2)
+    assert _view(got) == [(0, [1], "a", None), (1, [2], "b", None), (2, [3], "c", "stop")]
+
+
+def test_stop_deletes_the_feed(r, valkey_session):
+    async def scenario(feed: OutputFeed) -> None:
+        await feed.start()
+        assert r.exists(KEYS.feed(feed.reader_id)) == 1
+        await feed.stop()
+        assert r.exists(KEYS.feed(feed.reader_id)) == 0
+
+    _run(valkey_session.url, scenario)

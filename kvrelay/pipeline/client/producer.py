@@ -39,13 +39,13 @@ from kvrelay.pipeline.model_registry import ModelRegistry
 from kvrelay.pipeline.openai.validate import type_error
 from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.cluster import ClusterState
+from kvrelay.pipeline.queue.feed import OutputFeed, Subscription
 from kvrelay.pipeline.queue.outage import REDIS_RETRY_S
 from kvrelay.pipeline.queue.output import (
     Completion,
     OutputExpired,
     OutputTimeout,
     RequestNotFound,
-    read_chunks,
 )
 from kvrelay.pipeline.queue.redis_options import async_redis
 from kvrelay.pipeline.queue.route import RouteMode, Router
@@ -105,6 +105,8 @@ class AsyncClient:
             submit_wait_s=submit_wait_s,
         )
         self.block_ms = block_ms
+        # the one reader of the outputs this client reads (started on first use)
+        self.feed = OutputFeed(self.redis, self.keys, block_ms=block_ms)
         self._deadlines: dict[str, float | None] = {}
         self._models: dict[str, str] = {}
 
@@ -115,6 +117,7 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        await self.feed.stop()
         if self._own_redis:
             await self.redis.aclose()
 
@@ -134,8 +137,33 @@ class AsyncClient:
 
         Raises RequestError (as the HTTP API would answer) for a request that cannot be served,
         an id already in use (409) or Redis unreachable for longer than `submit_wait_s` (503);
-        nothing is queued then.
+        nothing is queued then. No reader follows it yet: stream() attaches to it.
         """
+        return await self._submit(
+            prompt,
+            messages=messages,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            model=model,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            detokenize=detokenize,
+        )
+
+    async def _submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None,
+        model: str | None = None,
+        request_id: str | None = None,
+        cache_salt: str = "",
+        detokenize: bool = True,
+        feed: str = "",
+    ) -> str:
+        """submit(), naming `feed` as the reader that follows the request."""
         if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
             raise RequestError("give exactly one of prompt, messages or prompt_token_ids")
         request_id = new_request_id() if request_id is None else checked_id(request_id)
@@ -148,7 +176,7 @@ class AsyncClient:
             sub, entry = await self.producer.prepare_parsed(
                 parsed, request_id=request_id, detokenize=detokenize
             )
-            route = await self.producer.enqueue(sub, entry, {rec.SOURCE: "client"})
+            route = await self.producer.enqueue(sub, entry, {rec.SOURCE: "client"}, feed)
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
         if route is None:
@@ -175,7 +203,9 @@ class AsyncClient:
             return None
         return lambda ids: tokenizer.decode(ids)
 
-    async def stream(self, request_id: str, start_index: int = 0) -> AsyncIterator[TokenChunk]:
+    async def stream(
+        self, request_id: str, start_index: int = 0, *, _subscription: Subscription | None = None
+    ) -> AsyncIterator[TokenChunk]:
         """The request's chunks from token `start_index` on, ending with the final chunk.
 
         A chunk that began before `start_index` is cut there (its text re-decoded). Raises
@@ -195,36 +225,51 @@ class AsyncClient:
                 raw = await self.redis.hget(self.keys.request(request_id), rec.DEADLINE)
                 deadline = float(raw) if raw else None
             retext = await self._retext(request_id) if start_index else None
-            async for chunk in read_chunks(
-                self.redis,
-                self.keys,
-                request_id,
-                start_index=start_index,
-                block_ms=self.block_ms,
-                deadline=deadline,  # met at the deadline itself, as the ingress does
-                retext=retext,
-            ):
+            # the deadline is met at the deadline itself, as the ingress does
+            if _subscription is not None:  # generate(): subscribed before submitting
+                chunks = _subscription.chunks(
+                    start_index=start_index, deadline=deadline, retext=retext, submitted=True
+                )
+            else:
+                chunks = self.feed.chunks(
+                    request_id, start_index=start_index, deadline=deadline, retext=retext
+                )
+            async for chunk in chunks:
                 yield chunk
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
+        finally:
+            if _subscription is not None:
+                _subscription.close()
 
-    async def result(self, request_id: str, start_index: int = 0) -> Completion:
+    async def result(
+        self, request_id: str, start_index: int = 0, *, _subscription: Subscription | None = None
+    ) -> Completion:
         """Wait for the request to finish and return everything from `start_index` on."""
         done = Completion(request_id)
-        async for chunk in self.stream(request_id, start_index):
+        async for chunk in self.stream(request_id, start_index, _subscription=_subscription):
             done.add(chunk)
         return done
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
-        """submit() then result()."""
-        return await self.result(await self.submit(prompt, **kwargs))
+        """submit() then result(), the request following this client's feed from its first
+        chunk (subscribed before it is queued: no history to read)."""
+        given = kwargs.pop("request_id", None)
+        request_id = new_request_id() if given is None else checked_id(given)
+        subscription = await self.feed.subscribe(request_id)
+        try:
+            await self._submit(prompt, request_id=request_id, feed=self.feed.reader_id, **kwargs)
+        except BaseException:
+            subscription.close()
+            raise
+        return await self.result(request_id, _subscription=subscription)
 
-    async def cancel(self, request_id: str, ttl_s: int = 3600) -> None:
+    async def cancel(self, request_id: str) -> None:
         """Ask the workers to stop the request (it finishes with finish_reason 'cancelled'), and
         every choice of a request of several."""
         checked_id(request_id)
         try:
-            await choices_state.cancel(self.redis, self.keys, request_id, ttl_s)
+            await choices_state.cancel(self.redis, self.keys, request_id)
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
 
@@ -288,8 +333,8 @@ class Client:
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         return self._call(self._async.generate(prompt, **kwargs))
 
-    def cancel(self, request_id: str, ttl_s: int = 3600) -> None:
-        self._call(self._async.cancel(request_id, ttl_s))
+    def cancel(self, request_id: str) -> None:
+        self._call(self._async.cancel(request_id))
 
     def status(self, request_id: str) -> dict[str, Any] | None:
         return self._call(self._async.status(request_id))

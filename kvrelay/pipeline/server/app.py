@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP ingress (Starlette): `Ingress` and `create_app(config)`.
 
 It validates and tokenizes requests, routes each to stream:prefill or stream:decode, and relays
-out:{id} back as JSON or SSE. It imports neither torch nor the workers, so it starts fast.
+their chunks (one output feed per process, queue/feed.py) back as JSON or SSE. It imports
+neither torch nor the workers, so it starts fast.
 
 `Ingress` is the application: the shared state, its lifespan, and `routes()`, the route table.
 Every endpoint is a method of `GenerationApi` (routes.py: completions and the request
@@ -37,6 +38,7 @@ from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.backpressure import Backpressure
 from kvrelay.pipeline.queue.cluster import ClusterState
+from kvrelay.pipeline.queue.feed import OutputFeed
 from kvrelay.pipeline.queue.redis_options import async_redis, resilient
 from kvrelay.pipeline.queue.route import Router
 from kvrelay.pipeline.queue.submit import Producer
@@ -64,14 +66,16 @@ class Ingress:
         self.config = config
         self.keys = Keys(config.key_prefix)
         # Bounded reads: a hung Redis (stopped, not dead) gives 503s within seconds.
-        # One connection per open request (its blocking output read) plus headroom for the
-        # rest; --max-inflight bounds the open requests, so the pool never runs dry by design.
+        # Sized as when each open request held a connection for its blocking read (now the
+        # feed's one read serves them all): --max-inflight plus headroom never runs dry.
         self.redis = redis or async_redis(
             config.redis_url,
             max_connections=config.max_inflight + 256,
             pool_timeout_s=config.redis_timeout_s,
             options=resilient(config.redis_socket_timeout_s, config.redis_timeout_s),
         )
+        # the one reader of every output this process delivers (started on first use too)
+        self.feed = OutputFeed(self.redis, self.keys, block_ms=config.read_block_ms)
         self.cluster = ClusterState(self.redis, self.keys, config.state_refresh_s)
         self.registry = ModelRegistry(
             config.models, self.cluster, tokenizers, config.generation_override
@@ -131,6 +135,7 @@ class Ingress:
             await self.redis.ping()
         except RedisError as exc:
             logger.warning("redis at %s is not reachable yet: %s", self.config.redis_url, exc)
+        await self.feed.start()
         await self.warm_up()
         yield
         await self.aclose()
@@ -234,6 +239,7 @@ class Ingress:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.feed.stop()
         self.cluster.close()
         await self.redis.aclose()
 

@@ -129,8 +129,19 @@ async def generate_choices(
         options["tool_calls"] = tool_options
     record = {fields.INGRESS: options, fields.USER: parsed.user or "", fields.KEY_ID: key_id}
     choice_record = {fields.USER: parsed.user or "", fields.KEY_ID: key_id}
-    routes = await ing.producer.enqueue_choices(request_id, subs, entry, record, choice_record)
+    # subscribed first: the choices name this ingress's feed from their first chunk
+    subscriptions = [await ing.feed.subscribe(sub.request_id) for sub in subs]
+    try:
+        routes = await ing.producer.enqueue_choices(
+            request_id, subs, entry, record, choice_record, ing.feed.reader_id
+        )
+    except BaseException:
+        for subscription in subscriptions:
+            subscription.close()
+        raise
     if routes is None:  # the same id raced in from another connection
+        for subscription in subscriptions:
+            subscription.close()
         slot.release()
         rec = await owned_record(ing, request_id, key_id)
         check_same(rec, request_id, digest, key_id)
@@ -152,6 +163,7 @@ async def generate_choices(
         num_choices=len(subs),
     )
     job.timer, job.slot = RequestTimer(ing.metrics, entry.name, arrival), slot
+    job.subscriptions = subscriptions
     return job.response()
 
 

@@ -1,12 +1,13 @@
 """Sending a request answered by several choices (n, best_of, a list of prompts) to its client.
 
-Lifecycle: one reader task per choice follows its out:{id}.{k} -> chunks merged in the order
-they arrive -> SSE events whose `choices[].index` tells the choices apart (interleaved, as
-OpenAI sends them), or one body once every choice has finished (best_of: the n with the highest
-cumulative logprob per prompt) -> [usage: completion tokens summed, each prompt counted once]
--> [DONE]. A choice that fails, the deadline or a lost Redis end the whole reply, and the other
-choices are cancelled; a client that goes away has them all cancelled (after the grace period).
-Events carry no `id:` line: token indices are per choice, so a reattach replays from the start.
+Lifecycle: one reader task per choice follows its chunks (the output feed) -> chunks merged
+in the order they arrive -> SSE events whose `choices[].index` tells the choices apart
+(interleaved, as OpenAI sends them), or one body once every choice has finished (best_of: the
+n with the highest cumulative logprob per prompt) -> [usage: completion tokens summed, each
+prompt counted once] -> [DONE]. A choice that fails, the deadline or a lost Redis end the whole
+reply, and the other choices are cancelled; a client that goes away has them all cancelled
+(after the grace period). Events carry no `id:` line: token indices are per choice, so a
+reattach replays from the start.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
@@ -30,11 +31,8 @@ from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter, usage_dict
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.queue.backpressure import Slot
-from kvrelay.pipeline.queue.output import (
-    Completion,
-    OutputTimeout,
-    read_chunks,
-)
+from kvrelay.pipeline.queue.feed import Subscription
+from kvrelay.pipeline.queue.output import Completion, OutputTimeout
 from kvrelay.pipeline.queue.submit import choice_id
 from kvrelay.pipeline.server.http import send_json
 from kvrelay.pipeline.server.output import READ_FAILURES, Delivery, finish_failure, read_failure
@@ -94,15 +92,13 @@ class ChoicesJob(Delivery):
     attach_seq: int = 0
     server_ended: bool = False
     slot: Slot | None = None
+    # one per choice, in order, when the choices were queued naming the feed (posted here)
+    subscriptions: list[Subscription] = field(default_factory=list)
 
     def _chunks(self, i: int) -> AsyncIterator[TokenChunk]:
-        return read_chunks(
-            self.ingress.redis,
-            self.ingress.keys,
-            self.choices[i].request_id,
-            block_ms=self.ingress.config.read_block_ms,
-            deadline=self.deadline,
-        )
+        if self.subscriptions:
+            return self.subscriptions[i].chunks(deadline=self.deadline, submitted=True)
+        return self.ingress.feed.chunks(self.choices[i].request_id, deadline=self.deadline)
 
     def _usage(
         self, kept: list[int], usages: list[dict[str, int] | None], counts: list[int]

@@ -1,7 +1,9 @@
 """Sending one request's output to its HTTP client: SSE events or one aggregated body.
 
-Lifecycle: reply starts -> chunks read from out:{id} (XREAD BLOCK) -> events / aggregation ->
-final chunk -> [usage] -> [DONE]. A client that goes away has its request cancelled.
+Lifecycle: reply starts -> chunks from the ingress's output feed (queue/feed.py: a request
+posted here was subscribed to before it was queued; any other attaches) -> events /
+aggregation -> final chunk -> [usage] -> [DONE]. A client that goes away has its request
+cancelled.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
@@ -22,13 +24,13 @@ from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter
 from kvrelay.pipeline.queue.backpressure import Slot
+from kvrelay.pipeline.queue.feed import Subscription
 from kvrelay.pipeline.queue.output import (
     DEADLINE_PASSED,
     Completion,
     OutputExpired,
     OutputTimeout,
     RequestNotFound,
-    read_chunks,
 )
 from kvrelay.pipeline.server.http import REQUEST_ID_HEADER, WatchedResponse, send_json, sse_start
 
@@ -83,6 +85,14 @@ def finish_failure(reason: str | None, error: str | None) -> RequestError | None
     return None
 
 
+def abandon(slot: Slot | None, subscription: Subscription | None) -> None:
+    """A request that gets no output job: its in-flight slot and subscription given back."""
+    if slot is not None:
+        slot.release()
+    if subscription is not None:
+        subscription.close()
+
+
 class Delivery:
     """What every reply to a request shares (OutputJob, the Responses API's and the several
     choices' jobs, dataclasses with these attributes): the response object, the end of the
@@ -99,6 +109,8 @@ class Delivery:
     # did not abandon the request, so it is not cancelled; it can reattach by its id.
     server_ended: bool
     slot: Slot | None  # this request's in-flight place, given back when the reply ends
+    # made before the request was queued naming the feed (posted here); closed at the end
+    subscriptions: list[Subscription]
 
     def response(self) -> Response:
         produce = self._stream if self.stream else self._whole
@@ -113,6 +125,8 @@ class Delivery:
     def _closed(self) -> None:
         if self.slot is not None:
             self.slot.release()
+        for subscription in self.subscriptions:
+            subscription.close()
         if self.timer:
             self.timer.close()
 
@@ -161,6 +175,7 @@ class OutputJob(Delivery):
     attach_seq: int = 0
     server_ended: bool = False
     slot: Slot | None = None
+    subscriptions: list[Subscription] = field(default_factory=list)
 
     @property
     def _read_from(self) -> int:
@@ -171,13 +186,12 @@ class OutputJob(Delivery):
     def _chunks(self):
         # The reply ends at the deadline itself (the 504 is due then): a worker's own timeout
         # chunk that lands later would say the same thing, and the reader cancels the request.
-        return read_chunks(
-            self.ingress.redis,
-            self.ingress.keys,
-            self.request_id,
-            start_index=self._read_from,
-            block_ms=self.ingress.config.read_block_ms,
-            deadline=self.deadline,
+        if self.subscriptions:
+            return self.subscriptions[0].chunks(
+                start_index=self._read_from, deadline=self.deadline, submitted=True
+            )
+        return self.ingress.feed.chunks(
+            self.request_id, start_index=self._read_from, deadline=self.deadline
         )
 
     async def _events(self) -> AsyncIterator[bytes]:

@@ -1,6 +1,6 @@
 """Sending one Responses API answer to its HTTP client: typed SSE events or the response object.
 
-Lifecycle: reply starts -> [opening events] -> chunks read from out:{id} (XREAD BLOCK) from
+Lifecycle: reply starts -> [opening events] -> chunks from the output feed (queue/feed.py) from
 token 0 -> one delta event per chunk with text -> final chunk -> the final response object,
 stored (`store: true`) -> closing events, or the whole object. The chunks are always read from
 the start (the final object holds the whole text); a client that reattaches with
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
@@ -25,11 +25,11 @@ from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.response_builder import ResponseBuilder
 from kvrelay.pipeline.queue.backpressure import Slot
+from kvrelay.pipeline.queue.feed import Subscription
 from kvrelay.pipeline.queue.output import (
     DEADLINE_PASSED,
     Completion,
     OutputTimeout,
-    read_chunks,
 )
 from kvrelay.pipeline.server.http import send_json
 from kvrelay.pipeline.server.output import READ_FAILURES, Delivery, finish_failure, read_failure
@@ -57,20 +57,16 @@ class ResponseJob(Delivery):
     attach_seq: int = 0
     server_ended: bool = False
     slot: Slot | None = None
+    subscriptions: list[Subscription] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
         return self.builder.request_id
 
     def _chunks(self):
-        ing = self.ingress
-        return read_chunks(
-            ing.redis,
-            ing.keys,
-            self.request_id,
-            block_ms=ing.config.read_block_ms,
-            deadline=self.deadline,
-        )
+        if self.subscriptions:
+            return self.subscriptions[0].chunks(deadline=self.deadline, submitted=True)
+        return self.ingress.feed.chunks(self.request_id, deadline=self.deadline)
 
     async def _events(self) -> AsyncIterator[bytes]:
         builder, last = self.builder, self.last_event_id

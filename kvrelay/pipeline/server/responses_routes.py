@@ -39,6 +39,7 @@ from kvrelay.pipeline.openai.response_builder import (
 from kvrelay.pipeline.openai.responses_api import ResponsesCall, parse_responses
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.queue.backpressure import Slot
+from kvrelay.pipeline.queue.feed import Subscription
 from kvrelay.pipeline.queue.output import ENDED, output_gone
 from kvrelay.pipeline.queue.route import RouteMode
 from kvrelay.pipeline.queue.submit import new_request_id, valid_request_id
@@ -58,7 +59,7 @@ from kvrelay.pipeline.server.http import (
     read_json,
 )
 from kvrelay.pipeline.server.middleware import omit_request_id
-from kvrelay.pipeline.server.output import output_expired
+from kvrelay.pipeline.server.output import abandon, output_expired
 from kvrelay.pipeline.server.response_output import ResponseJob
 from kvrelay.pipeline.server.response_store import ResponseStore
 
@@ -104,6 +105,7 @@ class ResponsesApi:
         request_id = header_id or new_request_id(REQUEST_PREFIX.rstrip("-"))
         ing.cluster.prefetch(workers=ing.config.mode == RouteMode.AUTO)
         slot: Slot | None = None
+        subscription: Subscription | None = None
         try:
             key_id = check_api_key(request, ing.config.api_keys)
             body = await read_json(request, ing.config.max_body_bytes)
@@ -140,28 +142,26 @@ class ResponsesApi:
                 fields.USER: call.generation.user or "",
                 fields.KEY_ID: key_id,
             }
-            route = await ing.producer.enqueue(sub, entry, record)
+            # subscribed first: the request names this ingress's feed from its first chunk
+            subscription = await ing.feed.subscribe(request_id)
+            route = await ing.producer.enqueue(sub, entry, record, ing.feed.reader_id)
             if route is None:  # the same id raced in from another connection
-                slot.release()
+                abandon(slot, subscription)
                 rec = await owned_record(ing, request_id, key_id)
                 check_same(rec, request_id, prepared.digest, key_id)
                 return await self._reattach(request, request_id, rec, prepared, key_id)
         except RequestError as err:
-            if slot is not None:
-                slot.release()
+            abandon(slot, subscription)
             return error_response(err, request_id)
         except RedisError as exc:
-            if slot is not None:
-                slot.release()
+            abandon(slot, subscription)
             return error_response(queue_unavailable(exc), request_id)
         except ClientDisconnect:
-            if slot is not None:
-                slot.release()
+            abandon(slot, subscription)
             logger.info("request %s: client disconnected while sending its body", request_id)
             return error_response(client_closed_request(), request_id)
         except BaseException:
-            if slot is not None:
-                slot.release()
+            abandon(slot, subscription)
             raise
         ing.backpressure.queued()
         ing.cluster.refresh_behind()
@@ -184,6 +184,7 @@ class ResponsesApi:
             deadline=sub.deadline,
             timer=RequestTimer(ing.metrics, sub.model, arrival),
             slot=slot,
+            subscriptions=[subscription],
         )
         return job.response()
 

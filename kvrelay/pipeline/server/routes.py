@@ -38,6 +38,7 @@ from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.openai.validate import check_cache_salt
 from kvrelay.pipeline.queue import choices_state as queue_choices
 from kvrelay.pipeline.queue.backpressure import Slot
+from kvrelay.pipeline.queue.feed import Subscription
 from kvrelay.pipeline.queue.route import RouteMode
 from kvrelay.pipeline.queue.submit import check_request_id, new_request_id, valid_request_id
 from kvrelay.pipeline.server.attach import (
@@ -63,7 +64,7 @@ from kvrelay.pipeline.server.http import (
     read_json,
 )
 from kvrelay.pipeline.server.middleware import omit_request_id
-from kvrelay.pipeline.server.output import OutputJob
+from kvrelay.pipeline.server.output import OutputJob, abandon
 
 if TYPE_CHECKING:
     from kvrelay.pipeline.server.app import Ingress
@@ -96,6 +97,7 @@ class GenerationApi:
         # the snapshots admission, the registry and routing read: fetch them while we parse
         ing.cluster.prefetch(workers=ing.config.mode == RouteMode.AUTO)
         slot: Slot | None = None
+        subscription: Subscription | None = None
         try:
             key_id = check_api_key(request, ing.config.api_keys)
             body = await read_json(request, ing.config.max_body_bytes)
@@ -148,30 +150,28 @@ class GenerationApi:
                 fields.USER: parsed.user or "",
                 fields.KEY_ID: key_id,
             }
-            route = await ing.producer.enqueue(sub, entry, record)
+            # subscribed first: the request names this ingress's feed from its first chunk
+            subscription = await ing.feed.subscribe(request_id)
+            route = await ing.producer.enqueue(sub, entry, record, ing.feed.reader_id)
             if route is None:  # the same id raced in from another connection
-                slot.release()
+                abandon(slot, subscription)
                 rec = await owned_record(ing, request_id, key_id)
                 check_same(rec, request_id, digest, key_id)
                 return await reattach(
                     request, ing, request_id, rec, parsed.stream, parsed.include_usage
                 )
         except RequestError as err:
-            if slot is not None:
-                slot.release()
+            abandon(slot, subscription)
             return error_response(err, request_id)
         except RedisError as exc:
-            if slot is not None:
-                slot.release()
+            abandon(slot, subscription)
             return error_response(queue_unavailable(exc), request_id)
         except ClientDisconnect:  # hung up mid-body: not a server error; counted as 499
-            if slot is not None:
-                slot.release()
+            abandon(slot, subscription)
             logger.info("request %s: client disconnected while sending its body", request_id)
             return error_response(client_closed_request(), request_id)
         except BaseException:
-            if slot is not None:
-                slot.release()
+            abandon(slot, subscription)
             raise
         ing.backpressure.queued()
         ing.cluster.refresh_behind()
@@ -190,7 +190,14 @@ class GenerationApi:
         )
         timer = RequestTimer(ing.metrics, sub.model, arrival)
         job = OutputJob(
-            ing, request_id, fmt, parsed.stream, deadline=sub.deadline, timer=timer, slot=slot
+            ing,
+            request_id,
+            fmt,
+            parsed.stream,
+            deadline=sub.deadline,
+            timer=timer,
+            slot=slot,
+            subscriptions=[subscription],
         )
         return job.response()
 

@@ -20,6 +20,30 @@ def submit(r: redis.Redis, keys: Keys, request_id: str, feed: str = "", **record
     r.hset(keys.progress, request_id, new_progress(feed))
 
 
+def _step(progress: Progress | None, chunk: TokenChunk, flush: bool) -> tuple[Progress, bytes]:
+    """The progress after one chunk, and the run of frames to flush to out:{id} (b"": none):
+    flushed when asked and with the final chunk."""
+    progress = progress or Progress(emitted=chunk.index, hist=chunk.index)
+    progress.tail += frame(chunk.encode())
+    progress.emitted = max(progress.emitted, chunk.index + len(chunk.token_ids))
+    run = b""
+    if flush or chunk.finished:
+        run, progress.hist, progress.tail = progress.tail, progress.emitted, b""
+    return progress, run
+
+
+def _writes(pipe: Any, keys: Keys, rid: str, chunk: TokenChunk, p: Progress, run: bytes) -> None:
+    if run:
+        pipe.xadd(keys.out(rid), {MESSAGE_FIELD: run})
+    if chunk.finished:  # the end: the record's count, the progress gone
+        pipe.hset(keys.request(rid), rec.EMITTED, p.emitted)
+        pipe.hdel(keys.progress, rid)
+    else:
+        pipe.hset(keys.progress, rid, p.encode())
+    for feed in p.feeds:
+        pipe.xadd(keys.feed(feed), {rid: chunk.encode()}, nomkstream=True)
+
+
 def emit(
     r: Any,
     keys: Keys,
@@ -27,42 +51,35 @@ def emit(
     chunk: TokenChunk,
     flush: bool = False,
     progress: Progress | None = None,
+    end_status: bool = True,
 ) -> None:
     """One worker step of one request: the chunk appended to the tail (flushed to out:{id}
     when asked and with the final chunk), then one entry in each feed following it; the final
     chunk ends the request (record fields, progress deleted). `r` may be a pipeline, given
     the request's `progress`."""
     progress = progress or Progress.parse(r.hget(keys.progress, request_id))
-    assert progress is not None and chunk.index == progress.emitted
-    progress.tail += frame(chunk.encode())
-    progress.emitted = chunk.index + len(chunk.token_ids)
-    if flush or chunk.finished:
-        r.xadd(keys.out(request_id), {MESSAGE_FIELD: progress.tail})
-        progress.hist, progress.tail = progress.emitted, b""
-    if chunk.finished:
+    progress, run = _step(progress, chunk, flush)
+    if chunk.finished and end_status:
         r.hset(
             keys.request(request_id),
-            mapping={
-                rec.STATUS: RequestStatus.FINISHED,
-                rec.FINISH_REASON: chunk.finish_reason,
-                rec.EMITTED: progress.emitted,
-            },
+            mapping={rec.STATUS: RequestStatus.FINISHED, rec.FINISH_REASON: chunk.finish_reason},
         )
-        r.hdel(keys.progress, request_id)
-    else:
-        r.hset(keys.progress, request_id, progress.encode())
-    for feed in progress.feeds:
-        r.xadd(keys.feed(feed), {request_id: chunk.encode()}, nomkstream=True)
+    _writes(r, keys, request_id, chunk, progress, run)
+
+
+async def emit_async(r: Any, keys: Keys, request_id: str, chunk: TokenChunk) -> None:
+    """emit() for asyncio redis, leaving the record's status to the caller."""
+    progress, run = _step(Progress.parse(await r.hget(keys.progress, request_id)), chunk, False)
+    async with r.pipeline(transaction=True) as pipe:
+        _writes(pipe, keys, request_id, chunk, progress, run)
+        await pipe.execute()
 
 
 def step(r: redis.Redis, keys: Keys, chunks: dict[str, TokenChunk]) -> None:
     """One worker step of several requests: one feed entry per feed for all of them."""
     by_feed: dict[str, dict[str, bytes]] = {}
     for request_id, chunk in chunks.items():
-        progress = Progress.parse(r.hget(keys.progress, request_id))
-        assert progress is not None and chunk.index == progress.emitted
-        progress.tail += frame(chunk.encode())
-        progress.emitted = chunk.index + len(chunk.token_ids)
+        progress, _ = _step(Progress.parse(r.hget(keys.progress, request_id)), chunk, False)
         r.hset(keys.progress, request_id, progress.encode())
         for feed in progress.feeds:
             by_feed.setdefault(feed, {})[request_id] = chunk.encode()

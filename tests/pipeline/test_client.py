@@ -80,6 +80,7 @@ async def test_status_is_the_typed_record_get_shows(harness, smollm_tokenizer):
     ) as client:
         rid = await client.submit("Hello", sampling=SamplingParams(max_tokens=8))
         await role.take()
+        await role.emit(rid, TokenChunk(index=0, token_ids=[5, 6], text="ab"))
         state = await client.status(rid)
         async with http(app) as api:
             body = (await api.get(f"/v1/requests/{rid}")).json()
@@ -92,13 +93,13 @@ async def test_status_is_the_typed_record_get_shows(harness, smollm_tokenizer):
         "owner": "w1",
         "model": MODEL,
         "prompt_tokens": 1,
-        "completion_tokens": 0,
+        "completion_tokens": 2,  # while it runs: the live count of its progress
         "cached_tokens": 0,
         "draft_tokens": None,
         "accepted_tokens": None,
         "finish_reason": None,
         "error": None,
-        "emitted": None,
+        "emitted": 2,
         "source": "client",
         "user": None,
         "claim_entry": None,
@@ -198,5 +199,5 @@ def test_sync_client_for_batch_jobs(valkey_session, smollm_tokenizer):
     import redis
 
     r = redis.Redis.from_url(valkey_session.url)
-    assert r.get(keys.cancel(rid)) == b"1"
+    assert r.hget(keys.progress, rid) is None  # it had ended: nothing to flag
     r.close()

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from kvrelay.core.messages import TokenChunk
+from kvrelay.pipeline.queue.progress import Progress
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     anyio_backend,
@@ -147,7 +148,7 @@ async def test_request_state_and_cancel(harness):
             "cancelled": True,
             "status": "decoding",
         }
-        assert await ing.redis.get(ing.keys.cancel("c-1")) == b"1"
+        assert Progress.parse(await ing.redis.hget(ing.keys.progress, "c-1")).cancelled
         assert (await client.get("/v1/requests/c-1")).json()["cancel_requested"] is True
         # the worker sees the flag and finishes the request as cancelled
         await role.emit("c-1", TokenChunk(index=0, finish_reason="cancelled"))
@@ -197,7 +198,7 @@ async def test_deadline_gives_504_and_cancels(harness):
         assert resp.status_code == 504
         assert resp.json()["error"]["code"] == "request_timeout"
         ing = app.state.ingress
-        assert await ing.redis.get(ing.keys.cancel("t-1")) == b"1"
+        assert Progress.parse(await ing.redis.hget(ing.keys.progress, "t-1")).cancelled
         resp = await client.post(
             "/v1/completions",
             headers={"X-Request-Id": "t-2"},

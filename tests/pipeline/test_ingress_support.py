@@ -24,6 +24,7 @@ from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
 from kvrelay.core.modelref import DEFAULT_MODEL
 from kvrelay.pipeline.server.app import create_app
 from kvrelay.pipeline.server.config import IngressConfig
+from tests.pipeline.queue_sim import emit_async
 
 MODEL = DEFAULT_MODEL
 TEST_TIMEOUT_S = 30.0  # a request whose worker never answers fails the test, not hangs it
@@ -161,7 +162,8 @@ class WorkerRole:
         raise TimeoutError("no task arrived")
 
     async def emit(self, request_id: str, chunk: TokenChunk) -> None:
-        await self.r.xadd(self.keys.out(request_id), {MESSAGE_FIELD: chunk.encode()})
+        """The chunk written as a worker's step writes it (progress tail, history, feeds)."""
+        await emit_async(self.r, self.keys, request_id, chunk)
 
     async def finish(self, taken: Taken, status: str = "finished") -> None:
         stream = self.keys.prefill_stream if taken.stage == "prefill" else self.keys.decode_stream

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvrelay.core.messages import TokenChunk
+from kvrelay.core.messages import TokenChunk, frame
 from kvrelay.pipeline.client.producer import AsyncClient, OutputExpired, OutputTimeout
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
@@ -90,7 +90,7 @@ async def test_failed_before_any_token_reports_its_error(client):
 async def test_output_still_kept_is_read(client):
     await _record(client, "kept-1", status="finished", emitted=1, deadline="")
     chunk = TokenChunk(index=0, token_ids=[19556], text="Hello", finish_reason="stop")
-    await client.redis.xadd(client.keys.out("kept-1"), {"m": chunk.encode()})
+    await client.redis.xadd(client.keys.out("kept-1"), {"m": frame(chunk.encode())})
     done = await client.result("kept-1")
     assert (done.text, done.finish_reason) == ("Hello", "stop")
 
@@ -127,7 +127,7 @@ async def test_http_reattach_after_expiry_is_410(harness):
         state = await api.get("/v1/requests/old-1")
         assert (state.status_code, state.json()["status"]) == (200, "finished")
         ing = app.state.ingress
-        assert await ing.redis.get(ing.keys.cancel("old-1")) is None
+        assert await ing.redis.hget(ing.keys.progress, "old-1") is None  # ended: no flag
 
 
 async def test_http_output_expiring_while_waited_on(harness):

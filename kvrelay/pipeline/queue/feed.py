@@ -85,6 +85,7 @@ class OutputFeed:
         self._renew_at = 0.0
         self._lost = False  # Redis failed: recreate the feed and re-attach before reading on
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._start_lock = asyncio.Lock()
         self._attach_script = redis.register_script(_ATTACH_LUA)
 
@@ -106,8 +107,14 @@ class OutputFeed:
         """Stop reading and delete the feed (workers stop writing to it: NOMKSTREAM)."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            # the task ends after its current blocking read; cancelling it mid-read is the
+            # fallback (a read cancelled under some runners, anyio's, never returns)
+            self._stopping = True
+            await asyncio.wait([task], timeout=self.block_ms / 1000 + 1)
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task], timeout=1)
+            self._stopping = False
             try:
                 await self.redis.delete(self.key)
             except RedisError as exc:
@@ -180,7 +187,7 @@ class OutputFeed:
 
     async def _run(self) -> None:
         pause = FIRST_PAUSE_S
-        while True:
+        while not self._stopping:
             try:
                 if self._lost:
                     await self._recover()

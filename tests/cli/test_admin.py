@@ -13,8 +13,9 @@ import redis
 from kvrelay.cli.admin import connect
 from kvrelay.cli.main import build_parser, main
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
-from kvrelay.core.messages import PrefillTask, TokenChunk
+from kvrelay.core.messages import PrefillTask, TokenChunk, frame
 from kvrelay.pipeline.queue import admin as queue_admin
+from kvrelay.pipeline.queue.progress import Progress, new_progress
 from kvrelay.pipeline.queue.streams import Streams
 from kvrelay.workers.emitter import Heartbeat, Inflight
 from tests.conftest import free_port
@@ -46,7 +47,9 @@ def seed(r) -> Streams:
     r.expire(KEYS.worker("decode-0"), 30)
     r.hset(KEYS.request("q0"), mapping={"status": "decoding", "prompt_tokens": 2})
     r.hset(KEYS.request("q1"), mapping={"status": "finished"})
-    r.xadd(KEYS.out("q0"), {MESSAGE_FIELD: TokenChunk(0, [5, 6], text="hi").encode()})
+    # q0 runs: its two tokens are in the tail of its progress, none in out:{id} yet
+    tail = frame(TokenChunk(0, [5, 6], text="hi").encode())
+    r.hset(KEYS.progress, "q0", Progress(emitted=2, tail=tail).encode())
     return s
 
 
@@ -98,9 +101,12 @@ def test_requests_show_and_cancel(r, valkey_session, capsys):
     data = json.loads(out)
     assert (data["status"], data["output_tokens"], data["output_text"]) == ("decoding", 2, "hi")
     assert data["prompt_tokens"] == 2  # a number, not "2"
+    assert (data["completion_tokens"], data["emitted"]) == (2, 2)  # live, from the progress
     assert data["finished"] is False and data["cancel_requested"] is False
     assert cli(capsys, valkey_session, "requests", "cancel", "q0")[0] == 0
-    assert r.get(KEYS.cancel("q0")) == b"1"
+    assert Progress.parse(r.hget(KEYS.progress, "q0")).cancelled
+    data = json.loads(cli(capsys, valkey_session, "requests", "show", "q0", "--json")[1])
+    assert data["cancel_requested"] is True
     code, _, err = cli(capsys, valkey_session, "requests", "cancel", "nope")
     assert (code, err) == (3, "kvrelay requests: error: no request 'nope'\n")
 
@@ -112,7 +118,8 @@ def test_requests_show_and_cancel_of_a_request_of_several_choices(r, valkey_sess
     r.hset(KEYS.request("p.0"), mapping={"status": "finished", "completion_tokens": 2,
                                          "emitted": 2, "finish_reason": "stop"})  # fmt: skip
     r.hset(KEYS.request("p.1"), mapping={"status": "prefilling", "prompt_tokens": 3})
-    r.xadd(KEYS.out("p.0"), {MESSAGE_FIELD: TokenChunk(0, [5, 6], text="hi").encode()})
+    r.hset(KEYS.progress, "p.1", new_progress())
+    r.xadd(KEYS.out("p.0"), {MESSAGE_FIELD: frame(TokenChunk(0, [5, 6], text="hi").encode())})
     code, out, _ = cli(capsys, valkey_session, "requests", "show", "p")
     assert code == 0 and "status             prefilling\n" in out
     code, out, _ = cli(capsys, valkey_session, "requests", "show", "p", "--json")
@@ -129,18 +136,24 @@ def test_requests_show_and_cancel_of_a_request_of_several_choices(r, valkey_sess
         "status": "prefilling",
         "finish_reason": None,
     }
-    assert [r.get(KEYS.cancel(i)) for i in ("p", "p.0", "p.1")] == [b"1", b"1", b"1"]
-    r.delete(*(KEYS.cancel(i) for i in ("p", "p.0", "p.1")))
-    # one failed, one cancelled: failed wins; nothing is left to cancel
+    # only the running choice has progress to flag
+    assert _flags(r, ("p", "p.0", "p.1")) == [None, None, True]
+    # one failed, one cancelled (its progress gone with its end): failed wins; nothing is left
     r.hset(KEYS.request("p.0"), mapping={"status": "failed", "error": "boom"})
     r.hset(KEYS.request("p.1"), mapping={"status": "cancelled", "finish_reason": "cancelled"})
+    r.hdel(KEYS.progress, "p.1")
     code, out, _ = cli(capsys, valkey_session, "requests", "show", "p", "--json")
     data = json.loads(out)
     assert (data["status"], data["error"], data["finish_reason"]) == ("failed", "boom", "stop")
     code, out, _ = cli(capsys, valkey_session, "requests", "cancel", "p")
     ended = "request p already ended (status failed, finish_reason stop); not cancelled\n"
     assert (code, out) == (0, ended)
-    assert [r.exists(KEYS.cancel(i)) for i in ("p", "p.0", "p.1")] == [0, 0, 0]
+    assert _flags(r, ("p", "p.0", "p.1")) == [None, None, None]
+
+
+def _flags(r, ids) -> list[bool | None]:
+    """Each request's cancel flag; None for one without progress."""
+    return [(p.cancelled if (p := Progress.parse(r.hget(KEYS.progress, i))) else None) for i in ids]
 
 
 def test_dlq_ls_show_replay_purge(r, valkey_session, capsys):
@@ -160,6 +173,10 @@ def test_dlq_ls_show_replay_purge(r, valkey_session, capsys):
     assert out.endswith("; it had failed: boom\n")
     assert r.xlen(KEYS.dlq) == 0 and not r.exists(KEYS.out("q2"))
     assert r.hget(KEYS.request("q2"), "status") == b"queued"
+    # a fresh progress: nothing emitted, no owner, no cancel, no reader yet; the record's TTL
+    assert r.hget(KEYS.progress, "q2") == new_progress()
+    [ttl] = r.execute_command("HTTL", KEYS.progress, "FIELDS", 1, "q2")
+    assert 86390 < ttl <= 86400  # the record has none: the submit scripts' default
     [replayed] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 5, None)
     assert PrefillTask.decode(replayed.payload).request_id == "q2"
     r.xadd(KEYS.dlq, {MESSAGE_FIELD: b"x", "reason": "r"})

@@ -85,3 +85,17 @@ def step(r: redis.Redis, keys: Keys, chunks: dict[str, TokenChunk]) -> None:
             by_feed.setdefault(feed, {})[request_id] = chunk.encode()
     for feed, fields in by_feed.items():
         r.xadd(keys.feed(feed), fields, nomkstream=True)
+
+
+async def cancel_flags(r: Any, keys: Keys, ids: list[str]) -> list[bool | None]:
+    """Each request's cancel flag (asyncio redis); None for one without progress."""
+    values = await r.hmget(keys.progress, ids)
+    return [(p.cancelled if (p := Progress.parse(v)) else None) for v in values]
+
+
+async def clear_cancel(r: Any, keys: Keys, ids: list[str]) -> None:
+    """Take the cancel flag off each request's progress (asyncio redis)."""
+    for rid, value in zip(ids, await r.hmget(keys.progress, ids), strict=True):
+        if (progress := Progress.parse(value)) is not None:
+            progress.cancelled = False
+            await r.hset(keys.progress, rid, progress.encode())

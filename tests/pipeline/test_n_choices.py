@@ -15,6 +15,7 @@ from kvrelay.core.messages import TokenChunk
 from kvrelay.core.sampling import SamplingParams, choice_seed, derive_seed
 from kvrelay.pipeline.client.producer import AsyncClient
 from kvrelay.pipeline.openai.tool_calls import call_id
+from tests.pipeline.queue_sim import cancel_flags, clear_cancel
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     Taken,
@@ -270,15 +271,16 @@ async def test_cancel_cancels_every_choice(harness):
             "cancelled": True,
             "status": "decoding",
         }
-        flags = [await ing.redis.exists(ing.keys.cancel(f"cx.{k}")) for k in range(3)]
-        assert flags == [1, 1, 1]
+        flags = await cancel_flags(ing.redis, ing.keys, [f"cx.{k}" for k in range(3)])
+        assert flags == [True, True, True]
         for rid, taken in tasks.items():  # what workers do on the flag
             await role.emit(rid, TokenChunk(0, [], finish_reason="cancelled"))
             await role.finish(taken, "cancelled")
         got = (await post).json()
         assert [c["finish_reason"] for c in got["choices"]] == ["cancelled"] * 3
         state = (await client.get("/v1/requests/cx")).json()
-        assert (state["status"], state["cancel_requested"]) == ("cancelled", True)
+        # the flag lived in the choices' progress, which ended with them
+        assert (state["status"], state["cancel_requested"]) == ("cancelled", False)
         resp = await client.delete("/v1/requests/cx")
         assert resp.json()["cancelled"] is False
 
@@ -350,8 +352,8 @@ async def test_deadline_ends_every_choice(harness):
         resp = await post
         assert resp.status_code == 504
         assert resp.json()["error"]["code"] == "request_timeout"
-        flags = [await ing.redis.exists(ing.keys.cancel(f"dl.{k}")) for k in range(2)]
-        assert flags == [1, 1]
+        flags = await cancel_flags(ing.redis, ing.keys, [f"dl.{k}" for k in range(2)])
+        assert flags == [True, True]
         # streaming: the error event, then [DONE]
         stream = await client.post("/v1/completions", json={**body, "stream": True})
         tail = [d for _, d in parse_sse(stream.content)[-2:]]
@@ -691,24 +693,26 @@ async def test_parent_status_is_combined_for_client_and_cli_and_cancel_stops_all
             "status": "decoding",
             "finish_reason": None,
         }
+        # the parent has no progress of its own, and st.0's ended with it
         flags = ["st", "st.0", "st.1"]
-        assert [await ing.redis.exists(ing.keys.cancel(f)) for f in flags] == [1, 1, 1]
-        await ing.redis.delete(*(ing.keys.cancel(f) for f in flags))
+        assert await cancel_flags(ing.redis, ing.keys, flags) == [None, None, True]
+        await clear_cancel(ing.redis, ing.keys, flags)
         await producer.cancel("st")  # the client's cancel flags every choice too
-        assert [await ing.redis.exists(ing.keys.cancel(f)) for f in flags] == [1, 1, 1]
+        assert await cancel_flags(ing.redis, ing.keys, flags) == [None, None, True]
 
         await role.emit("st.1", TokenChunk(1, [], finish_reason="cancelled"))  # what workers do
         await role.finish(tasks["st.1"], "cancelled")
         got = (await post).json()
         assert [c["finish_reason"] for c in got["choices"]] == ["stop", "cancelled"]
         state = (await client.get("/v1/requests/st")).json()
-        assert (state["status"], state["cancel_requested"]) == ("cancelled", True)
+        # the flag lived in the choices' progress, which ended with them
+        assert (state["status"], state["cancel_requested"]) == ("cancelled", False)
         assert await producer.status("st") == {
             k: v for k, v in state.items() if k not in ("id", "object", "cancel_requested")
         }
         shown = kvrelay_cli(ing, capsys, "requests", "show", "st")
         assert (shown["status"], shown["finished"], shown["cancel_requested"]) == (
-            "cancelled", True, True)  # fmt: skip
+            "cancelled", True, False)  # fmt: skip
         assert kvrelay_cli(ing, capsys, "requests", "cancel", "st") == {
             "request_id": "st",
             "cancelled": False,

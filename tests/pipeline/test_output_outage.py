@@ -1,5 +1,6 @@
-"""Reading out:{id} across a Valkey restart: the reader waits the outage out (the request lives
-on in the append-only file) and yields every token once; a longer outage is reported."""
+"""Reading a request's output across a Valkey restart: the feed reader waits the outage out (the
+request lives on in the append-only file), attaches again and yields every token once; a
+longer outage is reported."""
 
 from __future__ import annotations
 
@@ -9,44 +10,55 @@ import pytest
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.keys import Keys
 from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.queue import outage as outage_module
-from kvrelay.pipeline.queue.output import read_chunks
+from kvrelay.pipeline.queue.feed import OutputFeed
 from kvrelay.pipeline.queue.redis_options import async_redis
+from tests.pipeline.queue_sim import emit, submit
 
 KEYS = Keys("oo:")
 
 
-def _add(url: str, chunk: TokenChunk) -> None:
+def _emit(url: str, chunk: TokenChunk) -> None:
     r = redis.Redis.from_url(url)
-    r.xadd(KEYS.out("q"), {MESSAGE_FIELD: chunk.encode()})
-    r.hset(KEYS.request("q"), mapping={"status": "decoding", "emitted": chunk.index + 1})
+    emit(r, KEYS, "q", chunk)
     r.close()
 
 
-async def _read(url: str, retry_s: float, got: list[TokenChunk]) -> None:
+async def _read(url: str, retry_s: float, got: list[TokenChunk], ready: asyncio.Event) -> None:
     client = async_redis(url, 8)
+    feed = OutputFeed(client, KEYS, block_ms=100, redis_retry_s=retry_s, quiet_s=0.2)
     try:
-        async for chunk in read_chunks(client, KEYS, "q", block_ms=100, redis_retry_s=retry_s):
+        sub = await feed.subscribe("q")
+        r = redis.Redis.from_url(url)
+        submit(r, KEYS, "q", feed.reader_id)
+        r.close()
+        ready.set()
+        async for chunk in sub.chunks(submitted=True):
             got.append(chunk)
     finally:
+        await feed.stop()
         await client.aclose()
 
 
 def test_reader_survives_a_valkey_restart(valkey):
-    _add(valkey.url, TokenChunk(0, [11], "a"))
     got: list[TokenChunk] = []
 
     async def scenario() -> None:
-        reader = asyncio.create_task(_read(valkey.url, 30.0, got))
-        await asyncio.sleep(0.5)
+        ready = asyncio.Event()
+        reader = asyncio.create_task(_read(valkey.url, 30.0, got, ready))
+        await ready.wait()
+        await asyncio.to_thread(_emit, valkey.url, TokenChunk(0, [11], "a"))
+        while not got:
+            await asyncio.sleep(0.02)
         assert [c.index for c in got] == [0]
+        await asyncio.sleep(1.1)  # the append-only file is synced every second
         valkey.stop(kill=True)  # SIGKILL: what the chaos test does to it
         await asyncio.sleep(1.0)  # the reader is now failing to reach it, and waiting
         await asyncio.to_thread(valkey.start)
-        await asyncio.to_thread(_add, valkey.url, TokenChunk(1, [12], "b"))
-        await asyncio.to_thread(_add, valkey.url, TokenChunk(2, [13], "c", finish_reason="length"))
+        await asyncio.to_thread(_emit, valkey.url, TokenChunk(1, [12], "b"))
+        await asyncio.to_thread(_emit, valkey.url, TokenChunk(2, [13], "c", finish_reason="length"))
         await asyncio.wait_for(reader, 20)
 
     asyncio.run(scenario())
@@ -56,13 +68,16 @@ def test_reader_survives_a_valkey_restart(valkey):
 
 
 def test_an_outage_longer_than_the_retry_window_is_raised(valkey, fake_clock):
-    _add(valkey.url, TokenChunk(0, [11], "a"))
     got: list[TokenChunk] = []
     fake_clock.install(outage_module)  # the outage's clock moves only as the reader waits
 
     async def scenario() -> None:
-        reader = asyncio.create_task(_read(valkey.url, 1.0, got))
-        await asyncio.sleep(0.5)
+        ready = asyncio.Event()
+        reader = asyncio.create_task(_read(valkey.url, 1.0, got, ready))
+        await ready.wait()
+        await asyncio.to_thread(_emit, valkey.url, TokenChunk(0, [11], "a"))
+        while not got:
+            await asyncio.sleep(0.02)
         valkey.stop(kill=True)
         with pytest.raises(RedisConnectionError):
             await asyncio.wait_for(reader, 20)

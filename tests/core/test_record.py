@@ -27,8 +27,8 @@ def _raw_scripts() -> dict[str, str]:
 
 
 def test_every_script_loads_filled_in():
-    expected = "admit beat claim dead_letter field_ttl owner progress prune release step strikes"
-    expected += " submit submit_choices"
+    expected = "admit attach beat cancel claim dead_letter field_ttl owner progress prune release"
+    expected += " step strikes submit submit_choices"
     assert scripts.names() == expected.split()
     for name in scripts.names():
         text = scripts.source(name)

@@ -39,7 +39,7 @@ from kvrelay.pipeline.model_registry import ModelRegistry
 from kvrelay.pipeline.openai.validate import type_error
 from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.cluster import ClusterState
-from kvrelay.pipeline.queue.feed import OutputFeed, Subscription
+from kvrelay.pipeline.queue.feed import OutputFeed
 from kvrelay.pipeline.queue.outage import REDIS_RETRY_S
 from kvrelay.pipeline.queue.output import (
     Completion,
@@ -50,6 +50,7 @@ from kvrelay.pipeline.queue.output import (
 from kvrelay.pipeline.queue.redis_options import async_redis
 from kvrelay.pipeline.queue.route import RouteMode, Router
 from kvrelay.pipeline.queue.submit import Producer, new_request_id
+from kvrelay.pipeline.queue.subscription import Subscription
 
 logger = logging.getLogger(__name__)
 

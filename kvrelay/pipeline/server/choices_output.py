@@ -31,9 +31,9 @@ from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter, usage_dict
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.queue.backpressure import Slot
-from kvrelay.pipeline.queue.feed import Subscription
 from kvrelay.pipeline.queue.output import Completion, OutputTimeout
 from kvrelay.pipeline.queue.submit import choice_id
+from kvrelay.pipeline.queue.subscription import Subscription
 from kvrelay.pipeline.server.http import send_json
 from kvrelay.pipeline.server.output import READ_FAILURES, Delivery, finish_failure, read_failure
 

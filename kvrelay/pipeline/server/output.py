@@ -24,7 +24,6 @@ from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter
 from kvrelay.pipeline.queue.backpressure import Slot
-from kvrelay.pipeline.queue.feed import Subscription
 from kvrelay.pipeline.queue.output import (
     DEADLINE_PASSED,
     Completion,
@@ -32,6 +31,7 @@ from kvrelay.pipeline.queue.output import (
     OutputTimeout,
     RequestNotFound,
 )
+from kvrelay.pipeline.queue.subscription import Subscription
 from kvrelay.pipeline.server.http import REQUEST_ID_HEADER, WatchedResponse, send_json, sse_start
 
 if TYPE_CHECKING:

@@ -25,12 +25,12 @@ from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.response_builder import ResponseBuilder
 from kvrelay.pipeline.queue.backpressure import Slot
-from kvrelay.pipeline.queue.feed import Subscription
 from kvrelay.pipeline.queue.output import (
     DEADLINE_PASSED,
     Completion,
     OutputTimeout,
 )
+from kvrelay.pipeline.queue.subscription import Subscription
 from kvrelay.pipeline.server.http import send_json
 from kvrelay.pipeline.server.output import READ_FAILURES, Delivery, finish_failure, read_failure
 from kvrelay.pipeline.server.response_store import ResponseStore

@@ -39,10 +39,10 @@ from kvrelay.pipeline.openai.response_builder import (
 from kvrelay.pipeline.openai.responses_api import ResponsesCall, parse_responses
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.queue.backpressure import Slot
-from kvrelay.pipeline.queue.feed import Subscription
 from kvrelay.pipeline.queue.output import ENDED, output_gone
 from kvrelay.pipeline.queue.route import RouteMode
 from kvrelay.pipeline.queue.submit import new_request_id, valid_request_id
+from kvrelay.pipeline.queue.subscription import Subscription
 from kvrelay.pipeline.server.attach import (
     check_same,
     check_tool_choice,

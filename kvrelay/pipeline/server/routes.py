@@ -38,9 +38,9 @@ from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.openai.validate import check_cache_salt
 from kvrelay.pipeline.queue import choices_state as queue_choices
 from kvrelay.pipeline.queue.backpressure import Slot
-from kvrelay.pipeline.queue.feed import Subscription
 from kvrelay.pipeline.queue.route import RouteMode
 from kvrelay.pipeline.queue.submit import check_request_id, new_request_id, valid_request_id
+from kvrelay.pipeline.queue.subscription import Subscription
 from kvrelay.pipeline.server.attach import (
     check_same,
     check_tool_choice,

@@ -1,0 +1,202 @@
+"""One reader of one request's output in a process (an `OutputFeed` subscription): the chunks
+the feed hands it, the history it attaches for, and what it yields (each token once, from a
+start index, ending with the final chunk, a made-up one when the record says it ended
+without one). docs/internals.md, "Queue plane: progress, feeds, history"."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvrelay.core import record as rec
+from kvrelay.core.messages import MessageError, TokenChunk, decode_chunks
+from kvrelay.core.record import as_str
+from kvrelay.pipeline.queue.field_ttl import field_ttl
+from kvrelay.pipeline.queue.outage import Outage
+from kvrelay.pipeline.queue.output import (
+    TERMINAL,
+    OutputExpired,
+    OutputTimeout,
+    RequestNotFound,
+    check_output,
+    ended_chunk,
+    output_gone,
+    trim_chunk,
+)
+from kvrelay.pipeline.queue.progress import MAX_FEEDS, Progress
+
+if TYPE_CHECKING:
+    from kvrelay.pipeline.queue.feed import OutputFeed
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+QUIET = object()  # no chunk for the feed's quiet_s
+WAKE = object()  # the feed lost Redis: each subscription checks (and rides out) the outage
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+
+class Subscription:
+    """One reader of one request in this process: the chunks the feed hands it, queued."""
+
+    def __init__(self, feed: OutputFeed, request_id: str):
+        self.feed, self.request_id = feed, request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.following = False  # whether the request's progress names the feed, last we saw
+
+    def close(self) -> None:
+        """Stop receiving (idempotent)."""
+        self.feed._unsubscribe(self)
+
+    async def attach(self) -> tuple[list[TokenChunk], int]:
+        """Follow the request through the feed and read its history: (the chunks emitted so
+        far, how many out:{id} entries held them)."""
+        feed, rid = self.feed, self.request_id
+        raw, runs = await feed._attach_script(
+            keys=[feed.keys.progress, feed.keys.out(rid)],
+            args=[rid, feed.reader_id, MAX_FEEDS, await field_ttl(feed.redis)],
+        )
+        progress = Progress.parse(raw)
+        self.following = progress is not None
+        chunks: list[TokenChunk] = []
+        for run in [*runs, progress.tail if progress else b""]:
+            try:
+                chunks.extend(decode_chunks(run))
+            except MessageError as exc:
+                logger.error("request %s: unreadable history: %s", rid, exc)
+        return chunks, len(runs)
+
+    async def chunks(
+        self,
+        *,
+        start_index: int = 0,
+        deadline: float | None = None,
+        retext: Callable[[list[int]], str] | None = None,
+        submitted: bool = False,
+    ) -> AsyncIterator[TokenChunk]:
+        """Yield the chunks covering tokens >= start_index, ending with the final chunk.
+
+        `submitted`: the request named this feed when it was queued, after this subscription
+        was made (no history to read). `deadline` is unix seconds; past it OutputTimeout is
+        raised (OutputExpired instead when the request ended and its output expired);
+        RequestNotFound when there is no record. Redis unreachable (a Valkey restart) is
+        waited out for the feed's `redis_retry_s` before the connection error is raised.
+        A chunk that began before `start_index` is cut there (its text redone by `retext`).
+        """
+        cursor = _Cursor(start_index, retext)
+        outage = Outage(f"request {self.request_id}", self.feed.redis_retry_s)
+        pending: deque[TokenChunk] = deque()
+        try:
+            if not submitted:
+                history, runs = await self._ride(outage, self.attach)
+                pending.extend(history)
+                if not self.following and not runs:  # nothing to follow: ended, or unknown
+                    pending.extend(await self._ride(outage, lambda: self._check(cursor)))
+            while True:
+                if pending:
+                    chunk = pending.popleft()  # history: complete, in order
+                else:
+                    item = await self._next(deadline, outage)
+                    if item is QUIET or item is WAKE:
+                        pending.extend(await self._ride(outage, lambda: self._check(cursor)))
+                        continue
+                    if isinstance(item, list):  # history the feed read after an outage
+                        pending.extend(item)
+                        continue
+                    chunk = item
+                    if chunk.index > cursor.next_index:  # the feed lost chunks: refill
+                        logger.info("request %s: feed gap at %d", self.request_id, chunk.index)
+                        pending.extend((await self._ride(outage, self.attach))[0])
+                        pending.append(chunk)
+                        continue
+                out = cursor.accept(chunk)
+                if out is not None:
+                    yield out
+                if chunk.finished:
+                    return
+        finally:
+            self.close()
+
+    async def _next(self, deadline: float | None, outage: Outage) -> Any:
+        """The next queued item; QUIET after quiet_s without one; OutputTimeout (or
+        OutputExpired) at the deadline."""
+        wait = self.feed.quiet_s
+        if deadline is not None:
+            left = deadline - time.time()
+            if left <= 0:
+                feed = self.feed
+                await self._ride(
+                    outage, lambda: check_output(feed.redis, feed.keys, self.request_id)
+                )
+                raise OutputTimeout(f"request {self.request_id} passed its deadline")
+            wait = min(wait, left)
+        try:
+            return await asyncio.wait_for(self.queue.get(), wait)
+        except TimeoutError:
+            if deadline is not None and deadline - time.time() <= 0:
+                return await self._next(deadline, outage)
+            return QUIET
+
+    async def _check(self, cursor: _Cursor) -> list[TokenChunk]:
+        """A quiet request: what its record says. Chunks to yield: its history with the final
+        chunk when it ended (one made up from the record when it ended without one)."""
+        feed, rid = self.feed, self.request_id
+        status, error, emitted = await feed.redis.hmget(
+            feed.keys.request(rid), rec.STATUS, rec.ERROR, rec.EMITTED
+        )
+        if status is None:
+            if await feed.redis.exists(feed.keys.out(rid)) or await feed.redis.hexists(
+                feed.keys.progress, rid
+            ):
+                return []  # record expired first; the output may still finish
+            raise RequestNotFound(rid)
+        status = as_str(status)
+        if status not in TERMINAL:
+            return [] if self.following else (await self.attach())[0]
+        history, runs = await self.attach()
+        if any(c.finished for c in history):
+            return history
+        if output_gone(status, emitted, runs > 0 or bool(history)):
+            raise OutputExpired(rid, status)
+        ends = [cursor.next_index, int(emitted or 0)]
+        ends += [c.index + len(c.token_ids) for c in history]
+        return [*history, ended_chunk(status, as_str(error) if error else None, max(ends))]
+
+    async def _ride(self, outage: Outage, attempt: Callable[[], Awaitable[T]]) -> T:
+        """`attempt()` retried while Redis is unreachable, up to the outage's limit."""
+        while True:
+            try:
+                result = await attempt()
+            except _REDIS_DOWN as exc:
+                if not await outage.wait(exc):
+                    raise
+                continue
+            outage.over()
+            return result
+
+
+class _Cursor:
+    """How far a reading got: each chunk is yielded once, from token `start` on."""
+
+    __slots__ = ("next_index", "retext", "start")
+
+    def __init__(self, start: int, retext: Callable[[list[int]], str] | None):
+        self.start, self.retext, self.next_index = start, retext, 0
+
+    def accept(self, chunk: TokenChunk) -> TokenChunk | None:
+        """The part of `chunk` to yield; None for tokens already yielded or before start."""
+        end = chunk.index + len(chunk.token_ids)
+        if chunk.token_ids and end <= self.next_index:
+            return None  # history and feed both brought it
+        self.next_index = max(self.next_index, end)
+        if self.next_index > self.start or chunk.finished:
+            return trim_chunk(chunk, self.start, self.retext)
+        return None

@@ -16,6 +16,7 @@ import uvicorn
 
 from kvrelay.pipeline.server.app import create_app
 from tests.conftest import free_port
+from tests.pipeline.queue_sim import cancel_flags
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     WorkerRole,
@@ -114,7 +115,7 @@ async def test_openai_client_stream_and_whole(valkey_session, smollm_tokenizer):
 async def _wait_cancel(app, request_id: str) -> bool:
     ing = app.state.ingress
     for _ in range(250):  # up to 5 s on a busy machine
-        if await ing.redis.get(ing.keys.cancel(request_id)) == b"1":
+        if await cancel_flags(ing.redis, ing.keys, [request_id]) == [True]:
             return True
         await asyncio.sleep(0.02)
     return False
@@ -164,7 +165,7 @@ async def test_disconnect_cancels_the_request(valkey_session, smollm_tokenizer):
         line = f"kvrelay:request_success_total{{{label}}} 2.0"
         assert line in await _wait_metric(app, line)
         ing = app.state.ingress
-        assert not await ing.redis.exists(ing.keys.cancel("d-3"))
+        assert await cancel_flags(ing.redis, ing.keys, ["d-3"]) != [True]
 
 
 async def test_disconnect_grace_lets_a_client_come_back(valkey_session, smollm_tokenizer):
@@ -193,7 +194,7 @@ async def test_disconnect_grace_lets_a_client_come_back(valkey_session, smollm_t
                 )
             )
             await asyncio.sleep(0.8)  # past the grace period
-            assert not await ing.redis.exists(ing.keys.cancel("g-1"))
+            assert await cancel_flags(ing.redis, ing.keys, ["g-1"]) == [False]
             await role.emit(
                 "g-1", TokenChunk(index=0, token_ids=[1], text="a", finish_reason="stop")
             )

@@ -67,12 +67,16 @@ class OutputFeed:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._start_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the reader task runs
         self._attach_script = redis.register_script(_ATTACH_LUA)
 
     # lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         """Create the feed and start its reader task (once; also done by the first subscribe).
         Redis unreachable: the task creates the feed once it answers."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # first use, or an app reused on another event loop
+            self._loop, self._start_lock, self._task, self._subs = loop, asyncio.Lock(), None, {}
         async with self._start_lock:
             if self._task is not None and not self._task.done():
                 return

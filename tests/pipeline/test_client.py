@@ -13,6 +13,7 @@ from kvrelay.core.messages import PrefillTask, TokenChunk
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.client.producer import AsyncClient, Client
 from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.queue.progress import Progress, new_progress
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
     WorkerRole,
@@ -201,3 +202,33 @@ def test_sync_client_for_batch_jobs(valkey_session, smollm_tokenizer):
     r = redis.Redis.from_url(valkey_session.url)
     assert r.hget(keys.progress, rid) is None  # it had ended: nothing to flag
     r.close()
+
+
+@pytest.mark.anyio
+async def test_generate_follows_through_the_client_feed_and_submit_names_none(
+    valkey_session, smollm_tokenizer
+):
+    prefix = unique_prefix()
+    role = await WorkerRole(valkey_session.url, Keys(prefix)).setup()
+    client = AsyncClient(
+        valkey_session.url, key_prefix=prefix, block_ms=100, tokenizers={MODEL: smollm_tokenizer}
+    )
+    try:
+        batch = await client.submit("Hello", sampling=SamplingParams(max_tokens=4))
+        assert await role.r.hget(client.keys.progress, batch) == new_progress()  # no reader
+        await role.take()
+        done = asyncio.create_task(
+            client.generate("Hi", sampling=SamplingParams(max_tokens=1), request_id="g-1")
+        )
+        taken = await role.take()
+        # the request names the client's feed from the start: nothing to attach for
+        progress = Progress.parse(await role.r.hget(client.keys.progress, "g-1"))
+        assert progress == Progress(feeds=[client.feed.reader_id])
+        await role.emit("g-1", TokenChunk(index=0, token_ids=[5], text="x", finish_reason="length"))
+        await role.finish(taken)
+        result = await done
+        assert (result.text, result.finish_reason) == ("x", "length")
+        assert client.feed._subs == {}
+    finally:
+        await client.aclose()
+        await role.aclose()

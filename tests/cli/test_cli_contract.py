@@ -11,9 +11,10 @@ import pytest
 
 from kvrelay.cli.main import main
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
-from kvrelay.core.messages import PrefillTask, TokenChunk
+from kvrelay.core.messages import PrefillTask, TokenChunk, frame
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.server import arena_path
+from kvrelay.pipeline.queue.progress import Progress, new_progress
 from kvrelay.pipeline.queue.streams import Streams
 from tests.conftest import free_port
 from tests.kvstore.conftest import SMALL, RunningNode, keys_for, payload
@@ -85,20 +86,22 @@ def test_cancel_of_an_ended_request_says_so_and_sets_nothing(r, valkey_session, 
         "request done1 already ended (status finished, finish_reason stop); not cancelled\n",
         "",
     )
-    assert not r.exists(KEYS.cancel("done1"))
+    assert not r.hexists(KEYS.progress, "done1")
     # no record left (expired), but the output stream ended: ended too
-    r.xadd(KEYS.out("gone1"), {MESSAGE_FIELD: TokenChunk(0, [5], finish_reason="stop").encode()})
+    last = frame(TokenChunk(0, [5], finish_reason="stop").encode())
+    r.xadd(KEYS.out("gone1"), {MESSAGE_FIELD: last})
     code, out, _ = cli(capsys, valkey_session, "requests", "cancel", "gone1", "--json")
     assert (code, json.loads(out)) == (
         0,
         {"request_id": "gone1", "cancelled": False, "status": "finished", "finish_reason": None},
     )
     r.hset(KEYS.request("live1"), mapping={"status": "decoding"})
+    r.hset(KEYS.progress, "live1", new_progress())
     code, out, _ = cli(capsys, valkey_session, "requests", "cancel", "live1", "--json")
     assert json.loads(out) == {
         "request_id": "live1", "cancelled": True, "status": "decoding", "finish_reason": None,
     }  # fmt: skip
-    assert r.get(KEYS.cancel("live1")) == b"1"
+    assert Progress.parse(r.hget(KEYS.progress, "live1")).cancelled
     code, out, _ = cli(capsys, valkey_session, "requests", "cancel", "live1")
     assert (code, out) == (0, "cancel requested for live1 (status decoding)\n")
 
@@ -109,7 +112,7 @@ def test_requests_show_gives_numbers_and_honours_json(r, valkey_session, capsys)
         "status": "finished", "prompt_tokens": "12", "completion_tokens": "3", "cached_tokens": "",
         "created": "1700000000.25", "emitted": "3", "ingress": json.dumps(ingress),
     })  # fmt: skip
-    r.xadd(KEYS.out("q7"), {MESSAGE_FIELD: TokenChunk(0, [4, 5, 6], "abc", "stop").encode()})
+    r.xadd(KEYS.out("q7"), {MESSAGE_FIELD: frame(TokenChunk(0, [4, 5, 6], "abc", "stop").encode())})
     r.xadd(KEYS.out("q7"), {MESSAGE_FIELD: b"junk"})  # counted, not a traceback
     code, out, _ = cli(capsys, valkey_session, "requests", "show", "q7", "--json")
     data = json.loads(out)

@@ -13,8 +13,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import DecodeTask, TokenChunk
+from kvrelay.core.messages import DecodeTask, TokenChunk, decode_chunks, frame
 from kvrelay.core.sampling import SamplingParams, choice_seed, derive_seed
+from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.server.app import create_app
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     MODEL,
@@ -102,7 +103,8 @@ async def test_a_resumed_choice_continues_exactly(ingress, valkey_session, smoll
         ref = [
             t
             for _, f in await r.xrange(KEYS.out("nr.1"))
-            for t in TokenChunk.decode(f[MESSAGE_FIELD]).token_ids
+            for c in decode_chunks(f[MESSAGE_FIELD])
+            for t in c.token_ids
         ]
         assert len(ref) == 8
         # the same request queued where no worker reads: the tasks exactly as queued
@@ -128,12 +130,14 @@ async def test_a_resumed_choice_continues_exactly(ingress, valkey_session, smoll
         task = taken["nr.1"]
         assert isinstance(task, DecodeTask)
         k, rid = 3, "nr-resumed.1"
-        await r.xadd(KEYS.out(rid), {MESSAGE_FIELD: TokenChunk(0, ref[:k]).encode()})
-        await r.hset(KEYS.request(rid), "emitted", k)
+        await r.xadd(KEYS.out(rid), {MESSAGE_FIELD: frame(TokenChunk(0, ref[:k]).encode())})
+        await r.hset(KEYS.progress, rid, Progress(emitted=k, hist=k).encode())
         resumed = msgspec.structs.replace(task, request_id=rid, output_token_ids=ref[:k])
         await r.xadd(KEYS.decode_stream, {MESSAGE_FIELD: resumed.encode()})
         for _ in range(600):
-            chunks = [TokenChunk.decode(f[MESSAGE_FIELD]) for _, f in await r.xrange(KEYS.out(rid))]
+            chunks = [
+                c for _, f in await r.xrange(KEYS.out(rid)) for c in decode_chunks(f[MESSAGE_FIELD])
+            ]
             if chunks[-1].finished:
                 break
             await asyncio.sleep(0.05)

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import redis
 
-from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import TokenChunk, decode_chunks
+from kvrelay.core.keys import Keys
+from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.queue.progress import Progress
+from kvrelay.pipeline.queue.streams import Streams
 
 
 def emitted_chunks(r: redis.Redis, keys: Keys, request_id: str) -> list[TokenChunk]:
-    """Every chunk emitted so far: out:{id}'s entries, then the progress tail."""
-    got = [c for _, f in r.xrange(keys.out(request_id)) for c in decode_chunks(f[MESSAGE_FIELD])]
-    prog = Progress.parse(r.hget(keys.progress, request_id))
-    return got + (prog.tail_chunks() if prog else [])
+    """Every chunk emitted so far: out:{id}'s entries, then the tail."""
+    return Streams(r, keys, "reader").history(request_id)[0]
 
 
 def progress(r: redis.Redis, keys: Keys, request_id: str) -> Progress | None:

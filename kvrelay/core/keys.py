@@ -67,6 +67,12 @@ class Keys:
         the entries of a consumer silent for a lease are claimed)."""
         return self._p + "consumers"
 
+    @property
+    def tails(self) -> str:
+        """Hash: `<request id>:<chunk index>` -> a chunk emitted and not yet in out:{id} (the
+        requests' tails; `kvrelay.pipeline.queue.progress`)."""
+        return self._p + "tails"
+
     def feed(self, reader_id: str) -> str:
         """Stream: the live chunks of every request one output reader (an ingress process or
         a producer client) follows, one entry per worker step (field = request id)."""

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import redis
 
 from kvrelay.core.enums import WorkerField
-from kvrelay.core.messages import TokenChunk
+from kvrelay.core.messages import TokenChunk, frame
+from kvrelay.pipeline.queue.progress import tail_field
 from kvrelay.pipeline.queue.streams import FenceStatus, StepWrite, Streams, WriteMode
 from kvrelay.workers.publication import ModelPublication
 
@@ -36,7 +37,9 @@ class OutgoingKind(enum.StrEnum):
     RELEASE = "release"  # the entry back to the group, claimable at once
 
 
-FLUSH_BYTES = 4096  # a request's chunks move from its progress tail to out:{id} past this
+# a request's tail (chunks not yet in out:{id}) is flushed at this many chunks or bytes
+FLUSH_CHUNKS = 32
+FLUSH_BYTES = 4096
 
 
 @dataclass(slots=True)
@@ -51,6 +54,7 @@ class Outgoing:
     reason: str = ""
     req_fields: dict[str, str | int | float] = field(default_factory=dict)
     done: bool = False  # the entry is finished (acked) once this write succeeds
+    write: StepWrite | None = None  # built once, so a retried write is the same write
 
 
 class Emitter:
@@ -77,11 +81,19 @@ class Emitter:
         self.queue: queue.Queue[Outgoing | None] = queue.Queue()
         self.lost: queue.Queue[str] = queue.Queue()
         self.cancels: queue.Queue[str] = cancels if cancels is not None else queue.Queue()
-        self._tail: dict[str, int] = {}  # request id -> chunk bytes written since its flush
+        # request id -> its tail: chunk index -> payload, written since its last flush
+        self._tail: dict[str, dict[int, bytes]] = {}
+        self._tail_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="emitter", daemon=True)
 
     def put(self, item: Outgoing) -> None:
         self.queue.put(item)
+
+    def inherit(self, request_id: str, tail: list[tuple[int, bytes]]) -> None:
+        """The tail a claimed request already has (its previous owner's chunks not yet in
+        out:{id}): this worker's first flush writes them too (reader thread)."""
+        with self._tail_lock:
+            self._tail[request_id] = dict(tail)
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush everything queued, then stop the thread."""
@@ -166,7 +178,7 @@ class Emitter:
             check = [rid for rid in self.inflight.snapshot() if rid not in seen]
             if not now and not check:
                 return
-            writes = [self._write_of(item) for item in now]
+            writes = [self._write_of(item) for item in now]  # built once per item
             res = self.streams.step(self.stream, self.group, self.next_stream, writes, check)
             for rid in res.cancelled:
                 self.cancels.put(rid)
@@ -177,24 +189,41 @@ class Emitter:
                 return
 
     def _write_of(self, item: Outgoing) -> StepWrite:
+        """The item's StepWrite: the chunk joins the request's tail, or the tail and the chunk
+        go to out:{id} (at a hand-off, the end, or when the tail is long)."""
+        if item.write is not None:
+            return item.write
+        rid = item.request_id
         chunk = item.chunk or TokenChunk()
-        size = self._tail.get(item.request_id, 0) + len(chunk.encode())
-        if item.kind == OutgoingKind.HANDOFF:
-            mode = WriteMode.HANDOFF
-        elif item.done:
-            mode = WriteMode.DONE
-        elif size >= FLUSH_BYTES:
-            mode = WriteMode.FLUSH
-        else:
-            mode = WriteMode.EMIT
-        self._tail[item.request_id] = 0 if mode in (WriteMode.FLUSH, WriteMode.DONE) else size
-        return StepWrite(
-            item.entry_id, item.request_id, chunk, mode, item.payload, item.req_fields or None
-        )
+        payload = chunk.encode()
+        with self._tail_lock:
+            tail = self._tail.setdefault(rid, {})
+            size = sum(len(p) for p in tail.values()) + len(payload)
+            if item.kind == OutgoingKind.HANDOFF:
+                mode = WriteMode.HANDOFF
+            elif item.done:
+                mode = WriteMode.DONE
+            elif len(tail) + 1 >= FLUSH_CHUNKS or size >= FLUSH_BYTES or not chunk.token_ids:
+                mode = WriteMode.FLUSH  # (a chunk without tokens cannot be found in a tail)
+            else:
+                mode = WriteMode.EMIT
+            write = StepWrite(
+                item.entry_id, rid, chunk, mode, item.payload, item.req_fields or None,
+                payload=payload,
+            )  # fmt: skip
+            if mode == WriteMode.EMIT:
+                tail[chunk.index] = payload
+            else:
+                write.history = b"".join(frame(p) for p in tail.values()) + frame(payload)
+                write.drop = [tail_field(rid, index) for index in tail]
+                tail.clear()
+        item.write = write
+        return write
 
     def _forget(self, item: Outgoing) -> None:
         self.inflight.remove(item.request_id, item.entry_id)
-        self._tail.pop(item.request_id, None)
+        with self._tail_lock:
+            self._tail.pop(item.request_id, None)
 
     def _settle(self, item: Outgoing, status: FenceStatus, emitted: int) -> None:
         chunk = item.chunk

@@ -15,7 +15,7 @@ import redis
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus, Stage
 from kvrelay.core.messages import MessageError, Task
-from kvrelay.pipeline.queue.streams import Admitted, Entry
+from kvrelay.pipeline.queue.streams import Admitted, Entry, emitted_of
 from kvrelay.workers.emitter import Outgoing, OutgoingKind
 from kvrelay.workers.errors import InvalidRequestError
 
@@ -154,7 +154,8 @@ def _admission(
     emitted = queued
     if claimed or entry.deliveries > 1 or found.emitted != len(queued):
         try:
-            emitted, text_len, finished = w.streams.emitted_tokens(task.request_id)
+            chunks, tail = w.streams.history(task.request_id)
+            emitted, text_len, finished = emitted_of(chunks, task.request_id)
         except (MessageError, ValueError) as exc:
             w.inflight.remove(task.request_id, entry.entry_id)
             dead_letter(w, entry, f"corrupt output stream: {exc}", task.request_id)
@@ -163,6 +164,7 @@ def _admission(
             w.r.xack(w.stream, w.group, entry.entry_id)
             w.inflight.remove(task.request_id, entry.entry_id)
             return None
+        w.emitter.inherit(task.request_id, tail)  # the first flush writes them to out:{id}
         logger.info(
             "request %s: claimed entry %s (delivery %d) with %d tokens already emitted",
             task.request_id,

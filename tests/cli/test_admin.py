@@ -48,8 +48,9 @@ def seed(r) -> Streams:
     r.hset(KEYS.request("q0"), mapping={"status": "decoding", "prompt_tokens": 2})
     r.hset(KEYS.request("q1"), mapping={"status": "finished"})
     # q0 runs: its two tokens are in the tail of its progress, none in out:{id} yet
-    tail = frame(TokenChunk(0, [5, 6], text="hi").encode())
-    r.hset(KEYS.progress, "q0", Progress(emitted=2, tail=tail).encode())
+    tail = TokenChunk(0, [5, 6], text="hi").encode()
+    r.hset(KEYS.progress, "q0", Progress(emitted=2).encode())
+    r.hset(KEYS.tails, "q0:0", tail)
     return s
 
 

@@ -10,8 +10,8 @@ import redis
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import TokenChunk, frame
-from kvrelay.pipeline.queue.progress import Progress, new_progress
+from kvrelay.core.messages import TokenChunk, decode_chunks, frame
+from kvrelay.pipeline.queue.progress import Progress, new_progress, tail_field
 
 
 def submit(r: redis.Redis, keys: Keys, request_id: str, feed: str = "", **record) -> None:
@@ -20,21 +20,33 @@ def submit(r: redis.Redis, keys: Keys, request_id: str, feed: str = "", **record
     r.hset(keys.progress, request_id, new_progress(feed))
 
 
-def _step(progress: Progress | None, chunk: TokenChunk, flush: bool) -> tuple[Progress, bytes]:
+# (key prefix, request id) -> the tail's chunks, as a worker keeps them to flush them
+_TAILS: dict[tuple[str, str], list[TokenChunk]] = {}
+
+
+def _step(
+    keys: Keys, rid: str, progress: Progress | None, chunk: TokenChunk, flush: bool
+) -> tuple[Progress, bytes]:
     """The progress after one chunk, and the run of frames to flush to out:{id} (b"": none):
     flushed when asked and with the final chunk."""
     progress = progress or Progress(emitted=chunk.index, hist=chunk.index)
-    progress.tail += frame(chunk.encode())
+    tail = _TAILS.setdefault((keys.prefix, rid), [])
+    tail.append(chunk)
     progress.emitted = max(progress.emitted, chunk.index + len(chunk.token_ids))
     run = b""
     if flush or chunk.finished:
-        run, progress.hist, progress.tail = progress.tail, progress.emitted, b""
+        run = b"".join(frame(c.encode()) for c in tail)
+        progress.hist = progress.emitted
+        _TAILS.pop((keys.prefix, rid))
     return progress, run
 
 
 def _writes(pipe: Any, keys: Keys, rid: str, chunk: TokenChunk, p: Progress, run: bytes) -> None:
     if run:
         pipe.xadd(keys.out(rid), {MESSAGE_FIELD: run})
+        pipe.hdel(keys.tails, *[tail_field(rid, c.index) for c in decode_chunks(run)])
+    else:
+        pipe.hset(keys.tails, tail_field(rid, chunk.index), chunk.encode())
     if chunk.finished:  # the end: the record's count, the progress gone
         pipe.hset(keys.request(rid), rec.EMITTED, p.emitted)
         pipe.hdel(keys.progress, rid)
@@ -58,7 +70,7 @@ def emit(
     chunk ends the request (record fields, progress deleted). `r` may be a pipeline, given
     the request's `progress`."""
     progress = progress or Progress.parse(r.hget(keys.progress, request_id))
-    progress, run = _step(progress, chunk, flush)
+    progress, run = _step(keys, request_id, progress, chunk, flush)
     if chunk.finished and end_status:
         r.hset(
             keys.request(request_id),
@@ -69,7 +81,8 @@ def emit(
 
 async def emit_async(r: Any, keys: Keys, request_id: str, chunk: TokenChunk) -> None:
     """emit() for asyncio redis, leaving the record's status to the caller."""
-    progress, run = _step(Progress.parse(await r.hget(keys.progress, request_id)), chunk, False)
+    progress = Progress.parse(await r.hget(keys.progress, request_id))
+    progress, run = _step(keys, request_id, progress, chunk, False)
     async with r.pipeline(transaction=True) as pipe:
         _writes(pipe, keys, request_id, chunk, progress, run)
         await pipe.execute()
@@ -79,8 +92,10 @@ def step(r: redis.Redis, keys: Keys, chunks: dict[str, TokenChunk]) -> None:
     """One worker step of several requests: one feed entry per feed for all of them."""
     by_feed: dict[str, dict[str, bytes]] = {}
     for request_id, chunk in chunks.items():
-        progress, _ = _step(Progress.parse(r.hget(keys.progress, request_id)), chunk, False)
+        progress = Progress.parse(r.hget(keys.progress, request_id))
+        progress, _ = _step(keys, request_id, progress, chunk, False)
         r.hset(keys.progress, request_id, progress.encode())
+        r.hset(keys.tails, tail_field(request_id, chunk.index), chunk.encode())
         for feed in progress.feeds:
             by_feed.setdefault(feed, {})[request_id] = chunk.encode()
     for feed, fields in by_feed.items():

@@ -102,7 +102,8 @@ def test_batch_matches_generate(stack):
         submit(r, f"local{i}", prompt, [], prefilled=False)
     for i, prompt in enumerate(prompts):  # after a prefill worker emitted token 0
         first = TokenChunk(0, refs[i].output_token_ids[:1]).encode()
-        r.hset(KEYS.progress, f"pre{i}", Progress(emitted=1, tail=frame(first)).encode())
+        r.xadd(KEYS.out(f"pre{i}"), {MESSAGE_FIELD: frame(first)})  # the hand-off flushes
+        r.hset(KEYS.progress, f"pre{i}", Progress(emitted=1, hist=1).encode())
         submit(
             r, f"pre{i}", prompt, refs[i].output_token_ids[:1], prefilled=True, num_cached_tokens=32
         )
@@ -186,8 +187,8 @@ def test_many_claims_with_progress_between_are_churn_not_poison(stack):
     pipe.xreadgroup(DECODE_GROUP, "ghost2", {KEYS.decode_stream: ">"}, count=1)
     eid = pipe.execute()[0].decode()
     r.hset(KEYS.request("churn"), mapping={"status": "decoding"})
-    first = frame(TokenChunk(0, ref[:1]).encode())
-    r.hset(KEYS.progress, "churn", Progress(emitted=1, tail=first).encode())
+    r.xadd(KEYS.out("churn"), {MESSAGE_FIELD: frame(TokenChunk(0, ref[:1]).encode())})
+    r.hset(KEYS.progress, "churn", Progress(emitted=1, hist=1).encode())
     ghost = Streams(r, KEYS, "ghost2")  # holders that emit two tokens, then are killed
     ghost.admit([(eid, "churn", 1, {})])
     assert ghost_step(ghost, StepWrite(eid, "churn", TokenChunk(1, ref[1:3]))).ok

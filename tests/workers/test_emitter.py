@@ -63,8 +63,8 @@ def test_two_steps_of_one_request_in_one_batch_go_in_order(r):
     emitter.thread.start()
     emitter.close()
     assert emitter.lost.empty()
-    assert s.emitted_tokens("q3") == ([0, 1, 2], 0, False)
     assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 3  # one call per step of it
+    assert s.emitted_tokens("q3") == ([0, 1, 2], 0, False)
 
 
 def test_a_silent_emitter_reads_the_cancel_flags_of_what_it_holds(r):

@@ -12,10 +12,10 @@ import redis
 
 from kvrelay.core import record as rec
 from kvrelay.core.enums import DONE_STATUSES, RequestStatus, WorkerField
-from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import MessageError, TokenChunk, decode_chunks
+from kvrelay.core.keys import Keys
+from kvrelay.core.messages import MessageError, TokenChunk, decode_chunks, frame
 from kvrelay.core.record import RequestRecord, as_str
-from kvrelay.pipeline.queue import choices_state
+from kvrelay.pipeline.queue import choices_state, scripts
 from kvrelay.pipeline.queue.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -135,10 +135,11 @@ def _chunks(r: redis.Redis, keys: Keys, request_id: str) -> tuple[list[TokenChun
     """The request's chunks (out:{id}, then the tail of its progress while it runs), and how
     many entries did not decode (shown, not fatal)."""
     chunks, bad = [], 0
-    runs = [fields.get(MESSAGE_FIELD, b"") for _, fields in r.xrange(keys.out(request_id))]
-    progress = _progress(r, keys, request_id)
-    if progress is not None and progress.tail:
-        runs.append(progress.tail)
+    read = r.register_script(scripts.with_progress("attach"))
+    _raw, runs, tail = read(
+        keys=[keys.progress, keys.out(request_id), keys.tails], args=[request_id, "", 0, "0"]
+    )  # a reader with no feed: reads only
+    runs.append(b"".join(frame(payload) for payload in tail))
     for run in runs:
         try:
             chunks.extend(decode_chunks(run))

@@ -1,20 +1,22 @@
 """A request's progress: the one field per request of the `prog` hash that workers update once
 per step for all their sequences (the queue plane's hot state, docs/internals.md "Queue plane").
 
-The value is a header of five lines and a tail:
+The value is five lines:
 
-    <emitted>\\n<hist>\\n<cancel>\\n<feeds>\\n<owner>\\n<tail>
+    <emitted>\n<hist>\n<cancel>\n<feeds>\n<owner>
 
 - `emitted`: tokens emitted so far (the fence: a chunk must start exactly there);
-- `hist`: how many of them `out:{id}` holds; the rest are the chunks in `tail`;
+- `hist`: how many of them `out:{id}` holds; the others are the request's tail: chunk
+  payloads in the `tails` hash, one field `<request id>:<chunk index>` each, moved to
+  `out:{id}` by the worker's next flush;
 - `cancel`: "1" once the request was cancelled (the workers see it at their next write);
 - `feeds`: the output readers (ingress processes, producer clients) following the request,
   comma-separated: each step's chunks go to `feed:{reader}` of every one;
 - `owner`: `<consumer>/<entry id>` of the worker holding the request's stream entry ("" while
-  it waits in a stream): only the owner's writes are accepted;
-- `tail`: the framed chunks (`core.messages.frame`) not yet flushed to `out:{id}`.
+  it waits in a stream): only the owner's writes are accepted.
 
-The Lua side parses the same layout (`lua/progress.lua`); this module is its Python twin.
+The Lua side parses the same layout (`lua/progress.lua`, which also walks a tail); this module
+is its Python twin.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Progress:
     cancelled: bool = False
     feeds: list[str] = field(default_factory=list)
     owner: str = ""
+    # the tail's framed chunks, read beside the value (`lua/attach.lua`); never stored in it
     tail: bytes = b""
 
     @classmethod
@@ -42,17 +45,16 @@ class Progress:
         """The progress stored in `raw` (an HGET reply); None for a missing field."""
         if raw is None:
             return None
-        parts = raw.split(SEP, 5)
-        if len(parts) != 6:
+        parts = raw.split(SEP)
+        if len(parts) != 5:
             raise ValueError(f"malformed progress value {raw[:60]!r}")
-        emitted, hist, cancel, feeds, owner, tail = parts
+        emitted, hist, cancel, feeds, owner = parts
         return cls(
             emitted=int(emitted),
             hist=int(hist),
             cancelled=cancel == b"1",
             feeds=[f for f in feeds.decode().split(FEED_SEP) if f],
             owner=owner.decode(),
-            tail=tail,
         )
 
     def encode(self) -> bytes:
@@ -63,16 +65,21 @@ class Progress:
             FEED_SEP.join(self.feeds).encode(),
             self.owner.encode(),
         ]
-        return SEP.join([*head, self.tail])
+        return SEP.join(head)
 
     def tail_chunks(self) -> list[TokenChunk]:
-        """The chunks emitted after those in out:{id}, in order."""
+        """The chunks emitted after those in out:{id}, in order (once `tail` was read)."""
         return decode_chunks(self.tail) if self.tail else []
 
 
 def new_progress(feed: str = "") -> bytes:
     """The value the submit scripts write for a request just queued."""
     return Progress(feeds=[feed] if feed else []).encode()
+
+
+def tail_field(request_id: str, index: int) -> str:
+    """The `tails` hash field holding a request's chunk that starts at token `index`."""
+    return f"{request_id}:{index}"
 
 
 def owner_of(consumer: str, entry_id: str) -> str:

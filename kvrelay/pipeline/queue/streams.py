@@ -20,10 +20,10 @@ import redis
 from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, WorkerField
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import TokenChunk, decode_chunks
+from kvrelay.core.messages import TokenChunk, decode_chunks, frame
 from kvrelay.core.record import as_str
 from kvrelay.pipeline.queue import scripts
-from kvrelay.pipeline.queue.progress import Progress, field_ttl_flag
+from kvrelay.pipeline.queue.progress import Progress, field_ttl_flag, owner_of
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ class FencedResult:
 class WriteMode(enum.StrEnum):
     """What a step write does besides appending its chunk (the step script's `mode`)."""
 
-    EMIT = "e"
-    FLUSH = "f"  # also move the progress tail to out:{id}
+    EMIT = "e"  # the chunk joins the request's tail (a `tails` field)
+    FLUSH = "f"  # out:{id} gets the tail and the chunk; the tail's fields go
     DONE = "d"  # the final chunk: flush, ack the entry, write the record's end, drop progress
     HANDOFF = "h"  # queue the next stage's task and ack the entry
 
@@ -77,6 +77,10 @@ class StepWrite:
     mode: WriteMode = WriteMode.EMIT
     next_payload: bytes = b""  # the next stage's task (HANDOFF)
     req_fields: dict[str, str | int | float] | None = None
+    # FLUSH, DONE, HANDOFF: the framed tail and chunk for out:{id}, and the tail's fields
+    history: bytes = b""
+    drop: list[str] | None = None
+    payload: bytes = b""  # chunk.encode(), when the caller has it already
 
 
 @dataclass(slots=True)
@@ -91,7 +95,6 @@ class Admitted:
 
     emitted: int = 0
     cancelled: bool = False
-    tail_bytes: int = 0
     ended: str = ""  # the record's status when the request already ended (nothing to do)
 
 
@@ -144,6 +147,7 @@ class Streams:
         self._release = client.register_script(scripts.fenced("release"))
         self._prune = client.register_script(scripts.source("prune"))
         self._probe = client.register_script(scripts.source("field_ttl"))
+        self._read = client.register_script(scripts.with_progress("attach"))
 
     @property
     def ttl_fields(self) -> str:
@@ -237,7 +241,7 @@ class Streams:
             if int(row[0]) < 0:
                 out.append(Admitted(ended=as_str(row[1])))
             else:
-                out.append(Admitted(int(row[0]), bool(int(row[1])), int(row[2])))
+                out.append(Admitted(int(row[0]), bool(int(row[1]))))
         return out
 
     def step(
@@ -251,10 +255,9 @@ class Streams:
         """One worker step in one script call (`lua/step.lua`): every write fenced by owner and
         index; the cancel flags of the written and `check` requests come back. A request id
         may appear once per call."""
-        keys = [stream, next_stream, self.keys.progress]
+        keys = [stream, next_stream, self.keys.progress, self.keys.tails]
         args: list = [
             group,
-            self.consumer,
             self.feed_prefix,
             self.ttl_fields,
             self.out_ttl_s,
@@ -271,13 +274,21 @@ class Streams:
                 fields = {rec.UPDATED: now, **(fields or {})}
             flat = _flat(fields)
             chunk = w.chunk
+            payload = w.payload or chunk.encode()
+            history = w.history
+            if w.mode != WriteMode.EMIT and not history:
+                history = frame(payload)  # a flush with no tail before the chunk
+            drop = w.drop or []
             args += [
-                w.entry_id,
+                owner_of(self.consumer, w.entry_id),
                 w.request_id,
                 chunk.index,
                 len(chunk.token_ids),
-                chunk.encode(),
+                payload,
                 w.mode.value,
+                history if w.mode != WriteMode.EMIT else b"",
+                len(drop),
+                *drop,
                 w.next_payload,
                 len(flat),
                 *flat,
@@ -304,7 +315,7 @@ class Streams:
         req_key = self.keys.request(request_id) if request_id else self.keys.dlq
         out_key = self.keys.out(request_id) if request_id else self.keys.dlq
         reply = self._dead_letter(
-            keys=[stream, self.keys.dlq, req_key, out_key, self.keys.progress],
+            keys=[stream, self.keys.dlq, req_key, out_key, self.keys.progress, self.keys.tails],
             args=[
                 group,
                 self.consumer,
@@ -343,27 +354,25 @@ class Streams:
             return prog.emitted
         return int(self.r.hget(self.keys.request(request_id), rec.EMITTED) or 0)
 
+    def history(self, request_id: str) -> tuple[list[TokenChunk], list[tuple[int, bytes]]]:
+        """Everything emitted, read in one step (`lua/attach.lua`, following nothing): the
+        chunks in order, and the tail among them as (chunk index, payload), which a worker
+        that takes the request over writes to out:{id} with its first flush."""
+        _raw, runs, tail = self._read(
+            keys=[self.keys.progress, self.keys.out(request_id), self.keys.tails],
+            args=[request_id, "", 0, self.ttl_fields],
+        )
+        chunks = [c for run in runs for c in decode_chunks(run)]
+        tail_chunks = [TokenChunk.decode(payload) for payload in tail]
+        return chunks + tail_chunks, [
+            (c.index, payload) for c, payload in zip(tail_chunks, tail, strict=True)
+        ]
+
     def emitted_tokens(self, request_id: str) -> tuple[list[int], int, bool]:
-        """What was emitted (out:{id} then the progress tail): the token ids in order, the
-        length of their text in characters, and whether a final chunk was written."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.xrange(self.keys.out(request_id))
-        pipe.hget(self.keys.progress, request_id)
-        entries, raw = pipe.execute()
-        chunks = [c for _eid, fields in entries for c in decode_chunks(fields[MESSAGE_FIELD])]
-        prog = Progress.parse(raw)
-        if prog is not None:
-            chunks += prog.tail_chunks()
-        tokens: list[int] = []
-        text_len = 0
-        finished = False
-        for chunk in chunks:
-            if chunk.index != len(tokens):
-                raise ValueError(f"out:{request_id} has a gap at index {len(tokens)}")
-            tokens.extend(chunk.token_ids)
-            text_len += len(chunk.text)
-            finished = finished or chunk.finished
-        return tokens, text_len, finished
+        """What was emitted (out:{id} then the tail): the token ids in order, the length of
+        their text in characters, and whether a final chunk was written."""
+        chunks, _tail = self.history(request_id)
+        return emitted_of(chunks, request_id)
 
     def trim_acked(self, stream: str, group: str) -> int:
         """Drop entries every consumer is done with (older than the oldest pending/undelivered)."""
@@ -406,6 +415,21 @@ class Streams:
             if info["idle"] > (idle_ms if name in live else min(idle_ms, dead_idle_ms)):
                 removed += int(self._prune(keys=[stream], args=[group, name]) == 0)
         return removed
+
+
+def emitted_of(chunks: list[TokenChunk], request_id: str) -> tuple[list[int], int, bool]:
+    """(token ids, text length in characters, whether a final chunk is among them) of a
+    request's chunks in order; ValueError when their indices leave a gap or overlap."""
+    tokens: list[int] = []
+    text_len = 0
+    finished = False
+    for chunk in chunks:
+        if chunk.index != len(tokens):
+            raise ValueError(f"out:{request_id} has a gap at index {len(tokens)}")
+        tokens.extend(chunk.token_ids)
+        text_len += len(chunk.text)
+        finished = finished or chunk.finished
+    return tokens, text_len, finished
 
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:

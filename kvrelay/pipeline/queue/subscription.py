@@ -16,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvrelay.core import record as rec
-from kvrelay.core.messages import MessageError, TokenChunk, decode_chunks
+from kvrelay.core.messages import MessageError, TokenChunk, decode_chunks, frame
 from kvrelay.core.record import as_str
 from kvrelay.pipeline.queue.field_ttl import field_ttl
 from kvrelay.pipeline.queue.outage import Outage
@@ -60,11 +60,13 @@ class Subscription:
         """Follow the request through the feed and read its history: (the chunks emitted so
         far, how many out:{id} entries held them)."""
         feed, rid = self.feed, self.request_id
-        raw, runs = await feed._attach_script(
-            keys=[feed.keys.progress, feed.keys.out(rid)],
+        raw, runs, tail = await feed._attach_script(
+            keys=[feed.keys.progress, feed.keys.out(rid), feed.keys.tails],
             args=[rid, feed.reader_id, MAX_FEEDS, await field_ttl(feed.redis)],
         )
         progress = Progress.parse(raw)
+        if progress is not None:
+            progress.tail = b"".join(frame(payload) for payload in tail)
         self.following = progress is not None
         chunks: list[TokenChunk] = []
         for run in [*runs, progress.tail if progress else b""]:

@@ -5,7 +5,7 @@
 -- KEYS: 1 prog hash, then per entry req:{id}
 -- ARGV: 1 consumer, 2 ttl_fields, 3 N entries, then per entry: entry id, request id, tokens
 --       the task carries, number F of record field/value items, the F items
--- Returns per entry {emitted, cancel flag (0/1), tail bytes}, or {-1, status} when it ended.
+-- Returns per entry {emitted, cancel flag (0/1)}, or {-1, status} when it ended.
 local consumer, ttl_fields, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local entries, ids, at = {}, {}, 4
 for i = 1, n do
@@ -26,7 +26,7 @@ for i = 1, n do
     if status == ${STATUS.FINISHED} or status == ${STATUS.CANCELLED} or status == ${STATUS.FAILED} then
       ended = status
     else
-      p = {emitted = e.queued, hist = e.queued, cancel = '0', feeds = '', owner = '', tail = ''}
+      p = {emitted = e.queued, hist = e.queued, cancel = '0', feeds = '', owner = ''}
     end
   end
   if ended then
@@ -36,7 +36,7 @@ for i = 1, n do
     stores[#stores + 1] = e.rid
     stores[#stores + 1] = prog_encode(p)
     if e.nf > 0 then redis.call('HSET', KEYS[1 + i], unpack(ARGV, e.first, e.first + e.nf - 1)) end
-    out[i] = {p.emitted, p.cancel == '1' and 1 or 0, #p.tail}
+    out[i] = {p.emitted, p.cancel == '1' and 1 or 0}
   end
 end
 prog_store(KEYS[1], stores, ttl_fields)

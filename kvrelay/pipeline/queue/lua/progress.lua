@@ -1,25 +1,18 @@
 -- Shared prelude: a request's progress value in the `prog` hash (kvrelay/pipeline/queue/progress.py
--- documents the layout: five header lines, then the framed chunks not yet in out:{id}).
+-- documents the layout: five lines) and its tail, the chunks not yet in out:{id}, one field
+-- `<request id>:<chunk index>` each in the `tails` hash.
 local function prog_parse(value)
   if not value then return nil end
-  local p = {}
-  local at = 1
-  for i = 1, 5 do
-    local nl = string.find(value, '\n', at, true)
-    if not nl then return nil end
-    p[i] = string.sub(value, at, nl - 1)
-    at = nl + 1
-  end
-  return {emitted = tonumber(p[1]), hist = tonumber(p[2]), cancel = p[3], feeds = p[4],
-          owner = p[5], tail = string.sub(value, at)}
+  local e, h, c, f, o = string.match(value, '^(%d+)\n(%d+)\n(.)\n([^\n]*)\n([^\n]*)')
+  if not e then return nil end
+  return {emitted = tonumber(e), hist = tonumber(h), cancel = c, feeds = f, owner = o}
 end
 
 local function prog_encode(p)
-  return p.emitted .. '\n' .. p.hist .. '\n' .. p.cancel .. '\n' .. p.feeds .. '\n' ..
-    p.owner .. '\n' .. p.tail
+  return p.emitted .. '\n' .. p.hist .. '\n' .. p.cancel .. '\n' .. p.feeds .. '\n' .. p.owner
 end
 
--- Write progress fields (a flat field/value list) keeping each field's time to live where the
+-- Write hash fields (a flat field/value list) keeping each field's time to live where the
 -- server has field expiry (`ttl_fields` "1": Valkey 9 / Redis 8 HSETEX), plain HSET elsewhere.
 local function prog_store(key, items, ttl_fields)
   if #items == 0 then return end
@@ -32,4 +25,25 @@ end
 
 local function frame(payload)
   return struct.pack('>I4', #payload) .. payload
+end
+
+-- The tail of request `rid` (chunk payloads from token `hist` up to `emitted`, in order) and
+-- the fields holding them: each chunk's token count (MessagePack `token_ids`) says where the
+-- next one starts. Only readers that attach, claims and dead letters walk it.
+local function tail_chunks(tails, rid, hist, emitted)
+  local chunks, fields = {}, {}
+  local at = hist
+  while at < emitted do
+    local field = rid .. ':' .. at
+    local payload = redis.call('HGET', tails, field)
+    if not payload then break end
+    local ok, chunk = pcall(cmsgpack.unpack, payload)
+    local n = ok and type(chunk) == 'table' and type(chunk.token_ids) == 'table'
+      and #chunk.token_ids or 0
+    chunks[#chunks + 1] = payload
+    fields[#fields + 1] = field
+    if n == 0 then break end
+    at = at + n
+  end
+  return chunks, fields
 end

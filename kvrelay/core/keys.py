@@ -57,8 +57,9 @@ class Keys:
 
     @property
     def progress(self) -> str:
-        """Hash: request id -> its `Progress` (tokens emitted, feeds, owner, cancel flag, the
-        chunks not yet in out:{id}); `kvrelay.pipeline.queue.progress`."""
+        """Hash: request id -> its `Progress` (tokens emitted, feeds, owner, cancel flag), and
+        `<request id>#<index>` -> each chunk not yet in out:{id} (its tail);
+        `kvrelay.pipeline.queue.progress`."""
         return self._p + "prog"
 
     @property
@@ -66,12 +67,6 @@ class Keys:
         """Hash: stream consumer name -> unix time of its worker's last heartbeat (the lease:
         the entries of a consumer silent for a lease are claimed)."""
         return self._p + "consumers"
-
-    @property
-    def tails(self) -> str:
-        """Hash: `<request id>:<chunk index>` -> a chunk emitted and not yet in out:{id} (the
-        requests' tails; `kvrelay.pipeline.queue.progress`)."""
-        return self._p + "tails"
 
     def feed(self, reader_id: str) -> str:
         """Stream: the live chunks of every request one output reader (an ingress process or

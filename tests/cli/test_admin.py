@@ -50,7 +50,7 @@ def seed(r) -> Streams:
     # q0 runs: its two tokens are in the tail of its progress, none in out:{id} yet
     tail = TokenChunk(0, [5, 6], text="hi").encode()
     r.hset(KEYS.progress, "q0", Progress(emitted=2).encode())
-    r.hset(KEYS.tails, "q0:0", tail)
+    r.hset(KEYS.progress, "q0#0", tail)
     return s
 
 

@@ -44,9 +44,9 @@ def _step(
 def _writes(pipe: Any, keys: Keys, rid: str, chunk: TokenChunk, p: Progress, run: bytes) -> None:
     if run:
         pipe.xadd(keys.out(rid), {MESSAGE_FIELD: run})
-        pipe.hdel(keys.tails, *[tail_field(rid, c.index) for c in decode_chunks(run)])
+        pipe.hdel(keys.progress, *[tail_field(rid, c.index) for c in decode_chunks(run)])
     else:
-        pipe.hset(keys.tails, tail_field(rid, chunk.index), chunk.encode())
+        pipe.hset(keys.progress, tail_field(rid, chunk.index), chunk.encode())
     if chunk.finished:  # the end: the record's count, the progress gone
         pipe.hset(keys.request(rid), rec.EMITTED, p.emitted)
         pipe.hdel(keys.progress, rid)
@@ -95,7 +95,7 @@ def step(r: redis.Redis, keys: Keys, chunks: dict[str, TokenChunk]) -> None:
         progress = Progress.parse(r.hget(keys.progress, request_id))
         progress, _ = _step(keys, request_id, progress, chunk, False)
         r.hset(keys.progress, request_id, progress.encode())
-        r.hset(keys.tails, tail_field(request_id, chunk.index), chunk.encode())
+        r.hset(keys.progress, tail_field(request_id, chunk.index), chunk.encode())
         for feed in progress.feeds:
             by_feed.setdefault(feed, {})[request_id] = chunk.encode()
     for feed, fields in by_feed.items():

@@ -68,18 +68,18 @@ def test_step_checks_index_keeps_a_tail_and_the_end_flushes_acks_and_expires(r):
     prog = Progress.parse(r.hget(KEYS.progress, "r1"))
     assert (prog.emitted, prog.hist) == (2, 0)
     assert a.history("r1") == ([first], [(0, first.encode())])
-    assert r.hkeys(KEYS.tails) == [b"r1:0"]
+    assert sorted(r.hkeys(KEYS.progress)) == [b"r1", b"r1#0"]
     assert a.emitted_tokens("r1") == ([5, 6], 2, False)
     last = TokenChunk(2, [7], "ç", finish_reason="stop", usage={"completion_tokens": 3})
     fields = {"status": "finished", "finish_reason": "stop"}
     done = StepWrite(eid, "r1", last, WriteMode.DONE, req_fields=fields)
-    done.history, done.drop = frame(first.encode()) + frame(last.encode()), ["r1:0"]
+    done.history, done.drop = frame(first.encode()) + frame(last.encode()), ["r1#0"]
     res = step(a, done)
     assert res.results[0].emitted == 3
     assert [(c.index, c.token_ids) for c in out_chunks(r, "r1")] == [(0, [5, 6]), (2, [7])]
     assert len(r.xrange(KEYS.out("r1"))) == 1  # one entry: the tail and the final chunk
     assert r.xpending(P, PREFILL_GROUP)["pending"] == 0
-    assert r.hget(KEYS.progress, "r1") is None and r.hlen(KEYS.tails) == 0
+    assert r.hget(KEYS.progress, "r1") is None and r.hlen(KEYS.progress) == 0
     assert 0 < r.ttl(KEYS.out("r1")) <= 50
     assert 50 < r.ttl(KEYS.request("r1")) <= 100
     req = r.hgetall(KEYS.request("r1"))
@@ -113,7 +113,7 @@ def test_flush_moves_the_tail_to_out(r):
     take(a)
     c0, c1, c2 = TokenChunk(0, [1]), TokenChunk(1, [2]), TokenChunk(2, [3])
     step(a, StepWrite(eid, "r1", c0))
-    flush = StepWrite(eid, "r1", c1, WriteMode.FLUSH, drop=["r1:0"])
+    flush = StepWrite(eid, "r1", c1, WriteMode.FLUSH, drop=["r1#0"])
     flush.history = frame(c0.encode()) + frame(c1.encode())
     step(a, flush)
     step(a, StepWrite(eid, "r1", c2))
@@ -121,7 +121,7 @@ def test_flush_moves_the_tail_to_out(r):
     assert [c.token_ids for c in decode_chunks(fields[MESSAGE_FIELD])] == [[1], [2]]
     prog = Progress.parse(r.hget(KEYS.progress, "r1"))
     assert (prog.emitted, prog.hist) == (3, 2)
-    assert r.hkeys(KEYS.tails) == [b"r1:2"]
+    assert sorted(r.hkeys(KEYS.progress)) == [b"r1", b"r1#2"]
     assert a.history("r1") == ([c0, c1, c2], [(2, c2.encode())])
     assert a.emitted_tokens("r1") == ([1, 2, 3], 0, False)
 
@@ -141,7 +141,7 @@ def test_stale_consumer_refused_after_claim(r):
     stale = step(a, StepWrite(eid, "r1", TokenChunk(1, [4])))
     assert stale.results[0].status == FenceStatus.NOT_OWNER
     task = DecodeTask(request_id="r1", prompt_token_ids=[1], sampling={}).encode()
-    handoff = StepWrite(eid, "r1", TokenChunk(1, [4]), WriteMode.HANDOFF, task, drop=["r1:0"])
+    handoff = StepWrite(eid, "r1", TokenChunk(1, [4]), WriteMode.HANDOFF, task, drop=["r1#0"])
     handoff.history = frame(TokenChunk(0, [9]).encode()) + frame(TokenChunk(1, [4]).encode())
     assert step(a, handoff).results[0].status == FenceStatus.NOT_OWNER
     assert a.dead_letter(P, PREFILL_GROUP, eid, b"x", "bad") is None

@@ -137,7 +137,7 @@ def _chunks(r: redis.Redis, keys: Keys, request_id: str) -> tuple[list[TokenChun
     chunks, bad = [], 0
     read = r.register_script(scripts.with_progress("attach"))
     _raw, runs, tail = read(
-        keys=[keys.progress, keys.out(request_id), keys.tails], args=[request_id, "", 0, "0"]
+        keys=[keys.progress, keys.out(request_id)], args=[request_id, "", 0, "0"]
     )  # a reader with no feed: reads only
     runs.append(b"".join(frame(payload) for payload in tail))
     for run in runs:

@@ -7,8 +7,8 @@ The value is five lines:
 
 - `emitted`: tokens emitted so far (the fence: a chunk must start exactly there);
 - `hist`: how many of them `out:{id}` holds; the others are the request's tail: chunk
-  payloads in the `tails` hash, one field `<request id>:<chunk index>` each, moved to
-  `out:{id}` by the worker's next flush;
+  payloads in the same hash, one field `<request id>#<chunk index>` each ('#' is no request
+  id character), moved to `out:{id}` by the worker's next flush;
 - `cancel`: "1" once the request was cancelled (the workers see it at their next write);
 - `feeds`: the output readers (ingress processes, producer clients) following the request,
   comma-separated: each step's chunks go to `feed:{reader}` of every one;
@@ -78,8 +78,8 @@ def new_progress(feed: str = "") -> bytes:
 
 
 def tail_field(request_id: str, index: int) -> str:
-    """The `tails` hash field holding a request's chunk that starts at token `index`."""
-    return f"{request_id}:{index}"
+    """The prog hash field holding a request's chunk that starts at token `index`."""
+    return f"{request_id}#{index}"
 
 
 def owner_of(consumer: str, entry_id: str) -> str:

@@ -255,7 +255,7 @@ class Streams:
         """One worker step in one script call (`lua/step.lua`): every write fenced by owner and
         index; the cancel flags of the written and `check` requests come back. A request id
         may appear once per call."""
-        keys = [stream, next_stream, self.keys.progress, self.keys.tails]
+        keys = [stream, next_stream, self.keys.progress]
         args: list = [
             group,
             self.feed_prefix,
@@ -315,7 +315,7 @@ class Streams:
         req_key = self.keys.request(request_id) if request_id else self.keys.dlq
         out_key = self.keys.out(request_id) if request_id else self.keys.dlq
         reply = self._dead_letter(
-            keys=[stream, self.keys.dlq, req_key, out_key, self.keys.progress, self.keys.tails],
+            keys=[stream, self.keys.dlq, req_key, out_key, self.keys.progress],
             args=[
                 group,
                 self.consumer,
@@ -359,7 +359,7 @@ class Streams:
         chunks in order, and the tail among them as (chunk index, payload), which a worker
         that takes the request over writes to out:{id} with its first flush."""
         _raw, runs, tail = self._read(
-            keys=[self.keys.progress, self.keys.out(request_id), self.keys.tails],
+            keys=[self.keys.progress, self.keys.out(request_id)],
             args=[request_id, "", 0, self.ttl_fields],
         )
         chunks = [c for run in runs for c in decode_chunks(run)]

@@ -61,7 +61,7 @@ class Subscription:
         far, how many out:{id} entries held them)."""
         feed, rid = self.feed, self.request_id
         raw, runs, tail = await feed._attach_script(
-            keys=[feed.keys.progress, feed.keys.out(rid), feed.keys.tails],
+            keys=[feed.keys.progress, feed.keys.out(rid)],
             args=[rid, feed.reader_id, MAX_FEEDS, await field_ttl(feed.redis)],
         )
         progress = Progress.parse(raw)

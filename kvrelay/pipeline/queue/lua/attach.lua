@@ -1,7 +1,7 @@
 -- Attach an output reader to a request: add its feed to the request's progress (the newest
 -- MAX_FEEDS kept) and read the history, in one step, so no chunk falls between what this
 -- returns and what the feed brings next.
--- KEYS: 1 the prog hash, 2 out:{id}, 3 the tails hash
+-- KEYS: 1 the prog hash (progress and tails), 2 out:{id}
 -- ARGV: 1 request id, 2 feed (reader) id ("" reads only), 3 max feeds, 4 ttl_fields ("1": HSETEX)
 -- Returns {progress value or false (no progress: the request ended, or never ran), the `m`
 -- values of out:{id} in order (each one or more framed chunks), the tail's chunk payloads}.
@@ -29,5 +29,5 @@ for _, entry in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
   end
 end
 local tail = {}
-if p then tail = tail_chunks(KEYS[3], ARGV[1], p.hist, p.emitted) end
+if p then tail = tail_chunks(KEYS[1], ARGV[1], p.hist, p.emitted) end
 return {value or false, history, tail}

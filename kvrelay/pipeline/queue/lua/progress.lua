@@ -1,6 +1,6 @@
 -- Shared prelude: a request's progress value in the `prog` hash (kvrelay/pipeline/queue/progress.py
 -- documents the layout: five lines) and its tail, the chunks not yet in out:{id}, one field
--- `<request id>:<chunk index>` each in the `tails` hash.
+-- `<request id>#<chunk index>` each in the same hash ('#' is no request id character).
 local function prog_parse(value)
   if not value then return nil end
   local e, h, c, f, o = string.match(value, '^(%d+)\n(%d+)\n(.)\n([^\n]*)\n([^\n]*)')
@@ -30,12 +30,12 @@ end
 -- The tail of request `rid` (chunk payloads from token `hist` up to `emitted`, in order) and
 -- the fields holding them: each chunk's token count (MessagePack `token_ids`) says where the
 -- next one starts. Only readers that attach, claims and dead letters walk it.
-local function tail_chunks(tails, rid, hist, emitted)
+local function tail_chunks(prog, rid, hist, emitted)
   local chunks, fields = {}, {}
   local at = hist
   while at < emitted do
-    local field = rid .. ':' .. at
-    local payload = redis.call('HGET', tails, field)
+    local field = rid .. '#' .. at
+    local payload = redis.call('HGET', prog, field)
     if not payload then break end
     local ok, chunk = pcall(cmsgpack.unpack, payload)
     local n = ok and type(chunk) == 'table' and type(chunk.token_ids) == 'table'

@@ -1,14 +1,14 @@
 -- One worker step: every sequence's chunk in one call (docs/internals.md "Queue plane").
 -- Per sequence: only the owner (`consumer/entry id` in its progress) may write, and the chunk
 -- must start at the tokens already emitted. The chunk goes to the step's entry of each feed
--- following the request and to its tail (a `tails` field), or, on a flush, a hand-off or the
+-- following the request and to its tail (a `<id>#<index>` field of the prog hash), or, on a flush, a hand-off or the
 -- end, `out:{id}` gets the tail and the chunk (framed, given by the worker, which keeps its
 -- tail) and the tail's fields go. A hand-off also queues the next stage's task and acks the
 -- entry; an end acks it, writes the record's final fields and drops the progress.
 -- Returns {results, cancelled}: per sequence {1, emitted}, {0, 'not-owner'} or {-1, emitted}
 -- (index mismatch); then the ids among the sequences and the `check` ids whose cancel flag
 -- is set.
--- KEYS: 1 work stream, 2 next stream (hand-offs), 3 prog hash, 4 tails hash, then per
+-- KEYS: 1 work stream, 2 next stream (hand-offs), 3 prog hash (progress and tails), then per
 --       sequence req:{id}, out:{id}
 -- ARGV: 1 group, 2 feed key prefix, 3 ttl_fields, 4 out ttl s, 5 req ttl s, 6 feed maxlen,
 --       7 sequences N, 8 check ids M, then per sequence: owner, request id, chunk index,
@@ -31,7 +31,7 @@ end
 for j = 1, m do ids[n + j] = ARGV[at + j - 1] end
 if #ids == 0 then return {{}, {}} end
 local values = redis.call('HMGET', KEYS[3], unpack(ids))
-local results, cancelled, stores, tails, acks, ends, drops = {}, {}, {}, {}, {}, {}, {}
+local results, cancelled, stores, acks, ends, drops = {}, {}, {}, {}, {}, {}
 local feeds, feed_order = {}, {}
 for i = 1, n do
   local a = starts[i]
@@ -60,19 +60,19 @@ for i = 1, n do
     local nf = tonumber(ARGV[nf_at])
     local fields = {}
     if mode == 'e' then
-      tails[#tails + 1] = rid .. ':' .. ARGV[a + 2]
-      tails[#tails + 1] = chunk
+      stores[#stores + 1] = rid .. '#' .. ARGV[a + 2]
+      stores[#stores + 1] = chunk
     else
-      redis.call('XADD', KEYS[4 + 2 * i], '*', ${MESSAGE_FIELD}, ARGV[a + 6])
+      redis.call('XADD', KEYS[3 + 2 * i], '*', ${MESSAGE_FIELD}, ARGV[a + 6])
       for k = a + 8, a + 7 + nd do drops[#drops + 1] = ARGV[k] end
       p.hist = p.emitted
       fields = {${EMITTED}, p.emitted, ${COMPLETION_TOKENS}, p.emitted}
     end
     for k = nf_at + 1, nf_at + nf do fields[#fields + 1] = ARGV[k] end
-    local req = KEYS[3 + 2 * i]
+    local req = KEYS[2 + 2 * i]
     if #fields > 0 then redis.call('HSET', req, unpack(fields)) end
     if mode == 'd' then
-      redis.call('EXPIRE', KEYS[4 + 2 * i], out_ttl)
+      redis.call('EXPIRE', KEYS[3 + 2 * i], out_ttl)
       redis.call('EXPIRE', req, req_ttl)
       local entry = string.match(p.owner, '.*/(.*)$')
       acks[#acks + 1] = entry
@@ -94,16 +94,16 @@ for j = 1, m do
   local p = prog_parse(values[n + j])
   if p and p.cancel == '1' then cancelled[#cancelled + 1] = ids[n + j] end
 end
-prog_store(KEYS[3], stores, ttl_fields)
-if #tails > 0 then
+-- one write for every progress and tail field of the step (each lives req ttl past it)
+if #stores > 0 then
   if ttl_fields == '1' then
-    redis.call('HSETEX', KEYS[4], 'EX', req_ttl, 'FIELDS', #tails / 2, unpack(tails))
+    redis.call('HSETEX', KEYS[3], 'EX', req_ttl, 'FIELDS', #stores / 2, unpack(stores))
   else
-    redis.call('HSET', KEYS[4], unpack(tails))
+    redis.call('HSET', KEYS[3], unpack(stores))
   end
 end
-if #drops > 0 then redis.call('HDEL', KEYS[4], unpack(drops)) end
-if #ends > 0 then redis.call('HDEL', KEYS[3], unpack(ends)) end
+for _, rid in ipairs(ends) do drops[#drops + 1] = rid end
+if #drops > 0 then redis.call('HDEL', KEYS[3], unpack(drops)) end
 if #acks > 0 then redis.call('XACK', KEYS[1], group, unpack(acks)) end
 for _, feed in ipairs(feed_order) do
   redis.call('XADD', feed_prefix .. feed, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',

@@ -140,6 +140,8 @@ class Subscription:
                 )
                 raise OutputTimeout(f"request {self.request_id} passed its deadline")
             wait = min(wait, left)
+        if not self.queue.empty():  # chunks already here: no timer task per chunk
+            return self.queue.get_nowait()
         try:
             return await asyncio.wait_for(self.queue.get(), wait)
         except TimeoutError:

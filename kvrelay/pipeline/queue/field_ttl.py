@@ -13,7 +13,10 @@ _FLAGS: dict[tuple[Any, ...], str] = {}  # server -> "1" | "0"
 
 
 def _server(client: Any) -> tuple[Any, ...]:
-    kwargs = client.connection_pool.connection_kwargs
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:  # a cluster client: one answer per client object (its nodes run alike)
+        return ("client", id(client))
+    kwargs = pool.connection_kwargs
     return (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"), kwargs.get("db"))
 
 

@@ -295,7 +295,8 @@ class Streams:
             ]
         args += list(check)
         results, cancelled = self._step(keys=keys, args=args)
-        return StepResult([_fenced(r) for r in results], {as_str(c) for c in cancelled})
+        pairs = [results[i : i + 2] for i in range(0, len(results), 2)]
+        return StepResult([_fenced(r) for r in pairs], {as_str(c) for c in cancelled})
 
     def dead_letter(
         self,

@@ -5,9 +5,9 @@
 -- end, `out:{id}` gets the tail and the chunk (framed, given by the worker, which keeps its
 -- tail) and the tail's fields go. A hand-off also queues the next stage's task and acks the
 -- entry; an end acks it, writes the record's final fields and drops the progress.
--- Returns {results, cancelled}: per sequence {1, emitted}, {0, 'not-owner'} or {-1, emitted}
--- (index mismatch); then the ids among the sequences and the `check` ids whose cancel flag
--- is set.
+-- Returns {results, cancelled}: per sequence two items, 1 and the tokens emitted, 0 and
+-- 'not-owner' or -1 and the tokens emitted (index mismatch); then the ids among the
+-- sequences and the `check` ids whose cancel flag is set.
 -- KEYS: 1 work stream, 2 next stream (hand-offs), 3 prog hash (progress and tails), then per
 --       sequence req:{id}, out:{id}
 -- ARGV: 1 group, 2 feed key prefix, 3 ttl_fields, 4 out ttl s, 5 req ttl s, 6 feed maxlen,
@@ -33,62 +33,74 @@ if #ids == 0 then return {{}, {}} end
 local values = redis.call('HMGET', KEYS[3], unpack(ids))
 local results, cancelled, stores, acks, ends, drops = {}, {}, {}, {}, {}, {}
 local feeds, feed_order = {}, {}
+local function to_feed(feed, rid, chunk)
+  local items = feeds[feed]
+  if not items then
+    items = {}
+    feeds[feed] = items
+    feed_order[#feed_order + 1] = feed
+  end
+  items[#items + 1] = rid
+  items[#items + 1] = chunk
+end
+-- the hot path (mode 'e', no record fields) allocates no table per sequence: the progress is
+-- parsed into locals (the layout of prog_parse) and written back as one string
 for i = 1, n do
   local a = starts[i]
-  local rid, mode, chunk = ARGV[a + 1], ARGV[a + 5], ARGV[a + 4]
-  local p = prog_parse(values[i])
-  if not p or p.owner ~= ARGV[a] then
-    results[i] = {0, 'not-owner'}
-  elseif p.emitted ~= tonumber(ARGV[a + 2]) then
-    results[i] = {-1, p.emitted}
+  local rid, mode, chunk, index = ARGV[a + 1], ARGV[a + 5], ARGV[a + 4], ARGV[a + 2]
+  local e, h, c, f, o
+  if values[i] then
+    e, h, c, f, o = string.match(values[i], '^(%d+)\n(%d+)\n(.)\n([^\n]*)\n([^\n]*)')
+  end
+  if not e or o ~= ARGV[a] then
+    results[2 * i - 1], results[2 * i] = 0, 'not-owner'
+  elseif e ~= index then
+    results[2 * i - 1], results[2 * i] = -1, tonumber(e)
   else
-    p.emitted = p.emitted + tonumber(ARGV[a + 3])
-    if p.feeds ~= '' then
-      for feed in string.gmatch(p.feeds, '[^,]+') do
-        local items = feeds[feed]
-        if not items then
-          items = {}
-          feeds[feed] = items
-          feed_order[#feed_order + 1] = feed
-        end
-        items[#items + 1] = rid
-        items[#items + 1] = chunk
+    local emitted = tonumber(e) + tonumber(ARGV[a + 3])
+    if f ~= '' then
+      if not string.find(f, ',', 1, true) then
+        to_feed(f, rid, chunk)
+      else
+        for feed in string.gmatch(f, '[^,]+') do to_feed(feed, rid, chunk) end
       end
     end
     local nd = tonumber(ARGV[a + 7])
     local nf_at = a + 8 + nd + 1
     local nf = tonumber(ARGV[nf_at])
-    local fields = {}
+    local fields
     if mode == 'e' then
-      stores[#stores + 1] = rid .. '#' .. ARGV[a + 2]
+      stores[#stores + 1] = rid .. '#' .. index
       stores[#stores + 1] = chunk
     else
       redis.call('XADD', KEYS[3 + 2 * i], '*', ${MESSAGE_FIELD}, ARGV[a + 6])
       for k = a + 8, a + 7 + nd do drops[#drops + 1] = ARGV[k] end
-      p.hist = p.emitted
-      fields = {${EMITTED}, p.emitted, ${COMPLETION_TOKENS}, p.emitted}
+      h = emitted
+      fields = {${EMITTED}, emitted, ${COMPLETION_TOKENS}, emitted}
     end
-    for k = nf_at + 1, nf_at + nf do fields[#fields + 1] = ARGV[k] end
+    if nf > 0 then
+      fields = fields or {}
+      for k = nf_at + 1, nf_at + nf do fields[#fields + 1] = ARGV[k] end
+    end
     local req = KEYS[2 + 2 * i]
-    if #fields > 0 then redis.call('HSET', req, unpack(fields)) end
+    if fields then redis.call('HSET', req, unpack(fields)) end
     if mode == 'd' then
       redis.call('EXPIRE', KEYS[3 + 2 * i], out_ttl)
       redis.call('EXPIRE', req, req_ttl)
-      local entry = string.match(p.owner, '.*/(.*)$')
-      acks[#acks + 1] = entry
+      acks[#acks + 1] = string.match(o, '.*/(.*)$')
       ends[#ends + 1] = rid
     else
       if mode == 'h' then
         redis.call('XADD', KEYS[2], '*', ${MESSAGE_FIELD}, ARGV[a + 8 + nd])
-        acks[#acks + 1] = string.match(p.owner, '.*/(.*)$')
-        p.owner = ''
+        acks[#acks + 1] = string.match(o, '.*/(.*)$')
+        o = ''
       end
       stores[#stores + 1] = rid
-      stores[#stores + 1] = prog_encode(p)
+      stores[#stores + 1] = emitted .. '\n' .. h .. '\n' .. c .. '\n' .. f .. '\n' .. o
     end
-    results[i] = {1, p.emitted}
+    results[2 * i - 1], results[2 * i] = 1, emitted
   end
-  if p and p.cancel == '1' then cancelled[#cancelled + 1] = rid end
+  if c == '1' then cancelled[#cancelled + 1] = rid end
 end
 for j = 1, m do
   local p = prog_parse(values[n + j])

@@ -7,9 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvrelay.pipeline.queue import scripts
-from kvrelay.pipeline.queue.progress import field_ttl_flag
 
 _FLAGS: dict[tuple[Any, ...], str] = {}  # server -> "1" | "0"
+
+
+def field_ttl_flag(reply: object) -> str:
+    """The scripts' `ttl_fields` argument from the reply of `lua/field_ttl.lua`: "1" or "0"."""
+    return "1" if reply in (1, b"1", "1") else "0"
 
 
 def _server(client: Any) -> tuple[Any, ...]:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvrelay.core.messages import TokenChunk, decode_chunks
-
 SEP = b"\n"
 FEED_SEP = ","
 MAX_FEEDS = 4  # readers following one request at once (the newest kept)
@@ -37,8 +35,6 @@ class Progress:
     cancelled: bool = False
     feeds: list[str] = field(default_factory=list)
     owner: str = ""
-    # the tail's framed chunks, read beside the value (`lua/attach.lua`); never stored in it
-    tail: bytes = b""
 
     @classmethod
     def parse(cls, raw: bytes | None) -> Progress | None:
@@ -67,10 +63,6 @@ class Progress:
         ]
         return SEP.join(head)
 
-    def tail_chunks(self) -> list[TokenChunk]:
-        """The chunks emitted after those in out:{id}, in order (once `tail` was read)."""
-        return decode_chunks(self.tail) if self.tail else []
-
 
 def new_progress(feed: str = "") -> bytes:
     """The value the submit scripts write for a request just queued."""
@@ -85,9 +77,3 @@ def tail_field(request_id: str, index: int) -> str:
 def owner_of(consumer: str, entry_id: str) -> str:
     """The `owner` value of a consumer holding a stream entry."""
     return f"{consumer}/{entry_id}"
-
-
-def field_ttl_flag(reply: object) -> str:
-    """The scripts' `ttl_fields` argument from the reply of `lua/field_ttl.lua` (a probe for
-    HSETEX, per-field expiry): "1" or "0"."""
-    return "1" if reply in (1, b"1", "1") else "0"

@@ -23,7 +23,8 @@ from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import TokenChunk, decode_chunks, frame
 from kvrelay.core.record import as_str
 from kvrelay.pipeline.queue import scripts
-from kvrelay.pipeline.queue.progress import Progress, field_ttl_flag, owner_of
+from kvrelay.pipeline.queue.field_ttl import field_ttl_sync
+from kvrelay.pipeline.queue.progress import Progress, owner_of
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,6 @@ class Streams:
         self.req_ttl_s = req_ttl_s
         self.dlq_maxlen = dlq_maxlen
         self.feed_maxlen = feed_maxlen
-        self._ttl_fields: str | None = None
         self._step = client.register_script(scripts.with_progress("step"))
         self._admit = client.register_script(scripts.with_progress("admit"))
         self._claim = client.register_script(scripts.source("claim"))
@@ -146,15 +146,12 @@ class Streams:
         self._strikes = client.register_script(scripts.with_progress("strikes"))
         self._release = client.register_script(scripts.fenced("release"))
         self._prune = client.register_script(scripts.source("prune"))
-        self._probe = client.register_script(scripts.source("field_ttl"))
         self._read = client.register_script(scripts.with_progress("attach"))
 
     @property
     def ttl_fields(self) -> str:
-        """ "1" when the server keeps per-field expiry (HSETEX), probed once."""
-        if self._ttl_fields is None:
-            self._ttl_fields = field_ttl_flag(self._probe())
-        return self._ttl_fields
+        """ "1" when the server keeps per-field expiry (HSETEX), probed once per server."""
+        return field_ttl_sync(self.r)
 
     @property
     def feed_prefix(self) -> str:
@@ -345,12 +342,9 @@ class Streams:
         return as_str(reply)
 
     # reads of request state
-    def progress(self, request_id: str) -> Progress | None:
-        return Progress.parse(self.r.hget(self.keys.progress, request_id))
-
     def emitted(self, request_id: str) -> int:
         """Tokens emitted so far: the progress's count, or the record's once it ended."""
-        prog = self.progress(request_id)
+        prog = Progress.parse(self.r.hget(self.keys.progress, request_id))
         if prog is not None:
             return prog.emitted
         return int(self.r.hget(self.keys.request(request_id), rec.EMITTED) or 0)

@@ -64,12 +64,9 @@ class Subscription:
             keys=[feed.keys.progress, feed.keys.out(rid)],
             args=[rid, feed.reader_id, MAX_FEEDS, await field_ttl(feed.redis)],
         )
-        progress = Progress.parse(raw)
-        if progress is not None:
-            progress.tail = b"".join(frame(payload) for payload in tail)
-        self.following = progress is not None
+        self.following = Progress.parse(raw) is not None
         chunks: list[TokenChunk] = []
-        for run in [*runs, progress.tail if progress else b""]:
+        for run in [*runs, b"".join(frame(payload) for payload in tail)]:
             try:
                 chunks.extend(decode_chunks(run))
             except MessageError as exc:

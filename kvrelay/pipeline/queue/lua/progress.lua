@@ -1,15 +1,22 @@
 -- Shared prelude: a request's progress value in the `prog` hash (kvrelay/pipeline/queue/progress.py
 -- documents the layout: five lines) and its tail, the chunks not yet in out:{id}, one field
 -- `<request id>#<chunk index>` each in the same hash ('#' is no request id character).
+-- the five lines: emitted, hist, cancel, feeds, owner (string.match gives them as strings)
+local PROG_LINES = '^(%d+)\n(%d+)\n(.)\n([^\n]*)\n([^\n]*)'
+
+local function prog_join(emitted, hist, cancel, feeds, owner)
+  return emitted .. '\n' .. hist .. '\n' .. cancel .. '\n' .. feeds .. '\n' .. owner
+end
+
 local function prog_parse(value)
   if not value then return nil end
-  local e, h, c, f, o = string.match(value, '^(%d+)\n(%d+)\n(.)\n([^\n]*)\n([^\n]*)')
+  local e, h, c, f, o = string.match(value, PROG_LINES)
   if not e then return nil end
   return {emitted = tonumber(e), hist = tonumber(h), cancel = c, feeds = f, owner = o}
 end
 
 local function prog_encode(p)
-  return p.emitted .. '\n' .. p.hist .. '\n' .. p.cancel .. '\n' .. p.feeds .. '\n' .. p.owner
+  return prog_join(p.emitted, p.hist, p.cancel, p.feeds, p.owner)
 end
 
 -- Write hash fields (a flat field/value list) keeping each field's time to live where the

@@ -44,13 +44,13 @@ local function to_feed(feed, rid, chunk)
   items[#items + 1] = chunk
 end
 -- the hot path (mode 'e', no record fields) allocates no table per sequence: the progress is
--- parsed into locals (the layout of prog_parse) and written back as one string
+-- matched into locals (PROG_LINES, not prog_parse) and joined back
 for i = 1, n do
   local a = starts[i]
   local rid, mode, chunk, index = ARGV[a + 1], ARGV[a + 5], ARGV[a + 4], ARGV[a + 2]
   local e, h, c, f, o
   if values[i] then
-    e, h, c, f, o = string.match(values[i], '^(%d+)\n(%d+)\n(.)\n([^\n]*)\n([^\n]*)')
+    e, h, c, f, o = string.match(values[i], PROG_LINES)
   end
   if not e or o ~= ARGV[a] then
     results[2 * i - 1], results[2 * i] = 0, 'not-owner'
@@ -96,7 +96,7 @@ for i = 1, n do
         o = ''
       end
       stores[#stores + 1] = rid
-      stores[#stores + 1] = emitted .. '\n' .. h .. '\n' .. c .. '\n' .. f .. '\n' .. o
+      stores[#stores + 1] = prog_join(emitted, h, c, f, o)
     end
     results[2 * i - 1], results[2 * i] = 1, emitted
   end

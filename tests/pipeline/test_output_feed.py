@@ -42,6 +42,17 @@ async def _until(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _first_chunk_read(r, feed: OutputFeed, rid: str, got: list[TokenChunk]):
+    """Submit `rid` naming the feed, emit its first chunk and wait until the reader (the task
+    returned, collecting into `got`) has it."""
+    sub = await feed.subscribe(rid)
+    submit(r, KEYS, rid, feed.reader_id)
+    reader = asyncio.create_task(_collect(sub.chunks(submitted=True), got))
+    emit(r, KEYS, rid, _c(0, [1], "a"))
+    await _until(lambda: len(got) == 1)
+    return reader
+
+
 def _run(url: str, scenario, **options) -> None:
     async def main() -> None:
         client = async_redis(url, 16)
@@ -123,11 +134,7 @@ def test_a_chunk_trimmed_from_the_feed_is_refilled_from_the_history(r, valkey_se
     got: list[TokenChunk] = []
 
     async def scenario(feed: OutputFeed) -> None:
-        sub = await feed.subscribe("g")
-        submit(r, KEYS, "g", feed.reader_id)
-        reader = asyncio.create_task(_collect(sub.chunks(submitted=True), got))
-        emit(r, KEYS, "g", _c(0, [1], "a"))
-        await _until(lambda: len(got) == 1)
+        reader = await _first_chunk_read(r, feed, "g", got)
         # chunk 1's feed entry is trimmed before the reader sees it
         with r.pipeline(transaction=True) as pipe:
             progress = Progress.parse(r.hget(KEYS.progress, "g"))
@@ -205,11 +212,7 @@ def test_a_vanished_feed_is_recreated_and_its_requests_attached_again(r, valkey_
     got: list[TokenChunk] = []
 
     async def scenario(feed: OutputFeed) -> None:
-        sub = await feed.subscribe("v")
-        submit(r, KEYS, "v", feed.reader_id)
-        reader = asyncio.create_task(_collect(sub.chunks(submitted=True), got))
-        emit(r, KEYS, "v", _c(0, [1], "a"))
-        await _until(lambda: len(got) == 1)
+        reader = await _first_chunk_read(r, feed, "v", got)
         r.delete(KEYS.feed(feed.reader_id))
         emit(r, KEYS, "v", _c(1, [2], "b"))  # NOMKSTREAM: lost with the feed
         await _until(lambda: r.exists(KEYS.feed(feed.reader_id)) == 1)

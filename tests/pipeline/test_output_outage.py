@@ -42,16 +42,22 @@ async def _read(url: str, retry_s: float, got: list[TokenChunk], ready: asyncio.
         await client.aclose()
 
 
+async def _first_chunk_read(url: str, retry_s: float, got: list[TokenChunk]) -> asyncio.Task:
+    """A reader (the task returned, collecting into `got`) that already has chunk 0."""
+    ready = asyncio.Event()
+    reader = asyncio.create_task(_read(url, retry_s, got, ready))
+    await ready.wait()
+    await asyncio.to_thread(_emit, url, TokenChunk(0, [11], "a"))
+    while not got:
+        await asyncio.sleep(0.02)
+    return reader
+
+
 def test_reader_survives_a_valkey_restart(valkey):
     got: list[TokenChunk] = []
 
     async def scenario() -> None:
-        ready = asyncio.Event()
-        reader = asyncio.create_task(_read(valkey.url, 30.0, got, ready))
-        await ready.wait()
-        await asyncio.to_thread(_emit, valkey.url, TokenChunk(0, [11], "a"))
-        while not got:
-            await asyncio.sleep(0.02)
+        reader = await _first_chunk_read(valkey.url, 30.0, got)
         assert [c.index for c in got] == [0]
         await asyncio.sleep(1.1)  # the append-only file is synced every second
         valkey.stop(kill=True)  # SIGKILL: what the chaos test does to it
@@ -72,12 +78,7 @@ def test_an_outage_longer_than_the_retry_window_is_raised(valkey, fake_clock):
     fake_clock.install(outage_module)  # the outage's clock moves only as the reader waits
 
     async def scenario() -> None:
-        ready = asyncio.Event()
-        reader = asyncio.create_task(_read(valkey.url, 1.0, got, ready))
-        await ready.wait()
-        await asyncio.to_thread(_emit, valkey.url, TokenChunk(0, [11], "a"))
-        while not got:
-            await asyncio.sleep(0.02)
+        reader = await _first_chunk_read(valkey.url, 1.0, got)
         valkey.stop(kill=True)
         with pytest.raises(RedisConnectionError):
             await asyncio.wait_for(reader, 20)

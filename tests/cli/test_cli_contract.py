@@ -9,29 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.cli.main import main
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk, frame
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.server import arena_path
 from kvrelay.pipeline.queue.progress import Progress, new_progress
 from kvrelay.pipeline.queue.streams import Streams
+from tests.cli.in_process import run
 from tests.conftest import free_port
 from tests.kvstore.conftest import SMALL, RunningNode, keys_for, payload
 
 KEYS = Keys("ctr:")
 POISON = "delivered 6 times, 5 times in a row without progress (limit 5)"
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    """`kvrelay ARGV` in-process: (exit code, stdout, stderr); usage errors exit via SystemExit."""
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def cli(capsys, valkey, *argv: str) -> tuple[int, str, str]:

@@ -13,20 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.cli.main import main
 from kvrelay.cli.up.launch import Program, Supervisor
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, Keys
 from kvrelay.pipeline.queue.streams import Streams
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.cli.in_process import run
 
 
 def test_version_is_the_installed_package_version(capsys):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.cli.main import main
 from kvrelay.core import config
+from tests.cli.in_process import run
 
 NOT_A_URL = "not a Redis URL (redis://[:PASSWORD@]HOST[:PORT][/DB], rediss://... or unix:///PATH)"
 BAD_URLS = [
@@ -33,16 +33,6 @@ COMMANDS = [
     ("store", "--page-bytes", "64"),
     ("up", "--detach"),
 ]
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize(("url", "problem"), BAD_URLS, ids=[u for u, _ in BAD_URLS])

@@ -21,9 +21,12 @@ import time
 from pathlib import Path
 
 import redis
+import redis.cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_port, machine_line, write_section  # noqa: E402
+
+from kvrelay.core.redis_client import sync_redis  # noqa: E402
 
 POLLING = ("xpending", "xclaim", "xautoclaim")  # claim and lease traffic: none while all live
 
@@ -43,20 +46,10 @@ def valkey_cpu_s(r: redis.Redis) -> float:
 
 def shard_clients(url: str) -> list[redis.Redis]:
     """One client per Valkey node behind `url` (the primaries of a cluster, or the one server)."""
-    r = redis.Redis.from_url(url)
-    try:
-        nodes = r.execute_command("CLUSTER", "NODES")
-    except redis.ResponseError:
-        return [r]
-    if isinstance(nodes, bytes):
-        nodes = nodes.decode()
-    clients = []
-    for line in str(nodes).splitlines():
-        parts = line.split()
-        if len(parts) > 2 and "master" in parts[2]:
-            host, port = parts[1].split("@")[0].rsplit(":", 1)
-            clients.append(redis.Redis(host=host or "127.0.0.1", port=int(port)))
-    return clients or [r]
+    client = sync_redis(url)
+    if isinstance(client, redis.cluster.RedisCluster):
+        return [redis.Redis(host=n.host, port=n.port) for n in client.get_primaries()]
+    return [client]
 
 
 def bench(url: str, streams: int, requests: int, max_tokens: int) -> dict:

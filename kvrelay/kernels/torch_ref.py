@@ -71,6 +71,28 @@ def scatter_pages(kv_pool: torch.Tensor, block_ids: torch.Tensor, pages: torch.T
     kv_pool.index_copy_(0, block_ids.to(torch.long), pages.to(kv_pool.dtype))
 
 
+def rotate(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q and k rotated [T, H + KV, D], v [T, KV, D]) of a fused QKV row (HF rotate_half);
+    elementwise per row, with no host sync (a CUDA graph can hold it)."""
+    num_tokens, head_dim = qkv.shape[0], cos.shape[1] * 2
+    half = head_dim // 2
+    x = qkv[:, : (num_heads + kv_heads) * head_dim].reshape(num_tokens, -1, head_dim)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    out[..., :half] = x1 * c - x2 * s
+    out[..., half:] = x2 * c + x1 * s
+    v = qkv[:, (num_heads + kv_heads) * head_dim :].reshape(num_tokens, kv_heads, head_dim)
+    return out, v
+
+
 def rope_write_kv(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -82,14 +104,6 @@ def rope_write_kv(
     num_heads: int,
 ) -> torch.Tensor:
     """Rotate q and k of a fused QKV row (HF rotate_half), write k and v; return q [T, H, D]."""
-    kv_heads, head_dim = kv_pool.shape[4:]
-    num_tokens, half = qkv.shape[0], head_dim // 2
-    x = qkv[:, : (num_heads + kv_heads) * head_dim].reshape(num_tokens, -1, head_dim)
-    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
-    out[..., :half] = x1 * c - x2 * s
-    out[..., half:] = x2 * c + x1 * s
-    v = qkv[:, (num_heads + kv_heads) * head_dim :].reshape(num_tokens, kv_heads, head_dim)
+    out, v = rotate(qkv, positions, cos, sin, num_heads, kv_pool.shape[4])
     write_kv(kv_pool, layer, out[:, num_heads:], v, slot_mapping)
     return out[:, :num_heads]

@@ -2,7 +2,9 @@
 
 A pool block `kv_pool[b]` ([num_layers, 2, page_size, kv_heads, head_dim]) is byte-identical to a
 page payload, so load and save are one copy each between the pool and a shared arena slot (an
-asynchronous DMA on CUDA once the arena is registered as pinned memory). Store failures are
+asynchronous DMA on CUDA once the arena is registered as pinned memory). On CUDA the copies run
+on a side stream of their own: a load (on the engine's loader thread) overlaps the forward
+passes on the compute stream, and waits for its own copies only. Store failures are
 logged and reported as misses: the engine recomputes instead of failing the request. That
 includes a node killed or restarting mid-call (zmq errors, a vanished arena file, a reply cut
 short), not only the errors the node reports: churn must never fail a request.
@@ -10,6 +12,7 @@ short), not only the errors the node reports: churn must never fail a request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from kvrelay.kvstore.client import StoreClient
@@ -18,12 +21,29 @@ from kvrelay.kvstore.errors import StoreError
 logger = logging.getLogger(__name__)
 
 
+def _on(stream):
+    """`torch.cuda.stream(stream)`, or no context for None (CPU pools)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.stream(stream)
+
+
 class StoreConnector:
     """lookup / load / save pages of one model between a KV pool and the local store node."""
 
     def __init__(self, client: StoreClient):
         self.client = client
         self._registered = None  # the arena mapping registered with CUDA, if any
+        self._stream = None  # the CUDA side stream of the copies
+
+    def _side_stream(self, kv_pool):
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(kv_pool.device)
+        return self._stream
 
     def _check(self, kv_pool) -> bool:
         spec = self.client.spec
@@ -64,11 +84,12 @@ class StoreConnector:
         try:
             with self.client.pinned(list(keys)) as views:
                 shape = kv_pool.shape[1:]
-                for view, block in zip(views, block_ids, strict=False):
-                    src = torch.frombuffer(view, dtype=kv_pool.dtype).view(shape)
-                    kv_pool[block].copy_(src, non_blocking=cuda)
+                with _on(self._side_stream(kv_pool) if cuda else None):
+                    for view, block in zip(views, block_ids, strict=False):
+                        src = torch.frombuffer(view, dtype=kv_pool.dtype).view(shape)
+                        kv_pool[block].copy_(src, non_blocking=cuda)
                 if cuda:
-                    torch.cuda.current_stream(kv_pool.device).synchronize()  # before unpinning
+                    self._stream.synchronize()  # before unpinning
                 return len(views)
         except Exception as exc:
             logger.warning("store load failed, recomputing: %r", exc)
@@ -84,11 +105,16 @@ class StoreConnector:
 
         def fill(items: list[tuple[int, memoryview]]) -> None:
             shape = kv_pool.shape[1:]
-            for i, dst in items:
-                out = torch.frombuffer(dst, dtype=kv_pool.dtype).view(shape)
-                out.copy_(kv_pool[block_ids[i]], non_blocking=cuda)
-            if cuda:
-                torch.cuda.current_stream(kv_pool.device).synchronize()  # before checksums
+            side = None
+            if cuda:  # after the compute that wrote the blocks
+                side = self._side_stream(kv_pool)
+                side.wait_stream(torch.cuda.current_stream(kv_pool.device))
+            with _on(side):
+                for i, dst in items:
+                    out = torch.frombuffer(dst, dtype=kv_pool.dtype).view(shape)
+                    out.copy_(kv_pool[block_ids[i]], non_blocking=cuda)
+            if side is not None:
+                side.synchronize()  # before checksums
 
         try:
             self.client.put_with(list(keys), fill)

@@ -24,6 +24,7 @@ CASES = [
     "decode_and_chunks",
     "write_kv",
     "pages",
+    "rope_write_kv",
 ]
 
 

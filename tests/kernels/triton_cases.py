@@ -13,7 +13,13 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before
 
 import torch  # noqa: E402
 
-from kvrelay.kernels import gather_pages, paged_attention, scatter_pages, write_kv  # noqa: E402
+from kvrelay.kernels import (  # noqa: E402
+    gather_pages,
+    paged_attention,
+    rope_write_kv,
+    scatter_pages,
+    write_kv,
+)
 from tests.kernels.helpers import attend_batch, make_case, make_pool, random_seq  # noqa: E402
 
 ATTENTION = {
@@ -57,6 +63,22 @@ def check_write_kv() -> tuple[bool, str]:
     return torch.equal(pools[0], pools[1]), "pool equals the torch write"
 
 
+def check_rope_write_kv() -> tuple[bool, str]:
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim = 6, 2, 8
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g)
+    pos, slots = torch.tensor([0, 3, 9, 2, 7]), torch.tensor([3, -1, 12, 0, 31])
+    angles = torch.arange(16.0)[:, None] * torch.rand(dim // 2, generator=g)[None, :]
+    cos, sin = angles.cos(), angles.sin()
+    pools = [make_pool(4, 2, 8, kv_heads, dim) for _ in range(2)]
+    q = [
+        rope_write_kv(qkv, pos, cos, sin, pool, 1, slots, heads, impl=impl)
+        for pool, impl in zip(pools, ("triton", "torch"), strict=True)
+    ]
+    ok = torch.equal(q[0], q[1]) and torch.equal(pools[0], pools[1])
+    return ok, "q and the pool equal the torch path's"
+
+
 def check_pages() -> tuple[bool, str]:
     pool = torch.randn(5, 2, 2, 4, 3, 5)
     ids = torch.tensor([4, 0, 4])
@@ -76,6 +98,7 @@ def main() -> None:
     results["decode_and_chunks"] = check_decode_and_chunks()
     results["write_kv"] = check_write_kv()
     results["pages"] = check_pages()
+    results["rope_write_kv"] = check_rope_write_kv()
     json.dump({k: {"ok": ok, "detail": d} for k, (ok, d) in results.items()}, sys.stdout)
 
 

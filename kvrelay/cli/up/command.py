@@ -242,8 +242,17 @@ def add_down_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _num_gpus() -> int:
+    """NVIDIA GPUs of this host (torch-free: the driver's proc entries, else its device files;
+    CUDA_VISIBLE_DEVICES narrows them)."""
     gpus = Path("/proc/driver/nvidia/gpus")
-    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+    if gpus.is_dir():
+        count = len(list(gpus.iterdir()))
+    else:
+        count = sum(1 for d in Path("/dev").glob("nvidia[0-9]*") if d.name[6:].isdigit())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip() not in ("", "-1")]))
+    return count
 
 
 def resolve_quantization(args: argparse.Namespace) -> str:

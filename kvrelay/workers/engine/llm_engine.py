@@ -117,6 +117,8 @@ class Engine:
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
         kv_pool = allocate_kv_pool(mc, num_blocks, P, kv_dtype, loaded.device)
         self.runner = ModelRunner(loaded.model, kv_pool, P)
+        if loaded.device.type == "cuda" and config.cuda_graphs:
+            self.runner.use_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(
             self.pool,

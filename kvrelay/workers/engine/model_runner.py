@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvrelay.kernels import AttentionMetadata
+from kvrelay.workers.engine.cuda_graphs import DecodeGraphs
 from kvrelay.workers.engine.scheduler import ScheduledSeq
 from kvrelay.workers.engine.sequence import Sequence
 
@@ -41,6 +42,13 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.page_size = page_size
         self.device = kv_pool.device
+        self.graphs: DecodeGraphs | None = None  # CUDA: decode steps replayed as graphs
+
+    def use_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Replay decode steps of up to `max_batch` sequences as CUDA graphs."""
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_pool, self.page_size, max_batch, max_model_len
+        )
 
     def prepare(
         self, scheduled: list[ScheduledSeq]
@@ -109,6 +117,18 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
         """Compute K/V of the scheduled tokens; their logits (sampling and prompt rows)."""
         input_ids, positions, meta, logits_indices, prompt_rows = self.prepare(scheduled)
+        num = len(scheduled)
+        if (
+            self.graphs is not None
+            and meta.max_query_len == 1
+            and not prompt_rows
+            and logits_indices.shape[0] == num  # every sequence samples its one row
+        ):
+            size = self.graphs.size_for(num)
+            if size is not None:
+                logits = self.graphs.run(input_ids, positions, meta, size)
+                if logits is not None:
+                    return StepLogits(logits.cpu())
         logits = self.model(input_ids, positions, self.kv_pool, meta, logits_indices)
         logits = logits.float().cpu()
         if not prompt_rows:

@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
             self.config, num_blocks, page_size, dtype or self.dtype, self.device
         )
 
-    def _rope_table(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_table(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Grown by doubling; every row depends only on its position, so growth changes nothing.
         if max_position >= self._rope_cos.shape[0]:
             n = max(1024, 1 << max_position.bit_length())
@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
             max_pos = int(meta.max_context_len)
         else:
             max_pos = int(pos.max()) if num_tokens else 0
-        cos_table, sin_table = self._rope_table(max_pos)
+        cos_table, sin_table = self.rope_table(max_pos)
         hidden = F.embedding(ids, self.embed)
         slots = meta.slot_mapping.to(self.device)
         token_pos = pos[:num_tokens]

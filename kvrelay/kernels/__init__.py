@@ -1,9 +1,10 @@
 """Paged-KV kernels: KV write (optionally fused with RoPE), paged attention, page gather/scatter
 (C++ on CPU fp32 when built, torch otherwise on CPU, Triton on CUDA; Triton is imported lazily,
 only when a CUDA tensor or impl="triton" is used), and the decoder's row-wise ops (RMSNorm with
-the residual add, SiLU * up, int8 row quantization: C++ on CPU fp32, torch elsewhere), and the
-int8-weight linear layer (C++ only). The C++ kernels come in ISA variants (avx2, avx512),
-chosen at load time: `loaded_isa()` says which one runs."""
+the residual add, SiLU * up, int8 row quantization: C++ on CPU fp32, Triton for RMSNorm on
+CUDA, torch elsewhere), the dense linear layer (a row-invariant Triton GEMM on CUDA, F.linear
+elsewhere) and the int8-weight linear layer (C++ only). The C++ kernels come in ISA variants
+(avx2, avx512), chosen at load time: `loaded_isa()` says which one runs."""
 
 from kvrelay.kernels.cpu_build import loaded_isa
 from kvrelay.kernels.errors import KernelError
@@ -14,6 +15,7 @@ from kvrelay.kernels.ops import (
     gather_pages,
     int8_linear,
     int8_linear_available,
+    linear,
     pack_int8_weight,
     paged_attention,
     quantize_int8_weight,
@@ -33,6 +35,7 @@ __all__ = [
     "gather_pages",
     "int8_linear",
     "int8_linear_available",
+    "linear",
     "loaded_isa",
     "pack_int8_weight",
     "paged_attention",

@@ -182,21 +182,57 @@ def _cpp_rows(*tensors: torch.Tensor) -> ModuleType | None:
     return cpu_build.load()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _triton_rows(impl: str, tensor: torch.Tensor) -> ModuleType | None:
+    """The Triton backend for a row-wise op or linear (CUDA tensors, or impl="triton")."""
+    if impl not in _IMPLS:
+        raise KernelError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl == "triton" or (impl == "auto" and tensor.is_cuda):
+        from kvrelay.kernels import triton_ops
+
+        return triton_ops
+    return None
+
+
+def _cpp_or_torch(impl: str, *tensors: torch.Tensor) -> ModuleType | None:
+    """The C++ extension for impl "auto"/"cpp" where it takes the tensors, else None (torch)."""
+    ext = None if impl == "torch" else _cpp_rows(*tensors)
+    if ext is None and impl == "cpp":
+        raise KernelError("impl='cpp' needs CPU fp32 rows and the built C++ CPU kernels")
+    return ext
+
+
+def _rows_2d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
     """RMSNorm of each row of x [T, D] (a new tensor)."""
-    ext = _cpp_rows(x, weight)
+    triton_ops = _triton_rows(impl, x)
+    if triton_ops is not None:
+        return triton_ops.rms_norm(_rows_2d(x), weight, eps).view(x.shape)
+    ext = _cpp_or_torch(impl, x, weight)
     if ext is None:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return ext.rms_norm(x, weight.contiguous(), eps)
 
 
 def add_rms_norm(
-    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    residual: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """residual += delta (in place), then RMSNorm of each row of the sum (a new tensor)."""
     if residual.shape != delta.shape:
         raise KernelError(f"delta {tuple(delta.shape)} must match {tuple(residual.shape)}")
-    ext = _cpp_rows(residual, delta, weight)
+    triton_ops = _triton_rows(impl, residual)
+    if triton_ops is not None:
+        if residual.dim() != 2 and not residual.is_contiguous():
+            raise KernelError("the Triton add_rms_norm needs a 2-D or contiguous residual")
+        rows = residual.view(-1, residual.shape[-1])
+        return triton_ops.add_rms_norm(rows, _rows_2d(delta), weight, eps).view(residual.shape)
+    ext = _cpp_or_torch(impl, residual, delta, weight)
     if ext is None or not residual.is_contiguous():
         residual.add_(delta)
         return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
@@ -210,6 +246,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         half = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :half]) * gate_up[:, half:]
     return ext.silu_mul(gate_up)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, impl: str = "auto"
+) -> torch.Tensor:
+    """x [..., K] . weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype.
+
+    On CUDA (or impl="triton") a Triton GEMM with one tile configuration for every row count,
+    so a row's result is bitwise the same in any batch (cuBLAS's is not); F.linear elsewhere."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise KernelError(
+            f"need x [..., K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    triton_ops = _triton_rows(impl, x)
+    if triton_ops is not None:
+        out = triton_ops.linear(_rows_2d(x), weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    if impl == "cpp":
+        raise KernelError("linear has no C++ path: impl must be auto, torch or triton")
+    return F.linear(x, weight, bias)
 
 
 def quantize_rows(x: torch.Tensor, qmax: int, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,5 +2,16 @@
 
 from kvrelay.kernels.triton_attention import paged_attention
 from kvrelay.kernels.triton_cache import gather_pages, rope_write_kv, scatter_pages, write_kv
+from kvrelay.kernels.triton_linear import linear
+from kvrelay.kernels.triton_rows import add_rms_norm, rms_norm
 
-__all__ = ["gather_pages", "paged_attention", "rope_write_kv", "scatter_pages", "write_kv"]
+__all__ = [
+    "add_rms_norm",
+    "gather_pages",
+    "linear",
+    "paged_attention",
+    "rms_norm",
+    "rope_write_kv",
+    "scatter_pages",
+    "write_kv",
+]

@@ -7,11 +7,15 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvrelay.kernels import (
     KernelError,
+    add_rms_norm,
     gather_pages,
+    linear,
     paged_attention,
+    rms_norm,
     scatter_pages,
     write_kv,
 )
@@ -112,6 +116,24 @@ def test_bad_input_raises_clear_errors() -> None:
         write_kv(wide, 0, torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), meta.slot_mapping)
 
 
+def test_linear_and_rms_norm_off_cuda_are_the_torch_ops() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 5, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(6)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(linear(x, w, impl="torch"), F.linear(x, w))
+    norm = torch.randn(8, generator=g)
+    assert torch.equal(rms_norm(x, norm, 1e-5, impl="torch"), F.rms_norm(x, (8,), norm, 1e-5))
+    residual = x.clone()
+    out = add_rms_norm(residual, x, norm, 1e-5, impl="torch")
+    assert torch.equal(residual, 2 * x) and torch.equal(out, F.rms_norm(2 * x, (8,), norm, 1e-5))
+    with pytest.raises(KernelError, match="need x"):
+        linear(x, w[:, :7])
+    with pytest.raises(KernelError, match="no C\\+\\+ path"):
+        linear(x, w, impl="cpp")
+    with pytest.raises(KernelError, match="impl must be"):
+        rms_norm(x, norm, 1e-5, impl="cuda")
+
+
 def test_sequence_without_query_rows_is_skipped() -> None:
     ctx, qlen = [9, 6, 11], [2, 0, 3]
     case = make_case(ctx, qlen)
@@ -124,7 +146,11 @@ def test_cpu_use_does_not_import_triton() -> None:
     code = (
         "import sys, torch\n"
         "from kvrelay.kernels import gather_pages\n"
+        "from kvrelay.kernels import add_rms_norm, linear, rms_norm\n"
         "gather_pages(torch.zeros(2, 1, 2, 4, 1, 8), torch.tensor([1]))\n"
+        "x = torch.ones(3, 8)\n"
+        "linear(x, torch.ones(4, 8), None); rms_norm(x, x[0], 1e-5)\n"
+        "add_rms_norm(x, x, x[0], 1e-5)\n"
         "print('triton' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvrelay.kernels import (
     AttentionMetadata,
+    add_rms_norm,
     gather_pages,
+    linear,
     paged_attention,
+    rms_norm,
     scatter_pages,
     write_kv,
 )
@@ -109,3 +113,41 @@ def test_write_kv_and_pages_match_torch() -> None:
     scatter_pages(dst, torch.tensor([1, 2]).cuda(), gpu_pool[[7, 3]])
     assert torch.equal(dst[1], gpu_pool[7]) and torch.equal(dst[2], gpu_pool[3])
     assert dst[[0, 3, 4, 5, 6, 7]].abs().sum().item() == 0
+
+
+ROW_COUNTS = (1, 2, 7, 32, 33, 256, 1000)
+
+
+def _gpu_rows(n: int, dim: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed)).to(dtype).cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k,n", [(576, 1536), (576, 960), (1536, 576), (576, 49152)])
+def test_linear_rows_are_batch_invariant(dtype, k, n) -> None:
+    x = _gpu_rows(max(ROW_COUNTS), k, 0, dtype)
+    w, b = _gpu_rows(n, k, 1, dtype) / k**0.5, _gpu_rows(1, n, 2, dtype)[0]
+    full = linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), b.double())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(full.double(), ref, rtol=tol, atol=tol)
+    for m in ROW_COUNTS:
+        assert torch.equal(linear(x[:m], w, b), full[:m]), m
+        assert torch.equal(linear(x[m - 1 : m + 5], w, b), full[m - 1 : m + 5]), m
+
+
+@pytest.mark.parametrize("dim", [576, 960])
+def test_rms_norm_rows_are_batch_invariant(dim) -> None:
+    x, w = _gpu_rows(max(ROW_COUNTS), dim, 3) * 3, _gpu_rows(1, dim, 4)[0]
+    delta = _gpu_rows(max(ROW_COUNTS), dim, 5)
+    full = rms_norm(x, w, 1e-5)
+    ref = F.rms_norm(x.float(), (dim,), w.float(), 1e-5)
+    torch.testing.assert_close(full.float(), ref, rtol=2e-2, atol=2e-2)
+    residual = x.clone()
+    summed = add_rms_norm(residual, delta, w, 1e-5)
+    assert torch.equal(residual, x + delta)
+    assert torch.equal(summed, rms_norm(x + delta, w, 1e-5))
+    for m in ROW_COUNTS:
+        assert torch.equal(rms_norm(x[:m], w, 1e-5), full[:m]), m
+        part = x[:m].clone()
+        assert torch.equal(add_rms_norm(part, delta[:m], w, 1e-5), summed[:m]), m

@@ -25,6 +25,10 @@ CASES = [
     "write_kv",
     "pages",
     "rope_write_kv",
+    "linear_fp32",
+    "linear_bf16",
+    "rms_norm_fp32",
+    "rms_norm_bf16",
 ]
 
 

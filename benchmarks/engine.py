@@ -1,4 +1,4 @@
-"""Engine throughput vs transformers (DynamicCache), same fp32 weights, same process.
+"""Engine throughput vs transformers, same weights, same process (CPU fp32 or CUDA bf16).
 
 Measures prefill tokens/s for single prompts of several lengths and aggregate decode tokens/s at
 several batch sizes (greedy, eos ignored, equal-length random prompts so transformers needs no
@@ -10,17 +10,28 @@ holding N tokens of context (ms/step and tok/s; transformers is left out: its ba
 also measures an older tree: run it with PYTHONPATH at that tree, `--json` each run, and
 `--compare OLD.json NEW.json` prints NEW/OLD.
 
+`--device` (auto: cuda when available) picks the device. On CPU everything is as before: fp32,
+transformers with its DynamicCache, batches 1 8 32, 32 new tokens. On CUDA the engine runs its
+default CUDA dtype (bf16) and transformers loads the same directory in bf16 on the GPU; its
+decode is timed with a DynamicCache and with a StaticCache (`--hf-cache`), `hf_tok_s` being the
+better of the two (both are in the JSON); batches default to 1 32 256 with 64 new tokens.
+`--hf-compile` also runs the StaticCache decode through torch.compile (reduce-overhead), as
+transformers' generate does with a static cache (opt-in: compiling takes minutes).
+
     python benchmarks/engine.py                      # full run (several minutes on 2 cores)
     python benchmarks/engine.py --quick              # smoke run
     python benchmarks/engine.py --write-docs
     python benchmarks/engine.py --decode-context 2048 --batches 32 --prefill-lens 2048 --json a.json
     python benchmarks/engine.py --compare a.json b.json
+    python benchmarks/engine.py --device cuda --json engine_cuda.json   # GPU: bf16, 1/32/256
+    python benchmarks/engine.py --device cpu --quick --hf-cache both    # CPU smoke of both caches
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -33,6 +44,8 @@ import torch
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench:engine:begin -->", "<!-- bench:engine:end -->"
+# --write-docs on CUDA updates its own section, leaving the CPU one alone
+CUDA_BEGIN, CUDA_END = "<!-- bench:engine-cuda:begin -->", "<!-- bench:engine-cuda:end -->"
 
 
 def random_prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -92,35 +105,128 @@ def kv_cache_bytes(args: argparse.Namespace) -> int:
 
     info = read_model_info(converted_dir(resolve_model(args.model)))
     context = (args.decode_context or args.prompt_len) + args.decode_tokens + 16
-    need = max(args.batches) * context * info.kv_bytes_per_token(args.kv_cache_dtype or "float32")
+    # CPU: fp32 as before; CUDA: the pool is bf16 (the model's dtype) unless told otherwise
+    default_dtype = "bfloat16" if args.device == "cuda" else "float32"
+    need = (
+        max(args.batches) * context * info.kv_bytes_per_token(args.kv_cache_dtype or default_dtype)
+    )
     return max(512 << 20, int(need * 1.1))
 
 
 # ---- transformers ----------------------------------------------------------------------------
+def sync(device) -> None:
+    """Wait for the GPU before reading a timer (nothing on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 @torch.inference_mode()
-def hf_prefill(model, prompt: list[int]) -> float:
+def hf_prefill(model, prompt: list[int], device="cpu") -> float:
     from transformers import DynamicCache
 
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=device)
+    # CUDA: the last position's logits only, as generate() asks for; CPU: as it always was
+    extra = {"logits_to_keep": 1} if torch.device(device).type == "cuda" else {}
+    sync(device)
     t = time.perf_counter()
-    out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, **extra)
     out.logits[:, -1].argmax(-1)
+    sync(device)
     return time.perf_counter() - t
 
 
 @torch.inference_mode()
-def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
+def hf_decode(model, prompts: list[list[int]], new_tokens: int, device="cpu") -> float:
     from transformers import DynamicCache
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=device)
     cache = DynamicCache()
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    sync(device)
     t = time.perf_counter()
     for _ in range(new_tokens - 1):
         out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    sync(device)
     return time.perf_counter() - t
+
+
+def make_static_cache(model, batch: int, max_len: int, device):
+    """transformers' StaticCache for `batch` rows of up to `max_len` tokens: the 5.x signature
+    (config, max_cache_len; allocated lazily), else the 4.x one (batch size, device, dtype)."""
+    from transformers import StaticCache
+
+    try:
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    except TypeError:
+        return StaticCache(
+            config=model.config,
+            max_batch_size=batch,
+            max_cache_len=max_len,
+            device=device,
+            dtype=model.dtype,
+        )
+
+
+class StaticDecoder:
+    """Decode with a StaticCache: one cache per batch shape, reset between runs (its buffers
+    keep their addresses, as torch.compile's CUDA graphs need); positions passed explicitly
+    (and cache_position where this transformers' forward still takes it)."""
+
+    def __init__(self, model, device, compile_forward: bool = False):
+        self.model, self.device = model, device
+        self.caches: dict = {}
+        self.takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+        self.step_forward = model.forward
+        if compile_forward:
+            self.step_forward = torch.compile(model.forward, mode="reduce-overhead")
+
+    def _positions(self, start: int, n: int) -> dict:
+        pos = torch.arange(start, start + n, device=self.device)
+        kw = {"position_ids": pos.unsqueeze(0)}
+        if self.takes_cache_position:
+            kw["cache_position"] = pos
+        return kw
+
+    @torch.inference_mode()
+    def __call__(self, prompts: list[list[int]], new_tokens: int) -> float:
+        ids = torch.tensor(prompts, device=self.device)
+        batch, plen = ids.shape
+        key = (batch, plen + new_tokens)
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = self.caches[key] = make_static_cache(self.model, batch, key[1], self.device)
+        else:
+            cache.reset()
+        out = self.model(
+            input_ids=ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **self._positions(0, plen),
+        )
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        steps = [self._positions(plen + i, 1) for i in range(new_tokens - 1)]
+        sync(self.device)
+        t = time.perf_counter()
+        for kw in steps:
+            out = self.step_forward(input_ids=nxt, past_key_values=cache, use_cache=True, **kw)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync(self.device)
+        return time.perf_counter() - t
+
+
+def hf_decoders(args, hf, device) -> dict:
+    """name -> fn(prompts, new_tokens) -> seconds, for the transformers decode variants."""
+    out = {}
+    if args.hf_cache in ("dynamic", "both"):
+        out["dynamic"] = lambda p, n: hf_decode(hf, p, n, device)
+    if args.hf_cache in ("static", "both"):
+        out["static"] = StaticDecoder(hf, device)
+        if args.hf_compile:
+            out["static_compiled"] = StaticDecoder(hf, device, compile_forward=True)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -135,6 +241,8 @@ def run(args: argparse.Namespace) -> dict:
     max_len = max(args.prefill_lens, default=0)
     context = args.decode_context or args.prompt_len
     extra = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
+    if args.device == "cuda" or torch.cuda.is_available():
+        extra["device"] = args.device  # auto would pick CUDA even for --device cpu
     try:
         config = EngineConfig(
             model=args.model, max_num_seqs=max(args.batches), num_threads=args.num_threads,
@@ -142,27 +250,36 @@ def run(args: argparse.Namespace) -> dict:
             kv_cache_bytes=kv_cache_bytes(args), save_to_store=False,
             quantization=args.quantization, **extra,
         )  # fmt: skip
-    except TypeError as exc:  # an older tree without kv_cache_dtype
-        raise SystemExit(f"this kvrelay's EngineConfig rejects --kv-cache-dtype: {exc}") from None
+    except TypeError as exc:  # an older tree without kv_cache_dtype (or device)
+        raise SystemExit(f"this kvrelay's EngineConfig rejects {sorted(extra)}: {exc}") from None
     engine = Engine(config)
-    hf = AutoModelForCausalLM.from_pretrained(engine.loaded.dir, dtype=torch.float32).eval()
+    device = torch.device(args.device)
+    # CPU: fp32 (the baseline, whatever the engine's quantization); CUDA: the engine's dtype
+    hf_dtype = engine.loaded.dtype if device.type == "cuda" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(engine.loaded.dir, dtype=hf_dtype).to(device).eval()
+    decoders = hf_decoders(args, hf, device)
+    print(
+        f"engine on {engine.loaded.device} ({engine.loaded.dtype}); transformers on {device} "
+        f"({hf_dtype}, attn {getattr(hf.config, '_attn_implementation', '?')}), "
+        f"decode caches {sorted(decoders)}",
+        file=sys.stderr,
+    )
     vocab = engine.vocab_size
     results: dict = {"prefill": [], "decode": []}
     for n in args.prefill_lens:
         prompt = random_prompt(n, n, vocab)
         engine_prefill(engine, prompt)  # warm-up
-        hf_prefill(hf, prompt)
         e = n / best_of(lambda p=prompt: engine_prefill(engine, p), args.repeats)
-        h = n / best_of(lambda p=prompt: hf_prefill(hf, p), args.repeats)
-        results["prefill"].append(
-            {
-                "tokens": n,
-                "kvrelay_tok_s": round(e, 1),
-                "hf_tok_s": round(h, 1),
-                "ratio": round(e / h, 2),
-            }
-        )
-        print(f"prefill {n}: kvrelay {e:.1f} tok/s, transformers {h:.1f} tok/s", file=sys.stderr)
+        row = {"tokens": n, "kvrelay_tok_s": round(e, 1), "hf_tok_s": None, "ratio": None}
+        try:
+            hf_prefill(hf, prompt, device)
+            h = n / best_of(lambda p=prompt: hf_prefill(hf, p, device), args.repeats)
+            row.update(hf_tok_s=round(h, 1), ratio=round(e / h, 2))
+        except Exception as exc:  # noqa: BLE001 - keep the engine's numbers
+            row["hf_error"] = repr(exc)[:500]
+        results["prefill"].append(row)
+        print(f"prefill {n}: kvrelay {e:.1f} tok/s, transformers {row['hf_tok_s']} tok/s "
+              f"{row.get('hf_error', '')}", file=sys.stderr)  # fmt: skip
     for b in args.batches if args.decode_context else ():
         prompts = [random_prompt(context, 1000 + b * 100 + i, vocab) for i in range(b)]
         engine_decode_steps(engine, prompts, 4)  # warm-up (and the prompts' pages cached)
@@ -190,28 +307,34 @@ def run(args: argparse.Namespace) -> dict:
         prompts = [random_prompt(args.prompt_len, 1000 + b * 100 + i, vocab) for i in range(b)]
         steps = args.decode_tokens - 1
         engine_decode(engine, prompts, 4)  # warm-up
-        hf_decode(hf, prompts, 4)
         e = (
             b
             * steps
             / best_of(lambda p=prompts: engine_decode(engine, p, args.decode_tokens), args.repeats)
         )
-        h = (
-            b
-            * steps
-            / best_of(lambda p=prompts: hf_decode(hf, p, args.decode_tokens), args.repeats)
-        )
-        results["decode"].append(
-            {
-                "batch": b,
-                "kvrelay_tok_s": round(e, 1),
-                "hf_tok_s": round(h, 1),
-                "ratio": round(e / h, 2),
-            }
-        )
-        print(
-            f"decode batch {b}: kvrelay {e:.1f} tok/s, transformers {h:.1f} tok/s", file=sys.stderr
-        )
+        row = {"batch": b, "kvrelay_tok_s": round(e, 1), "hf_tok_s": None, "ratio": None}
+        per_cache = {}
+        for name, dec in decoders.items():
+            try:
+                dec(prompts, 4)  # warm-up (and, compiled, the compile)
+                h = b * steps / best_of(lambda p=prompts, d=dec: d(p, args.decode_tokens),
+                                        args.repeats)  # fmt: skip
+                per_cache[name] = round(h, 1)
+            except Exception as exc:  # noqa: BLE001 - keep the other numbers
+                row[f"hf_{name}_error"] = repr(exc)[:500]
+                print(f"decode batch {b}: transformers {name} failed: {exc!r}", file=sys.stderr)
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        if per_cache:
+            best = max(per_cache, key=per_cache.get)
+            row.update(hf_tok_s=per_cache[best], ratio=round(e / per_cache[best], 2))
+            if len(decoders) > 1 or device.type == "cuda":
+                row["hf_cache"] = best
+                row.update({f"hf_{k}_tok_s": v for k, v in per_cache.items()})
+        results["decode"].append(row)
+        print(f"decode batch {b}: kvrelay {e:.1f} tok/s, transformers {row['hf_tok_s']} tok/s "
+              f"{per_cache}", file=sys.stderr)  # fmt: skip
     results["config"] = {
         "model": engine.model_name, "dtype": str(engine.loaded.dtype), "threads":
         torch.get_num_threads(), "prompt_len": args.prompt_len, "decode_tokens":
@@ -221,6 +344,14 @@ def run(args: argparse.Namespace) -> dict:
         "decode_context": args.decode_context, "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_bytes": engine.config.kv_cache_bytes,
     }  # fmt: skip
+    if device.type == "cuda" or args.hf_cache != "dynamic":
+        results["config"].update(
+            device=str(engine.loaded.device), hf_device=str(device), hf_dtype=str(hf_dtype),
+            hf_cache=sorted(decoders), hf_compile=args.hf_compile,
+            hf_attn=getattr(hf.config, "_attn_implementation", None),
+            gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        )  # fmt: skip
+
     return results
 
 
@@ -238,6 +369,14 @@ def table(res: dict) -> str:
             continue
         lines.append(f"| decode batch {r['batch']} (aggregate) | {r['kvrelay_tok_s']} | "
                      f"{r['hf_tok_s']} | {r['ratio']}x |")  # fmt: skip
+    caches = [
+        f"decode batch {r['batch']}: "
+        + ", ".join(f"{k[3:-6]} {v}" for k, v in r.items() if k.endswith("_tok_s") and
+                    k.startswith("hf_") and k != "hf_tok_s")
+        for r in res["decode"] if r.get("hf_cache")
+    ]  # fmt: skip
+    if caches:
+        lines += ["", "transformers tok/s by cache: " + "; ".join(caches)]
     return "\n".join(lines)
 
 
@@ -292,8 +431,18 @@ def machine() -> str:
 
 def write_docs(res: dict, command: str) -> None:
     c = res["config"]
+    cuda = str(c.get("device", "cpu")).startswith("cuda")
+    begin, end = (CUDA_BEGIN, CUDA_END) if cuda else (BEGIN, END)
+    title = f"## Engine vs transformers (CUDA, {c['dtype']})" if cuda else (
+        "## Engine vs transformers (CPU, fp32)")  # fmt: skip
+    hf_note = (
+        f"transformers runs the same weights on {c.get('gpu')} in the same process, with "
+        "`DynamicCache` and `StaticCache`; its column is the better of the two. "
+        if cuda else "transformers runs the same weights with its `DynamicCache` in the same "
+        "process. "
+    )  # fmt: skip
     section = "\n".join([
-        BEGIN, "## Engine vs transformers (CPU, fp32)", "",
+        begin, title, "",
         f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}  ",
         f"Machine: {machine()}, {c['threads']} torch threads; load average at start "
         f"{c['load_average_at_start']} (other jobs share the cores: rerun on a quiet machine)  ",
@@ -301,13 +450,13 @@ def write_docs(res: dict, command: str) -> None:
         f"{c.get('decode_context') or c['prompt_len']}-token "
         f"{'contexts (engine only)' if c.get('decode_context') else 'prompts'}, "
         f"{c['decode_tokens']} new tokens, greedy; best of {c['repeats']}.", "",
-        "transformers runs the same weights with its `DynamicCache` in the same process. Decode "
+        hf_note + "Decode "
         "throughput is aggregate (all sequences) and excludes the prefill step.", "",
-        table(res), END,
+        table(res), end,
     ])  # fmt: skip
     text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, text,
+    if begin in text and end in text:
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: section, text,
                       flags=re.S)  # fmt: skip
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
@@ -320,9 +469,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--prefill-lens", type=int, nargs="*", default=[128, 512, 2048],
                    help="prompt lengths of the prefill rows (none: no prefill rows)")  # fmt: skip
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        default=None,
+        help="decode batch sizes (default: 1 8 32 on CPU, 1 32 256 on CUDA)",
+    )
     p.add_argument("--prompt-len", type=int, default=64, help="decode prompts' length")
-    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=None,
+        help="new tokens per decode request (default: 32 on CPU, 64 on CUDA)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda when available",
+    )
+    p.add_argument(
+        "--hf-cache",
+        default=None,
+        choices=["dynamic", "static", "both"],
+        help="transformers' decode cache(s) (default: dynamic on CPU, both on CUDA)",
+    )
+    p.add_argument(
+        "--hf-compile",
+        action="store_true",
+        help="also time the StaticCache decode under torch.compile (reduce-overhead)",
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument(
@@ -360,6 +537,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"benchmark": "engine-compare", "rows": rows}))
         print(compare_table(rows))
         return 0
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch.cuda.is_available() is False")
+    cuda = args.device == "cuda"
+    if args.batches is None:
+        args.batches = [1, 32, 256] if cuda else [1, 8, 32]
+    if args.decode_tokens is None:
+        args.decode_tokens = 64 if cuda else 32
+    if args.hf_cache is None:
+        args.hf_cache = "both" if cuda else "dynamic"
     if args.quick:
         args.prefill_lens, args.batches, args.decode_tokens, args.repeats = [64], [1, 4], 6, 1
         if args.decode_context:

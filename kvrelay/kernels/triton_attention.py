@@ -107,8 +107,13 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Launch the paged attention kernel; one program per (sequence, query block, KV head)."""
+    """Launch the paged attention kernel; one program per (sequence, query block, KV head).
+
+    num_warps/num_stages override Triton's launch defaults (benchmarks/gpu.py sweeps them);
+    None keeps the default launch. Other values may change results in the last bits."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     page_size, kv_heads = kv_pool.shape[3], kv_pool.shape[4]
     group = num_heads // kv_heads
@@ -117,6 +122,11 @@ def paged_attention(
     out = torch.empty_like(query)
     num_seqs = meta.context_lens.shape[0]
     grid = (num_seqs, triton.cdiv(max(meta.max_query_len, 1), BLOCK_M), kv_heads)
+    launch = {}
+    if num_warps is not None:
+        launch["num_warps"] = num_warps
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
     _paged_attention_kernel[grid](
         query,
         out,
@@ -145,5 +155,6 @@ def paged_attention(
         BN=BLOCK_N,
         # fp32 dots must not drop to TF32; for 16-bit inputs the setting does not apply.
         PRECISION="ieee" if kv_pool.dtype == torch.float32 else "tf32",
+        **launch,
     )
     return out

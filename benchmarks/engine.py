@@ -174,8 +174,10 @@ class StaticDecoder:
     keep their addresses, as torch.compile's CUDA graphs need); positions passed explicitly
     (and cache_position where this transformers' forward still takes it)."""
 
-    def __init__(self, model, device, compile_forward: bool = False):
-        self.model, self.device = model, device
+    def __init__(self, model, device, compile_forward: bool = False, max_new: int = 0):
+        # caches hold prompt + max(new tokens, max_new): the warm-up's short run then uses the
+        # timed runs' cache (and, compiled, its CUDA graphs)
+        self.model, self.device, self.max_new = model, device, max_new
         self.caches: dict = {}
         self.takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
         self.step_forward = model.forward
@@ -193,7 +195,7 @@ class StaticDecoder:
     def __call__(self, prompts: list[list[int]], new_tokens: int) -> float:
         ids = torch.tensor(prompts, device=self.device)
         batch, plen = ids.shape
-        key = (batch, plen + new_tokens)
+        key = (batch, plen + max(new_tokens, self.max_new))
         cache = self.caches.get(key)
         if cache is None:
             cache = self.caches[key] = make_static_cache(self.model, batch, key[1], self.device)
@@ -223,9 +225,11 @@ def hf_decoders(args, hf, device) -> dict:
     if args.hf_cache in ("dynamic", "both"):
         out["dynamic"] = lambda p, n: hf_decode(hf, p, n, device)
     if args.hf_cache in ("static", "both"):
-        out["static"] = StaticDecoder(hf, device)
+        out["static"] = StaticDecoder(hf, device, max_new=args.decode_tokens)
         if args.hf_compile:
-            out["static_compiled"] = StaticDecoder(hf, device, compile_forward=True)
+            out["static_compiled"] = StaticDecoder(
+                hf, device, compile_forward=True, max_new=args.decode_tokens
+            )
     return out
 
 

@@ -247,6 +247,10 @@ def run(args: argparse.Namespace) -> dict:
     extra = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
     if args.device == "cuda" or torch.cuda.is_available():
         extra["device"] = args.device  # auto would pick CUDA even for --device cpu
+    if args.speculation:
+        extra["speculation"] = args.speculation
+    if args.no_cuda_graphs:
+        extra["cuda_graphs"] = False
     try:
         config = EngineConfig(
             model=args.model, max_num_seqs=max(args.batches), num_threads=args.num_threads,
@@ -347,6 +351,8 @@ def run(args: argparse.Namespace) -> dict:
         "quantization": engine.config.quantization,
         "decode_context": args.decode_context, "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_bytes": engine.config.kv_cache_bytes,
+        "speculation": str(getattr(engine, "speculation", "")),
+        "cuda_graphs": getattr(engine.runner, "graphs", None) is not None,
     }  # fmt: skip
     if device.type == "cuda" or args.hf_cache != "dynamic":
         results["config"].update(
@@ -518,6 +524,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="N",
         help="time decode steps with N tokens of context per sequence (engine only)",
+    )
+    p.add_argument(
+        "--speculation",
+        default=None,
+        help="EngineConfig.speculation (passed only when given; off: plain decoding)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="decode steps run eagerly on CUDA (EngineConfig.cuda_graphs False)",
     )
     p.add_argument(
         "--kv-cache-dtype",

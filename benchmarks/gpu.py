@@ -196,15 +196,16 @@ def section_attention(args, result: dict, copy_gb_s: float | None) -> None:
         grid = [(1, 4096), (32, 2048), (32, 8192), (128, 4096), (256, 4096), (256, 8192),
                 (512, 8192), (16, 32768)]  # fmt: skip
     reps = 3 if args.quick else 20
-    configs: list[tuple[int | None, int | None]] = [(None, None)]
+    configs: list[tuple[int | None, int | None, int | None]] = [(None, None, None)]
     triton_attention = None
     if cuda:
         from kvrelay.kernels import triton_attention
 
-        configs += [(0, 0)]  # 0: triton_attention.paged_attention directly, default launch
-        configs += [(w, s) for w in (4, 8) for s in (2, 3, 4)]
-        if not args.quick:
-            configs += [(2, 2), (2, 3)]
+        configs += [(0, 0, None)]  # 0: triton_attention.paged_attention, default launch
+        configs += [(w, s, None) for w in (4, 8) for s in (2, 3, 4)]
+        if not args.quick:  # 128 keys per tile: other tiles, so other last bits
+            configs += [(2, 2, None), (2, 3, None)]
+            configs += [(w, s, 128) for w in (4, 8) for s in (2, 3)]
     else:
         import inspect
 
@@ -225,7 +226,8 @@ def section_attention(args, result: dict, copy_gb_s: float | None) -> None:
         result["default_launch"] = {
             "BLOCK_M": triton_attention.BLOCK_M,
             "BLOCK_N": triton_attention.BLOCK_N,
-            "triton_defaults": "num_warps=4, num_stages=3 unless the kernel sets them",
+            "NUM_WARPS": triton_attention.NUM_WARPS,
+            "NUM_STAGES": triton_attention.NUM_STAGES,
         }
     rows = result.setdefault("rows", [])
     for batch, ctx in grid:
@@ -240,8 +242,10 @@ def section_attention(args, result: dict, copy_gb_s: float | None) -> None:
             # enough calls per sample that launch latency does not dominate tiny cases
             inner = 1 if args.quick else max(1, min(50, (64 << 20) // max(kv_bytes, 1)))
             ref = None
-            for nw, ns in configs:
+            for nw, ns, bn in configs:
                 key = {None: "default", 0: "default_direct"}.get(nw, f"w{nw}_s{ns}")
+                if bn is not None:
+                    key += f"_n{bn}"
                 try:
                     if nw is None:
 
@@ -253,9 +257,10 @@ def section_attention(args, result: dict, copy_gb_s: float | None) -> None:
                             return triton_attention.paged_attention(q, pool, 0, meta, 0.125)
                     else:
 
-                        def fn(q=q, pool=pool, meta=meta, nw=nw, ns=ns):
+                        def fn(q=q, pool=pool, meta=meta, nw=nw, ns=ns, bn=bn):
+                            extra = {"block_n": bn} if bn else {}
                             return triton_attention.paged_attention(
-                                q, pool, 0, meta, 0.125, num_warps=nw, num_stages=ns
+                                q, pool, 0, meta, 0.125, num_warps=nw, num_stages=ns, **extra
                             )
 
                     out = fn()

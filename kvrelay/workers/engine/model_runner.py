@@ -27,8 +27,9 @@ class PromptRows:
 
 @dataclass(slots=True)
 class StepLogits:
-    """float32 logits on CPU: `sample` `[sampling rows, vocab]` (1 + len(draft) rows per
-    sampling sequence, in step order), and each prompt_logprobs sequence's prompt rows."""
+    """float32 logits: `sample` `[sampling rows, vocab]` (1 + len(draft) rows per sampling
+    sequence, in step order; on CPU, except a CUDA-graph decode step's, left on the GPU for
+    the sampler), and each prompt_logprobs sequence's prompt rows (CPU)."""
 
     sample: torch.Tensor
     prompt: list[tuple[PromptRows, torch.Tensor]] = field(default_factory=list)
@@ -127,8 +128,8 @@ class ModelRunner:
             size = self.graphs.size_for(num)
             if size is not None:
                 logits = self.graphs.run(input_ids, positions, meta, size)
-                if logits is not None:
-                    return StepLogits(logits.cpu())
+                if logits is not None:  # left on the GPU: greedy rows need only the argmax
+                    return StepLogits(logits)
         logits = self.model(input_ids, positions, self.kv_pool, meta, logits_indices)
         logits = logits.float().cpu()
         if not prompt_rows:

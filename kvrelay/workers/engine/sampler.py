@@ -164,7 +164,8 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], n: int) -> l
 
 
 class Sampler:
-    """Samples one token per row of a float32 logits matrix `[rows, vocab]`."""
+    """Samples one token per row of a float32 logits matrix `[rows, vocab]` (on CPU, or on
+    the GPU for a CUDA-graph decode step: plain greedy rows take their argmax there)."""
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampleResult]:
         if logits.shape[0] != len(rows):
@@ -172,8 +173,13 @@ class Sampler:
         plain_greedy = [_is_plain(r) and r.params.temperature < _MIN_TEMPERATURE for r in rows]
         greedy_ids: list[int] = []
         if all(plain_greedy) and rows:
-            # The common case in one op: argmax is row-local, so it is batch invariant.
+            # The common case in one op: argmax is row-local, so it is batch invariant; on the
+            # GPU only the ids come back (the first maximum's, as on CPU).
             greedy_ids = logits.argmax(dim=-1).tolist()
+        if not logits.is_cpu and (
+            not greedy_ids or any(r.params.logprobs is not None for r in rows)
+        ):
+            logits = logits.cpu()  # the per-row processing below runs on CPU
         results: list[SampleResult] = []
         for i, row in enumerate(rows):
             raw = logits[i]

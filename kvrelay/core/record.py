@@ -175,7 +175,8 @@ def _parser(hint: Any) -> Callable[[str], Any]:
     kind = typing.get_origin(kinds[0]) or kinds[0]
     if kind in (RequestStatus, Stage):
         return _enum(kind)
-    return {int: _int, float: _float, dict: _json, str: str}[kind]
+    parsers: dict[type, Callable[[str], Any]] = {int: _int, float: _float, dict: _json, str: str}
+    return parsers[kind]
 
 
 _HINTS = typing.get_type_hints(RequestRecord)

@@ -13,9 +13,12 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvrelay.core.errors import KvrelayError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 JSON, REGEX, CHOICE, GRAMMAR, JSON_OBJECT = "json", "regex", "choice", "grammar", "json_object"
 KINDS = (JSON, REGEX, CHOICE, GRAMMAR, JSON_OBJECT)
@@ -101,17 +104,18 @@ class StructuredOutput:
         import llguidance  # only code that uses structured output loads it
 
         matcher = llguidance.LLMatcher
-        whitespace = {"whitespace_flexible": self.any_whitespace}
+        whitespace: JsonCompileOptions = {"whitespace_flexible": self.any_whitespace}
+        text = cast(str, self.value)  # a string for every kind but choice (callers check() first)
         try:
             if self.kind == JSON:
-                return matcher.grammar_from_json_schema(self.value, defaults=whitespace)
+                return matcher.grammar_from_json_schema(text, defaults=whitespace)
             if self.kind == JSON_OBJECT:
                 return matcher.grammar_from_json_schema(_ANY_OBJECT, defaults=whitespace)
             if self.kind == REGEX:
-                return matcher.grammar_from_regex(self.value)
+                return matcher.grammar_from_regex(text)
             if self.kind == CHOICE:
                 return llguidance.grammar_from("choice", json.dumps(self.value))
-            return llguidance.grammar_from("grammar", self.value)  # Lark, or GBNF converted
+            return llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted
         except (ValueError, TypeError) as exc:
             raise InvalidStructuredOutput(str(exc)) from None
 

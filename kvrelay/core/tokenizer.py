@@ -133,8 +133,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template = compile_chat_template(chat_template) if chat_template else None
         # a template that never reads `tools` drops them: the caller describes them instead
-        self.template_reads_tools = bool(chat_template) and "tools" in (
-            jinja2.meta.find_undeclared_variables(_ENV.parse(chat_template))
+        self.template_reads_tools = bool(
+            chat_template
+            and "tools" in jinja2.meta.find_undeclared_variables(_ENV.parse(chat_template))
         )
         ids = [self._tok.token_to_id(t) for t in (special_tokens.get("eos_token"),) if t]
         self.eos_token_ids: tuple[int, ...] = tuple(

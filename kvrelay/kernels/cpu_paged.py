@@ -125,6 +125,8 @@ def get_plan(meta: AttentionMetadata, page_size: int, num_blocks: int, num_token
 
 def _build_plan(meta: AttentionMetadata, page_size: int, num_blocks: int, num_tokens: int):
     ext = cpu_build.load()
+    if ext is None:  # paged_attention plans only when the extension loaded
+        raise KernelError("the C++ CPU kernels are not loaded")
     chunk_pages = max(1, CHUNK_KEYS // page_size)
     tables = meta.block_tables.to("cpu", torch.int32).contiguous()
     if tables.dim() != 2:

@@ -157,8 +157,14 @@ def _row_positions(p0: int, npos: int, rows: int, group: int) -> torch.Tensor:
 
 
 def _small_group(rows, units, tables, num_tokens, group, tile, page_size, ppt) -> SmallGroup:
-    blocks, unit_of_item, item_tile, item_len, q_rows, out_rows, src_rows = ([] for _ in range(7))
-    row_pos = []
+    blocks: list[int] = []
+    unit_of_item: list[int] = []
+    item_tile: list[int] = []
+    item_len: list[int] = []
+    q_rows: list[list[int]] = []
+    out_rows: list[int] = []
+    src_rows: list[int] = []
+    row_pos: list[torch.Tensor] = []
     for u, (i, t0, p0, npos, length) in enumerate(units):
         num_tiles = (p0 + npos - 1) // tile + 1
         for t in range(num_tiles):

@@ -14,9 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.errors import StoreError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvrelay.kvstore.arena import HostArena
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +41,10 @@ class StoreConnector:
 
     def __init__(self, client: StoreClient):
         self.client = client
-        self._registered = None  # the arena mapping registered with CUDA, if any
-        self._stream = None  # the CUDA side stream of the copies
+        self._registered: HostArena | None = None  # the arena mapping registered with CUDA
+        self._stream: torch.cuda.Stream | None = None  # the CUDA side stream of the copies
 
-    def _side_stream(self, kv_pool):
+    def _side_stream(self, kv_pool) -> torch.cuda.Stream:
         import torch
 
         if self._stream is None:
@@ -61,9 +67,11 @@ class StoreConnector:
         if cuda:
             if self.client.arena is None:
                 self.client.connect()
-            if self._registered is not self.client.arena:  # a new mapping after a node restart
-                self.client.arena.register_cuda()
-                self._registered = self.client.arena
+            arena = self.client.arena
+            assert arena is not None  # connect() maps it
+            if self._registered is not arena:  # a new mapping after a node restart
+                arena.register_cuda()
+                self._registered = arena
         return cuda
 
     def lookup(self, keys: list[bytes]) -> int:
@@ -84,12 +92,13 @@ class StoreConnector:
         try:
             with self.client.pinned(list(keys)) as views:
                 shape = kv_pool.shape[1:]
-                with _on(self._side_stream(kv_pool) if cuda else None):
+                side = self._side_stream(kv_pool) if cuda else None
+                with _on(side):
                     for view, block in zip(views, block_ids, strict=False):
                         src = torch.frombuffer(view, dtype=kv_pool.dtype).view(shape)
                         kv_pool[block].copy_(src, non_blocking=cuda)
-                if cuda:
-                    self._stream.synchronize()  # before unpinning
+                if side is not None:
+                    side.synchronize()  # before unpinning
                 return len(views)
         except Exception as exc:
             logger.warning("store load failed, recomputing: %r", exc)

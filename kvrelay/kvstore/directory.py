@@ -10,7 +10,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from importlib import resources
+from typing import cast
 
 from kvrelay.core.keys import Keys
 from kvrelay.core.page_keys import holders
@@ -45,7 +47,7 @@ class Directory:
         self._nodes: dict[str, tuple[float, dict[str, str] | None]] = {}
         self._thread = threading.Thread(target=self._run, name="kv-directory", daemon=True)
 
-    def start(self, info: dict[str, str], keys: list[bytes]) -> None:
+    def start(self, info: Mapping[str, object], keys: list[bytes]) -> None:
         """Register this node and announce the pages it already holds."""
         self._info = {k: str(v) for k, v in info.items()}
         self._heartbeat()
@@ -75,7 +77,9 @@ class Directory:
     def _heartbeat(self) -> None:
         name = self.keys.store_node(self.node_id)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(name, mapping={**self._info, "updated": f"{time.time():.3f}"})
+        fields = {**self._info, "updated": f"{time.time():.3f}"}
+        # redis-py types `mapping` with invariant keys (Mapping[EncodableT, ...]): str keys fail
+        pipe.hset(name, mapping=fields)  # type: ignore[arg-type]
         pipe.pexpire(name, int(self.ttl_s * 1000))
         pipe.execute()
 
@@ -124,7 +128,8 @@ class Directory:
         cached = self._nodes.get(node_id)
         if cached is not None and cached[0] > now:
             return cached[1]
-        raw = self.redis.hgetall(self.keys.store_node(node_id))
+        # bytes: the client does not decode responses
+        raw = cast("dict[bytes, bytes]", self.redis.hgetall(self.keys.store_node(node_id)))
         info = {k.decode(): v.decode() for k, v in raw.items()} or None
         self._nodes[node_id] = (now + 1.0, info)
         return info

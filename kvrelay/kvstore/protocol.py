@@ -126,7 +126,7 @@ OPS = {name[3:]: fn for name, fn in globals().items() if name.startswith("op_")}
 
 def handle_request(node, req: dict) -> dict | Later:
     """Dispatch one request; raise StoreError for anything the caller got wrong."""
-    fn = OPS.get(req.get("op"))
+    fn = OPS.get(req.get("op", ""))  # "" is no op
     if fn is None:
         raise StoreError(f"unknown op {req.get('op')!r}; known: {sorted(OPS)}")
     return fn(node, req)

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvrelay.kvstore.arena import HostArena
 from kvrelay.kvstore.directory import Directory
@@ -19,6 +20,9 @@ from kvrelay.kvstore.store import NodeStore
 from kvrelay.kvstore.transport import Transport
 from kvrelay.kvstore.transport.session import fetch_request
 from kvrelay.kvstore.transport.tcp import TcpPeer
+
+if TYPE_CHECKING:
+    from kvrelay.kvstore.transport.ucx_local import LocalUcx
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +76,8 @@ class Remote:
         # concurrent fetches (the node's pool threads) never share a session.
         self._peers: dict[tuple[Transport, str], list] = {}
         self._peers_lock = threading.Lock()
-        self.local = None  # LocalUcx when this node runs UCX (same-host worker addresses)
+        # LocalUcx when this node runs UCX (same-host worker addresses)
+        self.local: LocalUcx | None = None
         self.host_id: str | None = None
         self.same_host = True
         self._tls = threading.local()  # the current fetch's deadline, per pool thread
@@ -192,6 +197,7 @@ class Remote:
     def _ucx(self, address: str, request: dict, dsts: list[memoryview]) -> int:
         from kvrelay.kvstore.transport.ucx import UcxPeer
 
+        assert self.loop is not None  # UCX transfers only run with ucx_ok: the node's UCX loop
         left = self._left()
 
         async def run() -> int:
@@ -249,6 +255,8 @@ class Remote:
             if use_ucx and self._same_host(info):
                 via = Transport.UCX_LOCAL
                 left = self._left()
+                # _same_host: self.local is set; use_ucx: ucx_ok, so the node has a UCX loop
+                assert self.local is not None and self.loop is not None
                 fut = asyncio.run_coroutine_threadsafe(
                     self.local.fetch(info["ucx_addr"], request, dsts, left), self.loop
                 )

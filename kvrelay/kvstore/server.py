@@ -18,6 +18,7 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -28,6 +29,14 @@ from kvrelay.kvstore.metrics import StoreMetrics
 from kvrelay.kvstore.protocol import Later, handle_request
 from kvrelay.kvstore.store import NodeStore
 from kvrelay.kvstore.transport import Transport
+
+if TYPE_CHECKING:
+    import zmq
+
+    from kvrelay.kvstore.directory import Directory
+    from kvrelay.kvstore.remote import Remote
+    from kvrelay.kvstore.transport.tcp import TcpServer
+    from kvrelay.kvstore.transport.ucx import UcxServer
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +53,18 @@ def arena_path(config: StoreConfig) -> Path:
 class StoreNode:
     """One store node: arena + disk tiers, local socket, remote listeners, directory."""
 
+    store: NodeStore | None  # set by start(), None again after close()
+
     def __init__(self, config: StoreConfig, page_bytes: int):
         self.config = config
         self.page_bytes = page_bytes
         self.metrics = StoreMetrics()
-        self.directory = None
-        self.remote = None
+        self.directory: Directory | None = None
+        self.remote: Remote | None = None
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._servers: list = []  # UCX listeners (closed in the event loop)
-        self._tcp = None
+        self._servers: list[UcxServer] = []  # UCX listeners (closed in the event loop)
+        self._tcp: TcpServer | None = None
         self.addresses: dict[str, str] = {}
         self.ready = threading.Event()
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kv-fetch")
@@ -92,7 +103,7 @@ class StoreNode:
             logger.info(
                 "reused arena %s: %d pages", self.arena.path, self.store.rebuild_from_arena()
             )
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         cfg.socket_path.unlink(missing_ok=True)  # a stale socket from a killed node
@@ -130,6 +141,8 @@ class StoreNode:
         from kvrelay.kvstore.transport.tcp import TcpServer
 
         cfg = self.config
+        # start() calls this once the store exists, and only with a directory
+        assert self.store is not None and self.directory is not None
         if not cfg.secret:
             logger.warning("no --secret: store-to-store transfers use an empty shared secret")
         secret = (cfg.secret or "").encode()
@@ -143,7 +156,7 @@ class StoreNode:
                 logger.warning("ucxx is not installed; remote fetches use TCP")
         if ucx_ok:
             self._loop = ucx_runtime.loop()  # shared by the process (one ucxx context)
-        self.remote = Remote(
+        remote = self.remote = Remote(
             self.store,
             self.arena,
             self.directory,
@@ -154,7 +167,7 @@ class StoreNode:
             self._loop,
             ucx_ok,
         )
-        self.remote.same_host = cfg.ucx_same_host
+        remote.same_host = cfg.ucx_same_host
         host = cfg.advertise_host or cfg.listen_host
 
         async def listen() -> None:
@@ -162,23 +175,23 @@ class StoreNode:
                 from kvrelay.kvstore.transport.ucx import start_ucx_server
                 from kvrelay.kvstore.transport.ucx_local import LocalUcx, host_id
 
-                self.remote.local = LocalUcx(secret, cfg.transfer_timeout_s)
-                self.remote.local.start(self.remote.serve)
-                self.remote.host_id = host_id()
-                self.addresses["ucx_addr"] = self.remote.local.address
-                self.addresses["host_id"] = self.remote.host_id
+                local = remote.local = LocalUcx(secret, cfg.transfer_timeout_s)
+                local.start(remote.serve)
+                remote.host_id = host_id()
+                self.addresses["ucx_addr"] = local.address
+                self.addresses["host_id"] = remote.host_id
 
                 lis = await start_ucx_server(
-                    cfg.ucx_port, secret, self.remote.serve, cfg.transfer_timeout_s
+                    cfg.ucx_port, secret, remote.serve, cfg.transfer_timeout_s
                 )
                 self._servers.append(lis)
                 self.addresses[Transport.UCX] = f"{host}:{lis.port}"
 
         if cfg.tcp_port >= 0:
-            self._tcp = TcpServer(
-                cfg.listen_host, cfg.tcp_port, secret, self.remote.serve, cfg.transfer_timeout_s
+            tcp = self._tcp = TcpServer(
+                cfg.listen_host, cfg.tcp_port, secret, remote.serve, cfg.transfer_timeout_s
             )
-            self.addresses[Transport.TCP] = f"{host}:{self._tcp.port}"
+            self.addresses[Transport.TCP] = f"{host}:{tcp.port}"
         if self._loop is not None:
             asyncio.run_coroutine_threadsafe(listen(), self._loop).result(30)
 
@@ -187,10 +200,11 @@ class StoreNode:
 
     def close(self) -> None:
         """Flush arena pages to disk, unregister, close listeners and the socket."""
-        if getattr(self, "store", None) is None:
+        store: NodeStore | None = getattr(self, "store", None)
+        if store is None:
             return
         self._pool.shutdown(wait=True)  # fetches in flight end within the transfer timeout
-        n = self.store.flush_to_disk()
+        n = store.flush_to_disk()
         if n:
             logger.info("flushed %d arena pages to disk", n)
         if self.directory is not None:
@@ -200,10 +214,12 @@ class StoreNode:
         if self._loop is not None:
 
             async def shut() -> None:
-                self.remote.close()
+                remote = self.remote
+                assert remote is not None  # the UCX loop is only set up along with Remote
+                remote.close()
                 tasks = []
-                if self.remote.local is not None:
-                    tasks += self.remote.local.close()
+                if remote.local is not None:
+                    tasks += remote.local.close()
                 for srv in self._servers:
                     srv.close()
                 if tasks:

@@ -243,6 +243,7 @@ class NodeStore(StoreAdmin):
         return out
 
     def _promote(self, key: bytes) -> _Entry | None:
+        assert self.disk is not None  # callers promote only keys the disk tier holds
         slot = self._take_slot()
         if slot is None:
             return None

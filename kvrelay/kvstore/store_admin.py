@@ -3,15 +3,42 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, ClassVar
 
 from kvrelay.kvstore.errors import StoreError
 from kvrelay.kvstore.page import verify_page
+
+if TYPE_CHECKING:
+    import threading
+    from collections import OrderedDict
+    from collections.abc import Callable
+
+    from kvrelay.kvstore.arena import HostArena
+    from kvrelay.kvstore.disk import DiskTier
+    from kvrelay.kvstore.metrics import StoreMetrics
+    from kvrelay.kvstore.store import _Entry
 
 logger = logging.getLogger(__name__)
 
 
 class StoreAdmin:
     """Rebuild, flush, counts, listing and eviction over NodeStore's index."""
+
+    if TYPE_CHECKING:  # NodeStore's state and helpers (store.py) that these methods use
+        _entry_cls: ClassVar[type[_Entry]]
+        arena: HostArena
+        disk: DiskTier | None
+        metrics: StoreMetrics
+        fingerprint: str | None
+        page_bytes: int
+        on_gone: Callable[[list[bytes]], None]
+        lock: threading.RLock
+        _entries: dict[bytes, _Entry]
+        _lru: OrderedDict[bytes, None]
+        _free: list[int]
+        _slot_key: dict[int, bytes]
+
+        def _gone(self, dropped: list[bytes]) -> None: ...
 
     # -- start and stop ---------------------------------------------------------------------
     def rebuild_from_arena(self) -> int:

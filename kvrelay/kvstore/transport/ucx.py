@@ -9,6 +9,7 @@ import asyncio
 import hmac
 import logging
 import os
+from typing import Any
 
 from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
 from kvrelay.kvstore.transport import ucx_runtime  # noqa: F401 - sets the UCX environment for ucxx
@@ -20,7 +21,7 @@ from kvrelay.kvstore.transport.session import (
     pack,
     unpack,
 )
-from kvrelay.kvstore.transport.ucx_local import BUFFERS
+from kvrelay.kvstore.transport.ucx_local import BUFFERS, UcxEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +35,13 @@ def available() -> bool:
     return True
 
 
-async def start_ucx_server(port: int, secret: bytes, serve: ServeFn, timeout_s: float):
+async def start_ucx_server(port: int, secret: bytes, serve: ServeFn, timeout_s: float) -> UcxServer:
     """A UCX listener answering fetches (`port` 0 picks one); returns it (`.port`)."""
     import ucxx
 
-    eps: set = set()
+    eps: set[UcxEndpoint] = set()
 
-    async def handler(ep) -> None:
+    async def handler(ep: UcxEndpoint) -> None:
         eps.add(ep)
         try:
             nonce = os.urandom(NONCE)
@@ -76,7 +77,7 @@ async def start_ucx_server(port: int, secret: bytes, serve: ServeFn, timeout_s: 
 class UcxServer:
     """A UCX listener and its open peer endpoints."""
 
-    def __init__(self, listener, eps: set):
+    def __init__(self, listener: Any, eps: set[UcxEndpoint]):
         self.listener, self.eps = listener, eps
         self.port = listener.port
 
@@ -92,19 +93,20 @@ class UcxPeer:
 
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
-        self.ep = None
+        self.ep: UcxEndpoint | None = None
 
     async def connect(self, secret: bytes, timeout_s: float) -> None:
         import ucxx
 
         try:
-            self.ep = await asyncio.wait_for(
+            ep: UcxEndpoint = await asyncio.wait_for(
                 ucxx.create_endpoint(self.host, self.port, connect_timeout=timeout_s), timeout_s
             )
-            nonce = bytes(await asyncio.wait_for(self.ep.recv_obj(), timeout_s))
+            self.ep = ep
+            nonce = bytes(await asyncio.wait_for(ep.recv_obj(), timeout_s))
             hello, expect = client_proof(secret, nonce)
-            await self.ep.send_obj(hello)
-            reply = unpack(bytes(await asyncio.wait_for(self.ep.recv_obj(), timeout_s)))
+            await ep.send_obj(hello)
+            reply = unpack(bytes(await asyncio.wait_for(ep.recv_obj(), timeout_s)))
         except TimeoutError as exc:
             self.close()
             raise TransferTimeoutError(f"UCX connect to {self.host}:{self.port} timed out") from exc
@@ -122,9 +124,12 @@ class UcxPeer:
         """Fetch pages into `dsts`; returns how many arrived. Raises TransferError."""
         import ucxx
 
+        ep = self.ep
+        assert ep is not None, "connect() first"
+
         async def session() -> int:
-            await self.ep.send_obj(pack(request))
-            reply = unpack(bytes(await self.ep.recv_obj()))
+            await ep.send_obj(pack(request))
+            reply = unpack(bytes(await ep.recv_obj()))
             if not reply.get("ok"):
                 raise TransferError(f"peer {self.host}:{self.port}: {reply.get('error')}")
             found = int(reply.get("found", 0))
@@ -132,7 +137,7 @@ class UcxPeer:
                 raise TransferError(f"peer sent {found} pages for {len(dsts)} keys")
             # Receive into a private buffer: after a timeout UCX may still write into it, and
             # it must not be an arena slot that holds another page by then.
-            await BUFFERS.receive(self.ep.recv, dsts, found)
+            await BUFFERS.receive(ep.recv, dsts, found)
             return found
 
         try:

@@ -25,6 +25,7 @@ import secrets
 import struct
 import time
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
 from kvrelay.kvstore.transport.session import NONCE, ServeFn, mac, pack, unpack
@@ -35,6 +36,20 @@ CTRL = 8192
 SESSION_IDLE_S = 30.0  # A drops a session idle this long; B reuses one for half of it
 REQUEST_TAG = 0x6B7672656C6179  # "kvrelay"
 _LEN = struct.Struct("<I")
+
+
+class UcxEndpoint(Protocol):
+    """What the transports use of a `ucxx` endpoint (ucxx ships no type information)."""
+
+    async def send(self, buffer: Any, tag: int | None = None, force_tag: bool = False) -> None: ...
+
+    async def recv(self, buffer: Any, tag: int | None = None, force_tag: bool = False) -> None: ...
+
+    async def send_obj(self, obj: Any, tag: int | None = None) -> None: ...
+
+    async def recv_obj(self, tag: int | None = None) -> Any: ...
+
+    def abort(self) -> None: ...
 
 
 def host_id() -> str:
@@ -126,7 +141,7 @@ async def _recv_ctrl(tag: int, timeout_s: float) -> dict:
 
 @dataclass(slots=True)
 class _Session:
-    ep: object
+    ep: UcxEndpoint
     session_tag: int
     reply_tag: int
     used: float = 0.0
@@ -137,7 +152,7 @@ class LocalUcx:
 
     def __init__(self, secret: bytes, timeout_s: float):
         self.secret, self.timeout_s = secret, timeout_s
-        self._eps: dict[bytes, object] = {}
+        self._eps: dict[bytes, UcxEndpoint] = {}
         self._task: asyncio.Task | None = None
         self._sessions: set[asyncio.Task] = set()  # served sessions (ended on close)
         self._idle: dict[str, list[_Session]] = {}  # peer address -> sessions ready for reuse
@@ -148,7 +163,7 @@ class LocalUcx:
 
         return ucxx.get_worker_address().tobytes().hex()
 
-    async def _endpoint(self, addr: bytes):
+    async def _endpoint(self, addr: bytes) -> UcxEndpoint:
         import ucxx
 
         ep = self._eps.get(addr)

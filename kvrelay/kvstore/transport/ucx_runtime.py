@@ -43,7 +43,8 @@ def loop() -> asyncio.AbstractEventLoop:
             asyncio.run_coroutine_threadsafe(init(), lp).result(60)
             # The notifier thread is not a daemon: stop it before the interpreter waits for
             # non-daemon threads at exit (atexit handlers run too late for that).
-            threading._register_atexit(_stop_notifier)  # noqa: SLF001
+            # private CPython API, not in typeshed
+            threading._register_atexit(_stop_notifier)  # type: ignore[attr-defined]  # noqa: SLF001
             _loop = lp
         return _loop
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from redis.exceptions import RedisError
 
@@ -185,7 +185,9 @@ class ModelRegistry:
                 return files
             bundle = await asyncio.to_thread(_read_cached, digest)
             if bundle is None:
-                fields = await self.cluster.redis.hgetall(self.cluster.keys.model_files(digest))
+                key = self.cluster.keys.model_files(digest)
+                # a binary client: the values are bytes
+                fields = cast("dict[bytes | str, bytes]", await self.cluster.redis.hgetall(key))
                 if not fields:  # expired, or Valkey lost it: the workers write it again
                     raise not_ready(name)
                 try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Annotated, Any, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -60,8 +60,8 @@ Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 def _bounded(name: str, base: Any) -> Any:
     """`base` within BOUNDS[name], refused in its words."""
     bound = BOUNDS[name]
-    low = {"gt": bound.low} if bound.low_open else {"ge": bound.low}
-    high = {} if bound.high is None else {"le": bound.high}
+    low: dict[str, Any] = {"gt": bound.low} if bound.low_open else {"ge": bound.low}
+    high: dict[str, Any] = {} if bound.high is None else {"le": bound.high}
     return Annotated[base, Field(**low, **high), Says(bound=bound)]
 
 
@@ -71,19 +71,50 @@ def _false(value: bool) -> bool:
     return value
 
 
-def FalseOnly(refused: str) -> Any:  # noqa: N802  (a type, spelled like one)
+def _false_only(base: Any, refused: str) -> Any:
     """A boolean that may only be false: true asks for `refused`, which is not implemented."""
     schema = WithJsonSchema({"type": "boolean", "const": False})
-    return Annotated[StrictBool, AfterValidator(_false), schema, Says(refused=refused)]
+    return Annotated[base, AfterValidator(_false), schema, Says(refused=refused)]
 
 
 # how many choices to return (n) or generate (best_of); the ingress caps them (max_choices)
 Count = Annotated[Int64, Field(ge=1), Says(invalid="{param} must be at least 1, got {value}")]
 
 
-def Empty(base: Any, refused: str) -> Any:  # noqa: N802
+def _empty(base: Any, refused: str) -> Any:
     """A list, object or string that may only be empty: anything in it is not implemented."""
     return Annotated[base, Field(max_length=0), Says(refused=refused)]
+
+
+# Field types spelled `Bounded[base, name]`, `FalseOnly[StrictBool, refused]` and
+# `Empty[base, refused]`: at runtime each builds its Annotated type above (what pydantic
+# reads); a type checker reads them as `Annotated`, that is as `base`.
+if TYPE_CHECKING:
+    from typing import Annotated as Bounded
+    from typing import Annotated as Empty
+    from typing import Annotated as FalseOnly
+else:
+
+    class Bounded:
+        """`Bounded[base, name]`: `base` within BOUNDS[name] (see `_bounded`)."""
+
+        def __class_getitem__(cls, params: tuple[Any, str]) -> Any:
+            base, name = params
+            return _bounded(name, base)
+
+    class FalseOnly:
+        """`FalseOnly[StrictBool, refused]`: only false (see `_false_only`)."""
+
+        def __class_getitem__(cls, params: tuple[Any, str]) -> Any:
+            base, refused = params
+            return _false_only(base, refused)
+
+    class Empty:
+        """`Empty[base, refused]`: only empty (see `_empty`)."""
+
+        def __class_getitem__(cls, params: tuple[Any, str]) -> Any:
+            base, refused = params
+            return _empty(base, refused)
 
 
 class _Nested(BaseModel):
@@ -211,26 +242,26 @@ class _Request(BaseModel):
     logit_bias: LogitBias | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    temperature: _bounded("temperature", Number) | None = None
-    top_p: _bounded("top_p", Number) | None = None
-    top_k: _bounded("top_k", Int64) | None = None
-    min_p: _bounded("min_p", Number) | None = None
-    presence_penalty: _bounded("presence_penalty", Number) | None = None
-    frequency_penalty: _bounded("frequency_penalty", Number) | None = None
-    repetition_penalty: _bounded("repetition_penalty", Number) | None = None
+    temperature: Bounded[Number, "temperature"] | None = None
+    top_p: Bounded[Number, "top_p"] | None = None
+    top_k: Bounded[Int64, "top_k"] | None = None
+    min_p: Bounded[Number, "min_p"] | None = None
+    presence_penalty: Bounded[Number, "presence_penalty"] | None = None
+    frequency_penalty: Bounded[Number, "frequency_penalty"] | None = None
+    repetition_penalty: Bounded[Number, "repetition_penalty"] | None = None
     seed: Int64 | None = None
     stop: Stop | None = None
     # token ids: the model's vocabulary bounds them, checked once it is known
     stop_token_ids: (
         Annotated[list[Int64], Says(expect="an array of integers", whole=True)] | None
     ) = None
-    min_tokens: _bounded("min_tokens", Int64) | None = None
+    min_tokens: Bounded[Int64, "min_tokens"] | None = None
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
-    max_tokens: _bounded("max_tokens", Int64) | None = None
+    max_tokens: Bounded[Int64, "max_tokens"] | None = None
     # vLLM's: each prompt token's logprob plus the top-n (not with stream, as vLLM refuses it)
-    prompt_logprobs: _bounded("prompt_logprobs", Int64) | None = None
+    prompt_logprobs: Bounded[Int64, "prompt_logprobs"] | None = None
     user: StrictStr | None = None
     # non-empty: the HTTP edge refuses "" (validate.check_cache_salt), which the producer
     # client sends for "no salt"
@@ -300,13 +331,13 @@ class _Request(BaseModel):
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
-    max_completion_tokens: _bounded("max_tokens", Int64) | None = None
+    max_completion_tokens: Bounded[Int64, "max_tokens"] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1), Says(expect="a non-empty array")]
     tools: list[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: _bounded("logprobs", Int64) | None = None
-    store: FalseOnly("store=true (stored completions)") | None = None
+    top_logprobs: Bounded[Int64, "logprobs"] | None = None
+    store: FalseOnly[StrictBool, "store=true (stored completions)"] | None = None
     parallel_tool_calls: StrictBool | None = None
     modalities: Annotated[Any, WithJsonSchema({"type": "array", "const": ["text"]})] = None
 
@@ -365,8 +396,8 @@ class CompletionRequest(_Request):
     prompt: PromptText | TokenIds | Annotated[list[PromptText | TokenIds], Field(min_length=2)]
     echo: StrictBool | None = None
     best_of: Count | None = None
-    suffix: Empty(StrictStr, "suffix") | None = None
-    logprobs: _bounded("logprobs", Int64) | None = None
+    suffix: Empty[StrictStr, "suffix"] | None = None
+    logprobs: Bounded[Int64, "logprobs"] | None = None
 
     @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:

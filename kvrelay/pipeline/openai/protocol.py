@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -163,8 +163,8 @@ def parse_completion(body: Any) -> GenerationRequest:
         prompt = prompt[0]
     if isinstance(prompt, str):
         req.prompt = prompt
-    else:
-        req.prompt_token_ids = list(prompt)
+    else:  # token ids (a batch's first prompt is text or token ids too)
+        req.prompt_token_ids = list(cast("list[int]", prompt))
     req.logprobs = completion.logprobs is not None
     req.sampling.logprobs = completion.logprobs
     req.echo = bool(completion.echo)

@@ -34,7 +34,7 @@ from kvrelay.pipeline.queue.output import Completion
 RESPONSE_PREFIX, REQUEST_PREFIX = "resp_", "resp-"
 
 # finish reason -> response status (an error or a deadline: "failed")
-_STATUS = {
+_STATUS: dict[str, str] = {
     FinishReason.STOP: "completed",
     FinishReason.LENGTH: "incomplete",
     FinishReason.CANCELLED: "cancelled",

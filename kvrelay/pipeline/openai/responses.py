@@ -224,7 +224,7 @@ class ResponseFormatter:
             return None
         if finish == FinishReason.STOP and calls.calls and calls.calling.mode != NAMED:
             finish = TOOL_CALLS
-        events = [
+        events: list[dict[str, Any]] = [
             {"index": self.index, "delta": d, "logprobs": None, "finish_reason": None}
             for d in deltas
         ]

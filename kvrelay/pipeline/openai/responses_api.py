@@ -38,7 +38,7 @@ from kvrelay.core.sampling import SamplingParams
 from kvrelay.core.structured import JSON_OBJECT, StructuredOutput
 from kvrelay.pipeline.errors import RequestError, bad_request
 from kvrelay.pipeline.openai.explain import Says, explain, fail, fail_as, refuse
-from kvrelay.pipeline.openai.models import Int64, Number, _bounded, field_names
+from kvrelay.pipeline.openai.models import Bounded, Int64, Number, field_names
 from kvrelay.pipeline.openai.protocol import Api, GenerationRequest
 from kvrelay.pipeline.openai.structured import checked_json_schema
 from kvrelay.pipeline.openai.tools import (
@@ -291,9 +291,9 @@ class ResponsesRequest(BaseModel):
     ]
     instructions: StrictStr | None = None
     previous_response_id: StrictStr | None = None
-    max_output_tokens: _bounded("max_tokens", Int64) | None = None
-    temperature: _bounded("temperature", Number) | None = None
-    top_p: _bounded("top_p", Number) | None = None
+    max_output_tokens: Bounded[Int64, "max_tokens"] | None = None
+    temperature: Bounded[Number, "temperature"] | None = None
+    top_p: Bounded[Number, "top_p"] | None = None
     stream: StrictBool | None = None
     store: StrictBool | None = None
     text: TextConfig | None = None
@@ -474,9 +474,11 @@ def parse_responses(body: Any) -> ResponsesCall:
         generation.tools = [tool.chat_tool().to_dict() for tool in req.tools]
         generation.tool_calling = req.tool_calling()
     text_format = req.text.format if req.text and req.text.format else None
-    choice = req.tool_choice
-    if isinstance(choice, NamedFunction):
-        choice = {"type": "function", "name": choice.name}
+    choice: str | dict[str, str] | None
+    if isinstance(req.tool_choice, NamedFunction):
+        choice = {"type": "function", "name": req.tool_choice.name}
+    else:
+        choice = req.tool_choice
     repeated = {
         "instructions": req.instructions,
         "max_output_tokens": limit,

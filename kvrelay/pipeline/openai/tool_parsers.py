@@ -20,6 +20,7 @@ from kvrelay.pipeline.openai.tool_calls import (
     CallScanner,
     Piece,
     ToolCallStream,
+    ToolParser,
 )
 from kvrelay.pipeline.openai.tools import NAMED, REQUIRED, ToolCalling
 
@@ -156,6 +157,7 @@ TOOL_PARSERS = {"hermes": HermesParser}
 
 def tool_call_stream(request_id: str, calling: ToolCalling, parser: str = "") -> ToolCallStream:
     """The stream that finds `calling`'s calls (`parser`: the --tool-call-parser, for auto)."""
+    found: ToolParser
     if calling.mode == NAMED:
         found = ArgumentsParser(calling.name)
     elif calling.mode == REQUIRED:

@@ -45,12 +45,12 @@ class FunctionDefinition(_Nested):
         if not _NAME.fullmatch(self.name):
             message = "'{param}' must be 1-64 characters of a-z, A-Z, 0-9, underscores and dashes"
             raise fail(message, field="name", templated=True)
-        error = grammar_error(StructuredOutput(JSON, json_schema_text(self.schema())))
+        error = grammar_error(StructuredOutput(JSON, json_schema_text(self.arguments_schema())))
         if error is not None:
             raise fail(f"invalid JSON schema: {error[:_MAX_ERROR]}", field="parameters")
         return self
 
-    def schema(self) -> dict[str, Any]:
+    def arguments_schema(self) -> dict[str, Any]:
         """The arguments' JSON schema."""
         return self.parameters if self.parameters is not None else _NO_PARAMETERS
 
@@ -177,7 +177,7 @@ def calls_schema(tools: list[FunctionTool], parallel: bool) -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [tool.function.name]},
-                "arguments": tool.function.schema(),
+                "arguments": tool.function.arguments_schema(),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
@@ -195,7 +195,7 @@ def tool_constraint(calling: ToolCalling, tools: list[FunctionTool]) -> Structur
     """The structured output that enforces a named or required choice (None for auto)."""
     if calling.mode == NAMED:
         tool = next(t for t in tools if t.function.name == calling.name)
-        return StructuredOutput(JSON, json_schema_text(tool.function.schema()))
+        return StructuredOutput(JSON, json_schema_text(tool.function.arguments_schema()))
     if calling.mode == REQUIRED:
         spec = StructuredOutput(JSON, json_schema_text(calls_schema(tools, calling.parallel)))
         error = grammar_error(spec)

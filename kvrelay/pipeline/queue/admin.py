@@ -6,7 +6,7 @@ import json
 import logging
 import re
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -125,7 +125,7 @@ def request_record(raw: dict[str, str]) -> dict[str, Any]:
 def _progress(r: redis.Redis, keys: Keys, request_id: str) -> Progress | None:
     """The request's progress while it runs (None once it ended, or when unreadable)."""
     try:
-        return Progress.parse(r.hget(keys.progress, request_id))
+        return Progress.parse(cast("bytes | None", r.hget(keys.progress, request_id)))
     except ValueError:
         logger.error("request %s: malformed progress", request_id)
         return None

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -21,6 +21,7 @@ from kvrelay.core.enums import Stage, WorkerField
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from kvrelay.core.model_bundle import PUBLICATION_TTL_S
 from kvrelay.core.record import as_str
+from kvrelay.pipeline.queue.replies import StreamEntry
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class _Cached(Generic[T]):
         self._fetch, self._ttl, self._stale_s = fetch, ttl_s, stale_s
         self._value: T | None = None
         self._at = -1e18
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[T] | None = None
 
     def _stale(self) -> bool:
         return self._value is None or time.monotonic() - self._at > self._ttl
@@ -74,13 +75,13 @@ class _Cached(Generic[T]):
     def _servable(self) -> bool:
         return self._value is not None and self.age_s <= self._ttl + self._stale_s
 
-    def _start(self) -> asyncio.Task:
+    def _start(self) -> asyncio.Task[T]:
         task = asyncio.create_task(self._refresh())
         self._task = task
         task.add_done_callback(self._done)
         return task
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, task: asyncio.Task[T]) -> None:
         if self._task is task:
             self._task = None
         if not task.cancelled():
@@ -97,9 +98,9 @@ class _Cached(Generic[T]):
                 await asyncio.shield(self._task)  # let a running refresh land first
             return await asyncio.shield(self._start())
         if self._task is None and not self._stale():
-            return self._value  # type: ignore[return-value]
+            return cast(T, self._value)  # not stale: a value is held
         if self._servable():
-            return self._value  # refreshed by prefetch(), called once the request is queued
+            return cast(T, self._value)  # refreshed by prefetch(), called once the request is queued
         # shield: one caller going away must not cancel the fetch the others wait for
         return await asyncio.shield(self._task or self._start())
 
@@ -216,7 +217,7 @@ class ClusterState:
             pipe.xinfo_groups(stream)
             pipe.xlen(stream)
         replies = await pipe.execute(raise_on_error=False)
-        out = {}
+        out: dict[str, StreamLoad] = {}
         for i, (name, group) in enumerate(
             ((Stage.PREFILL, PREFILL_GROUP), (Stage.DECODE, DECODE_GROUP))
         ):
@@ -236,5 +237,6 @@ class ClusterState:
         if lag is None:
             # Redis cannot tell after deletions; count what lies past the last delivered id.
             last = as_str(info["last-delivered-id"])
-            lag = len(await self.redis.xrange(stream, min="(" + last, count=10000))
+            rows = await self.redis.xrange(stream, min="(" + last, count=10000)
+            lag = len(cast("list[StreamEntry]", rows))
         return StreamLoad(waiting=int(lag), pending=int(info.get("pending") or 0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -17,6 +17,7 @@ from kvrelay.core.messages import DecodeTask, MessageError, PrefillTask
 from kvrelay.core.record import as_str
 from kvrelay.pipeline.queue.field_ttl import field_ttl_sync, set_progress_args
 from kvrelay.pipeline.queue.progress import new_progress
+from kvrelay.pipeline.queue.replies import StreamEntry
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def kind_of(reason: str, payload: bytes, stream: str, keys: Keys) -> str:
 def entries(r: redis.Redis, keys: Keys, limit: int = 100) -> list[dict[str, Any]]:
     """Oldest-first DLQ entries without their payloads."""
     out = []
-    for eid, fields in r.xrange(keys.dlq, count=limit):
+    for eid, fields in cast("list[StreamEntry]", r.xrange(keys.dlq, count=limit)):
         row = {as_str(k): as_str(v) for k, v in fields.items() if k != MESSAGE_FIELD}
         out.append({"dlq_id": as_str(eid), **row})
     return out
@@ -79,7 +80,7 @@ def entries(r: redis.Redis, keys: Keys, limit: int = 100) -> list[dict[str, Any]
 
 def entry(r: redis.Redis, keys: Keys, dlq_id: str) -> dict[str, Any] | None:
     """One DLQ entry with its payload decoded when it is a valid task."""
-    rows = r.xrange(keys.dlq, min=dlq_id, max=dlq_id)
+    rows = cast("list[StreamEntry]", r.xrange(keys.dlq, min=dlq_id, max=dlq_id))
     if not rows:
         return None
     fields = rows[0][1]
@@ -105,7 +106,7 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
     Poison (it killed every holder) and payloads that are no task would only come back here:
     both are refused (`ReplayRefused`) unless `force`.
     """
-    rows = r.xrange(keys.dlq, min=dlq_id, max=dlq_id)
+    rows = cast("list[StreamEntry]", r.xrange(keys.dlq, min=dlq_id, max=dlq_id))
     if not rows:
         return None
     fields = rows[0][1]

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import MessageError, TokenChunk
 from kvrelay.pipeline.queue import scripts
+from kvrelay.pipeline.queue.replies import StreamReply
 from kvrelay.pipeline.queue.outage import FIRST_PAUSE_S, MAX_PAUSE_S, REDIS_RETRY_S
 from kvrelay.pipeline.queue.subscription import WAKE, Subscription
 
@@ -179,8 +180,11 @@ class OutputFeed:
                     logger.info("output feed %s: redis is back", self.reader_id)
                 elif time.monotonic() >= self._renew_at:
                     await self._renew()
-                reply = await self.redis.xread(
-                    {self.key: self._last_id}, count=READ_COUNT, block=self.block_ms
+                reply = cast(
+                    "StreamReply",
+                    await self.redis.xread(
+                        {self.key: self._last_id}, count=READ_COUNT, block=self.block_ms
+                    ),
                 )
             except RedisError as exc:
                 if not self._lost:

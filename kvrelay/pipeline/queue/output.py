@@ -27,7 +27,7 @@ from kvrelay.core.record import as_str
 logger = logging.getLogger(__name__)
 
 # a request hash that ended without its final chunk: the finish reason to report
-TERMINAL = {
+TERMINAL: dict[str, FinishReason] = {
     RequestStatus.FAILED: FinishReason.ERROR,
     RequestStatus.CANCELLED: FinishReason.CANCELLED,
     RequestStatus.FINISHED: FinishReason.ERROR,

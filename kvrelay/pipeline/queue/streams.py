@@ -14,6 +14,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 
@@ -25,6 +26,7 @@ from kvrelay.core.record import as_str
 from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.field_ttl import field_ttl_sync
 from kvrelay.pipeline.queue.progress import Progress, owner_of
+from kvrelay.pipeline.queue.replies import StreamReply
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +170,10 @@ class Streams:
 
     def read(self, stream: str, group: str, count: int, block_ms: int | None) -> list[Entry]:
         """New entries for this consumer (XREADGROUP >); block_ms None = do not block."""
-        reply = self.r.xreadgroup(group, self.consumer, {stream: ">"}, count=count, block=block_ms)
+        reply = cast(
+            "StreamReply | None",
+            self.r.xreadgroup(group, self.consumer, {stream: ">"}, count=count, block=block_ms),
+        )
         entries: list[Entry] = []
         for _name, items in reply or []:
             for entry_id, fields in items:
@@ -204,7 +209,13 @@ class Streams:
         `queued_tokens`: the tokens the task carried when queued (its first delivery's count);
         `alive`: the claimant already holds it, which proves no crash.
         Recorded in req:{id} (claim_entry, claim_emitted, claim_delivery) at every claim."""
-        args = [entry_id, deliveries, queued_tokens, "1" if alive else "0", request_id]
+        args: list[str | int] = [
+            entry_id,
+            deliveries,
+            queued_tokens,
+            "1" if alive else "0",
+            request_id,
+        ]
         keys = [self.keys.request(request_id), self.keys.progress]
         return int(self._strikes(keys=keys, args=args))
 
@@ -344,7 +355,7 @@ class Streams:
     # reads of request state
     def emitted(self, request_id: str) -> int:
         """Tokens emitted so far: the progress's count, or the record's once it ended."""
-        prog = Progress.parse(self.r.hget(self.keys.progress, request_id))
+        prog = Progress.parse(cast("bytes | None", self.r.hget(self.keys.progress, request_id)))
         if prog is not None:
             return prog.emitted
         return int(self.r.hget(self.keys.request(request_id), rec.EMITTED) or 0)

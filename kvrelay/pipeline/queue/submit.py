@@ -102,7 +102,7 @@ class Submission:
 
 def build_task(sub: Submission, route: Route) -> PrefillTask | DecodeTask:
     """The wire message for the first stage of `route`."""
-    common = dict(
+    common: dict[str, Any] = dict(
         request_id=sub.request_id,
         model=sub.model,
         prompt_token_ids=list(sub.prompt_token_ids),
@@ -178,7 +178,9 @@ class Producer:
         size = len(prompt or "") + sum(len(str(m.get("content", ""))) for m in messages or ())
         param = "messages" if messages is not None else "prompt"
         await self._refuse_hopeless(entry, size, param)
-        args = dict(messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids)
+        args: dict[str, Any] = dict(
+            messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids
+        )
         if tools:
             args["tools"] = tools
         if size > _INLINE_TOKENIZE_CHARS:  # milliseconds of work or more: off the event loop

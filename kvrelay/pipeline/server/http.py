@@ -42,11 +42,11 @@ def check_api_key(request: Request, api_keys: tuple[str, ...]) -> str:
             code="missing_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    token = token.strip().encode()
+    presented = token.strip().encode()
     # compare against every key so the time taken does not reveal which prefix matched
     ok = False
     for key in api_keys:
-        ok |= secrets.compare_digest(token, key.encode())
+        ok |= secrets.compare_digest(presented, key.encode())
     if not ok:
         raise RequestError(
             "Incorrect API key provided.",
@@ -54,7 +54,7 @@ def check_api_key(request: Request, api_keys: tuple[str, ...]) -> str:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    return hashlib.blake2b(token, digest_size=8).hexdigest()
+    return hashlib.blake2b(presented, digest_size=8).hexdigest()
 
 
 def _too_large(limit: int) -> RequestError:

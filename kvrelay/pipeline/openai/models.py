@@ -86,35 +86,36 @@ def _empty(base: Any, refused: str) -> Any:
     return Annotated[base, Field(max_length=0), Says(refused=refused)]
 
 
-# Field types spelled `Bounded[base, name]`, `FalseOnly[StrictBool, refused]` and
-# `Empty[base, refused]`: at runtime each builds its Annotated type above (what pydantic
-# reads); a type checker reads them as `Annotated`, that is as `base`.
+# The field types below are the Annotated types above at runtime (what pydantic reads: bounds,
+# refusals); a type checker sees the type of their values.
 if TYPE_CHECKING:
-    from typing import Annotated as Bounded
-    from typing import Annotated as Empty
-    from typing import Annotated as FalseOnly
+    Temperature = float
+    TopP = float
+    MinP = float
+    PresencePenalty = float
+    FrequencyPenalty = float
+    RepetitionPenalty = float
+    TopK = int
+    MinTokens = int
+    MaxTokens = int
+    PromptLogprobs = int
+    Logprobs = int
+    NoStore = bool
+    NoSuffix = str
 else:
-
-    class Bounded:
-        """`Bounded[base, name]`: `base` within BOUNDS[name] (see `_bounded`)."""
-
-        def __class_getitem__(cls, params: tuple[Any, str]) -> Any:
-            base, name = params
-            return _bounded(name, base)
-
-    class FalseOnly:
-        """`FalseOnly[StrictBool, refused]`: only false (see `_false_only`)."""
-
-        def __class_getitem__(cls, params: tuple[Any, str]) -> Any:
-            base, refused = params
-            return _false_only(base, refused)
-
-    class Empty:
-        """`Empty[base, refused]`: only empty (see `_empty`)."""
-
-        def __class_getitem__(cls, params: tuple[Any, str]) -> Any:
-            base, refused = params
-            return _empty(base, refused)
+    Temperature = _bounded("temperature", Number)
+    TopP = _bounded("top_p", Number)
+    MinP = _bounded("min_p", Number)
+    PresencePenalty = _bounded("presence_penalty", Number)
+    FrequencyPenalty = _bounded("frequency_penalty", Number)
+    RepetitionPenalty = _bounded("repetition_penalty", Number)
+    TopK = _bounded("top_k", Int64)
+    MinTokens = _bounded("min_tokens", Int64)
+    MaxTokens = _bounded("max_tokens", Int64)
+    PromptLogprobs = _bounded("prompt_logprobs", Int64)
+    Logprobs = _bounded("logprobs", Int64)
+    NoStore = _false_only(StrictBool, "store=true (stored completions)")
+    NoSuffix = _empty(StrictStr, "suffix")
 
 
 class _Nested(BaseModel):
@@ -242,26 +243,26 @@ class _Request(BaseModel):
     logit_bias: LogitBias | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    temperature: Bounded[Number, "temperature"] | None = None
-    top_p: Bounded[Number, "top_p"] | None = None
-    top_k: Bounded[Int64, "top_k"] | None = None
-    min_p: Bounded[Number, "min_p"] | None = None
-    presence_penalty: Bounded[Number, "presence_penalty"] | None = None
-    frequency_penalty: Bounded[Number, "frequency_penalty"] | None = None
-    repetition_penalty: Bounded[Number, "repetition_penalty"] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    presence_penalty: PresencePenalty | None = None
+    frequency_penalty: FrequencyPenalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     seed: Int64 | None = None
     stop: Stop | None = None
     # token ids: the model's vocabulary bounds them, checked once it is known
     stop_token_ids: (
         Annotated[list[Int64], Says(expect="an array of integers", whole=True)] | None
     ) = None
-    min_tokens: Bounded[Int64, "min_tokens"] | None = None
+    min_tokens: MinTokens | None = None
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
-    max_tokens: Bounded[Int64, "max_tokens"] | None = None
+    max_tokens: MaxTokens | None = None
     # vLLM's: each prompt token's logprob plus the top-n (not with stream, as vLLM refuses it)
-    prompt_logprobs: Bounded[Int64, "prompt_logprobs"] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     user: StrictStr | None = None
     # non-empty: the HTTP edge refuses "" (validate.check_cache_salt), which the producer
     # client sends for "no salt"
@@ -331,13 +332,13 @@ class _Request(BaseModel):
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
-    max_completion_tokens: Bounded[Int64, "max_tokens"] | None = None
+    max_completion_tokens: MaxTokens | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1), Says(expect="a non-empty array")]
     tools: list[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: Bounded[Int64, "logprobs"] | None = None
-    store: FalseOnly[StrictBool, "store=true (stored completions)"] | None = None
+    top_logprobs: Logprobs | None = None
+    store: NoStore | None = None
     parallel_tool_calls: StrictBool | None = None
     modalities: Annotated[Any, WithJsonSchema({"type": "array", "const": ["text"]})] = None
 
@@ -396,8 +397,8 @@ class CompletionRequest(_Request):
     prompt: PromptText | TokenIds | Annotated[list[PromptText | TokenIds], Field(min_length=2)]
     echo: StrictBool | None = None
     best_of: Count | None = None
-    suffix: Empty[StrictStr, "suffix"] | None = None
-    logprobs: Bounded[Int64, "logprobs"] | None = None
+    suffix: NoSuffix | None = None
+    logprobs: Logprobs | None = None
 
     @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:

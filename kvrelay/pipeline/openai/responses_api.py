@@ -38,7 +38,7 @@ from kvrelay.core.sampling import SamplingParams
 from kvrelay.core.structured import JSON_OBJECT, StructuredOutput
 from kvrelay.pipeline.errors import RequestError, bad_request
 from kvrelay.pipeline.openai.explain import Says, explain, fail, fail_as, refuse
-from kvrelay.pipeline.openai.models import Bounded, Int64, Number, field_names
+from kvrelay.pipeline.openai.models import MaxTokens, Temperature, TopP, field_names
 from kvrelay.pipeline.openai.protocol import Api, GenerationRequest
 from kvrelay.pipeline.openai.structured import checked_json_schema
 from kvrelay.pipeline.openai.tools import (
@@ -291,9 +291,9 @@ class ResponsesRequest(BaseModel):
     ]
     instructions: StrictStr | None = None
     previous_response_id: StrictStr | None = None
-    max_output_tokens: Bounded[Int64, "max_tokens"] | None = None
-    temperature: Bounded[Number, "temperature"] | None = None
-    top_p: Bounded[Number, "top_p"] | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     stream: StrictBool | None = None
     store: StrictBool | None = None
     text: TextConfig | None = None

@@ -14,13 +14,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
-import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from kvrelay.core.enums import Stage, WorkerField
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from kvrelay.core.model_bundle import PUBLICATION_TTL_S
 from kvrelay.core.record import as_str
+from kvrelay.pipeline.queue.redis_options import AsyncRedis
 from kvrelay.pipeline.queue.replies import StreamEntry
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,9 @@ class _Cached(Generic[T]):
         if self._task is None and not self._stale():
             return cast(T, self._value)  # not stale: a value is held
         if self._servable():
-            return cast(T, self._value)  # refreshed by prefetch(), called once the request is queued
+            return cast(
+                T, self._value
+            )  # refreshed by prefetch(), called once the request is queued
         # shield: one caller going away must not cancel the fetch the others wait for
         return await asyncio.shield(self._task or self._start())
 
@@ -116,7 +118,7 @@ class _Cached(Generic[T]):
 class ClusterState:
     """Models, workers and stream load as last seen in Redis."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, refresh_s: float = 0.25):
+    def __init__(self, redis: AsyncRedis, keys: Keys, refresh_s: float = 0.25):
         self.redis, self.keys = redis, keys
         self._models = _Cached(self._fetch_models, refresh_s)
         # SCANning for heartbeats walks the whole keyspace (page directory included), which

@@ -21,14 +21,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import MessageError, TokenChunk
 from kvrelay.pipeline.queue import scripts
-from kvrelay.pipeline.queue.replies import StreamReply
 from kvrelay.pipeline.queue.outage import FIRST_PAUSE_S, MAX_PAUSE_S, REDIS_RETRY_S
+from kvrelay.pipeline.queue.redis_options import AsyncRedis
+from kvrelay.pipeline.queue.replies import StreamReply
 from kvrelay.pipeline.queue.subscription import WAKE, Subscription
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class OutputFeed:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: AsyncRedis,
         keys: Keys,
         *,
         block_ms: int = 1000,

@@ -15,14 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, RequestStatus
 from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.record import as_str
+from kvrelay.pipeline.queue.redis_options import AsyncRedis
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ def output_gone(status: str, emitted: Any, out_exists: bool) -> bool:
     return status != RequestStatus.FAILED or int(emitted or 0) > 0
 
 
-async def check_output(redis: aioredis.Redis, keys: Keys, request_id: str) -> None:
+async def check_output(redis: AsyncRedis, keys: Keys, request_id: str) -> None:
     """Raise OutputExpired when req:{id} says the request ended and out:{id} is gone."""
     status, emitted = await redis.hmget(keys.request(request_id), rec.STATUS, rec.EMITTED)
     if status is None or as_str(status) not in ENDED:

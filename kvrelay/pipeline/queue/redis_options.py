@@ -13,7 +13,7 @@ dead) would otherwise hold each HTTP request for several timeouts instead of one
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 import redis.asyncio as aioredis
 import redis.asyncio.cluster as aiocluster
@@ -43,6 +43,8 @@ def resilient(
 
 
 RESILIENT = resilient()  # no timeouts: callers that block on XREAD without a bound of their own
+# the asyncio client `async_redis` makes: a plain one or a cluster one, used alike
+AsyncRedis: TypeAlias = aioredis.Redis | aiocluster.RedisCluster
 
 
 def async_redis(
@@ -51,7 +53,7 @@ def async_redis(
     pool_timeout_s: float | None = None,
     options: dict[str, Any] | None = None,
     cluster: bool | None = None,
-) -> aioredis.Redis | aiocluster.RedisCluster:
+) -> AsyncRedis:
     """An asyncio client whose pool waits for a free connection (up to `pool_timeout_s`;
     None: as long as it takes) instead of failing: redis-py's default pool raises "Too many
     connections" past 100, and every open request holds one for its blocking output read.

@@ -13,13 +13,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
 from kvrelay.core.enums import Stage
 from kvrelay.core.keys import Keys
 from kvrelay.core.page_keys import page_keys
 from kvrelay.pipeline.model_registry import ModelEntry
 from kvrelay.pipeline.queue.cluster import ClusterState
+from kvrelay.pipeline.queue.redis_options import AsyncRedis
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class Router:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: AsyncRedis,
         keys: Keys,
         mode: RouteMode | str = RouteMode.AUTO,
         threshold: int = 64,

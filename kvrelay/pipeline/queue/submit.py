@@ -23,8 +23,6 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
-
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
@@ -39,6 +37,7 @@ from kvrelay.pipeline.queue.choices_state import choice_id as choice_id  # where
 from kvrelay.pipeline.queue.field_ttl import field_ttl
 from kvrelay.pipeline.queue.outage import REDIS_RETRY_S, Outage
 from kvrelay.pipeline.queue.progress import new_progress
+from kvrelay.pipeline.queue.redis_options import AsyncRedis
 from kvrelay.pipeline.queue.route import DECODE, Route, Router
 from kvrelay.pipeline.tokens import (
     check_lengths,
@@ -123,7 +122,7 @@ class Producer:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: AsyncRedis,
         keys: Keys,
         registry: ModelRegistry,
         router: Router,

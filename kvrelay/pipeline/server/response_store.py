@@ -15,11 +15,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from kvrelay.core.keys import Keys
 from kvrelay.core.record import as_str
 from kvrelay.pipeline.openai.responses_api import output_messages
+from kvrelay.pipeline.queue.redis_options import AsyncRedis
 
 RESPONSE, MESSAGES, REQUEST_ID, KEY_ID = "response", "messages", "request_id", "key_id"
 
@@ -45,7 +44,7 @@ class StoredResponse:
 class ResponseStore:
     """Reads and writes `resp:{id}` hashes."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: int):
+    def __init__(self, redis: AsyncRedis, keys: Keys, ttl_s: int):
         self.redis, self.keys, self.ttl_s = redis, keys, ttl_s
 
     async def save(

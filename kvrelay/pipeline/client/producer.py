@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -194,7 +194,8 @@ class AsyncClient:
     async def _retext(self, request_id: str):
         model = self._models.get(request_id)
         if model is None:
-            raw = await self.redis.hget(self.keys.request(request_id), rec.MODEL)
+            key = self.keys.request(request_id)
+            raw = cast("bytes | None", await self.redis.hget(key, rec.MODEL))
             model = raw.decode() if raw else None
         if not model:
             return None
@@ -206,7 +207,7 @@ class AsyncClient:
 
     async def stream(
         self, request_id: str, start_index: int = 0, *, _subscription: Subscription | None = None
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         """The request's chunks from token `start_index` on, ending with the final chunk.
 
         A chunk that began before `start_index` is cut there (its text re-decoded). Raises

@@ -24,7 +24,7 @@ from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.openai.tools import AUTO
 from kvrelay.pipeline.queue.output import ENDED, output_gone
 from kvrelay.pipeline.queue.records import read_record_fields
-from kvrelay.pipeline.server.choices_output import choices_job
+from kvrelay.pipeline.server.choices_output import ChoicesJob, choices_job
 from kvrelay.pipeline.server.output import OutputJob, output_expired
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def request_digest(req: GenerationRequest) -> str:
     sampling = req.sampling.to_dict()
     if sampling["prompt_logprobs"] is None:  # digests of requests without it stay as they were
         del sampling["prompt_logprobs"]
-    what = {
+    what: dict[str, Any] = {
         "api": req.api,
         "model": req.model,
         "sampling": sampling,  # before max_tokens is filled from the context
@@ -171,6 +171,7 @@ async def reattach(
         tool_calls=tool_stream(request_id, opts.get("tool_calls")),
     )
     deadline = float(rec[fields.DEADLINE]) if rec.get(fields.DEADLINE) else None
+    job: ChoicesJob | OutputJob
     if count:  # several choices: their token indices are their own, so from the start
         logger.info("request %s: client reattached (%d choices)", request_id, count)
         job = choices_job(

@@ -82,7 +82,7 @@ async def generate_choices(
     `echo_text(parsed, prompt ids, entry)`: a prompt's text as `echo` returns it;
     `tool_options`: how to find the calls in each choice (None: plain text)."""
     per_prompt = parsed.per_prompt
-    prompts: list[str | list[int] | None] = list(parsed.prompts or [None])
+    prompts: list[str | list[int] | None] = list(parsed.prompts) if parsed.prompts else [None]
     subs: list[Submission] = []
     echoes: list[str] = []
     prompt_tokens, entry = 0, None

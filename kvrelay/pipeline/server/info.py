@@ -114,7 +114,7 @@ def stage_readiness(workers: list[WorkerInfo], mode: RouteMode | str) -> dict[st
     Prefill runs on decode workers in colocated mode, and in auto mode when no prefill worker
     is available (the router then sends every prompt to decode; see route.py).
     """
-    serving = {PREFILL: 0, DECODE: 0}
+    serving: dict[str, int] = {PREFILL: 0, DECODE: 0}
     for w in workers:
         if w.role in serving and not _drained(w.fields):
             serving[w.role] += 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from pydantic import BaseModel
+
 from kvrelay.pipeline.openai.models import ChatCompletionRequest, CompletionRequest
 from kvrelay.pipeline.openai.responses_api import ResponsesRequest
 from kvrelay.pipeline.openai.tokenization import (
@@ -167,7 +169,7 @@ _SSE = {
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document (built once)."""
     schemas: dict[str, Any] = {"ErrorResponse": _ERROR_SCHEMA}
-    models = (ChatCompletionRequest, CompletionRequest)
+    models: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
     models += (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
     models += (ResponsesRequest,)
     for model in models:

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from redis.exceptions import RedisError
 from starlette.responses import Response
@@ -101,7 +101,12 @@ class Delivery:
 
     __slots__ = ()
     ingress: Ingress
-    request_id: str
+    if TYPE_CHECKING:
+        # a field of most jobs; the Responses API's job reads its builder's (a property)
+        @property
+        def request_id(self) -> str: ...
+    else:
+        request_id: str
     stream: bool
     timer: RequestTimer | None  # None on a reattach: the first reader measures
     attach_seq: int  # which attach of this request this reader is (disconnect grace)
@@ -142,7 +147,8 @@ class Delivery:
 
     def _lost(self, exc: RedisError) -> None:
         """Redis is gone: the ingress ends the reply itself (no cancel when the client goes)."""
-        self.server_ended = True
+        # a dataclass job's slot (Delivery's own slots are empty: it only declares them)
+        cast(Any, self).server_ended = True
         logger.error("request %s: lost the output stream: %s", self.request_id, exc)
 
     async def _disconnected(self) -> None:

@@ -78,9 +78,9 @@ class ResponseJob(Delivery):
             async for chunk in self._chunks():
                 self._count(chunk)
                 result.add(chunk)
-                event = builder.delta(chunk)
-                if event is not None and (last is None or chunk.index > last):
-                    yield event
+                delta = builder.delta(chunk)
+                if delta is not None and (last is None or chunk.index > last):
+                    yield delta
         except OutputTimeout:  # a failed response, closed as any other
             await self._deadline_passed(result)
         except READ_FAILURES as exc:

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from redis.typing import EncodableT, FieldT
+
 from kvrelay.core.keys import Keys
 from kvrelay.core.record import as_str
 from kvrelay.pipeline.openai.responses_api import output_messages
@@ -56,7 +58,7 @@ class ResponseStore:
     ) -> None:
         """Write (or overwrite) the stored answer and restart its expiry."""
         key = self.keys.response(response["id"])
-        mapping = {
+        mapping: dict[FieldT, EncodableT] = {
             RESPONSE: json.dumps(response, ensure_ascii=False),
             MESSAGES: json.dumps(messages, ensure_ascii=False),
             REQUEST_ID: request_id,

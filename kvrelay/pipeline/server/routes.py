@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from redis.exceptions import RedisError
 from starlette.requests import ClientDisconnect, Request
@@ -221,7 +221,7 @@ class GenerationApi:
             if count:  # several choices: combined from theirs
                 view = await choices_state(ing, request_id, rec)
             else:
-                progress = await ing.redis.hget(ing.keys.progress, request_id)
+                progress = cast("bytes | None", await ing.redis.hget(ing.keys.progress, request_id))
                 record = RequestRecord.decode(rec) or RequestRecord()
                 view = queue_choices.live(record, progress).public()
             body: dict[str, Any] = {"id": request_id, "object": "request", **view}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -124,7 +125,7 @@ class Streams:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: redis.Redis | redis.cluster.RedisCluster,
         keys: Keys,
         consumer: str,
         *,
@@ -258,7 +259,7 @@ class Streams:
         group: str,
         next_stream: str,
         writes: list[StepWrite],
-        check: list[str] = (),  # type: ignore[assignment]
+        check: Sequence[str] = (),
     ) -> StepResult:
         """One worker step in one script call (`lua/step.lua`): every write fenced by owner and
         index; the cancel flags of the written and `check` requests come back. A request id

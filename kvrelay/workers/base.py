@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import redis
 
@@ -71,8 +71,9 @@ class Worker:
         self.name = config.worker_name(self.role)
         self.consumer = f"{self.name}.{int(time.time() * 1000) % 10**9}"
         self.r = client or sync_redis(config.redis_url, health_check_interval=10)
+        # A RedisCluster serves the same commands; Streams is typed for a plain client.
         self.streams = Streams(
-            self.r, self.keys, self.consumer, out_ttl_s=config.out_ttl_s, req_ttl_s=config.req_ttl_s
+            cast(redis.Redis, self.r), self.keys, self.consumer, out_ttl_s=config.out_ttl_s, req_ttl_s=config.req_ttl_s
         )
         self.inflight = Inflight()
         self.admissions: queue.Queue[Admission] = queue.Queue()
@@ -102,7 +103,7 @@ class Worker:
             },
             config.generation_override,
         )
-        info = {
+        info: dict[str, str | int] = {
             WorkerField.MODEL: engine.model_name,
             WorkerField.FINGERPRINT: engine.fingerprint,
             WorkerField.METRICS_PORT: "",
@@ -262,7 +263,7 @@ class Worker:
         self.active[rid] = act
         self.metrics.admitted(task, len(adm.emitted))
 
-    def _abort(self, rid: str, reason: str | None) -> None:
+    def _abort(self, rid: str, reason: FinishReason | None) -> None:
         act = self.active.pop(rid, None)
         if act is None:
             return
@@ -275,7 +276,7 @@ class Worker:
         if reason is not None:  # cancel/timeout: tell the client; lost entries belong elsewhere
             self._finish(act, reason, out.num_cached_tokens if out else 0)
 
-    def _finish(self, act: Active, reason: str, cached: int) -> None:
+    def _finish(self, act: Active, reason: FinishReason, cached: int) -> None:
         # A deadline ending is the system's, not a finish: the record says failed with the
         # reason, as the SSE error event, the 504 body and the client's Completion.error do.
         timeout = reason == FinishReason.TIMEOUT

@@ -12,7 +12,7 @@ A DecodeTask with `prefilled=False` (ingress routed it straight here) is prefill
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from kvrelay.core.enums import Stage
 from kvrelay.core.messages import DecodeTask
@@ -29,7 +29,7 @@ class DecodeWorker(Worker):
         act = self.active.get(out.request_id)
         if act is None:
             return
-        task = act.task
+        task = cast(DecodeTask, act.task)  # a decode worker reads DecodeTasks (`message`)
         chunk = self._chunk(act, out)
         if out.finished:
             del self.active[out.request_id]

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis
 
@@ -120,11 +121,12 @@ class Emitter:
                 items = [i for i in items if i is not None]
                 if not items:
                     break
+            batch = cast("list[Outgoing]", items)  # the None (stop) is filtered out above
             try:
-                self._write(items)
+                self._write(batch)
             except Exception:  # the emitter must outlive any one bad write
-                logger.exception("emitter: dropping %d writes", len(items))
-                for item in items:
+                logger.exception("emitter: dropping %d writes", len(batch))
+                for item in batch:
                     self._forget(item)
                     self.lost.put(item.request_id)
 
@@ -292,7 +294,7 @@ class Heartbeat:
         inflight: Inflight,
         interval_s: float,
         ttl_s: int,
-        info: dict[str, str],
+        info: dict[str, str | int],
         publication: ModelPublication | None,
         stats=lambda: {},
     ):

@@ -69,7 +69,8 @@ class ModelPublication:
             key = keys.model_files(self.bundle.digest)
             if not r.expire(key, ttl_s):  # 0: no such key
                 pipe = r.pipeline(transaction=False)
-                pipe.hset(key, mapping=dict(self.bundle.files))
+                # (redis-py types `mapping` with an invariant key union: str keys are fine)
+                pipe.hset(key, mapping=dict(self.bundle.files))  # type: ignore[arg-type]
                 pipe.expire(key, ttl_s)
                 pipe.execute()
                 logger.info(

@@ -12,10 +12,14 @@ a replayed row is bitwise the row the eager path computes.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvrelay.kernels import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvrelay.workers.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +35,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_pool: torch.Tensor,
         page_size: int,
         max_batch: int,

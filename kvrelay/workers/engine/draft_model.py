@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvrelay.core.config import ConfigError
 from kvrelay.workers.engine.model_runner import ModelRunner
@@ -64,6 +64,12 @@ class _DraftView:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def _as_seq(view: _DraftView) -> Sequence:
+    """`view` where ScheduledSeq takes a Sequence: it has every field that
+    `ModelRunner.prepare` and `draft` read of one."""
+    return cast(Sequence, view)
 
 
 def matmul_params(config: ModelConfig) -> int:
@@ -132,7 +138,7 @@ class DraftModelDrafter:
                 reserve -= own
                 view.token_ids = list(seq.token_ids)  # the draft is appended to this copy
                 drafting.append((seq, view, k))
-            chunks.append((seq, ScheduledSeq(view, n)))
+            chunks.append((seq, ScheduledSeq(_as_seq(view), n)))
             budget -= n
         if not chunks:
             return [[] for _ in seqs]
@@ -142,7 +148,7 @@ class DraftModelDrafter:
             seq.spec.draft_computed = s.seq.num_computed_tokens
         # One-token forwards: draft token j + 1 follows draft token j.
         while active := [(seq, v) for seq, v, k in drafting if len(v.draft) < k]:
-            self._forward([ScheduledSeq(v, 1) for _, v in active], [v for _, v in active])
+            self._forward([ScheduledSeq(_as_seq(v), 1) for _, v in active], [v for _, v in active])
             for seq, view in active:
                 view.num_computed_tokens += 1
                 seq.spec.draft_computed = view.num_computed_tokens

@@ -65,7 +65,11 @@ class KVCacheManager:
         self.connector = connector
         self.save_to_store = save_to_store and connector is not None
         loads = load_connectors or ([connector] if connector is not None else [])
-        self.loader = KVLoader(list(loads), self._kv_pool) if loads else None
+        if loads:
+            assert self._kv_pool is not None, "a store connector needs the KV pool"
+            self.loader = KVLoader(list(loads), self._kv_pool)
+        else:
+            self.loader = None
 
     def _keys(self, seq: Sequence, num_full: int) -> list[bytes]:
         """Chained keys of the first `num_full` blocks of `seq` (computed once, appended)."""
@@ -145,6 +149,7 @@ class KVCacheManager:
             seq.fetch = self._submit(Fetch(f.keys[:n], self.pool.allocate(n), started=f.started))
 
     def _submit(self, f: Fetch) -> Fetch:
+        assert self.loader is not None  # only `ready` submits, once it saw a loader
         self._pending.add(f)
         return self.loader.submit(f)
 
@@ -233,6 +238,8 @@ class KVCacheManager:
         seq.num_registered_blocks = seq.num_saved_blocks = num_full
         if not self.save_to_store or not new_keys:
             return
+        # save_to_store needs a connector, and a connector the KV pool (set_connector)
+        assert self.connector is not None and self._kv_pool is not None
         try:
             self.connector.save(new_keys, new_blocks, self._kv_pool())
         except Exception:  # the store is a cache: a failed save loses nothing

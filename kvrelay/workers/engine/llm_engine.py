@@ -17,7 +17,7 @@ import logging
 import operator
 import time
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -159,6 +159,7 @@ class Engine:
         if mode is Speculation.DRAFT:
             from kvrelay.workers.engine.draft_model import DraftModelDrafter
 
+            assert config.draft_model  # resolve_speculation: draft needs a draft model
             drafter: Drafter = DraftModelDrafter(self, config.draft_model)
         else:
             drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -302,10 +303,11 @@ class Engine:
             return failed
         logits = self.runner.run(sched.scheduled)
         self.stats.num_steps += 1
-        for rows, prompt_logits in logits.prompt:
-            seq = rows.seq
-            targets = seq.token_ids[rows.first : rows.first + rows.num_rows]
+        for prompt_rows, prompt_logits in logits.prompt:
+            seq = prompt_rows.seq
+            targets = seq.token_ids[prompt_rows.first : prompt_rows.first + prompt_rows.num_rows]
             n = seq.sampling.prompt_logprobs or 0
+            assert seq.prompt_logprobs is not None  # it has prompt rows: wants_prompt_logprobs
             seq.prompt_logprobs.extend(prompt_logprobs(prompt_logits, targets, n))
         sampling = [s for s in sched.scheduled if s.samples]
         for s in sched.scheduled:
@@ -338,7 +340,9 @@ class Engine:
             seq.last_token_time = now
             if seq.finish_reason is not None or seq.handoff:
                 self._retire(seq, now)
-            out = self._output(seq, tokens, lps if lps[0] is not None else None, text)
+            # A request's rows all have logprobs or none do.
+            new_lps = cast("list[dict[int, float]]", lps) if lps[0] is not None else None
+            out = self._output(seq, tokens, new_lps, text)
             if seq.num_new_outputs == len(tokens):  # the first output carries the prompt's
                 out.prompt_logprobs = seq.prompt_logprobs
             outs.append(out)

@@ -5,6 +5,7 @@ of their prompt positions)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -13,6 +14,9 @@ from kvrelay.kernels import AttentionMetadata
 from kvrelay.workers.engine.cuda_graphs import DecodeGraphs
 from kvrelay.workers.engine.scheduler import ScheduledSeq
 from kvrelay.workers.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvrelay.workers.model.llama import LlamaForCausalLM
 
 
 @dataclass(slots=True)
@@ -38,7 +42,7 @@ class StepLogits:
 class ModelRunner:
     """Owns the model and the KV pool `[num_blocks, layers, 2, page_size, kv_heads, head_dim]`."""
 
-    def __init__(self, model: torch.nn.Module, kv_pool: torch.Tensor, page_size: int):
+    def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, page_size: int):
         self.model = model
         self.kv_pool = kv_pool
         self.page_size = page_size
@@ -85,7 +89,8 @@ class ModelRunner:
             query_start[i + 1] = query_start[i] + n
             if seq.wants_prompt_logprobs:
                 # token k is predicted at position k - 1; tokens already collected are skipped
-                first = max(start, len(seq.prompt_logprobs) - 1)
+                collected = cast("list[dict[str, Any]]", seq.prompt_logprobs)  # wanted: a list
+                first = max(start, len(collected) - 1)
                 last = min(end, seq.num_prompt_tokens - 1)
                 if last > first:
                     row = PromptRows(seq, first + 1, last - first, len(logits_indices))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,13 +82,13 @@ class Linear:
         self.packed: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, out_features: int, in_features: int, bias: bool, **kw) -> Linear:
+    def empty(cls, out_features: int, in_features: int, bias: bool, **kw: Any) -> Linear:
         b = torch.zeros(out_features, **kw) if bias else None
         return cls(torch.empty(out_features, in_features, **kw), b)
 
     @property
     def out_features(self) -> int:
-        return int((self.weight if self.packed is None else self.packed).shape[0])
+        return int(self._dense().shape[0] if self.packed is None else self.packed.shape[0])
 
     def pack(self) -> None:
         """Reorder the weight for oneDNN and drop the dense copy (no-op off CPU fp32)."""
@@ -95,23 +96,31 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
             self.weight = None
 
+    def _dense(self) -> torch.Tensor:
+        """The dense weight, which only `pack` (setting `packed`) drops."""
+        assert self.weight is not None
+        return self.weight
+
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] weight (unpacked on demand; for tests and inspection)."""
-        return self.weight if self.packed is None else self.packed.to_dense()
+        return self._dense() if self.packed is None else self.packed.to_dense()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.weight.is_cuda:  # cuBLAS rows change with the row count; this GEMM's do not
-            return linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        weight = self.weight
+        assert weight is not None  # unpacked
+        if weight.is_cuda:  # cuBLAS rows change with the row count; this GEMM's do not
+            return linear(x, weight, self.bias)
+        return F.linear(x, weight, self.bias)
 
 
 class DecoderLayer:
     """One pre-norm attention + SwiGLU MLP block with fused QKV and gate/up weights."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
-        c, kw = config, {"dtype": dtype, "device": device}
+        c = config
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.input_norm = torch.ones(c.hidden_size, **kw)
         self.post_norm = torch.ones(c.hidden_size, **kw)
         self.qkv = Linear.empty(c.q_size + 2 * c.kv_size, c.hidden_size, c.qkv_bias, **kw)
@@ -131,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        kw = {"dtype": dtype, "device": self.device}
+        kw: dict[str, Any] = {"dtype": dtype, "device": self.device}
         self.embed = torch.empty(config.vocab_size, config.hidden_size, **kw)
         self.layers = [DecoderLayer(config, dtype, self.device) for _ in range(config.num_layers)]
         self.norm = torch.ones(config.hidden_size, **kw)
@@ -175,13 +184,14 @@ class LlamaForCausalLM(nn.Module):
         # without). fp16 and int8-weight-only keep fp32 activations: only weights are rounded.
         all_four = method in (Quantization.FP16, WEIGHT_ONLY)
         names = ("qkv", "o", "gate_up", "down") if all_four else ("qkv", "o", "gate_up")
-        slots = [(layer, name) for layer in self.layers for name in names]
+        slots: list[tuple[object, str]] = [(layer, name) for layer in self.layers for name in names]
         if lm_head:
             slots.append((self, "lm_head"))
 
-        def convert(slot: tuple) -> None:
-            lin = getattr(*slot)
-            setattr(*slot, quantized_linear(method, lin.dense_weight(), lin.bias))
+        def convert(slot: tuple[object, str]) -> None:
+            owner, name = slot
+            lin = getattr(owner, name)
+            setattr(owner, name, quantized_linear(method, lin.dense_weight(), lin.bias))
 
         with ThreadPoolExecutor(2) as pool:  # the torch ops release the GIL: ~2x on 2 cores
             list(pool.map(convert, slots))

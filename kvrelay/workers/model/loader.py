@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvrelay.core.enums import Quantization
 from kvrelay.core.modelref import (
@@ -41,6 +42,12 @@ from kvrelay.core.modelref import (
 )
 from kvrelay.core.tokenizer import Tokenizer
 from kvrelay.workers.errors import EngineError, ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvrelay.workers.model.config import ModelConfig
+    from kvrelay.workers.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -185,10 +192,11 @@ def _convert_with_transformers(ref: ModelRef, out: Path, progress: bool) -> None
     _say(progress, "loading and dequantizing weights")
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kwargs)
     # save_pretrained refuses a GGUF-quantized model; the weights are already dense fp32.
-    model.hf_quantizer = None
+    # (type: ignore: torch's stubs type a Module's unknown attributes Tensor | Module)
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.is_quantized = False
+    model.is_quantized = False  # type: ignore[assignment]  # torch stubs, as above
     _say(progress, "writing safetensors")
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -200,25 +208,27 @@ class LoadedModel:
 
     name: str
     dir: Path
-    model: object  # kvrelay.workers.model.llama.LlamaForCausalLM
-    config: object  # kvrelay.workers.model.llama.ModelConfig
-    tokenizer: object  # kvrelay.core.tokenizer.Tokenizer
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
     fingerprint: str
-    dtype: object  # torch.dtype
-    device: object  # torch.device
+    dtype: torch.dtype
+    device: torch.device
     quantization: str = Quantization.NONE
 
 
-def resolve_device_dtype(dtype: str = "auto", device: str = "auto"):
+def resolve_device_dtype(
+    dtype: str = "auto", device: str = "auto"
+) -> tuple[torch.dtype, torch.device]:
     """(torch.dtype, torch.device) for flags: auto = bf16 on CUDA, fp32 on CPU."""
     import torch
 
     if str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    torch_device = torch.device(device)
     if str(dtype) == "auto":
-        return (torch.bfloat16 if device.type == "cuda" else torch.float32), device
-    return getattr(torch, normalize_dtype(str(dtype))), device
+        return (torch.bfloat16 if torch_device.type == "cuda" else torch.float32), torch_device
+    return getattr(torch, normalize_dtype(str(dtype))), torch_device
 
 
 def resolve_kv_dtype_name(

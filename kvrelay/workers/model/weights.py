@@ -11,6 +11,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -87,11 +88,11 @@ def load_weights(model: LlamaForCausalLM, directory: Path, pack: bool | None = N
             groups.setdefault(int(match.group(1)) if match else -1, []).append(
                 (path, base, name, info)
             )
-    handles: dict[Path, object] = {}
+    handles: dict[Path, BinaryIO] = {}
     try:
         top = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
         if not model.config.tie_word_embeddings:
-            top["lm_head.weight"] = model.lm_head.weight
+            top["lm_head.weight"] = model.lm_head.dense_weight()  # not packed yet: the tensor
         _fill(groups.pop(-1, []), top, handles)
         for i, layer in enumerate(model.layers):
             _fill(groups.pop(i, []), _layer_destinations(layer, i, model), handles)

@@ -299,6 +299,7 @@ def _record(line: str, where: str) -> Session:
             f"{where}: needs either 'prompt' (a string) or 'messages' "
             "(a non-empty list of {role, content} strings)"
         )
+    assert isinstance(messages, list)  # ok
     return Session(messages=[dict(m) for m in messages], max_tokens=max_tokens)
 
 

@@ -11,8 +11,9 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -122,7 +123,9 @@ async def run_load(
         t0 = time.monotonic()
         deadline = t0 + load.duration_s if load.duration_s else math.inf
 
-        def start(index: int, session: Session, scheduled: float | None) -> Awaitable[None]:
+        def start(
+            index: int, session: Session, scheduled: float | None
+        ) -> Coroutine[Any, Any, None]:
             base = RequestRecord(target.label, load.point, round_, index, 0, scheduled_s=scheduled)
             out: list[RequestRecord] = []
             per_session.append(out)
@@ -136,7 +139,7 @@ async def run_load(
 
             await asyncio.gather(*(user() for _ in range(load.concurrency)))
         else:
-            tasks = []
+            tasks: list[asyncio.Task[None]] = []
             for at in poisson_arrivals(float(load.rate or 0), load.seed):
                 if at >= (load.duration_s or math.inf) or time.monotonic() >= deadline:
                     break

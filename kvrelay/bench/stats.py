@@ -122,6 +122,7 @@ def summarize(
     cached = sum(r.cached_tokens or 0 for r in reported) if reported else None
     cached_ratio = None
     if reported:
+        assert cached is not None  # summed over `reported`
         cached_ratio = round(cached / sum(r.prompt_tokens or 0 for r in reported), 4)
     num_good = sum(slo.met(r) for r in records) if slo.active else None
     errors: list[str] = []

@@ -72,7 +72,9 @@ def connect(args: argparse.Namespace):
 
 def topology_of(workers: list[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
     """Live worker counts by role, and what `kvrelay up` chose (when its stack.json is known)."""
-    live = {role: sum(w.get(WorkerField.ROLE) == role for w in workers) for role in Stage}
+    live: dict[str, int] = {
+        role: sum(w.get(WorkerField.ROLE) == role for w in workers) for role in Stage
+    }
     layout = "disaggregated" if live[Stage.PREFILL] else "colocated"
     summary = f"{live['prefill']} prefill + {live['decode']} decode live ({layout}"
     summary += ")" if live[Stage.PREFILL] else ": decode workers prefill locally)"

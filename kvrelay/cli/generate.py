@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # (field, help): the engine's flags, generated from EngineConfig; its variables are the
 # worker's (KVRELAY_WORKER_*, see kvrelay.workers.config).
-_ENGINE_HELP = [
+_ENGINE_HELP: list[tuple[str, ...]] = [
     ("max_num_seqs", "most sequences per step"),
     ("max_num_batched_tokens", "most tokens per step"),
     ("num_threads", "torch compute threads (none: torch's default)"),
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     lines = {r["id"]: r["line"] for r in requests}
     done: dict[str, str] = {}  # finished, not printed yet: results come out in input order
     order = iter(requests)
-    waiting = next(order)
+    waiting: dict[str, Any] | None = next(order)
     while engine.has_unfinished_requests():
         for out in engine.step():
             first.setdefault(out.request_id, time.perf_counter())

@@ -12,7 +12,8 @@ import importlib
 import logging
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from kvrelay.cli.errors import (  # noqa: F401  (re-exported: commands import them from here)
     EXIT_FAILURE,
@@ -109,7 +110,13 @@ class VersionAction(argparse.Action):
     def __init__(self, option_strings: list[str], dest: str, help: str | None = None):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
-    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> NoReturn:
         print(f"kvrelay {version()}")
         parser.exit()
 

@@ -82,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="accepted API key (repeatable); prefer KVRELAY_API_KEYS, which "
         "does not show in the process list",
     )
-    parser.add_argument("--config", default=None, metavar="FILE", **config_file_help("ingress"))
+    parser.add_argument(
+        "--config", default=None, metavar="FILE", help=config_file_help("ingress")["help"]
+    )
 
 
 def config_from_args(args: argparse.Namespace):

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 # (field, help): flag names, types and defaults come from StoreConfig; every flag is also
 # KVRELAY_STORE_<FIELD> (and --redis-url/--key-prefix the shared KVRELAY_REDIS_URL/KEY_PREFIX).
-_HELP = [
+_HELP: list[tuple[str, ...]] = [
     ("node_id", "this node's id (unique per host)"),
     ("run_dir", "directory of the local socket (kvstore.sock)"),
     ("redis_url", "Redis/Valkey URL for the page directory (none: no remote fetches)"),
@@ -52,7 +52,7 @@ def _flags() -> list[tuple[str, str, Any, str]]:
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
     for flag, dest, kind, help_text in _flags():
         p.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
-    p.add_argument("--config", default=None, metavar="FILE", **config_file_help("store"))
+    p.add_argument("--config", default=None, metavar="FILE", help=config_file_help("store")["help"])
 
 
 def build_config(args: argparse.Namespace):
@@ -63,7 +63,7 @@ def build_config(args: argparse.Namespace):
     from kvrelay.core.config import from_env, read_config_file
     from kvrelay.kvstore.config import StoreConfig
 
-    overrides = {dest: getattr(args, dest, None) for _f, dest, _k, _h in _flags()}
+    overrides: dict[str, Any] = {dest: getattr(args, dest, None) for _f, dest, _k, _h in _flags()}
     file_values = read_config_file(getattr(args, "config", None), "store")
     cfg = from_env(StoreConfig, "store", file_values=file_values, **overrides)
     if cfg.model is not None:
@@ -216,9 +216,11 @@ def run_kv(args: argparse.Namespace) -> int:
         elif args.action == "evict":
             out = {"evicted": client.evict(args.tier), "tier": args.tier}
         else:
-            out = _get(client, key, args.key)
-            if out is None:
+            assert key is not None  # _page_key: `get` has one
+            page = _get(client, key, args.key)
+            if page is None:
                 raise CommandError(f"no page {args.key} in the store at {run_dir}", EXIT_NOT_FOUND)
+            out = page
     except StoreError as exc:
         raise CommandError(f"store node at {run_dir}: {exc}", EXIT_FAILURE) from None
     finally:

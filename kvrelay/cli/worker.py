@@ -52,7 +52,7 @@ def flag_options(dest: str) -> dict[str, Any]:
 
 
 # (field, help): flag names, types and defaults come from WorkerConfig (KVRELAY_WORKER_*).
-_HELP = [
+_HELP: list[tuple[str, ...]] = [
     ("name", "worker id (none: role-host-pid)"),
     ("model", "model name or path"),
     ("redis_url", "Redis URL (or the shared KVRELAY_REDIS_URL)"),
@@ -96,7 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             flag, dest=dest, type=kind, default=None, help=help_text, **flag_options(dest)
         )
-    p.add_argument("--config", default=None, metavar="FILE", **config_file_help("worker"))
+    p.add_argument(
+        "--config", default=None, metavar="FILE", help=config_file_help("worker")["help"]
+    )
 
 
 def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:

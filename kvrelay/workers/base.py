@@ -73,7 +73,11 @@ class Worker:
         self.r = client or sync_redis(config.redis_url, health_check_interval=10)
         # A RedisCluster serves the same commands; Streams is typed for a plain client.
         self.streams = Streams(
-            cast(redis.Redis, self.r), self.keys, self.consumer, out_ttl_s=config.out_ttl_s, req_ttl_s=config.req_ttl_s
+            cast(redis.Redis, self.r),
+            self.keys,
+            self.consumer,
+            out_ttl_s=config.out_ttl_s,
+            req_ttl_s=config.req_ttl_s,
         )
         self.inflight = Inflight()
         self.admissions: queue.Queue[Admission] = queue.Queue()

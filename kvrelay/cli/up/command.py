@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvrelay.cli.errors import EXIT_FAILURE, EXIT_UNAVAILABLE, CommandError
 from kvrelay.cli.serve import SERVE_FLAGS
@@ -323,7 +324,8 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     """The supervised programs and the stack state for these `up` arguments."""
     py = [sys.executable, "-m", "kvrelay.cli.main"]
     programs: list[Program] = []
-    redis_url, valkey_state = args.redis_url, {}
+    redis_url = args.redis_url
+    valkey_state: dict[str, Any] = {}
     if redis_url is None:
         programs, redis_url, valkey_state = embedded_valkey(args, run_dir)
     store_dir = run_dir / "store"
@@ -482,6 +484,7 @@ def run_up(args: argparse.Namespace) -> int:
         return 0
     try:
         proc = sup.proc
+        assert proc is not None  # started in the foreground: a child
         try:
             reason = wait_ready(
                 state, args.timeout, sup, alive=lambda: proc.poll() is None, progress=progress

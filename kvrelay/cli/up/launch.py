@@ -17,6 +17,7 @@ import time
 import xmlrpc.client
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +198,8 @@ class Supervisor:
         """Program name -> (state, pid) as supervisord reports it ({} while it is not up)."""
         try:
             with self.rpc() as proxy:
-                infos = proxy.supervisor.getAllProcessInfo()
+                # supervisord's API: a struct (name, statename, pid, ...) per program
+                infos = cast("list[dict[str, Any]]", proxy.supervisor.getAllProcessInfo())
         except (OSError, xmlrpc.client.Error):
             return {}
         return {i["name"]: (i["statename"], i["pid"] or None) for i in infos}
@@ -214,7 +216,7 @@ class Supervisor:
         while time.monotonic() < deadline:
             status = self.status()
             if all(status.get(n, ("", None))[0] == "RUNNING" for n in names):
-                return {n: status[n][1] for n in names}
+                return {n: cast(int, status[n][1]) for n in names}  # RUNNING: it has a pid
             time.sleep(0.1)
         raise TimeoutError(f"programs not running after {timeout}s: {status}")
 

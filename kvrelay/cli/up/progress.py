@@ -13,10 +13,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvrelay.cli.up.launch import listens
 from kvrelay.cli.up.valkey import cluster_mode, valkey_ports
 from kvrelay.core.enums import WorkerField
+
+if TYPE_CHECKING:
+    import redis
+    import redis.cluster
 
 REMIND_S = 30.0  # an unchanged line is repeated this often, so a long wait still shows life
 # (text in a worker's log line, the phase it starts); the latest matching line wins
@@ -56,7 +61,7 @@ class UpProgress:
     last: str = ""
     last_at: float = float("-inf")
     workers: dict[str, _WorkerLog] = field(default_factory=dict)
-    _redis: object | None = None
+    _redis: redis.Redis | redis.cluster.RedisCluster | None = None
 
     def __post_init__(self) -> None:
         for name in self.state["programs"]:

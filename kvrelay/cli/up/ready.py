@@ -122,7 +122,7 @@ def _poll(state: dict, deadline: float, sup: Supervisor, alive, progress) -> str
     pids: dict[str, set[int]] = {}
     backoffs: dict[str, int] = {}
     previous: dict[str, tuple[str, int | None]] = {}
-    reason = "not started"
+    reason: str | None = "not started"
     while time.monotonic() < deadline and alive():
         status = sup.status()
         for name, (program_state, pid) in status.items():

@@ -190,8 +190,8 @@ def _not_ok(node: ClusterNode, client: redis.Redis, count: int) -> str | None:
 def wait_ok(nodes: list[ClusterNode], clients: list[redis.Redis], deadline: float) -> None:
     """Until every node says cluster_state:ok and knows them all; ClusterError at `deadline`."""
     while True:
-        reasons = [_not_ok(n, c, len(nodes)) for n, c in zip(nodes, clients, strict=True)]
-        reasons = [r for r in reasons if r is not None]
+        found = [_not_ok(n, c, len(nodes)) for n, c in zip(nodes, clients, strict=True)]
+        reasons = [r for r in found if r is not None]
         if not reasons:
             return
         if time.monotonic() >= deadline:

@@ -8,6 +8,8 @@ PY=${PYTHON:-python3}
 # One-way layers (core <- components <- {workers, bench} <- cli): import-linter's contracts in
 # pyproject.toml, run through the interpreter (its console script may not be on PATH).
 "$PY" -c "import sys; from importlinter.cli import lint_imports_command as m; sys.exit(m())"
+# Types: the whole package checks clean (pyproject.toml [tool.mypy]).
+"$PY" -m mypy kvrelay
 # No import cycles between modules (TYPE_CHECKING-only imports aside): grimp + Tarjan's SCC.
 "$PY" scripts/check_cycles.py
 # Convert the bundled GGUF model once (cached under $KVRELAY_CACHE_DIR) before the timed tests.

@@ -63,7 +63,9 @@ class ModelPublication:
         entry["generation_defaults"] = override.over(model_defaults).to_dict()
         return cls(name, entry, bundle)
 
-    def publish(self, r: redis.Redis, keys: Keys, ttl_s: int = FILES_TTL_S) -> None:
+    def publish(
+        self, r: redis.Redis | redis.RedisCluster, keys: Keys, ttl_s: int = FILES_TTL_S
+    ) -> None:
         """Make sure the files are there (refreshing their expiry), then write the entry."""
         if self.bundle is not None:
             key = keys.model_files(self.bundle.digest)

@@ -8,7 +8,8 @@ neither torch nor the workers, so it starts fast.
 Every endpoint is a method of `GenerationApi` (routes.py: completions and the request
 endpoints), `ResponsesApi` (responses_routes.py: the Responses API), `TokenizationApi`
 (tokenization.py: /tokenize, /detokenize) or `InfoApi` (info.py: models, health, metrics,
-OpenAPI), each holding the Ingress.
+OpenAPI), each holding the Ingress, typed by the narrow Protocols of context.py that it
+satisfies, so that none of them imports this module.
 """
 
 from __future__ import annotations

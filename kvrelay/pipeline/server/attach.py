@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -25,10 +25,8 @@ from kvrelay.pipeline.openai.tools import AUTO
 from kvrelay.pipeline.queue.output import ENDED, output_gone
 from kvrelay.pipeline.queue.records import read_record_fields
 from kvrelay.pipeline.server.choices_output import ChoicesJob, choices_job
+from kvrelay.pipeline.server.context import RecordHost, RequestHost
 from kvrelay.pipeline.server.output import OutputJob, output_expired
-
-if TYPE_CHECKING:
-    from kvrelay.pipeline.server.app import Ingress
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +97,12 @@ def last_event_id(request: Request) -> int | None:
     return int(raw)
 
 
-async def raw_record(ing: Ingress, request_id: str) -> dict[str, str] | None:
+async def raw_record(ing: RecordHost, request_id: str) -> dict[str, str] | None:
     """The req:{id} record as stored (str -> str), or None."""
     return await read_record_fields(ing.redis, ing.keys, request_id)
 
 
-async def owned_record(ing: Ingress, request_id: str, key_id: str) -> dict[str, str]:
+async def owned_record(ing: RecordHost, request_id: str, key_id: str) -> dict[str, str]:
     """The req:{id} record; another API key's request reads as missing."""
     rec = await raw_record(ing, request_id)
     owner = rec.get(fields.KEY_ID, "") if rec else ""
@@ -130,7 +128,7 @@ def _options(rec: dict[str, str]) -> dict[str, Any]:
 
 async def reattach(
     request: Request,
-    ing: Ingress,
+    ing: RequestHost,
     request_id: str,
     rec: dict[str, str],
     stream: bool,

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -33,9 +33,7 @@ from kvrelay.pipeline.queue.choices_state import combined_status, public_view, r
 from kvrelay.pipeline.queue.submit import Submission, choice_id
 from kvrelay.pipeline.server.attach import check_same, owned_record, reattach
 from kvrelay.pipeline.server.choices_output import choices_job
-
-if TYPE_CHECKING:
-    from kvrelay.pipeline.server.app import Ingress
+from kvrelay.pipeline.server.context import RecordHost, RequestHost
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +64,7 @@ def check_choices(parsed: GenerationRequest, request_id: str, max_choices: int) 
 
 
 async def generate_choices(
-    ing: Ingress,
+    ing: RequestHost,
     request: Request,
     parsed: GenerationRequest,
     request_id: str,
@@ -167,7 +165,7 @@ async def generate_choices(
     return job.response()
 
 
-async def choices_state(ing: Ingress, request_id: str, rec: dict[str, str]) -> dict[str, Any]:
+async def choices_state(ing: RecordHost, request_id: str, rec: dict[str, str]) -> dict[str, Any]:
     """GET /v1/requests/{id} of a request of several choices: the parent record combined from
     its choices, and each choice's own view (queue.choices_state)."""
     parent = RequestRecord.decode(rec) or RequestRecord()
@@ -175,7 +173,7 @@ async def choices_state(ing: Ingress, request_id: str, rec: dict[str, str]) -> d
     return public_view(request_id, parent, records)
 
 
-async def choices_status(ing: Ingress, request_id: str, rec: dict[str, str]) -> str:
+async def choices_status(ing: RecordHost, request_id: str, rec: dict[str, str]) -> str:
     """The combined status of a request of several choices (what DELETE answers)."""
     records = await read_choices(ing.redis, ing.keys, request_id, num_choices(rec))
     return combined_status(records)

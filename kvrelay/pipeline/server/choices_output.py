@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import RedisError
 from starlette.types import Send
@@ -34,11 +34,9 @@ from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.output import Completion, OutputTimeout
 from kvrelay.pipeline.queue.submit import choice_id
 from kvrelay.pipeline.queue.subscription import Subscription
+from kvrelay.pipeline.server.context import OutputHost
 from kvrelay.pipeline.server.http import send_json
 from kvrelay.pipeline.server.output import READ_FAILURES, Delivery, finish_failure, read_failure
-
-if TYPE_CHECKING:
-    from kvrelay.pipeline.server.app import Ingress
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +78,7 @@ def _strip_id(event: bytes) -> bytes:
 class ChoicesJob(Delivery):
     """Delivers every choice of `request_id` to one HTTP client, from the start."""
 
-    ingress: Ingress
+    ingress: OutputHost
     request_id: str
     choices: list[Choice]  # prompt-major: choice i answers prompt i // per_prompt
     n: int  # choices returned per prompt (fewer than generated with best_of)
@@ -242,7 +240,7 @@ def _cumulative_logprob(result: Completion) -> float:
 
 
 def choices_job(
-    ing: Ingress,
+    ing: OutputHost,
     request_id: str,
     options: dict[str, Any],
     model: str,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import RedisError
 from starlette.requests import Request
@@ -14,18 +14,16 @@ from kvrelay.pipeline.errors import RequestError, model_not_found
 from kvrelay.pipeline.metrics import CONTENT_TYPE
 from kvrelay.pipeline.queue.cluster import WorkerInfo
 from kvrelay.pipeline.queue.route import DECODE, PREFILL, RouteMode
+from kvrelay.pipeline.server.context import InfoHost
 from kvrelay.pipeline.server.http import check_api_key, error_response
 from kvrelay.pipeline.server.openapi import openapi_document
-
-if TYPE_CHECKING:
-    from kvrelay.pipeline.server.app import Ingress
 
 
 @dataclass(slots=True)
 class InfoApi:
     """Endpoints about the service: models, health, metrics and /openapi.json."""
 
-    ingress: Ingress
+    ingress: InfoHost
 
     async def list_models(self, request: Request) -> Response:
         """GET /v1/models: configured names plus any model a worker publishes."""

@@ -32,10 +32,8 @@ from kvrelay.pipeline.queue.output import (
     RequestNotFound,
 )
 from kvrelay.pipeline.queue.subscription import Subscription
+from kvrelay.pipeline.server.context import OutputHost
 from kvrelay.pipeline.server.http import REQUEST_ID_HEADER, WatchedResponse, send_json, sse_start
-
-if TYPE_CHECKING:
-    from kvrelay.pipeline.server.app import Ingress
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +98,7 @@ class Delivery:
     does to its request."""
 
     __slots__ = ()
-    ingress: Ingress
+    ingress: OutputHost
     if TYPE_CHECKING:
         # a field of most jobs; the Responses API's job reads its builder's (a property)
         @property
@@ -170,7 +168,7 @@ class Delivery:
 class OutputJob(Delivery):
     """Delivers `out:{request_id}` from token `start_index` on to one HTTP client."""
 
-    ingress: Ingress
+    ingress: OutputHost
     request_id: str
     fmt: ResponseFormatter
     stream: bool

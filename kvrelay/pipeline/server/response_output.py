@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import RedisError
 from starlette.types import Send
@@ -31,12 +31,10 @@ from kvrelay.pipeline.queue.output import (
     OutputTimeout,
 )
 from kvrelay.pipeline.queue.subscription import Subscription
+from kvrelay.pipeline.server.context import OutputHost
 from kvrelay.pipeline.server.http import send_json
 from kvrelay.pipeline.server.output import READ_FAILURES, Delivery, finish_failure, read_failure
 from kvrelay.pipeline.server.response_store import ResponseStore
-
-if TYPE_CHECKING:
-    from kvrelay.pipeline.server.app import Ingress
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +43,7 @@ logger = logging.getLogger(__name__)
 class ResponseJob(Delivery):
     """Delivers one response from `out:{request_id}` to one HTTP client."""
 
-    ingress: Ingress
+    ingress: OutputHost
     builder: ResponseBuilder
     stream: bool
     store: ResponseStore | None  # None: `store: false`, nothing is kept

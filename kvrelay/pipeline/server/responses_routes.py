@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import RedisError
 from starlette.requests import ClientDisconnect, Request
@@ -51,6 +51,7 @@ from kvrelay.pipeline.server.attach import (
     raw_record,
     request_digest,
 )
+from kvrelay.pipeline.server.context import RequestHost
 from kvrelay.pipeline.server.http import (
     REQUEST_ID_HEADER,
     THREAD_PARSE_BYTES,
@@ -62,9 +63,6 @@ from kvrelay.pipeline.server.middleware import omit_request_id
 from kvrelay.pipeline.server.output import abandon, output_expired
 from kvrelay.pipeline.server.response_output import ResponseJob
 from kvrelay.pipeline.server.response_store import ResponseStore
-
-if TYPE_CHECKING:
-    from kvrelay.pipeline.server.app import Ingress
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +85,7 @@ class _Prepared:
 class ResponsesApi:
     """Endpoints of the Responses API."""
 
-    ingress: Ingress
+    ingress: RequestHost
     store: ResponseStore = field(init=False)
 
     def __post_init__(self) -> None:

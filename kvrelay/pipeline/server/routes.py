@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from redis.exceptions import RedisError
 from starlette.requests import ClientDisconnect, Request
@@ -56,6 +56,7 @@ from kvrelay.pipeline.server.choices import (
     generate_choices,
     num_choices,
 )
+from kvrelay.pipeline.server.context import RequestHost
 from kvrelay.pipeline.server.http import (
     REQUEST_ID_HEADER,
     THREAD_PARSE_BYTES,
@@ -66,9 +67,6 @@ from kvrelay.pipeline.server.http import (
 from kvrelay.pipeline.server.middleware import omit_request_id
 from kvrelay.pipeline.server.output import OutputJob, abandon
 
-if TYPE_CHECKING:
-    from kvrelay.pipeline.server.app import Ingress
-
 logger = logging.getLogger(__name__)
 
 
@@ -76,7 +74,7 @@ logger = logging.getLogger(__name__)
 class GenerationApi:
     """Endpoints of generation: completions, and a request's state, cancel and resumed stream."""
 
-    ingress: Ingress
+    ingress: RequestHost
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import RedisError
 from starlette.requests import Request
@@ -25,10 +25,8 @@ from kvrelay.pipeline.openai.tokenization import (
     parse_detokenize,
     parse_tokenize,
 )
+from kvrelay.pipeline.server.context import ModelHost
 from kvrelay.pipeline.server.http import check_api_key, error_response, read_json
-
-if TYPE_CHECKING:
-    from kvrelay.pipeline.server.app import Ingress
 
 _INLINE_CHARS = 16384  # longer texts are encoded on a worker thread
 
@@ -37,7 +35,7 @@ _INLINE_CHARS = 16384  # longer texts are encoded on a worker thread
 class TokenizationApi:
     """POST /tokenize and POST /detokenize."""
 
-    ingress: Ingress
+    ingress: ModelHost
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: {count, max_model_len, tokens, token_strs}."""

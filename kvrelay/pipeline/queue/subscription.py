@@ -10,12 +10,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvrelay.core import record as rec
+from kvrelay.core.keys import Keys
 from kvrelay.core.messages import MessageError, TokenChunk, decode_chunks, frame
 from kvrelay.core.record import as_str
 from kvrelay.pipeline.queue.field_ttl import field_ttl
@@ -31,11 +33,29 @@ from kvrelay.pipeline.queue.output import (
     trim_chunk,
 )
 from kvrelay.pipeline.queue.progress import MAX_FEEDS, Progress
-
-if TYPE_CHECKING:
-    from kvrelay.pipeline.queue.feed import OutputFeed
+from kvrelay.pipeline.queue.redis_options import AsyncRedis
 
 logger = logging.getLogger(__name__)
+
+
+class Feed(Protocol):
+    """What a subscription uses of its `OutputFeed` (feed.py, which imports this module)."""
+
+    @property
+    def redis(self) -> AsyncRedis: ...
+    @property
+    def keys(self) -> Keys: ...
+    @property
+    def reader_id(self) -> str: ...
+    @property
+    def redis_retry_s(self) -> float: ...
+    @property
+    def quiet_s(self) -> float: ...
+    @property
+    def _attach_script(self) -> AsyncScript: ...
+
+    def _unsubscribe(self, sub: Subscription) -> None: ...
+
 
 T = TypeVar("T")
 
@@ -47,7 +67,7 @@ _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 class Subscription:
     """One reader of one request in this process: the chunks the feed hands it, queued."""
 
-    def __init__(self, feed: OutputFeed, request_id: str):
+    def __init__(self, feed: Feed, request_id: str):
         self.feed, self.request_id = feed, request_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.following = False  # whether the request's progress names the feed, last we saw

@@ -225,8 +225,6 @@ def run_kv(args: argparse.Namespace) -> int:
         raise CommandError(f"store node at {run_dir}: {exc}", EXIT_FAILURE) from None
     finally:
         client.close()
-    out.pop("ok", None)
-    out.pop("id", None)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -237,14 +235,15 @@ def run_kv(args: argparse.Namespace) -> int:
 def _get(client, key: bytes, key_hex: str) -> dict | None:
     """The header of one page in the arena (verified), None when the store has no such page."""
     from kvrelay.kvstore.errors import StoreError
+    from kvrelay.kvstore.messages import Get, Release, Reply, SlotsReply
     from kvrelay.kvstore.page import unpack_header, verify_page
 
-    reply = client.call("get", keys=[key], remote=False)
-    if not reply["slots"]:
+    reply = client.request(Get(keys=[key], remote=False), SlotsReply)
+    if not reply.slots:
         return None
     out: dict = {"key": key_hex, "found": True}
     try:
-        page = client._map(reply).slot(reply["slots"][0])
+        page = client.map_arena(reply.gen).slot(reply.slots[0])
         h = unpack_header(page)
         out.update(
             fingerprint=h.fingerprint,
@@ -261,7 +260,7 @@ def _get(client, key: bytes, key_hex: str) -> dict | None:
             out["verified"] = False
             out["error"] = str(exc)
     finally:
-        client.call("release", slots=reply["slots"])
+        client.request(Release(slots=reply.slots), Reply)
     return out
 
 

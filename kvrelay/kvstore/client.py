@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import msgpack
+import msgspec
 
 from kvrelay.kvstore.arena import HostArena
 from kvrelay.kvstore.config import socket_url
@@ -25,6 +25,30 @@ from kvrelay.kvstore.errors import (
     StoreError,
     StoreUnavailableError,
     TransferError,
+)
+from kvrelay.kvstore.messages import (
+    Abort,
+    Commit,
+    CommitReply,
+    Contains,
+    CountReply,
+    Evict,
+    Get,
+    Hello,
+    HelloReply,
+    Ls,
+    LsReply,
+    Paged,
+    Put,
+    R,
+    Release,
+    Reply,
+    Request,
+    SlotsReply,
+    Stats,
+    StatsReply,
+    decode_reply,
+    encode,
 )
 from kvrelay.kvstore.page import (
     HEADER_BYTES,
@@ -74,18 +98,23 @@ class StoreClient:
             self._sock.connect(self.url)
         return self._sock
 
-    def call(self, op: str, **fields) -> dict:
-        """One request/reply; raises the node's error as a StoreError subclass."""
+    def _stamp(self, msg: Request) -> bytes:
+        """The request with its id and (pages of our model) fingerprint and page size."""
+        msg.id = next(self._ids)
+        if self.spec is not None and isinstance(msg, Paged):
+            if msg.fp is None:
+                msg.fp = self.spec.fingerprint
+            if msg.page_bytes is None:
+                msg.page_bytes = self.spec.page_bytes
+        return encode(msg)
 
+    def request(self, msg: Request, reply: type[R]) -> R:
+        """One request/reply; raises the node's error as a StoreError subclass."""
+        op = msg.__struct_config__.tag
         with self._lock:
             sock = self._socket()
-            req_id = next(self._ids)
-            if self.spec is not None:
-                fields.setdefault("fp", self.spec.fingerprint)
-                fields.setdefault("page_bytes", self.spec.page_bytes)
-            sock.send_multipart(
-                [b"", msgpack.packb({"id": req_id, "op": op, **fields}, use_bin_type=True)]
-            )
+            body = self._stamp(msg)
+            sock.send_multipart([b"", body])
             while True:
                 if not sock.poll(self.timeout_ms):
                     self._sock = None  # drop it so a late reply cannot answer the next request
@@ -94,41 +123,50 @@ class StoreClient:
                         f"store node at {self.url} did not answer {op!r} within "
                         f"{self.timeout_ms / 1000:.1f}s (is `kvrelay store` running?)"
                     )
-                reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
-                if reply.get("id") == req_id:
+                got = decode_reply(sock.recv_multipart()[-1], reply)
+                if got.id == msg.id:
                     break
-        if not reply.get("ok"):
-            raise _KINDS.get(reply.get("kind"), StoreError)(reply.get("error", "unknown error"))
-        return reply
+        if not got.ok:
+            raise _KINDS.get(got.kind, StoreError)(got.error or "unknown error")
+        return got
 
-    def send(self, op: str, **fields) -> None:
+    def send(self, msg: Request) -> None:
         """Fire-and-forget request (`noreply`): saves a round trip; the node answers nothing."""
         import zmq
 
         with self._lock:
-            msg = msgpack.packb(
-                {"id": next(self._ids), "op": op, "noreply": True, **fields}, use_bin_type=True
-            )
+            msg.noreply = True
+            body = self._stamp(msg)
             try:
-                self._socket().send_multipart([b"", msg], zmq.NOBLOCK)
+                self._socket().send_multipart([b"", body], zmq.NOBLOCK)
             except zmq.Again:  # the node is gone; its pins expire with it
-                logger.debug("store node at %s is not taking requests; %s dropped", self.url, op)
+                logger.debug(
+                    "store node at %s is not taking requests; %s dropped",
+                    self.url,
+                    msg.__struct_config__.tag,
+                )
 
-    def connect(self) -> dict:
+    def hello(self) -> HelloReply:
         """Say hello (the node checks fingerprint and page size) and map its arena."""
-        reply = self.call("hello")
-        self._map(reply)
+        reply = self.request(Hello(), HelloReply)
+        self.map_arena(reply.gen, reply.arena)
         return reply
 
-    def _map(self, reply: dict) -> HostArena:
-        gen = reply.get("gen")
+    def connect(self) -> dict:
+        """`hello()` as a plain dict (node_id, arena, num_slots, page_bytes, ...)."""
+        return _plain(self.hello())
+
+    def map_arena(self, gen: int | None, arena: str = "") -> HostArena:
+        """The node's arena mapped (again if its generation `gen` changed; `arena` its path)."""
         if self.arena is None or gen != self._gen:
             if self.arena is not None:
                 self.arena.close()
-            if gen is not None and "arena" not in reply:
-                reply = self.call("hello")
-            self.arena = HostArena.open(Path(reply["arena"]))
-            self._gen = reply.get("gen")
+                self.arena = None
+            if not arena:
+                hello = self.request(Hello(), HelloReply)
+                arena, gen = hello.arena, hello.gen
+            self.arena = HostArena.open(Path(arena))
+            self._gen = gen
         return self.arena
 
     def _need_spec(self) -> PageSpec:
@@ -140,7 +178,9 @@ class StoreClient:
     def lookup(self, keys: list[bytes], remote: bool = True) -> int:
         """Length of the longest prefix of `keys` the store holds (here or on a peer)."""
         self._need_spec()
-        return int(self.call("contains", keys=list(keys), remote=remote)["n"]) if keys else 0
+        if not keys:
+            return 0
+        return self.request(Contains(keys=list(keys), remote=remote), CountReply).n
 
     def put_with(self, keys: list[bytes], fill: Fill, num_tokens: int | None = None) -> int:
         """Reserve slots for new keys, let `fill([(i, payload view)])` write them, publish them.
@@ -149,11 +189,9 @@ class StoreClient:
         spec = self._need_spec()
         if not keys:
             return 0
-        reply = self.call("put", keys=list(keys))
-        arena = self._map(reply)
-        todo = [
-            (i, k, s) for i, (k, s) in enumerate(zip(keys, reply["slots"], strict=True)) if s >= 0
-        ]
+        reply = self.request(Put(keys=list(keys)), SlotsReply)
+        arena = self.map_arena(reply.gen)
+        todo = [(i, k, s) for i, (k, s) in enumerate(zip(keys, reply.slots, strict=True)) if s >= 0]
         if not todo:
             return 0
         t_keys, t_slots = [k for _, k, _ in todo], [s for _, _, s in todo]
@@ -164,9 +202,10 @@ class StoreClient:
                     spec, key, checksum(arena.payload(slot)), num_tokens
                 )
         except BaseException:
-            self.call("abort", keys=t_keys, slots=t_slots)
+            self.request(Abort(keys=t_keys, slots=t_slots), Reply)
             raise
-        errors = [e for e in self.call("commit", keys=t_keys, slots=t_slots)["errors"] if e]
+        committed = self.request(Commit(keys=t_keys, slots=t_slots), CommitReply)
+        errors = [e for e in committed.errors if e]
         if errors:
             raise StoreError(f"{len(errors)} of {len(todo)} pages refused: {errors[0]}")
         return len(todo)
@@ -197,10 +236,10 @@ class StoreClient:
         if not keys:
             yield []
             return
-        reply = self.call("get", keys=list(keys), remote=remote)
-        slots = reply["slots"]
+        reply = self.request(Get(keys=list(keys), remote=remote), SlotsReply)
+        slots = reply.slots
         try:
-            arena = self._map(reply)
+            arena = self.map_arena(reply.gen)
             views = []
             for key, slot in zip(keys, slots, strict=False):
                 try:
@@ -216,7 +255,7 @@ class StoreClient:
             yield views
         finally:
             if slots:  # the node handles one client's requests in order: no reply needed
-                self.send("release", slots=slots)
+                self.send(Release(slots=slots))
 
     def get_into(self, keys: list[bytes], dsts: list, verify: bool = False) -> int:
         """Copy the available prefix into writable buffers `dsts`; returns pages copied."""
@@ -232,13 +271,16 @@ class StoreClient:
 
     # -- operators --------------------------------------------------------------------------
     def stats(self) -> dict:
-        return self.call("stats")
+        """Page counts, counters and listener addresses of the node, as plain data."""
+        return _plain(self.request(Stats(), StatsReply))
 
-    def ls(self, limit: int = 1000) -> dict:
-        return self.call("ls", limit=limit)
+    def ls(self, limit: int = 1000) -> dict[str, list[str]]:
+        """Hex keys per tier (host, disk), least recently used first."""
+        return self.request(Ls(limit=limit), LsReply).tiers
 
     def evict(self, tier: str = "host") -> int:
-        return int(self.call("evict", tier=tier)["n"])
+        """Drop the unpinned pages of `tier`; returns how many."""
+        return self.request(Evict(tier=tier), CountReply).n
 
     def close(self) -> None:
         if self._sock is not None:
@@ -253,6 +295,14 @@ class StoreClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _plain(reply: Reply) -> dict:
+    """A reply's own fields as builtins (no id, ok, error, kind)."""
+    out = msgspec.to_builtins(reply)
+    for field in ("id", "ok", "error", "kind"):
+        out.pop(field, None)
+    return out
 
 
 def default_run_dir() -> str:

@@ -1,71 +1,84 @@
-"""Local request handlers of the store node (one function per op, dispatched by `op`)."""
+"""Local request handlers of the store node (one function per request type, see `messages`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvrelay.kvstore.errors import StoreError
-from kvrelay.kvstore.remote import check_request
+from kvrelay.kvstore.messages import (
+    Abort,
+    Commit,
+    CommitReply,
+    Contains,
+    CountReply,
+    Evict,
+    Get,
+    Hello,
+    HelloReply,
+    Ls,
+    LsReply,
+    NodeRequest,
+    Paged,
+    Put,
+    Release,
+    Reply,
+    SlotsReply,
+    Stats,
+    StatsReply,
+)
 
 
 @dataclass(slots=True)
 class Later:
     """A reply that needs peers or Redis: the node runs `run()` on a pool thread."""
 
-    run: Callable[[], dict]
+    run: Callable[[], Reply]
 
 
-def _keys(node, req: dict) -> list[bytes]:
-    return check_request(req, node.store.fingerprint, node.page_bytes)
+def _keys(node, req: Paged) -> list[bytes]:
+    return req.check(node.store.fingerprint, node.page_bytes)
 
 
-def _slots(req: dict) -> list[int]:
-    slots = req.get("slots", [])
-    if not isinstance(slots, list) or not all(isinstance(s, int) for s in slots):
-        raise StoreError("slots must be a list of slot numbers")
-    return slots
-
-
-def op_hello(node, req: dict) -> dict:
+def op_hello(node, req: Hello) -> Reply:
     _keys(node, req)  # refuses a wrong fingerprint or page size up front
-    return {
-        "node_id": node.config.node_id,
-        "arena": str(node.arena.path),
-        "num_slots": node.arena.num_slots,
-        "page_bytes": node.page_bytes,
-        "fingerprint": node.store.fingerprint,
-        "remote": node.remote is not None,
-        "gen": node.arena_gen,
-    }
+    return HelloReply(
+        node_id=node.config.node_id,
+        arena=str(node.arena.path),
+        num_slots=node.arena.num_slots,
+        page_bytes=node.page_bytes,
+        fingerprint=node.store.fingerprint,
+        remote=node.remote is not None,
+        gen=node.arena_gen,
+    )
 
 
-def op_put(node, req: dict) -> dict:
-    return {"slots": node.store.reserve(_keys(node, req)), "gen": node.arena_gen}
+def op_put(node, req: Put) -> Reply:
+    return SlotsReply(slots=node.store.reserve(_keys(node, req)), gen=node.arena_gen)
 
 
-def op_commit(node, req: dict) -> dict:
-    keys, slots = _keys(node, req), _slots(req)
+def op_commit(node, req: Commit) -> Reply:
+    keys, slots = _keys(node, req), req.slots
     if len(keys) != len(slots):
         raise StoreError("commit needs one slot per key")
     # Verify the payload CRC once, as the page enters the arena: a writer that published a
     # header before its copy finished (say an unsynchronised GPU copy) is caught here.
-    return {"errors": node.store.commit(keys, slots, verify=True)}
+    return CommitReply(errors=node.store.commit(keys, slots, verify=True))
 
 
-def op_abort(node, req: dict) -> dict:
-    keys, slots = _keys(node, req), _slots(req)
-    node.store.abort(keys, slots)
-    return {}
+def op_abort(node, req: Abort) -> Reply:
+    node.store.abort(_keys(node, req), req.slots)
+    return Reply()
 
 
-def op_get(node, req: dict) -> dict | Later:
+def op_get(node, req: Get) -> Reply | Later:
     keys = _keys(node, req)
     slots = node.store.acquire(keys)
-    if len(slots) < len(keys) and req.get("remote", True) and node.remote is not None:
+    if len(slots) < len(keys) and req.remote and node.remote is not None:
 
-        def fetch() -> dict:
+        def fetch() -> Reply:
             got = list(slots)
             try:
                 got += node.remote.fetch(keys[len(got) :])
@@ -77,56 +90,64 @@ def op_get(node, req: dict) -> dict | Later:
             except BaseException:
                 node.store.release(got)  # nobody will get these slots to release them
                 raise
-            return {"slots": got, "gen": node.arena_gen}
+            return SlotsReply(slots=got, gen=node.arena_gen)
 
         return Later(fetch)
-    return {"slots": slots, "gen": node.arena_gen}
+    return SlotsReply(slots=slots, gen=node.arena_gen)
 
 
-def op_release(node, req: dict) -> dict:
-    node.store.release(_slots(req))
-    return {}
+def op_release(node, req: Release) -> Reply:
+    node.store.release(req.slots)
+    return Reply()
 
 
-def op_contains(node, req: dict) -> dict | Later:
+def op_contains(node, req: Contains) -> Reply | Later:
     keys = _keys(node, req)
     n = node.store.contains_prefix(keys)
-    if n < len(keys) and req.get("remote", True) and node.remote is not None:
+    if n < len(keys) and req.remote and node.remote is not None:
 
-        def locate() -> dict:
+        def locate() -> Reply:
             more = 0
             with contextlib.suppress(Exception):  # Redis down: count only local pages
                 more = node.remote.locate_prefix(keys[n:])
-            return {"n": n + more}
+            return CountReply(n=n + more)
 
         return Later(locate)
-    return {"n": n}
+    return CountReply(n=n)
 
 
-def op_stats(node, req: dict) -> dict:
-    return {
-        "node_id": node.config.node_id,
-        "pages": node.store.counts(),
-        "page_bytes": node.page_bytes,
-        "counters": node.metrics.snapshot(),
-        "addresses": node.addresses,
-    }
+def op_stats(node, req: Stats) -> Reply:
+    return StatsReply(
+        node_id=node.config.node_id,
+        pages=node.store.counts(),
+        page_bytes=node.page_bytes,
+        counters=node.metrics.snapshot(),
+        addresses={str(k): v for k, v in node.addresses.items()},
+    )
 
 
-def op_ls(node, req: dict) -> dict:
-    return node.store.ls(int(req.get("limit", 1000)))
+def op_ls(node, req: Ls) -> Reply:
+    return LsReply(tiers=node.store.ls(req.limit))
 
 
-def op_evict(node, req: dict) -> dict:
-    return {"n": node.store.evict(str(req.get("tier", "host")))}
+def op_evict(node, req: Evict) -> Reply:
+    return CountReply(n=node.store.evict(req.tier))
 
 
-OPS = {name[3:]: fn for name, fn in globals().items() if name.startswith("op_")}
+HANDLERS: dict[type, Callable[[Any, Any], Reply | Later]] = {
+    Hello: op_hello,
+    Put: op_put,
+    Commit: op_commit,
+    Abort: op_abort,
+    Get: op_get,
+    Release: op_release,
+    Contains: op_contains,
+    Stats: op_stats,
+    Ls: op_ls,
+    Evict: op_evict,
+}
 
 
-def handle_request(node, req: dict) -> dict | Later:
-    """Dispatch one request; raise StoreError for anything the caller got wrong."""
-    fn = OPS.get(req.get("op", ""))  # "" is no op
-    if fn is None:
-        raise StoreError(f"unknown op {req.get('op')!r}; known: {sorted(OPS)}")
-    return fn(node, req)
+def handle_request(node, req: NodeRequest) -> Reply | Later:
+    """Run one decoded request; raise StoreError for anything the caller got wrong."""
+    return HANDLERS[type(req)](node, req)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from kvrelay.kvstore.arena import HostArena
 from kvrelay.kvstore.directory import Directory
 from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
+from kvrelay.kvstore.messages import decode_fetch
 from kvrelay.kvstore.metrics import StoreMetrics
 from kvrelay.kvstore.store import NodeStore
 from kvrelay.kvstore.transport import Transport
@@ -25,33 +26,6 @@ if TYPE_CHECKING:
     from kvrelay.kvstore.transport.ucx_local import LocalUcx
 
 logger = logging.getLogger(__name__)
-
-MAX_KEYS = 4096
-
-
-def check_request(req: dict, fingerprint: str | None, page_bytes: int) -> list[bytes]:
-    """Validate the model fingerprint, page size and keys of a request; raise StoreError."""
-    from kvrelay.kvstore.errors import IncompatiblePageError
-
-    fp = req.get("fp")
-    if fingerprint is not None and fp is not None and fp != fingerprint:
-        raise IncompatiblePageError(
-            f"model fingerprint mismatch: this store holds pages of {fingerprint!r}, "
-            f"request is for {fp!r}"
-        )
-    pb = req.get("page_bytes")
-    if pb is not None and pb != page_bytes:
-        raise IncompatiblePageError(
-            f"page size mismatch: this store holds {page_bytes}-byte pages, request has {pb}"
-        )
-    keys = req.get("keys", [])
-    if (
-        not isinstance(keys, list)
-        or len(keys) > MAX_KEYS
-        or not all(isinstance(k, bytes) and len(k) == 16 for k in keys)
-    ):
-        raise StoreError(f"keys must be a list of at most {MAX_KEYS} 16-byte page keys")
-    return keys
 
 
 class Remote:
@@ -94,9 +68,7 @@ class Remote:
     # -- server side (runs in the node's asyncio thread) -----------------------------------
     def serve(self, req: dict) -> tuple[dict, list[memoryview], Callable[[], None]]:
         try:
-            if req.get("op") != "fetch":
-                raise StoreError(f"unknown transfer op {req.get('op')!r}")
-            keys = check_request(req, self.store.fingerprint, self.store.page_bytes)
+            keys = decode_fetch(req).check(self.store.fingerprint, self.store.page_bytes)
         except StoreError as exc:
             return {"ok": False, "error": str(exc)}, [], lambda: None
         slots = self.store.acquire(keys)

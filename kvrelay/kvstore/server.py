@@ -1,10 +1,10 @@
 """StoreNode: the per-host store server (`kvrelay store`).
 
-Local workers send batched msgpack requests over a ZeroMQ IPC socket (`<run_dir>/kvstore.sock`):
-hello, put (reserve slots) -> commit/abort, get (pin a prefix) -> release, contains, stats, ls,
-evict. Page bytes move through the shared arena, never through ZeroMQ. Peers fetch over TCP
-(server threads) and UCX (the process's UCX loop, `ucx_runtime`); the page directory and
-heartbeat live in Redis.
+Local workers send batched requests (msgspec Structs as msgpack, `messages`) over a ZeroMQ IPC
+socket (`<run_dir>/kvstore.sock`): hello, put (reserve slots) -> commit/abort, get (pin a
+prefix) -> release, contains, stats, ls, evict. Page bytes move through the shared arena, never
+through ZeroMQ. Peers fetch over TCP (server threads) and UCX (the process's UCX loop,
+`ucx_runtime`); the page directory and heartbeat live in Redis.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgpack
-
 from kvrelay.kvstore.arena import HostArena
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.kvstore.errors import StoreError
+from kvrelay.kvstore.messages import BadRequest, NodeRequest, Reply, decode_request, encode
 from kvrelay.kvstore.metrics import StoreMetrics
 from kvrelay.kvstore.protocol import Later, handle_request
 from kvrelay.kvstore.store import NodeStore
@@ -277,7 +277,7 @@ class StoreNode:
                 return
             self._sock.send_multipart([ident, b"", reply])
 
-    def _finish(self, ident: bytes, req: dict, later: Later) -> None:
+    def _finish(self, ident: bytes, req: NodeRequest, later: Later) -> None:
         """Run deferred work on a pool thread and queue its reply for the request loop."""
         reply = self._reply(req, later.run)
         self._done.put((ident, reply))
@@ -288,27 +288,27 @@ class StoreNode:
     def _handle(self, ident: bytes, body: bytes) -> bytes | None:
         """The reply to one request; None when there is none yet (deferred) or none wanted."""
         try:
-            req = msgpack.unpackb(body, raw=False)
-            if not isinstance(req, dict):
-                raise StoreError("request must be a msgpack map")
-        except Exception as exc:  # noqa: BLE001 - bad input gets an error reply, never a crash
-            return msgpack.packb({"ok": False, "error": f"malformed request: {exc}"})
+            req = decode_request(body)
+        except BadRequest as exc:  # bad input gets an error reply, never a crash
+            if exc.noreply:
+                return None
+            return encode(Reply(id=exc.req_id, error=str(exc), kind="StoreError"))
         reply = self._reply(req, lambda: handle_request(self, req))
         if isinstance(reply, Later):
             self._pool.submit(self._finish, ident, req, reply)
             return None
-        return None if req.get("noreply") else reply  # noreply: fire-and-forget (release)
+        return None if req.noreply else reply  # noreply: fire-and-forget (release)
 
-    def _reply(self, req: dict, fn) -> bytes | Later:
+    def _reply(self, req: NodeRequest, fn: Callable[[], Reply | Later]) -> bytes | Later:
         try:
             reply = fn()
             if isinstance(reply, Later):
                 return reply
-            reply["ok"] = True
+            reply.ok = True
         except StoreError as exc:
-            reply = {"ok": False, "error": str(exc), "kind": type(exc).__name__}
+            reply = Reply(error=str(exc), kind=type(exc).__name__)
         except Exception as exc:  # noqa: BLE001
-            logger.exception("store request %r failed", req.get("op"))
-            reply = {"ok": False, "error": f"internal error: {exc!r}", "kind": "StoreError"}
-        reply["id"] = req.get("id")
-        return msgpack.packb(reply, use_bin_type=True)
+            logger.exception("store request %r failed", type(req).__name__.lower())
+            reply = Reply(error=f"internal error: {exc!r}", kind="StoreError")
+        reply.id = req.id
+        return encode(reply)

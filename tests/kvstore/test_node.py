@@ -15,6 +15,7 @@ from kvrelay.core.keys import Keys
 from kvrelay.core.page_keys import holders
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.kvstore.errors import IncompatiblePageError, StoreError
+from kvrelay.kvstore.messages import Get, SlotsReply
 from kvrelay.kvstore.page import HEADER_BYTES, PageSpec
 from kvrelay.kvstore.server import arena_path
 from tests.kvstore import procs
@@ -164,17 +165,78 @@ def test_wrong_fingerprint_page_size_and_bad_requests_are_refused(start_node):
     with StoreClient(run_dir, SMALL) as client:
         with pytest.raises(StoreError, match="a page payload is 10 bytes, expected 1024"):
             client.put(keys_for(1), [b"x" * 10])
-        with pytest.raises(StoreError, match="unknown op 'nope'"):
-            client.call("nope")
         with pytest.raises(StoreError, match="16-byte page keys"):
-            client.call("get", keys=[b"short"])
+            client.request(Get(keys=[b"short"]), SlotsReply)
+        assert client.put(keys_for(1), [payload(SMALL, 0)]) == 1  # still serving
+
+
+def _raw(sock, body: bytes, wait_ms: int = 5000) -> dict | None:
+    """Send one raw request; its decoded reply, None when none came within `wait_ms`."""
+    sock.send_multipart([b"", body])
+    if not sock.poll(wait_ms):
+        return None
+    return msgpack.unpackb(sock.recv_multipart()[-1])
+
+
+@pytest.mark.parametrize(
+    ("req", "error"),
+    [
+        ({"op": "nope"}, "unknown op 'nope'; known: ['abort', 'commit'"),
+        ({"op": 7}, "unknown op 7"),
+        ({}, "unknown op None"),  # missing op
+        ({"op": "get", "keys": [b"short"]}, "keys must be a list of at most 4096 16-byte"),
+        ({"op": "get", "keys": b"k" * 16}, "keys must be a list"),  # wrong type
+        ({"op": "get", "keys": [b"k" * 16] * 4097}, "keys must be a list of at most 4096"),
+        ({"op": "commit", "keys": [b"k" * 16], "slots": ["a"]}, "slots must be a list"),
+        ({"op": "release", "slots": 3}, "slots must be a list of slot numbers"),
+        ({"op": "get", "remote": "yes"}, "malformed get request: Expected `bool`"),
+        ({"op": "ls", "limit": "many"}, "malformed ls request: Expected `int`"),
+        ({"op": "evict", "tier": None}, "malformed evict request: Expected `str`"),
+        ({"op": "hello", "fp": 3}, "malformed hello request: Expected `str | null`"),
+        ({"op": "commit", "keys": [b"k" * 16], "slots": []}, "commit needs one slot per key"),
+        ({"op": "evict", "tier": "moon"}, "tier"),
+    ],
+)
+def test_malformed_requests_get_error_replies_and_the_node_keeps_serving(start_node, req, error):
+    node = start_node(fingerprint=FP)
+    with StoreClient(node.config.run_dir, SMALL) as client:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(client.url)
-        sock.send_multipart([b"", b"\xc1garbage"])
-        assert sock.poll(5000)
-        reply = msgpack.unpackb(sock.recv_multipart()[-1])
-        assert reply["ok"] is False and reply["error"].startswith("malformed request")
-        sock.close(0)
+        try:
+            reply = _raw(sock, msgpack.packb({"id": 41, **req}, use_bin_type=True))
+            assert reply is not None
+            assert reply["ok"] is False and reply["id"] == 41, reply
+            assert error in reply["error"], reply
+            assert reply["kind"] == "StoreError"
+            # fire-and-forget: no reply, not even an error
+            noreply = msgpack.packb({"id": 42, "noreply": True, **req}, use_bin_type=True)
+            assert _raw(sock, noreply, wait_ms=200) is None
+        finally:
+            sock.close(0)
+        assert client.put(keys_for(1), [payload(SMALL, 0)]) == 1  # still serving
+        assert client.lookup(keys_for(1)) == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (b"\xc1garbage", "malformed request"),  # not msgpack
+        (msgpack.packb([1, 2]), "malformed request: Expected `object`, got `array`"),
+        (msgpack.packb({"op": "get", "id": "x"}), "malformed get request: Expected `int`"),
+        (b"", "malformed request"),
+    ],
+)
+def test_undecodable_requests_get_an_error_without_an_id(start_node, body, error):
+    node = start_node()
+    with StoreClient(node.config.run_dir, SMALL) as client:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(client.url)
+        try:
+            reply = _raw(sock, body)
+        finally:
+            sock.close(0)
+        assert reply is not None and reply["ok"] is False and reply["id"] is None
+        assert reply["error"].startswith(error), reply
         assert client.put(keys_for(1), [payload(SMALL, 0)]) == 1  # still serving
 
 

@@ -14,30 +14,19 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvrelay.kvstore.arena import HostArena
 from kvrelay.kvstore.disk import DiskTier
 from kvrelay.kvstore.errors import IncompatiblePageError, PageFormatError, StoreError
 from kvrelay.kvstore.metrics import StoreMetrics
 from kvrelay.kvstore.page import unpack_header, verify_page
-from kvrelay.kvstore.store_admin import StoreAdmin
+from kvrelay.kvstore.store_admin import Entry, StoreAdmin
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Entry:
-    slot: int
-    ready: bool
-    deadline: float = 0.0  # reservation lease (writers)
-    pins: list[float] = field(default_factory=list)  # reader lease deadlines
-
-
 class NodeStore(StoreAdmin):
     """Which key is in which arena slot, the disk tier, LRU eviction and pins."""
-
-    _entry_cls = _Entry
 
     def __init__(
         self,
@@ -56,7 +45,7 @@ class NodeStore(StoreAdmin):
         self.on_present, self.on_gone = on_present, on_gone
         self.lock = threading.RLock()
         self._written = threading.Condition(self.lock)  # notified when reservations end
-        self._entries: dict[bytes, _Entry] = {}
+        self._entries: dict[bytes, Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # ready arena pages, oldest first
         self._free = list(range(arena.num_slots - 1, -1, -1))
         self._slot_key: dict[int, bytes] = {}  # last key placed in each slot (checked on use)
@@ -118,7 +107,7 @@ class NodeStore(StoreAdmin):
                     logger.warning("arena full of pinned pages; not storing %s", key.hex())
                     out.append(-1)
                     continue
-                self._entries[key] = _Entry(slot, False, now + self.pin_timeout_s)
+                self._entries[key] = Entry(slot, False, now + self.pin_timeout_s)
                 self._slot_key[slot] = key
                 out.append(slot)
         return out
@@ -242,7 +231,7 @@ class NodeStore(StoreAdmin):
                 out.append(e.slot)
         return out
 
-    def _promote(self, key: bytes) -> _Entry | None:
+    def _promote(self, key: bytes) -> Entry | None:
         assert self.disk is not None  # callers promote only keys the disk tier holds
         slot = self._take_slot()
         if slot is None:
@@ -256,7 +245,7 @@ class NodeStore(StoreAdmin):
                     self.on_gone([key])
             return None
         self.metrics.inc("bytes", "disk", "promote", value=self.page_bytes)
-        e = self._entries[key] = _Entry(slot, True)
+        e = self._entries[key] = Entry(slot, True)
         self._slot_key[slot] = key
         self._lru[key] = None
         return e

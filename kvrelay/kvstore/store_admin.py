@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvrelay.kvstore.errors import StoreError
 from kvrelay.kvstore.page import verify_page
@@ -16,16 +17,24 @@ if TYPE_CHECKING:
     from kvrelay.kvstore.arena import HostArena
     from kvrelay.kvstore.disk import DiskTier
     from kvrelay.kvstore.metrics import StoreMetrics
-    from kvrelay.kvstore.store import _Entry
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Entry:
+    """Where a page lives in the arena and who holds it."""
+
+    slot: int
+    ready: bool
+    deadline: float = 0.0  # reservation lease (writers)
+    pins: list[float] = field(default_factory=list)  # reader lease deadlines
 
 
 class StoreAdmin:
     """Rebuild, flush, counts, listing and eviction over NodeStore's index."""
 
     if TYPE_CHECKING:  # NodeStore's state and helpers (store.py) that these methods use
-        _entry_cls: ClassVar[type[_Entry]]
         arena: HostArena
         disk: DiskTier | None
         metrics: StoreMetrics
@@ -33,7 +42,7 @@ class StoreAdmin:
         page_bytes: int
         on_gone: Callable[[list[bytes]], None]
         lock: threading.RLock
-        _entries: dict[bytes, _Entry]
+        _entries: dict[bytes, Entry]
         _lru: OrderedDict[bytes, None]
         _free: list[int]
         _slot_key: dict[int, bytes]
@@ -54,7 +63,7 @@ class StoreAdmin:
                 if h.key in self._entries:
                     continue
                 self._free.remove(i)
-                self._entries[h.key] = self._entry_cls(i, True)
+                self._entries[h.key] = Entry(i, True)
                 self._slot_key[i] = h.key
                 self._lru[h.key] = None
             return len(self._lru)

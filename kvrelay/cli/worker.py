@@ -7,11 +7,16 @@ import gc
 import logging
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.core.config import config_file_help
 from kvrelay.core.enums import Speculation, Stage
 from kvrelay.core.modelref import KV_CACHE_DTYPES, QUANTIZATIONS
+
+if TYPE_CHECKING:  # (loaded when a worker runs: `kvrelay --help` needs no torch)
+    from kvrelay.workers.config import WorkerConfig
+    from kvrelay.workers.engine.llm_engine import Engine
+    from kvrelay.workers.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def attach_store(engine: Any, run_dir: str, metrics: Any) -> str:
+def attach_store(engine: Engine, run_dir: str, metrics: WorkerMetrics) -> str:
     """Connect the engine to the local store node; returns its node id ('' when unreachable)."""
     from kvrelay.kvstore.client import StoreClient
     from kvrelay.kvstore.connector import StoreConnector
@@ -176,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     return serve(args.role, config, engine)
 
 
-def serve(role: str, config: Any, engine: Any) -> int:
+def serve(role: str, config: WorkerConfig, engine: Engine) -> int:
     """Run a worker of `role` over `engine` until SIGTERM/SIGINT (then drain and release)."""
     from kvrelay.workers.decode import DecodeWorker
     from kvrelay.workers.metrics import WorkerMetrics

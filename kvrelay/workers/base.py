@@ -32,9 +32,11 @@ from kvrelay.pipeline.queue.output import DEADLINE_PASSED
 from kvrelay.pipeline.queue.streams import Streams
 from kvrelay.workers.config import WorkerConfig
 from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing, OutgoingKind
+from kvrelay.workers.engine.config import RequestOutput
+from kvrelay.workers.engine_api import EngineAPI
 from kvrelay.workers.metrics import WorkerMetrics
 from kvrelay.workers.publication import ModelPublication
-from kvrelay.workers.reader import Admission, read_loop
+from kvrelay.workers.reader import Admission, ReaderHost, read_loop
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class Worker:
     def __init__(
         self,
         config: WorkerConfig,
-        engine: Any,
+        engine: EngineAPI,
         client: redis.Redis | None = None,
         store_node: str = "",
         metrics: WorkerMetrics | None = None,
@@ -94,11 +96,10 @@ class Worker:
         self.active: dict[str, Active] = {}
         self.metrics = metrics or WorkerMetrics(engine.model_name, engine)
         self.stop_event = threading.Event()
-        self.page_size = getattr(engine.config, "page_size", config.page_size)
-        loaded = getattr(engine, "loaded", None)
+        self.page_size = engine.config.page_size
         publication = ModelPublication.from_dir(
             engine.model_name,
-            getattr(loaded, "dir", None),
+            engine.loaded.dir,
             {
                 "fingerprint": engine.fingerprint,
                 "page_size": self.page_size,
@@ -112,11 +113,11 @@ class Worker:
             WorkerField.FINGERPRINT: engine.fingerprint,
             WorkerField.METRICS_PORT: "",
             WorkerField.MAX_NUM_SEQS: config.max_num_seqs,
-            WorkerField.KERNEL_ISA: getattr(engine, "kernel_isa", ""),
-            # the KV pool's dtype ("float32", "bfloat16", "float16"; "" for engines without one)
-            WorkerField.KV_DTYPE: str(getattr(engine, "kv_dtype", "")).removeprefix("torch."),
-            # speculative decoding, resolved: off, ngram or draft ("" for engines without it)
-            WorkerField.SPECULATION: str(getattr(engine, "speculation", "")),
+            WorkerField.KERNEL_ISA: engine.kernel_isa,
+            # the KV pool's dtype ("float32", "bfloat16", "float16")
+            WorkerField.KV_DTYPE: str(engine.kv_dtype).removeprefix("torch."),
+            # speculative decoding, resolved: off, ngram or draft
+            WorkerField.SPECULATION: str(engine.speculation),
         }
         self.heartbeat = Heartbeat(
             self.streams,
@@ -131,7 +132,8 @@ class Worker:
             publication,
             stats=self._stats,
         )
-        self._reader = threading.Thread(target=read_loop, args=(self,), name="reader", daemon=True)
+        host: ReaderHost = self  # what the reader thread uses of this worker
+        self._reader = threading.Thread(target=read_loop, args=(host,), name="reader", daemon=True)
         self._tokens = 0
         self._rate = (time.monotonic(), 0, 0.0)
 
@@ -185,9 +187,7 @@ class Worker:
         if self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 self._on_output(out)
-            stats = getattr(self.engine, "stats", None)
-            if stats is not None:
-                self.metrics.count_engine(stats)
+            self.metrics.count_engine(self.engine.stats)
         else:
             with contextlib.suppress(queue.Empty):
                 self._admit(self.admissions.get(timeout=0.05))
@@ -350,10 +350,10 @@ class Worker:
             logger.warning("request %s: released after %s", rid, reason)
             self.emitter.put(Outgoing(OutgoingKind.RELEASE, rid, act.entry_id, reason=reason))
 
-    def _on_output(self, out: Any) -> None:
+    def _on_output(self, out: RequestOutput) -> None:
         raise NotImplementedError
 
-    def _chunk(self, act: Active, out: Any) -> TokenChunk:
+    def _chunk(self, act: Active, out: RequestOutput) -> TokenChunk:
         """The TokenChunk for one RequestOutput (advances the request's emit index)."""
         chunk = TokenChunk(
             index=act.next_index,

@@ -12,11 +12,12 @@ A DecodeTask with `prefilled=False` (ingress routed it straight here) is prefill
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+from typing import cast
 
 from kvrelay.core.enums import Stage
 from kvrelay.core.messages import DecodeTask
 from kvrelay.workers.base import Worker, speculation_record
+from kvrelay.workers.engine.config import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ class DecodeWorker(Worker):
     role = Stage.DECODE
     message = DecodeTask
 
-    def _on_output(self, out: Any) -> None:
+    def _on_output(self, out: RequestOutput) -> None:
         act = self.active.get(out.request_id)
         if act is None:
             return

@@ -12,7 +12,11 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
+from kvrelay.core.messages import Task
 from kvrelay.pipeline.metrics import PREFIX, Metrics
+from kvrelay.workers.engine.block_pool import BlockPool
+from kvrelay.workers.engine.config import EngineStats
+from kvrelay.workers.engine_api import BlockPoolOwner
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +24,7 @@ logger = logging.getLogger(__name__)
 class WorkerMetrics:
     """All series of one worker; `serve(port)` exposes them over HTTP."""
 
-    def __init__(self, model: str, engine: Any = None):
+    def __init__(self, model: str, engine: BlockPoolOwner | None = None):
         self.model = model
         self.base = Metrics()
         r = self.base.registry
@@ -82,9 +86,10 @@ class WorkerMetrics:
             PREFIX + name, documentation, ["model_name"], registry=self.base.registry
         ).labels(self.model)
 
-    def track_engine(self, engine: Any) -> None:
+    def track_engine(self, engine: BlockPoolOwner) -> None:
         """Report `engine`'s block pool usage in `kv_cache_usage_perc` (read at each scrape)
-        and its size in `cache_config_info` (vLLM's info gauge: labels, value 1). Call once."""
+        and its size in `cache_config_info` (vLLM's info gauge: labels, value 1). Call once.
+        Its `stats` (EngineStats) and `config.page_size`, where it has them, are read too."""
         self.kv_cache_usage.labels(self.model).set_function(lambda: kv_cache_usage(engine.pool))
         stats = getattr(engine, "stats", None)
         if stats is not None:  # count_engine counts from here (not what ran before)
@@ -97,7 +102,7 @@ class WorkerMetrics:
             registry=self.base.registry,
         ).labels(self.model, str(page_size), str(engine.pool.num_blocks)).set(1)
 
-    def count_engine(self, stats: Any) -> None:
+    def count_engine(self, stats: EngineStats) -> None:
         """Add what the engine's speculation counters (EngineStats) gained since the last call."""
         now = _spec_counts(stats)
         before, self._engine_counts = self._engine_counts, now
@@ -110,7 +115,7 @@ class WorkerMetrics:
             if new > old:
                 counter.inc(new - old)
 
-    def admitted(self, task: Any, num_resumed: int) -> None:
+    def admitted(self, task: Task, num_resumed: int) -> None:
         """Count the prompt of a newly admitted request."""
         self.prompt_tokens.inc(len(task.prompt_token_ids) + num_resumed)
 
@@ -171,15 +176,11 @@ class CountingConnector:
         return getattr(self.inner, name)
 
 
-def _spec_counts(stats: Any) -> tuple[int, int, int]:
-    return (
-        getattr(stats, "num_draft_tokens", 0),
-        getattr(stats, "num_accepted_tokens", 0),
-        getattr(stats, "num_verifications", 0),
-    )
+def _spec_counts(stats: EngineStats) -> tuple[int, int, int]:
+    return (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verifications)
 
 
-def kv_cache_usage(pool: Any) -> float:
+def kv_cache_usage(pool: BlockPool) -> float:
     """Fraction of a BlockPool's blocks in use: 1 - free / total (vLLM's kv_cache_usage_perc)."""
     return 1.0 - pool.num_free_blocks / pool.num_blocks if pool.num_blocks else 0.0
 

@@ -10,13 +10,13 @@ A request that finishes on its first token (max_tokens=1, eos) gets its final ch
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus, Stage
 from kvrelay.core.messages import DecodeTask, PrefillTask
 from kvrelay.workers.base import Worker
 from kvrelay.workers.emitter import Outgoing, OutgoingKind
+from kvrelay.workers.engine.config import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class PrefillWorker(Worker):
     message = PrefillTask
     handoff_after = 1
 
-    def _on_output(self, out: Any) -> None:
+    def _on_output(self, out: RequestOutput) -> None:
         act = self.active.get(out.request_id)
         if act is None:
             return
@@ -56,7 +56,7 @@ class PrefillWorker(Worker):
             prefilled=True,
             detokenize=task.detokenize,
         )
-        fields = {
+        fields: dict[str, str | int | float] = {
             rec.STATUS: RequestStatus.DECODING,
             rec.STAGE: Stage.DECODE,
             rec.OWNER: "",

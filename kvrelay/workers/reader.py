@@ -6,21 +6,23 @@ the emitter, so writes stay in order). Cancel flags come back from the emitter's
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import redis
 
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus, Stage
-from kvrelay.core.messages import MessageError, Task
-from kvrelay.pipeline.queue.streams import Admitted, Entry, emitted_of
-from kvrelay.workers.emitter import Outgoing, OutgoingKind
+from kvrelay.core.messages import DecodeTask, MessageError, PrefillTask, Task
+from kvrelay.pipeline.queue.streams import Admitted, Entry, Streams, emitted_of
+from kvrelay.workers.config import WorkerConfig
+from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing, OutgoingKind
+from kvrelay.workers.engine_api import EngineAPI
 from kvrelay.workers.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from kvrelay.workers.base import Worker
+from kvrelay.workers.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,56 @@ class Admission:
     emitted_text_len: int | None = None  # characters in out:{id} (None: all of `emitted`'s)
 
 
-def read_loop(w: Worker) -> None:
+class ReaderHost(Protocol):
+    """What the reader thread uses of its worker (`workers.base.Worker`)."""
+
+    @property
+    def config(self) -> WorkerConfig: ...
+
+    @property
+    def role(self) -> Stage: ...
+
+    @property
+    def message(self) -> type[PrefillTask] | type[DecodeTask]: ...  # the stream's task type
+
+    @property
+    def name(self) -> str: ...  # the worker's: the owner of the requests it admits
+
+    @property
+    def stream(self) -> str: ...
+
+    @property
+    def group(self) -> str: ...
+
+    @property
+    def r(self) -> redis.Redis | redis.RedisCluster: ...
+
+    @property
+    def streams(self) -> Streams: ...
+
+    @property
+    def engine(self) -> EngineAPI: ...  # its grammars: compiled here, not on the compute loop
+
+    @property
+    def inflight(self) -> Inflight: ...
+
+    @property
+    def heartbeat(self) -> Heartbeat: ...  # draining: read nothing new
+
+    @property
+    def emitter(self) -> Emitter: ...  # dead letters, claimed requests' tails
+
+    @property
+    def metrics(self) -> WorkerMetrics: ...
+
+    @property
+    def admissions(self) -> queue.Queue[Admission]: ...  # to the compute loop
+
+    @property
+    def stop_event(self) -> threading.Event: ...
+
+
+def read_loop(w: ReaderHost) -> None:
     """The reader thread: new entries and claims of dead consumers' ones -> admissions."""
     last_claim = 0.0
     claim_every = max(0.2, w.config.lease_ms / 4000)
@@ -65,7 +116,7 @@ def read_loop(w: Worker) -> None:
             time.sleep(0.1)
 
 
-def receive(w: Worker, entries: list[Entry], claimed: bool = False) -> None:
+def receive(w: ReaderHost, entries: list[Entry], claimed: bool = False) -> None:
     """Validate entries (poison -> DLQ), admit the rest in one script call (this worker
     becomes their owner), learn what was emitted, queue them for the compute loop."""
     taken: list[tuple[Entry, Task]] = []
@@ -88,7 +139,7 @@ def receive(w: Worker, entries: list[Entry], claimed: bool = False) -> None:
             w.admissions.put(admission)
 
 
-def _validate(w: Worker, entry: Entry) -> Task | None:
+def _validate(w: ReaderHost, entry: Entry) -> Task | None:
     """The entry's task, now held by this worker; None when it went to the DLQ or is ours."""
     if entry.payload is None:
         dead_letter(w, entry, "entry has no 'm' field", "")
@@ -124,7 +175,7 @@ def _validate(w: Worker, entry: Entry) -> Task | None:
 
 
 def _admit_args(
-    w: Worker, entry: Entry, task: Task, claimed: bool
+    w: ReaderHost, entry: Entry, task: Task, claimed: bool
 ) -> tuple[str, str, int, dict[str, str | int | float]]:
     status = RequestStatus.PREFILLING if w.role == Stage.PREFILL else RequestStatus.DECODING
     now = f"{time.time():.3f}"
@@ -142,7 +193,7 @@ def _admit_args(
 
 
 def _admission(
-    w: Worker, entry: Entry, task: Task, claimed: bool, found: Admitted
+    w: ReaderHost, entry: Entry, task: Task, claimed: bool, found: Admitted
 ) -> Admission | None:
     """What the engine needs to go on; None when nothing is left to do."""
     queued = list(getattr(task, "output_token_ids", ()))
@@ -175,7 +226,7 @@ def _admission(
     return Admission(entry.entry_id, task, emitted, found.cancelled, text_len)
 
 
-def _compile_grammar(w: Worker, task: Task) -> str | None:
+def _compile_grammar(w: ReaderHost, task: Task) -> str | None:
     """Compile a structured-output task's grammar here, on the reader thread, so that its
     admission finds it in the engine's cache (the compute loop never compiles); the reason to
     dead-letter the entry when it has none."""
@@ -188,7 +239,7 @@ def _compile_grammar(w: Worker, task: Task) -> str | None:
     return None
 
 
-def dead_letter(w: Worker, entry: Entry, reason: str, request_id: str) -> None:
+def dead_letter(w: ReaderHost, entry: Entry, reason: str, request_id: str) -> None:
     w.metrics.dead_letters.inc()
     w.emitter.put(
         Outgoing(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.core.enums import Quantization, Speculation
+from kvrelay.core.enums import FinishReason, Quantization, Speculation
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ class RequestOutput:
     new_logprobs: list[dict[int, float]] | None
     text_delta: str
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     stop_reason: int | str | None
     handoff: bool
     output_token_ids: list[int]  # every output so far (resumed ones included)

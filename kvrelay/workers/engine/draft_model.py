@@ -34,19 +34,40 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from kvrelay.core.config import ConfigError
+from kvrelay.workers.engine.config import EngineConfig
+from kvrelay.workers.engine.kv_cache_manager import KVCacheManager
 from kvrelay.workers.engine.model_runner import ModelRunner
-from kvrelay.workers.engine.scheduler import ScheduledSeq
+from kvrelay.workers.engine.scheduler import ScheduledSeq, Scheduler
 from kvrelay.workers.engine.sequence import Sequence
 from kvrelay.workers.model.llama import allocate_kv_pool
 from kvrelay.workers.model.loader import load_model
 
 if TYPE_CHECKING:
-    from kvrelay.workers.engine.llm_engine import Engine
     from kvrelay.workers.model.config import ModelConfig
     from kvrelay.workers.model.loader import LoadedModel
+
+
+class TargetEngine(Protocol):
+    """What a draft model uses of the engine it drafts for (`llm_engine.Engine`): its model,
+    KV pool and settings, and its KV blocks and running sequences (to leave them room)."""
+
+    @property
+    def loaded(self) -> LoadedModel: ...
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def runner(self) -> ModelRunner: ...
+
+    @property
+    def kv(self) -> KVCacheManager: ...
+
+    @property
+    def scheduler(self) -> Scheduler: ...
 
 
 @dataclass(slots=True)
@@ -93,7 +114,7 @@ def vocab_fingerprint(tokenizer) -> str:
 class DraftModelDrafter:
     """Greedy drafts from `name`, loaded like the engine's model (device, dtype, quantization)."""
 
-    def __init__(self, engine: Engine, name: str):
+    def __init__(self, engine: TargetEngine, name: str):
         target = engine.loaded
         draft = load_model(
             name,

@@ -270,7 +270,7 @@ class Engine:
         return out
 
     def abort_request(
-        self, request_id: str, reason: str = FinishReason.CANCELLED
+        self, request_id: str, reason: FinishReason = FinishReason.CANCELLED
     ) -> RequestOutput | None:
         """Drop a request; returns its final output, or None if it is unknown or done."""
         seq = self._seqs.get(request_id)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.core.enums import FinishReason
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine.ngram import NgramIndex
 
@@ -83,7 +84,7 @@ class Sequence:
     fetch: Any = None
     store_checked: bool = False
     loaded_blocks: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     handoff: bool = False
     arrival_time: float = field(default_factory=time.time)

@@ -8,7 +8,8 @@ import os
 from typing import Any
 
 from kvrelay.cli.errors import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, CommandError
-from kvrelay.core.enums import Stage, WorkerField
+from kvrelay.core.enums import Stage
+from kvrelay.core.worker_record import WorkerRecord
 
 
 def connection_args(p: argparse.ArgumentParser) -> None:
@@ -72,9 +73,8 @@ def connect(args: argparse.Namespace):
 
 def topology_of(workers: list[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
     """Live worker counts by role, and what `kvrelay up` chose (when its stack.json is known)."""
-    live: dict[str, int] = {
-        role: sum(w.get(WorkerField.ROLE) == role for w in workers) for role in Stage
-    }
+    roles = [w.role for w in map(WorkerRecord.decode, workers) if w is not None]
+    live: dict[str, int] = {role: roles.count(role) for role in Stage}
     layout = "disaggregated" if live[Stage.PREFILL] else "colocated"
     summary = f"{live['prefill']} prefill + {live['decode']} decode live ({layout}"
     summary += ")" if live[Stage.PREFILL] else ": decode workers prefill locally)"
@@ -94,10 +94,6 @@ def add_status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--interval", type=float, default=1.0, help="--watch refresh period in s (default 1)"
     )
-
-
-# None (field empty or missing) prints blank
-NUMBER_COLUMNS = (WorkerField.PID, WorkerField.LOAD, WorkerField.TOKENS_PER_S)
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -144,12 +140,17 @@ def run_status(args: argparse.Namespace) -> int:
         f"{'KERNELS':<9}{'KV':<6}{'SPEC':<7}STATE"
     )
     for w in data["workers"]:
-        shown = "draining" if w.get(WorkerField.DRAINING) else "ok"
-        pid, load, rate = ("" if w.get(k) is None else str(w[k]) for k in NUMBER_COLUMNS)
+        record = status_data.worker_record(w)
+        shown = "draining" if record.draining else "ok"
+        # None (field empty or missing) prints blank
+        pid, load, rate = (
+            "" if v is None else str(v) for v in (record.pid, record.load, record.tokens_per_s)
+        )
         kernels, kv = status_data.worker_compute(w)
         spec = status_data.worker_speculation(w)
+        name, role = (str(v) if v else "?" for v in (record.name, record.role))
         print(
-            f"{w.get(WorkerField.NAME, '?'):<24}{w.get(WorkerField.ROLE, '?'):<9}{pid:>8}"
+            f"{name:<24}{role:<9}{pid:>8}"
             f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {kernels:<9}{kv:<6}{spec:<7}{shown}"
         )
     print(f"\n{'STREAM':<34}{'LENGTH':>8}{'PENDING':>9}{'LAG':>6}{'CONSUMERS':>11}")

@@ -12,21 +12,29 @@ from typing import Any
 
 from kvrelay.core.enums import Stage, WorkerField
 from kvrelay.core.modelref import SHORT_DTYPE_NAMES
+from kvrelay.core.worker_record import WorkerRecord
 
 logger = logging.getLogger(__name__)
+
+
+def worker_record(w: dict[str, Any]) -> WorkerRecord:
+    """A worker of the status snapshot (`WorkerRecord.status`, with what `status` adds: age,
+    TTL, metrics) as its typed record."""
+    return WorkerRecord.decode(w) or WorkerRecord()
 
 
 def worker_compute(w: dict[str, Any]) -> tuple[str, str]:
     """The KERNELS and KV columns of a worker's heartbeat: the C++ CPU kernel ISA ("avx512"; "-"
     when none runs: GPU, torch path) and the KV page dtype ("bf16"; "-" when not reported)."""
-    kv = str(w.get(WorkerField.KV_DTYPE) or "")
-    return str(w.get(WorkerField.KERNEL_ISA) or "-"), SHORT_DTYPE_NAMES.get(kv, kv or "-")
+    record = worker_record(w)
+    kv = record.kv_dtype
+    return record.kernel_isa or "-", SHORT_DTYPE_NAMES.get(kv, kv or "-")
 
 
 def worker_speculation(w: dict[str, Any]) -> str:
     """The SPEC column: the worker's speculative decoding (off, ngram, draft; "-" when not
     reported)."""
-    return str(w.get(WorkerField.SPECULATION) or "-")
+    return worker_record(w).speculation or "-"
 
 
 # Worker series read from its /metrics (summed over labels), as status keys
@@ -70,10 +78,11 @@ def parse_metrics(text: str, wanted: dict[str, str]) -> dict[str, float]:
 
 def metrics_url(worker: dict[str, Any]) -> str | None:
     """The worker's /metrics URL (loopback when it runs on this host), None when it has none."""
-    port = worker.get(WorkerField.METRICS_PORT)
-    if not isinstance(port, int) or port <= 0:
+    record = worker_record(worker)
+    port = record.metrics_port
+    if port is None or port <= 0:
         return None
-    host = worker.get(WorkerField.HOST) or "127.0.0.1"
+    host = record.host or "127.0.0.1"
     if host == socket.gethostname():
         host = "127.0.0.1"
     return f"http://{host}:{port}/metrics"
@@ -90,7 +99,8 @@ def scrape_workers(workers: list[dict[str, Any]], timeout_s: float = 0.5) -> Non
             with urllib.request.urlopen(url, timeout=timeout_s) as resp:
                 w["metrics"] = parse_metrics(resp.read().decode(errors="replace"), WORKER_SERIES)
         except (OSError, ValueError) as exc:  # a worker going away must not break `status`
-            logger.debug("worker %s: no metrics from %s: %s", w.get(WorkerField.NAME), url, exc)
+            name = worker_record(w).name
+            logger.debug("worker %s: no metrics from %s: %s", name, url, exc)
 
 
 def _tier(tier: str, pages: Any, capacity: Any, hits: float, lookups: float) -> dict[str, Any]:
@@ -157,12 +167,14 @@ def add_rates(data: dict[str, Any], sampler: RateSampler | None, now: float) -> 
     for w in data["workers"]:
         counters = w.get("metrics") or {}
         if sampler is not None and "generation_tokens" in counters:
-            rate = sampler.rate(str(w.get(WorkerField.NAME)), counters["generation_tokens"], now)
+            name = worker_record(w).name
+            rate = sampler.rate(name, counters["generation_tokens"], now)
             if rate is not None:
                 w[WorkerField.TOKENS_PER_S] = round(rate, 1)
                 w["tokens_per_s_source"] = "counter"
-        if isinstance(w.get(WorkerField.TOKENS_PER_S), int | float):
-            total += w[WorkerField.TOKENS_PER_S]
+        tokens_per_s = worker_record(w).tokens_per_s
+        if tokens_per_s is not None:
+            total += tokens_per_s
     data["tokens_per_s"] = round(total, 1)
 
 

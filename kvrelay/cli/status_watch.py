@@ -12,8 +12,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kvrelay.cli.status_data import worker_compute, worker_speculation
-from kvrelay.core.enums import WorkerField
+from kvrelay.cli.status_data import worker_compute, worker_record, worker_speculation
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +29,10 @@ def _pct(value: Any) -> str:
 
 def worker_state(w: dict[str, Any]) -> str:
     """ok, draining (finishing what it holds) or drained (draining and holding nothing)."""
-    if not w.get(WorkerField.DRAINING):
+    record = worker_record(w)
+    if not record.draining:
         return "ok"
-    return (
-        "drained" if not w.get(WorkerField.LOAD) and not w.get(WorkerField.RUNNING) else "draining"
-    )
+    return "drained" if not record.load and not record.running else "draining"
 
 
 def workers_table(workers: list[dict[str, Any]]) -> Table:
@@ -44,20 +42,17 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
                 "KERNELS", "KV", "SPEC"):  # fmt: skip
         t.add_column(col, justify="left" if col in left else "right")
     for w in workers:
-        batch = (
-            w.get(WorkerField.RUNNING)
-            if w.get(WorkerField.RUNNING) is not None
-            else w.get(WorkerField.LOAD)
-        )
+        record = worker_record(w)
+        batch = record.running if record.running is not None else record.load
         usage = (w.get("metrics") or {}).get("kv_cache_usage_perc")
         t.add_row(
-            str(w.get(WorkerField.NAME, "?")),
-            str(w.get(WorkerField.ROLE, "?")),
+            record.name or "?",
+            str(record.role) or "?",
             worker_state(w),
             _num(batch),
-            _num(w.get(WorkerField.WAITING)),
+            _num(record.waiting),
             _pct(usage),
-            _num(w.get(WorkerField.TOKENS_PER_S), "{:.1f}"),
+            _num(record.tokens_per_s, "{:.1f}"),
             f"{w['age_s']:.1f}s ago",
             *worker_compute(w),
             worker_speculation(w),

@@ -18,16 +18,17 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, cast
 
 import redis
 
 from kvrelay.core import record as rec
-from kvrelay.core.enums import FinishReason, RequestStatus, Stage, WorkerField
+from kvrelay.core.enums import FinishReason, RequestStatus, Stage
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, Task, TokenChunk
 from kvrelay.core.redis_client import sync_redis
+from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue.output import DEADLINE_PASSED
 from kvrelay.pipeline.queue.streams import Streams
 from kvrelay.workers.config import WorkerConfig
@@ -108,17 +109,16 @@ class Worker:
             },
             config.generation_override,
         )
-        info: dict[str, str | int] = {
-            WorkerField.MODEL: engine.model_name,
-            WorkerField.FINGERPRINT: engine.fingerprint,
-            WorkerField.METRICS_PORT: "",
-            WorkerField.MAX_NUM_SEQS: config.max_num_seqs,
-            WorkerField.KERNEL_ISA: engine.kernel_isa,
+        info = WorkerRecord(
+            model=engine.model_name,
+            fingerprint=engine.fingerprint,
+            max_num_seqs=config.max_num_seqs,
+            kernel_isa=engine.kernel_isa,
             # the KV pool's dtype ("float32", "bfloat16", "float16")
-            WorkerField.KV_DTYPE: str(engine.kv_dtype).removeprefix("torch."),
+            kv_dtype=str(engine.kv_dtype).removeprefix("torch."),
             # speculative decoding, resolved: off, ngram or draft
-            WorkerField.SPECULATION: str(engine.speculation),
-        }
+            speculation=str(engine.speculation),
+        )
         self.heartbeat = Heartbeat(
             self.streams,
             self.name,
@@ -371,20 +371,22 @@ class Worker:
             self.metrics.generation_steps.inc()
         return chunk
 
-    def _stats(self) -> dict[str, Any]:
-        """Heartbeat fields: running/waiting counts and a smoothed tokens/s."""
+    def _stats(self, record: WorkerRecord) -> WorkerRecord:
+        """The heartbeat with running/waiting counts, a smoothed tokens/s and the metrics
+        port."""
         t0, n0, rate = self._rate
         now = time.monotonic()
         if now - t0 >= 1.0:
             rate = (self._tokens - n0) / (now - t0)
             self._rate = (now, self._tokens, rate)
         self.metrics.set_load(len(self.active), self.admissions.qsize())
-        return {
-            WorkerField.RUNNING: len(self.active),
-            WorkerField.WAITING: self.admissions.qsize(),
-            WorkerField.TOKENS_PER_S: f"{rate:.1f}",
-            WorkerField.METRICS_PORT: self.metrics.port or "",
-        }
+        return replace(
+            record,
+            running=len(self.active),
+            waiting=self.admissions.qsize(),
+            tokens_per_s=rate,
+            metrics_port=self.metrics.port or None,
+        )
 
 
 def speculation_record(metrics: dict[str, Any]) -> dict[str, int]:

@@ -15,13 +15,14 @@ import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import redis
 
-from kvrelay.core.enums import WorkerField
 from kvrelay.core.messages import TokenChunk, frame
+from kvrelay.core.worker_record import HEARTBEAT_FIELDS, WorkerRecord
 from kvrelay.pipeline.queue.progress import tail_field
 from kvrelay.pipeline.queue.streams import FenceStatus, StepWrite, Streams, WriteMode
 from kvrelay.workers.publication import ModelPublication
@@ -282,7 +283,10 @@ class Inflight:
 class Heartbeat:
     """Publishes worker:{name} (with TTL), the consumer's beat (its lease on every entry it
     holds: nothing is renewed per entry) and the served model (`ModelPublication`: numbers,
-    defaults, tokenizer files); reads `drain`."""
+    defaults, tokenizer files); reads `drain`.
+
+    `info` holds the worker's fixed fields (model, fingerprint, ...); each beat fills in who it
+    is and its load, `stats` adds the moment's counts, and `WorkerRecord.encode` writes it."""
 
     def __init__(
         self,
@@ -294,9 +298,9 @@ class Heartbeat:
         inflight: Inflight,
         interval_s: float,
         ttl_s: int,
-        info: dict[str, str | int],
+        info: WorkerRecord,
         publication: ModelPublication | None,
-        stats=lambda: {},
+        stats: Callable[[WorkerRecord], WorkerRecord] = lambda record: record,
     ):
         self.streams, self.name, self.role = streams, name, role
         self.stream, self.group, self.inflight = stream, group, inflight
@@ -309,18 +313,18 @@ class Heartbeat:
 
     def beat(self) -> None:
         """One heartbeat: publish, beat, read the drain flag (raises on Redis errors)."""
-        fields = {
-            WorkerField.NAME: self.name,
-            WorkerField.ROLE: self.role,
-            WorkerField.HOST: socket.gethostname(),
-            WorkerField.PID: os.getpid(),
-            WorkerField.CONSUMER: self.streams.consumer,
-            WorkerField.UPDATED: f"{time.time():.3f}",
-            WorkerField.LOAD: len(self.inflight),
-            **self.info,
-            **{k: str(v) for k, v in self.stats().items()},
-        }
+        record = replace(
+            self.info,
+            name=self.name,
+            role=self.role,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            consumer=self.streams.consumer,
+            updated=time.time(),
+            load=len(self.inflight),
+        )
         key = self.streams.keys.worker(self.name)
+        fields = self.stats(record).encode(HEARTBEAT_FIELDS)
         self.draining = self.streams.beat(key, fields, self.ttl_s)
         if self.publication is not None:
             self.publication.publish(self.streams.r, self.streams.keys)

@@ -14,6 +14,7 @@ from kvrelay.cli.admin import connect
 from kvrelay.cli.main import build_parser, main
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk, frame
+from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue import admin as queue_admin
 from kvrelay.pipeline.queue.progress import Progress, new_progress
 from kvrelay.pipeline.queue.streams import Streams
@@ -190,7 +191,7 @@ def test_drain_waits_for_the_heartbeat_to_acknowledge(r, valkey_session, capsys)
     seed(r)
     streams = Streams(redis.Redis.from_url(valkey_session.url), KEYS, "decode-9.1")
     hb = Heartbeat(streams, "decode-9", "decode", KEYS.decode_stream, DECODE_GROUP, Inflight(),
-                   0.3, 5, {}, None)  # fmt: skip
+                   0.3, 5, WorkerRecord(), None)  # fmt: skip
     hb.beat()
     hb.start()
     try:

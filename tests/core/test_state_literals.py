@@ -12,6 +12,12 @@ below where the code uses it *as* that set's value:
   dict given as `hset(..., mapping=...)`, and `.get("...")`/`["..."]` on a worker dict (`w`,
   `worker`, `w.fields`).
 
+The worker hash is also read and written only through `kvrelay.core.worker_record.WorkerRecord`
+(issue 24): outside that module, a worker dict's field is not read by name (`w.get(WorkerField.X)`,
+`w[WorkerField.X]`: read the record's attribute), no dict is keyed by `WorkerField` members (a
+hand-built hash: use `WorkerRecord.encode`), and no `hset` on a worker key names a field itself
+(write `mapping=record.encode(...)`).
+
 Only these positions are read, so the text of docstrings, log messages and f-strings never
 matches; the enum's own module may spell its values (it defines them).
 """
@@ -75,6 +81,8 @@ SETS = (
 
 HASH_FIELD_CALLS = {"hget": 1, "hset": 1, "hdel": 1, "hincrby": 1, "hsetnx": 1, "hexists": 1}
 WORKER_DICTS = frozenset({"w", "worker", "w.fields"})
+WORKER_RECORD = PACKAGE / "core" / "worker_record.py"  # the one reader and writer of the hash
+HASH_WRITES = frozenset({"hset", "hsetnx", "hincrby"})
 
 
 def member_values(closed: type[enum.StrEnum]) -> set[str]:
@@ -159,8 +167,9 @@ class Finder(ast.NodeVisitor):
             for s in sets
             if path is None or (s.module != path and not rel.startswith(s.elsewhere))
         ]
-        self.check_worker_fields = (
-            path is None or path != ClosedSet(WorkerField, frozenset()).module
+        self.check_worker_fields = path is None or path not in (
+            ClosedSet(WorkerField, frozenset()).module,
+            WORKER_RECORD,
         )
         self.found: list[tuple[int, str, str, str]] = []
         self._scopes: list[dict[str, list[ast.expr]]] = [{}]
@@ -217,11 +226,6 @@ class Finder(ast.NodeVisitor):
         self._check(subject(node.target), node.value, "default")
         self.generic_visit(node)
 
-    def visit_Dict(self, node: ast.Dict) -> None:
-        for key, value in zip(node.keys, node.values, strict=True):
-            self._check(_str(key), value, "dict")
-        self.generic_visit(node)
-
     def visit_Call(self, node: ast.Call) -> None:
         for kw in node.keywords:
             self._check(kw.arg, kw.value, "keyword")
@@ -234,11 +238,24 @@ class Finder(ast.NodeVisitor):
         self.generic_visit(node)
 
     # -- the worker:{name} hash -------------------------------------------------------------
-    def _field(self, node: ast.expr | None, position: str) -> None:
+    def _field(self, node: ast.expr | None, position: str, read: bool = False) -> None:
         value = _str(node)
         if value is not None and value in member_values(WorkerField):
             member = repr(WorkerField(value))
             self.found.append((node.lineno, value, member, position))  # type: ignore[union-attr]
+        if read:
+            self._member(node, f"{position}, not through WorkerRecord")
+
+    def _member(self, node: ast.AST | None, where: str) -> None:
+        """Flags `WorkerField.X` (the hash's field named past the record)."""
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "WorkerField"
+            and node.attr in WorkerField.__members__
+        ):
+            value = WorkerField[node.attr].value
+            self.found.append((node.lineno, value, f"WorkerField.{node.attr}", where))
 
     def _is_worker_key(self, node: ast.expr, depth: int = 0) -> bool:
         text = ast.unparse(node)
@@ -256,7 +273,14 @@ class Finder(ast.NodeVisitor):
         return []
 
     def _worker_call(self, node: ast.Call, name: str | None) -> None:
-        if name in HASH_FIELD_CALLS and node.args and self._is_worker_key(node.args[0]):
+        worker_key = bool(node.args) and self._is_worker_key(node.args[0])
+        if name in HASH_WRITES and worker_key and len(node.args) > 1:
+            field = node.args[1]
+            value = _str(field) or ast.unparse(field)
+            self.found.append(
+                (node.lineno, value, "a field", f"{name} field, not WorkerRecord.encode")
+            )
+        if name in HASH_FIELD_CALLS and worker_key:
             for arg in node.args[HASH_FIELD_CALLS[name] :][: 1 if name != "hdel" else None]:
                 self._field(arg, f"{name} field")
             for kw in node.keywords:
@@ -269,11 +293,19 @@ class Finder(ast.NodeVisitor):
             and ast.unparse(node.func.value) in WORKER_DICTS
             and node.args
         ):
-            self._field(node.args[0], "worker dict .get")
+            self._field(node.args[0], "worker dict .get", read=True)
 
     def visit_Subscript(self, node: ast.Subscript) -> None:
         if self.check_worker_fields and ast.unparse(node.value) in WORKER_DICTS:
-            self._field(node.slice, "worker dict subscript")
+            self._field(node.slice, "worker dict subscript", read=isinstance(node.ctx, ast.Load))
+        self.generic_visit(node)
+
+    def visit_Dict(self, node: ast.Dict) -> None:
+        if self.check_worker_fields:
+            for key in node.keys:
+                self._member(key, "dict key: a hand-built worker hash, not WorkerRecord.encode")
+        for key, value in zip(node.keys, node.values, strict=True):
+            self._check(_str(key), value, "dict")
         self.generic_visit(node)
 
 
@@ -342,3 +374,25 @@ def g(r, keys, mode):
     return {"status": "ok", "model": "m"}, impl == "auto"
 '''
     assert [(line, value) for line, value, _, _ in find(source)] == [(5, "auto")]
+
+
+def test_finder_catches_worker_hash_access_past_the_record():
+    source = """
+def h(r, keys, w, pid):
+    key = keys.worker(name)
+    r.hset(key, WorkerField.DRAIN, 1)
+    fields = {WorkerField.PID: pid}
+    w.get(WorkerField.LOAD), w[WorkerField.RUNNING]
+    w[WorkerField.TOKENS_PER_S] = 1.0
+    r.hset(key, mapping=WorkerRecord(drain=True).encode((WorkerField.DRAIN,)))
+    r.hget(key, WorkerField.PID)
+    return WorkerRecord.decode(w).load
+"""
+    found = [(line, value, member) for line, value, member, _ in find(source)]
+    assert found == [
+        (4, "WorkerField.DRAIN", "a field"),
+        (5, "pid", "WorkerField.PID"),
+        (6, "load", "WorkerField.LOAD"),
+        (6, "running", "WorkerField.RUNNING"),
+    ]
+    assert find(source, WORKER_RECORD) == []  # the record's own module reads and writes it

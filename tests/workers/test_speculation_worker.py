@@ -92,7 +92,7 @@ def test_speculating_worker_emits_plain_tokens_and_counts_acceptance(stack):
         assert ref.output_token_ids == plain.output_token_ids
         assert plain.metrics["num_draft_tokens"] == 0
     assert refs[0].metrics["num_accepted_tokens"] > 0
-    assert worker.heartbeat.info["speculation"] == "ngram"
+    assert worker.heartbeat.info.speculation == "ngram"
     before = worker.engine.stats.num_draft_tokens  # the reference runs are not the worker's
     assert sample(worker, "kvrelay:spec_decode_num_draft_tokens_total") == 0
     steps = 0

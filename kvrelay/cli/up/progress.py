@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from kvrelay.cli.up.launch import listens
 from kvrelay.cli.up.valkey import cluster_mode, valkey_ports
 from kvrelay.core.enums import WorkerField
+from kvrelay.core.worker_record import WorkerRecord
 
 if TYPE_CHECKING:
     import redis
@@ -140,10 +141,14 @@ class UpProgress:
             pipe.hget(keys.store_node(self.state.get("store_node", "node0")), "pid")
             for name in self.workers:
                 pipe.hget(keys.worker(name), WorkerField.PID)
-            pids = pipe.execute()
+            store_pid, *worker_pids = pipe.execute()
         except redis.RedisError:  # valkey still starting: nothing registered yet
             return {}
-        return {n: int(p) for n, p in zip(names, pids, strict=True) if p is not None}
+        pids = [
+            None if store_pid is None else int(store_pid),
+            *(WorkerRecord.partial(WorkerField.PID, p).pid for p in worker_pids),
+        ]
+        return {n: p for n, p in zip(names, pids, strict=True) if p is not None}
 
     def _worker_phase(self, name: str, pid: int) -> str:
         """The phase the worker's log shows since `up` started (or since its last restart)."""

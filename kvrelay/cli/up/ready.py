@@ -12,6 +12,7 @@ from kvrelay.cli.up.launch import Supervisor, listens
 from kvrelay.cli.up.valkey import cluster_mode, valkey_ports
 from kvrelay.core.enums import Stage, WorkerField
 from kvrelay.core.errors import KvrelayError
+from kvrelay.core.worker_record import WorkerRecord
 
 
 def check_redis(url: str) -> None:
@@ -45,7 +46,7 @@ def _worker_names(state: dict) -> list[str]:
     return [n for n in state["programs"] if n.startswith(("prefill-", "decode-"))]
 
 
-def _heartbeat_pids(state: dict, names: list[str]) -> list[bytes | None]:
+def _heartbeat_pids(state: dict, names: list[str]) -> list[int | None]:
     """The pid each named worker's heartbeat carries (None: no heartbeat)."""
     import redis
 
@@ -61,7 +62,7 @@ def _heartbeat_pids(state: dict, names: list[str]) -> list[bytes | None]:
             pipe = client.pipeline(transaction=False)
             for name in names:
                 pipe.hget(keys.worker(name), WorkerField.PID)
-            return pipe.execute()
+            return [WorkerRecord.partial(WorkerField.PID, p).pid for p in pipe.execute()]
         finally:
             client.close()
     except redis.RedisError:
@@ -93,7 +94,7 @@ def not_ready_reason(state: dict, status: dict, previous: dict) -> str | None:
             return f"/health counts {workers.get(role, 0)} {role} workers, want {state[role]}"
     names = _worker_names(state)
     for name, pid in zip(names, _heartbeat_pids(state, names), strict=True):
-        if pid is None or int(pid) != status[name][1]:
+        if pid is None or pid != status[name][1]:
             return f"no heartbeat from {name} (pid {status[name][1]})"
     return None
 

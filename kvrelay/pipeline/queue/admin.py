@@ -15,6 +15,7 @@ from kvrelay.core.enums import DONE_STATUSES, RequestStatus, WorkerField
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import MessageError, TokenChunk, decode_chunks, frame
 from kvrelay.core.record import RequestRecord, as_str
+from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue import choices_state, scripts
 from kvrelay.pipeline.queue.progress import Progress
 
@@ -25,18 +26,6 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # req:{id} fields that hold numbers; `ingress` holds JSON
 REQUEST_INT_FIELDS = rec.INT_FIELDS
 REQUEST_FLOAT_FIELDS = rec.FLOAT_FIELDS
-# worker:{name} fields that hold numbers (Redis keeps strings); "" (e.g. metrics off) -> None
-INT_FIELDS = {
-    WorkerField.PID,
-    WorkerField.LOAD,
-    WorkerField.RUNNING,
-    WorkerField.WAITING,
-    WorkerField.DRAINING,
-    WorkerField.DRAIN,
-    WorkerField.MAX_NUM_SEQS,
-    WorkerField.METRICS_PORT,
-}
-FLOAT_FIELDS = {WorkerField.UPDATED, WorkerField.TOKENS_PER_S}
 
 
 def _hash(r: redis.Redis, key: str) -> dict[str, str]:
@@ -44,17 +33,17 @@ def _hash(r: redis.Redis, key: str) -> dict[str, str]:
 
 
 def workers(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
-    """Live workers from their heartbeat hashes, with the heartbeat age in seconds."""
+    """Live workers from their heartbeat hashes (`WorkerRecord.status`: numbers as numbers,
+    None when empty), with the heartbeat age in seconds and the hash's TTL."""
     out = []
     now = time.time()
     for key in sorted(r.scan_iter(match=keys.worker_pattern, count=1000)):
-        info: dict[str, Any] = _hash(r, key)
-        if not info:
+        record = WorkerRecord.decode(r.hgetall(key))
+        if record is None:
             continue
-        for name, value in info.items():
-            if name in INT_FIELDS or name in FLOAT_FIELDS:
-                info[name] = _number(value, int if name in INT_FIELDS else float)
-        info["age_s"] = round(now - float(info.get(WorkerField.UPDATED, now)), 2)
+        info = record.status()
+        updated = now if record.updated is None else record.updated
+        info["age_s"] = round(now - updated, 2)
         info["ttl_s"] = r.ttl(key)
         out.append(info)
     return out
@@ -227,7 +216,8 @@ def drain(r: redis.Redis, keys: Keys, worker: str, undo: bool = False) -> bool:
     key = keys.worker(worker)
     if not r.exists(key):
         return False
-    r.hset(key, WorkerField.DRAIN, 0 if undo else 1)
+    flag: dict[Any, Any] = WorkerRecord(drain=not undo).encode((WorkerField.DRAIN,))
+    r.hset(key, mapping=flag)
     return True
 
 
@@ -235,11 +225,14 @@ def wait_draining(
     r: redis.Redis, keys: Keys, worker: str, draining: bool, timeout_s: float
 ) -> bool | None:
     """Wait until the worker's heartbeat publishes `draining`; False on timeout, None if gone."""
-    key, want = keys.worker(worker), b"1" if draining else b"0"
+    key = keys.worker(worker)
     deadline = time.monotonic() + timeout_s
     while True:
         value = r.hget(key, WorkerField.DRAINING)
-        if value == want:
+        if (
+            value is not None
+            and WorkerRecord.partial(WorkerField.DRAINING, value).draining is draining
+        ):
             return True
         if value is None and not r.exists(key):
             return None

@@ -16,10 +16,11 @@ from typing import Any, Generic, TypeVar, cast
 
 from redis.exceptions import ResponseError
 
-from kvrelay.core.enums import Stage, WorkerField
+from kvrelay.core.enums import Stage
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from kvrelay.core.model_bundle import PUBLICATION_TTL_S
 from kvrelay.core.record import as_str
+from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue.redis_options import AsyncRedis
 from kvrelay.pipeline.queue.replies import StreamEntry
 
@@ -33,9 +34,15 @@ class WorkerInfo:
     """One live worker, from its `worker:{id}` heartbeat hash."""
 
     worker_id: str
-    role: str
-    model: str
-    fields: dict[str, str]
+    record: WorkerRecord
+
+    @property
+    def role(self) -> str:
+        return str(self.record.role)
+
+    @property
+    def model(self) -> str:
+        return self.record.model
 
 
 @dataclass(slots=True)
@@ -165,7 +172,7 @@ class ClusterState:
         """Live, not draining workers serving `model` (or not saying which), by role."""
         counts: dict[str, int] = {}
         for w in await self.workers():
-            if w.fields.get(WorkerField.DRAINING, "0") not in ("", "0"):
+            if w.record.draining:
                 continue  # finishing its work, taking no more
             if not w.model or w.model == model:
                 counts[w.role] = counts.get(w.role, 0) + 1
@@ -198,17 +205,10 @@ class ClusterState:
         workers = []
         prefix = len(self.keys.worker(""))
         for name, raw in zip(names, await pipe.execute(), strict=True):
-            if not raw:  # expired between SCAN and HGETALL
+            record = WorkerRecord.decode(raw)
+            if record is None:  # expired between SCAN and HGETALL
                 continue
-            fields = {as_str(k): as_str(v) for k, v in raw.items()}
-            workers.append(
-                WorkerInfo(
-                    as_str(name)[prefix:],
-                    fields.get(WorkerField.ROLE, ""),
-                    fields.get(WorkerField.MODEL, ""),
-                    fields,
-                )
-            )
+            workers.append(WorkerInfo(as_str(name)[prefix:], record))
         return workers
 
     async def _fetch_load(self) -> dict[str, StreamLoad]:

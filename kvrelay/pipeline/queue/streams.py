@@ -24,6 +24,7 @@ from kvrelay.core.enums import FinishReason, WorkerField
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import TokenChunk, decode_chunks, frame
 from kvrelay.core.record import as_str
+from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.field_ttl import field_ttl_sync
 from kvrelay.pipeline.queue.progress import Progress, owner_of
@@ -401,7 +402,8 @@ class Streams:
         pipe = self.r.pipeline(transaction=False)
         for key in self.r.scan_iter(match=self.keys.worker_pattern, count=1000):
             pipe.hget(key, WorkerField.CONSUMER)
-        return {as_str(name) for name in pipe.execute() if name}
+        records = (WorkerRecord.partial(WorkerField.CONSUMER, v) for v in pipe.execute())
+        return {w.consumer for w in records if w.consumer}
 
     def prune_consumers(
         self, stream: str, group: str, idle_ms: int = 600_000, dead_idle_ms: int = 30_000

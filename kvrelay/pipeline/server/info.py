@@ -9,7 +9,6 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvrelay.core.enums import WorkerField
 from kvrelay.pipeline.errors import RequestError, model_not_found
 from kvrelay.pipeline.metrics import CONTENT_TYPE
 from kvrelay.pipeline.queue.cluster import WorkerInfo
@@ -99,13 +98,6 @@ class InfoApi:
         return body | await self.ingress.registry.describe(name)
 
 
-def _drained(fields: dict[str, str]) -> bool:
-    """Draining (acknowledged) or asked to drain: the worker takes no new entry."""
-    return any(
-        fields.get(name, "0") not in ("", "0") for name in (WorkerField.DRAINING, WorkerField.DRAIN)
-    )
-
-
 def stage_readiness(workers: list[WorkerInfo], mode: RouteMode | str) -> dict[str, dict[str, Any]]:
     """Per stage: whether a live, non-draining worker will take its entries, and which role.
 
@@ -114,7 +106,7 @@ def stage_readiness(workers: list[WorkerInfo], mode: RouteMode | str) -> dict[st
     """
     serving: dict[str, int] = {PREFILL: 0, DECODE: 0}
     for w in workers:
-        if w.role in serving and not _drained(w.fields):
+        if w.role in serving and not w.record.stopped:
             serving[w.role] += 1
     decode = serving[DECODE]
     prefill_by = PREFILL

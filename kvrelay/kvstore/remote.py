@@ -1,6 +1,9 @@
 """Remote pages: pulling a local miss from the peer node the directory names, and answering
 peers' fetches. Transfers run UCX (ucxx) when both sides have it, plain TCP otherwise; every
 failure is logged, counted and reported as a miss so the caller recomputes instead of hanging.
+
+Sessions are `Peer`s (`transport/peer.py`) opened through the transport registry and used
+from the node's fetch pool threads (blocking calls; UCX ones wait on the process's UCX loop).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from kvrelay.kvstore.messages import decode_fetch
 from kvrelay.kvstore.metrics import StoreMetrics
 from kvrelay.kvstore.store import NodeStore
 from kvrelay.kvstore.transport import Transport
+from kvrelay.kvstore.transport.peer import Peer, connector
 from kvrelay.kvstore.transport.session import fetch_request
-from kvrelay.kvstore.transport.tcp import TcpPeer
 
 if TYPE_CHECKING:
     from kvrelay.kvstore.transport.ucx_local import LocalUcx
@@ -45,10 +48,10 @@ class Remote:
     ):
         self.store, self.arena, self.directory, self.metrics = store, arena, directory, metrics
         self.secret, self.transport, self.timeout_s = secret, transport, timeout_s
-        self.loop, self.ucx_ok = loop, ucx_ok
+        self.loop, self.ucx_ok = loop, ucx_ok  # the process's UCX loop when ucx_ok
         # (transport, address) -> idle sessions; a fetch takes one out while it uses it, so
         # concurrent fetches (the node's pool threads) never share a session.
-        self._peers: dict[tuple[Transport, str], list] = {}
+        self._peers: dict[tuple[Transport, str], list[Peer]] = {}
         self._peers_lock = threading.Lock()
         # LocalUcx when this node runs UCX (same-host worker addresses)
         self.local: LocalUcx | None = None
@@ -56,12 +59,12 @@ class Remote:
         self.same_host = True
         self._tls = threading.local()  # the current fetch's deadline, per pool thread
 
-    def _take(self, kind: Transport, address: str):
+    def _take(self, kind: Transport, address: str) -> Peer | None:
         with self._peers_lock:
             idle = self._peers.get((kind, address))
             return idle.pop() if idle else None
 
-    def _give(self, kind: Transport, address: str, peer) -> None:
+    def _give(self, kind: Transport, address: str, peer: Peer) -> None:
         with self._peers_lock:
             self._peers.setdefault((kind, address), []).append(peer)
 
@@ -143,63 +146,36 @@ class Remote:
         self, kind: Transport, address: str, request: dict, dsts: list[memoryview]
     ) -> int:
         """One fetch over a cached session; a stale session is replaced once (not on timeout)."""
+        connect = connector(kind)
         for attempt in (0, 1):
             peer = self._take(kind, address)
             reused = peer is not None
             try:
-                if kind == Transport.TCP:
-                    if peer is None:
-                        host, port = address.rsplit(":", 1)
-                        peer = TcpPeer(host, int(port), self.secret, self._left())
-                    found = peer.fetch(request, dsts, max(self._left(), 0.05))
-                else:
-                    found = self._ucx(address, request, dsts)
+                if peer is None:
+                    peer = connect(address, self.secret, max(self._left(), 0.05))
+                found = peer.fetch(request, dsts, max(self._left(), 0.05))
             except TransferError as exc:
-                if peer is not None and kind == Transport.TCP:
+                if peer is not None:
                     peer.close()
                 if attempt or not reused or isinstance(exc, TransferTimeoutError | AuthError):
                     raise
                 logger.info("session to %s broke (%s); reconnecting", address, exc)
                 continue
-            if kind == Transport.TCP:
-                self._give(kind, address, peer)
+            except BaseException:
+                if peer is not None:
+                    peer.close()
+                raise
+            self._give(kind, address, peer)
             return found
         raise AssertionError("unreachable")
 
-    def _ucx(self, address: str, request: dict, dsts: list[memoryview]) -> int:
-        from kvrelay.kvstore.transport.ucx import UcxPeer
-
-        assert self.loop is not None  # UCX transfers only run with ucx_ok: the node's UCX loop
-        left = self._left()
-
-        async def run() -> int:
-            peer = self._take(Transport.UCX, address)
-            if peer is None:
-                host, port = address.rsplit(":", 1)
-                peer = UcxPeer(host, int(port))
-                await peer.connect(self.secret, left)
-            try:
-                found = await peer.fetch(request, dsts, max(left, 0.05))
-            except BaseException:
-                peer.close()
-                raise
-            self._give(Transport.UCX, address, peer)
-            return found
-
-        fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
-        try:
-            return fut.result(left + 1)  # the coroutine bounds itself; this is a backstop
-        except TimeoutError as exc:
-            fut.cancel()
-            raise TransferTimeoutError(f"UCX fetch from {address} timed out") from exc
-
     def close(self) -> None:
-        """Close cached sessions (call from the node's event loop thread)."""
+        """Close cached sessions (from any thread: closing a session never blocks)."""
         with self._peers_lock:
-            for idle in self._peers.values():
-                for peer in idle:
-                    peer.close()
+            peers = [peer for idle in self._peers.values() for peer in idle]
             self._peers.clear()
+        for peer in peers:
+            peer.close()
 
     def _fetch_from(self, node_id: str, keys: list[bytes], pinned: list[int]) -> int:
         info = self.directory.node_info(node_id)

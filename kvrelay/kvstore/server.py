@@ -211,12 +211,13 @@ class StoreNode:
             self.directory.stop()
         if self._tcp is not None:
             self._tcp.close()  # open TCP sessions end with the node
+        if self.remote is not None:
+            self.remote.close()  # our cached sessions to peers (UCX ones end on the UCX loop)
         if self._loop is not None:
 
             async def shut() -> None:
                 remote = self.remote
                 assert remote is not None  # the UCX loop is only set up along with Remote
-                remote.close()
                 tasks = []
                 if remote.local is not None:
                     tasks += remote.local.close()

@@ -1,6 +1,7 @@
 """The TCP transport for store-to-store page transfers (the session is in `session.py`).
 
-TCP frames messages with a 4-byte length; pages go raw.
+TCP frames messages with a 4-byte length; pages go raw. The client side is a `Peer`
+(`transport/peer.py`): blocking calls from the node's fetch pool threads.
 """
 
 from __future__ import annotations
@@ -139,6 +140,12 @@ def _recv_msg(sock: socket.socket, deadline: float | None) -> bytes:
     body = bytearray(n)
     _recv_exact(sock, memoryview(body), deadline)
     return bytes(body)
+
+
+def connect(address: str, secret: bytes, timeout_s: float) -> TcpPeer:
+    """An authenticated TCP session to `address` ("host:port"), a `Peer`."""
+    host, port = address.rsplit(":", 1)
+    return TcpPeer(host, int(port), secret, timeout_s)
 
 
 class TcpPeer:

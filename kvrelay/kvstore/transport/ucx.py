@@ -1,6 +1,8 @@
 """UCX transport (ucxx) for store-to-store page transfers: same session as `session.py`
 (HMAC challenge, fetch request, pages) carried over a UCX endpoint. Runs on CPU over TCP and
 shared memory; CUDA/NVLink/RDMA transports apply where UCX finds them. Imported only when used.
+The client side is a `Peer` (`transport/peer.py`, blocking calls from the fetch pool threads)
+whose session coroutines run on the process's UCX loop (`ucx_runtime`).
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ import asyncio
 import hmac
 import logging
 import os
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from kvrelay.kvstore.errors import AuthError, StoreError, TransferError, TransferTimeoutError
-from kvrelay.kvstore.transport import ucx_runtime  # noqa: F401 - sets the UCX environment for ucxx
+from kvrelay.kvstore.transport import ucx_runtime  # also sets the UCX environment for ucxx
 from kvrelay.kvstore.transport.session import (
     NONCE,
     ServeFn,
@@ -24,6 +27,8 @@ from kvrelay.kvstore.transport.session import (
 from kvrelay.kvstore.transport.ucx_local import BUFFERS, UcxEndpoint
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def available() -> bool:
@@ -88,7 +93,46 @@ class UcxServer:
         self.listener.close()
 
 
+def connect(address: str, secret: bytes, timeout_s: float) -> UcxPeer:
+    """An authenticated UCX endpoint to `address` ("host:port"), a `Peer` (blocking)."""
+    host, port = address.rsplit(":", 1)
+    peer = UcxPeer(UcxSession(host, int(port)), ucx_runtime.loop())
+    try:
+        peer.wait(peer.session.connect(secret, timeout_s), timeout_s, "connect to")
+    except BaseException:
+        peer.close()
+        raise
+    return peer
+
+
 class UcxPeer:
+    """A `Peer`: a `UcxSession` driven from a fetch pool thread on the UCX loop."""
+
+    def __init__(self, session: UcxSession, loop: asyncio.AbstractEventLoop):
+        self.session, self.loop = session, loop
+
+    def wait(self, coro: Coroutine[Any, Any, T], timeout_s: float, what: str) -> T:
+        """Run `coro` on the UCX loop and wait for it; the coroutine bounds itself (a backstop)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout_s + 1)
+        except TimeoutError as exc:
+            fut.cancel()
+            where = f"{self.session.host}:{self.session.port}"
+            raise TransferTimeoutError(f"UCX {what} {where} timed out") from exc
+
+    def fetch(self, request: dict, dsts: list[memoryview], timeout_s: float) -> int:
+        try:
+            return self.wait(self.session.fetch(request, dsts, timeout_s), timeout_s, "fetch from")
+        except BaseException:
+            self.close()  # a failed session is never reused
+            raise
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.session.close)
+
+
+class UcxSession:
     """An authenticated UCX endpoint to one peer, reused across fetches (use from one loop)."""
 
     def __init__(self, host: str, port: int):

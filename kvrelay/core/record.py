@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -48,6 +48,11 @@ SUBMISSION_ID = "submission_id"
 # holds how many, each choice's own record `{id}.{k}` names its parent
 NUM_CHOICES = "num_choices"
 PARENT = "parent"
+
+# HSET values of the record, as the writers hand them to redis-py or to a script's ARGV
+Encoded = dict[str, str | int | float]
+# the decimals the Python writers stamp a time with (the workers' and the step's: milliseconds)
+MILLIS = 3
 
 
 def as_str(value: Any) -> str:
@@ -107,19 +112,37 @@ class RequestRecord:
                 values[name] = _PARSERS[name](text) if text else None
         return cls(**values)
 
-    def encode(self, only: tuple[str, ...] | None = None) -> dict[str, str | int | float]:
-        """HSET mapping (all fields, or the named ones); None becomes ""."""
-        names = only or FIELD_ORDER
-        out: dict[str, str | int | float] = {}
-        for name in names:
-            value = getattr(self, name)
-            if value is None:
-                out[name] = ""
-            elif name in JSON_FIELDS:
-                out[name] = json.dumps(value)
-            else:
-                out[name] = str(value) if isinstance(value, str) else value
-        return out
+    @classmethod
+    def decode_fields(cls, names: Sequence[str], values: Sequence[Any]) -> RequestRecord:
+        """From the reply of an HMGET of `names` (an HGET: one name, its value in a list): the
+        fields read, typed; the others (and what the record lacks) None."""
+        raw = {name: value for name, value in zip(names, values, strict=True) if value is not None}
+        return cls.decode(raw) or cls()
+
+    def encode(
+        self, only: tuple[str, ...] | None = None, places: Mapping[str, int] | None = None
+    ) -> Encoded:
+        """HSET mapping (all fields, or the named ones); None becomes "". A float field named
+        in `places` is written with that many decimals (`f"{value:.3f}"`), others as they are."""
+        return {name: self._value(name, places) for name in only or FIELD_ORDER}
+
+    def changes(self, places: Mapping[str, int] | None = None) -> Encoded:
+        """HSET mapping of the fields this record sets (those not None, "" and 0 included), in
+        field order: a writer's update, `RequestRecord(status=..., owner="").changes()`."""
+        names = tuple(name for name in FIELD_ORDER if getattr(self, name) is not None)
+        return {name: self._value(name, places) for name in names}
+
+    def _value(self, name: str, places: Mapping[str, int] | None) -> str | int | float:
+        value = getattr(self, name)
+        if value is None:
+            return ""
+        if name in JSON_FIELDS:
+            return json.dumps(value)
+        if isinstance(value, str):
+            return str(value)  # an enum: its value
+        if places and name in places and isinstance(value, float | int):
+            return f"{value:.{places[name]}f}"
+        return typing.cast("int | float", value)
 
     def public(self) -> dict[str, Any]:
         """The fields clients see (GET /v1/requests/{id}, the producer client's status()):

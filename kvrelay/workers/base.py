@@ -27,6 +27,7 @@ from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, RequestStatus, Stage
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, Task, TokenChunk
+from kvrelay.core.record import RequestRecord
 from kvrelay.core.redis_client import sync_redis
 from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue.output import DEADLINE_PASSED
@@ -312,20 +313,20 @@ class Worker:
         chunk: TokenChunk,
         done: bool,
         status: RequestStatus | None = None,
-        record: dict[str, int] | None = None,
+        record: RequestRecord | None = None,
     ) -> None:
-        """Write `chunk` (and with the final one, the record's ending fields and `record`)."""
-        fields: dict[str, str | int | float] = {}
+        """Write `chunk` (and with the final one, the record's ending fields and `record`'s)."""
+        fields: rec.Encoded = {}
         if done:
-            fields[rec.OWNER] = self.name
-            fields[rec.STAGE] = self.role
-            fields[rec.STATUS] = status or RequestStatus.FINISHED
-            fields[rec.FINISH_REASON] = chunk.finish_reason or ""
-            if chunk.error:
-                fields[rec.ERROR] = chunk.error
-            if chunk.usage:
-                fields[rec.CACHED_TOKENS] = chunk.usage.get("cached_tokens", 0)
-            fields.update(record or {})
+            ending = RequestRecord(
+                status=status or RequestStatus.FINISHED,
+                stage=self.role,
+                owner=self.name,
+                finish_reason=chunk.finish_reason or "",
+                error=chunk.error or None,
+                cached_tokens=chunk.usage.get("cached_tokens", 0) if chunk.usage else None,
+            )
+            fields = {**ending.changes(), **(record.changes() if record else {})}
         self.emitter.put(
             Outgoing(
                 OutgoingKind.EMIT,
@@ -389,15 +390,15 @@ class Worker:
         )
 
 
-def speculation_record(metrics: dict[str, Any]) -> dict[str, int]:
+def speculation_record(metrics: dict[str, Any]) -> RequestRecord:
     """The request record's speculation fields from a finished RequestOutput's metrics (none
-    when the engine does not report them)."""
+    set when the engine does not report them)."""
     if "num_draft_tokens" not in metrics:
-        return {}
-    return {
-        rec.DRAFT_TOKENS: int(metrics["num_draft_tokens"] or 0),
-        rec.ACCEPTED_TOKENS: int(metrics.get("num_accepted_tokens") or 0),
-    }
+        return RequestRecord()
+    return RequestRecord(
+        draft_tokens=int(metrics["num_draft_tokens"] or 0),
+        accepted_tokens=int(metrics.get("num_accepted_tokens") or 0),
+    )
 
 
 def _logprobs(

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus, Stage
 from kvrelay.core.messages import DecodeTask, PrefillTask
+from kvrelay.core.record import RequestRecord
 from kvrelay.workers.base import Worker
 from kvrelay.workers.emitter import Outgoing, OutgoingKind
 from kvrelay.workers.engine.config import RequestOutput
@@ -56,13 +56,13 @@ class PrefillWorker(Worker):
             prefilled=True,
             detokenize=task.detokenize,
         )
-        fields: dict[str, str | int | float] = {
-            rec.STATUS: RequestStatus.DECODING,
-            rec.STAGE: Stage.DECODE,
-            rec.OWNER: "",
-            rec.PROMPT_TOKENS: len(task.prompt_token_ids),
-            rec.CACHED_TOKENS: cached,
-        }
+        fields = RequestRecord(
+            status=RequestStatus.DECODING,
+            stage=Stage.DECODE,
+            owner="",
+            prompt_tokens=len(task.prompt_token_ids),
+            cached_tokens=cached,
+        ).changes()
         self.emitter.put(
             Outgoing(
                 OutgoingKind.HANDOFF,

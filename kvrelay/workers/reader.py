@@ -17,6 +17,7 @@ import redis
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus, Stage
 from kvrelay.core.messages import DecodeTask, MessageError, PrefillTask, Task
+from kvrelay.core.record import RequestRecord
 from kvrelay.pipeline.queue.streams import Admitted, Entry, Streams, emitted_of
 from kvrelay.workers.config import WorkerConfig
 from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing, OutgoingKind
@@ -178,17 +179,18 @@ def _admit_args(
     w: ReaderHost, entry: Entry, task: Task, claimed: bool
 ) -> tuple[str, str, int, dict[str, str | int | float]]:
     status = RequestStatus.PREFILLING if w.role == Stage.PREFILL else RequestStatus.DECODING
-    now = f"{time.time():.3f}"
-    fields: dict[str, str | int | float] = {
-        rec.STATUS: status,
-        rec.STAGE: w.role,
-        rec.OWNER: w.name,
-        rec.UPDATED: now,
-    }
+    now = time.time()
     first_stage = w.role == Stage.PREFILL or not getattr(task, "prefilled", True)
-    if first_stage and entry.deliveries == 1 and not claimed:
-        fields[rec.STARTED] = now  # the ingress's queue-time metric
+    started = first_stage and entry.deliveries == 1 and not claimed
+    record = RequestRecord(
+        status=status,
+        stage=w.role,
+        owner=w.name,
+        updated=now,
+        started=now if started else None,  # the ingress's queue-time metric
+    )
     queued = len(getattr(task, "output_token_ids", ()))
+    fields = record.changes(places={rec.UPDATED: rec.MILLIS, rec.STARTED: rec.MILLIS})
     return entry.entry_id, task.request_id, queued, fields
 
 

@@ -171,3 +171,66 @@ def test_round_trip_through_a_real_hash(r):
     r.hset("req:x", mapping=record.encode())
     back = RequestRecord.decode(r.hgetall("req:x"))
     assert back == record and back.ended
+
+
+def test_encode_writes_times_with_the_decimals_asked():
+    record = RequestRecord(created=1700000000.25, updated=1700000001, deadline=None)
+    names = (rec.CREATED, rec.UPDATED, rec.DEADLINE)
+    assert record.encode(names, places={rec.CREATED: 6, rec.UPDATED: 6, rec.DEADLINE: 3}) == {
+        "created": "1700000000.250000", "updated": "1700000001.000000", "deadline": "",
+    }  # fmt: skip
+    # without places a time is the number itself (redis-py writes repr(float))
+    assert record.encode((rec.CREATED,)) == {"created": 1700000000.25}
+
+
+def test_changes_are_the_fields_set_in_field_order():
+    """A writer's update: what it set, "" and 0 included (a clear is a set), None left out."""
+    update = RequestRecord(
+        owner="", status=RequestStatus.DECODING, emitted=0, started=1.5, updated=1.5,
+        ingress={"api": "chat"},
+    )  # fmt: skip
+    got = update.changes(places={rec.UPDATED: rec.MILLIS})
+    assert got == {
+        "status": "decoding", "owner": "", "updated": "1.500", "started": 1.5, "emitted": 0,
+        "ingress": '{"api": "chat"}',
+    }  # fmt: skip
+    assert list(got) == ["status", "owner", "updated", "started", "emitted", "ingress"]
+    assert type(got["status"]) is str  # the enum's plain string
+    assert RequestRecord().changes() == {}
+
+
+def test_decode_fields_types_an_hmget_reply():
+    names = (rec.STATUS, rec.EMITTED, rec.DEADLINE, rec.MODEL)
+    got = RequestRecord.decode_fields(names, [b"finished", b"7", None, b""])
+    assert (got.status, got.emitted, got.deadline, got.model) == (
+        RequestStatus.FINISHED, 7, None, None,
+    )  # fmt: skip
+    assert got.owner is None  # not read
+    assert RequestRecord.decode_fields((rec.EMITTED,), (None,)) == RequestRecord()  # no record
+    with pytest.raises(ValueError):
+        RequestRecord.decode_fields((rec.EMITTED,), ())
+
+
+def test_writers_keep_the_wire_values(monkeypatch):
+    """The submission's and the workers' writes go through RequestRecord with the exact
+    strings they wrote before (the Lua scripts and other readers depend on them)."""
+    from kvrelay.pipeline.queue import submit
+    from kvrelay.workers.base import speculation_record
+
+    monkeypatch.setattr(submit.time, "time", lambda: 1700000001.5)
+    sub = submit.Submission(
+        request_id="r", model="m", prompt_token_ids=[1, 2], sampling=None,  # type: ignore[arg-type]
+        arrival_time=1700000000.25, deadline=1700000060.0,
+    )  # fmt: skip
+    items = submit._record_items(sub, "prefill", 2, 1)
+    assert dict(zip(items[::2], items[1::2], strict=True)) == {
+        "status": "queued", "stage": "prefill", "model": "m", "created": "1700000000.250000",
+        "updated": "1700000001.500000", "prompt_tokens": 2, "completion_tokens": 0,
+        "cached_tokens": 1, "deadline": "1700000060.000",
+    }  # fmt: skip
+    sub.deadline = None
+    items = submit._record_items(sub, "prefill", 2, 1)
+    assert dict(zip(items[::2], items[1::2], strict=True))["deadline"] == ""
+    assert speculation_record({}).changes() == {}
+    spec = speculation_record({"num_draft_tokens": 4, "num_accepted_tokens": None})
+    assert spec.changes() == {"draft_tokens": 4, "accepted_tokens": 0}

@@ -10,7 +10,11 @@ below where the code uses it *as* that set's value:
   (`{"api": "chat"}`), `Outgoing`'s kind;
 - a `worker:{name}` hash field: the field of `hget`/`hset`/`hdel` on a worker key, the keys of a
   dict given as `hset(..., mapping=...)`, and `.get("...")`/`["..."]` on a worker dict (`w`,
-  `worker`, `w.fields`).
+  `worker`, `w.fields`);
+- a `req:{id}` record field (`kvrelay.core.record`): the fields of `hget`/`hmget`/`hset`/
+  `hincrby`/... on a request key (`keys.request(...)`, or a name bound to one), and the keys of a
+  dict given as `hset(..., mapping=...)` there, or as a worker's `req_fields=`; writers build
+  those through `RequestRecord`.
 
 The worker hash is also read and written only through `kvrelay.core.worker_record.WorkerRecord`
 (issue 24): outside that module, a worker dict's field is not read by name (`w.get(WorkerField.X)`,
@@ -30,6 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay.core import record as rec
 from kvrelay.core.enums import (
     FinishReason,
     Quantization,
@@ -83,6 +88,9 @@ HASH_FIELD_CALLS = {"hget": 1, "hset": 1, "hdel": 1, "hincrby": 1, "hsetnx": 1, 
 WORKER_DICTS = frozenset({"w", "worker", "w.fields"})
 WORKER_RECORD = PACKAGE / "core" / "worker_record.py"  # the one reader and writer of the hash
 HASH_WRITES = frozenset({"hset", "hsetnx", "hincrby"})
+# the req:{id} hash: these calls name every argument after the key a field (hset: the first)
+REQUEST_FIELD_CALLS = {**HASH_FIELD_CALLS, "hmget": 1}
+RECORD_MODULE = PACKAGE / "core" / "record.py"
 
 
 def member_values(closed: type[enum.StrEnum]) -> set[str]:
@@ -171,6 +179,7 @@ class Finder(ast.NodeVisitor):
             ClosedSet(WorkerField, frozenset()).module,
             WORKER_RECORD,
         )
+        self.check_request_fields = path is None or path != RECORD_MODULE
         self.found: list[tuple[int, str, str, str]] = []
         self._scopes: list[dict[str, list[ast.expr]]] = [{}]
 
@@ -235,7 +244,39 @@ class Finder(ast.NodeVisitor):
             self._check("kind", node.args[0], "keyword")
         if self.check_worker_fields:
             self._worker_call(node, name)
+        if self.check_request_fields:
+            self._request_call(node, name)
         self.generic_visit(node)
+
+    # -- the req:{id} record ----------------------------------------------------------------
+    def _record_field(self, node: ast.expr | None, position: str) -> None:
+        value = _str(node)
+        if value is not None and value in rec.FIELDS:
+            self.found.append((node.lineno, value, f"record field {value!r}", position))  # type: ignore[union-attr]
+
+    def _is_request_key(self, node: ast.expr, depth: int = 0) -> bool:
+        if ".request(" in ast.unparse(node):
+            return True
+        if isinstance(node, ast.Name) and depth < 3:
+            bound = self._scopes[-1].get(node.id, [])
+            return any(self._is_request_key(v, depth + 1) for v in bound)
+        return False
+
+    def _request_call(self, node: ast.Call, name: str | None) -> None:
+        if name in REQUEST_FIELD_CALLS and node.args and self._is_request_key(node.args[0]):
+            named = node.args[1:]
+            if name in ("hset", "hsetnx", "hget", "hincrby", "hexists"):
+                named = named[:1]
+            for arg in named:
+                self._record_field(arg, f"{name} field")
+            for kw in node.keywords:
+                if kw.arg == "mapping":
+                    for key in self._mapping_keys(kw.value):
+                        self._record_field(key, f"{name} mapping key")
+        for kw in node.keywords:
+            if kw.arg == "req_fields":
+                for key in self._mapping_keys(kw.value):
+                    self._record_field(key, "req_fields key")
 
     # -- the worker:{name} hash -------------------------------------------------------------
     def _field(self, node: ast.expr | None, position: str, read: bool = False) -> None:
@@ -361,6 +402,33 @@ def f(w, item, r, keys, mode="auto", *, api="chat"):
         (14, "not-owner"),
         (14, "finished"),
     }
+
+
+def test_finder_catches_request_record_fields():
+    source = """
+def f(r, keys, rid, w):
+    key = keys.request(rid)
+    r.hget(key, "emitted"), r.hmget(keys.request(rid), "status", "error")
+    r.hincrby(keys.request(rid), "attach", 1)
+    fields = {"owner": w, "finish_reason": ""}
+    r.hset(key, mapping=fields)
+    Outgoing(kind, rid, 1, req_fields={"stage": "decode"})
+    r.hget(keys.request(rid), rec.EMITTED), r.hset(key, mapping=RequestRecord().changes())
+    r.hget(keys.worker(w), "status"), r.hget(keys.progress, "emitted")
+"""
+    found = {(line, value) for line, value, _, _ in find(source)}
+    assert found == {
+        (4, "emitted"),
+        (4, "status"),
+        (4, "error"),
+        (5, "attach"),
+        (6, "owner"),
+        (6, "finish_reason"),
+        (8, "stage"),
+        (8, "decode"),  # a Stage, as before
+    }
+    # the record's own module spells its names
+    assert find('r.hget(keys.request(rid), "emitted")', RECORD_MODULE) == []
 
 
 def test_finder_ignores_text_and_other_hashes():

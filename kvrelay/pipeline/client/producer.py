@@ -19,7 +19,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncGenerator, Iterator
-from typing import Any, cast
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -28,6 +28,7 @@ from kvrelay.core import record as rec
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.modelref import DEFAULT_MODEL
+from kvrelay.core.record import RequestRecord
 from kvrelay.core.sampling import GenerationDefaults, InvalidSamplingParams, SamplingParams
 from kvrelay.pipeline.client.validate import (
     checked_id,
@@ -177,7 +178,9 @@ class AsyncClient:
             sub, entry = await self.producer.prepare_parsed(
                 parsed, request_id=request_id, detokenize=detokenize
             )
-            route = await self.producer.enqueue(sub, entry, {rec.SOURCE: "client"}, feed)
+            route = await self.producer.enqueue(
+                sub, entry, RequestRecord(source="client").changes(), feed
+            )
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
         if route is None:
@@ -195,8 +198,8 @@ class AsyncClient:
         model = self._models.get(request_id)
         if model is None:
             key = self.keys.request(request_id)
-            raw = cast("bytes | None", await self.redis.hget(key, rec.MODEL))
-            model = raw.decode() if raw else None
+            raw = await self.redis.hget(key, rec.MODEL)
+            model = RequestRecord.decode_fields((rec.MODEL,), (raw,)).model
         if not model:
             return None
         try:
@@ -225,7 +228,7 @@ class AsyncClient:
             deadline = self._deadlines.get(request_id)
             if deadline is None and request_id not in self._deadlines:
                 raw = await self.redis.hget(self.keys.request(request_id), rec.DEADLINE)
-                deadline = float(raw) if raw else None
+                deadline = RequestRecord.decode_fields((rec.DEADLINE,), (raw,)).deadline
             retext = await self._retext(request_id) if start_index else None
             # the deadline is met at the deadline itself, as the ingress does
             if _subscription is not None:  # generate(): subscribed before submitting

@@ -9,12 +9,11 @@ from typing import Any, cast
 
 import redis
 
-from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus
 from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import MESSAGE_FIELD, DlqField, Keys
 from kvrelay.core.messages import DecodeTask, MessageError, PrefillTask
-from kvrelay.core.record import as_str
+from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.pipeline.queue.field_ttl import field_ttl_sync, set_progress_args
 from kvrelay.pipeline.queue.progress import new_progress
 from kvrelay.pipeline.queue.replies import StreamEntry
@@ -139,14 +138,10 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
         pipe.execute_command(
             *set_progress_args(keys.progress, request_id, new_progress(), ttl_s, flag)
         )
+        replayed = RequestRecord(status=RequestStatus.QUEUED, emitted=0, error="", finish_reason="")
         pipe.hset(
             keys.request(request_id),
-            mapping={
-                rec.STATUS: RequestStatus.QUEUED,
-                rec.EMITTED: 0,
-                rec.ERROR: "",
-                rec.FINISH_REASON: "",
-            },
+            mapping=replayed.changes(),  # type: ignore[arg-type]  # redis-py: invariant keys
         )
     pipe.xadd(stream, {MESSAGE_FIELD: payload})
     pipe.xdel(keys.dlq, dlq_id)

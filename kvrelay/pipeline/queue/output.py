@@ -20,7 +20,7 @@ from kvrelay.core.enums import FinishReason, RequestStatus
 from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import TokenChunk
-from kvrelay.core.record import as_str
+from kvrelay.core.record import RequestRecord
 from kvrelay.pipeline.queue.redis_options import AsyncRedis
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,13 @@ def output_gone(status: str, emitted: Any, out_exists: bool) -> bool:
 
 async def check_output(redis: AsyncRedis, keys: Keys, request_id: str) -> None:
     """Raise OutputExpired when req:{id} says the request ended and out:{id} is gone."""
-    status, emitted = await redis.hmget(keys.request(request_id), rec.STATUS, rec.EMITTED)
-    if status is None or as_str(status) not in ENDED:
+    names = (rec.STATUS, rec.EMITTED)
+    got = RequestRecord.decode_fields(names, await redis.hmget(keys.request(request_id), *names))
+    if got.status is None or got.status not in ENDED:
         return
-    if output_gone(as_str(status), emitted, bool(await redis.exists(keys.out(request_id)))):
-        raise OutputExpired(request_id, as_str(status))
+    status = str(got.status)
+    if output_gone(status, got.emitted, bool(await redis.exists(keys.out(request_id)))):
+        raise OutputExpired(request_id, status)
 
 
 def trim_chunk(

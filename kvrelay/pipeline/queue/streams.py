@@ -23,7 +23,7 @@ from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, WorkerField
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import TokenChunk, decode_chunks, frame
-from kvrelay.core.record import as_str
+from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.field_ttl import field_ttl_sync
@@ -276,12 +276,12 @@ class Streams:
             len(writes),
             len(check),
         ]
-        now = f"{time.time():.3f}"
+        stamp = RequestRecord(updated=time.time()).changes(places={rec.UPDATED: rec.MILLIS})
         for w in writes:
             keys += [self.keys.request(w.request_id), self.keys.out(w.request_id)]
             fields = w.req_fields
             if w.mode == WriteMode.DONE or fields:
-                fields = {rec.UPDATED: now, **(fields or {})}
+                fields = {**stamp, **(fields or {})}
             flat = _flat(fields)
             chunk = w.chunk
             payload = w.payload or chunk.encode()
@@ -360,7 +360,8 @@ class Streams:
         prog = Progress.parse(cast("bytes | None", self.r.hget(self.keys.progress, request_id)))
         if prog is not None:
             return prog.emitted
-        return int(self.r.hget(self.keys.request(request_id), rec.EMITTED) or 0)
+        raw = self.r.hget(self.keys.request(request_id), rec.EMITTED)
+        return RequestRecord.decode_fields((rec.EMITTED,), (raw,)).emitted or 0
 
     def history(self, request_id: str) -> tuple[list[TokenChunk], list[tuple[int, bytes]]]:
         """Everything emitted, read in one step (`lua/attach.lua`, following nothing): the

@@ -27,7 +27,7 @@ from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask
-from kvrelay.core.record import as_str
+from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
 from kvrelay.pipeline.errors import RequestError, bad_request, overloaded
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
@@ -384,7 +384,8 @@ class Producer:
         prompt_tokens = sum(len(p) for p in by_prompt)
         cached = sum(r.cached_tokens for r in by_prompt.values())
         parent = _record_items(subs[0], routes[0].stage, prompt_tokens, cached)
-        parent += [rec.NUM_CHOICES, len(subs), *_items(record or {})]
+        count = RequestRecord(num_choices=len(subs)).changes()
+        parent += [*_items(count), *_items(record or {})]
         args: list[Any] = [
             self.record_ttl_s,
             self.max_waiting,
@@ -399,7 +400,10 @@ class Producer:
         ]
         for sub, route in zip(subs, routes, strict=True):
             items = _record_items(sub, route.stage, len(sub.prompt_token_ids), route.cached_tokens)
-            items += [rec.PARENT, request_id, *_items(choice_record or {})]
+            items += [
+                *_items(RequestRecord(parent=request_id).changes()),
+                *_items(choice_record or {}),
+            ]
             stage = "d" if route.stage == DECODE else "p"
             args += [stage, sub.request_id, build_task(sub, route).encode(), len(items), *items]
         keys = self.keys
@@ -416,21 +420,35 @@ class Producer:
         return routes, reply
 
 
+# the fields a submission writes, and the decimals of its times
+SUBMITTED = (
+    rec.STATUS,
+    rec.STAGE,
+    rec.MODEL,
+    rec.CREATED,
+    rec.UPDATED,
+    rec.PROMPT_TOKENS,
+    rec.COMPLETION_TOKENS,
+    rec.CACHED_TOKENS,
+    rec.DEADLINE,
+)
+SUBMITTED_PLACES = {rec.CREATED: 6, rec.UPDATED: 6, rec.DEADLINE: rec.MILLIS}
+
+
 def _record_items(sub: Submission, stage: str, prompt_tokens: int, cached: int) -> list[Any]:
     """The req:{id} fields written at submission, as HSET items."""
-    return _items(
-        {
-            rec.STATUS: RequestStatus.QUEUED,
-            rec.STAGE: stage,
-            rec.MODEL: sub.model,
-            rec.CREATED: f"{sub.arrival_time:.6f}",
-            rec.UPDATED: f"{time.time():.6f}",
-            rec.PROMPT_TOKENS: prompt_tokens,
-            rec.COMPLETION_TOKENS: 0,
-            rec.CACHED_TOKENS: cached,
-            rec.DEADLINE: "" if sub.deadline is None else f"{sub.deadline:.3f}",
-        }
+    record = RequestRecord(
+        status=RequestStatus.QUEUED,
+        stage=stage,
+        model=sub.model,
+        created=sub.arrival_time,
+        updated=time.time(),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=0,
+        cached_tokens=cached,
+        deadline=sub.deadline,  # none: ""
     )
+    return _items(record.encode(SUBMITTED, places=SUBMITTED_PLACES))
 
 
 def _items(fields: dict[str, Any]) -> list[Any]:

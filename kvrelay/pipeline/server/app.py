@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from kvrelay.core import record as fields
 from kvrelay.core.keys import Keys
+from kvrelay.core.record import RequestRecord
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import Metrics
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
@@ -189,8 +190,9 @@ class Ingress:
     ) -> None:
         await asyncio.sleep(grace)
         try:
-            current = await self.redis.hget(self.keys.request(request_id), fields.ATTACH)
-            if int(current or 0) == attach_seq:
+            raw = await self.redis.hget(self.keys.request(request_id), fields.ATTACH)
+            current = RequestRecord.decode_fields((fields.ATTACH,), (raw,)).attach
+            if (current or 0) == attach_seq:
                 logger.info("request %s: client did not come back; cancelling", request_id)
                 await self.cancel(request_id)
                 if on_cancel:
@@ -209,11 +211,11 @@ class Ingress:
 
         async def observe() -> None:
             try:
-                created, started = await self.redis.hmget(
-                    self.keys.request(request_id), fields.CREATED, fields.STARTED
-                )
-                if created and started:
-                    wait = max(0.0, float(started) - float(created))
+                names = (fields.CREATED, fields.STARTED)
+                raw = await self.redis.hmget(self.keys.request(request_id), *names)
+                times = RequestRecord.decode_fields(names, raw)
+                if times.created and times.started:
+                    wait = max(0.0, times.started - times.created)
                     self.metrics.request_queue_time.labels(model).observe(wait)
             except (RedisError, ValueError) as exc:
                 logger.debug("request %s: no queue time: %s", request_id, exc)

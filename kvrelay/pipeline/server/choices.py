@@ -125,8 +125,8 @@ async def generate_choices(
         options["echoes"] = echoes
     if tool_options:  # every choice's calls parsed, also for a reattached client
         options["tool_calls"] = tool_options
-    record = {fields.INGRESS: options, fields.USER: parsed.user or "", fields.KEY_ID: key_id}
-    choice_record = {fields.USER: parsed.user or "", fields.KEY_ID: key_id}
+    record = RequestRecord(ingress=options, user=parsed.user or "", key_id=key_id).changes()
+    choice_record = RequestRecord(user=parsed.user or "", key_id=key_id).changes()
     # subscribed first: the choices name this ingress's feed from their first chunk
     subscriptions = [await ing.feed.subscribe(sub.request_id) for sub in subs]
     try:

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from kvrelay.core import record as fields
+from kvrelay.core.record import RequestRecord
 from kvrelay.pipeline.errors import (
     RequestError,
     bad_request,
@@ -135,11 +136,9 @@ class ResponsesApi:
             }
             if tool_options:  # a reattached client parses the same calls
                 options["tool_calls"] = tool_options
-            record = {
-                fields.INGRESS: options,
-                fields.USER: call.generation.user or "",
-                fields.KEY_ID: key_id,
-            }
+            record = RequestRecord(
+                ingress=options, user=call.generation.user or "", key_id=key_id
+            ).changes()
             # subscribed first: the request names this ingress's feed from its first chunk
             subscription = await ing.feed.subscribe(request_id)
             route = await ing.producer.enqueue(sub, entry, record, ing.feed.reader_id)

@@ -143,11 +143,7 @@ class GenerationApi:
                 options["echo"] = echo
             if tool_options:  # a reattached client parses the same calls
                 options["tool_calls"] = tool_options
-            record = {
-                fields.INGRESS: options,
-                fields.USER: parsed.user or "",
-                fields.KEY_ID: key_id,
-            }
+            record = RequestRecord(ingress=options, user=parsed.user or "", key_id=key_id).changes()
             # subscribed first: the request names this ingress's feed from its first chunk
             subscription = await ing.feed.subscribe(request_id)
             route = await ing.producer.enqueue(sub, entry, record, ing.feed.reader_id)

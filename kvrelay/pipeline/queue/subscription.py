@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvrelay.core import record as rec
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import MessageError, TokenChunk, decode_chunks, frame
-from kvrelay.core.record import as_str
+from kvrelay.core.record import RequestRecord
 from kvrelay.pipeline.queue.field_ttl import field_ttl
 from kvrelay.pipeline.queue.outage import Outage
 from kvrelay.pipeline.queue.output import (
@@ -170,26 +170,26 @@ class Subscription:
         """A quiet request: what its record says. Chunks to yield: its history with the final
         chunk when it ended (one made up from the record when it ended without one)."""
         feed, rid = self.feed, self.request_id
-        status, error, emitted = await feed.redis.hmget(
-            feed.keys.request(rid), rec.STATUS, rec.ERROR, rec.EMITTED
-        )
-        if status is None:
+        names = (rec.STATUS, rec.ERROR, rec.EMITTED)
+        raw = await feed.redis.hmget(feed.keys.request(rid), *names)
+        if raw[0] is None:  # no status: no record
             if await feed.redis.exists(feed.keys.out(rid)) or await feed.redis.hexists(
                 feed.keys.progress, rid
             ):
                 return []  # record expired first; the output may still finish
             raise RequestNotFound(rid)
-        status = as_str(status)
+        record = RequestRecord.decode_fields(names, raw)
+        status = str(record.status or "")
         if status not in TERMINAL:
             return [] if self.following else (await self.attach())[0]
         history, runs = await self.attach()
         if any(c.finished for c in history):
             return history
-        if output_gone(status, emitted, runs > 0 or bool(history)):
+        if output_gone(status, record.emitted, runs > 0 or bool(history)):
             raise OutputExpired(rid, status)
-        ends = [cursor.next_index, int(emitted or 0)]
+        ends = [cursor.next_index, record.emitted or 0]
         ends += [c.index + len(c.token_ids) for c in history]
-        return [*history, ended_chunk(status, as_str(error) if error else None, max(ends))]
+        return [*history, ended_chunk(status, record.error, max(ends))]
 
     async def _ride(self, outage: Outage, attempt: Callable[[], Awaitable[T]]) -> T:
         """`attempt()` retried while Redis is unreachable, up to the outage's limit."""

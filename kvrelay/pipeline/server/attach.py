@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvrelay.core import record as fields
+from kvrelay.core.record import RequestRecord
 from kvrelay.pipeline.errors import RequestError, bad_request, unsupported
 from kvrelay.pipeline.openai.protocol import Api, GenerationRequest
 from kvrelay.pipeline.openai.responses import ResponseFormatter
@@ -140,35 +141,36 @@ async def reattach(
     An ended request whose out:{id} expired is a 410 here, before any response starts.
     """
     last = last_event_id(request)
-    status = rec.get(fields.STATUS, "")
+    record = RequestRecord.decode(rec) or RequestRecord()
+    status = str(record.status or "")
     if status in ENDED:
         exists = bool(await ing.redis.exists(ing.keys.out(request_id)))
-        if output_gone(status, rec.get(fields.EMITTED), exists):
+        if output_gone(status, record.emitted, exists):
             raise output_expired(request_id)
     opts = _options(rec)
-    count = int(rec.get(fields.NUM_CHOICES) or 0)
+    count = record.num_choices or 0
     if count and stream and int(opts.get("per_prompt") or 1) > int(opts.get("n") or 1):
         # the best choices are known only at the end, as when it was posted
         raise unsupported("best_of", "streaming a request with best_of greater than n")
     if include_usage is None:
         include_usage = bool(opts.get("include_usage"))
     attach_seq = await ing.reattached(request_id)
-    model = rec.get(fields.MODEL, "")
+    model = record.model or ""
     entry = await ing.registry.get(model)
-    created = int(opts.get("created") or float(rec.get(fields.CREATED) or time.time()))
+    created = int(opts.get("created") or record.created or time.time())
     fmt = ResponseFormatter(
         opts.get("api", Api.COMPLETION),
         request_id,
         model,
         created,
-        int(rec.get(fields.PROMPT_TOKENS, 0)),
+        record.prompt_tokens or 0,
         logprobs=bool(opts.get("logprobs")),
         include_usage=include_usage,
         token_text=ing.token_text(entry),
         echo=echo if isinstance(echo := opts.get("echo"), str) else "",
         tool_calls=tool_stream(request_id, opts.get("tool_calls")),
     )
-    deadline = float(rec[fields.DEADLINE]) if rec.get(fields.DEADLINE) else None
+    deadline = record.deadline
     job: ChoicesJob | OutputJob
     if count:  # several choices: their token indices are their own, so from the start
         logger.info("request %s: client reattached (%d choices)", request_id, count)
@@ -177,7 +179,7 @@ async def reattach(
             request_id,
             opts,
             model,
-            int(rec.get(fields.PROMPT_TOKENS, 0)),
+            record.prompt_tokens or 0,
             stream,
             include_usage,
             deadline=deadline,

@@ -248,15 +248,16 @@ class ResponsesApi:
         """The same response posted again: deliver it (again), after Last-Event-ID if given."""
         ing, call = self.ingress, prepared.call
         last = last_event_id(request)
-        status = rec.get(fields.STATUS, "")
+        record = RequestRecord.decode(rec) or RequestRecord()
+        status = str(record.status or "")
         if status in ENDED:
             exists = bool(await ing.redis.exists(ing.keys.out(request_id)))
-            if output_gone(status, rec.get(fields.EMITTED), exists):
+            if output_gone(status, record.emitted, exists):
                 raise output_expired(request_id)
         options = _options(rec)
         attach_seq = await ing.reattached(request_id)
-        created = int(options.get("created") or float(rec.get(fields.CREATED) or time.time()))
-        prompt_tokens = int(rec.get(fields.PROMPT_TOKENS) or 0)
+        created = int(options.get("created") or record.created or time.time())
+        prompt_tokens = record.prompt_tokens or 0
         builder = _builder(prepared, request_id, created, prompt_tokens, options)
         stream = call.generation.stream
         logger.info("request %s: client reattached to the response", request_id)
@@ -267,7 +268,7 @@ class ResponsesApi:
             self.store if call.store else None,
             prepared.stored_messages,
             key_id,
-            deadline=float(rec[fields.DEADLINE]) if rec.get(fields.DEADLINE) else None,
+            deadline=record.deadline,
             last_event_id=last if stream else None,
             attach_seq=attach_seq,
             slot=ing.backpressure.slot(),

@@ -117,12 +117,16 @@ def rope_write_kv(
         if int(slot_mapping.max()) >= kv_pool.shape[0] * kv_pool.shape[3]:
             raise KernelError(f"slot {int(slot_mapping.max())} outside the pool")
     backend = _backend(impl, qkv)
-    fn = getattr(backend, "rope_write_kv", None)
-    if fn is None:
-        from kvrelay.kernels import torch_ref
+    fused = getattr(backend, "rope_write_kv", None)
+    if fused is not None:
+        return fused(qkv, positions, cos, sin, kv_pool, layer, slot_mapping, num_heads)
+    # RoPE in torch (elementwise, no host sync: a CUDA graph can hold it), K/V through the
+    # backend's own write
+    from kvrelay.kernels.torch_ref import rotate
 
-        fn = torch_ref.rope_write_kv
-    return fn(qkv, positions, cos, sin, kv_pool, layer, slot_mapping, num_heads)
+    out, v = rotate(qkv, positions, cos, sin, num_heads, kv_heads)
+    backend.write_kv(kv_pool, layer, out[:, num_heads:], v, slot_mapping)
+    return out[:, :num_heads]
 
 
 def paged_attention(

@@ -119,13 +119,3 @@ def scatter_pages(kv_pool: torch.Tensor, block_ids: torch.Tensor, pages: torch.T
     if not kv_pool.is_contiguous():
         raise KernelError("the Triton page copy needs a contiguous kv_pool")
     _launch_copy(pages.contiguous(), kv_pool, block_ids, True, kv_pool[0].numel())
-
-
-def rope_write_kv(qkv, positions, cos, sin, kv_pool, layer, slot_mapping, num_heads):
-    """RoPE on q and k (torch, elementwise), k and v into the pool (the kernel above): no host
-    sync, so a CUDA graph can hold it; returns q [T, heads, D]."""
-    from kvrelay.kernels.torch_ref import rotate
-
-    out, v = rotate(qkv, positions, cos, sin, num_heads, kv_pool.shape[4])
-    write_kv(kv_pool, layer, out[:, num_heads:], v, slot_mapping)
-    return out[:, :num_heads]

@@ -1,7 +1,7 @@
 """The Triton backend (imported only for CUDA tensors or impl="triton")."""
 
 from kvrelay.kernels.triton_attention import paged_attention
-from kvrelay.kernels.triton_cache import gather_pages, rope_write_kv, scatter_pages, write_kv
+from kvrelay.kernels.triton_cache import gather_pages, scatter_pages, write_kv
 from kvrelay.kernels.triton_linear import linear
 from kvrelay.kernels.triton_rows import add_rms_norm, rms_norm
 
@@ -11,7 +11,6 @@ __all__ = [
     "linear",
     "paged_attention",
     "rms_norm",
-    "rope_write_kv",
     "scatter_pages",
     "write_kv",
 ]

@@ -162,14 +162,16 @@ class RequestRecord:
         )
 
 
-def _int(text: str) -> int | None:
+def parse_int(text: str) -> int | None:
+    """A stored integer; None when it does not parse (a reader never raises on a value)."""
     try:
         return int(text)
     except ValueError:
         return None
 
 
-def _float(text: str) -> float | None:
+def parse_float(text: str) -> float | None:
+    """A stored finite float; None when it does not parse or is nan/inf (JSON has neither)."""
     try:
         value = float(text)
     except ValueError:
@@ -185,7 +187,9 @@ def _json(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _enum(enum: type[RequestStatus] | type[Stage]) -> Callable[[str], Any]:
+def parse_enum(enum: type[RequestStatus] | type[Stage]) -> Callable[[str], Any]:
+    """A parser to the enum's member, or the text itself for a value this version lacks."""
+
     def parse(text: str) -> Any:
         return enum(text) if text in enum._value2member_map_ else text
 
@@ -197,8 +201,13 @@ def _parser(hint: Any) -> Callable[[str], Any]:
     kinds = [k for k in typing.get_args(hint) if k is not type(None)]
     kind = typing.get_origin(kinds[0]) or kinds[0]
     if kind in (RequestStatus, Stage):
-        return _enum(kind)
-    parsers: dict[type, Callable[[str], Any]] = {int: _int, float: _float, dict: _json, str: str}
+        return parse_enum(kind)
+    parsers: dict[type, Callable[[str], Any]] = {
+        int: parse_int,
+        float: parse_float,
+        dict: _json,
+        str: str,
+    }
     return parsers[kind]
 
 
@@ -206,8 +215,8 @@ _HINTS = typing.get_type_hints(RequestRecord)
 FIELD_ORDER = tuple(f.name for f in fields(RequestRecord))
 _PARSERS = {name: _parser(_HINTS[name]) for name in FIELD_ORDER}
 FIELDS = frozenset(FIELD_ORDER)
-INT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is _int)
-FLOAT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is _float)
+INT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is parse_int)
+FLOAT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is parse_float)
 JSON_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is _json)
 # what only the ingress reads (delivery options, the owning API key, attach count, the
 # submission's own id, the fan-out links): never shown as such to clients

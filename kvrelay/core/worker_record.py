@@ -8,14 +8,13 @@ or `WorkerRecord.partial` one HGET reply.
 
 from __future__ import annotations
 
-import math
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvrelay.core.enums import Stage, WorkerField
-from kvrelay.core.record import as_str
+from kvrelay.core.record import as_str, parse_enum, parse_float, parse_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,35 +118,21 @@ HEARTBEAT_FIELDS = tuple(
 )
 
 
-def _int(text: str) -> int | None:
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def _float(text: str) -> float | None:
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None  # JSON has no nan or inf
-
-
 def _flag(text: str) -> bool:
     return text not in ("", "0")
-
-
-def _role(text: str) -> Stage | str:
-    return Stage(text) if text in Stage._value2member_map_ else text
 
 
 def _parser(hint: Any) -> Callable[[str], Any]:
     """The text -> value function of a field, from its declared type."""
     kinds = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]
     if Stage in kinds:
-        return _role
-    parsers: dict[Any, Callable[[str], Any]] = {int: _int, float: _float, bool: _flag, str: str}
+        return parse_enum(Stage)
+    parsers: dict[Any, Callable[[str], Any]] = {
+        int: parse_int,
+        float: parse_float,
+        bool: _flag,
+        str: str,
+    }
     return parsers[kinds[0]]
 
 

@@ -47,6 +47,18 @@ def build_meta(tables, ctx_lens, query_lens, page_size, device="cpu") -> Attenti
     )
 
 
+def meta_on(meta: AttentionMetadata, device: str) -> AttentionMetadata:
+    """The same metadata with its tensors on `device`."""
+    return AttentionMetadata(
+        meta.slot_mapping.to(device),
+        meta.block_tables.to(device),
+        meta.context_lens.to(device),
+        meta.query_start_loc.to(device),
+        meta.max_query_len,
+        meta.max_context_len,
+    )
+
+
 def make_case(
     ctx_lens,
     query_lens,

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.kernels import (
-    AttentionMetadata,
     add_rms_norm,
     gather_pages,
     linear,
@@ -16,7 +15,7 @@ from kvrelay.kernels import (
     scatter_pages,
     write_kv,
 )
-from tests.kernels.helpers import attend_batch, make_case, random_seq
+from tests.kernels.helpers import attend_batch, make_case, meta_on, random_seq
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,17 +23,6 @@ pytestmark = [
 ]
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
-
-
-def _cuda_meta(meta: AttentionMetadata) -> AttentionMetadata:
-    return AttentionMetadata(
-        meta.slot_mapping.cuda(),
-        meta.block_tables.cuda(),
-        meta.context_lens.cuda(),
-        meta.query_start_loc.cuda(),
-        meta.max_query_len,
-        meta.max_context_len,
-    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -48,7 +36,7 @@ def _cuda_meta(meta: AttentionMetadata) -> AttentionMetadata:
 )
 def test_attention_matches_torch(dtype, ctx, qlen) -> None:
     case = make_case(ctx, qlen, heads=9, kv_heads=3, head_dim=64, page_size=16, dtype=dtype)
-    meta = _cuda_meta(case.meta)
+    meta = meta_on(case.meta, "cuda")
     got = paged_attention(case.query.cuda(), case.kv_pool.cuda(), 1, meta, 0.125)
     ref = paged_attention(case.query, case.kv_pool, 1, case.meta, 0.125, impl="torch")
     assert got.is_cuda and got.dtype == dtype
@@ -80,7 +68,7 @@ def test_fp32_queries_over_16bit_pool(kv) -> None:
     """--kv-cache-dtype bf16/fp16 with an fp32 model: 16-bit pages, fp32 queries and output."""
     case = make_case([700, 512, 40], [188, 512, 1], heads=9, kv_heads=3, head_dim=64, page_size=16)
     pool = case.kv_pool.to(kv)
-    got = paged_attention(case.query.cuda(), pool.cuda(), 1, _cuda_meta(case.meta), 0.125)
+    got = paged_attention(case.query.cuda(), pool.cuda(), 1, meta_on(case.meta, "cuda"), 0.125)
     ref = paged_attention(case.query, pool, 1, case.meta, 0.125, impl="torch")
     assert got.dtype == torch.float32
     err = (got.cpu() - ref).abs().max().item()  # the kernel's dots round q to the pool dtype

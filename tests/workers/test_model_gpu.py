@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.kernels import AttentionMetadata
 from kvrelay.workers.model.config import ModelConfig
 from kvrelay.workers.model.llama import LlamaForCausalLM
+from tests.kernels.helpers import meta_on
 from tests.workers.conftest import SeqChunk, make_batch
 
 pytestmark = [
@@ -42,15 +42,7 @@ def _model(dtype: torch.dtype) -> LlamaForCausalLM:
 
 def _run(model, pool, chunks):
     b = make_batch(chunks, PAGE)
-    m = b.meta
-    meta = AttentionMetadata(
-        m.slot_mapping.cuda(),
-        m.block_tables.cuda(),
-        m.context_lens.cuda(),
-        m.query_start_loc.cuda(),
-        m.max_query_len,
-        m.max_context_len,
-    )
+    meta = meta_on(b.meta, "cuda")
     logits = model(b.input_ids.cuda(), b.positions.cuda(), pool, meta, b.logits_indices.cuda())
     return {row: logits[k] for k, row in enumerate(b.rows)}
 

@@ -276,11 +276,14 @@ class Streams:
             len(writes),
             len(check),
         ]
-        stamp = RequestRecord(updated=time.time()).changes(places={rec.UPDATED: rec.MILLIS})
+        stamp: rec.Encoded | None = None  # the step's `updated`, for the writes that set fields
         for w in writes:
             keys += [self.keys.request(w.request_id), self.keys.out(w.request_id)]
             fields = w.req_fields
             if w.mode == WriteMode.DONE or fields:
+                if stamp is None:
+                    now = RequestRecord(updated=time.time())
+                    stamp = now.changes(places={rec.UPDATED: rec.MILLIS})
                 fields = {**stamp, **(fields or {})}
             flat = _flat(fields)
             chunk = w.chunk

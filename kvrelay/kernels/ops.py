@@ -24,11 +24,8 @@ KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _backend(impl: str, tensor: torch.Tensor) -> ModuleType:
     """The module implementing the op; Triton is imported only when it is used."""
-    if impl not in _IMPLS:
-        raise KernelError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    if impl == "triton" or (impl == "auto" and tensor.is_cuda):
-        from kvrelay.kernels import triton_ops
-
+    triton_ops = _triton_backend(impl, tensor)
+    if triton_ops is not None:
         return triton_ops
     if impl == "cpp" or (impl == "auto" and tensor.dtype == torch.float32):
         from kvrelay.kernels import cpu_build
@@ -186,8 +183,9 @@ def _cpp_rows(*tensors: torch.Tensor) -> ModuleType | None:
     return cpu_build.load()
 
 
-def _triton_rows(impl: str, tensor: torch.Tensor) -> ModuleType | None:
-    """The Triton backend for a row-wise op or linear (CUDA tensors, or impl="triton")."""
+def _triton_backend(impl: str, tensor: torch.Tensor) -> ModuleType | None:
+    """The Triton backend for CUDA tensors or impl="triton" (every op's first choice), else
+    None; a bad `impl` raises."""
     if impl not in _IMPLS:
         raise KernelError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl == "triton" or (impl == "auto" and tensor.is_cuda):
@@ -211,7 +209,7 @@ def _rows_2d(t: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
     """RMSNorm of each row of x [T, D] (a new tensor)."""
-    triton_ops = _triton_rows(impl, x)
+    triton_ops = _triton_backend(impl, x)
     if triton_ops is not None:
         return triton_ops.rms_norm(_rows_2d(x), weight, eps).view(x.shape)
     ext = _cpp_or_torch(impl, x, weight)
@@ -230,7 +228,7 @@ def add_rms_norm(
     """residual += delta (in place), then RMSNorm of each row of the sum (a new tensor)."""
     if residual.shape != delta.shape:
         raise KernelError(f"delta {tuple(delta.shape)} must match {tuple(residual.shape)}")
-    triton_ops = _triton_rows(impl, residual)
+    triton_ops = _triton_backend(impl, residual)
     if triton_ops is not None:
         if residual.dim() != 2 and not residual.is_contiguous():
             raise KernelError("the Triton add_rms_norm needs a 2-D or contiguous residual")
@@ -263,7 +261,7 @@ def linear(
         raise KernelError(
             f"need x [..., K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    triton_ops = _triton_rows(impl, x)
+    triton_ops = _triton_backend(impl, x)
     if triton_ops is not None:
         out = triton_ops.linear(_rows_2d(x), weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])

@@ -170,7 +170,8 @@ def test_up_programs_divide_cores_and_share_settings(tmp_path):
     assert "valkey" not in [p.name for p in programs] and state["redis_url"] == "redis://db:6379/2"
 
 
-def test_weights_are_chosen_for_the_host_unless_given(tmp_path):
+def test_weights_are_chosen_for_the_host_unless_given(tmp_path, monkeypatch):
+    from kvrelay.cli import up
     from kvrelay.cli.main import build_parser
     from kvrelay.cli.up.command import build_programs
     from kvrelay.cli.up.topology import default_weights
@@ -185,15 +186,18 @@ def test_weights_are_chosen_for_the_host_unless_given(tmp_path):
     )
     assert default_weights(2, "x86_64") == ("none", "GPU workers keep the model's weights")
     assert default_weights(0, "aarch64") == ("none", "no fp16 GEMM on aarch64: fp32 weights")
-    for flag, want in (([], default_weights(0)[0]), (["--quantization", "none"], "none")):
-        args = build_parser().parse_args(["up", "--threads", "2", *flag])
-        programs, state = build_programs(args, tmp_path / str(len(flag)))
-        assert state["quantization"] == want
-        for program in programs:
-            if program.name in ("store", "decode-0"):
-                assert program.env.get("KVRELAY_STORE_QUANTIZATION") == (
-                    None if want == "none" else want
-                )
+    # a CPU host and a GPU host, whatever this one is
+    for gpus in (0, 1):
+        monkeypatch.setattr(up.command, "_num_gpus", lambda gpus=gpus: gpus)
+        for flag, want in (([], default_weights(gpus)[0]), (["--quantization", "none"], "none")):
+            args = build_parser().parse_args(["up", "--threads", "2", *flag])
+            programs, state = build_programs(args, tmp_path / f"{gpus}-{len(flag)}")
+            assert state["quantization"] == want
+            for program in programs:
+                if program.name in ("store", "decode-0"):
+                    assert program.env.get("KVRELAY_STORE_QUANTIZATION") == (
+                        None if want == "none" else want
+                    )
 
 
 def test_topology_is_chosen_for_the_host_unless_given():
@@ -416,14 +420,16 @@ def test_status_topology_counts_live_workers_and_names_the_choice():
 
 def test_kv_cache_dtype_reaches_the_workers_and_the_store(tmp_path, monkeypatch):
     """`up --kv-cache-dtype bf16`: workers get the setting, and the store expects their pages:
-    bf16 page bytes and the fingerprint of fp32 compute with bf16 pages."""
+    bf16 page bytes and the fingerprint of fp32 compute with bf16 pages (a CPU host)."""
     import argparse
 
+    from kvrelay.cli import up
     from kvrelay.cli.main import build_parser
     from kvrelay.cli.store import add_store_arguments, build_config
     from kvrelay.cli.up.command import build_programs
     from kvrelay.core.modelref import converted_dir, model_fingerprint, resolve_model
 
+    monkeypatch.setattr(up.command, "_num_gpus", lambda: 0)
     args = build_parser().parse_args(["up", "--threads", "2", "--kv-cache-dtype", "bf16"])
     programs, state = build_programs(args, tmp_path)
     assert state["kv_cache_dtype"] == "bf16"
@@ -452,9 +458,10 @@ def test_kv_cache_dtype_auto_is_resolved_once_for_workers_and_store(tmp_path, mo
     """`up` resolves --kv-cache-dtype auto by the workers' rule (bf16 pages for fp32 compute
     on CPU with the C++ kernels, fp32 on the torch path), hands every worker the result and
     the store the matching page dtype, and records it in stack.json; a standalone store's
-    default (auto) expects the same pages."""
+    default (auto) expects the same pages. On a GPU host: the model's bf16 for both."""
     import argparse
 
+    from kvrelay.cli import up
     from kvrelay.cli.main import build_parser
     from kvrelay.cli.store import add_store_arguments, build_config
     from kvrelay.cli.up.command import build_programs
@@ -463,6 +470,16 @@ def test_kv_cache_dtype_auto_is_resolved_once_for_workers_and_store(tmp_path, mo
 
     for name in ("KVRELAY_STORE_DTYPE", "KVRELAY_STORE_MODEL_DTYPE", "KVRELAY_KERNELS_CPU"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(up.command, "_num_gpus", lambda: 1)
+    args = build_parser().parse_args(["up", "--threads", "2", "--prefill", "1"])
+    programs, state = build_programs(args, tmp_path / "gpu")
+    env = {p.name: p.env for p in programs}
+    assert (state["kv_cache_dtype"], state["quantization"]) == ("bf16", "none")
+    assert (env["store"]["KVRELAY_STORE_DTYPE"], env["store"]["KVRELAY_STORE_MODEL_DTYPE"]) == (
+        "bfloat16",
+        "bfloat16",
+    )
+    monkeypatch.setattr(up.command, "_num_gpus", lambda: 0)
     kernels = cpu_build.load() is not None
     for extra, short, long in (
         ([], "bf16" if kernels else "fp32", "bfloat16" if kernels else "float32"),

@@ -89,7 +89,7 @@ def test_concurrent_prepare_converts_once(tmp_path, monkeypatch, capsys, model_d
     out = results[0]
     assert (out / META_FILE).is_file() and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name, out.name + ".lock"]
-    lm = load_model(src, progress=False)
+    lm = load_model(src, progress=False, device="cpu")  # auto: fp32 on CPU (bf16 on a GPU)
     assert lm.config.hidden_size == 32 and lm.fingerprint == model_fingerprint(out, "float32")
 
 

@@ -10,17 +10,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
-import time
 
 import pytest
 
-from kvrelay.kvstore.client import StoreClient
-from kvrelay.kvstore.config import StoreConfig
-from kvrelay.kvstore.server import arena_path
 from tests.conftest import ValkeyServer
 from tests.kvstore.conftest import SMALL, keys_for, payload
-from tests.kvstore.test_remote import SECRET, start_b, wait_published
+from tests.kvstore.test_remote import NodeProcess, wait_published
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -53,63 +48,43 @@ def netns() -> tuple[str, str, str]:
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ucx-listener"])
-def test_fetch_across_network_namespaces(netns, tmp_path, start_node, transport):
+def test_fetch_across_network_namespaces(netns, tmp_path, transport):
+    """Both nodes are child processes: each UCX context starts after the veth link exists (a
+    process's UCX context lists the network interfaces once, when it is created)."""
     ns, ours, theirs = netns
     valkey = ValkeyServer(tmp_path / "valkey", extra_binds=(ours,))
     valkey.start()
-    cfg_a = StoreConfig(node_id="A", run_dir=str(tmp_path / "run-A"))
-    proc = subprocess.Popen(
-        [
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            sys.executable,
-            "-m",
-            "kvrelay.cli.main",
-            "--log-level",
-            "WARNING",
-            "store",
-            "--node-id",
-            "A",
-            "--run-dir",
-            cfg_a.run_dir,
-            "--redis-url",
-            f"redis://{ours}:{valkey.port}/0",
-            "--page-bytes",
-            str(SMALL.page_bytes),
-            "--listen-host",
-            theirs,
-            "--secret",
-            SECRET,
-            "--arena-bytes",
-            "65536",
-        ]
-    )
+    nodes: list[NodeProcess] = []
     try:
-        client_a = StoreClient(cfg_a.run_dir, SMALL, timeout_s=0.5)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client_a.connect()
-                break
-            except Exception:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
+        a = NodeProcess(
+            tmp_path,
+            f"redis://{ours}:{valkey.port}/0",
+            args=("--listen-host", theirs),
+            prefix=("ip", "netns", "exec", ns),
+        )
+        nodes.append(a)
         keys = keys_for(5)
-        assert client_a.put(keys, [payload(SMALL, i) for i in range(5)]) == 5
-        client_a.close()
+        assert a.client.put(keys, [payload(SMALL, i) for i in range(5)]) == 5
         wait_published(valkey.url, keys[-1])
-        b = start_b(start_node, f"redis://127.0.0.1:{valkey.port}/0", transport, listen_host=ours)
-        with StoreClient(b.config.run_dir, SMALL) as client:
-            assert client.get(keys) == [payload(SMALL, i).tobytes() for i in range(5)]
-            assert client.stats()["counters"]["hits"] == {"remote": 5.0}
+        ucx = transport.startswith("ucx")
+        b = NodeProcess(
+            tmp_path,
+            f"redis://127.0.0.1:{valkey.port}/0",
+            node_id="B",
+            args=(
+                "--listen-host",
+                ours,
+                "--transport",
+                "ucx" if ucx else "tcp",
+                "--ucx-port",
+                "0" if ucx else "-1",
+            ),  # fmt: skip
+            env={"KVRELAY_STORE_UCX_SAME_HOST": "false"},
+        )
+        nodes.append(b)
+        assert b.client.get(keys) == [payload(SMALL, i).tobytes() for i in range(5)]
+        assert b.client.stats()["counters"]["hits"] == {"remote": 5.0}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        arena_path(cfg_a).unlink(missing_ok=True)
+        for node in reversed(nodes):
+            node.stop()
         valkey.stop()

@@ -37,11 +37,27 @@ def wait_published(redis_url: str, key: bytes, node_id: str = "A") -> None:
 class NodeProcess:
     """`kvrelay store` in a child process (node A), so it can be killed or frozen."""
 
-    def __init__(self, tmp_path: Path, redis_url: str, node_id: str = "A"):
+    def __init__(
+        self,
+        tmp_path: Path,
+        redis_url: str,
+        node_id: str = "A",
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
+    ):
+        """`args`: more `kvrelay store` flags; `env`: more environment; `prefix`: what runs
+        the node (`ip netns exec NS`)."""
         self.config = StoreConfig(node_id=node_id, run_dir=str(tmp_path / f"run-{node_id}"))
-        env = dict(os.environ, KVRELAY_STORE_SECRET=SECRET, KVRELAY_STORE_ARENA_BYTES="65536")
+        env = {
+            **os.environ,
+            "KVRELAY_STORE_SECRET": SECRET,
+            "KVRELAY_STORE_ARENA_BYTES": "65536",
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(
             [
+                *prefix,
                 sys.executable,
                 "-m",
                 "kvrelay.cli.main",
@@ -58,6 +74,7 @@ class NodeProcess:
                 str(SMALL.page_bytes),
                 "--fingerprint",
                 SMALL.fingerprint,
+                *args,
             ],
             env=env,
         )

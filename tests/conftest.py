@@ -6,12 +6,15 @@ import asyncio
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import TypeVar
 
 import pytest
 import redis
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -231,13 +234,29 @@ class FakeClock:
         self.slept.append(seconds)
         await asyncio.sleep(0)  # yield to the event loop as a real sleep does
 
+    async def wait_for(self, awaitable: Awaitable[T], timeout: float | None) -> T:
+        """`asyncio.wait_for` on this clock: what `awaitable` gives without a real wait, else
+        the whole timeout passes (one sleep) and TimeoutError."""
+        task = asyncio.ensure_future(awaitable)
+        if timeout is None:
+            return await task
+        await asyncio.sleep(0)  # let it run up to its first real wait
+        if task.done() or not task.cancel():
+            return task.result()
+        try:
+            return await task  # it finished after all (the cancel was swallowed)
+        except asyncio.CancelledError:
+            self.slept.append(timeout)
+            raise TimeoutError from None
+
     def install(self, *modules: ModuleType) -> FakeClock:
-        """Be `time.monotonic`, `time.time`, `time.sleep` (and `asyncio.sleep`) of `modules`."""
+        """Be `time.monotonic`, `time.time`, `time.sleep` (and `asyncio.sleep`,
+        `asyncio.wait_for`) of `modules`."""
         for module in modules:
             fake_time = _StandIn(time, monotonic=self.monotonic, time=self.time, sleep=self.sleep)
             self._monkeypatch.setattr(module, "time", fake_time)
             if hasattr(module, "asyncio"):
-                fake_asyncio = _StandIn(asyncio, sleep=self.async_sleep)
+                fake_asyncio = _StandIn(asyncio, sleep=self.async_sleep, wait_for=self.wait_for)
                 self._monkeypatch.setattr(module, "asyncio", fake_asyncio)
         return self
 

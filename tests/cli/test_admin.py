@@ -57,7 +57,9 @@ def seed(r) -> Streams:
 
 def test_status_json(r, valkey_session, capsys):
     seed(r)
+    ttl_before = r.ttl(KEYS.worker("decode-0"))
     code, out, _ = cli(capsys, valkey_session, "status", "--json")
+    ttl_after = r.ttl(KEYS.worker("decode-0"))
     assert code == 0
     data = json.loads(out)
     [worker] = data["workers"]
@@ -68,7 +70,9 @@ def test_status_json(r, valkey_session, capsys):
         1,
     )
     assert (worker["tokens_per_s"], worker["metrics_port"], worker["model"]) == (3.5, None, "m")
-    assert isinstance(worker["updated"], float) and 0 < worker["ttl_s"] <= 30
+    # the heartbeat's time as written, and the TTL Valkey gave the hash while `status` ran
+    assert worker["updated"] == float(r.hget(KEYS.worker("decode-0"), "updated"))
+    assert ttl_after <= worker["ttl_s"] <= ttl_before
     prefill, decode = data["streams"]
     assert (prefill["length"], prefill["pending"], prefill["lag"], prefill["consumers"]) == (
         3,

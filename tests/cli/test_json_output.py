@@ -9,6 +9,7 @@ import time
 from kvrelay.cli.main import main
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask
+from kvrelay.pipeline.queue import streams as streams_module
 from kvrelay.pipeline.queue.streams import Streams
 
 KEYS = Keys("js:")
@@ -39,15 +40,15 @@ def dead_letters(r) -> tuple[str, str]:
     return known, unknown
 
 
-def test_dlq_json_has_numbers_and_nulls(r, valkey_session, capsys):
-    before = time.time()
+def test_dlq_json_has_numbers_and_nulls(r, valkey_session, capsys, fake_clock):
+    fake_clock.install(streams_module)  # the dead-letter time is the clock's, rounded to ms
+    fake_clock.sleep(4.5678)
     known, unknown = dead_letters(r)
     code, rows = cli(capsys, valkey_session, "dlq", "ls")
     # before: "time": "1795550384.802" (a string) and "request_id": "" for the unknown request
     assert code == 0 and [(row["dlq_id"], row["request_id"]) for row in rows] == [
         (known, "p1"), (unknown, None)]  # fmt: skip
-    for row in rows:
-        assert isinstance(row["time"], float) and before - 1 < row["time"] < time.time() + 1
+    assert [row["time"] for row in rows] == [round(fake_clock.time(), 3)] * 2
     assert set(rows[1]) == {"dlq_id", "reason", "stream", "id", "consumer", "request_id", "time"}
     code, entry = cli(capsys, valkey_session, "dlq", "show", unknown)
     assert (entry["request_id"], entry["time"], entry["kind"]) == (None, rows[1]["time"], "invalid")

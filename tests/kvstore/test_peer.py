@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from kvrelay.kvstore import remote as remote_module
 from kvrelay.kvstore.errors import AuthError, TransferError
 from kvrelay.kvstore.remote import Remote
 from kvrelay.kvstore.transport import Transport
 from kvrelay.kvstore.transport import peer as peer_mod
 from kvrelay.kvstore.transport.peer import Peer, connector, register_transport
 from kvrelay.kvstore.transport.tcp import TcpServer
+from tests.conftest import FakeClock
 
 
 def test_the_registry_has_tcp_and_ucx_and_refuses_other_names():
@@ -58,24 +58,28 @@ class FakePeer:
         self.closed = True
 
 
-def remote_for_transfers() -> Remote:
+def remote_for_transfers(clock: FakeClock) -> Remote:
+    """A Remote in the middle of a fetch with 5 s left on `clock` (its clock from now on)."""
+    clock.install(remote_module)
     remote = Remote(None, None, None, None, b"s", Transport.TCP, 5.0, None, False)  # type: ignore[arg-type]
-    remote._tls.deadline = time.monotonic() + 5
+    remote._tls.deadline = clock.monotonic() + 5
     return remote
 
 
-def test_remote_opens_sessions_through_the_registry_and_replaces_a_stale_one_once(monkeypatch):
+def test_remote_opens_sessions_through_the_registry_and_replaces_a_stale_one_once(
+    monkeypatch, fake_clock
+):
     monkeypatch.setattr(peer_mod, "TRANSPORTS", dict(peer_mod.TRANSPORTS))
     opened: list[FakePeer] = []
     scripts = [[3, TransferError("broken pipe")], [2]]
 
     def connect(address: str, secret: bytes, timeout_s: float) -> FakePeer:
-        assert (address, secret) == ("h:1", b"s") and 0 < timeout_s <= 5
+        assert (address, secret, timeout_s) == ("h:1", b"s", 5.0)  # the 5 s left of the fetch
         opened.append(FakePeer(scripts.pop(0)))
         return opened[-1]
 
     register_transport(Transport.TCP, connect)
-    remote = remote_for_transfers()
+    remote = remote_for_transfers(fake_clock)
     assert remote._transfer(Transport.TCP, "h:1", {}, []) == 3  # a new session, kept
     assert remote._transfer(Transport.TCP, "h:1", {}, []) == 2  # it broke: replaced once
     assert [p.closed for p in opened] == [True, False]
@@ -84,7 +88,7 @@ def test_remote_opens_sessions_through_the_registry_and_replaces_a_stale_one_onc
     assert opened[1].closed and remote._peers == {}
 
 
-def test_a_fresh_session_that_fails_is_not_retried(monkeypatch):
+def test_a_fresh_session_that_fails_is_not_retried(monkeypatch, fake_clock):
     monkeypatch.setattr(peer_mod, "TRANSPORTS", dict(peer_mod.TRANSPORTS))
     opened: list[FakePeer] = []
 
@@ -93,7 +97,7 @@ def test_a_fresh_session_that_fails_is_not_retried(monkeypatch):
         return opened[-1]
 
     register_transport(Transport.TCP, connect)
-    remote = remote_for_transfers()
+    remote = remote_for_transfers(fake_clock)
     with pytest.raises(TransferError, match="refused"):
         remote._transfer(Transport.TCP, "h:1", {}, [])
     assert len(opened) == 1 and opened[0].closed and remote._peers == {}

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import pytest
 
 from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
+from kvrelay.pipeline.queue import submit as submit_module
+from kvrelay.pipeline.queue import subscription as subscription_module
 from kvrelay.pipeline.server.config import IngressConfig
 from tests.pipeline.queue_sim import cancel_flags
 from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
@@ -179,15 +180,17 @@ def test_pass_through_and_extension_fields_are_accepted():
     assert (text.prompt, text.sampling.min_tokens, text.sampling.ignore_eos) == ("Hi", 2, True)
 
 
-async def test_deadline_answers_at_the_deadline(harness):
+async def test_deadline_answers_at_the_deadline(harness, fake_clock):
     factory, _worker = harness
     app = factory(request_timeout_s=1.0)
     ing = app.state.ingress
+    # the deadline is set and waited for on one clock that moves only as the reader waits
+    fake_clock.install(submit_module, subscription_module)
     async with http(app) as client:
         for rid, stream in (("dl-1", False), ("dl-2", True)):
             body = {"model": MODEL, "prompt": "Hi", "stream": stream}
+            submitted = fake_clock.time()
             resp = await client.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
-            answered = time.time()
             deadline = float(await ing.redis.hget(ing.keys.request(rid), "deadline"))
             if stream:
                 events = parse_sse(resp.content)
@@ -196,9 +199,8 @@ async def test_deadline_answers_at_the_deadline(harness):
             else:
                 assert (resp.status_code, resp.json()["error"]["code"]) == (504, "request_timeout")
             assert await cancel_flags(ing.redis, ing.keys, [rid]) == [True]
-            # The reader used to wait 2 s past the deadline; now it ends at it (a 1 s margin
-            # keeps this about the bug, not the machine's speed).
-            assert deadline - 0.01 <= answered < deadline + 1.0
+            # The reader used to wait 2 s past the deadline; now it answers at it.
+            assert deadline == submitted + 1.0 == fake_clock.time()
 
 
 def test_default_disconnect_grace_allows_a_resume():

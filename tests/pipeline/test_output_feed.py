@@ -13,6 +13,7 @@ from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, RequestStatus
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import TokenChunk
+from kvrelay.pipeline.queue import subscription as subscription_module
 from kvrelay.pipeline.queue.feed import OutputFeed
 from kvrelay.pipeline.queue.output import OutputExpired, OutputTimeout, RequestNotFound
 from kvrelay.pipeline.queue.progress import Progress
@@ -188,13 +189,17 @@ def test_start_index_cuts_the_chunk_it_falls_in(r, valkey_session):
     assert _view(got) == [(2, [3], "c", None), (3, [4], "d", "stop")]
 
 
-def test_the_deadline_ends_the_reading(r, valkey_session):
+def test_the_deadline_ends_the_reading(r, valkey_session, fake_clock):
+    fake_clock.install(subscription_module)  # the reader's clock moves only as it waits
+    deadline = fake_clock.time() + 0.25
+
     async def scenario(feed: OutputFeed) -> None:
         submit(r, KEYS, "d")
         with pytest.raises(OutputTimeout):
-            await asyncio.wait_for(_collect(feed.chunks("d", deadline=time.time() + 0.3), []), 10)
+            await asyncio.wait_for(_collect(feed.chunks("d", deadline=deadline), []), 10)
 
     _run(valkey_session.url, scenario)
+    assert fake_clock.slept == [0.25]  # one wait, up to the deadline (not the quiet time's 3 s)
 
 
 def test_unknown_and_expired_requests(r, valkey_session):

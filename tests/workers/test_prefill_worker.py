@@ -49,14 +49,15 @@ def stack(tmp_path_factory):
     server.stop()
 
 
-def submit(r, request_id: str, prompt: list[int], **fields) -> None:
+def submit(r, request_id: str, prompt: list[int], **fields) -> bytes:
+    """The task's stream entry id (its first part: when Valkey queued it, in unix ms)."""
     task = PrefillTask(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling=fields.pop("sampling", GREEDY),
         **fields,
     )
-    r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
+    return r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
 
 
 def chunks(r, request_id: str, want: int = 1, timeout: float = 60) -> list[TokenChunk]:
@@ -75,7 +76,7 @@ def decode_tasks(r) -> dict[str, DecodeTask]:
 
 def test_handoff_emits_first_token_and_decode_task(stack, capsys):
     r, worker, prompt, ref = stack
-    submit(r, "h1", prompt, arrival_time=1.5, cache_salt="")
+    queued = submit(r, "h1", prompt, arrival_time=1.5, cache_salt="")
     [chunk] = chunks(r, "h1")
     assert (chunk.index, chunk.token_ids, chunk.finish_reason) == (
         0,
@@ -94,7 +95,9 @@ def test_handoff_emits_first_token_and_decode_task(stack, capsys):
     assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 0
     rec = r.hgetall(KEYS.request("h1"))
     assert rec[b"status"] == b"decoding" and progress(r, KEYS, "h1").emitted == 1
-    assert abs(float(rec[b"started"]) - time.time()) < 60
+    # admitted (unix seconds, in ms) after Valkey queued the entry, before the hand-off's write
+    started, updated = float(rec[b"started"]), float(rec[b"updated"])
+    assert int(queued.split(b"-")[0]) <= round(started * 1000) and started <= updated
     info = r.hgetall(KEYS.worker("prefill-t"))
     assert info[b"role"] == b"prefill" and info[b"model"] == b"smollm2-135m-instruct"
     # the kernels and KV pages it runs, shown by `kvrelay status` (KERNELS, KV)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -11,6 +10,7 @@ from kvrelay.core.keys import Keys
 from kvrelay.core.model_bundle import ModelBundle
 from kvrelay.core.modelref import DEFAULT_MODEL
 from kvrelay.core.sampling import GenerationDefaults
+from kvrelay.workers import publication as publication_module
 from kvrelay.workers.publication import FILES_TTL_S, ModelPublication
 
 KEYS = Keys("pub:")
@@ -24,7 +24,7 @@ FILE_NAMES = [
 ]
 
 
-def test_publication_writes_files_before_the_entry_and_restores_them(r, model_dir):
+def test_publication_writes_files_before_the_entry_and_restores_them(r, model_dir, fake_clock):
     publication = ModelPublication.from_dir(
         DEFAULT_MODEL, model_dir, NUMBERS, GenerationDefaults(top_k=40, max_tokens=512)
     )
@@ -35,11 +35,11 @@ def test_publication_writes_files_before_the_entry_and_restores_them(r, model_di
         # the model's own (kvrelay's table for SmolLM2) under the worker's override
         "generation_defaults": {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "max_tokens": 512},
     }
-    before = time.time()
+    fake_clock.install(publication_module)
+    fake_clock.sleep(12.3456)  # the clock at a fraction of a millisecond
     publication.publish(r, KEYS)
     published = json.loads(r.hget(KEYS.models, DEFAULT_MODEL))
-    # each beat's time, in ms (rounded: up to half a millisecond past the clock)
-    assert before - 0.01 <= published.pop("published") <= time.time() + 0.0005
+    assert published.pop("published") == round(fake_clock.time(), 3)  # the beat's time, in ms
     assert published == publication.entry
     files = r.hgetall(KEYS.model_files(digest))
     assert sorted(files) == FILE_NAMES

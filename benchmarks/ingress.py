@@ -1,9 +1,12 @@
 """Ingress overhead at concurrency 1: per-stage medians over sequential chat requests.
 
 Real pieces: valkey-server, the SmolLM2 tokenizer, the Starlette/Uvicorn ingress over TCP, and a
-stand-in worker thread that XREADGROUPs stream:prefill/stream:decode and XADDs TokenChunks to
-out:{id} at once (so everything measured is ingress + Redis). Stages are timed by wrapping the
-ingress's own functions with time.perf_counter (one clock for server, worker and client).
+stand-in worker per stream (stream:prefill, stream:decode) with no model that runs the workers'
+own queue path: `Streams.read`, the admit script, and an `Emitter` writing every chunk through
+the step script (progress tail, out:{id}, the ingress's feed). It answers each task at once,
+all its tokens (no hand-off), so everything measured is ingress + Redis. Stages are timed by
+wrapping the ingress's own functions with time.perf_counter (one clock for server, worker and
+client).
 
     python benchmarks/ingress.py [--requests 200] [--tokens 16] [--fill-keys 20000]
 
@@ -30,13 +33,18 @@ import uvicorn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import ValkeyServer, free_port  # noqa: E402
 
-from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys  # noqa: E402
-from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk  # noqa: E402
+from kvrelay.core import record as rec  # noqa: E402
+from kvrelay.core.enums import FinishReason, RequestStatus, Stage  # noqa: E402
+from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys  # noqa: E402
+from kvrelay.core.messages import DecodeTask, PrefillTask, Task, TokenChunk  # noqa: E402
 from kvrelay.core.modelref import DEFAULT_MODEL  # noqa: E402
+from kvrelay.core.record import RequestRecord  # noqa: E402
 from kvrelay.pipeline.queue import submit  # noqa: E402
+from kvrelay.pipeline.queue.streams import Streams  # noqa: E402
 from kvrelay.pipeline.server import routes as ingress_routes  # noqa: E402
 from kvrelay.pipeline.server.app import create_app  # noqa: E402
 from kvrelay.pipeline.server.config import IngressConfig  # noqa: E402
+from kvrelay.workers.emitter import Emitter, Inflight, Outgoing, OutgoingKind  # noqa: E402
 
 MODEL_INFO = {"fingerprint": "f" * 32, "page_size": 16, "max_model_len": 8192, "vocab_size": 49152}
 # ~150 tokens with SmolLM2's chat template
@@ -110,34 +118,50 @@ def instrument(app) -> None:
     timed_async(ing.producer, "_submit", "submit_lua")
 
 
-def worker(url: str, keys: Keys, stage: str, tokens: int, stop: threading.Event) -> None:
-    """Answer every task of one stream at once: one chunk per token, then the final chunk."""
+def worker(url: str, keys: Keys, stage: Stage, tokens: int, stop: threading.Event) -> None:
+    """Answer every task of one stream at once as a worker writes: admitted (this consumer
+    owns it), one chunk per token, then the final chunk ending the request, all through the
+    emitter's step script calls."""
     r = redis.Redis.from_url(url)
-    if stage == "prefill":
+    if stage == Stage.PREFILL:
         stream, group, kind = keys.prefill_stream, PREFILL_GROUP, PrefillTask
     else:
         stream, group, kind = keys.decode_stream, DECODE_GROUP, DecodeTask
+    streams = Streams(r, keys, f"{stage}-1")
+    inflight = Inflight()
+    emitter = Emitter(streams, stream, group, inflight)
+    emitter.thread.start()
     while not stop.is_set():
-        reply = r.xreadgroup(group, "w1", {stream: ">"}, count=1, block=100)
-        if not reply:
-            continue
-        entry_id, fields = reply[0][1][0]
-        task = kind.decode(fields[MESSAGE_FIELD])
-        rid = task.request_id
-        mark(rid, "worker_took")
-        r.hset(keys.request(rid), mapping={"status": "decoding", "started": time.time()})
-        out = keys.out(rid)
-        for i in range(tokens):
-            if i == 0:
-                mark(rid, "first_xadd")
-            r.xadd(out, {MESSAGE_FIELD: TokenChunk(index=i, token_ids=[42], text="a").encode()})
-        n = len(task.prompt_token_ids)
-        usage = {"prompt_tokens": n, "completion_tokens": tokens, "cached_tokens": 0}
-        final = TokenChunk(index=tokens, finish_reason="length", usage=usage)
-        mark(rid, "final_xadd")
-        r.xadd(out, {MESSAGE_FIELD: final.encode()})
-        r.xack(stream, group, entry_id)
-        r.hset(keys.request(rid), "status", "finished")
+        for entry in streams.read(stream, group, 1, 100):
+            task: Task = kind.decode(entry.payload or b"")
+            rid, eid = task.request_id, entry.entry_id
+            mark(rid, "worker_took")
+            admitted = RequestRecord(
+                status=RequestStatus.DECODING, stage=stage, owner=f"{stage}-1", started=time.time()
+            )
+            streams.admit([(eid, rid, 0, admitted.changes(places={rec.STARTED: rec.MILLIS}))])
+            inflight.add(rid, eid)
+            for i in range(tokens):
+                if i == 0:
+                    mark(rid, "first_emit")
+                chunk = TokenChunk(index=i, token_ids=[42], text="a")
+                emitter.put(Outgoing(OutgoingKind.EMIT, rid, eid, chunk=chunk))
+            n = len(task.prompt_token_ids)
+            usage = {"prompt_tokens": n, "completion_tokens": tokens, "cached_tokens": 0}
+            final = TokenChunk(index=tokens, finish_reason=FinishReason.LENGTH, usage=usage)
+            ending = RequestRecord(
+                status=RequestStatus.FINISHED, finish_reason=FinishReason.LENGTH, cached_tokens=0
+            )
+            mark(rid, "final_emit")
+            emitter.put(
+                Outgoing(
+                    OutgoingKind.EMIT, rid, eid, chunk=final, req_fields=ending.changes(), done=True
+                )
+            )
+    emitter.close()
+    lost = [emitter.lost.get_nowait() for _ in range(emitter.lost.qsize())]
+    if lost:
+        raise RuntimeError(f"{stage} stand-in: writes refused for {lost}")
     r.close()
 
 
@@ -184,8 +208,8 @@ STAGES = [
     ("submit lua", "submit_lua<", "submit_lua>"),
     ("handler -> queued (ingress)", "handler<", "submit_lua>"),
     ("queued -> worker took", "submit_lua>", "worker_took"),
-    ("first xadd -> first bytes", "first_xadd", "first_bytes"),
-    ("final xadd -> done", "final_xadd", "done"),
+    ("first emit -> first bytes", "first_emit", "first_bytes"),
+    ("final emit -> done", "final_emit", "done"),
     ("send -> first bytes (TTFT)", "send", "first_bytes"),
     ("send -> done", "send", "done"),
 ]
@@ -273,7 +297,7 @@ def bench(url: str, tok, args) -> dict:
     r.xgroup_create(keys.decode_stream, DECODE_GROUP, id="0", mkstream=True)
     workers = [
         threading.Thread(target=worker, args=(url, keys, s, args.tokens, stop), daemon=True)
-        for s in ("prefill", "decode")
+        for s in (Stage.PREFILL, Stage.DECODE)
     ]
     for wk in workers:
         wk.start()

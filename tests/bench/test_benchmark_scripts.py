@@ -1,5 +1,6 @@
-"""benchmarks/peers.py's per-host peer settings and sizing (no server started), and
-benchmarks/engine.py's smoke runs, decode-step rows, --json and --compare."""
+"""benchmarks/peers.py's per-host peer settings and sizing (no server started),
+benchmarks/engine.py's smoke runs, decode-step rows, --json and --compare, and a tiny run of
+benchmarks/ingress.py (its stand-in workers write through the real step script)."""
 
 from __future__ import annotations
 
@@ -242,3 +243,30 @@ def test_engine_quick_and_decode_step_rows_compare(tmp_path):
             "speedup": round(new / old, 2),
         }
     ]
+
+
+INGRESS_STAGES = [
+    "client send -> handler", "read_json", "parse", "backpressure", "registry", "tokenize",
+    "route", "submit lua", "handler -> queued (ingress)", "queued -> worker took",
+    "first emit -> first bytes", "final emit -> done", "send -> first bytes (TTFT)",
+    "send -> done",
+]  # fmt: skip
+
+
+def test_ingress_benchmark_runs_a_few_requests_through_the_step_path():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "ingress.py"), "--requests", "3",
+           "--tokens", "4", "--fill-keys", "10", "--gap-ms", "0"]  # fmt: skip
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    # a stand-in whose chunks the ingress cannot read ("truncated frame") hangs the run
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert (done.returncode, done.stderr) == (0, "")
+    first, header, *rows = done.stdout.splitlines()
+    res = json.loads(first)
+    assert (res["benchmark"], res["requests"], res["tokens"]) == ("ingress", 3, 4)
+    assert res["prompt_tokens"] == 112  # SmolLM2's chat template around the benchmark's prompt
+    assert list(res["stream"]) == INGRESS_STAGES  # every stage seen in each request
+    no_bytes = [s for s in INGRESS_STAGES if "first bytes" not in s]  # one JSON body
+    assert list(res["json"]) == no_bytes
+    assert header.split() == ["stage", "(median", "ms)", "stream", "json"]
+    assert [row[:34].rstrip() for row in rows] == INGRESS_STAGES

@@ -101,19 +101,3 @@ def test_worker_setting_from_env_and_validated():
     assert load_worker_config(environ={}, kv_cache_dtype="float16").kv_cache_dtype == "float16"
     with pytest.raises(ConfigError, match="unsupported kv cache dtype 'fp8'"):
         load_worker_config(environ={"KVRELAY_WORKER_KV_CACHE_DTYPE": "fp8"})
-
-
-def test_cli_flags():
-    import argparse
-
-    from kvrelay.cli import generate, worker
-
-    p = argparse.ArgumentParser()
-    worker.add_arguments(p)
-    assert p.parse_args(["decode", "--kv-cache-dtype", "bf16"]).kv_cache_dtype == "bf16"
-    assert p.parse_args(["decode"]).kv_cache_dtype is None
-    with pytest.raises(SystemExit):
-        p.parse_args(["decode", "--kv-cache-dtype", "int4"])
-    g = argparse.ArgumentParser()
-    generate.add_arguments(g)
-    assert g.parse_args(["hi", "--kv-cache-dtype", "fp16"]).kv_cache_dtype == "fp16"

@@ -30,3 +30,42 @@ def set_cancelled(r: redis.Redis, keys: Keys, request_id: str) -> None:
         pipe.hset(keys.progress, request_id, prog.encode())
 
     r.transaction(flag, keys.progress)
+
+
+class ValkeyClock:
+    """Valkey's own clock (TIME, in ms) read before and after some writes (`with
+    ValkeyClock(r) as clock: ...`, or `start()` and `stop()`): a key or hash field those
+    writes gave `ttl_s` to live expires within `clock.window(ttl_s)`, however long the writes
+    took."""
+
+    def __init__(self, r: redis.Redis):
+        self.r = r
+        self.before = self.after = 0
+
+    def now_ms(self) -> int:
+        seconds, micros = self.r.time()
+        return seconds * 1000 + micros // 1000
+
+    def start(self) -> ValkeyClock:
+        self.before = self.now_ms()
+        return self
+
+    def stop(self) -> None:
+        self.after = self.now_ms()
+
+    def __enter__(self) -> ValkeyClock:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def window(self, ttl_s: int) -> range:
+        """The expiry times (unix ms) of something given `ttl_s` between the two readings."""
+        return range(self.before + ttl_s * 1000, self.after + ttl_s * 1000 + 1)
+
+
+def expires_at(r: redis.Redis, key: str, field: str | None = None) -> int:
+    """When `key` (or its hash `field`) expires, in unix ms (-1: never, -2: no such key)."""
+    if field is None:
+        return int(r.pexpiretime(key))
+    return int(r.execute_command("HPEXPIRETIME", key, "FIELDS", 1, field)[0])

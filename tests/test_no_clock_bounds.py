@@ -8,6 +8,11 @@ such a read (`t0 = time.monotonic()`, `elapsed = time.monotonic() - t0`). Such a
 fails on a loaded machine or proves little: assert on the event instead, or give the code a
 clock of its own (`fake_clock` in tests/conftest.py).
 
+A key's time to live counts down on Valkey's clock: `r.ttl(key)`, `r.pttl(key)` (or `TTL`,
+`PTTL`, `HTTL`, `HPTTL`) compared with a number other than 0 (`90 < r.ttl(key) <= 100`) bounds how
+long the test took too; bracket the write with Valkey's TIME instead (`ValkeyClock` in
+tests/queue_state.py) and compare the expiry time (`expires_at`).
+
 Allowed: a polling loop's guard, `assert time.monotonic() < deadline` inside a `while` loop that
 waits for an event (the clock read on the left of `<`/`<=`, or on the right of `>`/`>=`), and
 clock reads outside assertions (setting up records, deadlines).
@@ -113,6 +118,46 @@ def taint(function: ast.AST, inherited: set[str]) -> set[str]:
     return tainted
 
 
+TTL_CALLS = frozenset({"ttl", "pttl"})
+TTL_COMMANDS = frozenset({"TTL", "PTTL", "HTTL", "HPTTL"})
+NOT_A_BOUND = (0, -1, -2)  # "has an expiry", "has none", "is gone"
+
+
+def is_ttl_read(node: ast.AST) -> bool:
+    """`r.ttl(key)`, `r.pttl(key)`, `r.execute_command("HTTL", ...)`."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return False
+    if node.func.attr in TTL_CALLS:
+        return True
+    first = node.args[0] if node.args else None
+    return (
+        node.func.attr == "execute_command"
+        and isinstance(first, ast.Constant)
+        and str(first.value).upper() in TTL_COMMANDS
+    )
+
+
+def is_number(node: ast.AST) -> bool:
+    """A number written in the test: literals and UPPER_CASE constants, with arithmetic."""
+    return all(
+        isinstance(sub, ast.Constant | ast.BinOp | ast.UnaryOp | ast.operator | ast.unaryop)
+        or (isinstance(sub, ast.Name) and sub.id.isupper())
+        or isinstance(sub, ast.expr_context)
+        for sub in ast.walk(node)
+    )
+
+
+def ttl_bound(left: ast.AST, right: ast.AST) -> bool:
+    """A time to live read compared with a number other than 0, -1, -2."""
+    for ttl, number in ((left, right), (right, left)):
+        if any(is_ttl_read(sub) for sub in ast.walk(ttl)) and is_number(number):
+            try:
+                return ast.literal_eval(number) not in NOT_A_BOUND
+            except ValueError:  # a named constant: a bound
+                return True
+    return False
+
+
 def is_approx(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and (dotted(node.func) or "").endswith("approx")
 
@@ -138,6 +183,8 @@ def clock_bounds(compare: ast.Compare, tainted: set[str], in_while: bool) -> boo
         )
         if bounded and (reads_clock(left, tainted) or reads_clock(right, tainted)):
             return not polling_guard(compare, in_while)
+        if isinstance(op, ORDERING) and ttl_bound(left, right):
+            return True
     return False
 
 
@@ -192,8 +239,12 @@ def test_the_check_flags_clock_bounds_and_allows_polling_guards():
         "    end = loop.time() + 5\n"
         "    while not rows:\n"
         "        assert end > loop.time() + 1\n"  # the clock on the wrong side: a bound
+        "    assert 0 < r.ttl('k') <= 600\n"  # Valkey's countdown
+        "    assert FILES_TTL_S - 5 <= r.pttl('k')\n"
+        "    assert 90 < r.execute_command('HTTL', 'h', 'FIELDS', 1, 'f')[0]\n"
     )
-    assert [line.split(":")[1] for line in flagged] == ["4", "7", "8", "9", "11", "13", "16"]
+    lines = [line.split(":")[1] for line in flagged]
+    assert lines == ["4", "7", "8", "9", "11", "13", "16", "17", "18", "19"]
     allowed = scan(
         "import time\n"
         "def f(r, proc, fake_clock, deadline_in_s):\n"
@@ -206,5 +257,7 @@ def test_the_check_flags_clock_bounds_and_allows_polling_guards():
         "    assert r.hget('w', 'updated') == now\n"  # the value the code was given back
         "    assert fake_clock.time() == deadline_in_s\n"  # a clock of the test's own
         "    assert fake_clock.waited <= 3\n"
+        "    assert r.ttl('k') > 0 and r.pttl('gone') == -2 and r.ttl('kept') != 5\n"
+        "    assert ttl_after <= status['ttl_s'] <= r.ttl('k')\n"  # readings in order
     )
     assert allowed == []

@@ -19,6 +19,7 @@ from kvrelay.pipeline.queue.output import OutputExpired, OutputTimeout, RequestN
 from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.queue.redis_options import async_redis
 from tests.pipeline.queue_sim import emit, step, submit
+from tests.queue_state import ValkeyClock, expires_at
 
 KEYS = Keys("of:")
 
@@ -218,14 +219,18 @@ def test_a_vanished_feed_is_recreated_and_its_requests_attached_again(r, valkey_
 
     async def scenario(feed: OutputFeed) -> None:
         reader = await _first_chunk_read(r, feed, "v", got)
+        clock.start()  # the feed is made again (and renewed) from now on
         r.delete(KEYS.feed(feed.reader_id))
         emit(r, KEYS, "v", _c(1, [2], "b"))  # NOMKSTREAM: lost with the feed
         await _until(lambda: r.exists(KEYS.feed(feed.reader_id)) == 1)
         await _until(lambda: len(got) == 2)
         emit(r, KEYS, "v", _c(2, [3], "c", FinishReason.STOP))
         await asyncio.wait_for(reader, 10)
-        assert 0 < r.ttl(KEYS.feed(feed.reader_id)) <= 60
+        at = expires_at(r, KEYS.feed(feed.reader_id))  # the last renewal's, then the clock
+        clock.stop()
+        assert at in clock.window(60)
 
+    clock = ValkeyClock(r)
     _run(valkey_session.url, scenario, renew_s=0.2)
     assert _view(got) == [(0, [1], "a", None), (1, [2], "b", None), (2, [3], "c", "stop")]
 

@@ -6,6 +6,7 @@ from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk, decode_chunks, frame
 from kvrelay.pipeline.queue.progress import Progress, new_progress
 from kvrelay.pipeline.queue.streams import FenceStatus, StepWrite, Streams, WriteMode
+from tests.queue_state import ValkeyClock, expires_at
 
 KEYS = Keys("t:")
 P, D = KEYS.prefill_stream, KEYS.decode_stream
@@ -74,14 +75,15 @@ def test_step_checks_index_keeps_a_tail_and_the_end_flushes_acks_and_expires(r):
     fields = {"status": "finished", "finish_reason": "stop"}
     done = StepWrite(eid, "r1", last, WriteMode.DONE, req_fields=fields)
     done.history, done.drop = frame(first.encode()) + frame(last.encode()), ["r1#0"]
-    res = step(a, done)
+    with ValkeyClock(r) as clock:
+        res = step(a, done)
     assert res.results[0].emitted == 3
     assert [(c.index, c.token_ids) for c in out_chunks(r, "r1")] == [(0, [5, 6]), (2, [7])]
     assert len(r.xrange(KEYS.out("r1"))) == 1  # one entry: the tail and the final chunk
     assert r.xpending(P, PREFILL_GROUP)["pending"] == 0
     assert r.hget(KEYS.progress, "r1") is None and r.hlen(KEYS.progress) == 0
-    assert 0 < r.ttl(KEYS.out("r1")) <= 50
-    assert 50 < r.ttl(KEYS.request("r1")) <= 100
+    assert expires_at(r, KEYS.out("r1")) in clock.window(50)  # out_ttl_s, from the end
+    assert expires_at(r, KEYS.request("r1")) in clock.window(100)  # req_ttl_s
     req = r.hgetall(KEYS.request("r1"))
     assert req[b"status"] == b"finished" and req[b"completion_tokens"] == b"3"
     assert req[b"emitted"] == b"3"

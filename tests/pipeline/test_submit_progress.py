@@ -22,6 +22,7 @@ from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     http,
     smollm_tokenizer,
 )
+from tests.queue_state import ValkeyClock, expires_at
 
 KEYS = Keys("sp:")
 SUBMIT = scripts.source("submit")
@@ -41,8 +42,8 @@ def _submit(r, rid: str, submission: str, ttl_fields: str, bound: int = 0, feed:
     return r.eval(SUBMIT, len(keys), *keys, *args)
 
 
-def _field_ttl(r, rid: str) -> int:
-    return r.execute_command("HTTL", KEYS.progress, "FIELDS", 1, rid)[0]
+def _field_expiry(r, rid: str) -> int:
+    return expires_at(r, KEYS.progress, rid)
 
 
 def test_the_probe_finds_field_expiry_on_valkey_9(r):
@@ -50,13 +51,16 @@ def test_the_probe_finds_field_expiry_on_valkey_9(r):
 
 
 def test_submit_writes_the_progress_with_the_record_ttl(r):
-    entry = _submit(r, "a", "s1", "1")
+    with ValkeyClock(r) as clock:
+        entry = _submit(r, "a", "s1", "1")
     assert r.xrange(KEYS.prefill_stream) == [(entry, {MESSAGE_FIELD: b"task"})]
     assert Progress.parse(r.hget(KEYS.progress, "a")) == Progress(feeds=["f1"])
-    assert 90 < _field_ttl(r, "a") <= 100 and 90 < r.ttl(KEYS.request("a")) <= 100
+    # the record's 100 s, the progress field's too
+    assert _field_expiry(r, "a") == expires_at(r, KEYS.request("a"))
+    assert _field_expiry(r, "a") in clock.window(100)
     # a server without field expiry: plain HSET (the workers delete the field at the end)
     _submit(r, "b", "s2", "0", feed="")
-    assert r.hget(KEYS.progress, "b") == new_progress() and _field_ttl(r, "b") == -1
+    assert r.hget(KEYS.progress, "b") == new_progress() and _field_expiry(r, "b") == -1
 
 
 def test_submit_keeps_its_guarantees(r):
@@ -81,20 +85,22 @@ def test_submit_choices_writes_every_choice_progress(r):
             2, "status", "queued",
             "p", "p.0", b"t0", 2, "status", "queued",
             "d", "p.1", b"t1", 2, "status", "queued"]  # fmt: skip
-    assert r.eval(SUBMIT_CHOICES, len(keys), *keys, *args) is not None
+    with ValkeyClock(r) as clock:
+        assert r.eval(SUBMIT_CHOICES, len(keys), *keys, *args) is not None
     assert r.hmget(KEYS.progress, ["p", "p.0", "p.1"]) == [None, new_progress("f9"),
                                                            new_progress("f9")]  # fmt: skip
-    assert 90 < _field_ttl(r, "p.1") <= 100
+    assert _field_expiry(r, "p.1") in clock.window(100)
     assert [e[1][MESSAGE_FIELD] for e in r.xrange(KEYS.prefill_stream)] == [b"t0"]
     assert [e[1][MESSAGE_FIELD] for e in r.xrange(KEYS.decode_stream)] == [b"t1"]
 
 
 def test_cancel_flags_running_requests_only_keeping_the_ttl(r):
     _submit(r, "a", "s1", "1")
+    expiry = _field_expiry(r, "a")
     ids = choices_state.cancel_sync(r, KEYS, ["a", "gone"])
     assert ids == ["a"]
     assert Progress.parse(r.hget(KEYS.progress, "a")) == Progress(cancelled=True, feeds=["f1"])
-    assert 90 < _field_ttl(r, "a") <= 100  # KEEPTTL
+    assert _field_expiry(r, "a") == expiry > 0  # KEEPTTL
     assert r.hget(KEYS.progress, "gone") is None
 
 

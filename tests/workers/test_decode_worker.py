@@ -15,7 +15,7 @@ from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.queue.streams import FenceStatus, StepWrite, Streams
 from kvrelay.workers.config import WorkerConfig
-from tests.queue_state import set_cancelled
+from tests.queue_state import ValkeyClock, expires_at, set_cancelled
 
 KEYS = Keys("dw:")
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -98,6 +98,7 @@ def tokens_of(got: list[TokenChunk]) -> list[int]:
 
 def test_batch_matches_generate(stack):
     r, _, prompts, refs = stack
+    clock = ValkeyClock(r).start()
     for i, prompt in enumerate(prompts):  # decode prefills locally (ingress routed it here)
         submit(r, f"local{i}", prompt, [], prefilled=False)
     for i, prompt in enumerate(prompts):  # after a prefill worker emitted token 0
@@ -121,8 +122,9 @@ def test_batch_matches_generate(stack):
         pre = chunks(r, f"pre{i}")
         assert tokens_of(pre) == ref.output_token_ids
         assert pre[-1].usage["cached_tokens"] == 32  # the prefill worker's report is kept
+    clock.stop()
     assert r.xpending(KEYS.decode_stream, DECODE_GROUP)["pending"] == 0
-    assert 0 < r.ttl(KEYS.out("local0")) <= 600
+    assert expires_at(r, KEYS.out("local0")) in clock.window(600)  # from its last write
     assert r.hget(KEYS.request("local0"), "status") == b"finished"
 
 

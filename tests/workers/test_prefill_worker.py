@@ -12,7 +12,7 @@ from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.config import WorkerConfig
-from tests.queue_state import emitted_chunks, progress, set_cancelled
+from tests.queue_state import ValkeyClock, emitted_chunks, expires_at, progress, set_cancelled
 
 KEYS = Keys("pw:")
 GREEDY = {"max_tokens": 4, "temperature": 0.0}
@@ -117,12 +117,13 @@ def test_handoff_emits_first_token_and_decode_task(stack, capsys):
 
 def test_first_token_finish_gets_final_chunk(stack):
     r, _, prompt, ref = stack
-    submit(r, "one", prompt, sampling={"max_tokens": 1, "temperature": 0.0})
-    [chunk] = chunks(r, "one")
+    with ValkeyClock(r) as clock:
+        submit(r, "one", prompt, sampling={"max_tokens": 1, "temperature": 0.0})
+        [chunk] = chunks(r, "one")
     assert (chunk.token_ids, chunk.finish_reason) == (ref.output_token_ids[:1], "length")
     assert chunk.usage["prompt_tokens"] == len(prompt) and chunk.usage["completion_tokens"] == 1
     assert "one" not in decode_tasks(r)
-    assert 0 < r.ttl(KEYS.out("one")) <= 600
+    assert expires_at(r, KEYS.out("one")) in clock.window(600)
 
 
 def test_poison_entries_go_to_dlq_and_worker_keeps_serving(stack):

@@ -12,6 +12,7 @@ from kvrelay.core.modelref import DEFAULT_MODEL
 from kvrelay.core.sampling import GenerationDefaults
 from kvrelay.workers import publication as publication_module
 from kvrelay.workers.publication import FILES_TTL_S, ModelPublication
+from tests.queue_state import ValkeyClock, expires_at
 
 KEYS = Keys("pub:")
 NUMBERS = {"fingerprint": "f" * 32, "page_size": 16, "max_model_len": 8192, "vocab_size": 49152}
@@ -37,14 +38,15 @@ def test_publication_writes_files_before_the_entry_and_restores_them(r, model_di
     }
     fake_clock.install(publication_module)
     fake_clock.sleep(12.3456)  # the clock at a fraction of a millisecond
-    publication.publish(r, KEYS)
+    with ValkeyClock(r) as clock:
+        publication.publish(r, KEYS)
     published = json.loads(r.hget(KEYS.models, DEFAULT_MODEL))
     assert published.pop("published") == round(fake_clock.time(), 3)  # the beat's time, in ms
     assert published == publication.entry
     files = r.hgetall(KEYS.model_files(digest))
     assert sorted(files) == FILE_NAMES
     assert files[b"tokenizer.json"] == (model_dir / "tokenizer.json").read_bytes()
-    assert FILES_TTL_S - 5 <= r.ttl(KEYS.model_files(digest)) <= FILES_TTL_S
+    assert expires_at(r, KEYS.model_files(digest)) in clock.window(FILES_TTL_S)
 
     # a Valkey that lost the files (restart without its data) gets them again on the next beat
     r.delete(KEYS.model_files(digest))

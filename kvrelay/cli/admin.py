@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from kvrelay.cli.errors import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, CommandError
+from kvrelay.core.config import DEFAULT_KEY_PREFIX
 from kvrelay.core.enums import Stage
 from kvrelay.core.worker_record import WorkerRecord
 
@@ -15,7 +16,9 @@ from kvrelay.core.worker_record import WorkerRecord
 def connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default=None, help="stack run dir (`kvrelay up`)")
     p.add_argument("--redis-url", default=None, help="Redis URL (env KVRELAY_REDIS_URL)")
-    p.add_argument("--key-prefix", default=None, help="Redis key prefix (default kvrelay:)")
+    p.add_argument(
+        "--key-prefix", default=None, help=f"Redis key prefix (default {DEFAULT_KEY_PREFIX})"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--timeout-s", type=float, default=2.0, help="wait this long for Redis (default 2)"
@@ -41,9 +44,11 @@ def stack_state(run_dir: str | None) -> dict[str, Any]:
 def connect(args: argparse.Namespace):
     """(redis client, Keys, store run dir) from --run-dir, flags or the environment."""
     from kvrelay.cli.up.valkey import cluster_mode
-    from kvrelay.core.config import check_redis_url
+    from kvrelay.core.config import RedisSettings, check_redis_url, env_name, setting
     from kvrelay.core.keys import Keys
     from kvrelay.core.redis_client import sync_redis
+    from kvrelay.kvstore.config import SECTION as STORE_SECTION
+    from kvrelay.kvstore.config import StoreConfig
 
     state: dict[str, Any] = {}
     if args.run_dir or not args.redis_url:
@@ -53,15 +58,14 @@ def connect(args: argparse.Namespace):
     elif state.get("redis_url"):
         url, source = state["redis_url"], f"{args.run_dir or 'kvrelay-run'}/stack.json"
     else:
-        url = os.environ.get("KVRELAY_REDIS_URL", "redis://127.0.0.1:6379/0")
-        source = "KVRELAY_REDIS_URL"
+        url = setting(RedisSettings, "redis_url")
+        source = env_name("", "redis_url")
     check_redis_url(url, source)  # bad usage (exit 2), before anything is contacted
-    prefix = (
-        args.key_prefix
-        or state.get("key_prefix")
-        or os.environ.get("KVRELAY_KEY_PREFIX", "kvrelay:")
+    prefix = args.key_prefix or state.get("key_prefix") or setting(RedisSettings, "key_prefix")
+    # unset: no store (status shows none), not the store's default run dir
+    store_dir = state.get("store_run_dir") or setting(
+        StoreConfig, "run_dir", STORE_SECTION, default=None
     )
-    store_dir = state.get("store_run_dir") or os.environ.get("KVRELAY_STORE_RUN_DIR")
     args.stack_state = state  # `status` shows the topology `kvrelay up` chose
     args.redis_url = url  # named by the one-line error of `kvrelay.cli.main.main`
     timeout = max(0.1, args.timeout_s)

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-model", default=None, help="B's model (default: B's first id)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
+        default=os.environ.get("OPENAI_API_KEY"),  # the OpenAI clients' variable, not ours
         help="bearer token (default $OPENAI_API_KEY)",
     )
     p.add_argument(

@@ -1,7 +1,13 @@
 """Settings for the per-component frozen config dataclasses, read one way for every command.
 
-Precedence: override (CLI flag) > `KVRELAY_<SECTION>_<FIELD>` > a deprecated spelling of it >
-the shared `KVRELAY_<FIELD>` (redis_url, key_prefix, api_keys) > the config file > the default.
+Precedence: override (CLI flag) > `KVRELAY_<SECTION>_<FIELD>` > a fallback variable of it > a
+deprecated spelling of it > the shared `KVRELAY_<FIELD>` (redis_url, key_prefix, api_keys) > the
+config file > the default.
+
+Every `KVRELAY_*` variable is read here (`from_env`, `setting`), never with `os.environ` beside
+it (tests/core/test_env_reads.py): each component's settings start with the one Redis section
+(`RedisSettings`), and the process-wide ones are `CacheSettings` here and the kernels'
+`KernelSettings` (kernels/cpu_build.py).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
@@ -39,7 +47,39 @@ SECRET_FIELDS = frozenset({"secret", "api_keys"})
 # Settings holding JSON text: a config file may give a table, kept as its JSON text.
 JSON_TEXT_FIELDS = frozenset({"override_generation_config"})
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+# The defaults every component shares, stated once (tests/core/test_env_reads.py).
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_KEY_PREFIX = "kvrelay:"
+DEFAULT_CACHE_DIR = "~/.cache/kvrelay"
 _warned: set[str] = set()
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    """The Redis section every component's settings start with (`WorkerConfig`,
+    `IngressConfig` inherit it; `StoreConfig` has its own optional URL): the server and the key
+    prefix, `KVRELAY_<SECTION>_<FIELD>` else the shared `KVRELAY_REDIS_URL`/`KVRELAY_KEY_PREFIX`.
+    The server's cluster mode is probed, not configured (`kvrelay.core.redis_client`)."""
+
+    redis_url: str = DEFAULT_REDIS_URL
+    key_prefix: str = DEFAULT_KEY_PREFIX
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSettings:
+    """Process-wide: `KVRELAY_CACHE_DIR` holds prepared models, built kernels and model files."""
+
+    cache_dir: str = DEFAULT_CACHE_DIR
+
+    @property
+    def path(self) -> Path:
+        return Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser()  # empty: the default
+
+
+def cache_root() -> Path:
+    """`$KVRELAY_CACHE_DIR`, default `~/.cache/kvrelay`."""
+    return from_env(CacheSettings).path
 
 
 class ConfigError(KvrelayError, ValueError):
@@ -129,18 +169,20 @@ def env_name(section: str, field: str) -> str:
 def from_env(
     cls: type[T],
     section: str = "",
-    environ: dict[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
     *,
     file_values: dict[str, Any] | None = None,
     deprecated: tuple[str, ...] = (),
     env_names: dict[str, str] | None = None,
+    fallbacks: dict[str, str] | None = None,
     **overrides,
 ) -> T:
     """Build config `cls` from defaults, a config file, `KVRELAY_*` variables, then overrides.
 
     Overrides whose value is None are ignored so CLI flags can default to None ("not given").
     `deprecated` lists old sections whose `KVRELAY_<OLD>_<FIELD>` still work, with one warning;
-    `env_names` renames a field's variable (field -> full name).
+    `env_names` renames a field's variable (field -> full name); `fallbacks` names another
+    component's variable a field takes when its own is not set (field -> full name).
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
@@ -156,10 +198,7 @@ def from_env(
         sources[key] = f"{key} in {path or 'the config file'}"
         values[key] = _file_value(value, hints[key], key, sources[key])
     for f in dataclasses.fields(cls):
-        name = (env_names or {}).get(f.name) or env_name(section, f.name)
-        raw_name = _first_set(env, name, [env_name(old, f.name) for old in deprecated])
-        if raw_name is None and section and f.name in SHARED_ENV and SHARED_ENV[f.name] in env:
-            raw_name = SHARED_ENV[f.name]
+        raw_name = _variable(env, section, f.name, deprecated, env_names, fallbacks)
         if raw_name is not None:
             values[f.name] = _convert(env[raw_name], hints[f.name], raw_name)
             sources[f.name] = raw_name
@@ -174,10 +213,64 @@ def from_env(
     return cls(**values)
 
 
-def _first_set(env: Mapping[str, str], name: str, old_names: list[str]) -> str | None:
-    """`name` if set, else the first old spelling that is set (warning once per spelling)."""
+def setting(
+    cls: type[DataclassInstance],
+    field: str,
+    section: str = "",
+    environ: Mapping[str, str] | None = None,
+    *,
+    default: Any = _UNSET,
+    **options: Any,
+) -> Any:
+    """One setting of `cls` as `from_env` reads it (its variable, a fallback, a deprecated or
+    the shared spelling), without reading or checking the others; unset: `default` if given,
+    else the field's default. `options`: from_env's `deprecated`, `env_names`, `fallbacks`."""
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    raw_name = _variable(
+        env,
+        section,
+        field,
+        options.get("deprecated", ()),
+        options.get("env_names"),
+        options.get("fallbacks"),
+    )
+    if raw_name is not None:
+        return _convert(env[raw_name], hints[field], raw_name)
+    if default is not _UNSET:
+        return default
+    (f,) = [f for f in dataclasses.fields(cls) if f.name == field]
+    return f.default
+
+
+def _variable(
+    env: Mapping[str, str],
+    section: str,
+    field: str,
+    deprecated: tuple[str, ...],
+    env_names: dict[str, str] | None,
+    fallbacks: dict[str, str] | None,
+) -> str | None:
+    """The variable a field's value comes from, or None: its own, a fallback, a deprecated
+    spelling, the shared one."""
+    name = (env_names or {}).get(field) or env_name(section, field)
+    old_names = [env_name(old, field) for old in deprecated]
+    fallback = (fallbacks or {}).get(field)
+    raw_name = _first_set(env, name, old_names, fallback)
+    if raw_name is None and section and field in SHARED_ENV and SHARED_ENV[field] in env:
+        raw_name = SHARED_ENV[field]
+    return raw_name
+
+
+def _first_set(
+    env: Mapping[str, str], name: str, old_names: list[str], fallback: str | None = None
+) -> str | None:
+    """`name` if set, else `fallback` if set, else the first old spelling that is set (warning
+    once per spelling)."""
     if name in env:
         return name
+    if fallback is not None and fallback in env:
+        return fallback
     for old in old_names:
         if old in env:
             if old not in _warned:

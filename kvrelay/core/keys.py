@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvrelay.core.config import DEFAULT_KEY_PREFIX
 from kvrelay.core.enums import Stage
 
 PREFILL_GROUP = Stage.PREFILL.value  # consumer group names are the stage names
@@ -30,7 +31,7 @@ class DlqField:
 class Keys:
     """Key names under a prefix; `Keys("kvrelay:")` gives `{kvrelay}:stream:prefill` and so on."""
 
-    prefix: str = "kvrelay:"
+    prefix: str = DEFAULT_KEY_PREFIX
 
     @property
     def _p(self) -> str:

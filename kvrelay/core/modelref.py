@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay.core.config import cache_root
 from kvrelay.core.enums import Quantization
 from kvrelay.core.errors import KvrelayError
 from kvrelay.core.sampling import GenerationDefaults, InvalidSamplingParams
@@ -125,12 +126,6 @@ def normalize_kv_cache_dtype(value: str) -> str:
         raise ValueError(
             f"unsupported kv cache dtype {value!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
         ) from None
-
-
-def cache_root() -> Path:
-    """`$KVRELAY_CACHE_DIR`, default `~/.cache/kvrelay`."""
-    env = os.environ.get("KVRELAY_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvrelay"
 
 
 def _builtin(name: str) -> ModelRef:

@@ -16,18 +16,19 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import platform
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from kvrelay.core.config import cache_root, env_name, from_env
 from kvrelay.kernels.errors import KernelError
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,29 @@ VARIANT_CPU_FLAGS: dict[str, frozenset[str]] = {
     "avx512": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
 }
 BASE_VARIANT = "avx2"
-ENV_FORCE = "KVRELAY_KERNELS_CPU"
-ENV_ISA = "KVRELAY_KERNELS_ISA"
+SECTION = "KERNELS"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSettings:
+    """Process-wide kernel choices (`KVRELAY_KERNELS_*`, read through kvrelay.core.config)."""
+
+    cpu: str = "auto"  # torch: never load the C++ kernels (the torch path)
+    isa: str = "auto"  # auto | avx2 | avx512: the variant `load()` imports
+
+    @property
+    def torch_only(self) -> bool:
+        return self.cpu.strip().lower() == "torch"
+
+
+ENV_FORCE = env_name(SECTION, "cpu")  # KVRELAY_KERNELS_CPU
+ENV_ISA = env_name(SECTION, "isa")  # KVRELAY_KERNELS_ISA
+
+
+def kernel_settings(environ: Mapping[str, str] | None = None) -> KernelSettings:
+    """The kernel settings of this process (or of the environment `environ`)."""
+    return from_env(KernelSettings, SECTION, environ=environ)
+
 
 _lock = threading.Lock()
 _state: dict[str, ModuleType | str | None] = {}  # "module", "isa" (what load() chose)
@@ -64,8 +86,7 @@ _variants: dict[str, ModuleType] = {}  # every variant imported in this process
 
 def cache_dir() -> Path:
     """Where builds live: `$KVRELAY_CACHE_DIR/kernels` (default `~/.cache/kvrelay/kernels`)."""
-    root = os.environ.get("KVRELAY_CACHE_DIR") or str(Path.home() / ".cache" / "kvrelay")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _check_variant(variant: str) -> None:
@@ -234,10 +255,11 @@ def loaded_isa() -> str | None:
 
 
 def _load() -> tuple[str | None, ModuleType | None]:
-    if os.environ.get(ENV_FORCE, "").lower() == "torch":
+    settings = kernel_settings()
+    if settings.torch_only:
         return None, None
     supported = supported_variants()
-    chosen = choose_variant(os.environ.get(ENV_ISA, "auto"), supported)
+    chosen = choose_variant(settings.isa, supported)
     if chosen is None:
         logger.info("CPU without AVX2: using the torch attention path")
         return None, None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,8 +15,10 @@ from pathlib import Path
 
 import msgspec
 
+from kvrelay.core.config import setting
 from kvrelay.kvstore.arena import HostArena
-from kvrelay.kvstore.config import socket_url
+from kvrelay.kvstore.config import SECTION as STORE_SECTION
+from kvrelay.kvstore.config import StoreConfig, socket_url
 from kvrelay.kvstore.errors import (
     AuthError,
     IncompatiblePageError,
@@ -307,4 +308,4 @@ def _plain(reply: Reply) -> dict:
 
 def default_run_dir() -> str:
     """`KVRELAY_STORE_RUN_DIR` or the StoreConfig default."""
-    return os.environ.get("KVRELAY_STORE_RUN_DIR", "/tmp/kvrelay")
+    return str(setting(StoreConfig, "run_dir", STORE_SECTION))

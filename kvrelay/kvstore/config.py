@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrelay.core.config import ConfigError
+from kvrelay.core.config import DEFAULT_KEY_PREFIX, ConfigError
 from kvrelay.core.enums import Quantization
 from kvrelay.kvstore.transport import TRANSPORT_CHOICES, Transport
 
 SOCKET_NAME = "kvstore.sock"
+SECTION = "STORE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +20,8 @@ class StoreConfig:
     node_id: str = "node0"
     run_dir: str = "/tmp/kvrelay"
     redis_url: str | None = None  # None: no page directory, no remote fetches
-    key_prefix: str = "kvrelay:"
+    # the Redis section's prefix (kvrelay.core.config.RedisSettings); the URL is optional here
+    key_prefix: str = DEFAULT_KEY_PREFIX
     arena_bytes: int = 1 << 30
     disk_dir: str | None = None  # None: no disk tier
     disk_bytes: int = 16 << 30

@@ -20,6 +20,7 @@ from typing import Any, cast
 from redis.exceptions import RedisError
 
 from kvrelay.core import modelref
+from kvrelay.core.config import cache_root
 from kvrelay.core.model_bundle import ModelBundle
 from kvrelay.core.page_keys import DEFAULT_PAGE_SIZE
 from kvrelay.core.sampling import GenerationDefaults, InvalidSamplingParams
@@ -104,7 +105,7 @@ def _bundle_files(bundle: ModelBundle, name: str) -> _Files:
 
 def _read_cached(digest: str) -> ModelBundle | None:
     """The bundle kept on disk by an earlier fetch, if it is there and intact."""
-    path = modelref.cache_root() / FILES_CACHE / digest
+    path = cache_root() / FILES_CACHE / digest
     if not path.is_dir():
         return None
     try:
@@ -117,7 +118,7 @@ def _read_cached(digest: str) -> ModelBundle | None:
 
 def _keep(bundle: ModelBundle) -> None:
     """Keep a fetched bundle on disk for the next process (best effort)."""
-    path = modelref.cache_root() / FILES_CACHE / bundle.digest
+    path = cache_root() / FILES_CACHE / bundle.digest
     try:
         bundle.write_dir(path)
     except OSError as exc:

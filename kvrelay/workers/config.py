@@ -6,14 +6,21 @@ import os
 import socket
 from dataclasses import dataclass
 
-from kvrelay.core.config import ConfigError, env_name, from_env, read_config_file
+from kvrelay.core.config import (
+    ConfigError,
+    RedisSettings,
+    env_name,
+    from_env,
+    read_config_file,
+)
 from kvrelay.core.enums import Quantization, Speculation
 from kvrelay.core.modelref import normalize_kv_cache_dtype, normalize_quantization
 from kvrelay.core.sampling import GenerationDefaults, generation_override
+from kvrelay.kvstore.config import SECTION as STORE_SECTION
 
 SECTION = "WORKER"
 # The store's own run dir variable names the store a worker talks to (KVRELAY_WORKER_* wins).
-STORE_RUN_DIR_ENV = "KVRELAY_STORE_RUN_DIR"
+STORE_RUN_DIR_ENV = env_name(STORE_SECTION, "run_dir")
 # Engine settings (model, dtype, threads, ...) read by both `kvrelay worker` and
 # `kvrelay generate`: one spelling, KVRELAY_WORKER_*; `generate`'s old KVRELAY_ENGINE_* still
 # works with a warning.
@@ -21,11 +28,9 @@ DEPRECATED_SECTIONS = ("ENGINE",)
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    """Settings of one prefill or decode worker process."""
+class WorkerConfig(RedisSettings):
+    """Settings of one prefill or decode worker process (after the Redis section)."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "kvrelay:"
     name: str | None = None  # stable worker id (heartbeat key); default role-host-pid
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"
@@ -136,17 +141,14 @@ def load_worker_config(
     environ: dict[str, str] | None = None, config_file: str | None = None, **overrides
 ) -> WorkerConfig:
     """Flags over `KVRELAY_WORKER_*` (or the shared `KVRELAY_*`) over `--config` over defaults."""
-    env = dict(os.environ if environ is None else environ)
-    own = env_name(SECTION, "store_run_dir")
-    if own not in env and STORE_RUN_DIR_ENV in env:
-        env[own] = env[STORE_RUN_DIR_ENV]
     file_values = read_config_file(config_file, SECTION)
     config = from_env(
         WorkerConfig,
         SECTION,
-        environ=env,
+        environ=environ,
         file_values=file_values,
         deprecated=DEPRECATED_SECTIONS,
+        fallbacks={"store_run_dir": STORE_RUN_DIR_ENV},
         **overrides,
     )
     return config.validate()

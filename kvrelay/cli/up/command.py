@@ -25,14 +25,17 @@ from kvrelay.cli.up.topology import Topology, choose, default_weights
 from kvrelay.cli.up.valkey import check_ports_free, check_shards, embedded_valkey, start_cluster
 from kvrelay.cli.up.valkey_cluster import MAX_SHARDS, ClusterError
 from kvrelay.cli.worker import KV_DTYPE_CHOICES, SPECULATION_CHOICES
-from kvrelay.core.config import check_redis_url
+from kvrelay.core.config import DEFAULT_KEY_PREFIX, check_redis_url, env_name, setting
 from kvrelay.core.enums import Quantization, Speculation, Stage
 from kvrelay.core.modelref import QUANTIZATIONS, SHORT_DTYPE_NAMES
+from kvrelay.kvstore.config import SECTION as STORE_SECTION
+from kvrelay.kvstore.config import StoreConfig
 from kvrelay.pipeline.queue.route import RouteMode
-from kvrelay.pipeline.server.config import MODES
+from kvrelay.pipeline.server.config import MODES, IngressConfig
+from kvrelay.pipeline.server.config import SECTION as INGRESS_SECTION
 
 DEFAULT_RUN_DIR = "kvrelay-run"
-MODE_ENV = "KVRELAY_INGRESS_MODE"
+MODE_ENV = env_name(INGRESS_SECTION, "mode")  # KVRELAY_INGRESS_MODE
 # `kvrelay serve`'s limit flags, passed through to the ingress as they are: one definition, so
 # `up` cannot drift from `serve`; connection flags stay `up`'s own (it binds and wires them).
 INGRESS_FLAGS = [f for f in SERVE_FLAGS if f[1] not in ("redis_url", "key_prefix", "host", "port")]
@@ -97,7 +100,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         help="embedded Valkey nodes: 1 (default) a plain Valkey, 2-16 a local Valkey Cluster "
         "of that many primaries (the pipeline still keeps every key on one of them)",
     )
-    p.add_argument("--key-prefix", default="kvrelay:", help="Redis key prefix")
+    p.add_argument("--key-prefix", default=DEFAULT_KEY_PREFIX, help="Redis key prefix")
     p.add_argument("--threads", type=size, default=None, help="cores to divide (default: all)")
     p.add_argument("--arena-bytes", type=size, default=1 << 30, help="store host-tier bytes")
     p.add_argument("--disk-bytes", type=count, default=8 << 30, help="store disk-tier bytes")
@@ -164,6 +167,11 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
 def extra_env(args: argparse.Namespace) -> dict[str, str]:
     """The `--env KEY=VALUE` items (checked by argparse) as a dict; a later KEY wins."""
     return dict(item.partition("=")[::2] for item in args.env)
+
+
+def env_mode(env: dict[str, str]) -> str | None:
+    """The ingress mode the `--env` items give (KVRELAY_INGRESS_MODE), None when they don't."""
+    return setting(IngressConfig, "mode", INGRESS_SECTION, env, default=None)
 
 
 # `up`'s speculation flags -> the workers' variables (the workers read and check them)
@@ -250,7 +258,7 @@ def _num_gpus() -> int:
         count = len(list(gpus.iterdir()))
     else:
         count = sum(1 for d in Path("/dev").glob("nvidia[0-9]*") if d.name[6:].isdigit())
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # CUDA's variable, not a kvrelay setting
     if visible is not None:
         count = min(count, len([d for d in visible.split(",") if d.strip() not in ("", "-1")]))
     return count
@@ -269,7 +277,7 @@ def resolve_topology(args: argparse.Namespace) -> Topology:
     if topo is not None:
         return topo
     env = extra_env(args)
-    asked = args.mode or env.get(MODE_ENV)
+    asked = args.mode or env_mode(env)
     topo = choose(
         args.threads or os.cpu_count() or 1,
         _num_gpus(),
@@ -285,13 +293,10 @@ def ingress_mode(args: argparse.Namespace) -> str:
     """The ingress routing mode for these `up` arguments (CommandError when they disagree)."""
     resolve_topology(args)
     env = extra_env(args)
-    mode = (
-        args.mode
-        or env.get(MODE_ENV)
-        or (RouteMode.COLOCATED if args.prefill == 0 else RouteMode.AUTO)
-    )
-    if args.mode and env.get(MODE_ENV, args.mode) != args.mode:
-        raise CommandError(f"--mode {args.mode} disagrees with --env {MODE_ENV}={env[MODE_ENV]}")
+    given = env_mode(env)
+    mode = args.mode or given or (RouteMode.COLOCATED if args.prefill == 0 else RouteMode.AUTO)
+    if args.mode and given is not None and given != args.mode:
+        raise CommandError(f"--mode {args.mode} disagrees with --env {MODE_ENV}={given}")
     if mode not in MODES:
         raise CommandError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
     if args.prefill == 0 and mode != RouteMode.COLOCATED:
@@ -306,14 +311,18 @@ def resolve_kv_cache_dtype(
     KVRELAY_WORKER_KV_CACHE_DTYPE), `auto` resolved by the workers' own rule
     (loader.resolve_kv_dtype_name): on CPU this loads (builds once) the C++ kernels, unless
     the workers' environment turns them off (KVRELAY_KERNELS_CPU=torch)."""
-    from kvrelay.kernels.cpu_build import ENV_FORCE
+    from kvrelay.core.config import setting
+    from kvrelay.kernels.cpu_build import kernel_settings
+    from kvrelay.workers.config import DEPRECATED_SECTIONS, SECTION, WorkerConfig
     from kvrelay.workers.model.loader import resolve_kv_dtype_name
 
     seen = dict(os.environ, **env)  # what the workers will see
     requested = getattr(args, "kv_cache_dtype", "auto")
     if requested == "auto":
-        requested = seen.get("KVRELAY_WORKER_KV_CACHE_DTYPE") or "auto"
-    kernels = False if seen.get(ENV_FORCE, "").lower() == "torch" else None
+        requested = setting(
+            WorkerConfig, "kv_cache_dtype", SECTION, seen, deprecated=DEPRECATED_SECTIONS
+        )
+    kernels = False if kernel_settings(seen).torch_only else None
     try:
         return resolve_kv_dtype_name(requested, model_dtype, device_type, kernels)
     except ValueError as exc:
@@ -403,7 +412,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "store_run_dir": str(store_dir),
         "threads_per_worker": threads,
         "programs": [p.name for p in programs],
-        "store_node": env.get("KVRELAY_STORE_NODE_ID", "node0"),
+        "store_node": setting(StoreConfig, "node_id", STORE_SECTION, env),
         "prefill": args.prefill,
         "decode": args.decode,
         "topology": topo.to_dict(),

@@ -15,6 +15,8 @@ import contextlib
 import os
 import threading
 
+# UCX's own process-level variables, not kvrelay settings (KVRELAY_* go through
+# kvrelay.core.config): setdefault keeps an operator's values.
 # Read by ucxx when its context is created (the first ucxx call, made on our loop below).
 os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

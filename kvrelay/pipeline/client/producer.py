@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvrelay.core import record as rec
+from kvrelay.core.config import DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.modelref import DEFAULT_MODEL
@@ -71,9 +72,9 @@ class AsyncClient:
 
     def __init__(
         self,
-        redis_url: str = "redis://127.0.0.1:6379/0",
+        redis_url: str = DEFAULT_REDIS_URL,
         *,
-        key_prefix: str = "kvrelay:",
+        key_prefix: str = DEFAULT_KEY_PREFIX,
         model: str = DEFAULT_MODEL,
         mode: RouteMode | str = RouteMode.AUTO,
         route_threshold: int = 64,
@@ -292,7 +293,7 @@ class AsyncClient:
 class Client:
     """Synchronous wrapper of AsyncClient (same arguments and methods)."""
 
-    def __init__(self, redis_url: str = "redis://127.0.0.1:6379/0", **kwargs: Any):
+    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, **kwargs: Any):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvrelay-client", daemon=True

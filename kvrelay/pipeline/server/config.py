@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrelay.core.config import ConfigError, from_env, read_config_file
+from kvrelay.core.config import ConfigError, RedisSettings, from_env, read_config_file
 from kvrelay.core.sampling import GenerationDefaults, generation_override
 from kvrelay.pipeline.openai.tool_parsers import TOOL_PARSERS
 from kvrelay.pipeline.queue.route import RouteMode
@@ -14,11 +14,9 @@ MODES = tuple(m.value for m in RouteMode)  # plain strings: argparse shows them
 
 
 @dataclass(frozen=True, slots=True)
-class IngressConfig:
-    """Settings of the OpenAI-compatible HTTP ingress (`kvrelay serve`)."""
+class IngressConfig(RedisSettings):
+    """Settings of the OpenAI-compatible HTTP ingress (`kvrelay serve`), after the Redis section."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "kvrelay:"
     host: str = "127.0.0.1"
     port: int = 8000
     models: tuple[str, ...] = ("smollm2-135m-instruct",)

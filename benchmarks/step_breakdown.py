@@ -219,6 +219,7 @@ def worker_io(engine, batch: int, tokens: int) -> dict:
     from kvrelay.core.messages import DecodeTask, TokenChunk
     from kvrelay.workers.config import WorkerConfig
     from kvrelay.workers.decode import DecodeWorker
+    from kvrelay.workers.engine.config import EngineConfig
 
     port, keys, data_dir = free_port(), Keys("bd:"), tempfile.mkdtemp(prefix="bd-valkey-")
     valkey = subprocess.Popen(
@@ -236,7 +237,7 @@ def worker_io(engine, batch: int, tokens: int) -> dict:
             time.sleep(0.05)
     engine.pool.reset_prefix_cache()
     config = WorkerConfig(redis_url=url, key_prefix="bd:", name="decode-bd", metrics_port=-1,
-                          max_num_seqs=batch)  # fmt: skip
+                          engine=EngineConfig(max_num_seqs=batch))  # fmt: skip
     worker = DecodeWorker(config, engine)
     compute = threading.Thread(target=worker.run, name="compute", daemon=True)
     compute.start()

@@ -16,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvrelay.core.config import from_env, read_config_file, redacted
+    from kvrelay.kvstore.config import SECTION as STORE_SECTION
     from kvrelay.kvstore.config import StoreConfig
     from kvrelay.pipeline.server.config import load_config
     from kvrelay.workers.config import load_worker_config
@@ -24,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
         "ingress": lambda: load_config(config_file=args.config),
         "worker": lambda: load_worker_config(config_file=args.config),
         "store": lambda: from_env(
-            StoreConfig, "store", file_values=read_config_file(args.config, "store")
+            StoreConfig, STORE_SECTION, file_values=read_config_file(args.config, STORE_SECTION)
         ),
     }
     names = [args.component] if args.component else list(COMPONENTS)

@@ -61,11 +61,11 @@ def build_config(args: argparse.Namespace):
 
     from kvrelay.cli.errors import CommandError
     from kvrelay.core.config import from_env, read_config_file
-    from kvrelay.kvstore.config import StoreConfig
+    from kvrelay.kvstore.config import SECTION, StoreConfig
 
     overrides: dict[str, Any] = {dest: getattr(args, dest, None) for _f, dest, _k, _h in _flags()}
-    file_values = read_config_file(getattr(args, "config", None), "store")
-    cfg = from_env(StoreConfig, "store", file_values=file_values, **overrides)
+    file_values = read_config_file(getattr(args, "config", None), SECTION)
+    cfg = from_env(StoreConfig, SECTION, file_values=file_values, **overrides)
     if cfg.model is not None:
         from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
 

@@ -150,35 +150,14 @@ SPECULATION_FIELDS = (
 )
 
 
-def speculation_settings(config: Any) -> dict[str, Any]:
-    """The speculation fields of a WorkerConfig, as EngineConfig takes them (same names)."""
-    return {name: getattr(config, name) for name in SPECULATION_FIELDS}
-
-
 def run(args: argparse.Namespace) -> int:
     from kvrelay.workers.config import load_worker_config
-    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
+    from kvrelay.workers.engine.llm_engine import Engine
 
     # a bad setting (ConfigError) is one line and exit 2 (kvrelay.cli.main.exit_code)
     overrides = {dest: getattr(args, dest) for _f, dest, _k, _h in worker_flags()}
     config = load_worker_config(config_file=args.config, **overrides)
-    engine = Engine(
-        EngineConfig(
-            model=config.model,
-            dtype=config.dtype,
-            device=config.device,
-            page_size=config.page_size,
-            kv_cache_bytes=config.kv_cache_bytes,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            num_threads=config.threads,
-            quantization=config.quantization,
-            kv_cache_dtype=config.kv_cache_dtype,
-            **speculation_settings(config),
-        )
-    )
-    return serve(args.role, config, engine)
+    return serve(args.role, config, Engine(config.engine))
 
 
 def serve(role: str, config: WorkerConfig, engine: Engine) -> int:

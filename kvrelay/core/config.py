@@ -7,7 +7,8 @@ config file > the default.
 Every `KVRELAY_*` variable is read here (`from_env`, `setting`), never with `os.environ` beside
 it (tests/core/test_env_reads.py): each component's settings start with the one Redis section
 (`RedisSettings`), and the process-wide ones are `CacheSettings` here and the kernels'
-`KernelSettings` (kernels/cpu_build.py).
+`KernelSettings` (kernels/cpu_build.py). A `nested` field holds another settings dataclass
+(the worker's `engine: EngineConfig`) whose settings are spelled as the parent's own.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -53,6 +54,7 @@ DEFAULT_KEY_PREFIX = "kvrelay:"
 DEFAULT_CACHE_DIR = "~/.cache/kvrelay"
 _warned: set[str] = set()
 _UNSET: Any = object()
+NESTED = "kvrelay_nested"  # field metadata key of a nested section (`nested`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,34 +185,111 @@ def from_env(
     `deprecated` lists old sections whose `KVRELAY_<OLD>_<FIELD>` still work, with one warning;
     `env_names` renames a field's variable (field -> full name); `fallbacks` names another
     component's variable a field takes when its own is not set (field -> full name).
+    Settings are spelled as `settings_of(cls)` lists them (a nested section's flat); an
+    override may also give a nested section whole (`engine=EngineConfig(...)`), the other
+    sources' values then replacing its fields.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}  # field -> where its value came from, for error messages
+    table = settings_of(cls)
+    values: dict[str, Any] = {}  # setting (flat name) -> value
+    whole: dict[str, Any] = {}  # a nested section given whole as an override
+    sources: dict[str, str] = {}  # setting -> where its value came from, for error messages
     path = getattr(file_values, "path", "")
     in_file = f" {path}" if path else ""
     for key, value in (file_values or {}).items():
-        if key not in hints:
+        if key not in table:
             raise ConfigError(
                 f"unknown setting {key!r} in the config file{in_file} for {cls.__name__}"
             )
         sources[key] = f"{key} in {path or 'the config file'}"
-        values[key] = _file_value(value, hints[key], key, sources[key])
-    for f in dataclasses.fields(cls):
-        raw_name = _variable(env, section, f.name, deprecated, env_names, fallbacks)
+        values[key] = _file_value(value, table[key].annotation, key, sources[key])
+    for name, s in table.items():
+        raw_name = _variable(env, section, name, deprecated, env_names, fallbacks)
         if raw_name is not None:
-            values[f.name] = _convert(env[raw_name], hints[f.name], raw_name)
-            sources[f.name] = raw_name
+            values[name] = _convert(env[raw_name], s.annotation, raw_name)
+            sources[name] = raw_name
+    nested = {f.name for f in dataclasses.fields(cls) if NESTED in f.metadata}
     for key, value in overrides.items():
         if value is not None:
-            if key not in hints:
+            if key in nested:
+                whole[key] = value
+                continue
+            if key not in table:
                 raise ConfigError(f"unknown setting {key!r} for {cls.__name__}")
             values[key] = value
             sources[key] = "--" + key.replace("_", "-")
     if isinstance(values.get("redis_url"), str):
         check_redis_url(values["redis_url"], sources["redis_url"])
-    return cls(**values)
+    return _build(cls, table, values, whole)
+
+
+def _build(cls: type[T], table: dict[str, Setting], values: dict[str, Any], whole: dict) -> T:
+    """`cls` from setting values, each nested section from its default (or the one given
+    whole) with its settings replaced."""
+    own: dict[str, Any] = {}
+    inner: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        s = table[name]
+        if s.section is None:
+            own[s.field] = value
+        else:
+            inner.setdefault(s.section, {})[s.field] = value
+    for f in dataclasses.fields(cls):
+        if NESTED in f.metadata and (f.name in whole or f.name in inner):
+            base = whole.get(f.name) or _nested_default(f)
+            own[f.name] = dataclasses.replace(base, **inner.get(f.name, {}))
+    return cls(**own)
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One setting of a settings dataclass, as variables, flags and config files spell it."""
+
+    name: str  # the spelling: KVRELAY_<SECTION>_<NAME>, --name, `name = ` in a config file
+    field: str  # the dataclass field holding it
+    section: str | None  # the nested section's field holding `field`; None: the class's own
+    annotation: Any
+    default: Any
+
+
+def nested(factory: Callable[[], Any], names: dict[str, str] | None = None) -> Any:
+    """A field holding another settings dataclass (a worker's `engine: EngineConfig`): its
+    settings are spelled as the parent's own (variables, flags, config file keys, `kvrelay
+    config show`), `names` renaming some (its field -> the parent's spelling); the default is
+    `factory()`."""
+    return dataclasses.field(default_factory=factory, metadata={NESTED: dict(names or {})})
+
+
+def _nested_default(f: dataclasses.Field) -> Any:
+    """The default of a `nested` field (its factory's value)."""
+    return typing.cast(Callable[[], Any], f.default_factory)()
+
+
+def settings_of(cls: type) -> dict[str, Setting]:
+    """The settings of `cls` by spelling, in field order, nested sections' spliced in."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Setting] = {}
+    for f in dataclasses.fields(cls):
+        if NESTED in f.metadata:
+            inner = _nested_default(f)
+            inner_hints = typing.get_type_hints(type(inner))
+            for g in dataclasses.fields(inner):
+                name = f.metadata[NESTED].get(g.name, g.name)
+                default = getattr(inner, g.name)
+                out[name] = Setting(name, g.name, f.name, inner_hints[g.name], default)
+        else:
+            default = None if f.default is dataclasses.MISSING else f.default
+            out[f.name] = Setting(f.name, f.name, None, hints[f.name], default)
+    return out
+
+
+def setting_values(config: Any) -> dict[str, Any]:
+    """The settings of a settings dataclass instance by spelling (nested sections flat)."""
+    out = {}
+    for name, s in settings_of(type(config)).items():
+        holder = config if s.section is None else getattr(config, s.section)
+        out[name] = getattr(holder, s.field)
+    return out
 
 
 def setting(
@@ -226,7 +305,7 @@ def setting(
     the shared spelling), without reading or checking the others; unset: `default` if given,
     else the field's default. `options`: from_env's `deprecated`, `env_names`, `fallbacks`."""
     env: Mapping[str, str] = os.environ if environ is None else environ
-    hints = typing.get_type_hints(cls)
+    s = settings_of(cls)[field]
     raw_name = _variable(
         env,
         section,
@@ -236,11 +315,8 @@ def setting(
         options.get("fallbacks"),
     )
     if raw_name is not None:
-        return _convert(env[raw_name], hints[field], raw_name)
-    if default is not _UNSET:
-        return default
-    (f,) = [f for f in dataclasses.fields(cls) if f.name == field]
-    return f.default
+        return _convert(env[raw_name], s.annotation, raw_name)
+    return s.default if default is _UNSET else default
 
 
 def _variable(
@@ -352,15 +428,15 @@ def read_config_file(path: str | None, section: str) -> dict[str, Any]:
 
 
 def redacted(config: Any) -> dict[str, Any]:
-    """The settings of a config dataclass as a dict, secrets shown as ***."""
+    """The settings of a config dataclass as a dict (nested sections flat, as variables spell
+    them), secrets shown as ***."""
     out = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if f.name in SECRET_FIELDS and value:
+    for name, value in setting_values(config).items():
+        if name in SECRET_FIELDS and value:
             value = "***"
-        elif f.name.endswith("url") and isinstance(value, str):
+        elif name.endswith("url") and isinstance(value, str):
             value = redact_url(value)
-        out[f.name] = list(value) if isinstance(value, tuple) else value
+        out[name] = list(value) if isinstance(value, tuple) else value
     return out
 
 
@@ -375,16 +451,16 @@ def config_file_help(section: str) -> dict[str, str]:
 def setting_flags(
     cls: type, section: str, table: list[tuple[str, ...]], env_names: dict[str, str] | None = None
 ) -> list[tuple[str, str, Any, str]]:
-    """(flag, field, type, help) for each `(field, help[, flag])`: name, type and default from
-    the field, help ending with its default and variable; flags default to None ("not given")."""
-    hints = typing.get_type_hints(cls)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    """(flag, setting, type, help) for each `(setting, help[, flag])`: name, type and default
+    from the setting (`settings_of`), help ending with its default and variable; flags default
+    to None ("not given")."""
+    settings = settings_of(cls)
     out = []
     for field, help_text, *flag in table:
         var = (env_names or {}).get(field) or env_name(section, field)
-        default = defaults[field]
+        default = settings[field].default
         shown = "none" if default is None else str(default).lower()  # True -> true
-        kind = _flag_type(hints[field], var)
+        kind = _flag_type(settings[field].annotation, var)
         flag_name = flag[0] if flag else "--" + field.replace("_", "-")
         out.append((flag_name, field, kind, f"{help_text} (default {shown}; {var})"))
     return out

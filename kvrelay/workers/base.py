@@ -113,7 +113,7 @@ class Worker:
         info = WorkerRecord(
             model=engine.model_name,
             fingerprint=engine.fingerprint,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.engine.max_num_seqs,
             kernel_isa=engine.kernel_isa,
             # the KV pool's dtype ("float32", "bfloat16", "float16")
             kv_dtype=str(engine.kv_dtype).removeprefix("torch."),

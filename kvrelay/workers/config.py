@@ -11,14 +11,19 @@ from kvrelay.core.config import (
     RedisSettings,
     env_name,
     from_env,
+    nested,
     read_config_file,
 )
-from kvrelay.core.enums import Quantization, Speculation
 from kvrelay.core.modelref import normalize_kv_cache_dtype, normalize_quantization
 from kvrelay.core.sampling import GenerationDefaults, generation_override
 from kvrelay.kvstore.config import SECTION as STORE_SECTION
+from kvrelay.workers.engine.config import EngineConfig
 
 SECTION = "WORKER"
+# EngineConfig field -> the worker's spelling of it (variable, flag, config file key)
+ENGINE_NAMES = {"num_threads": "threads"}
+# 64: a CPU box at 64 streams serves 1.17x the tokens of 32 with TTFT 1.5 s instead of 17 s
+MAX_NUM_SEQS = 64
 # The store's own run dir variable names the store a worker talks to (KVRELAY_WORKER_* wins).
 STORE_RUN_DIR_ENV = env_name(STORE_SECTION, "run_dir")
 # Engine settings (model, dtype, threads, ...) read by both `kvrelay worker` and
@@ -27,33 +32,21 @@ STORE_RUN_DIR_ENV = env_name(STORE_SECTION, "run_dir")
 DEPRECATED_SECTIONS = ("ENGINE",)
 
 
+def worker_engine() -> EngineConfig:
+    """A worker's default engine settings: the engine's, with more sequences per step."""
+    return EngineConfig(max_num_seqs=MAX_NUM_SEQS)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig(RedisSettings):
     """Settings of one prefill or decode worker process (after the Redis section)."""
 
     name: str | None = None  # stable worker id (heartbeat key); default role-host-pid
-    model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"
-    device: str = "auto"
-    # none | int8 | fp16 (CPU fp32 only; see kvrelay.workers.model.quant)
-    quantization: str = Quantization.NONE
-    # KV page dtype: auto (the model dtype) | fp32 | bf16 | fp16; part of the page fingerprint
-    kv_cache_dtype: str = "auto"
-    threads: int | None = None  # compute threads (torch); None: torch's default
-    # Speculative decoding (never changes the output; docs/internals.md "Speculative
-    # decoding"): auto | off | ngram | draft (auto: draft with a draft_model, else ngram).
+    # The engine's settings (model, dtype, device, quantization, kv_cache_dtype, speculation,
+    # page_size, kv_cache_bytes, max_num_seqs, ...), spelled as the worker's own
+    # (KVRELAY_WORKER_MODEL, --model, `model` in [worker], `threads` for num_threads).
     # Only decode steps speculate; a prefill worker stops after the first token.
-    speculation: str = Speculation.AUTO
-    num_speculative_tokens: int = 6  # the longest draft verified per step
-    prompt_lookup_min: int = 2  # n-gram lengths prompt lookup matches, longest first
-    prompt_lookup_max: int = 4
-    draft_model: str | None = None  # a smaller model with the model's tokenizer (draft mode)
-    page_size: int = 16
-    kv_cache_bytes: int = 1 << 30
-    # 64: a CPU box at 64 streams serves 1.17x the tokens of 32 with TTFT 1.5 s instead of 17 s
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
+    engine: EngineConfig = nested(worker_engine, ENGINE_NAMES)
     store_run_dir: str | None = None  # the local store node's run dir; None: no store
     lease_ms: int = 10000  # a worker silent (no heartbeat) this long loses its entries
     # redeliveries in a row with no new token in between (poison, not churn) -> DLQ
@@ -76,30 +69,26 @@ class WorkerConfig(RedisSettings):
 
     def validate(self) -> WorkerConfig:
         """Raise ConfigError for values a worker cannot run with; return self."""
-        for name in (
-            "lease_ms",
-            "max_deliveries",
-            "read_batch",
-            "block_ms",
-            "max_num_seqs",
-            "heartbeat_ttl_s",
-            "page_size",
-        ):
+        engine = self.engine
+        for name in ("lease_ms", "max_deliveries", "read_batch", "block_ms", "heartbeat_ttl_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+        for name in ("max_num_seqs", "page_size"):
+            if getattr(engine, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
         try:
-            normalize_quantization(self.quantization)
-            normalize_kv_cache_dtype(self.kv_cache_dtype)
+            normalize_quantization(engine.quantization)
+            normalize_kv_cache_dtype(engine.kv_cache_dtype)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        if self.threads is not None and self.threads < 1:
+        if engine.num_threads is not None and engine.num_threads < 1:
             raise ConfigError("threads must be at least 1")
         check_speculation(
-            self.speculation,
-            self.num_speculative_tokens,
-            self.prompt_lookup_min,
-            self.prompt_lookup_max,
-            self.draft_model,
+            engine.speculation,
+            engine.num_speculative_tokens,
+            engine.prompt_lookup_min,
+            engine.prompt_lookup_max,
+            engine.draft_model,
         )
         if self.name is not None and (not self.name or any(c in self.name for c in " {}:")):
             raise ConfigError(f"invalid worker name {self.name!r} (no spaces, braces or ':')")
@@ -156,4 +145,4 @@ def load_worker_config(
 
 def engine_env_names() -> dict[str, str]:
     """EngineConfig field -> its variable: the worker's spelling (`threads` for num_threads)."""
-    return {"num_threads": env_name(SECTION, "threads")}
+    return {field: env_name(SECTION, name) for field, name in ENGINE_NAMES.items()}

@@ -92,7 +92,7 @@ def read_loop(w: ReaderHost) -> None:
     claim_every = max(0.2, w.config.lease_ms / 4000)
     while not w.stop_event.is_set():
         try:
-            room = w.config.max_num_seqs - len(w.inflight)
+            room = w.config.engine.max_num_seqs - len(w.inflight)
             if w.heartbeat.draining or room <= 0:
                 time.sleep(w.config.block_ms / 1000)
                 continue
@@ -102,7 +102,7 @@ def read_loop(w: ReaderHost) -> None:
                 claimed = w.streams.claim(w.stream, w.group, w.config.lease_ms, room)
                 if claimed:
                     receive(w, claimed, claimed=True)
-                room = w.config.max_num_seqs - len(w.inflight)
+                room = w.config.engine.max_num_seqs - len(w.inflight)
                 if room <= 0:
                     continue
             count = min(room, w.config.read_batch)

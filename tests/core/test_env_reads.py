@@ -10,8 +10,8 @@ Walks `kvrelay/` with `ast`:
 - `os.environ`/`os.getenv` appear only in core/config.py and the files listed in
   `ENVIRON_USERS`, each for a variable that is not ours (UCX's, CUDA's, OpenAI's) or to hand
   this process's environment to its children;
-- the Redis URL, key prefix, cache dir and store run dir defaults are string constants in one
-  place only (docstrings aside).
+- the Redis URL, key prefix, cache dir, store run dir and model defaults are string constants
+  in one place only (docstrings aside).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from kvrelay.core.config import (
     setting,
 )
 from kvrelay.core.keys import Keys
+from kvrelay.core.modelref import DEFAULT_MODEL
 from kvrelay.kernels.cpu_build import ENV_FORCE, ENV_ISA, KernelSettings, kernel_settings
 from kvrelay.kvstore.client import default_run_dir
 from kvrelay.kvstore.config import StoreConfig
@@ -57,6 +58,7 @@ DEFAULTS = {
     DEFAULT_KEY_PREFIX: {SETTINGS_FILE, "pipeline/metrics.py"},
     DEFAULT_CACHE_DIR: {SETTINGS_FILE},
     STORE_RUN_DIR_DEFAULT: {"kvstore/config.py"},
+    DEFAULT_MODEL: {"core/modelref.py"},
 }
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -48,7 +49,7 @@ def test_engine_settings_have_one_spelling_for_worker_and_generate():
     worker = load_worker_config(environ=env)
     engine = from_env(EngineConfig, SECTION, environ=env, deprecated=DEPRECATED_SECTIONS,
                       env_names=engine_env_names())  # fmt: skip
-    assert (worker.max_num_seqs, worker.threads) == (9, 3)
+    assert (worker.engine.max_num_seqs, worker.engine.num_threads) == (9, 3)
     assert (engine.max_num_seqs, engine.num_threads) == (9, 3)
 
 
@@ -59,13 +60,13 @@ def test_old_engine_spelling_works_with_one_warning(caplog, monkeypatch):
         for _ in range(3):
             engine = from_env(EngineConfig, SECTION, environ=env, deprecated=DEPRECATED_SECTIONS)
             assert engine.kv_cache_bytes == 4096
-        assert load_worker_config(environ=env).kv_cache_bytes == 4096
+        assert load_worker_config(environ=env).engine.kv_cache_bytes == 4096
     assert caplog.messages == [
         "KVRELAY_ENGINE_KV_CACHE_BYTES is deprecated: use KVRELAY_WORKER_KV_CACHE_BYTES "
         "(same meaning)"
     ]
     env["KVRELAY_WORKER_KV_CACHE_BYTES"] = "8192"  # the current spelling wins
-    assert load_worker_config(environ=env).kv_cache_bytes == 8192
+    assert load_worker_config(environ=env).engine.kv_cache_bytes == 8192
 
 
 def test_precedence_flag_env_file_default(tmp_path: Path):
@@ -74,7 +75,8 @@ def test_precedence_flag_env_file_default(tmp_path: Path):
                     '[ingress]\nmax_waiting = 11\n')  # fmt: skip
     env = {"KVRELAY_WORKER_MAX_NUM_SEQS": "6"}
     cfg = load_worker_config(environ=env, config_file=str(path), lease_ms=800)
-    assert (cfg.lease_ms, cfg.max_num_seqs, cfg.key_prefix, cfg.block_ms) == (800, 6, "file:", 500)
+    assert (cfg.lease_ms, cfg.engine.max_num_seqs, cfg.key_prefix, cfg.block_ms) == (
+        800, 6, "file:", 500)  # fmt: skip
     ingress = load_config(environ={}, config_file=str(path))
     assert (ingress.max_waiting, ingress.key_prefix) == (11, "file:")
 
@@ -169,7 +171,7 @@ def test_flags_are_generated_from_the_settings_fields():
 def test_speculation_settings_from_flags_env_and_file(tmp_path: Path):
     from kvrelay.cli.main import build_parser
 
-    default = load_worker_config(environ={})
+    default = load_worker_config(environ={}).engine
     assert (default.speculation, default.num_speculative_tokens, default.prompt_lookup_min,
             default.prompt_lookup_max, default.draft_model) == ("auto", 6, 2, 4, None)  # fmt: skip
     env = {
@@ -179,7 +181,7 @@ def test_speculation_settings_from_flags_env_and_file(tmp_path: Path):
         "KVRELAY_WORKER_PROMPT_LOOKUP_MAX": "5",
         "KVRELAY_WORKER_DRAFT_MODEL": "",  # empty: none
     }
-    cfg = load_worker_config(environ=env)
+    cfg = load_worker_config(environ=env).engine
     assert (cfg.speculation, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
             cfg.prompt_lookup_max, cfg.draft_model) == ("ngram", 3, 1, 5, None)  # fmt: skip
     engine = from_env(EngineConfig, SECTION, environ=env, env_names=engine_env_names())
@@ -187,7 +189,7 @@ def test_speculation_settings_from_flags_env_and_file(tmp_path: Path):
             engine.prompt_lookup_max, engine.draft_model) == ("ngram", 3, 1, 5, None)  # fmt: skip
     path = tmp_path / "k.toml"
     path.write_text('[worker]\nspeculation = "draft"\ndraft_model = "smollm2-135m"\n')
-    cfg = load_worker_config(environ={}, config_file=str(path), num_speculative_tokens=2)
+    cfg = load_worker_config(environ={}, config_file=str(path), num_speculative_tokens=2).engine
     assert (cfg.speculation, cfg.draft_model, cfg.num_speculative_tokens) == (
         "draft", "smollm2-135m", 2)  # fmt: skip
     parser = build_parser()
@@ -316,6 +318,35 @@ def test_config_file_values_of_a_compatible_type_are_converted(tmp_path: Path):
     assert ingress.override_generation_config == '{"temperature": 0.5}'
     assert ingress.generation_override.temperature == 0.5
     worker = load_worker_config(environ={}, config_file=str(path))
-    assert (worker.threads, worker.store_run_dir) == (None, None)
+    assert (worker.engine.num_threads, worker.store_run_dir) == (None, None)
     assert worker.override_generation_config == '{"top_p": 0.8, "max_new_tokens": 64}'
     assert worker.generation_override.to_dict() == {"top_p": 0.8, "max_tokens": 64}
+
+
+def test_the_worker_settings_nest_the_engine_settings(tmp_path: Path):
+    from kvrelay.core.config import settings_of
+    from kvrelay.workers.config import WorkerConfig
+
+    # one definition: no engine field is copied into the worker's own
+    worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)}
+    assert worker_fields & {f.name for f in dataclasses.fields(EngineConfig)} == set()
+    assert WorkerConfig().engine == EngineConfig(max_num_seqs=64)  # a worker batches more
+    # every engine setting is a worker setting, spelled flat (threads: num_threads)
+    names = list(settings_of(WorkerConfig))
+    assert names[:5] == ["redis_url", "key_prefix", "name", "model", "dtype"]
+    assert {"threads", "num_blocks", "cuda_graphs"} <= set(names) and "num_threads" not in names
+    env = {"KVRELAY_WORKER_NUM_BLOCKS": "12", "KVRELAY_WORKER_CUDA_GRAPHS": "off"}
+    path = tmp_path / "k.toml"
+    path.write_text("[worker]\nthreads = 2\nmodel = 'm'\n")
+    cfg = load_worker_config(environ=env, config_file=str(path), max_model_len=99)
+    assert cfg.engine == EngineConfig(
+        model="m", num_threads=2, num_blocks=12, cuda_graphs=False, max_num_seqs=64,
+        max_model_len=99)  # fmt: skip
+    shown = redacted(cfg)
+    assert list(shown) == names
+    assert (shown["threads"], shown["num_blocks"], shown["model"]) == (2, 12, "m")
+    # a whole engine section may be given, the flags over it
+    given = load_worker_config(environ={}, engine=EngineConfig(page_size=8), max_num_seqs=3)
+    assert given.engine == EngineConfig(page_size=8, max_num_seqs=3)
+    with pytest.raises(ConfigError, match="unknown setting 'num_threads' for WorkerConfig"):
+        load_worker_config(environ={}, num_threads=2)

@@ -97,7 +97,8 @@ def test_worker_setting_from_env_and_validated():
     from kvrelay.workers.config import load_worker_config
 
     env = {"KVRELAY_WORKER_KV_CACHE_DTYPE": "bf16"}
-    assert load_worker_config(environ=env).kv_cache_dtype == "bf16"
-    assert load_worker_config(environ={}, kv_cache_dtype="float16").kv_cache_dtype == "float16"
+    assert load_worker_config(environ=env).engine.kv_cache_dtype == "bf16"
+    flagged = load_worker_config(environ={}, kv_cache_dtype="float16")
+    assert flagged.engine.kv_cache_dtype == "float16"
     with pytest.raises(ConfigError, match="unsupported kv cache dtype 'fp8'"):
         load_worker_config(environ={"KVRELAY_WORKER_KV_CACHE_DTYPE": "fp8"})

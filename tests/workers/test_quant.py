@@ -86,4 +86,4 @@ def test_worker_config_rejects_unknown_quantization():
     message = "unsupported quantization 'int4'; use one of none, int8, fp16, int8-weight-only"
     with pytest.raises(ConfigError, match=message):
         load_worker_config(environ=env)
-    assert load_worker_config(environ={}, quantization="int8").quantization == "int8"
+    assert load_worker_config(environ={}, quantization="int8").engine.quantization == "int8"

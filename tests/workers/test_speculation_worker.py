@@ -53,7 +53,7 @@ def stack(tmp_path_factory):
         heartbeat_s=0.2,
         metrics_port=-1,
         block_ms=20,
-        speculation="ngram",
+        engine=engine.config,  # the settings of the engine it runs (speculation ngram)
     )
     worker = DecodeWorker(config, engine)
     thread = threading.Thread(target=worker.run, daemon=True)

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.cli.errors import EXIT_FAILURE, EXIT_UNAVAILABLE, CommandError
 from kvrelay.cli.serve import SERVE_FLAGS
@@ -27,12 +27,15 @@ from kvrelay.cli.up.valkey_cluster import MAX_SHARDS, ClusterError
 from kvrelay.cli.worker import KV_DTYPE_CHOICES, SPECULATION_CHOICES
 from kvrelay.core.config import DEFAULT_KEY_PREFIX, check_redis_url, env_name, setting
 from kvrelay.core.enums import Quantization, Speculation, Stage
-from kvrelay.core.modelref import QUANTIZATIONS, SHORT_DTYPE_NAMES
+from kvrelay.core.modelref import DEFAULT_MODEL, QUANTIZATIONS, SHORT_DTYPE_NAMES
 from kvrelay.kvstore.config import SECTION as STORE_SECTION
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.pipeline.queue.route import RouteMode
 from kvrelay.pipeline.server.config import MODES, IngressConfig
 from kvrelay.pipeline.server.config import SECTION as INGRESS_SECTION
+
+if TYPE_CHECKING:  # loaded where the workers' settings are checked
+    from kvrelay.workers.config import WorkerConfig
 
 DEFAULT_RUN_DIR = "kvrelay-run"
 MODE_ENV = env_name(INGRESS_SECTION, "mode")  # KVRELAY_INGRESS_MODE
@@ -66,7 +69,7 @@ def _env_item(text: str) -> str:
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
     count, size = _number(int, 0, what="count"), _number(int, 1, what="size")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or path")
     p.add_argument(
         "--prefill", type=count, default=None, help="prefill workers (default: chosen for the host)"
     )
@@ -192,7 +195,7 @@ def speculation_env(args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
-def check_worker_config(args: argparse.Namespace):
+def check_worker_config(args: argparse.Namespace) -> WorkerConfig:
     """The workers' settings as they will read them (flags, then --env, over this process's
     environment); CommandError (exit 2) for a value they cannot parse or speculation settings
     they would refuse, before launching. (Other settings are the workers' to check: a worker
@@ -209,16 +212,17 @@ def check_worker_config(args: argparse.Namespace):
     return config
 
 
-def speculation_mode(config) -> str:
+def speculation_mode(config: WorkerConfig) -> str:
     """The workers' speculation, resolved (off, ngram or draft); ConfigError when refused."""
     from kvrelay.workers.config import check_speculation
 
+    engine = config.engine
     return check_speculation(
-        config.speculation,
-        config.num_speculative_tokens,
-        config.prompt_lookup_min,
-        config.prompt_lookup_max,
-        config.draft_model,
+        engine.speculation,
+        engine.num_speculative_tokens,
+        engine.prompt_lookup_min,
+        engine.prompt_lookup_max,
+        engine.draft_model,
     )
 
 
@@ -455,7 +459,7 @@ def run_up(args: argparse.Namespace) -> int:
     # convert once here so workers never race to do it; the draft model too, when they load one
     models = [("", args.model)]
     if speculation_mode(workers) == Speculation.DRAFT:
-        models.append(("draft model: ", workers.draft_model))
+        models.append(("draft model: ", workers.engine.draft_model))
     for what, name in models:
         try:
             prepare_model(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrelay.core.config import ConfigError, RedisSettings, from_env, read_config_file
+from kvrelay.core.modelref import DEFAULT_MODEL
 from kvrelay.core.sampling import GenerationDefaults, generation_override
 from kvrelay.pipeline.openai.tool_parsers import TOOL_PARSERS
 from kvrelay.pipeline.queue.route import RouteMode
@@ -19,7 +20,7 @@ class IngressConfig(RedisSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
-    models: tuple[str, ...] = ("smollm2-135m-instruct",)
+    models: tuple[str, ...] = (DEFAULT_MODEL,)
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int = 32768  # also capped by the model's context length
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for

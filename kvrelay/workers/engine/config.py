@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.core.enums import FinishReason, Quantization, Speculation
+from kvrelay.core.modelref import DEFAULT_MODEL
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     dtype: str = "auto"
     device: str = "auto"
     page_size: int = 16

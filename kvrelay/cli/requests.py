@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 import sys
@@ -21,15 +20,8 @@ def _null_if_empty(data: dict[str, Any], names: Any) -> dict[str, Any]:
 
 
 def dlq_fields(entry: dict[str, Any]) -> dict[str, Any]:
-    """A DLQ entry's fields as JSON has them: `time` a number, empty fields null."""
-    from kvrelay.core.keys import DlqField
-
-    out = {k: None if v == "" else v for k, v in entry.items()}
-    when = out.get(DlqField.TIME)
-    if isinstance(when, str):
-        with contextlib.suppress(ValueError):  # not written by kvrelay: shown as it is
-            out[DlqField.TIME] = float(when)
-    return out
+    """A dict of DLQ results as JSON has them: empty fields null."""
+    return {k: None if v == "" else v for k, v in entry.items()}
 
 
 def add_requests_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,13 +100,13 @@ def run_dlq(args: argparse.Namespace) -> int:
         raise CommandError("dlq purge deletes every entry: add --yes")
     r, keys, _ = connect(args)
     if args.action == "ls":
-        rows = [dlq_fields(row) for row in admin_dlq.entries(r, keys, args.limit)]
+        rows = admin_dlq.entries(r, keys, args.limit)
         if args.json:
-            print_json(rows)
+            print_json([row.public() for row in rows])
         elif not rows:
             print("dead-letter stream is empty")
         for row in [] if args.json else rows:
-            print(f"{row['dlq_id']:<22}{row.get('request_id') or '-':<28}{row.get('reason') or ''}")
+            print(f"{row.dlq_id:<22}{row.request_id or '-':<28}{row.reason}")
         return 0
     if args.action == "purge":
         n = admin_dlq.purge(r, keys)
@@ -130,7 +122,7 @@ def run_dlq(args: argparse.Namespace) -> int:
         _show(dlq_fields(entry), args.json)
         return 0
     if args.all:
-        return _replay(r, keys, [row["dlq_id"] for row in admin_dlq.entries(r, keys, 100000)], args)
+        return _replay(r, keys, [row.dlq_id for row in admin_dlq.entries(r, keys, 100000)], args)
     return _replay(r, keys, [args.dlq_id], args)
 
 

@@ -16,17 +16,6 @@ DECODE_GROUP = Stage.DECODE.value
 MESSAGE_FIELD = b"m"  # each stream entry is one field holding a MessagePack map
 
 
-class DlqField:
-    """The fields of a dead-letter entry besides MESSAGE_FIELD (the payload, copied as it was)."""
-
-    REASON = "reason"
-    STREAM = "stream"  # the work stream it was taken from
-    ENTRY_ID = "id"  # its entry id there
-    CONSUMER = "consumer"
-    REQUEST_ID = "request_id"  # "" when the payload did not say
-    TIME = "time"
-
-
 @dataclass(frozen=True, slots=True)
 class Keys:
     """Key names under a prefix; `Keys("kvrelay:")` gives `{kvrelay}:stream:prefill` and so on."""

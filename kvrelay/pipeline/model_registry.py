@@ -23,7 +23,8 @@ from kvrelay.core import modelref
 from kvrelay.core.config import cache_root
 from kvrelay.core.model_bundle import ModelBundle
 from kvrelay.core.page_keys import DEFAULT_PAGE_SIZE
-from kvrelay.core.sampling import GenerationDefaults, InvalidSamplingParams
+from kvrelay.core.published_model import PublishedModel
+from kvrelay.core.sampling import GenerationDefaults
 from kvrelay.pipeline.errors import RequestError, model_not_found
 from kvrelay.pipeline.queue.cluster import ClusterState
 
@@ -151,10 +152,10 @@ class ModelRegistry:
         published = list(await self.cluster.models()) if self.cluster else []
         return list(dict.fromkeys([*self.names, *published]))
 
-    async def _published(self, name: str) -> dict[str, Any]:
-        return (await self.cluster.models()).get(name, {}) if self.cluster else {}
+    async def _published(self, name: str) -> PublishedModel | None:
+        return (await self.cluster.models()).get(name) if self.cluster else None
 
-    async def _files_for(self, name: str, published: dict[str, Any]) -> _Files:
+    async def _files_for(self, name: str, published: PublishedModel | None) -> _Files:
         local = self._local.get(name)
         if local is not None:
             return local
@@ -168,8 +169,8 @@ class ModelRegistry:
                         logger.info("loaded tokenizer for model %s", name)
             if local is not None:
                 return local
-        digest = published.get("files")
-        if not isinstance(digest, str) or self.cluster is None:
+        digest = published.files if published else None
+        if digest is None or self.cluster is None:
             raise not_ready(name)
         files = self._published_files.get(digest)
         if files is None:
@@ -203,16 +204,10 @@ class ModelRegistry:
             return files
 
     def _defaults(
-        self, name: str, published: dict[str, Any], files: _Files | None
+        self, name: str, published: PublishedModel | None, files: _Files | None
     ) -> GenerationDefaults:
         """The override over the published defaults (else the model's own from its files)."""
-        model: GenerationDefaults | None = None
-        raw = published.get("generation_defaults")
-        if isinstance(raw, dict):
-            try:
-                model = GenerationDefaults.parse(raw, strict=False)
-            except InvalidSamplingParams as exc:
-                logger.warning("model %s: ignoring published defaults: %s", name, exc)
+        model = published.generation_defaults if published else None
         if model is None:
             model = files.defaults if files else modelref.builtin_generation_defaults(name)
         return self.override.over(model)
@@ -220,19 +215,20 @@ class ModelRegistry:
     async def get(self, name: str) -> ModelEntry:
         """The entry for `name`; 404 for an unknown model, 503 while no files are available."""
         published = await self._published(name)
-        if name not in self.names and not published:
+        if name not in self.names and published is None:
             raise model_not_found(name, await self.served())
         files = await self._files_for(name, published)
-        max_len = int(published.get("max_model_len") or files.max_model_len or 0)
+        entry = published or PublishedModel()
+        max_len = entry.max_model_len or files.max_model_len or 0
         if max_len <= 0:
             max_len = 1 << 30  # an injected tokenizer without numbers: only flag limits apply
         return ModelEntry(
             name=name,
             tokenizer=files.tokenizer,
-            vocab_size=int(published.get("vocab_size") or files.vocab_size),
+            vocab_size=entry.vocab_size or files.vocab_size,
             max_model_len=max_len,
-            fingerprint=published.get("fingerprint") or files.fingerprint,
-            page_size=int(published.get("page_size") or DEFAULT_PAGE_SIZE),
+            fingerprint=entry.fingerprint or files.fingerprint,
+            page_size=entry.page_size or DEFAULT_PAGE_SIZE,
             generation_defaults=self._defaults(name, published, files),
         )
 
@@ -242,9 +238,10 @@ class ModelRegistry:
         try:
             published = await self._published(name)
         except RedisError:  # what this process knows is still worth showing
-            published = {}
-        files = self._local.get(name) or self._published_files.get(published.get("files", ""))
-        max_len = int(published.get("max_model_len") or (files.max_model_len if files else 0))
+            published = None
+        entry = published or PublishedModel()
+        files = self._local.get(name) or self._published_files.get(entry.files or "")
+        max_len = entry.max_model_len or (files.max_model_len if files else 0)
         return {
             "max_model_len": max_len or None,
             "generation_defaults": self._defaults(name, published, files).effective(),

@@ -27,6 +27,7 @@ from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, RequestStatus, Stage
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, Task, TokenChunk
+from kvrelay.core.published_model import PublishedModel
 from kvrelay.core.record import RequestRecord
 from kvrelay.core.redis_client import sync_redis
 from kvrelay.core.worker_record import WorkerRecord
@@ -102,12 +103,12 @@ class Worker:
         publication = ModelPublication.from_dir(
             engine.model_name,
             engine.loaded.dir,
-            {
-                "fingerprint": engine.fingerprint,
-                "page_size": self.page_size,
-                "max_model_len": engine.max_model_len,
-                "vocab_size": engine.vocab_size,
-            },
+            PublishedModel(
+                fingerprint=engine.fingerprint,
+                page_size=self.page_size,
+                max_model_len=engine.max_model_len,
+                vocab_size=engine.vocab_size,
+            ),
             config.generation_override,
         )
         info = WorkerRecord(

@@ -11,18 +11,17 @@ names them.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import redis
 
 from kvrelay.core.keys import Keys
 from kvrelay.core.model_bundle import PUBLICATION_TTL_S, ModelBundle
 from kvrelay.core.modelref import model_generation_defaults
+from kvrelay.core.published_model import PublishedModel
 from kvrelay.core.sampling import GenerationDefaults
 
 logger = logging.getLogger(__name__)
@@ -35,7 +34,7 @@ class ModelPublication:
     """One model's `models` entry and files, as a worker publishes them."""
 
     name: str
-    entry: dict[str, Any]
+    entry: PublishedModel
     bundle: ModelBundle | None = None
 
     @classmethod
@@ -43,7 +42,7 @@ class ModelPublication:
         cls,
         name: str,
         directory: str | Path | None,
-        numbers: dict[str, Any],
+        numbers: PublishedModel,
         override: GenerationDefaults | None = None,
     ) -> ModelPublication:
         """The publication of model `name` converted in `directory` (None: numbers only).
@@ -53,14 +52,16 @@ class ModelPublication:
         --override-generation-config), so every producer applies the same ones.
         """
         override = override or GenerationDefaults()
-        entry = dict(numbers)
         if directory is None:
             bundle, model_defaults = None, GenerationDefaults()
         else:
             bundle = ModelBundle.from_dir(directory)
             model_defaults = model_generation_defaults(directory, name)
-            entry["files"] = bundle.digest
-        entry["generation_defaults"] = override.over(model_defaults).to_dict()
+        entry = replace(
+            numbers,
+            files=bundle.digest if bundle else None,
+            generation_defaults=override.over(model_defaults),
+        )
         return cls(name, entry, bundle)
 
     def publish(
@@ -81,5 +82,5 @@ class ModelPublication:
                     self.bundle.digest,
                     sum(len(data) for data in self.bundle.files.values()),
                 )
-        entry = {**self.entry, "published": round(time.time(), 3)}  # staleness, for readers
-        r.hset(keys.models, self.name, json.dumps(entry))
+        # stamped each beat: readers skip a model no worker has served for a week
+        r.hset(keys.models, self.name, self.entry.stamped(time.time()).encode())

@@ -12,9 +12,10 @@ import pytest
 
 import kvrelay
 from kvrelay.core import record as rec
+from kvrelay.core.dead_letter import DlqField
 from kvrelay.core.enums import FinishReason, RequestStatus, Stage
 from kvrelay.core.errors import KvrelayError
-from kvrelay.core.keys import MESSAGE_FIELD, DlqField
+from kvrelay.core.keys import MESSAGE_FIELD
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.pipeline.queue import scripts
 

@@ -22,6 +22,15 @@ The worker hash is also read and written only through `kvrelay.core.worker_recor
 hand-built hash: use `WorkerRecord.encode`), and no `hset` on a worker key names a field itself
 (write `mapping=record.encode(...)`).
 
+The `models` hash entry (`kvrelay.core.published_model.PublishedModel`) and a dead-letter entry
+(`kvrelay.core.dead_letter.DeadLetter`) are read and written only through their records too
+(issue 24): outside the record's module, no write to the `models` hash or the `dlq` stream gives
+anything but `record.encode()` (no `json.dumps(...)`, no dict), a function that reads the `models`
+hash calls no `json.loads` of its own, a function that reads the `dlq` stream takes no field out
+of an entry by name (`fields.get(MESSAGE_FIELD)`, `fields[b"reason"]`), no `DlqField.X` is named,
+and no record field is read by its quoted name off a dict named like one (`published.get("files")`,
+`row["request_id"]`).
+
 Only these positions are read, so the text of docstrings, log messages and f-strings never
 matches; the enum's own module may spell its values (it defines them).
 """
@@ -34,6 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay.core import dead_letter, published_model
 from kvrelay.core import record as rec
 from kvrelay.core.enums import (
     FinishReason,
@@ -91,6 +101,14 @@ HASH_WRITES = frozenset({"hset", "hsetnx", "hincrby"})
 # the req:{id} hash: these calls name every argument after the key a field (hset: the first)
 REQUEST_FIELD_CALLS = {**HASH_FIELD_CALLS, "hmget": 1}
 RECORD_MODULE = PACKAGE / "core" / "record.py"
+# the `models` hash's entries and the `dlq` stream's: their records, and the names their dicts had
+PUBLISHED_MODULE = PACKAGE / "core" / "published_model.py"
+MODEL_DICTS = frozenset({"published", "info", "entry", "self.entry"})
+DLQ_MODULE = PACKAGE / "core" / "dead_letter.py"
+DLQ_DICTS = frozenset({"row", "fields", "letter", "entry"})
+DLQ_ENTRY_FIELDS = dead_letter.FIELDS | {"m"}
+KEY_READS = frozenset({"hget", "hgetall", "hmget", "hvals", "xrange", "xrevrange", "xread"})
+KEY_WRITES = {"hset": 2, "hsetnx": 2, "xadd": 1}  # the position of the value written
 
 
 def member_values(closed: type[enum.StrEnum]) -> set[str]:
@@ -180,6 +198,9 @@ class Finder(ast.NodeVisitor):
             WORKER_RECORD,
         )
         self.check_request_fields = path is None or path != RECORD_MODULE
+        self.check_models = path is None or path != PUBLISHED_MODULE
+        self.check_dlq = path is None or path != DLQ_MODULE
+        self._reads: list[set[str]] = [set()]  # per function: the record keys it reads
         self.found: list[tuple[int, str, str, str]] = []
         self._scopes: list[dict[str, list[ast.expr]]] = [{}]
 
@@ -216,7 +237,9 @@ class Finder(ast.NodeVisitor):
         for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
             self._check(arg.arg, default, "default")
         self._scopes.append(_bindings(node))
+        self._reads.append(_key_reads(node))
         self.generic_visit(node)
+        self._reads.pop()
         self._scopes.pop()
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
@@ -246,6 +269,59 @@ class Finder(ast.NodeVisitor):
             self._worker_call(node, name)
         if self.check_request_fields:
             self._request_call(node, name)
+        self._record_call(node, name)
+        self.generic_visit(node)
+
+    # -- the models entries and dead letters ------------------------------------------------
+    def _checked_keys(self) -> set[str]:
+        return {k for k, on in (("models", self.check_models), ("dlq", self.check_dlq)) if on}
+
+    def _record_call(self, node: ast.Call, name: str | None) -> None:
+        key = _record_key(node.args[0]) if node.args else None
+        if name in KEY_WRITES and key in self._checked_keys():
+            record = "PublishedModel" if key == "models" else "DeadLetter"
+            values = node.args[KEY_WRITES[name] :][:1]
+            values += [kw.value for kw in node.keywords if kw.arg in ("mapping", "fields")]
+            for value in values:
+                if not _is_encode(value):
+                    where = f"{name} on the {key} key, not {record}.encode"
+                    self.found.append((node.lineno, ast.unparse(value), "a record", where))
+        func = node.func
+        if (
+            "models" in self._reads[-1]
+            and self.check_models
+            and isinstance(func, ast.Attribute)
+            and ast.unparse(func) == "json.loads"
+        ):
+            where = "json.loads where the models hash is read, not PublishedModel.decode"
+            self.found.append((node.lineno, "json.loads", "a models entry", where))
+        if name == "get" and isinstance(func, ast.Attribute) and node.args:
+            self._record_read(func.value, node.args[0], ".get")
+
+    def _record_read(self, value: ast.expr, field: ast.expr, how: str) -> None:
+        owner, literal = ast.unparse(value), _str(field)
+        if self.check_models and owner in MODEL_DICTS and literal in published_model.FIELDS:
+            self.found.append((field.lineno, literal, "a models entry field", f"{owner}{how}"))
+        if self.check_dlq:
+            named = literal in DLQ_ENTRY_FIELDS and owner in DLQ_DICTS
+            by_name = "dlq" in self._reads[-1] and (
+                literal in DLQ_ENTRY_FIELDS
+                or (isinstance(field, ast.Constant) and field.value in (b"m", b"reason"))
+                or ast.unparse(field).split(".")[0] in ("MESSAGE_FIELD", "DlqField")
+            )
+            if named or by_name:
+                text = literal or ast.unparse(field)
+                self.found.append((field.lineno, text, "a dead-letter field", f"{owner}{how}"))
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if (
+            self.check_dlq
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "DlqField"
+            and node.attr.isupper()
+        ):
+            value = getattr(dead_letter.DlqField, node.attr, node.attr)
+            self.found.append((node.lineno, value, f"DlqField.{node.attr}", "not DeadLetter"))
         self.generic_visit(node)
 
     # -- the req:{id} record ----------------------------------------------------------------
@@ -337,6 +413,8 @@ class Finder(ast.NodeVisitor):
             self._field(node.args[0], "worker dict .get", read=True)
 
     def visit_Subscript(self, node: ast.Subscript) -> None:
+        if isinstance(node.ctx, ast.Load):
+            self._record_read(node.value, node.slice, "[]")
         if self.check_worker_fields and ast.unparse(node.value) in WORKER_DICTS:
             self._field(node.slice, "worker dict subscript", read=isinstance(node.ctx, ast.Load))
         self.generic_visit(node)
@@ -348,6 +426,37 @@ class Finder(ast.NodeVisitor):
         for key, value in zip(node.keys, node.values, strict=True):
             self._check(_str(key), value, "dict")
         self.generic_visit(node)
+
+
+def _record_key(node: ast.expr) -> str | None:
+    """`models` or `dlq` for an expression naming that key (`keys.models`, `self.keys.dlq`)."""
+    if isinstance(node, ast.Attribute) and node.attr in ("models", "dlq"):
+        return node.attr
+    return None
+
+
+def _is_encode(node: ast.expr) -> bool:
+    """`record.encode()` (or `record.stamped(now).encode()`)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "encode"
+    )
+
+
+def _key_reads(func: ast.AST) -> set[str]:
+    """The record keys (`models`, `dlq`) a function reads."""
+    out = set()
+    for node in ast.walk(func):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in KEY_READS
+            and node.args
+            and (key := _record_key(node.args[0])) is not None
+        ):
+            out.add(key)
+    return out
 
 
 def find(source: str, path: Path | None = None) -> list[tuple[int, str, str, str]]:
@@ -464,3 +573,42 @@ def h(r, keys, w, pid):
         (6, "running", "WorkerField.RUNNING"),
     ]
     assert find(source, WORKER_RECORD) == []  # the record's own module reads and writes it
+
+
+def test_finder_catches_models_entries_and_dead_letters_past_their_records():
+    source = """
+def publish(r, keys, entry):
+    r.hset(keys.models, name, json.dumps({**entry, "published": 1.0}))
+    r.hset(keys.models, name, entry.stamped(now).encode())
+
+async def fetch(self):
+    for name, raw in (await self.redis.hgetall(self.keys.models)).items():
+        info = json.loads(raw)
+
+def defaults(published, row):
+    published.get("generation_defaults"), published["max_model_len"]
+    row.get("request_id"), row["reason"], row.get("model")
+
+def replay(r, keys, dlq_id):
+    fields = r.xrange(keys.dlq, min=dlq_id, max=dlq_id)[0][1]
+    fields.get(MESSAGE_FIELD), fields.get(DlqField.REASON.encode(), b"")
+    r.xadd(keys.dlq, {MESSAGE_FIELD: b"x", "reason": "r"})
+    r.xadd(keys.dlq, DeadLetter(payload=b"x").encode())
+    return DeadLetter.decode(*r.xrange(keys.dlq)[0]).reason
+"""
+    found = [(line, value) for line, value, _, _ in find(source)]
+    assert found == [
+        (3, "json.dumps({**entry, 'published': 1.0})"),
+        (8, "json.loads"),
+        (11, "generation_defaults"),
+        (11, "max_model_len"),
+        (12, "reason"),
+        (12, "request_id"),
+        (16, "DlqField.REASON.encode()"),
+        (16, "MESSAGE_FIELD"),
+        (16, "reason"),  # DlqField.REASON itself
+        (17, "{MESSAGE_FIELD: b'x', 'reason': 'r'}"),
+    ]
+    # the records' own modules spell their fields
+    assert find('r.hset(keys.models, n, json.dumps({"files": d}))', PUBLISHED_MODULE) == []
+    assert find("def f(r, k):\n    r.xrange(k.dlq)[0][1].get(DlqField.TIME)", DLQ_MODULE) == []

@@ -15,6 +15,7 @@ import redis
 from kvrelay.core import modelref
 from kvrelay.core.keys import Keys
 from kvrelay.core.model_bundle import ModelBundle
+from kvrelay.core.published_model import PublishedModel
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.client.producer import AsyncClient, Client
 from kvrelay.pipeline.errors import RequestError
@@ -60,13 +61,14 @@ def other_host(tmp_path, monkeypatch):
 
 def publish(url: str, prefix: str, model_dir) -> str:
     """What a worker's heartbeat does; returns the files' digest."""
-    publication = ModelPublication.from_dir(MODEL, model_dir, MODEL_INFO)
+    publication = ModelPublication.from_dir(MODEL, model_dir, PublishedModel(**MODEL_INFO))
     r = redis.Redis.from_url(url)
     try:
         publication.publish(r, Keys(prefix))
     finally:
         r.close()
-    return publication.entry["files"]
+    assert publication.entry.files is not None
+    return publication.entry.files
 
 
 @pytest.mark.anyio

@@ -9,6 +9,7 @@ import pytest
 from kvrelay.core.keys import Keys
 from kvrelay.core.model_bundle import ModelBundle
 from kvrelay.core.modelref import DEFAULT_MODEL
+from kvrelay.core.published_model import PublishedModel
 from kvrelay.core.sampling import GenerationDefaults
 from kvrelay.workers import publication as publication_module
 from kvrelay.workers.publication import FILES_TTL_S, ModelPublication
@@ -27,10 +28,14 @@ FILE_NAMES = [
 
 def test_publication_writes_files_before_the_entry_and_restores_them(r, model_dir, fake_clock):
     publication = ModelPublication.from_dir(
-        DEFAULT_MODEL, model_dir, NUMBERS, GenerationDefaults(top_k=40, max_tokens=512)
+        DEFAULT_MODEL,
+        model_dir,
+        PublishedModel(**NUMBERS),
+        GenerationDefaults(top_k=40, max_tokens=512),
     )
     digest = ModelBundle.from_dir(model_dir).digest
-    assert publication.entry == {
+    entry = json.loads(publication.entry.encode())
+    assert entry == {
         **NUMBERS,
         "files": digest,
         # the model's own (kvrelay's table for SmolLM2) under the worker's override
@@ -42,7 +47,7 @@ def test_publication_writes_files_before_the_entry_and_restores_them(r, model_di
         publication.publish(r, KEYS)
     published = json.loads(r.hget(KEYS.models, DEFAULT_MODEL))
     assert published.pop("published") == round(fake_clock.time(), 3)  # the beat's time, in ms
-    assert published == publication.entry
+    assert published == entry
     files = r.hgetall(KEYS.model_files(digest))
     assert sorted(files) == FILE_NAMES
     assert files[b"tokenizer.json"] == (model_dir / "tokenizer.json").read_bytes()

@@ -7,7 +7,6 @@ fetched at most once per `refresh_s` and shared by all concurrent requests.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +18,7 @@ from redis.exceptions import ResponseError
 from kvrelay.core.enums import Stage
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from kvrelay.core.model_bundle import PUBLICATION_TTL_S
+from kvrelay.core.published_model import PublishedModel
 from kvrelay.core.record import as_str
 from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue.redis_options import AsyncRedis
@@ -151,9 +151,8 @@ class ClusterState:
         for cached in (self._models, self._workers, self._load):
             cached.close()
 
-    async def models(self, fresh: bool = False) -> dict[str, dict[str, Any]]:
-        """Model name -> {fingerprint, page_size, max_model_len, vocab_size, files,
-        generation_defaults} from workers (`kvrelay.workers.publication`)."""
+    async def models(self, fresh: bool = False) -> dict[str, PublishedModel]:
+        """Model name -> what its workers publish (`kvrelay.workers.publication`)."""
         return await self._models.get(fresh)
 
     async def workers(self, fresh: bool = False) -> list[WorkerInfo]:
@@ -178,21 +177,18 @@ class ClusterState:
                 counts[w.role] = counts.get(w.role, 0) + 1
         return counts
 
-    async def _fetch_models(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
+    async def _fetch_models(self) -> dict[str, PublishedModel]:
+        out: dict[str, PublishedModel] = {}
         now = time.time()
-        for name, raw in (await self.redis.hgetall(self.keys.models)).items():
-            try:
-                info = json.loads(raw)
-            except ValueError:
+        for key, raw in (await self.redis.hgetall(self.keys.models)).items():
+            name = as_str(key)
+            entry = PublishedModel.decode(raw, name)
+            if entry is None:
                 logger.warning("ignoring unreadable models entry %r", name)
                 continue
-            if not isinstance(info, dict):
-                continue
-            published = info.get("published")
-            if isinstance(published, int | float) and now - published > PUBLICATION_TTL_S:
+            if entry.stale(now, PUBLICATION_TTL_S):
                 continue  # no worker has served it for a week (its files have expired too)
-            out[as_str(name)] = info
+            out[name] = entry
         return out
 
     async def _fetch_workers(self) -> list[WorkerInfo]:

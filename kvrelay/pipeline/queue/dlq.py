@@ -9,9 +9,10 @@ from typing import Any, cast
 
 import redis
 
+from kvrelay.core.dead_letter import DeadLetter
 from kvrelay.core.enums import RequestStatus
 from kvrelay.core.errors import KvrelayError
-from kvrelay.core.keys import MESSAGE_FIELD, DlqField, Keys
+from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import DecodeTask, MessageError, PrefillTask
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.pipeline.queue.field_ttl import field_ttl_sync, set_progress_args
@@ -68,34 +69,32 @@ def kind_of(reason: str, payload: bytes, stream: str, keys: Keys) -> str:
     return "invalid" if _task(payload, stream, keys) is None else "other"
 
 
-def entries(r: redis.Redis, keys: Keys, limit: int = 100) -> list[dict[str, Any]]:
-    """Oldest-first DLQ entries without their payloads."""
-    out = []
-    for eid, fields in cast("list[StreamEntry]", r.xrange(keys.dlq, count=limit)):
-        row = {as_str(k): as_str(v) for k, v in fields.items() if k != MESSAGE_FIELD}
-        out.append({"dlq_id": as_str(eid), **row})
-    return out
+def entries(r: redis.Redis, keys: Keys, limit: int = 100) -> list[DeadLetter]:
+    """Oldest-first DLQ entries."""
+    rows = cast("list[StreamEntry]", r.xrange(keys.dlq, count=limit))
+    return [DeadLetter.decode(eid, fields) for eid, fields in rows]
+
+
+def _read(r: redis.Redis, keys: Keys, dlq_id: str) -> DeadLetter | None:
+    rows = cast("list[StreamEntry]", r.xrange(keys.dlq, min=dlq_id, max=dlq_id))
+    return DeadLetter.decode(*rows[0]) if rows else None
 
 
 def entry(r: redis.Redis, keys: Keys, dlq_id: str) -> dict[str, Any] | None:
-    """One DLQ entry with its payload decoded when it is a valid task."""
-    rows = cast("list[StreamEntry]", r.xrange(keys.dlq, min=dlq_id, max=dlq_id))
-    if not rows:
+    """One DLQ entry's JSON view with its payload decoded when it is a valid task, and its kind."""
+    letter = _read(r, keys, dlq_id)
+    if letter is None:
         return None
-    fields = rows[0][1]
-    payload = fields.get(MESSAGE_FIELD, b"")
-    out: dict[str, Any] = {"dlq_id": dlq_id}
-    out.update({as_str(k): as_str(v) for k, v in fields.items() if k != MESSAGE_FIELD})
+    out = letter.public()
     for cls in (PrefillTask, DecodeTask):
         try:
-            out["task"] = cls.decode(payload).to_dict()
+            out["task"] = cls.decode(letter.payload).to_dict()
             break
         except MessageError:
             continue
     else:
-        out["payload_hex"] = payload[:512].hex()
-    reason, stream = out.get(DlqField.REASON, ""), out.get(DlqField.STREAM, "")
-    out["kind"] = kind_of(reason, payload, stream, keys)
+        out["payload_hex"] = letter.payload[:512].hex()
+    out["kind"] = kind_of(letter.reason, letter.payload, letter.stream, keys)
     return out
 
 
@@ -105,17 +104,15 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
     Poison (it killed every holder) and payloads that are no task would only come back here:
     both are refused (`ReplayRefused`) unless `force`.
     """
-    rows = cast("list[StreamEntry]", r.xrange(keys.dlq, min=dlq_id, max=dlq_id))
-    if not rows:
+    letter = _read(r, keys, dlq_id)
+    if letter is None:
         return None
-    fields = rows[0][1]
-    stream = as_str(fields.get(DlqField.STREAM.encode(), b"")) or keys.prefill_stream
+    stream = letter.stream or keys.prefill_stream
     if stream not in (keys.prefill_stream, keys.decode_stream):
         raise NotReplayable(f"DLQ entry {dlq_id} names an unknown stream {stream!r}")
-    payload = fields.get(MESSAGE_FIELD)
+    payload, reason = letter.payload, letter.reason
     if not payload:  # the entry arrived without `m`: nothing to run again
         raise NotReplayable(f"DLQ entry {dlq_id} has no payload to replay (purge it instead)")
-    reason = as_str(fields.get(DlqField.REASON.encode(), b""))
     kind = kind_of(reason, payload, stream, keys)
     if kind != "other" and not force:
         why = (
@@ -125,8 +122,7 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
         )
         raise ReplayRefused(f"DLQ entry {dlq_id} {why}: {reason}; replay it with --force")
     task = _task(payload, stream, keys)
-    request_id = as_str(fields.get(DlqField.REQUEST_ID.encode(), b""))
-    request_id = request_id or (task.request_id if task else "")
+    request_id = letter.request_id or (task.request_id if task else "")
     flag = field_ttl_sync(r) if request_id else "0"
     record_ttl = r.ttl(keys.request(request_id)) if request_id else -1
     pipe = r.pipeline(transaction=True)

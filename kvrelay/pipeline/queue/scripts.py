@@ -4,9 +4,9 @@ A script never spells a name Python defines; it writes a placeholder that become
 string literal (`$` is no Lua token, so a placeholder cannot be mistaken for Lua):
 `${EMITTED}` -> 'emitted' (any `kvrelay.core.record` field constant), `${STATUS.FAILED}` ->
 'failed' (a member of the enum that types the field: STATUS, STAGE, FINISH_REASON),
-`${MESSAGE_FIELD}` -> 'm' and `${DLQ.REASON}` -> 'reason' (`kvrelay.core.keys`). An unknown
-placeholder raises ScriptError when the script is loaded, and each script is read and filled in
-once per process.
+`${MESSAGE_FIELD}` -> 'm' (`kvrelay.core.keys`) and `${DLQ.REASON}` -> 'reason'
+(`kvrelay.core.dead_letter`). An unknown placeholder raises ScriptError when the script is
+loaded, and each script is read and filled in once per process.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import re
 from importlib import resources
 
 from kvrelay.core import record as rec
+from kvrelay.core.dead_letter import DlqField
 from kvrelay.core.enums import FinishReason, RequestStatus, Stage, WorkerField
 from kvrelay.core.errors import KvrelayError
-from kvrelay.core.keys import MESSAGE_FIELD, DlqField
+from kvrelay.core.keys import MESSAGE_FIELD
 
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 _ENUMS: dict[str, type[enum.StrEnum]] = {

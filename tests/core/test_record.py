@@ -16,6 +16,7 @@ from kvrelay.core.dead_letter import DlqField
 from kvrelay.core.enums import FinishReason, RequestStatus, Stage
 from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import MESSAGE_FIELD
+from kvrelay.core.messages import PrefillTask
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.pipeline.queue import scripts
 
@@ -219,18 +220,18 @@ def test_writers_keep_the_wire_values(monkeypatch):
     from kvrelay.workers.base import speculation_record
 
     monkeypatch.setattr(submit.time, "time", lambda: 1700000001.5)
-    sub = submit.Submission(
-        request_id="r", model="m", prompt_token_ids=[1, 2], sampling=None,  # type: ignore[arg-type]
-        arrival_time=1700000000.25, deadline=1700000060.0,
+    task = PrefillTask(
+        request_id="r", model="m", prompt_token_ids=[1, 2], arrival_time=1700000000.25,
+        deadline=1700000060.0,
     )  # fmt: skip
-    items = submit._record_items(sub, "prefill", 2, 1)
+    items = submit._record_items(task, "prefill", 2, 1)
     assert dict(zip(items[::2], items[1::2], strict=True)) == {
         "status": "queued", "stage": "prefill", "model": "m", "created": "1700000000.250000",
         "updated": "1700000001.500000", "prompt_tokens": 2, "completion_tokens": 0,
         "cached_tokens": 1, "deadline": "1700000060.000",
     }  # fmt: skip
-    sub.deadline = None
-    items = submit._record_items(sub, "prefill", 2, 1)
+    task.deadline = None
+    items = submit._record_items(task, "prefill", 2, 1)
     assert dict(zip(items[::2], items[1::2], strict=True))["deadline"] == ""
     assert speculation_record({}).changes() == {}
     spec = speculation_record({"num_draft_tokens": 4, "num_accepted_tokens": None})

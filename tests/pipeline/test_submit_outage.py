@@ -79,9 +79,9 @@ async def test_enqueue_waits_for_a_restart_once_prepared(valkey, smollm_tokenize
     prefix = unique_prefix()
     async with _client(valkey.url, prefix, smollm_tokenizer) as client:
         parsed = parse_completion({"model": MODEL, "prompt": "Hi", "max_tokens": 2})
-        sub, entry = await client.producer.prepare_parsed(parsed, request_id="o-2")
+        task, entry = await client.producer.prepare_parsed(parsed, request_id="o-2")
         valkey.stop(kill=True)
-        queue = asyncio.create_task(client.producer.enqueue(sub, entry))
+        queue = asyncio.create_task(client.producer.enqueue(task, entry))
         await _restart_after(valkey, queue)
         route = await asyncio.wait_for(queue, 20)
     assert (route.stage, route.reason) == ("decode", "short prompt")

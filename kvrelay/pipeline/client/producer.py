@@ -176,11 +176,11 @@ class AsyncClient:
         body.update(model=model or self.model, cache_salt=cache_salt)
         parsed = parse_request(body, prompt, messages, prompt_token_ids)
         try:
-            sub, entry = await self.producer.prepare_parsed(
+            task, entry = await self.producer.prepare_parsed(
                 parsed, request_id=request_id, detokenize=detokenize
             )
             route = await self.producer.enqueue(
-                sub, entry, RequestRecord(source="client").changes(), feed
+                task, entry, RequestRecord(source="client").changes(), feed
             )
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
@@ -191,7 +191,7 @@ class AsyncClient:
                 param="request_id",
                 code="duplicate_request_id",
             )
-        self._deadlines[request_id] = sub.deadline
+        self._deadlines[request_id] = task.deadline
         self._models[request_id] = parsed.model
         return request_id
 

@@ -1,9 +1,10 @@
 """Building and queueing requests: the one code path shared by the ingress and the client.
 
-prompt (messages | text | token ids) -> token ids -> length and sampling checks -> route ->
-one Lua script that creates `req:{id}` (refusing an id that exists) and its progress (naming
-the feed of the reader that follows it) and XADDs the PrefillTask or DecodeTask, so a request
-is either fully queued or not at all.
+prompt (messages | text | token ids) -> token ids -> length and sampling checks -> the
+PrefillTask (`prepare`) -> route -> one Lua script that creates `req:{id}` (refusing an id that
+exists) and its progress (naming the feed of the reader that follows it) and XADDs the task
+(a DecodeTask when routed straight to decode), so a request is either fully queued or not at
+all.
 
 Redis unreachable (a Valkey restart) is waited out, up to `submit_wait_s` and the request's
 deadline (`outage.py`, as the output readers do): the caller gets a slower answer, not a 503.
@@ -20,8 +21,9 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import msgspec
 
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus
@@ -83,38 +85,17 @@ def check_request_id(request_id: str, param: str = "X-Request-Id") -> str:
     return request_id
 
 
-@dataclass(slots=True)
-class Submission:
-    """A request ready to queue: tokenized, checked, with its sampling parameters complete."""
-
-    request_id: str
-    model: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    cache_salt: str = ""
-    arrival_time: float = field(default_factory=time.time)
-    deadline: float | None = None
-    detokenize: bool = True
-    # tells the submit script a retry of this submission from another one with the same id
-    submission_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+def routed(task: PrefillTask, route: Route) -> PrefillTask | DecodeTask:
+    """The wire message of a prepared request for the first stage of `route`."""
+    if route.stage == DECODE:  # a colocated decode worker prefills it
+        fields = {**msgspec.structs.asdict(task), "num_cached_tokens": route.cached_tokens}
+        return DecodeTask(**fields, num_stored_pages=route.cached_pages, prefilled=False)
+    return msgspec.structs.replace(task, num_cached_tokens=route.cached_tokens)
 
 
-def build_task(sub: Submission, route: Route) -> PrefillTask | DecodeTask:
-    """The wire message for the first stage of `route`."""
-    common: dict[str, Any] = dict(
-        request_id=sub.request_id,
-        model=sub.model,
-        prompt_token_ids=list(sub.prompt_token_ids),
-        sampling=sub.sampling,
-        cache_salt=sub.cache_salt,
-        arrival_time=sub.arrival_time,
-        deadline=sub.deadline,
-        num_cached_tokens=route.cached_tokens,
-        detokenize=sub.detokenize,
-    )
-    if route.stage == DECODE:
-        return DecodeTask(**common, num_stored_pages=route.cached_pages, prefilled=False)
-    return PrefillTask(**common)
+def new_submission_id() -> str:
+    """Tells the submit script a retry of one submission from another with the same id."""
+    return uuid.uuid4().hex
 
 
 class Producer:
@@ -164,8 +145,9 @@ class Producer:
         max_tokens_param: str = "max_tokens",
         fields_set: Collection[str] | None = None,
         tools: list[dict[str, Any]] | None = None,
-    ) -> tuple[Submission, ModelEntry]:
-        """Tokenize and check one request; raise RequestError when it cannot be served.
+    ) -> tuple[PrefillTask, ModelEntry]:
+        """Tokenize and check one request into its task (routed by `enqueue`); raise
+        RequestError when it cannot be served.
 
         `fields_set`: the sampling fields the request gave; the model's generation defaults
         fill the others (None: none are applied).
@@ -202,8 +184,17 @@ class Producer:
             raise bad_request(str(exc), param=exc.param) from exc
         now = time.time()
         deadline = now + self.timeout_s if self.timeout_s else None
-        sub = Submission(request_id, model, ids, sampling, cache_salt, now, deadline, detokenize)
-        return sub, entry
+        task = PrefillTask(
+            request_id=request_id,
+            model=model,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            cache_salt=cache_salt,
+            arrival_time=now,
+            deadline=deadline,
+            detokenize=detokenize,
+        )
+        return task, entry
 
     async def _refuse_hopeless(self, entry: ModelEntry, chars: int, param: str) -> None:
         """400 context_length_exceeded, before tokenizing, for text no allowed prompt can hold.
@@ -230,7 +221,7 @@ class Producer:
 
     async def prepare_parsed(
         self, parsed: GenerationRequest, *, request_id: str, detokenize: bool = True
-    ) -> tuple[Submission, ModelEntry]:
+    ) -> tuple[PrefillTask, ModelEntry]:
         """prepare() for a parsed OpenAI body (the ingress and the producer client)."""
         return await self.prepare(
             parsed.model,
@@ -248,12 +239,12 @@ class Producer:
 
     async def enqueue(
         self,
-        sub: Submission,
+        task: PrefillTask,
         entry: ModelEntry,
         record: dict[str, Any] | None = None,
         feed: str = "",
     ) -> Route | None:
-        """Route and queue `sub`; None when another request with this id already exists.
+        """Route and queue a prepared `task`; None when another request with this id exists.
 
         `feed`: the output reader (`OutputFeed.reader_id`) that follows the request from its
         first chunk ("" when none does yet: a reader attaches later).
@@ -262,43 +253,50 @@ class Producer:
         redis' ConnectionError when Redis stays unreachable past `submit_wait_s` or the
         deadline.
         """
-        outage = Outage(f"request {sub.request_id}", self.submit_wait_s, sub.deadline)
-        route, entry_id = await outage.retry(lambda: self._queue(sub, entry, record, feed))
+        outage = Outage(f"request {task.request_id}", self.submit_wait_s, task.deadline)
+        submission = new_submission_id()  # the same for every retry below
+        route, entry_id = await outage.retry(
+            lambda: self._queue(task, entry, record, feed, submission)
+        )
         if not entry_id:
             return None
         if isinstance(entry_id, int):  # the bound was reached: nothing was queued
             logger.warning(
                 "request %s refused: %d queued entries (bound %d)",
-                sub.request_id,
+                task.request_id,
                 entry_id,
                 self.max_waiting,
             )
             raise overloaded(f"{entry_id} requests waiting for a worker", self.retry_after_s)
-        if as_str(entry_id) == sub.submission_id:  # a retry found its own first try queued
-            logger.info("request %s: queued by a try whose reply was lost", sub.request_id)
+        if as_str(entry_id) == submission:  # a retry found its own first try queued
+            logger.info("request %s: queued by a try whose reply was lost", task.request_id)
         logger.info(
             "request %s queued to %s (%d prompt tokens, %d cached: %s)",
-            sub.request_id,
+            task.request_id,
             route.stage,
-            len(sub.prompt_token_ids),
+            len(task.prompt_token_ids),
             route.cached_tokens,
             route.reason,
         )
         return route
 
     async def _queue(
-        self, sub: Submission, entry: ModelEntry, record: dict[str, Any] | None, feed: str
+        self,
+        task: PrefillTask,
+        entry: ModelEntry,
+        record: dict[str, Any] | None,
+        feed: str,
+        submission: str,
     ) -> tuple[Route, Any]:
         """One try: route, then the submit script; (route, the script's reply)."""
-        route = await self.router.route(entry, sub.prompt_token_ids, sub.cache_salt)
-        task = build_task(sub, route)
+        route = await self.router.route(entry, task.prompt_token_ids, task.cache_salt)
         stream = self.keys.decode_stream if route.stage == DECODE else self.keys.prefill_stream
-        flat = _record_items(sub, route.stage, len(sub.prompt_token_ids), route.cached_tokens)
+        flat = _record_items(task, route.stage, len(task.prompt_token_ids), route.cached_tokens)
         flat += _items(record or {})
         keys, ttl_fields = self.keys, await field_ttl(self.redis)
         entry_id = await self._submit(
             keys=[
-                keys.request(sub.request_id),
+                keys.request(task.request_id),
                 stream,
                 keys.prefill_stream,
                 keys.decode_stream,
@@ -306,12 +304,12 @@ class Producer:
             ],
             args=[
                 self.record_ttl_s,
-                task.encode(),
+                routed(task, route).encode(),
                 self.max_waiting,
                 PREFILL_GROUP,
                 DECODE_GROUP,
-                sub.submission_id,
-                sub.request_id,
+                submission,
+                task.request_id,
                 new_progress(feed),
                 ttl_fields,
                 *flat,
@@ -322,40 +320,43 @@ class Producer:
     async def enqueue_choices(
         self,
         request_id: str,
-        subs: list[Submission],
+        tasks: list[PrefillTask],
         entry: ModelEntry,
         record: dict[str, Any] | None = None,
         choice_record: dict[str, Any] | None = None,
         feed: str = "",
     ) -> list[Route] | None:
-        """Queue the choices `subs` (ids `choice_id(request_id, k)`, sharing one deadline)
+        """Queue the prepared choices `tasks` (ids `choice_id(request_id, k)`, sharing one deadline)
         under the parent record req:{request_id}; their routes, or None when the id (or a
         choice's) exists. `record` goes into the parent record, `choice_record` into each
         choice's; `feed` follows every choice (as in enqueue()). Raises as enqueue() does;
         nothing is queued unless all are."""
-        outage = Outage(f"request {request_id}", self.submit_wait_s, subs[0].deadline)
+        outage = Outage(f"request {request_id}", self.submit_wait_s, tasks[0].deadline)
+        submission = new_submission_id()  # the same for every retry below
         routes, reply = await outage.retry(
-            lambda: self._queue_choices(request_id, subs, entry, record, choice_record, feed)
+            lambda: self._queue_choices(
+                request_id, tasks, entry, record, choice_record, feed, submission
+            )
         )
         if isinstance(reply, int):  # the bound was reached: nothing was queued
             logger.warning(
                 "request %s (%d choices) refused: %d queued entries (bound %d)",
                 request_id,
-                len(subs),
+                len(tasks),
                 reply,
                 self.max_waiting,
             )
             raise overloaded(f"{reply} requests waiting for a worker", self.retry_after_s)
         if not reply:
             return None
-        if as_str(reply) == subs[0].submission_id:
+        if as_str(reply) == submission:
             logger.info("request %s: queued by a try whose reply was lost", request_id)
         logger.info(
             "request %s queued as %d choices to %s (%d prompt tokens, %d cached)",
             request_id,
-            len(subs),
+            len(tasks),
             ",".join(sorted({r.stage for r in routes})),
-            len(subs[0].prompt_token_ids),
+            len(tasks[0].prompt_token_ids),
             routes[0].cached_tokens,
         )
         return routes
@@ -363,49 +364,52 @@ class Producer:
     async def _queue_choices(
         self,
         request_id: str,
-        subs: list[Submission],
+        tasks: list[PrefillTask],
         entry: ModelEntry,
         record: dict[str, Any] | None,
         choice_record: dict[str, Any] | None,
         feed: str,
+        submission: str,
     ) -> tuple[list[Route], Any]:
         """One try: route each distinct prompt once (its choices go the same way), then the
         submit_choices script; (the routes, the script's reply)."""
         by_prompt: dict[tuple[int, ...], Route] = {}
         routes: list[Route] = []
-        for sub in subs:
-            prompt = tuple(sub.prompt_token_ids)
+        for task in tasks:
+            prompt = tuple(task.prompt_token_ids)
             if prompt not in by_prompt:
                 by_prompt[prompt] = await self.router.route(
-                    entry, sub.prompt_token_ids, sub.cache_salt
+                    entry, task.prompt_token_ids, task.cache_salt
                 )
             routes.append(by_prompt[prompt])
         # the parent counts each distinct prompt once, as the usage does
         prompt_tokens = sum(len(p) for p in by_prompt)
         cached = sum(r.cached_tokens for r in by_prompt.values())
-        parent = _record_items(subs[0], routes[0].stage, prompt_tokens, cached)
-        count = RequestRecord(num_choices=len(subs)).changes()
+        parent = _record_items(tasks[0], routes[0].stage, prompt_tokens, cached)
+        count = RequestRecord(num_choices=len(tasks)).changes()
         parent += [*_items(count), *_items(record or {})]
         args: list[Any] = [
             self.record_ttl_s,
             self.max_waiting,
             PREFILL_GROUP,
             DECODE_GROUP,
-            subs[0].submission_id,
-            len(subs),
+            submission,
+            len(tasks),
             new_progress(feed),
             await field_ttl(self.redis),
             len(parent),
             *parent,
         ]
-        for sub, route in zip(subs, routes, strict=True):
-            items = _record_items(sub, route.stage, len(sub.prompt_token_ids), route.cached_tokens)
+        for task, route in zip(tasks, routes, strict=True):
+            items = _record_items(
+                task, route.stage, len(task.prompt_token_ids), route.cached_tokens
+            )
             items += [
                 *_items(RequestRecord(parent=request_id).changes()),
                 *_items(choice_record or {}),
             ]
             stage = "d" if route.stage == DECODE else "p"
-            args += [stage, sub.request_id, build_task(sub, route).encode(), len(items), *items]
+            args += [stage, task.request_id, routed(task, route).encode(), len(items), *items]
         keys = self.keys
         reply = await self._submit_choices(
             keys=[
@@ -413,7 +417,7 @@ class Producer:
                 keys.prefill_stream,
                 keys.decode_stream,
                 keys.progress,
-                *(keys.request(sub.request_id) for sub in subs),
+                *(keys.request(task.request_id) for task in tasks),
             ],
             args=args,
         )
@@ -435,18 +439,18 @@ SUBMITTED = (
 SUBMITTED_PLACES = {rec.CREATED: 6, rec.UPDATED: 6, rec.DEADLINE: rec.MILLIS}
 
 
-def _record_items(sub: Submission, stage: str, prompt_tokens: int, cached: int) -> list[Any]:
+def _record_items(task: PrefillTask, stage: str, prompt_tokens: int, cached: int) -> list[Any]:
     """The req:{id} fields written at submission, as HSET items."""
     record = RequestRecord(
         status=RequestStatus.QUEUED,
         stage=stage,
-        model=sub.model,
-        created=sub.arrival_time,
+        model=task.model,
+        created=task.arrival_time,
         updated=time.time(),
         prompt_tokens=prompt_tokens,
         completion_tokens=0,
         cached_tokens=cached,
-        deadline=sub.deadline,  # none: ""
+        deadline=task.deadline,  # none: ""
     )
     return _items(record.encode(SUBMITTED, places=SUBMITTED_PLACES))
 

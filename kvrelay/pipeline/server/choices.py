@@ -1,7 +1,7 @@
 """Requests answered by several choices: `n` > 1, `best_of` > n, a list of prompts.
 
 POST lifecycle (after routes.py has parsed the body, checked the limits and taken one in-flight
-slot per choice): each prompt tokenized and checked once -> one Submission per choice, id
+slot per choice): each prompt tokenized and checked once -> one PrefillTask per choice, id
 `{id}.{k}` (k = prompt index * choices per prompt + choice), its seed `choice_seed(k)` (choice
 0: the request's own, so it is what n=1 gives) -> the parent record req:{id} and every choice's
 record and task, queued in one script (each prompt routed once: its choices go the same way,
@@ -18,10 +18,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kvrelay.core import record as fields
+from kvrelay.core.messages import PrefillTask
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.sampling import choice_seed
 from kvrelay.pipeline.errors import bad_request
@@ -30,7 +32,7 @@ from kvrelay.pipeline.model_registry import ModelEntry
 from kvrelay.pipeline.openai.protocol import GenerationRequest
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.choices_state import combined_status, public_view, read_choices
-from kvrelay.pipeline.queue.submit import Submission, choice_id
+from kvrelay.pipeline.queue.submit import choice_id
 from kvrelay.pipeline.server.attach import check_same, owned_record, reattach
 from kvrelay.pipeline.server.choices_output import choices_job
 from kvrelay.pipeline.server.context import RecordHost, RequestHost
@@ -81,7 +83,7 @@ async def generate_choices(
     `tool_options`: how to find the calls in each choice (None: plain text)."""
     per_prompt = parsed.per_prompt
     prompts: list[str | list[int] | None] = list(parsed.prompts) if parsed.prompts else [None]
-    subs: list[Submission] = []
+    tasks: list[PrefillTask] = []
     echoes: list[str] = []
     prompt_tokens, entry = 0, None
     for p, prompt in enumerate(prompts):
@@ -90,23 +92,22 @@ async def generate_choices(
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             one = dataclasses.replace(parsed, prompt=text, prompt_token_ids=ids, prompts=None)
         first = choice_id(request_id, p * per_prompt)
-        sub, entry = await ing.producer.prepare_parsed(one, request_id=first)
-        prompt_tokens += len(sub.prompt_token_ids)
-        echoes.append(echo_text(one, sub.prompt_token_ids, entry) if parsed.echo else "")
+        task, entry = await ing.producer.prepare_parsed(one, request_id=first)
+        prompt_tokens += len(task.prompt_token_ids)
+        echoes.append(echo_text(one, task.prompt_token_ids, entry) if parsed.echo else "")
         for k in range(per_prompt):
             sampling = dataclasses.replace(
-                sub.sampling, seed=choice_seed(sub.sampling, request_id, k)
+                task.sampling, seed=choice_seed(task.sampling, request_id, k)
             )
             if per_prompt > parsed.n and sampling.logprobs is None:
                 sampling.logprobs = 0  # best_of ranks by the chosen tokens' logprobs
-            subs.append(
-                dataclasses.replace(
-                    sub,
+            tasks.append(
+                msgspec.structs.replace(
+                    task,
                     request_id=choice_id(request_id, p * per_prompt + k),
                     sampling=sampling,
-                    arrival_time=subs[0].arrival_time if subs else sub.arrival_time,
-                    deadline=subs[0].deadline if subs else sub.deadline,
-                    submission_id=subs[0].submission_id if subs else sub.submission_id,
+                    arrival_time=tasks[0].arrival_time if tasks else task.arrival_time,
+                    deadline=tasks[0].deadline if tasks else task.deadline,
                 )
             )
     assert entry is not None
@@ -128,10 +129,10 @@ async def generate_choices(
     record = RequestRecord(ingress=options, user=parsed.user or "", key_id=key_id).changes()
     choice_record = RequestRecord(user=parsed.user or "", key_id=key_id).changes()
     # subscribed first: the choices name this ingress's feed from their first chunk
-    subscriptions = [await ing.feed.subscribe(sub.request_id) for sub in subs]
+    subscriptions = [await ing.feed.subscribe(task.request_id) for task in tasks]
     try:
         routes = await ing.producer.enqueue_choices(
-            request_id, subs, entry, record, choice_record, ing.feed.reader_id
+            request_id, tasks, entry, record, choice_record, ing.feed.reader_id
         )
     except BaseException:
         for subscription in subscriptions:
@@ -144,7 +145,7 @@ async def generate_choices(
         rec = await owned_record(ing, request_id, key_id)
         check_same(rec, request_id, digest, key_id)
         return await reattach(request, ing, request_id, rec, parsed.stream, parsed.include_usage)
-    ing.backpressure.queued(len(subs))
+    ing.backpressure.queued(len(tasks))
     ing.cluster.refresh_behind()
     for route in routes:
         ing.metrics.request_route.labels(entry.name, route.stage).inc()
@@ -156,9 +157,9 @@ async def generate_choices(
         prompt_tokens,
         parsed.stream,
         parsed.include_usage,
-        deadline=subs[0].deadline,
+        deadline=tasks[0].deadline,
         token_text=ing.token_text(entry),
-        num_choices=len(subs),
+        num_choices=len(tasks),
     )
     job.timer, job.slot = RequestTimer(ing.metrics, entry.name, arrival), slot
     job.subscriptions = subscriptions

@@ -121,7 +121,7 @@ class ResponsesApi:
                     check_same(rec, request_id, prepared.digest, key_id)
                     return await self._reattach(request, request_id, rec, prepared, key_id)
             slot = await ing.backpressure.admit()
-            sub, entry = await ing.producer.prepare_parsed(call.generation, request_id=request_id)
+            task, entry = await ing.producer.prepare_parsed(call.generation, request_id=request_id)
             created = int(time.time())
             options = {
                 # GET /v1/requests/{id}/stream replays a response as chat.completion.chunks
@@ -131,8 +131,8 @@ class ResponsesApi:
                 "include_usage": False,
                 "logprobs": False,
                 "digest": prepared.digest,
-                "temperature": sub.sampling.temperature,
-                "top_p": sub.sampling.top_p,
+                "temperature": task.sampling.temperature,
+                "top_p": task.sampling.top_p,
             }
             if tool_options:  # a reattached client parses the same calls
                 options["tool_calls"] = tool_options
@@ -141,7 +141,7 @@ class ResponsesApi:
             ).changes()
             # subscribed first: the request names this ingress's feed from its first chunk
             subscription = await ing.feed.subscribe(request_id)
-            route = await ing.producer.enqueue(sub, entry, record, ing.feed.reader_id)
+            route = await ing.producer.enqueue(task, entry, record, ing.feed.reader_id)
             if route is None:  # the same id raced in from another connection
                 abandon(slot, subscription)
                 rec = await owned_record(ing, request_id, key_id)
@@ -162,8 +162,8 @@ class ResponsesApi:
             raise
         ing.backpressure.queued()
         ing.cluster.refresh_behind()
-        ing.metrics.request_route.labels(sub.model, route.stage).inc()
-        builder = _builder(prepared, request_id, created, len(sub.prompt_token_ids), options)
+        ing.metrics.request_route.labels(task.model, route.stage).inc()
+        builder = _builder(prepared, request_id, created, len(task.prompt_token_ids), options)
         if call.store:  # GET answers "in_progress" until the job stores the final object
             try:
                 await self.store.save(
@@ -178,8 +178,8 @@ class ResponsesApi:
             self.store if call.store else None,
             prepared.stored_messages,
             key_id,
-            deadline=sub.deadline,
-            timer=RequestTimer(ing.metrics, sub.model, arrival),
+            deadline=task.deadline,
+            timer=RequestTimer(ing.metrics, task.model, arrival),
             slot=slot,
             subscriptions=[subscription],
         )

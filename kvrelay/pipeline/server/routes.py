@@ -128,7 +128,7 @@ class GenerationApi:
                     echo_text,
                     tool_options,
                 )
-            sub, entry = await ing.producer.prepare_parsed(parsed, request_id=request_id)
+            task, entry = await ing.producer.prepare_parsed(parsed, request_id=request_id)
             created = int(time.time())
             options = {
                 "api": api,
@@ -138,7 +138,7 @@ class GenerationApi:
                 "logprobs": parsed.logprobs,
                 "digest": digest,
             }
-            echo = echo_text(parsed, sub.prompt_token_ids, entry) if parsed.echo else ""
+            echo = echo_text(parsed, task.prompt_token_ids, entry) if parsed.echo else ""
             if echo:  # a reattached client gets the same first event
                 options["echo"] = echo
             if tool_options:  # a reattached client parses the same calls
@@ -146,7 +146,7 @@ class GenerationApi:
             record = RequestRecord(ingress=options, user=parsed.user or "", key_id=key_id).changes()
             # subscribed first: the request names this ingress's feed from its first chunk
             subscription = await ing.feed.subscribe(request_id)
-            route = await ing.producer.enqueue(sub, entry, record, ing.feed.reader_id)
+            route = await ing.producer.enqueue(task, entry, record, ing.feed.reader_id)
             if route is None:  # the same id raced in from another connection
                 abandon(slot, subscription)
                 rec = await owned_record(ing, request_id, key_id)
@@ -169,26 +169,26 @@ class GenerationApi:
             raise
         ing.backpressure.queued()
         ing.cluster.refresh_behind()
-        ing.metrics.request_route.labels(sub.model, route.stage).inc()
+        ing.metrics.request_route.labels(task.model, route.stage).inc()
         fmt = ResponseFormatter(
             api,
             request_id,
             parsed.model,
             created,
-            len(sub.prompt_token_ids),
+            len(task.prompt_token_ids),
             logprobs=parsed.logprobs,
             include_usage=parsed.include_usage,
             token_text=ing.token_text(entry),
             echo=echo,
             tool_calls=tool_stream(request_id, tool_options),
         )
-        timer = RequestTimer(ing.metrics, sub.model, arrival)
+        timer = RequestTimer(ing.metrics, task.model, arrival)
         job = OutputJob(
             ing,
             request_id,
             fmt,
             parsed.stream,
-            deadline=sub.deadline,
+            deadline=task.deadline,
             timer=timer,
             slot=slot,
             subscriptions=[subscription],

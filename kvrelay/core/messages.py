@@ -9,13 +9,14 @@ name pages by their keys.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
 from kvrelay.core.enums import FinishReason, Stage
 from kvrelay.core.errors import KvrelayError
-from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
+from kvrelay.core.sampling import BOUNDS, InvalidSamplingParams, SamplingParams
 
 WIRE_VERSION = 1
 FINISH_REASONS = tuple(FinishReason)
@@ -30,6 +31,8 @@ NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 Version = Annotated[int, msgspec.Meta(ge=1, le=WIRE_VERSION)]
 
 _ENCODER = msgspec.msgpack.Encoder()
+# msgspec's refusal of a sampling value outside the range its field declares (core.sampling)
+_SAMPLING_RANGE = re.compile(r"Expected `(?:int|float)` [<>]=? \S+ - at `\$\.sampling\.(\w+)`$")
 
 
 class MessageError(KvrelayError, ValueError):
@@ -67,6 +70,12 @@ class Message(msgspec.Struct, kw_only=True, tag_field="t"):
         try:
             msg = decoder.decode(payload)
         except msgspec.ValidationError as exc:
+            refused = _SAMPLING_RANGE.search(str(exc))
+            if refused is not None and refused[1] in BOUNDS:  # in the words the ingress uses
+                name = refused[1]
+                value = _raw_sampling(payload).get(name)
+                message = BOUNDS[name].message(name, value)
+                raise MessageError(f"invalid sampling: {message}") from exc
             what = "unsupported wire version: " if str(exc).endswith("at `$.v`") else ""
             raise MessageError(f"{cls.__name__}: {what}{exc}") from exc
         except msgspec.DecodeError as exc:
@@ -78,8 +87,16 @@ class Message(msgspec.Struct, kw_only=True, tag_field="t"):
         """Checks beyond types and ranges, made once when a payload is decoded."""
 
 
+def _raw_sampling(payload: bytes) -> dict[Any, Any]:
+    """The `sampling` map of a task payload, untyped (to word a refusal)."""
+    data = msgspec.msgpack.decode(payload)
+    sampling = data.get("sampling") if isinstance(data, dict) else None
+    return sampling if isinstance(sampling, dict) else {}
+
+
 class _Task(Message, kw_only=True):
-    """What both task kinds share: typed sampling, validated once when decoded."""
+    """What both task kinds share: typed sampling, validated once when decoded (msgspec checks
+    each field's type and declared range; `check` the rules across fields)."""
 
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
 
@@ -89,7 +106,7 @@ class _Task(Message, kw_only=True):
 
     def check(self) -> None:
         try:
-            self.sampling.validate()
+            self.sampling.check_rules()
         except (InvalidSamplingParams, TypeError) as exc:
             raise MessageError(f"invalid sampling: {exc}") from exc
 

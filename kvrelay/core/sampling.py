@@ -6,9 +6,12 @@ import dataclasses
 import hashlib
 import json
 import math
+import typing
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kvrelay.core.config import ConfigError
 from kvrelay.core.errors import KvrelayError
@@ -38,6 +41,19 @@ class Bound:
     rule: str = ""  # after "<name> must be", e.g. "in [0, 100]"
     kind: type = float  # a float field prints a refused 500 as "500.0"
 
+    @classmethod
+    def of(cls, meta: msgspec.Meta, kind: type) -> Bound:
+        """The range a field's msgspec Meta declares, worded from it (or by its `rule` extra)."""
+        low_open = meta.gt is not None
+        low = meta.gt if low_open else meta.ge
+        assert low is not None, "a sampling field's range has a lower end"
+        high = meta.le
+        rule = (meta.extra or {}).get("rule")
+        if rule is None:
+            ends = "(" if low_open else "["
+            rule = f"at least {low:g}" if high is None else f"in {ends}{low:g}, {high:g}]"
+        return cls(low, high, low_open, rule, kind)
+
     def holds(self, value: float) -> bool:
         above = value > self.low if self.low_open else value >= self.low
         return above and (self.high is None or value <= self.high)
@@ -48,20 +64,19 @@ class Bound:
         return f"{name} must be {self.rule}, got {shown}"
 
 
-# The one statement of each range: SamplingParams.validate and the OpenAI request models use it.
-BOUNDS = {
-    "max_tokens": Bound(1, rule="at least 1", kind=int),
-    "temperature": Bound(0.0, 100.0, rule="in [0, 100]"),
-    "top_p": Bound(0.0, 1.0, low_open=True, rule="in (0, 1]"),
-    "top_k": Bound(-1, rule="0 (disabled) or positive", kind=int),  # -1: vLLM's "disabled"
-    "min_p": Bound(0.0, 1.0, rule="in [0, 1]"),
-    "repetition_penalty": Bound(0.0, 10.0, low_open=True, rule="in (0, 10]"),
-    "presence_penalty": Bound(-2.0, 2.0, rule="in [-2, 2]"),
-    "frequency_penalty": Bound(-2.0, 2.0, rule="in [-2, 2]"),
-    "min_tokens": Bound(0, rule=">= 0", kind=int),
-    "logprobs": Bound(0, MAX_LOGPROBS, rule=f"in [0, {MAX_LOGPROBS}]", kind=int),
-    "prompt_logprobs": Bound(0, MAX_LOGPROBS, rule=f"in [0, {MAX_LOGPROBS}]", kind=int),
-}
+# Each sampling field's range is declared once, as msgspec constraints on its SamplingParams
+# field: msgspec checks them when a task is decoded, and BOUNDS (read from them, below the class)
+# is what SamplingParams.validate, the generation defaults and the OpenAI request models check.
+MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+# -1: vLLM's "disabled" (normalized to 0)
+TopK = Annotated[int, msgspec.Meta(ge=-1, extra={"rule": "0 (disabled) or positive"})]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=10.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # presence and frequency
+MinTokens = Annotated[int, msgspec.Meta(ge=0, extra={"rule": ">= 0"})]
+Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 
 
 class InvalidSamplingParams(KvrelayError, ValueError):
@@ -76,23 +91,23 @@ class InvalidSamplingParams(KvrelayError, ValueError):
 class SamplingParams:
     """How to pick tokens for one request. `max_tokens=None` means up to the context limit."""
 
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0  # 0 = disabled
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: MinTokens = 0
     seed: int | None = None
-    logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token plus top-n
+    logprobs: Logprobs | None = None  # None: no logprobs; n >= 0: chosen token plus top-n
     # None: none; n >= 0: each prompt token's logprob plus top-n (computed, never cached)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Logprobs | None = None
     skip_special_tokens: bool = True
     # token id -> added to its logit before penalties and temperature (vLLM's order)
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -105,20 +120,25 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise InvalidSamplingParams for values no request can use; return self."""
+        self._check_int64()
+        if self.max_tokens is not None and not isinstance(self.max_tokens, int):
+            message = BOUNDS["max_tokens"].message("max_tokens", self.max_tokens)
+            raise InvalidSamplingParams(message, "max_tokens")
+        for name, bound in BOUNDS.items():
+            value = getattr(self, name, None)
+            if value is not None and not bound.holds(value):
+                raise InvalidSamplingParams(bound.message(name, value), name)
+        return self.check_rules(vocab_size)
+
+    def check_rules(self, vocab_size: int | None = None) -> SamplingParams:
+        """The checks beyond each field's type and range (which a decoded task has passed):
+        stop strings, seed, the output constraint, logit_bias, min_tokens against max_tokens
+        and the vocabulary; normalizes; returns self."""
 
         def bad(msg: str, param: str) -> None:
             raise InvalidSamplingParams(msg, param)
 
-        for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
-                bad(f"{name} must be between {INT64_MIN} and {INT64_MAX}", name)
-        if self.max_tokens is not None and not isinstance(self.max_tokens, int):
-            bad(BOUNDS["max_tokens"].message("max_tokens", self.max_tokens), "max_tokens")
-        for name, bound in BOUNDS.items():
-            value = getattr(self, name, None)
-            if value is not None and not bound.holds(value):
-                bad(bound.message(name, value), name)
+        self._check_int64()
         if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):
             bad(STOP_RULE, "stop")
         if not all(encodes_utf8(s) for s in self.stop):
@@ -135,6 +155,14 @@ class SamplingParams:
         self.normalize()
         self.check_fit(vocab_size)
         return self
+
+    def _check_int64(self) -> None:
+        """Integers travel as MessagePack int64."""
+        for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+                message = f"{name} must be between {INT64_MIN} and {INT64_MAX}"
+                raise InvalidSamplingParams(message, name)
 
     def normalize(self) -> SamplingParams:
         """Spell a valid request one way: top_k -1 (vLLM's "disabled") becomes 0."""
@@ -183,6 +211,25 @@ class SamplingParams:
         """Build from a dict, ignoring unknown keys (forward compatibility)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _bounds() -> dict[str, Bound]:
+    """Field name -> its range, from the msgspec Meta its type carries, in field order."""
+    out: dict[str, Bound] = {}
+    for name, hint in typing.get_type_hints(SamplingParams, include_extras=True).items():
+        kinds = [k for k in typing.get_args(hint) if k is not type(None)]
+        for kind in kinds if typing.get_origin(hint) is not Annotated else [hint]:
+            if typing.get_origin(kind) is Annotated:
+                base, *extras = typing.get_args(kind)
+                for meta in extras:
+                    if isinstance(meta, msgspec.Meta):
+                        out[name] = Bound.of(meta, base)
+    return out
+
+
+# The ranges of SamplingParams' fields (what its Meta declares): validate() and the OpenAI
+# request models check them, in these words.
+BOUNDS = _bounds()
 
 
 def encodes_utf8(text: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 
 from kvrelay.core.enums import FinishReason
@@ -73,6 +74,17 @@ def _bad(**changes):
          "invalid sampling: temperature must be in [0, 100], got -1.0"),
         (_bad(sampling={"max_tokens": 2, "min_tokens": 3}),
          "invalid sampling: min_tokens must not exceed max_tokens"),
+        # each range as SamplingParams declares it (msgspec checks it while decoding), in the
+        # words of the ingress's 400
+        (_bad(sampling={"top_p": 0}), "invalid sampling: top_p must be in (0, 1], got 0.0"),
+        (_bad(sampling={"top_k": -2}),
+         "invalid sampling: top_k must be 0 (disabled) or positive, got -2"),
+        (_bad(sampling={"max_tokens": 0}),
+         "invalid sampling: max_tokens must be at least 1, got 0"),
+        (_bad(sampling={"prompt_logprobs": 21}),
+         "invalid sampling: prompt_logprobs must be in [0, 20], got 21"),
+        (_bad(sampling={"seed": 2**63}),
+         "invalid sampling: seed must be between -9223372036854775808 and 9223372036854775807"),
     ],
 )  # fmt: skip
 def test_bad_payloads_raise_message_error_with_reason(payload, reason):
@@ -96,3 +108,21 @@ def test_encode_errors_are_message_errors():
     with pytest.raises(MessageError) as info:
         PrefillTask(request_id="r", prompt_token_ids=[2**64]).encode()
     assert str(info.value) == "prefill cannot be encoded: Integer value out of range"
+
+
+def test_sampling_ranges_are_declared_once_on_the_fields():
+    """BOUNDS (what validate() and the OpenAI request models check) is read from the msgspec
+    constraints on SamplingParams' fields, which a task's decode checks."""
+    from kvrelay.core.sampling import BOUNDS, SamplingParams
+
+    fields = {f.name: f.type for f in msgspec.inspect.type_info(SamplingParams).fields}
+    declared = {}
+    for name, kind in fields.items():
+        kinds = [getattr(k, "type", k) for k in getattr(kind, "types", [kind])]  # Metadata: extra
+        kind = next((k for k in kinds if hasattr(k, "ge")), None)
+        if kind is not None and (kind.ge is not None or kind.gt is not None):
+            declared[name] = (kind.gt if kind.gt is not None else kind.ge, kind.le)
+    assert declared == {name: (b.low, b.high) for name, b in BOUNDS.items()}
+    assert list(BOUNDS) == ["max_tokens", "temperature", "top_p", "top_k", "min_p",
+                            "repetition_penalty", "presence_penalty", "frequency_penalty",
+                            "min_tokens", "logprobs", "prompt_logprobs"]  # fmt: skip

@@ -34,6 +34,7 @@ from kvrelay.core.sampling import (
     MAX_STOP,
     MIN_TOKENS_RULE,
     STOP_RULE,
+    SamplingParams,
 )
 from kvrelay.core.structured import StructuredOutput
 from kvrelay.pipeline.errors import RequestError
@@ -233,6 +234,24 @@ LogitBias = Annotated[
 ]
 
 
+# request fields that are SamplingParams fields of the same name (absent: its default)
+SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "seed",
+    "skip_special_tokens",
+    "logit_bias",
+)
+
+
 class _Request(BaseModel):
     """Fields of both endpoints (top-level fields besides these are refused by name)."""
 
@@ -328,6 +347,30 @@ class _Request(BaseModel):
         """The output limit the client set and the field it used (the last one given wins)."""
         return self.max_tokens, "max_tokens"
 
+    def to_sampling_params(self) -> tuple[SamplingParams, frozenset[str]]:
+        """The sampling this (validated) body asks for, and the SamplingParams fields it set:
+        the served model's generation defaults fill the others (`GenerationDefaults.apply`)."""
+        given = {name: value for name in SAMPLING if (value := getattr(self, name)) is not None}
+        stop = self.stop
+        max_tokens = self.max_tokens_given()[0]
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            stop=stop if isinstance(stop, list) else [stop] if stop is not None else [],
+            stop_token_ids=list(self.stop_token_ids or ()),
+            structured=self.structured(),
+            logprobs=self.top_logprobs_asked(),
+            prompt_logprobs=self.prompt_logprobs_asked(),
+            **given,
+        ).normalize()
+        return sampling, frozenset([*given, *(["max_tokens"] if max_tokens is not None else [])])
+
+    def top_logprobs_asked(self) -> int | None:
+        """SamplingParams.logprobs: None for none, n for the chosen token's plus the top n."""
+        return None
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.prompt_logprobs
+
 
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
@@ -386,6 +429,9 @@ class ChatCompletionRequest(_Request):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 TokenIds = Annotated[list[Int64], Field(min_length=1)]
 PromptText = Annotated[str, Field(min_length=1)]
@@ -413,6 +459,15 @@ class CompletionRequest(_Request):
 
     def choices_per_prompt(self) -> int:
         return max(self.n or 1, self.best_of or 1)
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            # vLLM's: the echoed prompt's tokens come with their logprobs, top-n as `logprobs`
+            return self.logprobs
+        return self.prompt_logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -80,37 +80,9 @@ def _validated(model: type[BaseModel], body: Any) -> Any:
         raise explain(exc, model) from None
 
 
-# request fields that are SamplingParams fields of the same name (absent: its default)
-_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "include_stop_str_in_output",
-    "ignore_eos",
-    "min_tokens",
-    "seed",
-    "skip_special_tokens",
-    "logit_bias",
-)
-
-
 def _request(req: _Request, api: Api) -> GenerationRequest:
     """The fields both endpoints share, as a GenerationRequest (the prompt not yet set)."""
-    given = {name: getattr(req, name) for name in _SAMPLING if getattr(req, name) is not None}
-    stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop is not None else []
-    max_tokens, max_tokens_param = req.max_tokens_given()
-    sampling = SamplingParams(
-        max_tokens=max_tokens,
-        stop=stop,
-        stop_token_ids=list(req.stop_token_ids or ()),
-        structured=req.structured(),
-        prompt_logprobs=req.prompt_logprobs,
-        **given,
-    ).normalize()
+    sampling, fields_set = req.to_sampling_params()
     options = req.stream_options
     return GenerationRequest(
         api=api,
@@ -120,8 +92,8 @@ def _request(req: _Request, api: Api) -> GenerationRequest:
         include_usage=bool(options and options.include_usage),
         user=req.user,
         cache_salt=req.cache_salt or "",
-        max_tokens_param=max_tokens_param,
-        fields_set=frozenset([*given, *(["max_tokens"] if max_tokens is not None else [])]),
+        max_tokens_param=req.max_tokens_given()[1],
+        fields_set=fields_set,
         n=req.n or 1,
     )
 
@@ -146,7 +118,6 @@ def parse_chat(body: Any) -> GenerationRequest:
     req = _request(chat, Api.CHAT)
     req.messages = [_message(msg) for msg in chat.messages]
     req.logprobs = bool(chat.logprobs)
-    req.sampling.logprobs = (chat.top_logprobs or 0) if req.logprobs else None
     if chat.tools:
         req.tools = [tool.to_dict() for tool in chat.tools]
         req.tool_calling = chat.tool_calling()
@@ -166,10 +137,6 @@ def parse_completion(body: Any) -> GenerationRequest:
     else:  # token ids (a batch's first prompt is text or token ids too)
         req.prompt_token_ids = list(cast("list[int]", prompt))
     req.logprobs = completion.logprobs is not None
-    req.sampling.logprobs = completion.logprobs
     req.echo = bool(completion.echo)
     req.best_of = completion.best_of if (completion.best_of or 1) > req.n else None
-    if req.echo and req.logprobs and req.sampling.prompt_logprobs is None:
-        # vLLM's: the echoed prompt's tokens come with their logprobs, top-n as `logprobs`
-        req.sampling.prompt_logprobs = completion.logprobs
     return req

@@ -370,6 +370,19 @@ class ResponsesRequest(BaseModel):
                 return spec
         return self.text.format.spec() if self.text and self.text.format else None
 
+    def to_sampling_params(self) -> tuple[SamplingParams, frozenset[str]]:
+        """The sampling this body asks for, and the SamplingParams fields it set (as
+        `_Request.to_sampling_params`: the served model's defaults fill the others)."""
+        given = {
+            name: value
+            for name in ("temperature", "top_p")
+            if (value := getattr(self, name)) is not None
+        }
+        limit = self.max_output_tokens
+        sampling = SamplingParams(max_tokens=limit, structured=self.structured(), **given)
+        given_names = [*given, *(["max_tokens"] if limit is not None else [])]
+        return sampling.normalize(), frozenset(given_names)
+
 
 @functools.cache
 def _accepted() -> frozenset[str]:
@@ -449,13 +462,8 @@ def parse_responses(body: Any) -> ResponsesCall:
         req = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
         raise explain(exc, ResponsesRequest) from None
-    given = {
-        name: value
-        for name in ("temperature", "top_p")
-        if (value := getattr(req, name)) is not None
-    }
+    sampling, fields_set = req.to_sampling_params()
     limit = req.max_output_tokens
-    sampling = SamplingParams(max_tokens=limit, structured=req.structured(), **given).normalize()
     if isinstance(req.input, str):
         messages = [{"role": "user", "content": req.input}]
     else:
@@ -468,7 +476,7 @@ def parse_responses(body: Any) -> ResponsesCall:
         stream=bool(req.stream),
         user=req.user,
         max_tokens_param="max_output_tokens",
-        fields_set=frozenset([*given, *(["max_tokens"] if limit is not None else [])]),
+        fields_set=fields_set,
     )
     if req.tools:
         generation.tools = [tool.chat_tool().to_dict() for tool in req.tools]

@@ -16,7 +16,7 @@ import msgspec
 
 from kvrelay.core.enums import FinishReason, Stage
 from kvrelay.core.errors import KvrelayError
-from kvrelay.core.sampling import BOUNDS, InvalidSamplingParams, SamplingParams
+from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams, refusal
 
 WIRE_VERSION = 1
 FINISH_REASONS = tuple(FinishReason)
@@ -31,8 +31,11 @@ NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 Version = Annotated[int, msgspec.Meta(ge=1, le=WIRE_VERSION)]
 
 _ENCODER = msgspec.msgpack.Encoder()
-# msgspec's refusal of a sampling value outside the range its field declares (core.sampling)
-_SAMPLING_RANGE = re.compile(r"Expected `(?:int|float)` [<>]=? \S+ - at `\$\.sampling\.(\w+)`$")
+# msgspec's refusal of a sampling value outside the constraints its field declares (a range,
+# a length: core.sampling), at the field or in it (`$.sampling.stop[3]`)
+_SAMPLING_RANGE = re.compile(
+    r"Expected `\w+` (?:of length )?[<>]=? \S+ - at `\$\.sampling\.(\w+)(?:\[[^`]*\])?`$"
+)
 
 
 class MessageError(KvrelayError, ValueError):
@@ -71,11 +74,10 @@ class Message(msgspec.Struct, kw_only=True, tag_field="t"):
             msg = decoder.decode(payload)
         except msgspec.ValidationError as exc:
             refused = _SAMPLING_RANGE.search(str(exc))
-            if refused is not None and refused[1] in BOUNDS:  # in the words the ingress uses
-                name = refused[1]
-                value = _raw_sampling(payload).get(name)
-                message = BOUNDS[name].message(name, value)
-                raise MessageError(f"invalid sampling: {message}") from exc
+            if refused is not None:  # in the words the ingress uses
+                message = refusal(refused[1], _raw_sampling(payload).get(refused[1]))
+                if message is not None:
+                    raise MessageError(f"invalid sampling: {message}") from exc
             what = "unsupported wire version: " if str(exc).endswith("at `$.v`") else ""
             raise MessageError(f"{cls.__name__}: {what}{exc}") from exc
         except msgspec.DecodeError as exc:

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import types
 import typing
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -77,6 +78,10 @@ RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=10.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # presence and frequency
 MinTokens = Annotated[int, msgspec.Meta(ge=0, extra={"rule": ">= 0"})]
 Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+Stop = Annotated[
+    list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=MAX_STOP)
+]
+Bias = Annotated[float, msgspec.Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
 
 class InvalidSamplingParams(KvrelayError, ValueError):
@@ -99,7 +104,7 @@ class SamplingParams:
     repetition_penalty: RepetitionPenalty = 1.0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    stop: list[str] = field(default_factory=list)
+    stop: Stop = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
@@ -110,7 +115,7 @@ class SamplingParams:
     prompt_logprobs: Logprobs | None = None
     skip_special_tokens: bool = True
     # token id -> added to its logit before penalties and temperature (vLLM's order)
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, Bias] = field(default_factory=dict)
     # structured output (json schema, regex, choice, grammar, json_object): see core/structured
     structured: StructuredOutput | None = None
 
@@ -217,19 +222,27 @@ def _bounds() -> dict[str, Bound]:
     """Field name -> its range, from the msgspec Meta its type carries, in field order."""
     out: dict[str, Bound] = {}
     for name, hint in typing.get_type_hints(SamplingParams, include_extras=True).items():
-        kinds = [k for k in typing.get_args(hint) if k is not type(None)]
-        for kind in kinds if typing.get_origin(hint) is not Annotated else [hint]:
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        for kind in typing.get_args(hint) if optional else [hint]:
             if typing.get_origin(kind) is Annotated:
                 base, *extras = typing.get_args(kind)
                 for meta in extras:
-                    if isinstance(meta, msgspec.Meta):
-                        out[name] = Bound.of(meta, base)
+                    if isinstance(meta, msgspec.Meta) and (meta.ge, meta.gt) != (None, None):
+                        out[name] = Bound.of(meta, base)  # a range (not a length)
     return out
 
 
 # The ranges of SamplingParams' fields (what its Meta declares): validate() and the OpenAI
 # request models check them, in these words.
 BOUNDS = _bounds()
+
+
+def refusal(name: str, value: Any) -> str | None:
+    """How a value outside the constraints its field declares is refused (None: no such
+    field): in validate()'s words, which are the ingress's."""
+    if name in BOUNDS:
+        return BOUNDS[name].message(name, value)
+    return {"stop": STOP_RULE, "logit_bias": LOGIT_BIAS_RULE}.get(name)
 
 
 def encodes_utf8(text: str) -> bool:

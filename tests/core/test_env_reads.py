@@ -209,3 +209,19 @@ def test_the_worker_falls_back_to_the_store_run_dir_variable():
     env["KVRELAY_WORKER_STORE_RUN_DIR"] = "/run/own"  # the worker's own variable wins
     assert load_worker_config(environ=env).store_run_dir == "/run/own"
     assert load_worker_config(environ=env, store_run_dir="/flag").store_run_dir == "/flag"
+
+
+def test_the_producer_client_takes_the_ingress_request_limits():
+    """A batch job's client and the HTTP ingress refuse and route the same requests."""
+    ingress = IngressConfig()
+    params = inspect.signature(AsyncClient).parameters
+    pairs = {
+        "route_threshold": "route_threshold",
+        "timeout_s": "request_timeout_s",
+        "max_prompt_tokens": "max_prompt_tokens",
+        "max_tokens_limit": "max_tokens_limit",
+        "block_ms": "read_block_ms",
+    }
+    assert {p: params[p].default for p in pairs} == {
+        p: getattr(ingress, f) for p, f in pairs.items()
+    }

@@ -41,7 +41,7 @@ from kvrelay.pipeline.model_registry import ModelRegistry
 from kvrelay.pipeline.openai.validate import type_error
 from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.cluster import ClusterState
-from kvrelay.pipeline.queue.feed import OutputFeed
+from kvrelay.pipeline.queue.feed import BLOCK_MS, OutputFeed
 from kvrelay.pipeline.queue.outage import REDIS_RETRY_S
 from kvrelay.pipeline.queue.output import (
     Completion,
@@ -50,8 +50,14 @@ from kvrelay.pipeline.queue.output import (
     RequestNotFound,
 )
 from kvrelay.pipeline.queue.redis_options import async_redis
-from kvrelay.pipeline.queue.route import RouteMode, Router
-from kvrelay.pipeline.queue.submit import Producer, new_request_id
+from kvrelay.pipeline.queue.route import ROUTE_THRESHOLD, RouteMode, Router
+from kvrelay.pipeline.queue.submit import (
+    MAX_PROMPT_TOKENS,
+    MAX_TOKENS_LIMIT,
+    REQUEST_TIMEOUT_S,
+    Producer,
+    new_request_id,
+)
 from kvrelay.pipeline.queue.subscription import Subscription
 
 logger = logging.getLogger(__name__)
@@ -77,11 +83,11 @@ class AsyncClient:
         key_prefix: str = DEFAULT_KEY_PREFIX,
         model: str = DEFAULT_MODEL,
         mode: RouteMode | str = RouteMode.AUTO,
-        route_threshold: int = 64,
-        timeout_s: float | None = 600.0,
-        max_prompt_tokens: int = 32768,
-        max_tokens_limit: int = 4096,
-        block_ms: int = 1000,
+        route_threshold: int = ROUTE_THRESHOLD,
+        timeout_s: float | None = REQUEST_TIMEOUT_S,
+        max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+        max_tokens_limit: int = MAX_TOKENS_LIMIT,
+        block_ms: int = BLOCK_MS,
         tokenizers: dict[str, Any] | None = None,
         redis: aioredis.Redis | None = None,
         max_connections: int = 1024,

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 READ_COUNT = 512  # feed entries per XREAD
+BLOCK_MS = 1000  # XREAD BLOCK slice; a reader's deadlines are checked between slices
 FEED_TTL_S = 60  # a reader that stops renewing its feed (it died) leaves nothing behind
 RENEW_S = 20.0
 QUIET_S = 3.0  # a request silent this long has its record checked
@@ -50,7 +51,7 @@ class OutputFeed:
         redis: AsyncRedis,
         keys: Keys,
         *,
-        block_ms: int = 1000,
+        block_ms: int = BLOCK_MS,
         redis_retry_s: float = REDIS_RETRY_S,
         quiet_s: float = QUIET_S,
         renew_s: float = RENEW_S,

@@ -43,6 +43,9 @@ class Route:
     reason: str = ""
 
 
+ROUTE_THRESHOLD = 64  # auto: at most this many uncached prompt tokens -> decode
+
+
 class Router:
     """Decides the first stream of each request (mode: auto | disaggregated | colocated)."""
 
@@ -51,7 +54,7 @@ class Router:
         redis: AsyncRedis,
         keys: Keys,
         mode: RouteMode | str = RouteMode.AUTO,
-        threshold: int = 64,
+        threshold: int = ROUTE_THRESHOLD,
         cluster: ClusterState | None = None,
     ):
         self.redis, self.keys = redis, keys

@@ -53,6 +53,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _INLINE_TOKENIZE_CHARS = 16384
+# The request limits' defaults, for the ingress (IngressConfig) and the producer client alike
+MAX_PROMPT_TOKENS = 32768  # also capped by the model's context length
+MAX_TOKENS_LIMIT = 4096  # largest max_tokens a request may ask for
+REQUEST_TIMEOUT_S = 600.0  # deadline given to workers
 _HOPELESS_MARGIN = 2  # normalizers (NFKC) may fold characters: never refuse one that fits
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -108,9 +112,9 @@ class Producer:
         registry: ModelRegistry,
         router: Router,
         *,
-        max_prompt_tokens: int = 32768,
-        max_tokens_limit: int = 4096,
-        timeout_s: float | None = 600.0,
+        max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+        max_tokens_limit: int = MAX_TOKENS_LIMIT,
+        timeout_s: float | None = REQUEST_TIMEOUT_S,
         record_ttl_s: int = 86400,
         max_waiting: int = 0,
         retry_after_s: int = 1,

@@ -8,7 +8,9 @@ from kvrelay.core.config import ConfigError, RedisSettings, from_env, read_confi
 from kvrelay.core.modelref import DEFAULT_MODEL
 from kvrelay.core.sampling import GenerationDefaults, generation_override
 from kvrelay.pipeline.openai.tool_parsers import TOOL_PARSERS
-from kvrelay.pipeline.queue.route import RouteMode
+from kvrelay.pipeline.queue.feed import BLOCK_MS
+from kvrelay.pipeline.queue.route import ROUTE_THRESHOLD, RouteMode
+from kvrelay.pipeline.queue.submit import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, REQUEST_TIMEOUT_S
 
 SECTION = "INGRESS"
 MODES = tuple(m.value for m in RouteMode)  # plain strings: argparse shows them
@@ -22,23 +24,23 @@ class IngressConfig(RedisSettings):
     port: int = 8000
     models: tuple[str, ...] = (DEFAULT_MODEL,)
     max_body_bytes: int = 4 << 20
-    max_prompt_tokens: int = 32768  # also capped by the model's context length
-    max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS  # also capped by the model's context length
+    max_tokens_limit: int = MAX_TOKENS_LIMIT  # largest max_tokens a request may ask for
     mode: str = RouteMode.AUTO
-    route_threshold: int = 64  # auto: at most this many uncached prompt tokens -> decode
+    route_threshold: int = ROUTE_THRESHOLD  # auto: uncached prompt tokens at most -> decode
     max_waiting: int = 512  # backpressure: undelivered stream entries before 429
     max_inflight: int = 4096  # backpressure: open requests in this ingress before 429
     # most choices one request may ask for: n, best_of, and their product with the prompts
     max_choices: int = 16
     retry_after_s: int = 1
-    request_timeout_s: float = 600.0  # deadline given to workers
+    request_timeout_s: float = REQUEST_TIMEOUT_S  # deadline given to workers
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     record_ttl_s: int = 86400  # req:{id} expiry set at submission
     # A client that loses its connection may reconnect (Last-Event-ID) this long before its
     # request is cancelled; 0 cancels at once. Long enough for a prompt retry, short enough
     # that an abandoned request does not hold a worker's batch slot for long.
     disconnect_grace_s: float = 10.0
-    read_block_ms: int = 1000  # XREAD BLOCK slice; the deadline is checked between slices
+    read_block_ms: int = BLOCK_MS  # XREAD BLOCK slice; the deadline is checked between slices
     state_refresh_s: float = 0.25  # how stale worker/lag/model snapshots may be
     # A Redis command answering later than this fails (503); blocking XREADs get read_block_ms
     # on top, so a healthy but quiet output stream is never cut off.

@@ -81,8 +81,10 @@ def worker_main(url: str, index: int, batch: int, tokens: int, rate: float, unti
     keys = Keys(PREFIX)
     streams = Streams(r, keys, f"sim-{index}.{os.getpid()}")
     streams.ensure_group(keys.decode_stream, DECODE_GROUP)
+    streams.beat(keys.worker(f"sim-{index}"), {"name": f"sim-{index}"}, 10)  # registers it
     active: dict[str, list] = {}  # request id -> [entry id, next index]
-    steps = written = 0
+    feeds: dict[str, list[str]] = {}  # request id -> the feeds following it (admission)
+    steps = written = acked = 0
     period = 1.0 / rate if rate > 0 else 0.0
     next_step = time.monotonic()
     last_beat = 0.0
@@ -93,9 +95,10 @@ def worker_main(url: str, index: int, batch: int, tokens: int, rate: float, unti
             from kvrelay.core.messages import DecodeTask
 
             tasks = [(e.entry_id, DecodeTask.decode(e.payload).request_id) for e in got]
-            streams.admit([(eid, rid, 0, {}) for eid, rid in tasks])
-            for eid, rid in tasks:
+            found = streams.admit([(eid, rid, 0, {}) for eid, rid in tasks])
+            for (eid, rid), admitted in zip(tasks, found, strict=True):
                 active[rid] = [eid, 0]
+                feeds[rid] = admitted.feeds
         if not active:
             continue
         now = time.time()
@@ -114,7 +117,15 @@ def worker_main(url: str, index: int, batch: int, tokens: int, rate: float, unti
                 del active[rid]
             else:
                 active[rid][1] += 1
-        streams.step(keys.decode_stream, DECODE_GROUP, keys.decode_stream, writes)
+        res = streams.step(
+            keys.decode_stream, DECODE_GROUP, keys.decode_stream, writes, feeds, steps + 1, acked
+        )
+        acked = res.num_control
+        for rid, feed_ids in res.feeds.items():
+            feeds[rid] = feed_ids
+        for w in writes:
+            if w.mode == WriteMode.DONE:
+                feeds.pop(w.request_id, None)
         steps += 1
         written += len(writes)
         if time.monotonic() - last_beat > 1.0:

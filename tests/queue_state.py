@@ -6,6 +6,7 @@ import redis
 
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import TokenChunk
+from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.queue.streams import Streams
 
@@ -20,8 +21,10 @@ def progress(r: redis.Redis, keys: Keys, request_id: str) -> Progress | None:
 
 
 def set_cancelled(r: redis.Redis, keys: Keys, request_id: str) -> None:
-    """Set a request's cancel flag (as the ingress's cancel does), atomically with the
-    workers' writes; a request without progress gets a new one, cancelled."""
+    """Set a request's cancel flag and tell its owner (the ingress's cancel script); a request
+    without progress gets a new one, cancelled."""
+    if choices_state.cancel_sync(r, keys, [request_id]):
+        return
 
     def flag(pipe: redis.client.Pipeline) -> None:
         prog = Progress.parse(pipe.hget(keys.progress, request_id)) or Progress()

@@ -58,6 +58,17 @@ class Keys:
         the entries of a consumer silent for a lease are claimed)."""
         return self._p + "consumers"
 
+    @property
+    def fence(self) -> str:
+        """Hash: stream consumer name -> the number of its last step, or "f" once a claim
+        fenced it (its steps are refused wholesale; `lua/step.lua`)."""
+        return self._p + "fence"
+
+    def control(self, consumer: str) -> str:
+        """List: what the owner of requests must learn (`cancel <id>`, `feeds <id> <f1,f2>`),
+        popped by its step script. Lua derives it from `progress` (same prefix)."""
+        return self._p + f"control:{consumer}"
+
     def feed(self, reader_id: str) -> str:
         """Stream: the live chunks of every request one output reader (an ingress process or
         a producer client) follows, one entry per worker step (field = request id)."""

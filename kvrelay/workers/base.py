@@ -6,9 +6,10 @@ A request's path through a worker:
       `admissions` queue
   compute loop: cancel/deadline check -> engine.add_request -> engine.step() ... ->
       each RequestOutput becomes an Outgoing write (token chunk, hand-off, final chunk)
-  emitter thread: one fenced step script per batch of writes; a refused write (entry claimed
-      by another worker) puts the request on `lost` and the compute loop drops it; cancel flags
-      come back with every write.
+  emitter thread: one step script per batch of writes, fenced per worker; cancels and feed
+      changes come back with every step (the consumer's control list). A fenced step (this
+      consumer went silent past a lease and its entries were claimed) makes the worker rejoin
+      as a new consumer: every request it held is dropped (the claimants resume them).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Active:
     entry_id: str
     next_index: int  # output index of the next token to emit
     started: float
+    generation: int = 0  # the consumer generation that admitted it (its writes carry it)
 
 
 class Worker:
@@ -74,7 +76,7 @@ class Worker:
         self.engine = engine
         self.keys = Keys(config.key_prefix)
         self.name = config.worker_name(self.role)
-        self.consumer = f"{self.name}.{int(time.time() * 1000) % 10**9}"
+        self.consumer = self._new_consumer()
         self.r = client or sync_redis(config.redis_url, health_check_interval=10)
         # A RedisCluster serves the same commands; Streams is typed for a plain client.
         self.streams = Streams(
@@ -95,7 +97,9 @@ class Worker:
             next_stream=self.keys.decode_stream,
             cancels=self.cancels,
             check_s=config.cancel_poll_s,
+            on_fenced=self._rejoin,
         )
+        self._generation = self.streams.generation  # the compute loop's
         self.active: dict[str, Active] = {}
         self.metrics = metrics or WorkerMetrics(engine.model_name, engine)
         self.stop_event = threading.Event()
@@ -133,11 +137,43 @@ class Worker:
             info,
             publication,
             stats=self._stats,
+            on_fenced=self._rejoin,
         )
         host: ReaderHost = self  # what the reader thread uses of this worker
         self._reader = threading.Thread(target=read_loop, args=(host,), name="reader", daemon=True)
         self._tokens = 0
         self._rate = (time.monotonic(), 0, 0.0)
+
+    def _new_consumer(self) -> str:
+        return f"{self.name}.{int(time.time() * 1000) % 10**9}"
+
+    def _rejoin(self, fenced: str) -> None:
+        """`fenced` (this worker's consumer) was fenced: come back as a new consumer holding
+        nothing (IO threads). The compute loop drops the requests of the old generation."""
+        with self.streams.lock:  # no read or admission under the old name straddles this
+            if self.streams.consumer != fenced:
+                return  # rejoined already
+            # emptied before the name changes: a step under the new name carries nothing of
+            # the old one's (one under the old name is refused: it is fenced)
+            held = self.inflight.clear()
+            self.emitter.drop_all()
+            consumer = self._new_consumer()
+            if consumer == fenced:
+                consumer += ".1"
+            self.streams.rejoin(fenced, consumer)
+            self.consumer = consumer
+        logger.warning(
+            "%s worker %s: consumer %s was fenced; %d requests dropped, rejoined as %s",
+            self.role,
+            self.name,
+            fenced,
+            len(held),
+            consumer,
+        )
+        try:
+            self.heartbeat.beat()  # registers the new consumer before its first step
+        except redis.RedisError as exc:
+            logger.warning("heartbeat after rejoining failed: %s", exc)
 
     @property
     def stream(self) -> str:
@@ -213,6 +249,7 @@ class Worker:
     # ---- compute loop ------------------------------------------------------------------------
     def _control(self) -> None:
         """Apply admissions, cancels, lost entries and deadlines (compute thread)."""
+        self._follow_generation(self.streams.generation)
         while True:
             try:
                 self._admit(self.admissions.get_nowait())
@@ -233,9 +270,19 @@ class Worker:
             if act.task.deadline is not None and now > act.task.deadline:
                 self._abort(rid, FinishReason.TIMEOUT)
 
+    def _follow_generation(self, generation: int) -> None:
+        """After a rejoin, drop (no final chunk) what the older consumer held."""
+        if generation > self._generation:
+            self._generation = generation
+            for rid in list(self.active):
+                self._abort(rid, None)
+
     def _admit(self, adm: Admission) -> None:
         task, rid = adm.task, adm.task.request_id
-        act = Active(task, adm.entry_id, len(adm.emitted), time.time())
+        if adm.generation < self._generation:
+            return  # admitted by a consumer since fenced: its claimant has it
+        self._follow_generation(adm.generation)
+        act = Active(task, adm.entry_id, len(adm.emitted), time.time(), adm.generation)
         late = task.deadline is not None and time.time() > task.deadline
         if adm.cancelled or late:
             # past its deadline it is a timeout even when the ingress, giving up at the
@@ -262,6 +309,7 @@ class Worker:
                     adm.entry_id,
                     payload=task.encode(),
                     reason=f"rejected by the engine: {exc}",
+                    generation=adm.generation,
                 )
             )
             self.metrics.dead_letters.inc()
@@ -336,6 +384,7 @@ class Worker:
                 chunk=chunk,
                 req_fields=fields,
                 done=done,
+                generation=act.generation,
             )
         )
 
@@ -350,7 +399,15 @@ class Worker:
                 self.engine.abort_request(rid, FinishReason.ABORT)
             self.active.pop(rid)
             logger.warning("request %s: released after %s", rid, reason)
-            self.emitter.put(Outgoing(OutgoingKind.RELEASE, rid, act.entry_id, reason=reason))
+            self.emitter.put(
+                Outgoing(
+                    OutgoingKind.RELEASE,
+                    rid,
+                    act.entry_id,
+                    reason=reason,
+                    generation=act.generation,
+                )
+            )
 
     def _on_output(self, out: RequestOutput) -> None:
         raise NotImplementedError

@@ -2,7 +2,9 @@
 heartbeat (worker hash with TTL, served models, lease renewal, drain flag, stream trimming).
 
 Compute never waits on Redis: it puts `Outgoing` items on a queue.Queue and one emitter thread
-writes them in order (pipelined fenced Lua calls), reporting refused writes back as lost.
+writes them in order (one step script call per batch, fenced per worker). A fenced step (a
+claim took this consumer's entries) makes the worker drop everything and come back as a new
+consumer (`on_fenced`); cancels and feed changes come back with each step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import redis
 from kvrelay.core.messages import TokenChunk, frame
 from kvrelay.core.worker_record import HEARTBEAT_FIELDS, WorkerRecord
 from kvrelay.pipeline.queue.progress import tail_field
-from kvrelay.pipeline.queue.streams import FenceStatus, StepWrite, Streams, WriteMode
+from kvrelay.pipeline.queue.streams import StepStatus, StepWrite, Streams, WriteMode
 from kvrelay.workers.publication import ModelPublication
 
 logger = logging.getLogger(__name__)
@@ -57,13 +59,18 @@ class Outgoing:
     req_fields: dict[str, str | int | float] = field(default_factory=dict)
     done: bool = False  # the entry is finished (acked) once this write succeeds
     write: StepWrite | None = None  # built once, so a retried write is the same write
+    step: tuple[int, int] | None = None  # (generation, step number) it was first sent with
+    # the consumer generation of the worker that made it (`Streams.generation`): after a
+    # rejoin the older generations' items are dropped, even for an entry claimed back since
+    generation: int = 0
 
 
 class Emitter:
     """Writes Outgoing items in order from its own thread: the chunks queued since its last
-    write go out in one step call (`Streams.step`); refused requests go to `lost`, requests
-    found cancelled to `cancels`. While nothing is written for `check_s` and requests are
-    held, a check-only call reads their cancel flags."""
+    write go out in one step call (`Streams.step`); requests found cancelled go to `cancels`,
+    writes that failed to `lost`. While nothing is written for `check_s` and requests are
+    held, a step without writes reads the control list. A fenced step calls `on_fenced` with
+    the fenced consumer name (the worker rejoins as a new consumer and drops what it held)."""
 
     def __init__(
         self,
@@ -75,6 +82,7 @@ class Emitter:
         next_stream: str = "",
         cancels: queue.Queue[str] | None = None,
         check_s: float = 0.25,
+        on_fenced: Callable[[str], None] | None = None,
     ):
         self.streams, self.stream, self.group = streams, stream, group
         self.next_stream = next_stream or stream
@@ -83,9 +91,15 @@ class Emitter:
         self.queue: queue.Queue[Outgoing | None] = queue.Queue()
         self.lost: queue.Queue[str] = queue.Queue()
         self.cancels: queue.Queue[str] = cancels if cancels is not None else queue.Queue()
+        self.on_fenced = on_fenced or (lambda consumer: None)
         # request id -> its tail: chunk index -> payload, written since its last flush
         self._tail: dict[str, dict[int, bytes]] = {}
+        # request id -> the feeds following it (from its admission, then the control list)
+        self._feeds: dict[str, list[str]] = {}
         self._tail_lock = threading.Lock()
+        self._generation = -1  # the streams' generation the step numbers below belong to
+        self._step_no = 0  # this consumer's last step number
+        self._acked = 0  # control items the last step returned (the next one drops them)
         self.thread = threading.Thread(target=self._run, name="emitter", daemon=True)
 
     def put(self, item: Outgoing) -> None:
@@ -96,6 +110,17 @@ class Emitter:
         out:{id}): this worker's first flush writes them too (reader thread)."""
         with self._tail_lock:
             self._tail[request_id] = dict(tail)
+
+    def follow(self, request_id: str, feeds: list[str]) -> None:
+        """The feeds following an admitted request (reader thread)."""
+        with self._tail_lock:
+            self._feeds[request_id] = list(feeds)
+
+    def drop_all(self) -> None:
+        """Forget every tail and feed (the worker rejoined as a new consumer)."""
+        with self._tail_lock:
+            self._tail.clear()
+            self._feeds.clear()
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush everything queued, then stop the thread."""
@@ -148,6 +173,8 @@ class Emitter:
             return
         batch: list[Outgoing] = []
         for item in items:
+            if item.generation != self.streams.generation:
+                continue  # made for a consumer since fenced: its requests are another's
             if item.kind in (OutgoingKind.EMIT, OutgoingKind.HANDOFF):
                 batch.append(item)
                 continue
@@ -169,24 +196,72 @@ class Emitter:
         del items[:]
 
     def _step(self, batch: list[Outgoing]) -> None:
-        """Write `batch` in as few step calls as its order allows (one per request per call)."""
+        """Write `batch` in as few step calls as its order allows (one per request per call).
+
+        Only writes of entries this consumer holds go (a rejoin dropped the others: the compute
+        loop drops their requests by generation). Each call has a step number, kept with its
+        items, so the retry of a call whose reply was lost repeats it and writes nothing."""
         while True:
+            consumer, generation = self.streams.identity  # read before what it holds
+            if generation != self._generation:
+                self._generation, self._step_no, self._acked = generation, 0, 0
+            held = self.inflight.snapshot()
+            batch = [
+                item
+                for item in batch
+                if item.generation == generation and held.get(item.request_id) == item.entry_id
+            ]
             seen: set[str] = set()
             now: list[Outgoing] = []
             for item in batch:
-                if item.request_id in seen:
-                    break
+                if item.request_id in seen or (now and item.step != now[0].step):
+                    break  # (items sent before go again together, under their number)
                 seen.add(item.request_id)
                 now.append(item)
-            check = [rid for rid in self.inflight.snapshot() if rid not in seen]
-            if not now and not check:
+            if not now and not held:
                 return
+            step = now[0].step if now else None
+            if step is None or step[0] != generation:
+                self._step_no += 1
+                step = (generation, self._step_no)
+            for item in now:
+                item.step = step
             writes = [self._write_of(item) for item in now]  # built once per item
-            res = self.streams.step(self.stream, self.group, self.next_stream, writes, check)
+            with self._tail_lock:
+                feeds = {item.request_id: self._feeds.get(item.request_id, []) for item in now}
+            res = self.streams.step(
+                self.stream,
+                self.group,
+                self.next_stream,
+                writes,
+                feeds,
+                step[1],
+                self._acked,
+                consumer=consumer,
+            )
+            if res.status == StepStatus.FENCED and self.streams.consumer != consumer:
+                continue  # rejoined meanwhile: what is held now goes under the new name
+            if res.status == StepStatus.FENCED:
+                logger.warning(
+                    "consumer %s was fenced (its entries were claimed): dropping %d requests "
+                    "and %d writes; rejoining as a new consumer",
+                    consumer,
+                    len(held),
+                    len(batch),
+                )
+                self.on_fenced(consumer)
+                return
+            self._acked = res.num_control
+            with self._tail_lock:
+                for rid, feed_ids in res.feeds.items():
+                    if rid in held:
+                        self._feeds[rid] = feed_ids
             for rid in res.cancelled:
-                self.cancels.put(rid)
-            for item, one in zip(now, res.results, strict=True):
-                self._settle(item, one.status, one.emitted)
+                if rid in held:
+                    self.cancels.put(rid)
+            for item in now:
+                if item.done:
+                    self._forget(item)
             batch = batch[len(now) :]
             if not batch:
                 return
@@ -206,8 +281,13 @@ class Emitter:
                 mode = WriteMode.HANDOFF
             elif item.done:
                 mode = WriteMode.DONE
-            elif len(tail) + 1 >= FLUSH_CHUNKS or size >= FLUSH_BYTES or not chunk.token_ids:
-                mode = WriteMode.FLUSH  # (a chunk without tokens cannot be found in a tail)
+            elif (
+                len(tail) + 1 >= FLUSH_CHUNKS
+                or size >= FLUSH_BYTES
+                or not chunk.token_ids  # (a chunk without tokens cannot be found in a tail)
+                or item.req_fields  # record fields are written with a flush
+            ):
+                mode = WriteMode.FLUSH
             else:
                 mode = WriteMode.EMIT
             write = StepWrite(
@@ -227,25 +307,7 @@ class Emitter:
         self.inflight.remove(item.request_id, item.entry_id)
         with self._tail_lock:
             self._tail.pop(item.request_id, None)
-
-    def _settle(self, item: Outgoing, status: FenceStatus, emitted: int) -> None:
-        chunk = item.chunk
-        landed = chunk and emitted >= chunk.index + len(chunk.token_ids)
-        if status == FenceStatus.INDEX_MISMATCH and landed:
-            # our own write that landed before a connection error: already done
-            status = FenceStatus.OK
-        if status == FenceStatus.OK:
-            if item.done:
-                self._forget(item)
-            return
-        at = f"chunk at token {chunk.index}" if chunk else item.kind
-        if status == FenceStatus.INDEX_MISMATCH:  # `emitted`: the tokens already emitted
-            why = f"index-mismatch: {at}, {emitted} tokens already emitted"
-        else:  # not-owner: the script stops at the fence, so it reports no token count
-            why = f"not-owner: entry {item.entry_id} is no longer ours; {at}"
-        logger.warning("request %s: write refused (%s); dropping it", item.request_id, why)
-        self._forget(item)
-        self.lost.put(item.request_id)
+            self._feeds.pop(item.request_id, None)
 
 
 class Inflight:
@@ -275,6 +337,12 @@ class Inflight:
         with self._lock:
             return dict(self._entries)
 
+    def clear(self) -> dict[str, str]:
+        """Forget every entry (the worker rejoined as a new consumer); what was held."""
+        with self._lock:
+            held, self._entries = self._entries, {}
+            return held
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
@@ -301,11 +369,13 @@ class Heartbeat:
         info: WorkerRecord,
         publication: ModelPublication | None,
         stats: Callable[[WorkerRecord], WorkerRecord] = lambda record: record,
+        on_fenced: Callable[[str], None] | None = None,
     ):
         self.streams, self.name, self.role = streams, name, role
         self.stream, self.group, self.inflight = stream, group, inflight
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self.info, self.publication, self.stats = info, publication, stats
+        self.on_fenced = on_fenced or (lambda consumer: None)
         self.draining = False
         self._stop = threading.Event()
         self._last_trim = float("-inf")  # trim and prune on the first beat after a (re)start
@@ -325,7 +395,9 @@ class Heartbeat:
         )
         key = self.streams.keys.worker(self.name)
         fields = self.stats(record).encode(HEARTBEAT_FIELDS)
-        self.draining = self.streams.beat(key, fields, self.ttl_s)
+        self.draining, fenced = self.streams.beat(key, fields, self.ttl_s)
+        if fenced:  # silent past a lease (a stall): its entries are another's now
+            self.on_fenced(record.consumer)
         if self.publication is not None:
             self.publication.publish(self.streams.r, self.streams.keys)
         if time.monotonic() - self._last_trim > 30:

@@ -72,6 +72,7 @@ class PrefillWorker(Worker):
                 payload=nxt.encode(),
                 req_fields=fields,
                 done=True,
+                generation=act.generation,
             )
         )
         logger.debug(

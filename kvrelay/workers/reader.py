@@ -1,7 +1,8 @@
 """The reader thread of a worker: XREADGROUP new entries, claim the entries of consumers whose
 worker stopped beating; validated tasks are admitted (one script call per batch: this worker
 becomes their owner) and go to the compute loop's admission queue, poison to the DLQ (through
-the emitter, so writes stay in order). Cancel flags come back from the emitter's writes."""
+the emitter, so writes stay in order). Cancels and feed changes come back from the emitter's
+steps (the consumer's control list)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class Admission:
     emitted: list[int]  # tokens already in out:{id}
     cancelled: bool = False
     emitted_text_len: int | None = None  # characters in out:{id} (None: all of `emitted`'s)
+    generation: int = 0  # the consumer generation that admitted it (`Streams.generation`)
 
 
 class ReaderHost(Protocol):
@@ -97,18 +99,22 @@ def read_loop(w: ReaderHost) -> None:
                 time.sleep(w.config.block_ms / 1000)
                 continue
             now = time.monotonic()
+            # under the streams' lock: an entry read under one consumer name is admitted
+            # under it (a rejoin waits)
             if now - last_claim >= claim_every:
                 last_claim = now
-                claimed = w.streams.claim(w.stream, w.group, w.config.lease_ms, room)
-                if claimed:
-                    receive(w, claimed, claimed=True)
+                with w.streams.lock:
+                    claimed = w.streams.claim(w.stream, w.group, w.config.lease_ms, room)
+                    if claimed:
+                        receive(w, claimed, claimed=True)
                 room = w.config.engine.max_num_seqs - len(w.inflight)
                 if room <= 0:
                     continue
             count = min(room, w.config.read_batch)
-            entries = w.streams.read(w.stream, w.group, count, w.config.block_ms)
-            if entries:
-                receive(w, entries)
+            with w.streams.lock:
+                entries = w.streams.read(w.stream, w.group, count, w.config.block_ms)
+                if entries:
+                    receive(w, entries)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             logger.warning("reader: redis unavailable (%s); retrying", exc)
             time.sleep(0.5)
@@ -225,7 +231,8 @@ def _admission(
             entry.deliveries,
             len(emitted),
         )
-    return Admission(entry.entry_id, task, emitted, found.cancelled, text_len)
+    w.emitter.follow(task.request_id, found.feeds)
+    return Admission(entry.entry_id, task, emitted, found.cancelled, text_len, w.streams.generation)
 
 
 def _compile_grammar(w: ReaderHost, task: Task) -> str | None:
@@ -250,5 +257,6 @@ def dead_letter(w: ReaderHost, entry: Entry, reason: str, request_id: str) -> No
             entry.entry_id,
             payload=entry.payload or b"",
             reason=reason,
+            generation=w.streams.generation,
         )
     )

@@ -243,3 +243,57 @@ def test_stop_deletes_the_feed(r, valkey_session):
         assert r.exists(KEYS.feed(feed.reader_id)) == 0
 
     _run(valkey_session.url, scenario)
+
+
+def test_a_reader_attaching_between_steps_gets_the_chunk_it_missed_from_the_tail(r, valkey_session):
+    """A real worker (Streams.step) learns the reader's feed one step late: the chunk laid out
+    before then is only in the tail; the reader sees a gap at the next chunk and refills it."""
+    from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP
+    from kvrelay.core.messages import PrefillTask, frame
+    from kvrelay.pipeline.queue.streams import StepWrite, Streams, WriteMode
+
+    got: list[TokenChunk] = []
+    worker = Streams(r, KEYS, "w-late")
+    worker.ensure_group(KEYS.prefill_stream, PREFILL_GROUP)
+    worker.beat(KEYS.worker("w-late"), {"name": "w-late"}, 10)
+    submit(r, KEYS, "late")
+    task = PrefillTask(request_id="late", prompt_token_ids=[1], sampling={})
+    r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
+    [entry] = worker.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
+    [found] = worker.admit([(entry.entry_id, "late", 0, {})])
+    feeds = {"late": found.feeds}
+    numbers = iter(range(1, 100))
+    acked = 0
+
+    def step(chunk: TokenChunk, mode: WriteMode = WriteMode.EMIT, **extra) -> None:
+        nonlocal acked
+        write = StepWrite(entry.entry_id, "late", chunk, mode, **extra)
+        res = worker.step(
+            KEYS.prefill_stream, PREFILL_GROUP, KEYS.decode_stream, [write], feeds,
+            next(numbers), acked,
+        )  # fmt: skip
+        acked = res.num_control
+        feeds.update(res.feeds)
+
+    async def scenario(feed: OutputFeed) -> None:
+        step(_c(0, [1], "a"))
+        reader = asyncio.create_task(_collect(feed.chunks("late"), got))
+        await _until(lambda: len(got) == 1)  # from the tail, at the attach
+        assert feeds == {"late": []}  # the worker has not heard of the reader yet
+        step(_c(1, [2], "b"))  # laid out without the feed: only in the tail
+        assert feeds == {"late": [feed.reader_id]}  # ... and that step's reply told it
+        step(_c(2, [3], "c"))  # on the feed: a gap, refilled from the tail
+        await _until(lambda: len(got) == 3)
+        history = b"".join(frame(_c(i, [i + 1], "abc"[i]).encode()) for i in range(3))
+        last = _c(3, [4], "d", FinishReason.STOP)
+        drop = [f"late#{i}" for i in range(3)]
+        step(last, WriteMode.DONE, history=history + frame(last.encode()), drop=drop)
+        await asyncio.wait_for(reader, 10)
+
+    _run(valkey_session.url, scenario)
+    assert _view(got) == [
+        (0, [1], "a", None),
+        (1, [2], "b", None),
+        (2, [3], "c", None),
+        (3, [4], "d", "stop"),
+    ]

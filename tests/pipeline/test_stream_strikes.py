@@ -4,6 +4,7 @@ released entries are claimable at once, never taken from another consumer."""
 from __future__ import annotations
 
 from kvrelay.core.keys import PREFILL_GROUP, Keys
+from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.queue.progress import Progress
 from tests.pipeline.test_streams import add_task, make
 
@@ -32,12 +33,13 @@ def test_strikes_restart_with_progress_and_with_a_new_entry(r):
     assert not r.exists(KEYS.request("gone"))
 
 
-def test_strikes_read_the_live_count_from_the_progress(r):
+def test_strikes_count_the_tail_of_the_progress(r):
     s = make(r, "a")
     r.hset(KEYS.request("q"), mapping={"status": "decoding", "emitted": 0})
     r.hset(KEYS.progress, "q", Progress(emitted=0).encode())
     assert s.strikes("q", "1-0", 2, 0) == 1
-    r.hset(KEYS.progress, "q", Progress(emitted=2).encode())  # the record still says 0
+    # a step wrote a chunk of two tokens to the tail: the record and the progress still say 0
+    r.hset(KEYS.progress, "q#0", TokenChunk(0, [4, 5]).encode())
     assert s.strikes("q", "1-0", 3, 0) == 0
 
 

@@ -13,9 +13,9 @@ from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, Keys
 from kvrelay.core.messages import DecodeTask, TokenChunk, decode_chunks, frame
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.queue.progress import Progress
-from kvrelay.pipeline.queue.streams import FenceStatus, StepWrite, Streams
+from kvrelay.pipeline.queue.streams import StepStatus, StepWrite, Streams
 from kvrelay.workers.config import WorkerConfig
-from tests.queue_state import ValkeyClock, expires_at, set_cancelled
+from tests.queue_state import ValkeyClock, emitted_chunks, expires_at, set_cancelled
 
 KEYS = Keys("dw:")
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -78,14 +78,24 @@ def chunks(r, request_id: str, timeout: float = 120) -> list[TokenChunk]:
         time.sleep(0.02)
 
 
-def ghost_step(ghost: Streams, write: StepWrite):
-    [res] = ghost.step(KEYS.decode_stream, DECODE_GROUP, KEYS.decode_stream, [write]).results
-    return res
+def ghost(r, consumer: str) -> Streams:
+    """A worker's streams that beat once (registered in the fence hash), then go silent."""
+    streams = Streams(r, KEYS, consumer)
+    streams.beat(KEYS.worker(consumer), {"name": consumer}, 1)
+    return streams
+
+
+_STEPS: dict[str, int] = {}  # consumer -> its last step number
+
+
+def ghost_step(ghost: Streams, write: StepWrite) -> StepStatus:
+    number = _STEPS[ghost.consumer] = _STEPS.get(ghost.consumer, 0) + 1
+    stream = KEYS.decode_stream
+    return ghost.step(stream, DECODE_GROUP, stream, [write], {}, number).status
 
 
 def emitted(r, request_id: str) -> int:
-    prog = Progress.parse(r.hget(KEYS.progress, request_id))
-    return prog.emitted if prog else 0
+    return sum(len(c.token_ids) for c in emitted_chunks(r, KEYS, request_id))
 
 
 def tokens_of(got: list[TokenChunk]) -> list[int]:
@@ -143,22 +153,22 @@ def test_claimed_request_resumes_without_gaps_or_duplicates(stack):
     eid_raw, [(_stream, [(got, _fields)])] = pipe.execute()
     eid = eid_raw.decode()
     assert got.decode() == eid
-    ghost = Streams(r, KEYS, "ghost")  # a worker that dies after emitting three tokens
+    dead = ghost(r, "ghost")  # a worker that dies after emitting three tokens
     done = refs[1].output_token_ids[:3]
     r.xadd(KEYS.out("resume"), {MESSAGE_FIELD: frame(TokenChunk(0, done[:1]).encode())})
     r.hset(KEYS.progress, "resume", Progress(emitted=1, hist=1).encode())
-    ghost.admit([(eid, "resume", 1, {})])
+    dead.admit([(eid, "resume", 1, {})])
     em = StepWrite(eid, "resume", TokenChunk(1, done[1:]))
-    assert ghost_step(ghost, em).ok
+    assert ghost_step(dead, em) == StepStatus.OK
     r.hset(KEYS.consumers, "ghost", 0)  # its last beat is long past
     got = chunks(r, "resume")
     assert tokens_of(got) == refs[1].output_token_ids
     assert [c.index for c in got[:2]] == [0, 1] and got[2].index == 3
     # the ghost's chunks carried no text (held back, say): the resumed worker sends all of it
     assert "".join(c.text for c in got) == refs[1].text_delta
-    # the presumed-dead owner wakes up: its next token is refused
+    # the presumed-dead owner wakes up: the claim fenced it, its next step is refused
     em.chunk = TokenChunk(3, refs[1].output_token_ids[3:4])
-    assert ghost_step(ghost, em).status == FenceStatus.NOT_OWNER
+    assert ghost_step(dead, em) == StepStatus.FENCED
     assert tokens_of(chunks(r, "resume")) == refs[1].output_token_ids
 
 
@@ -191,9 +201,9 @@ def test_many_claims_with_progress_between_are_churn_not_poison(stack):
     r.hset(KEYS.request("churn"), mapping={"status": "decoding"})
     r.xadd(KEYS.out("churn"), {MESSAGE_FIELD: frame(TokenChunk(0, ref[:1]).encode())})
     r.hset(KEYS.progress, "churn", Progress(emitted=1, hist=1).encode())
-    ghost = Streams(r, KEYS, "ghost2")  # holders that emit two tokens, then are killed
-    ghost.admit([(eid, "churn", 1, {})])
-    assert ghost_step(ghost, StepWrite(eid, "churn", TokenChunk(1, ref[1:3]))).ok
+    dead = ghost(r, "ghost2")  # holders that emit two tokens, then are killed
+    dead.admit([(eid, "churn", 1, {})])
+    assert ghost_step(dead, StepWrite(eid, "churn", TokenChunk(1, ref[1:3]))) == StepStatus.OK
     for _ in range(6):  # claimed by six more holders: 7 deliveries, more than max_deliveries
         r.xclaim(KEYS.decode_stream, DECODE_GROUP, "ghost2", 0, [eid])
     r.hset(KEYS.consumers, "ghost2", 0)
@@ -202,3 +212,26 @@ def test_many_claims_with_progress_between_are_churn_not_poison(stack):
     rec = r.hmget(KEYS.request("churn"), "status", "claim_emitted", "claim_delivery")
     assert rec == [b"finished", b"3", b"8"]  # progress seen at the 8th delivery: no strike
     assert [f[b"request_id"] for _, f in r.xrange(KEYS.dlq)].count(b"churn") == 0
+
+
+def test_a_fenced_worker_drops_its_requests_rejoins_and_resumes_them_exactly_once(stack):
+    r, worker, prompts, _ = stack
+    sampling = {**GREEDY, "max_tokens": 40}
+    submit(r, "fence-ref", prompts[2], [], sampling=sampling)
+    ref = tokens_of(chunks(r, "fence-ref"))
+    assert len(ref) == 40
+    old = worker.consumer
+    submit(r, "fenced", prompts[2], [], sampling=sampling)
+    deadline = time.monotonic() + 60
+    while emitted(r, "fenced") < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    r.hset(KEYS.fence, old, "f")  # as a claim does when the worker stalled past its lease
+    got = chunks(r, "fenced")
+    # the next step was refused: the worker came back as a new consumer, its old entry was
+    # claimed after the lease (by itself, the only worker) and resumed where it stopped
+    assert worker.consumer != old and worker.streams.generation >= 1
+    assert tokens_of(got) == ref and got[-1].finish_reason == "length"
+    assert [c.finish_reason for c in got].count("length") == 1
+    assert r.hget(KEYS.fence, worker.consumer) not in (None, b"f")
+    assert r.hget(KEYS.request("fenced"), "status") == b"finished"
+    assert r.xpending(KEYS.decode_stream, DECODE_GROUP)["pending"] == 0

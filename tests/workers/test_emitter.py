@@ -1,58 +1,104 @@
-"""The worker's emitter on a real Valkey: a write fenced out by another worker's claim."""
+"""The worker's emitter on a real Valkey: fenced steps, repeated steps, the control list."""
 
 from __future__ import annotations
 
 import logging
+import time
+
+import redis
 
 from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk
 from kvrelay.pipeline.queue.progress import new_progress
-from kvrelay.pipeline.queue.streams import Streams
+from kvrelay.pipeline.queue.streams import StepResult, Streams
 from kvrelay.workers.emitter import Emitter, Inflight, Outgoing, OutgoingKind
 from tests.queue_state import set_cancelled
 
 KEYS = Keys("emit:")
 
 
-def test_fenced_out_write_logs_what_happened(r, caplog):
-    s = Streams(r, KEYS, "w1")
+def _streams(r, consumer: str) -> Streams:
+    s = Streams(r, KEYS, consumer)
     s.ensure_group(KEYS.prefill_stream, PREFILL_GROUP)
-    task = PrefillTask(request_id="q2", prompt_token_ids=[1, 2], sampling={})
-    r.hset(KEYS.progress, "q2", new_progress())
-    r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
-    [entry] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
-    s.admit([(entry.entry_id, "q2", 0, {})])
-    r.hset(KEYS.consumers, "w1", 0)  # w1 stopped beating: w2 claims its entry
-    w2 = Streams(r, KEYS, "w2")
-    w2.claim(KEYS.prefill_stream, PREFILL_GROUP, 10_000, 10)
-    w2.admit([(entry.entry_id, "q2", 0, {})])  # w1 is fenced out
-    inflight = Inflight()
-    inflight.add("q2", entry.entry_id)
-    emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight)
-    emitter.thread.start()
-    chunk = TokenChunk(0, [5, 6], text="hi")
-    with caplog.at_level(logging.WARNING, logger="kvrelay.workers.emitter"):
-        emitter.put(Outgoing(OutgoingKind.EMIT, "q2", entry.entry_id, chunk))
-        emitter.close()
-    assert emitter.lost.get_nowait() == "q2" and len(inflight) == 0
-    assert caplog.messages == [
-        f"request q2: write refused (not-owner: entry {entry.entry_id} is no longer ours; "
-        "chunk at token 0); dropping it"
-    ]
+    s.beat(KEYS.worker(consumer), {"name": consumer}, 10)  # registers the consumer
+    return s
 
 
-def _held(r, s: Streams, rid: str) -> str:
+def _held(r, s: Streams, rid: str, feed: str = "") -> str:
     task = PrefillTask(request_id=rid, prompt_token_ids=[1, 2], sampling={})
-    r.hset(KEYS.progress, rid, new_progress())
+    r.hset(KEYS.progress, rid, new_progress(feed))
     r.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
     [entry] = s.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
     s.admit([(entry.entry_id, rid, 0, {})])
     return entry.entry_id
 
 
-def test_two_steps_of_one_request_in_one_batch_go_in_order(r):
-    s = Streams(r, KEYS, "w3")
+def test_a_fenced_step_writes_nothing_and_the_worker_is_told(r, caplog):
+    s = _streams(r, "w1")
+    eid = _held(r, s, "q1")
+    eid2 = _held(r, s, "q2")
+    r.hset(KEYS.consumers, "w1", 0)  # w1 stopped beating: w2 claims its entries
+    w2 = _streams(r, "w2")
+    assert len(w2.claim(KEYS.prefill_stream, PREFILL_GROUP, 10_000, 1)) == 1
+    inflight = Inflight()
+    inflight.add("q1", eid)
+    inflight.add("q2", eid2)
+    fenced: list[str] = []
+    emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight, on_fenced=fenced.append)
+    emitter.thread.start()
+    with caplog.at_level(logging.WARNING, logger="kvrelay.workers.emitter"):
+        emitter.put(Outgoing(OutgoingKind.EMIT, "q1", eid, TokenChunk(0, [5, 6], text="hi")))
+        emitter.put(Outgoing(OutgoingKind.EMIT, "q2", eid2, TokenChunk(0, [7], text="ho")))
+        emitter.close()
+    assert fenced == ["w1"]
+    assert caplog.messages == [
+        "consumer w1 was fenced (its entries were claimed): dropping 2 requests and 2 writes; "
+        "rejoining as a new consumer"
+    ]
+    assert s.history("q1") == ([], []) and s.history("q2") == ([], [])
+
+
+class LostReply(Streams):
+    """A Streams whose first step runs on the server but whose reply never arrives."""
+
+    lost = 0
+
+    def step(self, *args, **kwargs) -> StepResult:
+        res = super().step(*args, **kwargs)
+        if not self.lost:
+            self.lost += 1
+            raise redis.ConnectionError("reply lost")
+        return res
+
+
+def test_a_step_whose_reply_was_lost_is_sent_again_and_not_applied_twice(r):
+    s = LostReply(r, KEYS, "w5")
     s.ensure_group(KEYS.prefill_stream, PREFILL_GROUP)
+    s.beat(KEYS.worker("w5"), {"name": "w5"}, 10)
+    r.xadd(KEYS.feed("f5"), {"hello": ""})
+    eid = _held(r, s, "q5", feed="f5")
+    inflight = Inflight()
+    inflight.add("q5", eid)
+    emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight)
+    emitter.follow("q5", ["f5"])
+    last = TokenChunk(1, [2], finish_reason="stop")
+    emitter.put(Outgoing(OutgoingKind.EMIT, "q5", eid, TokenChunk(0, [1])))
+    emitter.put(Outgoing(OutgoingKind.EMIT, "q5", eid, last, done=True))
+    r.config_resetstat()
+    emitter.thread.start()
+    emitter.close()
+    assert s.lost == 1 and emitter.lost.empty() and len(inflight) == 0
+    # three calls: the first step twice (its repeat wrote nothing), then the final one
+    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 3
+    assert s.emitted_tokens("q5") == ([1, 2], 0, True)
+    assert len(r.xrange(KEYS.out("q5"))) == 1
+    feed = [TokenChunk.decode(f[b"q5"]).index for _, f in r.xrange(KEYS.feed("f5"))[1:]]
+    assert feed == [0, 1]
+    assert r.hget(KEYS.fence, "w5") == b"2"
+
+
+def test_two_steps_of_one_request_in_one_batch_go_in_order(r):
+    s = _streams(r, "w3")
     eid = _held(r, s, "q3")
     inflight = Inflight()
     inflight.add("q3", eid)
@@ -67,16 +113,37 @@ def test_two_steps_of_one_request_in_one_batch_go_in_order(r):
     assert s.emitted_tokens("q3") == ([0, 1, 2], 0, False)
 
 
-def test_a_silent_emitter_reads_the_cancel_flags_of_what_it_holds(r):
-    s = Streams(r, KEYS, "w4")
-    s.ensure_group(KEYS.prefill_stream, PREFILL_GROUP)
+def test_a_silent_emitter_learns_cancels_and_feeds_from_its_control_list(r):
+    s = _streams(r, "w4")
     eid = _held(r, s, "q4")
+    eid6 = _held(r, s, "q6")
     inflight = Inflight()
     inflight.add("q4", eid)
+    inflight.add("q6", eid6)
     emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight, check_s=0.05)
     set_cancelled(r, KEYS, "q4")
+    assert r.lrange(KEYS.control("w4"), 0, -1) == [b"cancel q4"]
     emitter.thread.start()
     try:
         assert emitter.cancels.get(timeout=10) == "q4"
+        # a reader attaching: its feed reaches the owner, whose next chunk goes there
+        feed = s.r.register_script(_attach())
+        r.xadd(KEYS.feed("f6"), {"hello": ""})
+        feed(keys=[KEYS.progress, KEYS.out("q6")], args=["q6", "f6", 4, "0"])
+        # the step after the one that brought the item drops it from the list
+        deadline = time.monotonic() + 10
+        while r.llen(KEYS.control("w4")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert r.llen(KEYS.control("w4")) == 0
+        emitter.put(Outgoing(OutgoingKind.EMIT, "q6", eid6, TokenChunk(0, [9])))
     finally:
         emitter.close()
+    got = [TokenChunk.decode(f[b"q6"]).token_ids for _, f in r.xrange(KEYS.feed("f6"))[1:]]
+    assert got == [[9]]
+    assert s.history("q6")[0] == [TokenChunk(0, [9])]
+
+
+def _attach() -> str:
+    from kvrelay.pipeline.queue import scripts
+
+    return scripts.with_progress("attach")

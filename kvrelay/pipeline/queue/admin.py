@@ -6,7 +6,7 @@ import json
 import logging
 import re
 import time
-from typing import Any, cast
+from typing import Any
 
 import redis
 
@@ -114,7 +114,8 @@ def request_record(raw: dict[str, str]) -> dict[str, Any]:
 def _progress(r: redis.Redis, keys: Keys, request_id: str) -> Progress | None:
     """The request's progress while it runs (None once it ended, or when unreadable)."""
     try:
-        return Progress.parse(cast("bytes | None", r.hget(keys.progress, request_id)))
+        [raw] = r.eval(choices_state.LIVE_LUA, 1, keys.progress, request_id)
+        return Progress.parse(raw or None)
     except ValueError:
         logger.error("request %s: malformed progress", request_id)
         return None

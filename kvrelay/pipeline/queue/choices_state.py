@@ -33,6 +33,7 @@ COMBINED_FIELDS = (
     "error",
 )
 _CANCEL_LUA = scripts.with_progress("cancel")
+LIVE_LUA = scripts.with_progress("live")  # progress values with `emitted` counted to the tail
 # how far a request has got, for the status of a parent whose choices are not all done
 _PROGRESS = (RequestStatus.QUEUED, RequestStatus.PREFILLING, RequestStatus.DECODING)
 
@@ -102,8 +103,9 @@ def _count(value: Any) -> int:
 
 
 def live(record: RequestRecord, raw_progress: bytes | None) -> RequestRecord:
-    """The record with the request's live token count: while it runs, its progress says how
-    many tokens went out (the record's `emitted` is written only at flushes and at the end)."""
+    """The record with the request's live token count: while it runs, its live progress
+    (`LIVE_LUA`: counted to the end of its tail) says how many tokens went out (the record's
+    `emitted` is written only at flushes and at the end)."""
     progress = Progress.parse(raw_progress)
     if progress is not None:
         record.emitted = record.completion_tokens = progress.emitted
@@ -121,7 +123,7 @@ def _choice_reads(pipe: Any, keys: Keys, request_id: str, count: int) -> None:
     ids = [choice_id(request_id, k) for k in range(count)]
     for one in ids:
         pipe.hgetall(keys.request(one))
-    pipe.hmget(keys.progress, ids)
+    pipe.eval(LIVE_LUA, 1, keys.progress, *ids)
 
 
 async def read_choices(redis: Any, keys: Keys, request_id: str, count: int) -> list[RequestRecord]:
@@ -150,8 +152,8 @@ async def request_view(redis: Any, keys: Keys, request_id: str) -> dict[str, Any
     when unknown or expired (asyncio redis)."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys.request(request_id))
-        pipe.hget(keys.progress, request_id)
-        raw, progress = await pipe.execute()
+        pipe.eval(LIVE_LUA, 1, keys.progress, request_id)
+        raw, [progress] = await pipe.execute()
     parent = RequestRecord.decode(raw)
     if parent is None:
         return None

@@ -1,19 +1,22 @@
-"""A request's progress: the one field per request of the `prog` hash that workers update once
-per step for all their sequences (the queue plane's hot state, docs/internals.md "Queue plane").
+"""A request's progress: the one field per request of the `prog` hash, written at submission,
+admission, flushes, hand-offs and the end (docs/internals.md "Queue plane"); the workers' steps
+add tail fields beside it.
 
 The value is five lines:
 
     <emitted>\n<hist>\n<cancel>\n<feeds>\n<owner>
 
-- `emitted`: tokens emitted so far (the fence: a chunk must start exactly there);
+- `emitted`: tokens emitted at the last flush (the chunks of the tail come on top: readers
+  walk it, `lua/live.lua`);
 - `hist`: how many of them `out:{id}` holds; the others are the request's tail: chunk
   payloads in the same hash, one field `<request id>#<chunk index>` each ('#' is no request
   id character), moved to `out:{id}` by the worker's next flush;
-- `cancel`: "1" once the request was cancelled (the workers see it at their next write);
+- `cancel`: "1" once the request was cancelled (read at admission; the owner is told through
+  its control list);
 - `feeds`: the output readers (ingress processes, producer clients) following the request,
   comma-separated: each step's chunks go to `feed:{reader}` of every one;
 - `owner`: `<consumer>/<entry id>` of the worker holding the request's stream entry ("" while
-  it waits in a stream): only the owner's writes are accepted.
+  it waits in a stream): where cancels and feed changes are sent (the fence is per worker).
 
 The Lua side parses the same layout (`lua/progress.lua`, which also walks a tail); this module
 is its Python twin.

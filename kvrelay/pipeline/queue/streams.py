@@ -1,20 +1,23 @@
 """Redis stream delivery for workers (sync redis-py): groups, reads, claims and fenced Lua writes.
 
-A worker's writes for one engine step are one Lua call (`step`): each sequence's chunk lands
-only if the request's progress names this consumer as owner of the entry (set when it was
-admitted, `admit`) and the chunk starts at the tokens already emitted, so a worker whose entry
-was claimed by another is refused instead of duplicating. Leases are heartbeats (`beat`):
-entries are claimed only from consumers silent for a lease (`claim`). Dead-lettering and
-release check ownership in the stream's pending list itself. docs/internals.md "Queue plane".
+A worker's writes for one engine step are one Lua call (`step`), fenced per worker: a claim
+(`claim`, only of consumers silent for a lease: leases are heartbeats, `beat`) marks the dead
+consumer fenced, and the step script refuses every step of a fenced consumer wholesale, so a
+worker whose entries were claimed drops everything and comes back as a new consumer
+(`rejoin`) instead of duplicating. Each step carries a number: a retried step whose reply was
+lost is not applied twice. Cancels and feed changes reach the owner through its control list,
+returned by each step. Dead-lettering and release check ownership in the stream's pending list
+itself. docs/internals.md "Queue plane".
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
 import redis
@@ -27,18 +30,18 @@ from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.field_ttl import field_ttl_sync
-from kvrelay.pipeline.queue.progress import Progress, owner_of
+from kvrelay.pipeline.queue.progress import FEED_SEP, tail_field
 from kvrelay.pipeline.queue.replies import StreamReply
 
 logger = logging.getLogger(__name__)
 
 
-class FenceStatus(enum.StrEnum):
-    """The outcome of a fenced write (the Lua scripts' replies, see `_fenced`)."""
+class StepStatus(enum.IntEnum):
+    """The step script's verdict on a whole step (`lua/step.lua`)."""
 
-    OK = "ok"
-    NOT_OWNER = "not-owner"  # the entry was claimed by another consumer
-    INDEX_MISMATCH = "index-mismatch"  # the chunk does not start at the tokens emitted
+    FENCED = 0  # the consumer was fenced (its entries claimed): nothing written
+    OK = 1
+    REPEATED = 2  # this step number was written before (a retry whose reply was lost)
 
 
 @dataclass(slots=True)
@@ -50,23 +53,10 @@ class Entry:
     deliveries: int = 1
 
 
-@dataclass(slots=True)
-class FencedResult:
-    """Outcome of a fenced write."""
-
-    status: FenceStatus
-    emitted: int = 0  # tokens emitted after the write (or currently, on a mismatch)
-    new_entry_id: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == FenceStatus.OK
-
-
 class WriteMode(enum.StrEnum):
     """What a step write does besides appending its chunk (the step script's `mode`)."""
 
-    EMIT = "e"  # the chunk joins the request's tail (a `tails` field)
+    EMIT = "e"  # the chunk joins the request's tail (a `<id>#<index>` field)
     FLUSH = "f"  # out:{id} gets the tail and the chunk; the tail's fields go
     DONE = "d"  # the final chunk: flush, ack the entry, write the record's end, drop progress
     HANDOFF = "h"  # queue the next stage's task and ack the entry
@@ -90,17 +80,20 @@ class StepWrite:
 
 @dataclass(slots=True)
 class StepResult:
-    results: list[FencedResult]  # one per write, in order
-    cancelled: set[str]  # request ids (written or checked) whose cancel flag is set
+    status: StepStatus
+    cancelled: set[str] = field(default_factory=set)  # from the control list
+    feeds: dict[str, list[str]] = field(default_factory=dict)  # request id -> its new feeds
+    num_control: int = 0  # control items returned: the next step acks them
 
 
 @dataclass(slots=True)
 class Admitted:
     """A request's progress as the admission script found it."""
 
-    emitted: int = 0
+    emitted: int = 0  # at its last flush (the tail may hold more)
     cancelled: bool = False
     ended: str = ""  # the record's status when the request already ended (nothing to do)
+    feeds: list[str] = field(default_factory=list)  # the output readers following it
 
 
 def _flat(fields: dict[str, str | int | float] | None) -> list[str | int | float]:
@@ -108,15 +101,6 @@ def _flat(fields: dict[str, str | int | float] | None) -> list[str | int | float
     for key, value in (fields or {}).items():
         out += [key, value]
     return out
-
-
-def _fenced(reply: list) -> FencedResult:
-    code = int(reply[0])
-    if code == 1:
-        return FencedResult(FenceStatus.OK, emitted=int(reply[1]))
-    if code == 0:
-        return FencedResult(FenceStatus.NOT_OWNER)
-    return FencedResult(FenceStatus.INDEX_MISMATCH, emitted=int(reply[1]))
 
 
 class Streams:
@@ -137,7 +121,12 @@ class Streams:
     ):
         self.r = client
         self.keys = keys
-        self.consumer = consumer
+        # (consumer name, generation), swapped in one assignment by `rejoin`; the lock is held
+        # while a batch is read and admitted, so no admission straddles a rejoin (the worker
+        # drops what an older generation admitted)
+        self.identity = (consumer, 0)
+        self.lock = threading.RLock()
+        self._registered = ""  # the consumer whose first beat registered it in the fence hash
         self.out_ttl_s = out_ttl_s
         self.req_ttl_s = req_ttl_s
         self.dlq_maxlen = dlq_maxlen
@@ -151,6 +140,14 @@ class Streams:
         self._release = client.register_script(scripts.fenced("release"))
         self._prune = client.register_script(scripts.source("prune"))
         self._read = client.register_script(scripts.with_progress("attach"))
+
+    @property
+    def consumer(self) -> str:
+        return self.identity[0]
+
+    @property
+    def generation(self) -> int:
+        return self.identity[1]
 
     @property
     def ttl_fields(self) -> str:
@@ -186,17 +183,32 @@ class Streams:
         """Take up to `count` entries of consumers whose worker has not beaten for a lease
         (`lua/claim.lua`); nothing is read per entry while every worker lives."""
         reply = self._claim(
-            keys=[stream, self.keys.consumers], args=[group, self.consumer, lease_ms, count]
+            keys=[stream, self.keys.consumers, self.keys.fence],
+            args=[group, self.consumer, lease_ms, count, self.ttl_fields],
         )
         return [Entry(as_str(eid), payload or None, int(n)) for eid, payload, n in reply or []]
 
-    def beat(self, worker_key: str, fields: dict, ttl_s: int) -> bool:
-        """Publish the worker hash and this consumer's beat (its lease); True when the admin
-        asked the worker to drain."""
-        drain = self._beat(
-            keys=[worker_key, self.keys.consumers], args=[ttl_s, self.consumer, *_flat(fields)]
+    def beat(self, worker_key: str, fields: dict, ttl_s: int) -> tuple[bool, bool]:
+        """Publish the worker hash and this consumer's beat (its lease; the first beat of a
+        consumer registers it in the fence hash); (the admin asked the worker to drain, the
+        consumer is fenced: it beats no more)."""
+        consumer = self.consumer
+        first = "1" if self._registered != consumer else "0"
+        drain, fenced = self._beat(
+            keys=[worker_key, self.keys.consumers, self.keys.fence],
+            args=[ttl_s, consumer, first, *_flat(fields)],
         )
-        return bool(drain)
+        self._registered = consumer
+        return bool(drain), bool(fenced)
+
+    def rejoin(self, fenced: str, consumer: str) -> bool:
+        """Come back as `consumer` after `fenced` (this one's former name) was fenced: a new
+        generation (what the old one held is dropped by the worker). False when done already."""
+        with self.lock:
+            if self.consumer != fenced:
+                return False
+            self.identity = (consumer, self.generation + 1)
+            return True
 
     def strikes(
         self,
@@ -251,7 +263,8 @@ class Streams:
             if int(row[0]) < 0:
                 out.append(Admitted(ended=as_str(row[1])))
             else:
-                out.append(Admitted(int(row[0]), bool(int(row[1]))))
+                feeds = [f for f in as_str(row[2]).split(FEED_SEP) if f]
+                out.append(Admitted(int(row[0]), bool(int(row[1])), feeds=feeds))
         return out
 
     def step(
@@ -260,24 +273,32 @@ class Streams:
         group: str,
         next_stream: str,
         writes: list[StepWrite],
-        check: Sequence[str] = (),
+        feeds: Mapping[str, Sequence[str]],
+        step_no: int,
+        acked: int = 0,
+        consumer: str | None = None,
+        max_control: int = 256,
     ) -> StepResult:
-        """One worker step in one script call (`lua/step.lua`): every write fenced by owner and
-        index; the cancel flags of the written and `check` requests come back. A request id
-        may appear once per call."""
-        keys = [stream, next_stream, self.keys.progress]
-        args: list = [
-            group,
-            self.feed_prefix,
-            self.ttl_fields,
-            self.out_ttl_s,
-            self.req_ttl_s,
-            self.feed_maxlen,
-            len(writes),
-            len(check),
-        ]
+        """One worker step in one script call (`lua/step.lua`), fenced per worker: refused
+        wholesale once `consumer` (default: this one) is fenced; a repeated `step_no` writes
+        nothing again. `feeds`: request id -> the feeds following it (each feed gets one entry
+        for all its requests' chunks); `acked`: the control items the previous step returned.
+        A request id may appear once per call."""
+        consumer = consumer or self.consumer
+        tail: list[str | bytes] = []
+        by_feed: dict[str, list[str | bytes]] = {}
+        flushes: list[list] = []
+        keys = [stream, next_stream, self.keys.progress, self.keys.fence]
+        keys.append(self.keys.control(consumer))
         stamp: rec.Encoded | None = None  # the step's `updated`, for the writes that set fields
         for w in writes:
+            chunk = w.chunk
+            payload = w.payload or chunk.encode()
+            for feed in feeds.get(w.request_id, ()):
+                by_feed.setdefault(feed, []).extend((w.request_id, payload))
+            if w.mode == WriteMode.EMIT:
+                tail += [tail_field(w.request_id, chunk.index), payload]
+                continue
             keys += [self.keys.request(w.request_id), self.keys.out(w.request_id)]
             fields = w.req_fields
             if w.mode == WriteMode.DONE or fields:
@@ -286,30 +307,51 @@ class Streams:
                     stamp = now.changes(places={rec.UPDATED: rec.MILLIS})
                 fields = {**stamp, **(fields or {})}
             flat = _flat(fields)
-            chunk = w.chunk
-            payload = w.payload or chunk.encode()
-            history = w.history
-            if w.mode != WriteMode.EMIT and not history:
-                history = frame(payload)  # a flush with no tail before the chunk
             drop = w.drop or []
-            args += [
-                owner_of(self.consumer, w.entry_id),
-                w.request_id,
-                chunk.index,
-                len(chunk.token_ids),
-                payload,
-                w.mode.value,
-                history if w.mode != WriteMode.EMIT else b"",
-                len(drop),
-                *drop,
-                w.next_payload,
-                len(flat),
-                *flat,
-            ]
-        args += list(check)
-        results, cancelled = self._step(keys=keys, args=args)
-        pairs = [results[i : i + 2] for i in range(0, len(results), 2)]
-        return StepResult([_fenced(r) for r in pairs], {as_str(c) for c in cancelled})
+            flushes.append(
+                [
+                    w.request_id,
+                    w.entry_id,
+                    w.mode.value,
+                    chunk.index + len(chunk.token_ids),
+                    w.history or frame(payload),  # a flush with no tail before the chunk
+                    len(drop),
+                    *drop,
+                    w.next_payload,
+                    len(flat),
+                    *flat,
+                ]
+            )
+        args: list = [
+            group,
+            self.feed_prefix,
+            self.ttl_fields,
+            self.out_ttl_s,
+            self.req_ttl_s,
+            self.feed_maxlen,
+            consumer,
+            step_no,
+            acked,
+            max_control,
+            len(tail),
+            len(by_feed),
+            len(flushes),
+            *tail,
+        ]
+        for feed, items in by_feed.items():
+            args += [feed, len(items), *items]
+        for one in flushes:
+            args += one
+        status, control = self._step(keys=keys, args=args)
+        result = StepResult(StepStatus(int(status)), num_control=len(control))
+        for raw in control:
+            kind, _, rest = as_str(raw).partition(" ")
+            request_id, _, value = rest.partition(" ")
+            if kind == "cancel":
+                result.cancelled.add(request_id)
+            elif kind == "feeds":
+                result.feeds[request_id] = [f for f in value.split(FEED_SEP) if f]
+        return result
 
     def dead_letter(
         self,
@@ -359,10 +401,11 @@ class Streams:
 
     # reads of request state
     def emitted(self, request_id: str) -> int:
-        """Tokens emitted so far: the progress's count, or the record's once it ended."""
-        prog = Progress.parse(cast("bytes | None", self.r.hget(self.keys.progress, request_id)))
-        if prog is not None:
-            return prog.emitted
+        """Tokens emitted so far: out:{id} and the tail, or the record's count when they are
+        gone (a rare path: dead letters)."""
+        chunks, _tail = self.history(request_id)
+        if chunks:
+            return chunks[-1].index + len(chunks[-1].token_ids)
         raw = self.r.hget(self.keys.request(request_id), rec.EMITTED)
         return RequestRecord.decode_fields((rec.EMITTED,), (raw,)).emitted or 0
 

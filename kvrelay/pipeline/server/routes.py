@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from redis.exceptions import RedisError
 from starlette.requests import ClientDisconnect, Request
@@ -215,7 +215,9 @@ class GenerationApi:
             if count:  # several choices: combined from theirs
                 view = await choices_state(ing, request_id, rec)
             else:
-                progress = cast("bytes | None", await ing.redis.hget(ing.keys.progress, request_id))
+                [progress] = await ing.redis.eval(
+                    queue_choices.LIVE_LUA, 1, ing.keys.progress, request_id
+                )
                 record = RequestRecord.decode(rec) or RequestRecord()
                 view = queue_choices.live(record, progress).public()
             body: dict[str, Any] = {"id": request_id, "object": "request", **view}

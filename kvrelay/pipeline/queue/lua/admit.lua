@@ -5,7 +5,8 @@
 -- KEYS: 1 prog hash, then per entry req:{id}
 -- ARGV: 1 consumer, 2 ttl_fields, 3 N entries, then per entry: entry id, request id, tokens
 --       the task carries, number F of record field/value items, the F items
--- Returns per entry {emitted, cancel flag (0/1)}, or {-1, status} when it ended.
+-- Returns per entry {emitted at its last flush, cancel flag (0/1), the feeds following it},
+-- or {-1, status} when it ended.
 local consumer, ttl_fields, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local entries, ids, at = {}, {}, 4
 for i = 1, n do
@@ -36,7 +37,7 @@ for i = 1, n do
     stores[#stores + 1] = e.rid
     stores[#stores + 1] = prog_encode(p)
     if e.nf > 0 then redis.call('HSET', KEYS[1 + i], unpack(ARGV, e.first, e.first + e.nf - 1)) end
-    out[i] = {p.emitted, p.cancel == '1' and 1 or 0}
+    out[i] = {p.emitted, p.cancel == '1' and 1 or 0, p.feeds}
   end
 end
 prog_store(KEYS[1], stores, ttl_fields)

@@ -1,6 +1,7 @@
 -- Attach an output reader to a request: add its feed to the request's progress (the newest
--- MAX_FEEDS kept) and read the history, in one step, so no chunk falls between what this
--- returns and what the feed brings next.
+-- MAX_FEEDS kept), tell its owner (`feeds <id> <f1,f2>` on its control list) and read the
+-- history, in one step. The owner learns the feed at its next step: a chunk it writes before
+-- then reaches the reader through the tail (the gap at the next chunk, or the quiet check).
 -- KEYS: 1 the prog hash (progress and tails), 2 out:{id}
 -- ARGV: 1 request id, 2 feed (reader) id ("" reads only), 3 max feeds, 4 ttl_fields ("1": HSETEX)
 -- Returns {progress value or false (no progress: the request ended, or never ran), the `m`
@@ -19,6 +20,7 @@ if p and ARGV[2] ~= '' then
     p.feeds = table.concat(feeds, ',')
     value = prog_encode(p)
     prog_store(KEYS[1], {ARGV[1], value}, ARGV[4])
+    tell_owner(KEYS[1], p.owner, 'feeds ' .. ARGV[1] .. ' ' .. p.feeds)
   end
 end
 local history = {}
@@ -29,5 +31,5 @@ for _, entry in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
   end
 end
 local tail = {}
-if p then tail = tail_chunks(KEYS[1], ARGV[1], p.hist, p.emitted) end
+if p then tail = tail_chunks(KEYS[1], ARGV[1], p.hist) end
 return {value or false, history, tail}

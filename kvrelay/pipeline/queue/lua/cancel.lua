@@ -1,5 +1,6 @@
--- Cancel requests: set the `cancel` flag of each one's progress (workers see it at their next
--- write, or when they admit it). A request without progress (ended, or unknown) is left alone.
+-- Cancel requests: set the `cancel` flag of each one's progress (a worker admitting it sees
+-- it) and tell its owner, if any, through its control list (`cancel <id>`, popped by the
+-- owner's next step). A request without progress (ended, or unknown) is left alone.
 -- KEYS: 1 the prog hash
 -- ARGV: 1 ttl_fields ("1": HSETEX KEEPTTL), 2.. request ids
 -- Returns the ids whose progress carries the flag now.
@@ -14,6 +15,7 @@ for i, id in ipairs(ids) do
       p.cancel = '1'
       table.insert(items, id)
       table.insert(items, prog_encode(p))
+      tell_owner(KEYS[1], p.owner, 'cancel ' .. id)
     end
     table.insert(flagged, id)
   end

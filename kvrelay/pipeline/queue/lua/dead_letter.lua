@@ -18,11 +18,11 @@ local dlq_id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[11], '*',
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 if ARGV[6] ~= '' then
   local p = prog_parse(redis.call('HGET', KEYS[5], ARGV[6]))
-  local emitted = p and p.emitted or tonumber(redis.call('HGET', KEYS[3], ${EMITTED}) or '0')
+  local emitted = tonumber(redis.call('HGET', KEYS[3], ${EMITTED}) or '0')
   local history, fields = '', {}
   if p then
     local chunks
-    chunks, fields = tail_chunks(KEYS[5], ARGV[6], p.hist, p.emitted)
+    chunks, fields, emitted = tail_chunks(KEYS[5], ARGV[6], p.hist)
     for _, chunk in ipairs(chunks) do history = history .. frame(chunk) end
   end
   if ARGV[7] ~= '' and emitted == tonumber(ARGV[8]) then

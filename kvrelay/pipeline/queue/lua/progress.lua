@@ -34,13 +34,15 @@ local function frame(payload)
   return struct.pack('>I4', #payload) .. payload
 end
 
--- The tail of request `rid` (chunk payloads from token `hist` up to `emitted`, in order) and
--- the fields holding them: each chunk's token count (MessagePack `token_ids`) says where the
--- next one starts. Only readers that attach, claims and dead letters walk it.
-local function tail_chunks(prog, rid, hist, emitted)
+-- The tail of request `rid` (chunk payloads from token `hist` on, in order) and the fields
+-- holding them: each chunk's token count (MessagePack `token_ids`) says where the next one
+-- starts; the walk ends at the first missing field (workers write tail fields without touching
+-- the progress, whose `emitted` moves only at flushes). Returns chunks, fields and the tokens
+-- emitted (where the walk ended). Only readers that attach, claims and dead letters walk it.
+local function tail_chunks(prog, rid, hist)
   local chunks, fields = {}, {}
   local at = hist
-  while at < emitted do
+  while true do
     local field = rid .. '#' .. at
     local payload = redis.call('HGET', prog, field)
     if not payload then break end
@@ -52,5 +54,21 @@ local function tail_chunks(prog, rid, hist, emitted)
     if n == 0 then break end
     at = at + n
   end
-  return chunks, fields
+  return chunks, fields, at
+end
+
+-- The control list of a worker's consumer (cancels and feed changes of the requests it owns,
+-- popped by its step script): `control:{consumer}` next to the prog hash (Keys.control).
+local function control_key(prog, consumer)
+  return string.sub(prog, 1, #prog - 4) .. 'control:' .. consumer
+end
+
+-- Tell the owner (`consumer/entry id`, '' = none) of a request something (`cancel <id>`,
+-- `feeds <id> <f1,f2>`); the list expires when no live owner reads it.
+local function tell_owner(prog, owner, message)
+  local consumer = string.match(owner, '^(.*)/[^/]*$')
+  if not consumer or consumer == '' then return end
+  local key = control_key(prog, consumer)
+  redis.call('RPUSH', key, message)
+  redis.call('EXPIRE', key, 3600)
 end

@@ -11,7 +11,11 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   return deliveries - 1  -- no record to keep the baseline in (expired or never written)
 end
 local p = prog_parse(redis.call('HGET', KEYS[2], ARGV[5]))
-local emitted = p and p.emitted or tonumber(redis.call('HGET', KEYS[1], ${EMITTED}) or '0')
+local emitted = tonumber(redis.call('HGET', KEYS[1], ${EMITTED}) or '0')
+if p then
+  local _chunks, _fields, at = tail_chunks(KEYS[2], ARGV[5], p.hist)
+  emitted = at
+end
 local seen = redis.call('HMGET', KEYS[1], ${CLAIM_ENTRY}, ${CLAIM_EMITTED}, ${CLAIM_DELIVERY})
 local base_emitted, base_delivery = tonumber(ARGV[3]), 1
 if seen[1] == ARGV[1] then

@@ -55,7 +55,7 @@ class WorkerConfig(RedisSettings):
     block_ms: int = 500  # XREADGROUP BLOCK slice (stop/drain checks happen between slices)
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: int = 10
-    # a cancel is seen at the next write; requests silent this long are checked on their own
+    # a cancel is seen at the next step; a worker writing nothing this long steps anyway
     cancel_poll_s: float = 0.5
     out_ttl_s: int = 600  # out:{id} lifetime after the final chunk
     req_ttl_s: int = 86400  # req:{id} lifetime after the final chunk

@@ -129,7 +129,7 @@ class Emitter:
 
     def _run(self) -> None:
         stopping = False
-        checked = time.monotonic()  # the cancel flags were last read with a write then
+        checked = time.monotonic()  # the control list was last read with a step then
         while not stopping:
             try:
                 wait = max(0.0, checked + self.check_s - time.monotonic())
@@ -169,7 +169,7 @@ class Emitter:
     def _write_once(self, items: list[Outgoing]) -> None:
         if not items:
             if len(self.inflight):
-                self._step([])  # nothing to write: read the cancel flags only
+                self._step([])  # nothing to write: read the control list only
             return
         batch: list[Outgoing] = []
         for item in items:

@@ -1,7 +1,8 @@
 -- Release entries: give those this consumer still owns to the `released` consumer, which never
 -- beats, so the next claim scan of any worker takes them at once (shutdown, engine failure);
--- the requests' progress loses its owner, so nothing this worker still writes lands. Never
--- touches one another consumer has claimed. XCLAIM JUSTID does not count a delivery.
+-- the requests' progress loses its owner (cancels go nowhere until the next admission reads
+-- the flag); the releasing worker, alive, writes nothing more for them. Never touches one
+-- another consumer has claimed. XCLAIM JUSTID does not count a delivery.
 -- KEYS: 1 work stream, 2 consumers hash, 3 prog hash
 -- ARGV: 1 group, 2 consumer, 3 ttl_fields, 4 released consumer name, then entry id, request id
 --       pairs

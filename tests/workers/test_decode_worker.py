@@ -235,3 +235,18 @@ def test_a_fenced_worker_drops_its_requests_rejoins_and_resumes_them_exactly_onc
     assert r.hget(KEYS.fence, worker.consumer) not in (None, b"f")
     assert r.hget(KEYS.request("fenced"), "status") == b"finished"
     assert r.xpending(KEYS.decode_stream, DECODE_GROUP)["pending"] == 0
+
+
+def test_an_idle_worker_learns_it_was_fenced_from_its_heartbeat(stack):
+    r, worker, prompts, refs = stack
+    old = worker.consumer
+    r.hset(KEYS.fence, old, "f")  # claimed from while it held nothing (it steps no more)
+    deadline = time.monotonic() + 30
+    while (
+        worker.consumer == old or r.hget(KEYS.fence, worker.consumer) is None
+    ) and time.monotonic() < deadline:
+        time.sleep(0.01)  # rejoined, then registered by its first beat
+    assert worker.consumer != old
+    assert r.hget(KEYS.fence, old) == b"f" and r.hget(KEYS.fence, worker.consumer) == b"0"
+    submit(r, "after-fence", prompts[0], [])
+    assert tokens_of(chunks(r, "after-fence")) == refs[0].output_token_ids

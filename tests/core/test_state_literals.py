@@ -56,7 +56,6 @@ from kvrelay.core.enums import (
 from kvrelay.kvstore.transport import Transport
 from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.queue.route import RouteMode
-from kvrelay.pipeline.queue.streams import FenceStatus
 from kvrelay.workers.emitter import OutgoingKind
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,9 +87,8 @@ SETS = (
     ClosedSet(Stage, frozenset({"stage", "role"})),
     ClosedSet(FinishReason, frozenset({"finish_reason", "reason"})),
     # "ok", "failed", "cancelled" are also other APIs' statuses (/health, the Responses API's
-    # objects): only comparisons, where the code decides on a request's or a write's status;
+    # objects): only comparisons, where the code decides on a request's status;
     # in kvrelay/pipeline/openai/ a `status` is a Responses API object's
-    ClosedSet(FenceStatus, frozenset({"status"}), COMPARE_ONLY),
     ClosedSet(RequestStatus, frozenset({"status"}), COMPARE_ONLY, ("pipeline/openai/",)),
 )
 
@@ -488,7 +486,7 @@ def f(w, item, r, keys, mode="auto", *, api="chat"):
     fields = {"pid": 1, "other": 2}
     r.hset(key, mapping=fields)
     w.get("tokens_per_s"), w["load"], w.fields.get("drain")
-    return status == "not-owner" or record.status != "finished"
+    return record.status != "finished"
 """
     found = {(line, value) for line, value, _, _ in find(source)}
     assert found == {
@@ -508,7 +506,6 @@ def f(w, item, r, keys, mode="auto", *, api="chat"):
         (13, "tokens_per_s"),
         (13, "load"),
         (13, "drain"),
-        (14, "not-owner"),
         (14, "finished"),
     }
 

@@ -147,12 +147,13 @@ def ingress_main(url: str, index: int, inflight: int, tokens: int, start: float,
 
 
 async def _ingress(url, index, inflight, tokens, start, until, q) -> None:
+    from kvrelay.core.messages import PrefillTask
     from kvrelay.core.sampling import SamplingParams
     from kvrelay.pipeline.model_registry import ModelEntry
     from kvrelay.pipeline.queue.feed import OutputFeed
     from kvrelay.pipeline.queue.redis_options import async_redis
     from kvrelay.pipeline.queue.route import RouteMode, Router
-    from kvrelay.pipeline.queue.submit import Producer, Submission, new_request_id
+    from kvrelay.pipeline.queue.submit import Producer, new_request_id
 
     client = async_redis(url, inflight + 8)
     keys = Keys(PREFIX)
@@ -166,9 +167,15 @@ async def _ingress(url, index, inflight, tokens, start, until, q) -> None:
     async def one_request() -> None:
         nonlocal received
         rid = new_request_id("sim")
-        sub = Submission(rid, "sim", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=tokens))
+        task = PrefillTask(
+            request_id=rid,
+            model="sim",
+            prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+            sampling=SamplingParams(max_tokens=tokens),
+            arrival_time=time.time(),
+        )
         subscription = await feed.subscribe(rid)
-        await producer.enqueue(sub, entry, feed=feed.reader_id)
+        await producer.enqueue(task, entry, feed=feed.reader_id)
         async for chunk in subscription.chunks(submitted=True):
             now = time.time()
             if start <= now < until and chunk.token_ids:

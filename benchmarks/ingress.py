@@ -128,6 +128,9 @@ def worker(url: str, keys: Keys, stage: Stage, tokens: int, stop: threading.Even
     else:
         stream, group, kind = keys.decode_stream, DECODE_GROUP, DecodeTask
     streams = Streams(r, keys, f"{stage}-1")
+    # the first beat registers the consumer (a step from an unregistered one is refused);
+    # nothing here claims entries, so one beat will do
+    streams.beat(keys.worker(f"{stage}-1"), {"name": f"{stage}-1"}, 600)
     inflight = Inflight()
     emitter = Emitter(streams, stream, group, inflight)
     emitter.thread.start()

@@ -142,8 +142,11 @@ def worker(url: str, keys: Keys, stage: Stage, tokens: int, stop: threading.Even
             admitted = RequestRecord(
                 status=RequestStatus.DECODING, stage=stage, owner=f"{stage}-1", started=time.time()
             )
-            streams.admit([(eid, rid, 0, admitted.changes(places={rec.STARTED: rec.MILLIS}))])
+            [found] = streams.admit(
+                [(eid, rid, 0, admitted.changes(places={rec.STARTED: rec.MILLIS}))]
+            )
             inflight.add(rid, eid)
+            emitter.follow(rid, found.feeds)  # the ingress's feed, as a worker's reader does
             for i in range(tokens):
                 if i == 0:
                     mark(rid, "first_emit")

@@ -196,24 +196,22 @@ def parse_enum(enum: type[RequestStatus] | type[Stage]) -> Callable[[str], Any]:
     return parse
 
 
-def _parser(hint: Any) -> Callable[[str], Any]:
-    """The text -> value function of a field, from its declared type."""
-    kinds = [k for k in typing.get_args(hint) if k is not type(None)]
+def field_parser(hint: Any, parsers: Mapping[Any, Callable[[str], Any]]) -> Callable[[str], Any]:
+    """The text -> value function of a stored field, from its declared type (None left out):
+    a `RequestStatus` or `Stage` through parse_enum, another type through `parsers`."""
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]
     kind = typing.get_origin(kinds[0]) or kinds[0]
     if kind in (RequestStatus, Stage):
         return parse_enum(kind)
-    parsers: dict[type, Callable[[str], Any]] = {
-        int: parse_int,
-        float: parse_float,
-        dict: _json,
-        str: str,
-    }
     return parsers[kind]
 
 
 _HINTS = typing.get_type_hints(RequestRecord)
 FIELD_ORDER = tuple(f.name for f in fields(RequestRecord))
-_PARSERS = {name: _parser(_HINTS[name]) for name in FIELD_ORDER}
+_PARSERS = {
+    name: field_parser(_HINTS[name], {int: parse_int, float: parse_float, dict: _json, str: str})
+    for name in FIELD_ORDER
+}
 FIELDS = frozenset(FIELD_ORDER)
 INT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is parse_int)
 FLOAT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is parse_float)

@@ -133,17 +133,21 @@ class SamplingParams:
             value = getattr(self, name, None)
             if value is not None and not bound.holds(value):
                 raise InvalidSamplingParams(bound.message(name, value), name)
-        return self.check_rules(vocab_size)
+        return self._rules(vocab_size)
 
     def check_rules(self, vocab_size: int | None = None) -> SamplingParams:
         """The checks beyond each field's type and range (which a decoded task has passed):
-        stop strings, seed, the output constraint, logit_bias, min_tokens against max_tokens
-        and the vocabulary; normalizes; returns self."""
+        integers within int64, stop strings, seed, the output constraint, logit_bias,
+        min_tokens against max_tokens and the vocabulary; normalizes; returns self."""
+        self._check_int64()
+        return self._rules(vocab_size)
+
+    def _rules(self, vocab_size: int | None) -> SamplingParams:
+        """check_rules() after the int64 check (validate() has made it before the ranges)."""
 
         def bad(msg: str, param: str) -> None:
             raise InvalidSamplingParams(msg, param)
 
-        self._check_int64()
         if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):
             bad(STOP_RULE, "stop")
         if not all(encodes_utf8(s) for s in self.stop):

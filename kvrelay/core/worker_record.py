@@ -9,12 +9,12 @@ or `WorkerRecord.partial` one HGET reply.
 from __future__ import annotations
 
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvrelay.core.enums import Stage, WorkerField
-from kvrelay.core.record import as_str, parse_enum, parse_float, parse_int
+from kvrelay.core.record import as_str, field_parser, parse_float, parse_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,21 +122,10 @@ def _flag(text: str) -> bool:
     return text not in ("", "0")
 
 
-def _parser(hint: Any) -> Callable[[str], Any]:
-    """The text -> value function of a field, from its declared type."""
-    kinds = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]
-    if Stage in kinds:
-        return parse_enum(Stage)
-    parsers: dict[Any, Callable[[str], Any]] = {
-        int: parse_int,
-        float: parse_float,
-        bool: _flag,
-        str: str,
-    }
-    return parsers[kinds[0]]
-
-
 _HINTS = typing.get_type_hints(WorkerRecord)
-_PARSERS = {str(f): _parser(_HINTS[f]) for f in WorkerField}
+_PARSERS = {
+    str(f): field_parser(_HINTS[f], {int: parse_int, float: parse_float, bool: _flag, str: str})
+    for f in WorkerField
+}
 _DEFAULTS = {f.name: f.default for f in fields(WorkerRecord) if f.name in _PARSERS}
 assert set(_PARSERS) == set(_DEFAULTS), "WorkerRecord and WorkerField name the same fields"

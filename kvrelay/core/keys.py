@@ -58,11 +58,11 @@ class Keys:
         the entries of a consumer silent for a lease are claimed)."""
         return self._p + "consumers"
 
-    @property
-    def fence(self) -> str:
-        """Hash: stream consumer name -> the number of its last step, or "f" once a claim
-        fenced it (its steps are refused wholesale; `lua/step.lua`)."""
-        return self._p + "fence"
+    def fence(self, consumer: str) -> str:
+        """String: the number of a stream consumer's last step, "f" once a claim fenced it (its
+        steps are refused wholesale; `lua/step.lua`), with "!" appended while control items
+        wait for it. Lua derives it from `progress` (same prefix)."""
+        return self._p + f"fence:{consumer}"
 
     def control(self, consumer: str) -> str:
         """List: what the owner of requests must learn (`cancel <id>`, `feeds <id> <f1,f2>`),

@@ -41,9 +41,11 @@ class OutgoingKind(enum.StrEnum):
     RELEASE = "release"  # the entry back to the group, claimable at once
 
 
-# a request's tail (chunks not yet in out:{id}) is flushed at this many chunks or bytes
-FLUSH_CHUNKS = 32
-FLUSH_BYTES = 4096
+# a request's tail (chunks not yet in out:{id}) is flushed at this many chunks or bytes: a
+# flush costs ~5 Valkey commands whatever its size, a long tail costs a reader that attaches
+# (or a claimant) one HGET per chunk; 16 KiB is ~240 chunks of one token
+FLUSH_CHUNKS = 256
+FLUSH_BYTES = 16384
 
 
 @dataclass(slots=True)

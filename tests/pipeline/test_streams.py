@@ -128,6 +128,11 @@ def test_feeds_get_one_entry_per_step_for_all_requests(r):
     r.config_resetstat()
     res = step(a, *[StepWrite(e, f"q{i}", TokenChunk(0, [i, i])) for i, e in enumerate(eids)])
     assert res.status == StepStatus.OK
+    # no per-sequence commands: the script, one SET of the fence, one write of the tail fields
+    # and one XADD; the control list is read only when items wait
+    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
+    tail_write = "hsetex" if a.ttl_fields == "1" else "hset"
+    assert calls == {"evalsha": 1, "set": 1, tail_write: 1, "xadd": 1, "config|resetstat": 1}
     entries = r.xrange(KEYS.feed("f1"))[1:]
     assert len(entries) == 1
     assert {k.decode(): TokenChunk.decode(v).token_ids for k, v in entries[0][1].items()} == {
@@ -135,10 +140,6 @@ def test_feeds_get_one_entry_per_step_for_all_requests(r):
         "q1": [1, 1],
         "q2": [2, 2],
     }
-    # no per-sequence reads: one HGET (the fence), one LRANGE, one HSETEX/HSET, one XADD
-    stats = r.info("commandstats")
-    assert "cmdstat_hmget" not in stats
-    assert stats["cmdstat_hget"]["calls"] == 1 and stats["cmdstat_xadd"]["calls"] == 1
 
 
 def test_flush_moves_the_tail_to_out(r):
@@ -170,7 +171,7 @@ def test_a_fenced_consumers_step_is_refused_wholesale_and_the_claimant_resumes(r
     r.hset(KEYS.consumers, "a", 0)  # a's last beat is long past the lease
     claimed = b.claim(P, PREFILL_GROUP, 10_000, 1)  # room for one: a is fenced all the same
     assert [(e.entry_id, e.deliveries) for e in claimed] == [(eid, 2)]
-    assert r.hget(KEYS.fence, "a") == b"f"
+    assert r.get(KEYS.fence("a")) == b"f"
     [found] = b.admit([(eid, "r1", 0, {})])
     assert (found.emitted, found.cancelled, found.feeds) == (0, False, ["f1"])
     assert b.emitted_tokens("r1") == ([9], 0, False)
@@ -223,7 +224,7 @@ def test_a_retried_step_is_not_applied_twice(r):
     assert len(r.xrange(KEYS.out("r1"))) == 1 and r.xlen(KEYS.feed("f1")) == 3
     assert b"r1#0" not in r.hkeys(KEYS.progress)
     assert a.emitted_tokens("r1") == ([1, 2], 0, True)
-    assert r.hget(KEYS.fence, "a") == b"2"
+    assert r.get(KEYS.fence("a")) == b"2"
     # a consumer that never registered (no first beat) cannot step
     ghost = make(r, "ghost", register=False)
     assert ghost.step().status == StepStatus.FENCED
@@ -255,6 +256,33 @@ def test_cancel_and_attach_reach_the_owner_through_its_control_list(r):
     assert a.admit([(waiting, "w1", 0, {})])[0].cancelled
 
 
+def test_the_control_list_is_read_only_when_items_wait(r):
+    a = make(r, "a")
+    eids = [add_task(r, f"q{i}") for i in range(4)]
+    take(a, 4)
+    assert step(a).status == StepStatus.OK and r.get(KEYS.fence("a")) == b"1"
+
+    def lranges() -> int:
+        stats = r.info("commandstats")
+        return stats["cmdstat_lrange"]["calls"] if "cmdstat_lrange" in stats else 0
+
+    r.config_resetstat()
+    step(a, StepWrite(eids[0], "q0", TokenChunk(0, [1])))
+    assert lranges() == 0  # nothing waits: the list is not read
+    choices_state.cancel_sync(r, KEYS, ["q1", "q2", "q3"])
+    assert r.get(KEYS.fence("a")) == b"2!"  # one '!' however many items
+    # at most 2 items per step: the first step gets two, the one that acks them the third
+    res = a.s.step(P, PREFILL_GROUP, D, [], a.feeds, 3, 0, max_control=2)
+    assert (res.cancelled, res.num_control, r.get(KEYS.fence("a"))) == ({"q1", "q2"}, 2, b"3")
+    res = a.s.step(P, PREFILL_GROUP, D, [], a.feeds, 4, 2, max_control=2)
+    assert (res.cancelled, res.num_control) == ({"q3"}, 1)
+    res = a.s.step(P, PREFILL_GROUP, D, [], a.feeds, 5, 1, max_control=2)
+    assert (res.cancelled, res.num_control, r.llen(KEYS.control("a"))) == (set(), 0, 0)
+    r.config_resetstat()
+    res = a.s.step(P, PREFILL_GROUP, D, [], a.feeds, 6, 0, max_control=2)
+    assert (res.status, res.num_control, lranges()) == (StepStatus.OK, 0, 0)
+
+
 def _attach() -> str:
     from kvrelay.pipeline.queue import scripts
 
@@ -274,7 +302,7 @@ def test_claim_takes_only_dead_consumers_entries_and_forgets_them_once_empty(r):
     r.hset(KEYS.consumers, "gone", 0)  # a dead consumer that owns nothing
     assert b.claim(P, PREFILL_GROUP, 10_000, 10) == []
     assert r.hexists(KEYS.consumers, "gone") == 0
-    assert r.hget(KEYS.fence, "gone") == b"f"
+    assert r.get(KEYS.fence("gone")) == b"f"
 
 
 def test_release_makes_entries_claimable_at_once(r):
@@ -286,7 +314,7 @@ def test_release_makes_entries_claimable_at_once(r):
     assert Progress.parse(r.hget(KEYS.progress, "r1")).owner == ""
     [entry] = b.claim(P, PREFILL_GROUP, 10_000, 10)
     assert (entry.entry_id, entry.deliveries) == (eid, 2)  # the release itself counts none
-    assert r.hget(KEYS.fence, "a") == b"0"  # the releaser lives on: not fenced
+    assert r.get(KEYS.fence("a")) == b"0"  # the releaser lives on: not fenced
 
 
 def test_dead_letter_records_reason_acks_and_finishes_output(r):

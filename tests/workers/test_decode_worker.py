@@ -225,14 +225,14 @@ def test_a_fenced_worker_drops_its_requests_rejoins_and_resumes_them_exactly_onc
     deadline = time.monotonic() + 60
     while emitted(r, "fenced") < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
-    r.hset(KEYS.fence, old, "f")  # as a claim does when the worker stalled past its lease
+    r.set(KEYS.fence(old), "f")  # as a claim does when the worker stalled past its lease
     got = chunks(r, "fenced")
     # the next step was refused: the worker came back as a new consumer, its old entry was
     # claimed after the lease (by itself, the only worker) and resumed where it stopped
     assert worker.consumer != old and worker.streams.generation >= 1
     assert tokens_of(got) == ref and got[-1].finish_reason == "length"
     assert [c.finish_reason for c in got].count("length") == 1
-    assert r.hget(KEYS.fence, worker.consumer) not in (None, b"f")
+    assert r.get(KEYS.fence(worker.consumer)) not in (None, b"f")
     assert r.hget(KEYS.request("fenced"), "status") == b"finished"
     assert r.xpending(KEYS.decode_stream, DECODE_GROUP)["pending"] == 0
 
@@ -240,13 +240,13 @@ def test_a_fenced_worker_drops_its_requests_rejoins_and_resumes_them_exactly_onc
 def test_an_idle_worker_learns_it_was_fenced_from_its_heartbeat(stack):
     r, worker, prompts, refs = stack
     old = worker.consumer
-    r.hset(KEYS.fence, old, "f")  # claimed from while it held nothing (it steps no more)
+    r.set(KEYS.fence(old), "f")  # claimed from while it held nothing (it steps no more)
     deadline = time.monotonic() + 30
     while (
-        worker.consumer == old or r.hget(KEYS.fence, worker.consumer) is None
+        worker.consumer == old or r.get(KEYS.fence(worker.consumer)) is None
     ) and time.monotonic() < deadline:
         time.sleep(0.01)  # rejoined, then registered by its first beat
     assert worker.consumer != old
-    assert r.hget(KEYS.fence, old) == b"f" and r.hget(KEYS.fence, worker.consumer) == b"0"
+    assert r.get(KEYS.fence(old)) == b"f" and r.get(KEYS.fence(worker.consumer)) == b"0"
     submit(r, "after-fence", prompts[0], [])
     assert tokens_of(chunks(r, "after-fence")) == refs[0].output_token_ids

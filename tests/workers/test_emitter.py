@@ -94,7 +94,7 @@ def test_a_step_whose_reply_was_lost_is_sent_again_and_not_applied_twice(r):
     assert len(r.xrange(KEYS.out("q5"))) == 1
     feed = [TokenChunk.decode(f[b"q5"]).index for _, f in r.xrange(KEYS.feed("f5"))[1:]]
     assert feed == [0, 1]
-    assert r.hget(KEYS.fence, "w5") == b"2"
+    assert r.get(KEYS.fence("w5")) == b"2"
 
 
 def test_two_steps_of_one_request_in_one_batch_go_in_order(r):

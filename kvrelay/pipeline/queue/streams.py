@@ -126,7 +126,7 @@ class Streams:
         # drops what an older generation admitted)
         self.identity = (consumer, 0)
         self.lock = threading.RLock()
-        self._registered = ""  # the consumer whose first beat registered it in the fence hash
+        self._registered = ""  # the consumer whose first beat registered its fence key
         self.out_ttl_s = out_ttl_s
         self.req_ttl_s = req_ttl_s
         self.dlq_maxlen = dlq_maxlen
@@ -183,19 +183,19 @@ class Streams:
         """Take up to `count` entries of consumers whose worker has not beaten for a lease
         (`lua/claim.lua`); nothing is read per entry while every worker lives."""
         reply = self._claim(
-            keys=[stream, self.keys.consumers, self.keys.fence],
-            args=[group, self.consumer, lease_ms, count, self.ttl_fields],
+            keys=[stream, self.keys.consumers],
+            args=[group, self.consumer, lease_ms, count, self.keys.fence("")],
         )
         return [Entry(as_str(eid), payload or None, int(n)) for eid, payload, n in reply or []]
 
     def beat(self, worker_key: str, fields: dict, ttl_s: int) -> tuple[bool, bool]:
         """Publish the worker hash and this consumer's beat (its lease; the first beat of a
-        consumer registers it in the fence hash); (the admin asked the worker to drain, the
+        consumer registers its fence key); (the admin asked the worker to drain, the
         consumer is fenced: it beats no more)."""
         consumer = self.consumer
         first = "1" if self._registered != consumer else "0"
         drain, fenced = self._beat(
-            keys=[worker_key, self.keys.consumers, self.keys.fence],
+            keys=[worker_key, self.keys.consumers, self.keys.fence(consumer)],
             args=[ttl_s, consumer, first, *_flat(fields)],
         )
         self._registered = consumer
@@ -288,7 +288,7 @@ class Streams:
         tail: list[str | bytes] = []
         by_feed: dict[str, list[str | bytes]] = {}
         flushes: list[list] = []
-        keys = [stream, next_stream, self.keys.progress, self.keys.fence]
+        keys = [stream, next_stream, self.keys.progress, self.keys.fence(consumer)]
         keys.append(self.keys.control(consumer))
         stamp: rec.Encoded | None = None  # the step's `updated`, for the writes that set fields
         for w in writes:
@@ -469,7 +469,8 @@ class Streams:
             if name == self.consumer or info["pending"]:
                 continue  # entries of a dead consumer are claimed after the lease; prune later
             if info["idle"] > (idle_ms if name in live else min(idle_ms, dead_idle_ms)):
-                removed += int(self._prune(keys=[stream], args=[group, name]) == 0)
+                pruned = self._prune(keys=[stream, self.keys.fence(name)], args=[group, name])
+                removed += int(pruned == 0)
         return removed
 
 

@@ -1,11 +1,11 @@
 -- Claim the entries of dead consumers: those whose worker has not beaten (consumers hash,
 -- server time) for a lease. Live workers renew nothing per entry: their heartbeat is the
 -- lease, so XPENDING and XCLAIM run only when a consumer is found dead. A dead consumer is
--- fenced first ('f' in the fence hash: every later step of it is refused wholesale, a day
--- kept where fields expire), so no write of it lands after its entries change hands. One
--- that owns nothing more leaves the consumers hash.
--- KEYS: 1 work stream, 2 consumers hash, 3 fence hash
--- ARGV: 1 group, 2 claiming consumer, 3 lease ms, 4 most entries to claim, 5 ttl_fields
+-- fenced first (its fence key `<fence prefix><consumer>` becomes 'f', kept a day: every later
+-- step of it is refused wholesale), so no write of it lands after its entries change hands.
+-- One that owns nothing more leaves the consumers hash.
+-- KEYS: 1 work stream, 2 consumers hash
+-- ARGV: 1 group, 2 claiming consumer, 3 lease ms, 4 most entries to claim, 5 fence key prefix
 -- Returns {entry id, payload or false, deliveries} per claimed entry.
 local group, me, lease_ms, room = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local t = redis.call('TIME')
@@ -15,11 +15,7 @@ local claimed = {}
 for i = 1, #beats, 2 do
   local name, beat_ms = beats[i], tonumber(beats[i + 1]) or 0
   if name ~= me and now_ms - beat_ms > lease_ms and room > 0 then
-    if ARGV[5] == '1' then
-      redis.call('HSETEX', KEYS[3], 'EX', 86400, 'FIELDS', 1, name, 'f')
-    else
-      redis.call('HSET', KEYS[3], name, 'f')
-    end
+    redis.call('SET', ARGV[5] .. name, 'f', 'EX', 86400)
     local pending = redis.call('XPENDING', KEYS[1], group, '-', '+', room, name)
     if #pending == 0 then
       redis.call('HDEL', KEYS[2], name)

@@ -64,11 +64,15 @@ local function control_key(prog, consumer)
 end
 
 -- Tell the owner (`consumer/entry id`, '' = none) of a request something (`cancel <id>`,
--- `feeds <id> <f1,f2>`); the list expires when no live owner reads it.
+-- `feeds <id> <f1,f2>`); the list expires when no live owner reads it. A '!' on the owner's
+-- fence key (`fence:{consumer}`, Keys.fence) makes its next step read the list.
 local function tell_owner(prog, owner, message)
   local consumer = string.match(owner, '^(.*)/[^/]*$')
   if not consumer or consumer == '' then return end
   local key = control_key(prog, consumer)
   redis.call('RPUSH', key, message)
   redis.call('EXPIRE', key, 3600)
+  local fence = string.sub(prog, 1, #prog - 4) .. 'fence:' .. consumer
+  local seen = redis.call('GET', fence)
+  if seen and string.byte(seen, -1) ~= 33 then redis.call('APPEND', fence, '!') end
 end

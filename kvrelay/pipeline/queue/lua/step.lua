@@ -1,19 +1,21 @@
 -- One worker step: every sequence's chunk in one call (docs/internals.md "Queue plane").
 -- The fence is per worker, not per sequence: the caller's consumer must not be fenced (a claim
--- of its entries marks it 'f' in the fence hash) and the step number must be new (a retried
--- step whose reply was lost is recognised: nothing is written again). Then it writes what the
--- worker laid out: one write of the tail fields (`<id>#<index>` in the prog hash), one XADD
--- per feed, and per flush (a flush, a hand-off, the end) out:{id} gets the tail and the chunk,
--- the tail's fields go and the progress's counts move; a hand-off also queues the next
--- stage's task and acks the entry, an end acks it, writes the record's final fields and drops
--- the progress. The caller's control list (cancels and feed changes of what it holds) comes
--- back: the `acked` items it got with its previous step are dropped first, so an item whose
--- reply was lost comes again.
+-- of its entries sets its fence key to 'f') and the step number must be new (a retried step
+-- whose reply was lost is recognised: nothing is written again). One SET ... GET checks both
+-- and records the step; its old value also says whether control items wait ('!' appended by
+-- `tell_owner`). Then it writes what the worker laid out: one write of the tail fields
+-- (`<id>#<index>` in the prog hash), one XADD per feed, and per flush (a flush, a hand-off,
+-- the end) out:{id} gets the tail and the chunk, the tail's fields go and the progress's
+-- counts move; a hand-off also queues the next stage's task and acks the entry, an end acks
+-- it, writes the record's final fields and drops the progress. The caller's control list
+-- (cancels and feed changes of what it holds) comes back when items wait or the previous step
+-- got some: the `acked` items it got with its previous step are dropped first, so an item
+-- whose reply was lost comes again.
 -- Returns {status, control items}: status 1 written, 2 a repeat of a written step (nothing
 -- written), 0 fenced (nothing written: the worker drops everything and comes back as a new
 -- consumer).
--- KEYS: 1 work stream, 2 next stream (hand-offs), 3 prog hash, 4 fence hash, 5 the caller's
---       control list, then per flush req:{id}, out:{id}
+-- KEYS: 1 work stream, 2 next stream (hand-offs), 3 prog hash, 4 the caller's fence key,
+--       5 the caller's control list, then per flush req:{id}, out:{id}
 -- ARGV: 1 group, 2 feed key prefix, 3 ttl_fields, 4 out ttl s, 5 req ttl s, 6 feed maxlen,
 --       7 consumer, 8 step number, 9 control items acked, 10 most control items to return,
 --       11 T tail items, 12 F feeds, 13 N flushes, then the T tail field/value items, then
@@ -21,16 +23,24 @@
 --       entry id, mode ('f' flush, 'd' done, 'h' hand-off), tokens emitted after it, out:{id}
 --       payload (the framed tail and chunk), D, the D tail fields to drop, next task payload
 --       ('' unless 'h'), R, the R record field/value items
-local seen = redis.call('HGET', KEYS[4], ARGV[7])
-local step = tonumber(ARGV[8])
-if not seen or seen == 'f' then return {0, {}} end
 local most = tonumber(ARGV[10])
-if tonumber(seen) >= step then
+local seen = redis.call('SET', KEYS[4], ARGV[8], 'KEEPTTL', 'GET')
+if not seen then  -- never registered (or pruned): refused like a fenced consumer
+  redis.call('DEL', KEYS[4])
+  return {0, {}}
+end
+if string.byte(seen, 1) == 102 then  -- 'f': fenced by a claim
+  redis.call('SET', KEYS[4], seen, 'KEEPTTL')
+  return {0, {}}
+end
+local pending = string.byte(seen, -1) == 33  -- '!': control items wait
+if tonumber(pending and string.sub(seen, 1, -2) or seen) >= tonumber(ARGV[8]) then
+  redis.call('SET', KEYS[4], seen, 'KEEPTTL')
   return {2, redis.call('LRANGE', KEYS[5], 0, most - 1)}
 end
-redis.call('HSET', KEYS[4], ARGV[7], step)
+local control = {}
 if tonumber(ARGV[9]) > 0 then redis.call('LTRIM', KEYS[5], tonumber(ARGV[9]), -1) end
-local control = redis.call('LRANGE', KEYS[5], 0, most - 1)
+if pending or tonumber(ARGV[9]) > 0 then control = redis.call('LRANGE', KEYS[5], 0, most - 1) end
 local group, feed_prefix, ttl_fields = ARGV[1], ARGV[2], ARGV[3]
 local out_ttl, req_ttl, maxlen = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local t, f, n = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
@@ -57,15 +67,15 @@ for i = 1, n do
   local nf = tonumber(ARGV[task_at + 1])
   local req, out = KEYS[4 + 2 * i], KEYS[5 + 2 * i]
   redis.call('XADD', out, '*', ${MESSAGE_FIELD}, ARGV[at + 4])
-  if nd > 0 then redis.call('HDEL', KEYS[3], unpack(ARGV, at + 6, at + 5 + nd)) end
-  redis.call('HSET', req, ${EMITTED}, emitted, ${COMPLETION_TOKENS}, emitted)
-  if nf > 0 then redis.call('HSET', req, unpack(ARGV, task_at + 2, task_at + 1 + nf)) end
+  redis.call('HSET', req, ${EMITTED}, emitted, ${COMPLETION_TOKENS}, emitted,
+    unpack(ARGV, task_at + 2, task_at + 1 + nf))
   acks[#acks + 1] = entry
   if mode == 'd' then
     redis.call('EXPIRE', out, out_ttl)
     redis.call('EXPIRE', req, req_ttl)
-    redis.call('HDEL', KEYS[3], rid)
+    redis.call('HDEL', KEYS[3], rid, unpack(ARGV, at + 6, at + 5 + nd))
   else
+    if nd > 0 then redis.call('HDEL', KEYS[3], unpack(ARGV, at + 6, at + 5 + nd)) end
     local p = prog_parse(redis.call('HGET', KEYS[3], rid))
     if p then
       p.emitted, p.hist = emitted, emitted

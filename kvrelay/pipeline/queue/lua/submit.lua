@@ -25,18 +25,36 @@ local function waiting(stream, group, bound)
   end
   return redis.call('XLEN', stream)  -- no consumer ever joined: everything waits
 end
-if redis.call('EXISTS', KEYS[1]) == 1 then
+local function existing()
   if redis.call('HGET', KEYS[1], ${SUBMISSION_ID}) == ARGV[6] then return ARGV[6] end
   return false
 end
-local bound = tonumber(ARGV[3])
-if bound > 0 then
+local function full()  -- the number waiting when it reaches the bound, else nil
+  local bound = tonumber(ARGV[3])
+  if bound <= 0 then return nil end
   local n = waiting(KEYS[3], ARGV[4], bound)
   if n < bound then n = n + waiting(KEYS[4], ARGV[5], bound - n) end
   if n >= bound then return n end
+  return nil
+end
+if ARGV[9] == '1' then
+  -- HSETEX FNX creates the record only when none of its fields exists: the existence check
+  -- and the write in one command (undone when the bound refuses the request)
+  local created = redis.call('HSETEX', KEYS[1], 'FNX', 'FIELDS', (#ARGV - 7) / 2,
+    ${SUBMISSION_ID}, ARGV[6], unpack(ARGV, 10))
+  if created == 0 then return existing() end
+  local n = full()
+  if n then
+    redis.call('DEL', KEYS[1])
+    return n
+  end
+else
+  if redis.call('EXISTS', KEYS[1]) == 1 then return existing() end
+  local n = full()
+  if n then return n end
+  redis.call('HSET', KEYS[1], ${SUBMISSION_ID}, ARGV[6], unpack(ARGV, 10))
 end
 local ttl = tonumber(ARGV[1])
-redis.call('HSET', KEYS[1], ${SUBMISSION_ID}, ARGV[6], unpack(ARGV, 10))
 redis.call('EXPIRE', KEYS[1], ttl)
 if ARGV[9] == '1' then
   redis.call('HSETEX', KEYS[5], 'EX', ttl, 'FIELDS', 1, ARGV[7], ARGV[8])

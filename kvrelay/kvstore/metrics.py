@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # counter name -> (help, label names)
@@ -25,6 +26,9 @@ class StoreMetrics:
     values: dict[tuple[str, tuple[str, ...]], float] = field(
         default_factory=lambda: defaultdict(float)
     )
+    # name -> a reader of counts kept elsewhere without a lock (the UCX loop's waits); they
+    # are in the `stats` reply only, not in Prometheus
+    sources: dict[str, Callable[[], dict[str, int]]] = field(default_factory=dict)
     _prom: dict | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)  # request + transfer threads
 
@@ -44,6 +48,9 @@ class StoreMetrics:
             items = sorted(self.values.items())
         for (name, labels), v in items:
             out.setdefault(name, {})["/".join(labels)] = v
+        for name, read in self.sources.items():
+            if counts := read():
+                out[name] = {label: v for label, v in counts.items()}
         return out
 
     def hit_rates(self) -> dict[str, float]:

@@ -156,6 +156,7 @@ class StoreNode:
                 logger.warning("ucxx is not installed; remote fetches use TCP")
         if ucx_ok:
             self._loop = ucx_runtime.loop()  # shared by the process (one ucxx context)
+            self.metrics.sources["ucx_loop"] = ucx_runtime.wakeups
         remote = self.remote = Remote(
             self.store,
             self.arena,

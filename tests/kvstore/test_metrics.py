@@ -20,3 +20,16 @@ def test_store_usage_and_hit_rate_gauges():
     assert value("kvrelay:store_hit_rate", {"tier": "disk"}) == 0.5
     assert value("kvrelay:store_hit_rate", {"tier": "remote"}) is None  # no lookup yet
     assert value("kvrelay:store_hits_total", {"tier": "disk"}) == 2.0
+
+
+def test_counts_kept_elsewhere_join_the_stats_snapshot():
+    from kvrelay.kvstore.metrics import StoreMetrics
+
+    sm = StoreMetrics()
+    sm.inc("puts", "host", value=2)
+    loop = {"wait": 3, "event": 2, "timeout": 0, "nowait": 5}
+    sm.sources["ucx_loop"] = lambda: loop
+    sm.sources["not_started"] = dict  # no counts yet: left out
+    assert sm.snapshot() == {"puts": {"host": 2.0}, "ucx_loop": loop}
+    loop["nowait"] = 6  # read when asked
+    assert sm.snapshot()["ucx_loop"]["nowait"] == 6

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -163,17 +162,19 @@ def fetch_failures(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "kvrelay.kvstore.remote"]
 
 
-def running_threads(pid: int) -> list[int]:
-    """Threads of `pid` in state R (on a CPU or waiting for one), not asleep on an event."""
-    running = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except FileNotFoundError:  # the thread ended
-            continue
-        if stat.rsplit(")", 1)[1].split()[0] == "R":
-            running.append(int(task.name))
-    return running
+def ucx_loop_asleep(node: NodeProcess) -> dict[str, int]:
+    """The node's `ucx_loop` counters, read once nothing is pinned and the loop sleeps in a wait."""
+    looks = []
+    deadline = time.monotonic() + 10
+    while True:
+        stats = node.client.stats()
+        loop = stats["counters"]["ucx_loop"]
+        looks.append(loop)
+        # a wait begun and not ended: the loop sleeps (one that polls never does)
+        if stats["pages"]["pinned"] == 0 and loop["wait"] > loop["event"] + loop["timeout"]:
+            return loop
+        assert time.monotonic() < deadline, f"the UCX loop never slept in a wait: {looks[-3:]}"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("transport", ["ucx", "ucx-listener"])
@@ -185,14 +186,17 @@ def test_an_idle_node_with_open_ucx_sessions_does_not_spin(valkey, node_a, start
     b = start_b(start_node, valkey.url, transport)
     with StoreClient(b.config.run_dir, SMALL) as client:
         assert len(client.get(keys)) == 2  # pulled from A over UCX; the session stays open
-    # A busy-polling thread is always runnable (state R); an idle one sleeps in a wait for an
-    # event (state S) and runs only for moments of housekeeping. Look 40 times over 2 s.
-    seen = Counter()
-    for _ in range(40):
-        seen.update(running_threads(node_a.proc.pid))
-        time.sleep(0.05)
-    # idle: a thread runnable at a few looks at most; spinning: at every look
-    assert max(seen.values(), default=0) <= 20, seen
+    # A's UCX loop counts its waits, how each ended (an event, its deadline) and its polls
+    # that did not wait. A loop that polls (ucxx's `asyncio.sleep(0)` request wait) never
+    # sleeps in a wait, so it fails to be found asleep before or after the idle window.
+    before = ucx_loop_asleep(node_a)  # A has sent the pages (released them) and sleeps
+    time.sleep(2.0)  # idle, with the sessions open
+    after = ucx_loop_asleep(node_a)
+    woke = {cause: after[cause] - before[cause] for cause in after}
+    # No wait ran to its deadline: the loop's one timer, a session's idle limit (30 s), is not
+    # due yet, so a loop that polls with short timed waits, or whose waits do not block, fails
+    # here. Events may come: ucxx's notifier thread can post a last, empty notification late.
+    assert woke["timeout"] == 0, woke
 
 
 KILLED = {"tcp": "Connection refused", "ucx": "timed out", "ucx-listener": "UCX connect to"}

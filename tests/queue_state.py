@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from kvrelay.core.keys import Keys
-from kvrelay.core.messages import TokenChunk
+from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.messages import TokenChunk, unframe
 from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.queue.streams import Streams
@@ -14,6 +14,14 @@ from kvrelay.pipeline.queue.streams import Streams
 def emitted_chunks(r: redis.Redis, keys: Keys, request_id: str) -> list[TokenChunk]:
     """Every chunk emitted so far: out:{id}'s entries, then the tail."""
     return Streams(r, keys, "reader").history(request_id)[0]
+
+
+def feed_chunks(fields: dict[bytes, bytes]) -> dict[str, TokenChunk]:
+    """A feed entry's chunks by request id (its one field `m`: framed id, framed chunk, ...)."""
+    frames = unframe(fields[MESSAGE_FIELD])
+    return {
+        k.decode(): TokenChunk.decode(v) for k, v in zip(frames[::2], frames[1::2], strict=True)
+    }
 
 
 def progress(r: redis.Redis, keys: Keys, request_id: str) -> Progress | None:

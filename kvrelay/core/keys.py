@@ -71,7 +71,7 @@ class Keys:
 
     def feed(self, reader_id: str) -> str:
         """Stream: the live chunks of every request one output reader (an ingress process or
-        a producer client) follows, one entry per worker step (field = request id)."""
+        a producer client) follows, one entry per worker step (`progress.feed_item` per request)."""
         return self._p + f"feed:{reader_id}"
 
     def response(self, response_id: str) -> str:

@@ -11,7 +11,7 @@ from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
 from kvrelay.core.messages import TokenChunk, decode_chunks, frame
-from kvrelay.pipeline.queue.progress import Progress, new_progress, tail_field
+from kvrelay.pipeline.queue.progress import Progress, feed_item, new_progress, tail_field
 
 
 def submit(r: redis.Redis, keys: Keys, request_id: str, feed: str = "", **record) -> None:
@@ -53,7 +53,7 @@ def _writes(pipe: Any, keys: Keys, rid: str, chunk: TokenChunk, p: Progress, run
     else:
         pipe.hset(keys.progress, rid, p.encode())
     for feed in p.feeds:
-        pipe.xadd(keys.feed(feed), {rid: chunk.encode()}, nomkstream=True)
+        pipe.xadd(keys.feed(feed), {MESSAGE_FIELD: feed_item(rid, chunk.encode())}, nomkstream=True)
 
 
 def emit(
@@ -90,16 +90,16 @@ async def emit_async(r: Any, keys: Keys, request_id: str, chunk: TokenChunk) -> 
 
 def step(r: redis.Redis, keys: Keys, chunks: dict[str, TokenChunk]) -> None:
     """One worker step of several requests: one feed entry per feed for all of them."""
-    by_feed: dict[str, dict[str, bytes]] = {}
+    by_feed: dict[str, list[bytes]] = {}
     for request_id, chunk in chunks.items():
         progress = Progress.parse(r.hget(keys.progress, request_id))
         progress, _ = _step(keys, request_id, progress, chunk, False)
         r.hset(keys.progress, request_id, progress.encode())
         r.hset(keys.progress, tail_field(request_id, chunk.index), chunk.encode())
         for feed in progress.feeds:
-            by_feed.setdefault(feed, {})[request_id] = chunk.encode()
-    for feed, fields in by_feed.items():
-        r.xadd(keys.feed(feed), fields, nomkstream=True)
+            by_feed.setdefault(feed, []).append(feed_item(request_id, chunk.encode()))
+    for feed, items in by_feed.items():
+        r.xadd(keys.feed(feed), {MESSAGE_FIELD: b"".join(items)}, nomkstream=True)
 
 
 async def cancel_flags(r: Any, keys: Keys, ids: list[str]) -> list[bool | None]:

@@ -8,7 +8,7 @@ from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk, decode_ch
 from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.progress import Progress, new_progress
 from kvrelay.pipeline.queue.streams import StepStatus, StepWrite, Streams, WriteMode
-from tests.queue_state import ValkeyClock, expires_at
+from tests.queue_state import ValkeyClock, expires_at, feed_chunks
 
 KEYS = Keys("t:")
 P, D = KEYS.prefill_stream, KEYS.decode_stream
@@ -135,7 +135,7 @@ def test_feeds_get_one_entry_per_step_for_all_requests(r):
     assert calls == {"evalsha": 1, "set": 1, tail_write: 1, "xadd": 1, "config|resetstat": 1}
     entries = r.xrange(KEYS.feed("f1"))[1:]
     assert len(entries) == 1
-    assert {k.decode(): TokenChunk.decode(v).token_ids for k, v in entries[0][1].items()} == {
+    assert {rid: c.token_ids for rid, c in feed_chunks(entries[0][1]).items()} == {
         "q0": [0, 0],
         "q1": [1, 1],
         "q2": [2, 2],
@@ -194,7 +194,7 @@ def test_a_fenced_consumers_step_is_refused_wholesale_and_the_claimant_resumes(r
     handoff.req_fields = {"status": "decoding"}
     assert step(b, handoff).status == StepStatus.OK
     assert b.emitted_tokens("r1") == ([9, 4], 0, False)
-    assert TokenChunk.decode(r.xrange(KEYS.feed("f1"))[-1][1][b"r1"]).token_ids == [4]
+    assert feed_chunks(r.xrange(KEYS.feed("f1"))[-1][1])["r1"].token_ids == [4]
     assert (
         r.xpending(
             P,
@@ -248,7 +248,7 @@ def test_cancel_and_attach_reach_the_owner_through_its_control_list(r):
     res = step(a, StepWrite(eids[2], "q2", TokenChunk(0, [3])))
     assert (res.cancelled, res.feeds, res.num_control) == (set(), {}, 0)
     assert r.llen(KEYS.control("a")) == 0
-    assert TokenChunk.decode(r.xrange(KEYS.feed("f7"))[-1][1][b"q2"]).token_ids == [3]
+    assert feed_chunks(r.xrange(KEYS.feed("f7"))[-1][1])["q2"].token_ids == [3]
     # a request waiting in a stream has no owner: its flag is read at admission
     waiting = add_task(r, "w1")
     choices_state.cancel_sync(r, KEYS, ["w1"])
@@ -340,7 +340,7 @@ def test_dead_letter_records_reason_acks_and_finishes_output(r):
         (1, "error", "too many deliveries"),
     ]
     last = r.xrange(KEYS.feed("f2"))[-1][1]
-    assert TokenChunk.decode(last[b"r2"]).error == "too many deliveries"
+    assert feed_chunks(last)["r2"].error == "too many deliveries"
     assert r.hget(KEYS.request("r2"), "status") == b"failed"
     assert r.hget(KEYS.request("r2"), "emitted") == b"1"
     assert r.hget(KEYS.progress, "r2") is None and r.hlen(KEYS.progress) == 0

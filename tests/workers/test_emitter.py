@@ -12,7 +12,7 @@ from kvrelay.core.messages import PrefillTask, TokenChunk
 from kvrelay.pipeline.queue.progress import new_progress
 from kvrelay.pipeline.queue.streams import StepResult, Streams
 from kvrelay.workers.emitter import Emitter, Inflight, Outgoing, OutgoingKind
-from tests.queue_state import set_cancelled
+from tests.queue_state import feed_chunks, set_cancelled
 
 KEYS = Keys("emit:")
 
@@ -92,7 +92,7 @@ def test_a_step_whose_reply_was_lost_is_sent_again_and_not_applied_twice(r):
     assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 3
     assert s.emitted_tokens("q5") == ([1, 2], 0, True)
     assert len(r.xrange(KEYS.out("q5"))) == 1
-    feed = [TokenChunk.decode(f[b"q5"]).index for _, f in r.xrange(KEYS.feed("f5"))[1:]]
+    feed = [feed_chunks(f)["q5"].index for _, f in r.xrange(KEYS.feed("f5"))[1:]]
     assert feed == [0, 1]
     assert r.get(KEYS.fence("w5")) == b"2"
 
@@ -138,7 +138,7 @@ def test_a_silent_emitter_learns_cancels_and_feeds_from_its_control_list(r):
         emitter.put(Outgoing(OutgoingKind.EMIT, "q6", eid6, TokenChunk(0, [9])))
     finally:
         emitter.close()
-    got = [TokenChunk.decode(f[b"q6"]).token_ids for _, f in r.xrange(KEYS.feed("f6"))[1:]]
+    got = [feed_chunks(f)["q6"].token_ids for _, f in r.xrange(KEYS.feed("f6"))[1:]]
     assert got == [[9]]
     assert s.history("q6")[0] == [TokenChunk(0, [9])]
 

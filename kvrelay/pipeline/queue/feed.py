@@ -2,7 +2,9 @@
 every request it follows (docs/internals.md, "Queue plane: progress, feeds, history").
 
 Workers XADD each step's chunks for the requests a reader follows to its stream `feed:{reader}`
-(field = request id, value = one TokenChunk); one background task blocks on it and hands each
+(one field `m`: a framed request id and a framed TokenChunk per request, `core.messages.frame`;
+one argument to the step script however many requests); one background task blocks on it and
+hands each
 chunk to that request's subscriptions in this process. A request the reader submitted itself
 names the feed at submission, so subscribing first is enough; any other (a resumed stream, an
 old request, a gap in the feed, a reconnect) attaches (`lua/attach.lua`): it adds the feed to
@@ -23,8 +25,8 @@ from typing import Any, cast
 
 from redis.exceptions import RedisError
 
-from kvrelay.core.keys import Keys
-from kvrelay.core.messages import MessageError, TokenChunk
+from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.messages import MessageError, TokenChunk, unframe
 from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.outage import FIRST_PAUSE_S, MAX_PAUSE_S, REDIS_RETRY_S
 from kvrelay.pipeline.queue.redis_options import AsyncRedis
@@ -204,10 +206,18 @@ class OutputFeed:
 
     def _dispatch(self, fields: dict[bytes, bytes]) -> None:
         """One feed entry (one worker step): each request's chunk to its subscriptions."""
-        for request_id, payload in fields.items():
+        packed = fields.get(MESSAGE_FIELD)
+        if packed is None:
+            return  # the placeholder that created the feed
+        try:
+            frames = unframe(packed)
+        except MessageError as exc:  # a worker's script wrote it: a bug worth shouting
+            logger.error("feed %s: unreadable entry: %s", self.reader_id, exc)
+            return
+        for request_id, payload in zip(frames[::2], frames[1::2], strict=False):
             subs = self._subs.get(request_id)
             if not subs:
-                continue  # a request no one here reads any more (or the placeholder)
+                continue  # a request no one here reads any more
             try:
                 chunk = TokenChunk.decode(payload)
             except MessageError as exc:  # a worker's script wrote it: a bug worth shouting

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvrelay.core.messages import frame
+
 SEP = b"\n"
 FEED_SEP = ","
 MAX_FEEDS = 4  # readers following one request at once (the newest kept)
@@ -70,6 +72,12 @@ class Progress:
 def new_progress(feed: str = "") -> bytes:
     """The value the submit scripts write for a request just queued."""
     return Progress(feeds=[feed] if feed else []).encode()
+
+
+def feed_item(request_id: str, payload: bytes) -> bytes:
+    """One request's chunk in a feed entry: its framed id and its framed chunk payload (a feed
+    entry's one field `m` is a run of these; `OutputFeed` unframes it)."""
+    return frame(request_id.encode()) + frame(payload)
 
 
 def tail_field(request_id: str, index: int) -> str:

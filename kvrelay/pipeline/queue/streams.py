@@ -30,7 +30,7 @@ from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.field_ttl import field_ttl_sync
-from kvrelay.pipeline.queue.progress import FEED_SEP, tail_field
+from kvrelay.pipeline.queue.progress import FEED_SEP, feed_item, tail_field
 from kvrelay.pipeline.queue.replies import StreamReply
 
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class Streams:
         A request id may appear once per call."""
         consumer = consumer or self.consumer
         tail: list[str | bytes] = []
-        by_feed: dict[str, list[str | bytes]] = {}
+        by_feed: dict[str, list[bytes]] = {}  # feed -> framed (request id, chunk) pairs
         flushes: list[list] = []
         keys = [stream, next_stream, self.keys.progress, self.keys.fence(consumer)]
         keys.append(self.keys.control(consumer))
@@ -294,8 +294,11 @@ class Streams:
         for w in writes:
             chunk = w.chunk
             payload = w.payload or chunk.encode()
-            for feed in feeds.get(w.request_id, ()):
-                by_feed.setdefault(feed, []).extend((w.request_id, payload))
+            followers = feeds.get(w.request_id, ())
+            if followers:
+                framed = feed_item(w.request_id, payload)
+                for feed in followers:
+                    by_feed.setdefault(feed, []).append(framed)
             if w.mode == WriteMode.EMIT:
                 tail += [tail_field(w.request_id, chunk.index), payload]
                 continue
@@ -339,7 +342,7 @@ class Streams:
             *tail,
         ]
         for feed, items in by_feed.items():
-            args += [feed, len(items), *items]
+            args += [feed, b"".join(items)]
         for one in flushes:
             args += one
         status, control = self._step(keys=keys, args=args)

@@ -30,7 +30,7 @@ if ARGV[6] ~= '' then
     if p then
       for feed in string.gmatch(p.feeds, '[^,]+') do
         redis.call('XADD', ARGV[12] .. feed, 'NOMKSTREAM', 'MAXLEN', '~', ARGV[13], '*',
-          ARGV[6], ARGV[7])
+          ${MESSAGE_FIELD}, frame(ARGV[6]) .. frame(ARGV[7]))
       end
     end
   end

@@ -4,7 +4,8 @@
 -- whose reply was lost is recognised: nothing is written again). One SET ... GET checks both
 -- and records the step; its old value also says whether control items wait ('!' appended by
 -- `tell_owner`). Then it writes what the worker laid out: one write of the tail fields
--- (`<id>#<index>` in the prog hash), one XADD per feed, and per flush (a flush, a hand-off,
+-- (`<id>#<index>` in the prog hash), one XADD per feed (one field for all its chunks), and
+-- per flush (a flush, a hand-off,
 -- the end) out:{id} gets the tail and the chunk, the tail's fields go and the progress's
 -- counts move; a hand-off also queues the next stage's task and acks the entry, an end acks
 -- it, writes the record's final fields and drops the progress. The caller's control list
@@ -19,7 +20,8 @@
 -- ARGV: 1 group, 2 feed key prefix, 3 ttl_fields, 4 out ttl s, 5 req ttl s, 6 feed maxlen,
 --       7 consumer, 8 step number, 9 control items acked, 10 most control items to return,
 --       11 T tail items, 12 F feeds, 13 N flushes, then the T tail field/value items, then
---       per feed: its id, K, K items (request id, chunk payload), then per flush: request id,
+--       per feed: its id and its entry (`m`: framed request id, framed chunk payload per
+--       request, `core.messages.frame`), then per flush: request id,
 --       entry id, mode ('f' flush, 'd' done, 'h' hand-off), tokens emitted after it, out:{id}
 --       payload (the framed tail and chunk), D, the D tail fields to drop, next task payload
 --       ('' unless 'h'), R, the R record field/value items
@@ -54,10 +56,9 @@ if t > 0 then
 end
 at = at + t
 for _ = 1, f do
-  local k = tonumber(ARGV[at + 1])
   redis.call('XADD', feed_prefix .. ARGV[at], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
-    unpack(ARGV, at + 2, at + 1 + k))
-  at = at + 2 + k
+    ${MESSAGE_FIELD}, ARGV[at + 1])
+  at = at + 2
 end
 local acks = {}
 for i = 1, n do

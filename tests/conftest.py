@@ -112,12 +112,13 @@ class ValkeyCluster:
     """A local Valkey Cluster of `shards` primaries (children of the test, data under
     `data_dir/node-<i>`), formed as `kvrelay up --shards N` forms its own."""
 
-    def __init__(self, data_dir: Path, shards: int = 3):
+    def __init__(self, data_dir: Path, shards: int = 3, key_prefix: str | None = None):
         from kvrelay.cli.up.valkey import free_ports
         from kvrelay.cli.up.valkey_cluster import make_nodes
 
         ports = free_ports(2 * shards, set())
-        self.nodes = make_nodes(data_dir, ports[:shards], ports[shards:])
+        # with key_prefix, node i holds the slot of pipeline shard i's keys
+        self.nodes = make_nodes(data_dir, ports[:shards], ports[shards:], key_prefix)
         self.procs: dict[int, subprocess.Popen] = {}
 
     @property

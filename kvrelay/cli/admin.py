@@ -72,7 +72,23 @@ def connect(args: argparse.Namespace):
     # the mode stack.json knows, when the URL is its own (else the server is asked)
     mode = cluster_mode(state) if url == state.get("redis_url") else None
     client = sync_redis(url, mode, socket_timeout=timeout, socket_connect_timeout=timeout)
-    return client, Keys(prefix), store_dir
+    return client, Keys(prefix, shards=_shards(client, prefix, state)), store_dir
+
+
+def _shards(client: Any, prefix: str, state: dict[str, Any]) -> int:
+    """The stack's shard count: what its processes recorded in Redis, else stack.json's, else
+    KVRELAY_SHARDS (default 1)."""
+    from redis.exceptions import RedisError
+
+    from kvrelay.core.config import RedisSettings, setting
+    from kvrelay.core.keys import Keys
+    from kvrelay.pipeline.queue.shard_count import stored_shard_count
+
+    try:
+        stored = stored_shard_count(client, Keys(prefix))
+    except RedisError:  # unreachable: the command's own call reports it
+        stored = None
+    return stored or int(state.get("shards") or setting(RedisSettings, "shards"))
 
 
 def topology_of(workers: list[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 _HELP = [
     ("redis_url", "Redis/Valkey URL (or the shared KVRELAY_REDIS_URL)"),
     ("key_prefix", "prefix of every Redis key (or the shared KVRELAY_KEY_PREFIX)"),
+    ("shards", "pipeline shards, the same for every process (or the shared KVRELAY_SHARDS)"),
     ("host", "address to listen on"),
     ("port", "port to listen on"),
     ("max_body_bytes", "largest request body in bytes"),

@@ -181,7 +181,7 @@ def add_rates(data: dict[str, Any], sampler: RateSampler | None, now: float) -> 
 def collect(r: Any, keys: Any, store_dir: str | None, sampler: RateSampler | None) -> dict:
     """One status snapshot: the Redis view, worker counters, KV tiers and tokens/s."""
     data = status(r, keys, store_dir)
-    for stream, stage in zip(data["streams"], tuple(Stage), strict=True):
+    for stream, stage in zip(data["streams"], tuple(Stage) * data["shards"], strict=True):
         stream["stage"] = stage
     scrape_workers(data["workers"])
     data["tiers"] = kv_tiers(data["workers"], data["store"])
@@ -213,13 +213,18 @@ def status(r: Any, keys: Any, store_run_dir: str | None = None) -> dict[str, Any
     from kvrelay.pipeline.queue.admin import requests_in_flight, stream_info, workers
 
     inflight = requests_in_flight(r, keys)
+    streams = []  # each shard's two streams, shard 0 first: the load per shard
+    for shard in keys.all():
+        for stream, group in (
+            (shard.prefill_stream, PREFILL_GROUP),
+            (shard.decode_stream, DECODE_GROUP),
+        ):
+            streams.append({**stream_info(r, stream, group), "shard": shard.shard})
     return {
         "workers": workers(r, keys),
-        "streams": [
-            stream_info(r, keys.prefill_stream, PREFILL_GROUP),
-            stream_info(r, keys.decode_stream, DECODE_GROUP),
-        ],
-        "dlq": r.xlen(keys.dlq),
+        "streams": streams,
+        "shards": keys.shards,
+        "dlq": sum(r.xlen(shard.dlq) for shard in keys.all()),
         "requests": inflight,
         "requests_in_flight": sum(v for k, v in inflight.items() if k in OPEN_STATUSES),
         "store": store_stats(store_run_dir),

@@ -62,6 +62,8 @@ _HELP: list[tuple[str, ...]] = [
     ("model", "model name or path"),
     ("redis_url", "Redis URL (or the shared KVRELAY_REDIS_URL)"),
     ("key_prefix", "Redis key prefix (or the shared KVRELAY_KEY_PREFIX)"),
+    ("shards", "pipeline shards, the same for every process (or the shared KVRELAY_SHARDS)"),
+    ("serve_shards", "the shards this worker serves, e.g. 0,2 (none: every shard)"),
     ("threads", "compute threads (none: torch's default)"),
     ("device", "auto | cpu | cuda[:n]"),
     ("dtype", "auto | float32 | bfloat16 | float16"),

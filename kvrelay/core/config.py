@@ -42,6 +42,7 @@ SHARED_ENV = {
     "redis_url": "KVRELAY_REDIS_URL",
     "key_prefix": "KVRELAY_KEY_PREFIX",
     "api_keys": "KVRELAY_API_KEYS",
+    "shards": "KVRELAY_SHARDS",
 }
 # Settings printed as *** by `kvrelay config show`.
 SECRET_FIELDS = frozenset({"secret", "api_keys"})
@@ -66,6 +67,8 @@ class RedisSettings:
 
     redis_url: str = DEFAULT_REDIS_URL
     key_prefix: str = DEFAULT_KEY_PREFIX
+    # pipeline shards (`kvrelay.core.keys`): the same number for every process of a stack
+    shards: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,16 @@ def cache_root() -> Path:
 
 class ConfigError(KvrelayError, ValueError):
     """A configuration value (flag, environment variable or config file) is invalid."""
+
+
+MAX_SHARDS = 16  # as kvrelay.core.keys.MAX_SHARDS (keys imports this module)
+
+
+def check_shards(shards: int) -> int:
+    """`shards` when it is a pipeline shard count (1-16), else ConfigError."""
+    if not 1 <= shards <= MAX_SHARDS:
+        raise ConfigError(f"shards must be 1-{MAX_SHARDS}, got {shards}")
+    return shards
 
 
 class FileValues(dict):

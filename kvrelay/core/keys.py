@@ -1,31 +1,102 @@
 """Every Redis key name kvrelay uses, in one place.
 
-All keys share one hash tag (`{kvrelay}` by default, from the prefix) so Lua scripts may touch
-several of them on Redis Cluster.
+The queue plane is cut into `shards` pipeline shards, each with its own hash tag (`{kvrelay}`
+for shard 0, from the prefix; `{kvrelay.k}` for shard k), so Lua scripts may touch several keys
+of one shard on Redis Cluster. A request lives on the shard of its id (`shard_of`); the keys
+every shard shares (models, model files, store nodes, the page directory) are shard 0's.
 """
 
 from __future__ import annotations
 
+import re
+import zlib
 from dataclasses import dataclass
 
-from kvrelay.core.config import DEFAULT_KEY_PREFIX
+from kvrelay.core.config import DEFAULT_KEY_PREFIX, MAX_SHARDS
 from kvrelay.core.enums import Stage
 
 PREFILL_GROUP = Stage.PREFILL.value  # consumer group names are the stage names
 DECODE_GROUP = Stage.DECODE.value
 MESSAGE_FIELD = b"m"  # each stream entry is one field holding a MessagePack map
+# a Responses API id (`resp_<x>`) and its request's (`resp-<x>`) share a shard
+_RESPONSE_PREFIXES = ("resp_", "resp-")
+_CHOICE_SUFFIXES = re.compile(r"(\.[0-9]+)+$")  # choice k of request r is `r.k`
+
+
+def base_id(request_id: str) -> str:
+    """What places a request on a shard: its id without the choice suffixes (`r.0`, `r.1`
+    -> `r`) and without the Responses prefix (`resp_x`, `resp-x` -> `x`)."""
+    for prefix in _RESPONSE_PREFIXES:
+        if request_id.startswith(prefix):
+            request_id = request_id[len(prefix) :]
+            break
+    return _CHOICE_SUFFIXES.sub("", request_id) or request_id
+
+
+def shard_of(request_id: str, shards: int) -> int:
+    """The shard of a request (or a response) id among `shards`: a stable hash of its base id,
+    so any process finds it from the id alone."""
+    if shards <= 1:
+        return 0
+    return zlib.crc32(base_id(request_id).encode()) % shards
 
 
 @dataclass(frozen=True, slots=True)
 class Keys:
-    """Key names under a prefix; `Keys("kvrelay:")` gives `{kvrelay}:stream:prefill` and so on."""
+    """Key names under a prefix; `Keys("kvrelay:")` gives `{kvrelay}:stream:prefill` and so on.
+
+    `shard` picks the pipeline shard whose keys these are (its hash tag), `shards` is how many
+    there are: `of(request_id)` gives the Keys of a request's shard, `all()` every shard's."""
 
     prefix: str = DEFAULT_KEY_PREFIX
+    shard: int = 0
+    shards: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.shards <= MAX_SHARDS:
+            raise ValueError(f"shards must be 1-{MAX_SHARDS}, got {self.shards}")
+        if not 0 <= self.shard < self.shards:
+            raise ValueError(f"shard {self.shard} is not one of the {self.shards} shards")
+
+    @property
+    def tag(self) -> str:
+        """This shard's hash tag without braces: `kvrelay` (shard 0), `kvrelay.k`."""
+        base = self.prefix.rstrip(":")
+        return base if self.shard == 0 else f"{base}.{self.shard}"
 
     @property
     def _p(self) -> str:
-        base = self.prefix.rstrip(":")
-        return f"{{{base}}}:"
+        return f"{{{self.tag}}}:"
+
+    @property
+    def _g(self) -> str:
+        """The prefix of the keys every shard shares (shard 0's)."""
+        return f"{{{self.prefix.rstrip(':')}}}:"
+
+    def at(self, shard: int) -> Keys:
+        """The keys of shard `shard`."""
+        if shard == self.shard:
+            return self
+        return Keys(self.prefix, shard, self.shards)
+
+    def of(self, request_id: str) -> Keys:
+        """The keys of the shard that holds `request_id` (a choice's and a response's too)."""
+        return self.at(shard_of(request_id, self.shards))
+
+    def all(self) -> list[Keys]:
+        """Every shard's keys, shard 0 first."""
+        return [self.at(k) for k in range(self.shards)]
+
+    @property
+    def global_keys(self) -> Keys:
+        """Shard 0's keys: where the settings every shard shares live."""
+        return self.at(0)
+
+    @property
+    def shard_count(self) -> str:
+        """String: the number of shards the first process wrote (SET NX; every process checks
+        its own against it at start). Shard 0's."""
+        return self._g + "shards"
 
     @property
     def prefill_stream(self) -> str:
@@ -79,6 +150,8 @@ class Keys:
         return self._p + f"resp:{response_id}"
 
     def worker(self, worker_id: str) -> str:
+        """Hash: a worker's heartbeat record on this shard (each shard a worker serves has one:
+        `lua/beat.lua` writes it with the consumer's lease, one slot per script)."""
         return self._p + f"worker:{worker_id}"
 
     @property
@@ -93,21 +166,21 @@ class Keys:
     def pages(self) -> str:
         """Hash: page key (hex) -> the store nodes holding it, comma-separated (the page
         directory; `core.page_keys.holders` reads a value)."""
-        return self._p + "pages"
+        return self._g + "pages"
 
     def store_node(self, node_id: str) -> str:
-        return self._p + f"node:{node_id}"
+        return self._g + f"node:{node_id}"
 
     @property
     def store_node_pattern(self) -> str:
-        return self._p + "node:*"
+        return self._g + "node:*"
 
     @property
     def models(self) -> str:
         """Hash: served model name -> JSON (fingerprint, page size, max context, generation
         defaults, digest of its files) from workers."""
-        return self._p + "models"
+        return self._g + "models"
 
     def model_files(self, digest: str) -> str:
         """Hash: file name -> contents, the tokenizer files of a model (`core.model_bundle`)."""
-        return self._p + f"model-files:{digest}"
+        return self._g + f"model-files:{digest}"

@@ -10,6 +10,8 @@ A request's path through a worker:
       changes come back with every step (the consumer's control list). A fenced step (this
       consumer went silent past a lease and its entries were claimed) makes the worker rejoin
       as a new consumer: every request it held is dropped (the claimants resume them).
+The reader, emitter and heartbeat are per pipeline shard (`workers.lane.ShardLane`): a worker
+serves every shard (or those of `serve_shards`) with one compute loop.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import redis
 
@@ -33,14 +35,16 @@ from kvrelay.core.record import RequestRecord
 from kvrelay.core.redis_client import sync_redis
 from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue.output import DEADLINE_PASSED
+from kvrelay.pipeline.queue.shard_count import check_shard_count_sync
 from kvrelay.pipeline.queue.streams import Streams
 from kvrelay.workers.config import WorkerConfig
 from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing, OutgoingKind
 from kvrelay.workers.engine.config import RequestOutput
 from kvrelay.workers.engine_api import EngineAPI
+from kvrelay.workers.lane import ShardLane
 from kvrelay.workers.metrics import WorkerMetrics
 from kvrelay.workers.publication import ModelPublication
-from kvrelay.workers.reader import Admission, ReaderHost, read_loop
+from kvrelay.workers.reader import Admission
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ class Active:
     next_index: int  # output index of the next token to emit
     started: float
     generation: int = 0  # the consumer generation that admitted it (its writes carry it)
+    shard: int = 0  # the pipeline shard it came from (its writes go back there)
 
 
 class Worker:
@@ -74,32 +79,11 @@ class Worker:
         self.config = config
         self.store_node = store_node
         self.engine = engine
-        self.keys = Keys(config.key_prefix)
+        self.keys = Keys(config.key_prefix, shards=config.shards)
         self.name = config.worker_name(self.role)
-        self.consumer = self._new_consumer()
         self.r = client or sync_redis(config.redis_url, health_check_interval=10)
-        # A RedisCluster serves the same commands; Streams is typed for a plain client.
-        self.streams = Streams(
-            cast(redis.Redis, self.r),
-            self.keys,
-            self.consumer,
-            out_ttl_s=config.out_ttl_s,
-            req_ttl_s=config.req_ttl_s,
-        )
-        self.inflight = Inflight()
         self.admissions: queue.Queue[Admission] = queue.Queue()
         self.cancels: queue.Queue[str] = queue.Queue()
-        self.emitter = Emitter(
-            self.streams,
-            self.stream,
-            self.group,
-            self.inflight,
-            next_stream=self.keys.decode_stream,
-            cancels=self.cancels,
-            check_s=config.cancel_poll_s,
-            on_fenced=self._rejoin,
-        )
-        self._generation = self.streams.generation  # the compute loop's
         self.active: dict[str, Active] = {}
         self.metrics = metrics or WorkerMetrics(engine.model_name, engine)
         self.stop_event = threading.Event()
@@ -125,59 +109,51 @@ class Worker:
             # speculative decoding, resolved: off, ngram or draft
             speculation=str(engine.speculation),
         )
-        self.heartbeat = Heartbeat(
-            self.streams,
-            self.name,
-            self.role,
-            self.stream,
-            self.group,
-            self.inflight,
-            config.heartbeat_s,
-            config.heartbeat_ttl_s,
-            info,
-            publication,
-            stats=self._stats,
-            on_fenced=self._rejoin,
-        )
-        host: ReaderHost = self  # what the reader thread uses of this worker
-        self._reader = threading.Thread(target=read_loop, args=(host,), name="reader", daemon=True)
         self._tokens = 0
         self._rate = (time.monotonic(), 0, 0.0)
+        # one lane per shard served, all under one consumer name at first; the first lane
+        # publishes the model (the models hash is every shard's)
+        consumer = self.new_consumer()
+        self.lanes: dict[int, ShardLane] = {}
+        for shard in config.shard_list():
+            first = not self.lanes
+            lane = ShardLane(self, shard, consumer, info, publication if first else None)
+            self.lanes[shard] = lane
+        self._first = next(iter(self.lanes.values()))
+        # the compute loop's generation per shard (a rejoin there starts a new one)
+        self._generation = {k: lane.streams.generation for k, lane in self.lanes.items()}
 
-    def _new_consumer(self) -> str:
+    def new_consumer(self) -> str:
         return f"{self.name}.{int(time.time() * 1000) % 10**9}"
 
-    def _rejoin(self, fenced: str) -> None:
-        """`fenced` (this worker's consumer) was fenced: come back as a new consumer holding
-        nothing (IO threads). The compute loop drops the requests of the old generation."""
-        with self.streams.lock:  # no read or admission under the old name straddles this
-            if self.streams.consumer != fenced:
-                return  # rejoined already
-            # emptied before the name changes: a step under the new name carries nothing of
-            # the old one's (one under the old name is refused: it is fenced)
-            held = self.inflight.clear()
-            self.emitter.drop_all()
-            consumer = self._new_consumer()
-            if consumer == fenced:
-                consumer += ".1"
-            self.streams.rejoin(fenced, consumer)
-            self.consumer = consumer
-        logger.warning(
-            "%s worker %s: consumer %s was fenced; %d requests dropped, rejoined as %s",
-            self.role,
-            self.name,
-            fenced,
-            len(held),
-            consumer,
-        )
-        try:
-            self.heartbeat.beat()  # registers the new consumer before its first step
-        except redis.RedisError as exc:
-            logger.warning("heartbeat after rejoining failed: %s", exc)
+    def held(self) -> int:
+        """Entries this worker holds, on every shard."""
+        return sum(len(lane.inflight) for lane in self.lanes.values())
+
+    # the first shard served (shard 0 by default): what a one-shard worker had
+    @property
+    def streams(self) -> Streams:
+        return self._first.streams
+
+    @property
+    def emitter(self) -> Emitter:
+        return self._first.emitter
+
+    @property
+    def inflight(self) -> Inflight:
+        return self._first.inflight
+
+    @property
+    def heartbeat(self) -> Heartbeat:
+        return self._first.heartbeat
+
+    @property
+    def consumer(self) -> str:
+        return self._first.consumer
 
     @property
     def stream(self) -> str:
-        return self.keys.prefill_stream if self.role == Stage.PREFILL else self.keys.decode_stream
+        return self._first.stream
 
     @property
     def group(self) -> str:
@@ -188,20 +164,25 @@ class Worker:
         """Create groups, announce the worker, start the IO threads (retries until Redis is up)."""
         while not self.stop_event.is_set():
             try:
-                for stream, group in (
-                    (self.keys.prefill_stream, Stage.PREFILL),
-                    (self.keys.decode_stream, Stage.DECODE),
-                ):
-                    self.streams.ensure_group(stream, group)
-                self.heartbeat.beat()
+                check_shard_count_sync(self.r, self.keys)  # refuse another shard count
+                for lane in self.lanes.values():
+                    lane.ensure_groups()
+                    lane.heartbeat.beat()
                 break
             except redis.ConnectionError as exc:
                 logger.warning("redis unavailable (%s); retrying", exc)
                 time.sleep(0.5)
-        self.heartbeat.start()
-        self.emitter.thread.start()
-        self._reader.start()
-        logger.info("%s worker %s ready (consumer %s)", self.role, self.name, self.consumer)
+        for lane in self.lanes.values():
+            lane.heartbeat.start()
+            lane.emitter.thread.start()
+            lane.reader.start()
+        logger.info(
+            "%s worker %s ready (consumer %s, shards %s)",
+            self.role,
+            self.name,
+            self.consumer,
+            ",".join(map(str, self.lanes)),
+        )
 
     def run(self) -> None:
         """The compute loop; returns after stop() once in-flight work is done or released."""
@@ -234,22 +215,25 @@ class Worker:
         self.stop_event.set()
 
     def _shutdown(self) -> None:
-        self._reader.join(5)
+        for lane in self.lanes.values():
+            lane.reader.join(5)
         for rid in list(self.active):
             self.engine.abort_request(rid, FinishReason.ABORT)
         self.active.clear()
-        self.emitter.close()
-        # make what is left claimable at once instead of after a lease
-        with contextlib.suppress(redis.RedisError):
-            held = [(eid, rid) for rid, eid in self.inflight.snapshot().items()]
-            self.streams.release(self.stream, self.group, held)
-        self.heartbeat.stop()
+        for lane in self.lanes.values():
+            lane.emitter.close()
+            # make what is left claimable at once instead of after a lease
+            with contextlib.suppress(redis.RedisError):
+                held = [(eid, rid) for rid, eid in lane.inflight.snapshot().items()]
+                lane.streams.release(lane.stream, lane.group, held)
+            lane.heartbeat.stop()
         logger.info("%s worker %s stopped", self.role, self.name)
 
     # ---- compute loop ------------------------------------------------------------------------
     def _control(self) -> None:
         """Apply admissions, cancels, lost entries and deadlines (compute thread)."""
-        self._follow_generation(self.streams.generation)
+        for shard, lane in self.lanes.items():
+            self._follow_generation(shard, lane.streams.generation)
         while True:
             try:
                 self._admit(self.admissions.get_nowait())
@@ -257,7 +241,7 @@ class Worker:
                 break
         for q, reason in (
             (self.cancels, FinishReason.CANCELLED),
-            (self.emitter.lost, None),
+            *((lane.emitter.lost, None) for lane in self.lanes.values()),
         ):
             while True:
                 try:
@@ -270,19 +254,23 @@ class Worker:
             if act.task.deadline is not None and now > act.task.deadline:
                 self._abort(rid, FinishReason.TIMEOUT)
 
-    def _follow_generation(self, generation: int) -> None:
-        """After a rejoin, drop (no final chunk) what the older consumer held."""
-        if generation > self._generation:
-            self._generation = generation
-            for rid in list(self.active):
-                self._abort(rid, None)
+    def _follow_generation(self, shard: int, generation: int) -> None:
+        """After a rejoin on `shard`, drop (no final chunk) what its older consumer held."""
+        if generation > self._generation[shard]:
+            self._generation[shard] = generation
+            for rid, act in list(self.active.items()):
+                if act.shard == shard:
+                    self._abort(rid, None)
+
+    def _emitter(self, shard: int) -> Emitter:
+        return self.lanes[shard].emitter
 
     def _admit(self, adm: Admission) -> None:
         task, rid = adm.task, adm.task.request_id
-        if adm.generation < self._generation:
+        if adm.generation < self._generation[adm.shard]:
             return  # admitted by a consumer since fenced: its claimant has it
-        self._follow_generation(adm.generation)
-        act = Active(task, adm.entry_id, len(adm.emitted), time.time(), adm.generation)
+        self._follow_generation(adm.shard, adm.generation)
+        act = Active(task, adm.entry_id, len(adm.emitted), time.time(), adm.generation, adm.shard)
         late = task.deadline is not None and time.time() > task.deadline
         if adm.cancelled or late:
             # past its deadline it is a timeout even when the ingress, giving up at the
@@ -301,8 +289,8 @@ class Worker:
                 sampling_checked=True,  # validated when the entry was decoded
             )
         except Exception as exc:  # InvalidRequestError and anything else input can provoke
-            self.inflight.remove(rid, adm.entry_id)
-            self.emitter.put(
+            self.lanes[adm.shard].inflight.remove(rid, adm.entry_id)
+            self._emitter(adm.shard).put(
                 Outgoing(
                     OutgoingKind.DEAD_LETTER,
                     rid,
@@ -376,7 +364,7 @@ class Worker:
                 cached_tokens=chunk.usage.get("cached_tokens", 0) if chunk.usage else None,
             )
             fields = {**ending.changes(), **(record.changes() if record else {})}
-        self.emitter.put(
+        self._emitter(act.shard).put(
             Outgoing(
                 OutgoingKind.EMIT,
                 act.task.request_id,
@@ -399,7 +387,7 @@ class Worker:
                 self.engine.abort_request(rid, FinishReason.ABORT)
             self.active.pop(rid)
             logger.warning("request %s: released after %s", rid, reason)
-            self.emitter.put(
+            self._emitter(act.shard).put(
                 Outgoing(
                     OutgoingKind.RELEASE,
                     rid,
@@ -430,7 +418,7 @@ class Worker:
             self.metrics.generation_steps.inc()
         return chunk
 
-    def _stats(self, record: WorkerRecord) -> WorkerRecord:
+    def stats(self, record: WorkerRecord) -> WorkerRecord:
         """The heartbeat with running/waiting counts, a smoothed tokens/s and the metrics
         port."""
         t0, n0, rate = self._rate

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvrelay.core.config import (
     ConfigError,
     RedisSettings,
+    check_shards,
     env_name,
     from_env,
     nested,
@@ -48,6 +49,8 @@ class WorkerConfig(RedisSettings):
     # Only decode steps speculate; a prefill worker stops after the first token.
     engine: EngineConfig = nested(worker_engine, ENGINE_NAMES)
     store_run_dir: str | None = None  # the local store node's run dir; None: no store
+    # the pipeline shards this worker serves, comma-separated ("1,2"); None: every shard
+    serve_shards: str | None = None
     lease_ms: int = 10000  # a worker silent (no heartbeat) this long loses its entries
     # redeliveries in a row with no new token in between (poison, not churn) -> DLQ
     max_deliveries: int = 5
@@ -93,7 +96,23 @@ class WorkerConfig(RedisSettings):
         if self.name is not None and (not self.name or any(c in self.name for c in " {}:")):
             raise ConfigError(f"invalid worker name {self.name!r} (no spaces, braces or ':')")
         generation_override(self.override_generation_config)
+        check_shards(self.shards)
+        self.shard_list()
         return self
+
+    def shard_list(self) -> list[int]:
+        """The shards this worker serves (`serve_shards`, else every one), sorted."""
+        if not self.serve_shards:
+            return list(range(self.shards))
+        try:
+            chosen = sorted({int(part) for part in self.serve_shards.split(",") if part.strip()})
+        except ValueError:
+            raise ConfigError(
+                f"serve_shards must be shard numbers separated by commas, got {self.serve_shards!r}"
+            ) from None
+        if not chosen or chosen[0] < 0 or chosen[-1] >= self.shards:
+            raise ConfigError(f"serve_shards {self.serve_shards!r}: shards are 0-{self.shards - 1}")
+        return chosen
 
     @property
     def generation_override(self) -> GenerationDefaults:

@@ -63,7 +63,7 @@ class PrefillWorker(Worker):
             prompt_tokens=len(task.prompt_token_ids),
             cached_tokens=cached,
         ).changes()
-        self.emitter.put(
+        self._emitter(act.shard).put(
             Outgoing(
                 OutgoingKind.HANDOFF,
                 task.request_id,

@@ -37,10 +37,16 @@ class Admission:
     cancelled: bool = False
     emitted_text_len: int | None = None  # characters in out:{id} (None: all of `emitted`'s)
     generation: int = 0  # the consumer generation that admitted it (`Streams.generation`)
+    shard: int = 0  # the pipeline shard it came from (its writes go back there)
 
 
 class ReaderHost(Protocol):
-    """What the reader thread uses of its worker (`workers.base.Worker`)."""
+    """What the reader thread uses of its worker's shard (`workers.lane.ShardLane`)."""
+
+    @property
+    def shard(self) -> int: ...
+
+    def room(self) -> int: ...  # sequences the worker may still take (every shard's count)
 
     @property
     def config(self) -> WorkerConfig: ...
@@ -94,7 +100,7 @@ def read_loop(w: ReaderHost) -> None:
     claim_every = max(0.2, w.config.lease_ms / 4000)
     while not w.stop_event.is_set():
         try:
-            room = w.config.engine.max_num_seqs - len(w.inflight)
+            room = w.room()
             if w.heartbeat.draining or room <= 0:
                 time.sleep(w.config.block_ms / 1000)
                 continue
@@ -107,7 +113,7 @@ def read_loop(w: ReaderHost) -> None:
                     claimed = w.streams.claim(w.stream, w.group, w.config.lease_ms, room)
                     if claimed:
                         receive(w, claimed, claimed=True)
-                room = w.config.engine.max_num_seqs - len(w.inflight)
+                room = w.room()
                 if room <= 0:
                     continue
             count = min(room, w.config.read_batch)
@@ -232,7 +238,8 @@ def _admission(
             len(emitted),
         )
     w.emitter.follow(task.request_id, found.feeds)
-    return Admission(entry.entry_id, task, emitted, found.cancelled, text_len, w.streams.generation)
+    generation = w.streams.generation
+    return Admission(entry.entry_id, task, emitted, found.cancelled, text_len, generation, w.shard)
 
 
 def _compile_grammar(w: ReaderHost, task: Task) -> str | None:

@@ -37,8 +37,10 @@ def test_shards_run_cluster_nodes_first_and_the_rest_once_it_is_ok(tmp_path):
             "first_slot": slots[0],
             "last_slot": slots[1],
         }
-        for i, slots in enumerate([(0, 5461), (5462, 10922), (10923, 16383)])
+        # node i holds the slot of pipeline shard i's hash tag (13685, 3153, 15410)
+        for i, slots in enumerate([(8420, 14547), (0, 8419), (14548, 16383)])
     ]
+    assert programs[3].env["KVRELAY_SHARDS"] == "3"  # every process runs the 3 shards
     assert state["shards"] == 3 and state["redis_url"] == f"redis://127.0.0.1:{first}/0"
     assert programs[1].command[1:] == [
         "--port", str(first + 1), "--bind", "127.0.0.1",

@@ -139,7 +139,7 @@ def test_flags_are_generated_from_the_settings_fields():
 
     assert [(f, dest, kind) for f, dest, kind, _ in SERVE_FLAGS] == [
         ("--redis-url", "redis_url", str), ("--key-prefix", "key_prefix", str),
-        ("--host", "host", str), ("--port", "port", int),
+        ("--shards", "shards", int), ("--host", "host", str), ("--port", "port", int),
         ("--max-body-bytes", "max_body_bytes", int),
         ("--max-prompt-tokens", "max_prompt_tokens", int),
         ("--max-tokens-limit", "max_tokens_limit", int),
@@ -151,11 +151,12 @@ def test_flags_are_generated_from_the_settings_fields():
         ("--override-generation-config", "override_generation_config", str),
         ("--tool-call-parser", "tool_call_parser", str),
     ]  # fmt: skip
-    assert SERVE_FLAGS[9][3] == (
+    assert SERVE_FLAGS[10][3] == (
         "429 beyond this many open requests (default 4096; KVRELAY_INGRESS_MAX_INFLIGHT)"
     )
     assert [f for f, *_ in worker_flags()] == [
-        "--name", "--model", "--redis-url", "--key-prefix", "--threads", "--device", "--dtype",
+        "--name", "--model", "--redis-url", "--key-prefix", "--shards", "--serve-shards",
+        "--threads", "--device", "--dtype",
         "--quantization", "--kv-cache-dtype", "--speculation", "--num-speculative-tokens",
         "--prompt-lookup-min", "--prompt-lookup-max", "--draft-model", "--kv-cache-bytes",
         "--max-num-seqs", "--max-num-batched-tokens",
@@ -333,7 +334,7 @@ def test_the_worker_settings_nest_the_engine_settings(tmp_path: Path):
     assert WorkerConfig().engine == EngineConfig(max_num_seqs=64)  # a worker batches more
     # every engine setting is a worker setting, spelled flat (threads: num_threads)
     names = list(settings_of(WorkerConfig))
-    assert names[:5] == ["redis_url", "key_prefix", "name", "model", "dtype"]
+    assert names[:6] == ["redis_url", "key_prefix", "shards", "name", "model", "dtype"]
     assert {"threads", "num_blocks", "cuda_graphs"} <= set(names) and "num_threads" not in names
     env = {"KVRELAY_WORKER_NUM_BLOCKS": "12", "KVRELAY_WORKER_CUDA_GRAPHS": "off"}
     path = tmp_path / "k.toml"

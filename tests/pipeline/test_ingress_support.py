@@ -55,9 +55,10 @@ def unique_prefix() -> str:
 
 
 @contextlib.contextmanager
-def running_worker(redis_url: str, key_prefix: str, name: str, role=None, loaded=None):
+def running_worker(redis_url: str, key_prefix: str, name: str, role=None, loaded=None, **settings):
     """A real worker (`role`: its class, DecodeWorker by default, which prefills locally) on
-    its own thread, with a quick heartbeat and no metrics port; stopped on exit."""
+    its own thread, with a quick heartbeat and no metrics port (`settings`: more of its
+    WorkerConfig); stopped on exit."""
     from kvrelay.workers.config import WorkerConfig
     from kvrelay.workers.decode import DecodeWorker
     from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
@@ -70,6 +71,7 @@ def running_worker(redis_url: str, key_prefix: str, name: str, role=None, loaded
         heartbeat_s=0.2,
         metrics_port=-1,
         block_ms=20,
+        **settings,
     )
     worker = (role or DecodeWorker)(config, engine)
     thread = threading.Thread(target=worker.run, daemon=True)

@@ -41,7 +41,9 @@ DEFAULT_RUN_DIR = "kvrelay-run"
 MODE_ENV = env_name(INGRESS_SECTION, "mode")  # KVRELAY_INGRESS_MODE
 # `kvrelay serve`'s limit flags, passed through to the ingress as they are: one definition, so
 # `up` cannot drift from `serve`; connection flags stay `up`'s own (it binds and wires them).
-INGRESS_FLAGS = [f for f in SERVE_FLAGS if f[1] not in ("redis_url", "key_prefix", "host", "port")]
+INGRESS_FLAGS = [
+    f for f in SERVE_FLAGS if f[1] not in ("redis_url", "key_prefix", "shards", "host", "port")
+]
 
 
 def _number(kind: type, low: float, high: float | None = None, what: str = "value"):
@@ -100,8 +102,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "--shards",
         type=_number(int, 1, MAX_SHARDS, "shard count"),
         default=1,
-        help="embedded Valkey nodes: 1 (default) a plain Valkey, 2-16 a local Valkey Cluster "
-        "of that many primaries (the pipeline still keeps every key on one of them)",
+        help="pipeline shards: 1 (default) a plain Valkey, 2-16 a local Valkey Cluster of that "
+        "many primaries, one shard's keys on each",
     )
     p.add_argument("--key-prefix", default=DEFAULT_KEY_PREFIX, help="Redis key prefix")
     p.add_argument("--threads", type=size, default=None, help="cores to divide (default: all)")
@@ -346,6 +348,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     env = {
         "KVRELAY_REDIS_URL": redis_url,
         "KVRELAY_KEY_PREFIX": args.key_prefix,
+        "KVRELAY_SHARDS": str(args.shards),  # one pipeline shard per cluster node
         "KVRELAY_STORE_RUN_DIR": str(store_dir),
         "KVRELAY_STORE_REDIS_URL": redis_url,
         "KVRELAY_STORE_KEY_PREFIX": args.key_prefix,
@@ -408,6 +411,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     state = {
         "redis_url": redis_url,
         "key_prefix": args.key_prefix,
+        "shards": args.shards,
         "host": args.host,
         "port": args.port,
         "model": args.model,

@@ -116,7 +116,8 @@ def embedded_valkey(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progr
         picked = free_ports(2 * shards - len(given), {args.port, *given})
         ports = given or picked[:shards]
         bus_ports = picked[len(picked) - shards :]
-    nodes = make_nodes(run_dir / CLUSTER_DIR, ports, bus_ports)
+    # each node holds one pipeline shard's keys (the workers and ingress run args.shards)
+    nodes = make_nodes(run_dir / CLUSTER_DIR, ports, bus_ports, args.key_prefix)
     programs = []
     for node in nodes:
         Path(node.data_dir).mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import redis
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.retry import Retry
 
 from kvrelay.core.errors import KvrelayError
+from kvrelay.core.keys import Keys
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +81,42 @@ def valkey_command(port: int, data_dir: str | Path, bus_port: int | None = None)
     return cmd
 
 
-def make_nodes(cluster_dir: Path, ports: list[int], bus_ports: list[int]) -> list[ClusterNode]:
-    """Nodes `valkey-<i>` with data in `cluster_dir/node-<i>` and the i-th share of the slots."""
-    ranges = slot_ranges(len(ports))
+def tag_slot(keys: Keys) -> int:
+    """The slot of every key of one pipeline shard (its hash tag's)."""
+    return int(key_slot(keys.prefill_stream.encode()))
+
+
+def shard_slot_ranges(shards: int, key_prefix: str) -> list[tuple[int, int]]:
+    """16384 slots in `shards` contiguous ranges, range i holding the slot of pipeline shard
+    i's hash tag (`kvrelay.core.keys`), so each shard's keys live on their own node: the
+    ranges are cut halfway between the tags' slots. Two tags in one slot cannot be parted:
+    ValueError."""
+    slots = [tag_slot(keys) for keys in Keys(key_prefix, shards=shards).all()]
+    if len(set(slots)) < shards:
+        raise ValueError(f"two shards of prefix {key_prefix!r} share a hash slot: {slots}")
+    order = sorted(range(shards), key=lambda i: slots[i])
+    ranges: list[tuple[int, int]] = [(0, 0)] * shards
+    first = 0
+    for j, i in enumerate(order):
+        last = SLOTS - 1 if j == shards - 1 else (slots[i] + slots[order[j + 1]]) // 2
+        ranges[i] = (first, last)
+        first = last + 1
+    return ranges
+
+
+def make_nodes(
+    cluster_dir: Path, ports: list[int], bus_ports: list[int], key_prefix: str | None = None
+) -> list[ClusterNode]:
+    """Nodes `valkey-<i>` with data in `cluster_dir/node-<i>` and the i-th share of the slots:
+    with `key_prefix`, the share holding pipeline shard i's keys (`shard_slot_ranges`), else an
+    even share."""
+    n = len(ports)
+    ranges = slot_ranges(n)
+    if key_prefix is not None:
+        try:
+            ranges = shard_slot_ranges(n, key_prefix)
+        except ValueError as exc:  # a prefix whose tags collide: shards may share a node
+            logger.warning("even slot ranges: %s", exc)
     return [
         ClusterNode(f"valkey-{i}", port, bus, str(cluster_dir / f"node-{i}"), *ranges[i])
         for i, (port, bus) in enumerate(zip(ports, bus_ports, strict=True))

@@ -25,7 +25,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvrelay.core import record as rec
-from kvrelay.core.config import DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL
+from kvrelay.core.config import (
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_REDIS_URL,
+    RedisSettings,
+    check_shards,
+    setting,
+)
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.modelref import DEFAULT_MODEL
@@ -41,7 +47,7 @@ from kvrelay.pipeline.model_registry import ModelRegistry
 from kvrelay.pipeline.openai.validate import type_error
 from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.cluster import ClusterState
-from kvrelay.pipeline.queue.feed import BLOCK_MS, OutputFeed
+from kvrelay.pipeline.queue.feed import BLOCK_MS, output_feed
 from kvrelay.pipeline.queue.outage import REDIS_RETRY_S
 from kvrelay.pipeline.queue.output import (
     Completion,
@@ -51,6 +57,7 @@ from kvrelay.pipeline.queue.output import (
 )
 from kvrelay.pipeline.queue.redis_options import async_redis
 from kvrelay.pipeline.queue.route import ROUTE_THRESHOLD, RouteMode, Router
+from kvrelay.pipeline.queue.shard_count import check_shard_count
 from kvrelay.pipeline.queue.submit import (
     MAX_PROMPT_TOKENS,
     MAX_TOKENS_LIMIT,
@@ -93,9 +100,13 @@ class AsyncClient:
         max_connections: int = 1024,
         override_generation_config: dict[str, Any] | str | None = None,
         submit_wait_s: float = REDIS_RETRY_S,
+        shards: int | None = None,
     ):
         self.model = model
-        self.keys = Keys(key_prefix)
+        # None: KVRELAY_SHARDS (default 1); checked against the stack's at the first submit
+        shards = check_shards(setting(RedisSettings, "shards") if shards is None else shards)
+        self.keys = Keys(key_prefix, shards=shards)
+        self._shards_checked = False
         override = _override(override_generation_config)
         self._own_redis = redis is None
         # each request being read holds a connection: beyond max_connections, callers wait
@@ -115,7 +126,7 @@ class AsyncClient:
         )
         self.block_ms = block_ms
         # the one reader of the outputs this client reads (started on first use)
-        self.feed = OutputFeed(self.redis, self.keys, block_ms=block_ms)
+        self.feed = output_feed(self.redis, self.keys, block_ms=block_ms)
         self._deadlines: dict[str, float | None] = {}
         self._models: dict[str, str] = {}
 
@@ -182,6 +193,9 @@ class AsyncClient:
         body.update(model=model or self.model, cache_salt=cache_salt)
         parsed = parse_request(body, prompt, messages, prompt_token_ids)
         try:
+            if not self._shards_checked:
+                await check_shard_count(self.redis, self.keys)
+                self._shards_checked = True
             task, entry = await self.producer.prepare_parsed(
                 parsed, request_id=request_id, detokenize=detokenize
             )
@@ -204,7 +218,7 @@ class AsyncClient:
     async def _retext(self, request_id: str):
         model = self._models.get(request_id)
         if model is None:
-            key = self.keys.request(request_id)
+            key = self.keys.of(request_id).request(request_id)
             raw = await self.redis.hget(key, rec.MODEL)
             model = RequestRecord.decode_fields((rec.MODEL,), (raw,)).model
         if not model:
@@ -234,7 +248,9 @@ class AsyncClient:
         try:
             deadline = self._deadlines.get(request_id)
             if deadline is None and request_id not in self._deadlines:
-                raw = await self.redis.hget(self.keys.request(request_id), rec.DEADLINE)
+                raw = await self.redis.hget(
+                    self.keys.of(request_id).request(request_id), rec.DEADLINE
+                )
                 deadline = RequestRecord.decode_fields((rec.DEADLINE,), (raw,)).deadline
             retext = await self._retext(request_id) if start_index else None
             # the deadline is met at the deadline itself, as the ingress does

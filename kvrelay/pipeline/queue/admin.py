@@ -34,18 +34,25 @@ def _hash(r: redis.Redis, key: str) -> dict[str, str]:
 
 def workers(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     """Live workers from their heartbeat hashes (`WorkerRecord.status`: numbers as numbers,
-    None when empty), with the heartbeat age in seconds and the hash's TTL."""
+    None when empty), with the heartbeat age in seconds and the hash's TTL. A worker beats on
+    every shard it serves: it is listed once, from its lowest shard's hash."""
     out = []
+    seen: set[str] = set()
     now = time.time()
-    for key in sorted(r.scan_iter(match=keys.worker_pattern, count=1000)):
-        record = WorkerRecord.decode(r.hgetall(key))
-        if record is None:
-            continue
-        info = record.status()
-        updated = now if record.updated is None else record.updated
-        info["age_s"] = round(now - updated, 2)
-        info["ttl_s"] = r.ttl(key)
-        out.append(info)
+    for shard in keys.all():
+        for key in sorted(r.scan_iter(match=shard.worker_pattern, count=1000)):
+            name = as_str(key)[len(shard.worker("")) :]
+            if name in seen:
+                continue
+            record = WorkerRecord.decode(r.hgetall(key))
+            if record is None:
+                continue
+            seen.add(name)
+            info = record.status()
+            updated = now if record.updated is None else record.updated
+            info["age_s"] = round(now - updated, 2)
+            info["ttl_s"] = r.ttl(key)
+            out.append(info)
     return out
 
 
@@ -80,13 +87,16 @@ def stream_info(r: redis.Redis, stream: str, group: str) -> dict[str, Any]:
 
 
 def requests_in_flight(r: redis.Redis, keys: Keys, limit: int = 100000) -> dict[str, int]:
-    """Count of request records by status (queued, prefilling, decoding, ...)."""
+    """Count of request records by status (queued, prefilling, decoding, ...), every shard's."""
     counts: dict[str, int] = {}
-    for n, key in enumerate(r.scan_iter(match=keys.request_pattern, count=1000)):
-        if n >= limit:
-            break
-        status = as_str(r.hget(key, rec.STATUS)) or "unknown"
-        counts[status] = counts.get(status, 0) + 1
+    n = 0
+    for shard in keys.all():
+        for key in r.scan_iter(match=shard.request_pattern, count=1000):
+            if n >= limit:
+                return counts
+            n += 1
+            status = as_str(r.hget(key, rec.STATUS)) or "unknown"
+            counts[status] = counts.get(status, 0) + 1
     return counts
 
 
@@ -144,6 +154,7 @@ def show_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any] 
     A request of several choices shows its status, counts and times combined from its
     choices' (as GET /v1/requests/{id} does), `choices` (each one's public view), and the
     output of all of them summed (`output_text` null: each choice's is `show {id}.{k}`)."""
+    keys = keys.of(request_id)  # the request's shard (its choices' too)
     raw = _hash(r, keys.request(request_id))
     record = request_record(raw)
     parent = RequestRecord.decode(raw)
@@ -182,6 +193,7 @@ def cancel_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any
     request had already ended (nothing to stop; the HTTP DELETE answers the same way). The
     status of a request of several choices is combined from theirs.
     """
+    keys = keys.of(request_id)  # the request's shard (its choices' too)
     raw = _hash(r, keys.request(request_id))
     out_key = keys.out(request_id)
     if not raw and not r.exists(out_key):
@@ -213,20 +225,23 @@ def cancel_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any
 
 
 def drain(r: redis.Redis, keys: Keys, worker: str, undo: bool = False) -> bool:
-    """Ask a worker to stop (or resume) taking new work; False if no such live worker."""
-    key = keys.worker(worker)
-    if not r.exists(key):
-        return False
+    """Ask a worker to stop (or resume) taking new work, on every shard it serves (each of its
+    readers reads its own shard's flag); False if no such live worker."""
+    found = [shard.worker(worker) for shard in keys.all() if r.exists(shard.worker(worker))]
     flag: dict[Any, Any] = WorkerRecord(drain=not undo).encode((WorkerField.DRAIN,))
-    r.hset(key, mapping=flag)
-    return True
+    for key in found:
+        r.hset(key, mapping=flag)
+    return bool(found)
 
 
 def wait_draining(
     r: redis.Redis, keys: Keys, worker: str, draining: bool, timeout_s: float
 ) -> bool | None:
-    """Wait until the worker's heartbeat publishes `draining`; False on timeout, None if gone."""
-    key = keys.worker(worker)
+    """Wait until the worker's heartbeat publishes `draining` (on its lowest shard); False on
+    timeout, None if gone."""
+    key = next(
+        (s.worker(worker) for s in keys.all() if r.exists(s.worker(worker))), keys.worker(worker)
+    )
     deadline = time.monotonic() + timeout_s
     while True:
         value = r.hget(key, WorkerField.DRAINING)

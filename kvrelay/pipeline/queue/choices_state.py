@@ -121,6 +121,7 @@ def _decode(raw: list[Any], progress: list[Any]) -> list[RequestRecord]:
 
 def _choice_reads(pipe: Any, keys: Keys, request_id: str, count: int) -> None:
     ids = [choice_id(request_id, k) for k in range(count)]
+    keys = keys.of(request_id)  # a request's choices live on its shard
     for one in ids:
         pipe.hgetall(keys.request(one))
     pipe.eval(LIVE_LUA, 1, keys.progress, *ids)
@@ -150,9 +151,10 @@ def read_choices_sync(r: Any, keys: Keys, request_id: str, count: int) -> list[R
 async def request_view(redis: Any, keys: Keys, request_id: str) -> dict[str, Any] | None:
     """The public view of req:{id} (combined from its choices when it has several; live); None
     when unknown or expired (asyncio redis)."""
+    shard = keys.of(request_id)
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.hgetall(keys.request(request_id))
-        pipe.eval(LIVE_LUA, 1, keys.progress, request_id)
+        pipe.hgetall(shard.request(request_id))
+        pipe.eval(LIVE_LUA, 1, shard.progress, request_id)
         raw, [progress] = await pipe.execute()
     parent = RequestRecord.decode(raw)
     if parent is None:
@@ -166,6 +168,7 @@ async def cancel(redis: Any, keys: Keys, request_id: str) -> list[str]:
     """Set the cancel flag in the progress of the request and, for a request of several
     choices, of each choice (asyncio redis; lua/cancel.lua); the ids flagged (those still
     running: an ended request has no progress)."""
+    keys = keys.of(request_id)
     count = await redis.hget(keys.request(request_id), fields.NUM_CHOICES)
     ids = cancel_ids(request_id, _count(count))
     flag = await field_ttl(redis)
@@ -175,7 +178,10 @@ async def cancel(redis: Any, keys: Keys, request_id: str) -> list[str]:
 
 def cancel_sync(r: Any, keys: Keys, ids: list[str]) -> list[str]:
     """cancel() of the given ids for sync redis-py (the admin CLI)."""
-    flagged = r.eval(_CANCEL_LUA, 1, keys.progress, field_ttl_sync(r), *ids)
+    if not ids:
+        return []
+    shard = keys.of(ids[0])  # a request and its choices share a shard
+    flagged = r.eval(_CANCEL_LUA, 1, shard.progress, field_ttl_sync(r), *ids)
     return [as_str(one) for one in flagged]
 
 
@@ -186,9 +192,10 @@ def _flagged(values: list[Any]) -> bool:
 async def cancel_requested(redis: Any, keys: Keys, request_id: str, count: int = 0) -> bool:
     """Whether the progress of the request (or of one of its `count` choices) carries the
     cancel flag; False once none has progress (ended)."""
-    return _flagged(await redis.hmget(keys.progress, cancel_ids(request_id, count)))
+    progress = keys.of(request_id).progress
+    return _flagged(await redis.hmget(progress, cancel_ids(request_id, count)))
 
 
 def cancel_requested_sync(r: Any, keys: Keys, request_id: str, count: int = 0) -> bool:
     """cancel_requested() for sync redis-py (the admin CLI)."""
-    return _flagged(r.hmget(keys.progress, cancel_ids(request_id, count)))
+    return _flagged(r.hmget(keys.of(request_id).progress, cancel_ids(request_id, count)))

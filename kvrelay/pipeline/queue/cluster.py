@@ -192,36 +192,55 @@ class ClusterState:
         return out
 
     async def _fetch_workers(self) -> list[WorkerInfo]:
-        names = [k async for k in self.redis.scan_iter(match=self.keys.worker_pattern, count=1000)]
-        if not names:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for name in names:
-            pipe.hgetall(name)
-        workers = []
-        prefix = len(self.keys.worker(""))
-        for name, raw in zip(names, await pipe.execute(), strict=True):
-            record = WorkerRecord.decode(raw)
-            if record is None:  # expired between SCAN and HGETALL
+        # a worker beats on every shard it serves: one record per worker (its lowest shard's)
+        found: dict[str, WorkerInfo] = {}
+        for keys in self.keys.all():
+            pattern = keys.worker_pattern
+            names = [k async for k in self.redis.scan_iter(match=pattern, count=1000)]
+            if not names:
                 continue
-            workers.append(WorkerInfo(as_str(name)[prefix:], record))
-        return workers
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.hgetall(name)
+            prefix = len(keys.worker(""))
+            for name, raw in zip(names, await pipe.execute(), strict=True):
+                record = WorkerRecord.decode(raw)
+                if record is None:  # expired between SCAN and HGETALL
+                    continue
+                worker = as_str(name)[prefix:]
+                found.setdefault(worker, WorkerInfo(worker, record))
+        return list(found.values())
 
     async def _fetch_load(self) -> dict[str, StreamLoad]:
-        # one round trip for both streams; a stream that does not exist yet answers an error
-        pipe = self.redis.pipeline(transaction=False)
-        streams = (self.keys.prefill_stream, self.keys.decode_stream)
-        for stream in streams:
-            pipe.xinfo_groups(stream)
-            pipe.xlen(stream)
-        replies = await pipe.execute(raise_on_error=False)
+        """Each stage's load summed over the shards (`shard_load` has them one by one)."""
         out: dict[str, StreamLoad] = {}
-        for i, (name, group) in enumerate(
-            ((Stage.PREFILL, PREFILL_GROUP), (Stage.DECODE, DECODE_GROUP))
-        ):
-            groups, length = replies[2 * i], replies[2 * i + 1]
-            out[name] = await self._stream_load(streams[i], group, groups, length)
+        for shard in await self.shard_load():
+            for name, load in shard.items():
+                total = out.setdefault(name, StreamLoad())
+                total.waiting += load.waiting
+                total.pending += load.pending
         return out
+
+    async def shard_load(self) -> list[dict[str, StreamLoad]]:
+        """`prefill` and `decode` stream load of every shard, shard 0 first."""
+        # one round trip for every stream; a stream that does not exist yet answers an error
+        pipe = self.redis.pipeline(transaction=False)
+        stages = ((Stage.PREFILL, PREFILL_GROUP), (Stage.DECODE, DECODE_GROUP))
+        shards = self.keys.all()
+        for keys in shards:
+            for stream in (keys.prefill_stream, keys.decode_stream):
+                pipe.xinfo_groups(stream)
+                pipe.xlen(stream)
+        replies = await pipe.execute(raise_on_error=False)
+        loads: list[dict[str, StreamLoad]] = []
+        for k, keys in enumerate(shards):
+            streams = (keys.prefill_stream, keys.decode_stream)
+            out: dict[str, StreamLoad] = {}
+            for i, (name, group) in enumerate(stages):
+                groups, length = replies[4 * k + 2 * i], replies[4 * k + 2 * i + 1]
+                out[name] = await self._stream_load(streams[i], group, groups, length)
+            loads.append(out)
+        return loads
 
     async def _stream_load(self, stream: str, group: str, groups: Any, length: Any) -> StreamLoad:
         if isinstance(groups, ResponseError):  # no such stream: nothing queued

@@ -1,4 +1,7 @@
-"""The dead-letter stream for the admin CLI: list, show, replay (refusing poison), purge."""
+"""The dead-letter stream for the admin CLI: list, show, replay (refusing poison), purge.
+
+Each pipeline shard has its own `dlq` (an entry stays with its request's shard); these read
+and change every shard's, an entry found by its id in whichever holds it."""
 
 from __future__ import annotations
 
@@ -69,22 +72,35 @@ def kind_of(reason: str, payload: bytes, stream: str, keys: Keys) -> str:
     return "invalid" if _task(payload, stream, keys) is None else "other"
 
 
+def _id_order(letter: DeadLetter) -> tuple[int, int]:
+    ms, _, seq = letter.dlq_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def entries(r: redis.Redis, keys: Keys, limit: int = 100) -> list[DeadLetter]:
-    """Oldest-first DLQ entries."""
-    rows = cast("list[StreamEntry]", r.xrange(keys.dlq, count=limit))
-    return [DeadLetter.decode(eid, fields) for eid, fields in rows]
+    """Oldest-first DLQ entries of every shard."""
+    out: list[DeadLetter] = []
+    for shard in keys.all():
+        rows = cast("list[StreamEntry]", r.xrange(shard.dlq, count=limit))
+        out += [DeadLetter.decode(eid, fields) for eid, fields in rows]
+    return sorted(out, key=_id_order)[:limit] if keys.shards > 1 else out
 
 
-def _read(r: redis.Redis, keys: Keys, dlq_id: str) -> DeadLetter | None:
-    rows = cast("list[StreamEntry]", r.xrange(keys.dlq, min=dlq_id, max=dlq_id))
-    return DeadLetter.decode(*rows[0]) if rows else None
+def _read(r: redis.Redis, keys: Keys, dlq_id: str) -> tuple[DeadLetter, Keys] | None:
+    """The entry and the keys of the shard whose DLQ holds it."""
+    for shard in keys.all():
+        rows = cast("list[StreamEntry]", r.xrange(shard.dlq, min=dlq_id, max=dlq_id))
+        if rows:
+            return DeadLetter.decode(*rows[0]), shard
+    return None
 
 
 def entry(r: redis.Redis, keys: Keys, dlq_id: str) -> dict[str, Any] | None:
     """One DLQ entry's JSON view with its payload decoded when it is a valid task, and its kind."""
-    letter = _read(r, keys, dlq_id)
-    if letter is None:
+    found = _read(r, keys, dlq_id)
+    if found is None:
         return None
+    letter, keys = found
     out = letter.public()
     for cls in (PrefillTask, DecodeTask):
         try:
@@ -104,9 +120,10 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
     Poison (it killed every holder) and payloads that are no task would only come back here:
     both are refused (`ReplayRefused`) unless `force`.
     """
-    letter = _read(r, keys, dlq_id)
-    if letter is None:
+    found = _read(r, keys, dlq_id)
+    if found is None:
         return None
+    letter, keys = found  # its shard: the request's keys and streams are there
     stream = letter.stream or keys.prefill_stream
     if stream not in (keys.prefill_stream, keys.decode_stream):
         raise NotReplayable(f"DLQ entry {dlq_id} names an unknown stream {stream!r}")
@@ -147,8 +164,11 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
 
 
 def purge(r: redis.Redis, keys: Keys) -> int:
-    """Delete every DLQ entry; returns how many there were."""
-    pipe = r.pipeline(transaction=True)
-    pipe.xlen(keys.dlq)
-    pipe.delete(keys.dlq)
-    return int(pipe.execute()[0])
+    """Delete every DLQ entry (of every shard); returns how many there were."""
+    total = 0
+    for shard in keys.all():
+        pipe = r.pipeline(transaction=True)
+        pipe.xlen(shard.dlq)
+        pipe.delete(shard.dlq)
+        total += int(pipe.execute()[0])
+    return total

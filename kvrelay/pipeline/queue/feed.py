@@ -58,9 +58,10 @@ class OutputFeed:
         quiet_s: float = QUIET_S,
         renew_s: float = RENEW_S,
         ttl_s: int = FEED_TTL_S,
+        reader_id: str | None = None,
     ):
         self.redis, self.keys = redis, keys
-        self.reader_id = uuid.uuid4().hex[:16]
+        self.reader_id = reader_id or uuid.uuid4().hex[:16]
         self.key = keys.feed(self.reader_id)
         self.block_ms, self.redis_retry_s = block_ms, redis_retry_s
         self.quiet_s, self.renew_s, self.ttl_s = quiet_s, renew_s, ttl_s
@@ -225,3 +226,41 @@ class OutputFeed:
                 continue
             for sub in subs:
                 sub.queue.put_nowait(chunk)
+
+
+class OutputFeeds:
+    """A process's output readers, one `OutputFeed` per pipeline shard (a cluster cannot read
+    streams of several slots in one call), all under one reader id: a request names that id and
+    its shard's workers write to its shard's feed. One shard: the one feed itself."""
+
+    def __init__(self, redis: AsyncRedis, keys: Keys, **options: Any):
+        first = OutputFeed(redis, keys.at(0), **options)
+        self.reader_id = first.reader_id
+        self.keys = keys
+        options["reader_id"] = self.reader_id
+        self.feeds = [first, *(OutputFeed(redis, k, **options) for k in keys.all()[1:])]
+
+    def of(self, request_id: str) -> OutputFeed:
+        """The feed of the request's shard."""
+        return self.feeds[self.keys.of(request_id).shard]
+
+    async def start(self) -> None:
+        for feed in self.feeds:
+            await feed.start()
+
+    async def stop(self) -> None:
+        for feed in self.feeds:
+            await feed.stop()
+
+    async def subscribe(self, request_id: str) -> Subscription:
+        return await self.of(request_id).subscribe(request_id)
+
+    def chunks(self, request_id: str, **kwargs: Any) -> AsyncIterator[TokenChunk]:
+        return self.of(request_id).chunks(request_id, **kwargs)
+
+
+def output_feed(redis: AsyncRedis, keys: Keys, **options: Any) -> OutputFeed | OutputFeeds:
+    """The process's output reader: one `OutputFeed` for one shard, `OutputFeeds` for more."""
+    if keys.shards == 1:
+        return OutputFeed(redis, keys, **options)
+    return OutputFeeds(redis, keys, **options)

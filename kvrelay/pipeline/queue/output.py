@@ -62,7 +62,7 @@ def output_gone(status: str, emitted: Any, out_exists: bool) -> bool:
 
 async def check_output(redis: AsyncRedis, keys: Keys, request_id: str) -> None:
     """Raise OutputExpired when req:{id} says the request ended and out:{id} is gone."""
-    names = (rec.STATUS, rec.EMITTED)
+    names, keys = (rec.STATUS, rec.EMITTED), keys.of(request_id)
     got = RequestRecord.decode_fields(names, await redis.hmget(keys.request(request_id), *names))
     if got.status is None or got.status not in ENDED:
         return

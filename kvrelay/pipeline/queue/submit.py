@@ -294,10 +294,11 @@ class Producer:
     ) -> tuple[Route, Any]:
         """One try: route, then the submit script; (route, the script's reply)."""
         route = await self.router.route(entry, task.prompt_token_ids, task.cache_salt)
-        stream = self.keys.decode_stream if route.stage == DECODE else self.keys.prefill_stream
+        keys = self.keys.of(task.request_id)  # the request's shard: its keys, its streams
+        stream = keys.decode_stream if route.stage == DECODE else keys.prefill_stream
         flat = _record_items(task, route.stage, len(task.prompt_token_ids), route.cached_tokens)
         flat += _items(record or {})
-        keys, ttl_fields = self.keys, await field_ttl(self.redis)
+        ttl_fields = await field_ttl(self.redis)
         entry_id = await self._submit(
             keys=[
                 keys.request(task.request_id),
@@ -414,7 +415,7 @@ class Producer:
             ]
             stage = "d" if route.stage == DECODE else "p"
             args += [stage, task.request_id, routed(task, route).encode(), len(items), *items]
-        keys = self.keys
+        keys = self.keys.of(request_id)  # the choices `{id}.{k}` share the parent's shard
         reply = await self._submit_choices(
             keys=[
                 keys.request(request_id),

@@ -40,9 +40,10 @@ from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.backpressure import Backpressure
 from kvrelay.pipeline.queue.cluster import ClusterState
-from kvrelay.pipeline.queue.feed import OutputFeed
+from kvrelay.pipeline.queue.feed import output_feed
 from kvrelay.pipeline.queue.redis_options import async_redis, resilient
 from kvrelay.pipeline.queue.route import Router
+from kvrelay.pipeline.queue.shard_count import check_shard_count
 from kvrelay.pipeline.queue.submit import Producer
 from kvrelay.pipeline.server.config import IngressConfig, load_config
 from kvrelay.pipeline.server.http import error_response
@@ -66,7 +67,7 @@ class Ingress:
         redis: aioredis.Redis | None = None,
     ):
         self.config = config
-        self.keys = Keys(config.key_prefix)
+        self.keys = Keys(config.key_prefix, shards=config.shards)
         # Bounded reads: a hung Redis (stopped, not dead) gives 503s within seconds.
         # Sized as when each open request held a connection for its blocking read (now the
         # feed's one read serves them all): --max-inflight plus headroom never runs dry.
@@ -77,7 +78,7 @@ class Ingress:
             options=resilient(config.redis_socket_timeout_s, config.redis_timeout_s),
         )
         # the one reader of every output this process delivers (started on first use too)
-        self.feed = OutputFeed(self.redis, self.keys, block_ms=config.read_block_ms)
+        self.feed = output_feed(self.redis, self.keys, block_ms=config.read_block_ms)
         self.cluster = ClusterState(self.redis, self.keys, config.state_refresh_s)
         self.registry = ModelRegistry(
             config.models, self.cluster, tokenizers, config.generation_override
@@ -137,6 +138,8 @@ class Ingress:
             await self.redis.ping()
         except RedisError as exc:
             logger.warning("redis at %s is not reachable yet: %s", self.config.redis_url, exc)
+        else:
+            await check_shard_count(self.redis, self.keys)  # refuse another shard count
         await self.feed.start()
         await self.warm_up()
         yield
@@ -190,7 +193,7 @@ class Ingress:
     ) -> None:
         await asyncio.sleep(grace)
         try:
-            raw = await self.redis.hget(self.keys.request(request_id), fields.ATTACH)
+            raw = await self.redis.hget(self.keys.of(request_id).request(request_id), fields.ATTACH)
             current = RequestRecord.decode_fields((fields.ATTACH,), (raw,)).attach
             if (current or 0) == attach_seq:
                 logger.info("request %s: client did not come back; cancelling", request_id)
@@ -204,7 +207,8 @@ class Ingress:
         """A client came back for this request: count the attach, which keeps it running."""
         if self.config.disconnect_grace_s <= 0:
             return 0
-        return int(await self.redis.hincrby(self.keys.request(request_id), fields.ATTACH, 1))
+        key = self.keys.of(request_id).request(request_id)
+        return int(await self.redis.hincrby(key, fields.ATTACH, 1))
 
     def observe_queue_time(self, request_id: str, model: str) -> None:
         """Record queue time from the record's `created` and `started` (set by the worker)."""
@@ -212,7 +216,7 @@ class Ingress:
         async def observe() -> None:
             try:
                 names = (fields.CREATED, fields.STARTED)
-                raw = await self.redis.hmget(self.keys.request(request_id), *names)
+                raw = await self.redis.hmget(self.keys.of(request_id).request(request_id), *names)
                 times = RequestRecord.decode_fields(names, raw)
                 if times.created and times.started:
                     wait = max(0.0, times.started - times.created)

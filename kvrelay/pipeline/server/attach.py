@@ -144,7 +144,7 @@ async def reattach(
     record = RequestRecord.decode(rec) or RequestRecord()
     status = str(record.status or "")
     if status in ENDED:
-        exists = bool(await ing.redis.exists(ing.keys.out(request_id)))
+        exists = bool(await ing.redis.exists(ing.keys.of(request_id).out(request_id)))
         if output_gone(status, record.emitted, exists):
             raise output_expired(request_id)
     opts = _options(rec)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrelay.core.config import ConfigError, RedisSettings, from_env, read_config_file
+from kvrelay.core.config import (
+    ConfigError,
+    RedisSettings,
+    check_shards,
+    from_env,
+    read_config_file,
+)
 from kvrelay.core.modelref import DEFAULT_MODEL
 from kvrelay.core.sampling import GenerationDefaults, generation_override
 from kvrelay.pipeline.openai.tool_parsers import TOOL_PARSERS
@@ -82,6 +88,7 @@ class IngressConfig(RedisSettings):
         if self.route_threshold < 0 or self.request_timeout_s <= 0:
             raise ConfigError("route_threshold must be >= 0 and request_timeout_s > 0")
         generation_override(self.override_generation_config)
+        check_shards(self.shards)
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ConfigError(
                 f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "

@@ -18,7 +18,7 @@ from kvrelay.pipeline.metrics import Metrics
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.queue.backpressure import Backpressure
 from kvrelay.pipeline.queue.cluster import ClusterState
-from kvrelay.pipeline.queue.feed import OutputFeed
+from kvrelay.pipeline.queue.feed import OutputFeed, OutputFeeds
 from kvrelay.pipeline.queue.redis_options import AsyncRedis
 from kvrelay.pipeline.queue.submit import Producer
 from kvrelay.pipeline.server.config import IngressConfig
@@ -65,7 +65,7 @@ class OutputHost(Protocol):
     metric and the cancel paths."""
 
     @property
-    def feed(self) -> OutputFeed: ...
+    def feed(self) -> OutputFeed | OutputFeeds: ...
 
     def observe_queue_time(self, request_id: str, model: str) -> None: ...
 

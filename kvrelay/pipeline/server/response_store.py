@@ -57,7 +57,7 @@ class ResponseStore:
         key_id: str,
     ) -> None:
         """Write (or overwrite) the stored answer and restart its expiry."""
-        key = self.keys.response(response["id"])
+        key = self.keys.of(response["id"]).response(response["id"])
         mapping: dict[FieldT, EncodableT] = {
             RESPONSE: json.dumps(response, ensure_ascii=False),
             MESSAGES: json.dumps(messages, ensure_ascii=False),
@@ -71,7 +71,7 @@ class ResponseStore:
 
     async def load(self, response_id: str, key_id: str) -> StoredResponse | None:
         """The stored answer, or None (unknown, expired, not stored, or another key's)."""
-        raw = await self.redis.hgetall(self.keys.response(response_id))
+        raw = await self.redis.hgetall(self.keys.of(response_id).response(response_id))
         found = {as_str(k): as_str(v) for k, v in raw.items()}
         if not found or found.get(KEY_ID, "") != key_id:
             return None

@@ -216,7 +216,7 @@ class GenerationApi:
                 view = await choices_state(ing, request_id, rec)
             else:
                 [progress] = await ing.redis.eval(
-                    queue_choices.LIVE_LUA, 1, ing.keys.progress, request_id
+                    queue_choices.LIVE_LUA, 1, ing.keys.of(request_id).progress, request_id
                 )
                 record = RequestRecord.decode(rec) or RequestRecord()
                 view = queue_choices.live(record, progress).public()

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.anyio
 
 ONE, THREE = "shd1:", "shd3:"
 PROMPT = "The capital of France is"
+GREEDY_8 = {"max_tokens": 8, "temperature": 0}
 
 
 def ids_on_every_shard(stem: str, shards: int = 3) -> list[str]:
@@ -139,3 +140,30 @@ async def test_another_shard_count_is_refused(valkey_session, workers):
         await check_shard_count(client, Keys(THREE))
     await client.aclose()
     r.close()
+
+
+async def test_the_producer_client_submits_to_each_shard(
+    valkey_session, workers, ingresses, smollm_tokenizer
+):
+    from kvrelay.pipeline.client.producer import AsyncClient
+
+    one = ingresses[0]
+    expected = (await complete(one, "one-ref-client"))["choices"][0]["text"]
+    tokenizers = {MODEL: smollm_tokenizer}
+    async with AsyncClient(
+        valkey_session.url, key_prefix=THREE, shards=3, tokenizers=tokenizers
+    ) as client:
+        for rid in ids_on_every_shard("shd-client"):
+            done = await client.generate(PROMPT, request_id=rid, sampling=GREEDY_8)
+            assert done.text == expected
+            status = await client.status(rid)
+            assert status is not None and status["status"] == "finished"
+        # submitted without a reader, then read from its shard's history
+        rid = ids_on_every_shard("shd-client-later")[1]
+        assert await client.submit(PROMPT, request_id=rid, sampling=GREEDY_8) == rid
+        assert (await client.result(rid)).text == expected
+    with pytest.raises(ShardCountError):
+        async with AsyncClient(
+            valkey_session.url, key_prefix=THREE, shards=2, tokenizers=tokenizers
+        ) as client:
+            await client.submit(PROMPT, sampling=GREEDY_8)

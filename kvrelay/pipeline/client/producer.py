@@ -193,9 +193,7 @@ class AsyncClient:
         body.update(model=model or self.model, cache_salt=cache_salt)
         parsed = parse_request(body, prompt, messages, prompt_token_ids)
         try:
-            if not self._shards_checked:
-                await check_shard_count(self.redis, self.keys)
-                self._shards_checked = True
+            await self._check_shards()
             task, entry = await self.producer.prepare_parsed(
                 parsed, request_id=request_id, detokenize=detokenize
             )
@@ -214,6 +212,17 @@ class AsyncClient:
         self._deadlines[request_id] = task.deadline
         self._models[request_id] = parsed.model
         return request_id
+
+    async def _check_shards(self) -> None:
+        """Refuse (ShardCountError) to run with another shard count than the stack's, checked
+        once; Redis unreachable, the submission's own wait rides it out (checked next time)."""
+        if self._shards_checked:
+            return
+        try:
+            await check_shard_count(self.redis, self.keys)
+        except RedisError:
+            return
+        self._shards_checked = True
 
     async def _retext(self, request_id: str):
         model = self._models.get(request_id)

@@ -68,11 +68,6 @@ SHARDS = "kvrelay up: error: argument --shards"
         (["--shards", "17"], f"{SHARDS}: shard count must be 1-16, got 17"),
         (["--shards", "two"], f"{SHARDS}: not a shard count: 'two'"),
         (
-            ["--shards", "2", "--redis-url", "redis://127.0.0.1:1/0"],
-            "kvrelay up: error: --shards starts embedded Valkey nodes; with --redis-url (a "
-            "cluster's node works too) leave --shards out",
-        ),
-        (
             ["--shards", "3", "--redis-port", "65534"],
             "kvrelay up: error: --redis-port 65534 leaves no room for 3 nodes",
         ),
@@ -135,15 +130,15 @@ def test_a_supervised_cluster_forms_starts_the_rest_and_keeps_its_slots(tmp_path
         )
         ports = [n["port"] for n in state["cluster"]["nodes"]]
         slots = [own_slots(redis.Redis(port=port)) for port in ports]
-        assert slots == [[(0, 8191)], [(8192, 16383)]]
+        assert slots == [[(8420, 16383)], [(0, 8419)]]  # node i: shard i's tag (13685, 3153)
         assert main(["status", "--run-dir", str(run), "--json"]) == 0
         nodes = json.loads(capsys.readouterr().out)["cluster"]
         assert nodes == [
             {
                 "name": f"valkey-{i}", "host": "127.0.0.1", "port": ports[i], "up": True,
-                "slots": 8192, "keys": 0, "slot_ranges": [ranges], "cluster_state": "ok",
+                "slots": count, "keys": 0, "slot_ranges": [ranges], "cluster_state": "ok",
             }
-            for i, ranges in enumerate(["0-8191", "8192-16383"])
+            for i, (ranges, count) in enumerate([("8420-16383", 7964), ("0-8419", 8420)])
         ]  # fmt: skip
         with sup.rpc() as rpc:
             rpc.supervisor.stopProcess("valkey-1")
@@ -151,9 +146,20 @@ def test_a_supervised_cluster_forms_starts_the_rest_and_keeps_its_slots(tmp_path
         out, err = capsys.readouterr()
         assert out.splitlines() == [
             f"{'VALKEY NODE':<24}{'PORT':>6}{'SLOTS':>7}{'KEYS':>8}  {'RANGES':<24}STATE",
-            f"{'valkey-0':<24}{ports[0]:>6}{8192:>7}{0:>8}  {'0-8191':<24}up (ok)",
+            f"{'valkey-0':<24}{ports[0]:>6}{7964:>7}{0:>8}  {'8420-16383':<24}up (ok)",
             f"{'valkey-1':<24}{ports[1]:>6}{'-':>7}{'-':>8}  {'-':<24}down",
         ]
         assert err.startswith(f"kvrelay status: error: Redis at {state['redis_url']} is not ")
     finally:
         assert sup.stop(timeout=30)
+
+
+def test_shards_on_a_given_redis_start_no_node_and_reach_every_process(tmp_path):
+    from kvrelay.cli.up.command import build_programs
+
+    url = "redis://127.0.0.1:7001/0"
+    argv = ["up", "--threads", "2", "--shards", "3", "--redis-url", url]
+    programs, state = build_programs(build_parser().parse_args(argv), tmp_path)
+    assert [p.name for p in programs] == ["store", "ingress", "decode-0"]
+    assert {p.env["KVRELAY_SHARDS"] for p in programs} == {"3"}
+    assert (state["shards"], state["redis_url"], "cluster" in state) == (3, url, False)

@@ -103,7 +103,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         type=_number(int, 1, MAX_SHARDS, "shard count"),
         default=1,
         help="pipeline shards: 1 (default) a plain Valkey, 2-16 a local Valkey Cluster of that "
-        "many primaries, one shard's keys on each",
+        "many primaries, one shard's keys on each; with --redis-url, the shards on that server",
     )
     p.add_argument("--key-prefix", default=DEFAULT_KEY_PREFIX, help="Redis key prefix")
     p.add_argument("--threads", type=size, default=None, help="cores to divide (default: all)")

@@ -57,11 +57,8 @@ def check_shards(args: argparse.Namespace, run_dir: Path) -> None:
     shards = args.shards
     if not 1 <= shards <= MAX_SHARDS:
         raise CommandError(f"--shards must be 1-{MAX_SHARDS}, got {shards}")
-    if shards > 1 and args.redis_url is not None:
-        raise CommandError(
-            "--shards starts embedded Valkey nodes; with --redis-url (a cluster's node "
-            "works too) leave --shards out"
-        )
+    # with --redis-url, --shards is the pipeline shard count on that server (a cluster's node,
+    # or one plain Valkey): no embedded node is started
     if args.redis_url is None:
         existing = _existing_nodes(run_dir)
         if existing and existing != shards:

@@ -20,6 +20,7 @@ _HELP: list[tuple[str, ...]] = [
     ("run_dir", "directory of the local socket (kvstore.sock)"),
     ("redis_url", "Redis/Valkey URL for the page directory (none: no remote fetches)"),
     ("key_prefix", "Redis key prefix"),
+    ("shards", "pipeline shards, the same for every process (or the shared KVRELAY_SHARDS)"),
     ("arena_bytes", "size of the shared-memory arena"),
     ("disk_dir", "directory of the disk tier (none: no disk tier)"),
     ("disk_bytes", "disk tier size cap"),

@@ -165,8 +165,22 @@ class Keys:
     @property
     def pages(self) -> str:
         """Hash: page key (hex) -> the store nodes holding it, comma-separated (the page
-        directory; `core.page_keys.holders` reads a value)."""
-        return self._g + "pages"
+        directory; `core.page_keys.holders` reads a value). One per shard: a page's entry is in
+        the shard of its key (`pages_of`), so the directory spreads over the slots too."""
+        return self._p + "pages"
+
+    def pages_of(self, page_hex: str) -> str:
+        """The `pages` hash holding the entry of page key `page_hex`."""
+        if self.shards == 1:
+            return self.pages
+        return self.at(int(page_hex[:8] or "0", 16) % self.shards).pages
+
+    def page_groups(self, page_hexes: list[str]) -> dict[str, list[int]]:
+        """`pages` hash -> the positions in `page_hexes` of the keys whose entries it holds."""
+        groups: dict[str, list[int]] = {}
+        for i, page_hex in enumerate(page_hexes):
+            groups.setdefault(self.pages_of(page_hex), []).append(i)
+        return groups
 
     def store_node(self, node_id: str) -> str:
         return self._g + f"node:{node_id}"

@@ -22,6 +22,9 @@ class StoreConfig:
     redis_url: str | None = None  # None: no page directory, no remote fetches
     # the Redis section's prefix (kvrelay.core.config.RedisSettings); the URL is optional here
     key_prefix: str = DEFAULT_KEY_PREFIX
+    # the pipeline shards (KVRELAY_SHARDS, as every process): the page directory is spread
+    # over them by page key
+    shards: int = 1
     arena_bytes: int = 1 << 30
     disk_dir: str | None = None  # None: no disk tier
     disk_bytes: int = 16 << 30

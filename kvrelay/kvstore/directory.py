@@ -32,13 +32,14 @@ class Directory:
         node_id: str,
         ttl_s: float = 10.0,
         heartbeat_s: float = 2.0,
+        shards: int = 1,
     ):
         from kvrelay.core.redis_client import sync_redis
 
         self.redis = sync_redis(redis_url, socket_timeout=5, socket_connect_timeout=5)
         script = resources.files("kvrelay.kvstore") / "lua" / "pages.lua"
         self._pages = self.redis.register_script(script.read_text())
-        self.keys = Keys(key_prefix)
+        self.keys = Keys(key_prefix, shards=shards)  # page entries spread over the shards
         self.node_id = node_id
         self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
         self._info: dict[str, str] = {}
@@ -92,13 +93,20 @@ class Directory:
                 break
         if not ops:
             return
-        added = {key.hex() for op in ops if op[0] == "add" for key in op[1]}
-        removed: list[str] = []
+        # per `pages` hash (one per shard, by page key): one script call each
+        added: dict[str, set[str]] = {}
+        removed: dict[str, list[str]] = {}
         for op in ops:
-            if op[0] == "rem":
-                for key in op[1]:
-                    removed += [key.hex(), op[2]]
-        self._pages(keys=[self.keys.pages], args=[self.node_id, len(added), *added, *removed])
+            for key in op[1]:
+                page_hex = key.hex()
+                pages = self.keys.pages_of(page_hex)
+                if op[0] == "add":
+                    added.setdefault(pages, set()).add(page_hex)
+                else:
+                    removed.setdefault(pages, []).extend([page_hex, op[2]])
+        for pages in sorted(set(added) | set(removed)):
+            adds, rems = added.get(pages, set()), removed.get(pages, [])
+            self._pages(keys=[pages], args=[self.node_id, len(adds), *adds, *rems])
 
     def _run(self) -> None:
         next_beat = time.monotonic() + self.heartbeat_s
@@ -116,8 +124,14 @@ class Directory:
         """Node ids (other than this one, alive) holding each key."""
         if not keys:
             return []
+        hexes = [key.hex() for key in keys]
+        values: list[bytes | None] = [None] * len(hexes)
+        for pages, positions in self.keys.page_groups(hexes).items():
+            found = self.redis.hmget(pages, [hexes[i] for i in positions])
+            for i, value in zip(positions, cast("list[bytes | None]", found), strict=True):
+                values[i] = value
         out = []
-        for value in self.redis.hmget(self.keys.pages, [key.hex() for key in keys]):
+        for value in values:
             ids = sorted(i for i in holders(value) if i != self.node_id)
             out.append([i for i in ids if self.node_info(i) is not None])
         return out

@@ -88,7 +88,12 @@ class StoreNode:
             from kvrelay.kvstore.directory import Directory
 
             self.directory = Directory(
-                cfg.redis_url, cfg.key_prefix, cfg.node_id, cfg.node_ttl_s, cfg.heartbeat_s
+                cfg.redis_url,
+                cfg.key_prefix,
+                cfg.node_id,
+                cfg.node_ttl_s,
+                cfg.heartbeat_s,
+                shards=cfg.shards,
             )
         self.store = NodeStore(
             self.arena,

@@ -42,9 +42,17 @@ def test_each_shard_has_its_tag_and_the_shared_keys_stay_on_shard_0():
     assert (two.worker("w"), two.control("c"), two.fence) == (
         "{kvrelay.2}:worker:w", "{kvrelay.2}:control:c", "{kvrelay.2}:fence",
     )  # fmt: skip
-    assert (two.models, two.model_files("d"), two.store_node("n"), two.pages) == (
-        "{kvrelay}:models", "{kvrelay}:model-files:d", "{kvrelay}:node:n", "{kvrelay}:pages",
+    assert (two.models, two.model_files("d"), two.store_node("n")) == (
+        "{kvrelay}:models", "{kvrelay}:model-files:d", "{kvrelay}:node:n",
     )  # fmt: skip
+    # the page directory: a page's entry in the shard of its key
+    assert [keys.pages_of(h) for h in ("00000000ff", "00000001ff", "00000005ff")] == [
+        "{kvrelay}:pages", "{kvrelay.1}:pages", "{kvrelay.2}:pages",
+    ]  # fmt: skip
+    assert keys.page_groups(["00000001", "00000000", "00000004"]) == {
+        "{kvrelay.1}:pages": [0, 2], "{kvrelay}:pages": [1],
+    }  # fmt: skip
+    assert Keys().pages_of("00000005") == "{kvrelay}:pages"
     assert two.shard_count == "{kvrelay}:shards"
     assert Keys("app:", shards=2).at(1).dlq == "{app.1}:dlq"
     with pytest.raises(ValueError, match="shard 3 is not one of the 3 shards"):

@@ -31,8 +31,16 @@ def kvrelay_up(run_dir: Path, port: int, *extra: str, timeout: float = 180
 class Stack:
     """`kvrelay up --detach` ... `kvrelay down`, with handles on Redis and supervisord."""
 
-    def __init__(self, run_dir: Path, prefill: int = 1, decode: int = 1, env: dict | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        prefill: int = 1,
+        decode: int = 1,
+        env: dict | None = None,
+        shards: int = 1,
+    ):
         self.run_dir = run_dir
+        self.shards = shards  # > 1: a local Valkey Cluster, one pipeline shard per node
         self.port = free_port()
         self.prefill, self.decode = prefill, decode
         self.env = {
@@ -60,6 +68,8 @@ class Stack:
             "--timeout",
             str(timeout),
         ]
+        if self.shards > 1:
+            extra += ["--shards", str(self.shards)]
         for key, value in self.env.items():
             extra += ["--env", f"{key}={value}"]
         done = kvrelay_up(self.run_dir, self.port, *extra, timeout=timeout + 60)
@@ -68,9 +78,19 @@ class Stack:
                 f"kvrelay up failed ({done.returncode}): {done.stderr[-3000:]}" + self.logs()
             )
         self.state = json.loads(done.stdout.strip().splitlines()[-1])
-        self.keys = Keys(self.state["key_prefix"])
-        self.redis = redis.Redis.from_url(self.state["redis_url"])
+        self.keys = Keys(self.state["key_prefix"], shards=self.shards)
+        url = self.state["redis_url"]
+        self.redis = (
+            redis.RedisCluster.from_url(url) if self.shards > 1 else redis.Redis.from_url(url)
+        )
         self.sup = Supervisor(self.run_dir)
+
+    @property
+    def valkeys(self) -> tuple[str, ...]:
+        """The supervisord programs of the stack's Valkey: one node, or each cluster node."""
+        if self.shards == 1:
+            return ("valkey",)
+        return tuple(f"valkey-{i}" for i in range(self.shards))
 
     def down(self) -> None:
         subprocess.run(

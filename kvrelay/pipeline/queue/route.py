@@ -68,10 +68,14 @@ class Router:
         keys = page_keys(prompt_ids[:-1], model.page_size, model.fingerprint, salt)
         if not keys:
             return 0
+        hexes = [key.hex() for key in keys]
+        known = [False] * len(hexes)
+        for pages, positions in self.keys.page_groups(hexes).items():
+            found = await self.redis.hmget(pages, [hexes[i] for i in positions])
+            for i, value in zip(positions, found, strict=True):
+                known[i] = bool(value)
         hits = 0
-        for found in await self.redis.hmget(self.keys.pages, [key.hex() for key in keys]):
-            if not found:
-                break
+        while hits < len(known) and known[hits]:
             hits += 1
         return hits
 

@@ -66,9 +66,11 @@ def streams_table(streams: list[dict[str, Any]]) -> Table:
     t = Table(title="Streams", title_justify="left")
     for col in ("STAGE", "LENGTH", "LAG", "PENDING", "CONSUMERS"):
         t.add_column(col, justify="left" if col == "STAGE" else "right")
+    sharded = any(s.get("shard") for s in streams)  # several shards: say whose stream it is
     for s in streams:
+        stage = s.get("stage", s["stream"])
         t.add_row(
-            s.get("stage", s["stream"]),
+            f"{stage} (shard {s['shard']})" if sharded else stage,
             str(s["length"]),
             _num(s["lag"]),
             str(s["pending"]),

@@ -429,6 +429,7 @@ class Worker:
         self.metrics.set_load(len(self.active), self.admissions.qsize())
         return replace(
             record,
+            load=self.held(),  # every shard's entries, whichever shard's hash this is
             running=len(self.active),
             waiting=self.admissions.qsize(),
             tokens_per_s=rate,

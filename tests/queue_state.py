@@ -12,8 +12,8 @@ from kvrelay.pipeline.queue.streams import Streams
 
 
 def emitted_chunks(r: redis.Redis, keys: Keys, request_id: str) -> list[TokenChunk]:
-    """Every chunk emitted so far: out:{id}'s entries, then the tail."""
-    return Streams(r, keys, "reader").history(request_id)[0]
+    """Every chunk emitted so far: out:{id}'s entries, then the tail (on the request's shard)."""
+    return Streams(r, keys.of(request_id), "reader").history(request_id)[0]
 
 
 def feed_chunks(fields: dict[bytes, bytes]) -> dict[str, TokenChunk]:
@@ -25,7 +25,7 @@ def feed_chunks(fields: dict[bytes, bytes]) -> dict[str, TokenChunk]:
 
 
 def progress(r: redis.Redis, keys: Keys, request_id: str) -> Progress | None:
-    return Progress.parse(r.hget(keys.progress, request_id))
+    return Progress.parse(r.hget(keys.of(request_id).progress, request_id))
 
 
 def set_cancelled(r: redis.Redis, keys: Keys, request_id: str) -> None:

@@ -37,10 +37,12 @@ class Stack:
         prefill: int = 1,
         decode: int = 1,
         env: dict | None = None,
-        shards: int = 1,
+        shards: int | None = None,
     ):
         self.run_dir = run_dir
-        self.shards = shards  # > 1: a local Valkey Cluster, one pipeline shard per node
+        # > 1: a local Valkey Cluster, one pipeline shard per node; None: KVRELAY_E2E_SHARDS
+        # (default 1), so the whole e2e suite runs on a cluster with KVRELAY_E2E_SHARDS=3
+        self.shards = shards or int(os.environ.get("KVRELAY_E2E_SHARDS") or 1)
         self.port = free_port()
         self.prefill, self.decode = prefill, decode
         self.env = {

@@ -202,7 +202,7 @@ def _kill_every_holder(stack: Stack, request_id: str, stop: threading.Event) -> 
     """SIGKILL each worker process that admits the request, once per process: the one whose
     consumer holds the pending entry and that wrote itself into req:{id}.owner."""
     killed: list[str] = []
-    r, keys = stack.redis, stack.keys
+    r, keys = stack.redis, stack.keys.of(request_id)  # the request's shard
     streams = {b"prefilling": (keys.prefill_stream, PREFILL_GROUP),
                b"decoding": (keys.decode_stream, DECODE_GROUP)}  # fmt: skip
     while not stop.is_set():
@@ -249,7 +249,7 @@ def test_entry_that_kills_every_holder_goes_to_dlq_and_workers_live_on(stack):
     assert 5 <= len(killed) <= 7, killed
     reason = sse.error["message"]
     assert "without progress (limit 5)" in reason, reason
-    [(_, dlq)] = stack.redis.xrange(stack.keys.dlq)
+    [(_, dlq)] = stack.redis.xrange(stack.keys.of(rid).dlq)
     assert (dlq[b"request_id"].decode(), dlq[b"reason"].decode()) == (rid, reason)
     # every interface tells the same story: record, non-streaming reattach, producer client
     state = httpx.get(f"{stack.url}/v1/requests/{rid}").json()

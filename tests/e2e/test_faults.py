@@ -59,7 +59,8 @@ def test_sigkill_decode_worker_mid_request_same_tokens(stack, client):
 
     def kill_owner(n: int) -> None:
         if n == 5 and not killed:
-            owner = stack.redis.hget(stack.keys.request("fault-victim"), "owner").decode()
+            key = stack.keys.of("fault-victim").request("fault-victim")
+            owner = stack.redis.hget(key, "owner").decode()
             assert owner.startswith("decode-")
             killed[owner] = stack.kill(owner)
 
@@ -191,7 +192,8 @@ def test_features_resume_exactly_after_a_decode_worker_kill(stack, feature):
 
     def kill_owner(n: int) -> None:
         if n == 6 and not killed:  # the last choice's owner, mid-answer
-            owner = stack.redis.hget(stack.keys.request(ids[-1].format(victim)), "owner")
+            rid = ids[-1].format(victim)
+            owner = stack.redis.hget(stack.keys.of(rid).request(rid), "owner")
             assert owner is not None and owner.decode().startswith("decode-"), owner
             killed[owner.decode()] = stack.kill(owner.decode())
 

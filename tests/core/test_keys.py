@@ -16,14 +16,14 @@ def test_one_shard_keeps_todays_keys():
     assert (keys.shard, keys.shards, keys.tag) == (0, 1, "kvrelay")
     assert [
         keys.prefill_stream, keys.decode_stream, keys.dlq, keys.out("a"), keys.request("a"),
-        keys.progress, keys.consumers, keys.fence, keys.control("c"), keys.feed("f"),
+        keys.progress, keys.consumers, keys.fence("c"), keys.control("c"), keys.feed("f"),
         keys.response("resp_a"), keys.worker("w"), keys.worker_pattern, keys.request_pattern,
         keys.pages, keys.store_node("n"), keys.store_node_pattern, keys.models,
         keys.model_files("d"), keys.shard_count,
     ] == [
         "{kvrelay}:stream:prefill", "{kvrelay}:stream:decode", "{kvrelay}:dlq",
         "{kvrelay}:out:a", "{kvrelay}:req:a", "{kvrelay}:prog", "{kvrelay}:consumers",
-        "{kvrelay}:fence", "{kvrelay}:control:c", "{kvrelay}:feed:f", "{kvrelay}:resp:resp_a",
+        "{kvrelay}:fence:c", "{kvrelay}:control:c", "{kvrelay}:feed:f", "{kvrelay}:resp:resp_a",
         "{kvrelay}:worker:w", "{kvrelay}:worker:*", "{kvrelay}:req:*", "{kvrelay}:pages",
         "{kvrelay}:node:n", "{kvrelay}:node:*", "{kvrelay}:models", "{kvrelay}:model-files:d",
         "{kvrelay}:shards",
@@ -39,8 +39,8 @@ def test_each_shard_has_its_tag_and_the_shared_keys_stay_on_shard_0():
         "{kvrelay.2}:stream:prefill", "{kvrelay.2}:req:r", "{kvrelay.2}:prog",
         "{kvrelay.2}:feed:f",
     )  # fmt: skip
-    assert (two.worker("w"), two.control("c"), two.fence) == (
-        "{kvrelay.2}:worker:w", "{kvrelay.2}:control:c", "{kvrelay.2}:fence",
+    assert (two.worker("w"), two.control("c"), two.fence("c")) == (
+        "{kvrelay.2}:worker:w", "{kvrelay.2}:control:c", "{kvrelay.2}:fence:c",
     )  # fmt: skip
     assert (two.models, two.model_files("d"), two.store_node("n")) == (
         "{kvrelay}:models", "{kvrelay}:model-files:d", "{kvrelay}:node:n",

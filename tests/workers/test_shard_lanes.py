@@ -128,7 +128,7 @@ def test_a_consumer_fenced_on_one_shard_rejoins_that_shard_alone(stack):
         if sum(len(c.token_ids) for c in emitted_chunks(r, KEYS.at(0), rids[0])) >= 2:
             break
         time.sleep(0.005)
-    r.hset(KEYS.at(0).fence, old_one, "f")  # as a claim does when shard 0's lease ran out
+    r.set(KEYS.at(0).fence(old_one), "f")  # as a claim does when shard 0's lease ran out
     got = {shard: chunks(r, rid) for shard, rid in rids.items()}
     for shard in (0, 2):
         assert tokens_of(got[shard]) == long
@@ -136,8 +136,8 @@ def test_a_consumer_fenced_on_one_shard_rejoins_that_shard_alone(stack):
     # shard 0 came back as a new consumer; shard 2 kept its consumer and its requests
     assert one.consumer != old_one and one.streams.generation == gen_one + 1
     assert (two.consumer, two.streams.generation) == (old_two, gen_two)
-    assert r.hget(KEYS.at(0).fence, one.consumer) not in (None, b"f")
-    assert r.hget(KEYS.at(2).fence, old_two) not in (None, b"f")
+    assert r.get(KEYS.at(0).fence(one.consumer)) not in (None, b"f")
+    assert r.get(KEYS.at(2).fence(old_two)) not in (None, b"f")
     for shard in (0, 2):
         [group] = r.xinfo_groups(KEYS.at(shard).decode_stream)
         assert group["pending"] == 0

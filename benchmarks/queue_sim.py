@@ -8,13 +8,21 @@ a second. Simulated ingress processes submit requests with the real submit scrip
 `OutputFeed`, one reader per process. Each chunk's text carries the time it was emitted, so
 the readers measure emit-to-reader latency.
 
+With `--shards N` the queue plane is N pipeline shards on a local N-node Valkey cluster (AOF
+on, each shard's hash tag on its own node, as `kvrelay up --shards N` forms it): `--workers`
+simulated workers serve each shard (each with a plain client to its shard's node, as a
+worker's lane for that shard), and the ingress processes place requests by id
+(`Keys.of`) and read them through one `OutputFeed` per shard.
+
 For each point (workers x batch x steps/s) it reports offered and carried tokens/s, p50/p99
-latency, Valkey commands and CPU per token and Valkey's CPU use. Python, not Valkey, is the
+latency, Valkey commands and CPU per token and Valkey's CPU use (summed over the nodes, and
+the busiest node's). Python, not Valkey, is the
 ceiling on a small host: a point whose carried rate falls short of the offered one with
 Valkey below one core is limited by the load generator, and `per core` (tokens per Valkey CPU
 second) is the capacity that Valkey itself shows.
 
     python benchmarks/queue_sim.py --workers 1 --batch 32 --rates 50,100,200,0 --write-docs
+    python benchmarks/queue_sim.py --shards 3 --workers 1 --batch 32 --rates 0
 """
 
 from __future__ import annotations
@@ -67,6 +75,22 @@ def start_valkey(data_dir: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
+def start_cluster(data_dir: Path, shards: int) -> tuple[list[subprocess.Popen], list[str]]:
+    """A local cluster of `shards` primaries formed as `kvrelay up --shards N` forms it: each
+    pipeline shard's tag on its own node (AOF on); the nodes' URLs, node i holding shard i."""
+    from kvrelay.cli.up.valkey_cluster import form, make_nodes, valkey_command
+
+    ports = [free_port() for _ in range(2 * shards)]
+    nodes = make_nodes(data_dir, ports[:shards], ports[shards:], PREFIX)
+    procs = []
+    for node in nodes:
+        Path(node.data_dir).mkdir(parents=True, exist_ok=True)
+        cmd = valkey_command(node.port, node.data_dir, node.bus_port)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+    form(nodes)
+    return procs, [node.url for node in nodes]
+
+
 def valkey_counters(r: redis.Redis) -> tuple[int, float]:
     """(commands so far, Valkey CPU seconds so far), INFO itself left out."""
     stats = r.info("commandstats")
@@ -76,9 +100,12 @@ def valkey_counters(r: redis.Redis) -> tuple[int, float]:
 
 
 # ---- simulated decode worker -------------------------------------------------------------------
-def worker_main(url: str, index: int, batch: int, tokens: int, rate: float, until: float, q):
-    r = redis.Redis.from_url(url)
-    keys = Keys(PREFIX)
+def worker_main(
+    url: str, index: int, shard: int, shards: int, batch: int, tokens: int, rate: float,
+    until: float, q,
+):  # fmt: skip
+    r = redis.Redis.from_url(url)  # the node holding `shard` (a plain client: one slot)
+    keys = Keys(PREFIX, shard, shards)
     streams = Streams(r, keys, f"sim-{index}.{os.getpid()}")
     streams.ensure_group(keys.decode_stream, DECODE_GROUP)
     streams.beat(keys.worker(f"sim-{index}"), {"name": f"sim-{index}"}, 10)  # registers it
@@ -142,22 +169,24 @@ def worker_main(url: str, index: int, batch: int, tokens: int, rate: float, unti
 
 
 # ---- simulated ingress -------------------------------------------------------------------------
-def ingress_main(url: str, index: int, inflight: int, tokens: int, start: float, until: float, q):
-    asyncio.run(_ingress(url, index, inflight, tokens, start, until, q))
+def ingress_main(
+    url: str, shards: int, index: int, inflight: int, tokens: int, start: float, until: float, q
+):
+    asyncio.run(_ingress(url, shards, index, inflight, tokens, start, until, q))
 
 
-async def _ingress(url, index, inflight, tokens, start, until, q) -> None:
+async def _ingress(url, shards, index, inflight, tokens, start, until, q) -> None:
     from kvrelay.core.messages import PrefillTask
     from kvrelay.core.sampling import SamplingParams
     from kvrelay.pipeline.model_registry import ModelEntry
-    from kvrelay.pipeline.queue.feed import OutputFeed
+    from kvrelay.pipeline.queue.feed import output_feed
     from kvrelay.pipeline.queue.redis_options import async_redis
     from kvrelay.pipeline.queue.route import RouteMode, Router
     from kvrelay.pipeline.queue.submit import Producer, new_request_id
 
     client = async_redis(url, inflight + 8)
-    keys = Keys(PREFIX)
-    feed = OutputFeed(client, keys)
+    keys = Keys(PREFIX, shards=shards)
+    feed = output_feed(client, keys)
     await feed.start()
     producer = Producer(client, keys, None, Router(client, keys, RouteMode.COLOCATED))
     entry = ModelEntry("sim", None, 50000, 4096, None)
@@ -195,45 +224,58 @@ async def _ingress(url, index, inflight, tokens, start, until, q) -> None:
 
 
 # ---- one point ---------------------------------------------------------------------------------
-def run_point(url: str, workers: int, batch: int, rate: float, args) -> dict:
+def run_point(urls: list[str], workers: int, batch: int, rate: float, args) -> dict:
+    """One load point; `urls`: the node of each shard (one URL: one plain Valkey)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    r = redis.Redis.from_url(url)
+    shards = len(urls)
+    nodes = [redis.Redis.from_url(u) for u in urls]
     start = time.time() + args.warmup_s + 3  # process start-up, then warm-up
     until = start + args.duration_s
-    per_ingress = max(1, (workers * batch * 5 // 4) // args.ingresses)
+    per_ingress = max(1, (shards * workers * batch * 5 // 4) // args.ingresses)
     procs = [
-        ctx.Process(target=ingress_main, args=(url, i, per_ingress, args.tokens, start, until, q))
+        ctx.Process(
+            target=ingress_main,
+            args=(urls[0], shards, i, per_ingress, args.tokens, start, until, q),
+        )
         for i in range(args.ingresses)
     ]
     procs += [
-        ctx.Process(target=worker_main, args=(url, i, batch, args.tokens, rate, until + 1, q))
+        ctx.Process(
+            target=worker_main,
+            args=(urls[k], k * workers + i, k, shards, batch, args.tokens, rate, until + 1, q),
+        )
+        for k in range(shards)
         for i in range(workers)
     ]
     for p in procs:
         p.start()
     time.sleep(max(0.0, start - time.time()))
-    calls0, cpu0 = valkey_counters(r)
+    before = [valkey_counters(r) for r in nodes]
     time.sleep(max(0.0, until - time.time()))
-    calls1, cpu1 = valkey_counters(r)
+    after = [valkey_counters(r) for r in nodes]
     results = [q.get(timeout=60) for _ in procs]
     for p in procs:
         p.join(10)
     received = sum(x.get("received", 0) for x in results)
     lat = [v for x in results for v in x.get("latencies", [])]
-    cpu = cpu1 - cpu0
+    calls0, calls1 = sum(c for c, _ in before), sum(c for c, _ in after)
+    node_cpu = [b[1] - a[1] for a, b in zip(before, after, strict=True)]
+    cpu = sum(node_cpu)
     carried = received / args.duration_s
     return {
+        "shards": shards,
         "workers": workers,
         "batch": batch,
         "steps_per_s": rate or "max",
-        "offered": workers * batch * rate if rate else None,
+        "offered": shards * workers * batch * rate if rate else None,
         "carried": round(carried),
         "p50_ms": round(pct(lat, 0.5) * 1000, 2) if lat else None,
         "p99_ms": round(pct(lat, 0.99) * 1000, 2) if lat else None,
         "commands_per_token": round((calls1 - calls0) / max(received, 1), 3),
         "valkey_cpu_us_per_token": round(cpu * 1e6 / max(received, 1), 2),
         "valkey_cpu_util": round(cpu / args.duration_s, 2),
+        "busiest_node_cpu_util": round(max(node_cpu) / args.duration_s, 2),
         "tokens_per_valkey_core_s": round(received / cpu) if cpu > 0 else None,
     }
 
@@ -241,6 +283,9 @@ def run_point(url: str, workers: int, batch: int, rate: float, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--redis-url", help="a Valkey to load (default: start a fresh one)")
+    ap.add_argument(
+        "--shards", type=int, default=1, help="pipeline shards on a local N-node cluster"
+    )
     ap.add_argument("--workers", default="1", help="simulated decode workers (a list sweeps)")
     ap.add_argument("--batch", type=int, default=32, help="sequences per worker step")
     ap.add_argument("--rates", default="25,50,100,0", help="steps/s per worker (0: flat out)")
@@ -251,23 +296,30 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
+    if args.shards > 1 and args.redis_url:
+        ap.error("--shards starts its own cluster; leave out --redis-url")
     data_dir = None
-    proc = None
+    procs: list[subprocess.Popen] = []
     if args.redis_url:
-        url = args.redis_url
+        urls = [args.redis_url]
     else:
         data_dir = Path(tempfile.mkdtemp(prefix="kvrelay-qsim-"))
-        proc, url = start_valkey(data_dir)
+        if args.shards > 1:
+            procs, urls = start_cluster(data_dir, args.shards)
+        else:
+            proc, url = start_valkey(data_dir)
+            procs, urls = [proc], [url]
     rows = []
     try:
         for workers in [int(w) for w in args.workers.split(",")]:
             for rate in [float(x) for x in args.rates.split(",")]:
-                redis.Redis.from_url(url).flushall()
-                row = run_point(url, workers, args.batch, rate, args)
+                for u in urls:
+                    redis.Redis.from_url(u).flushall()
+                row = run_point(urls, workers, args.batch, rate, args)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
-        if proc is not None:
+        for proc in procs:
             proc.terminate()
             proc.wait(10)
         if data_dir is not None:
@@ -278,16 +330,17 @@ def main() -> None:
         lines = [
             f"Measured {machine_line()}; `{cmd}`.",
             "",
-            "| workers x batch | steps/s per worker | offered tok/s | carried tok/s | p50 ms "
-            "| p99 ms | commands/token | Valkey CPU µs/token | Valkey CPU "
-            "| tokens per Valkey core-s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| shards | workers x batch | steps/s per worker | offered tok/s | carried tok/s "
+            "| p50 ms | p99 ms | commands/token | Valkey CPU µs/token | Valkey CPU "
+            "| busiest node | tokens per Valkey core-s |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for x in rows:
             lines.append(
-                f"| {x['workers']} x {x['batch']} | {x['steps_per_s']} | {x['offered'] or '-'} | "
-                f"{x['carried']} | {x['p50_ms']} | {x['p99_ms']} | {x['commands_per_token']} | "
-                f"{x['valkey_cpu_us_per_token']} | {x['valkey_cpu_util']} | "
+                f"| {x['shards']} | {x['workers']} x {x['batch']} | {x['steps_per_s']} | "
+                f"{x['offered'] or '-'} | {x['carried']} | {x['p50_ms']} | {x['p99_ms']} | "
+                f"{x['commands_per_token']} | {x['valkey_cpu_us_per_token']} | "
+                f"{x['valkey_cpu_util']} | {x['busiest_node_cpu_util']} | "
                 f"{x['tokens_per_valkey_core_s']} |"
             )
         write_section("queue-sim", "\n".join(lines))

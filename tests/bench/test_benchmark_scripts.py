@@ -272,14 +272,15 @@ def test_ingress_benchmark_runs_a_few_requests_through_the_step_path():
     assert [row[:34].rstrip() for row in rows] == INGRESS_STAGES
 
 
-def test_queue_simulator_carries_tokens_through_the_real_scripts():
+@pytest.mark.parametrize("shards", [1, 3])
+def test_queue_simulator_carries_tokens_through_the_real_scripts(shards):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "queue_sim.py"), "--workers", "1",
            "--batch", "4", "--rates", "20", "--tokens", "8", "--duration-s", "1",
-           "--warmup-s", "0.5"]  # fmt: skip
+           "--warmup-s", "0.5", "--shards", str(shards)]  # fmt: skip
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
     assert (done.returncode, done.stderr) == (0, "")
     [row] = [json.loads(line) for line in done.stdout.splitlines()]
-    assert (row["workers"], row["batch"], row["steps_per_s"]) == (1, 4, 20.0)
+    assert (row["shards"], row["workers"], row["batch"], row["steps_per_s"]) == (shards, 1, 4, 20.0)
     assert row["carried"] > 0 and row["commands_per_token"] > 0  # tokens reached the readers

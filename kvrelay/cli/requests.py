@@ -11,7 +11,8 @@ from typing import Any
 from kvrelay.cli.admin import connect, connection_args, print_json
 from kvrelay.cli.errors import EXIT_FAILURE, EXIT_NOT_FOUND, CommandError
 
-ENTRY_ID = re.compile(r"\d+-\d+")  # a full stream entry id, as `kvrelay dlq ls` prints it
+# a full stream entry id as `kvrelay dlq ls` prints it (`@<shard>` when there are several)
+ENTRY_ID = re.compile(r"\d+-\d+(@\d+)?")
 
 
 def _null_if_empty(data: dict[str, Any], names: Any) -> dict[str, Any]:
@@ -116,7 +117,10 @@ def run_dlq(args: argparse.Namespace) -> int:
             print(f"purged {n} {'entry' if n == 1 else 'entries'}")
         return 0
     if args.action == "show":
-        entry = admin_dlq.entry(r, keys, args.dlq_id)
+        try:
+            entry = admin_dlq.entry(r, keys, args.dlq_id)
+        except admin_dlq.AmbiguousEntry as exc:
+            raise CommandError(str(exc)) from None
         if entry is None:
             raise CommandError(f"no entry {args.dlq_id}", EXIT_NOT_FOUND)
         _show(dlq_fields(entry), args.json)
@@ -133,6 +137,8 @@ def _replay(r, keys, ids: list[str], args: argparse.Namespace) -> int:
     for dlq_id in ids:
         try:
             replayed = admin_dlq.replay(r, keys, dlq_id, force=args.force)
+        except admin_dlq.AmbiguousEntry as exc:
+            raise CommandError(str(exc)) from None
         except (admin_dlq.NotReplayable, admin_dlq.ReplayRefused) as exc:
             if not args.all:
                 raise CommandError(str(exc), EXIT_FAILURE) from None

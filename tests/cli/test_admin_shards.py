@@ -93,6 +93,8 @@ def test_requests_and_dead_letters_are_found_on_their_shard(r, valkey_session, c
     code, out, _ = cli(capsys, valkey_session, "dlq", "ls", "--json")
     rows = json.loads(out)
     assert sorted((row["reason"], row["request_id"]) for row in rows) == sorted(reasons.values())
+    # with several shards an entry's id names its shard (two DLQs can hold the same entry id)
+    assert sorted(row["dlq_id"].rpartition("@")[2] for row in rows) == ["1", "2"]
     two = next(row for row in rows if row["reason"] == "boom 2")
     code, out, _ = cli(capsys, valkey_session, "dlq", "show", two["dlq_id"], "--json")
     assert json.loads(out)["task"]["request_id"] == reasons[2][1]
@@ -113,3 +115,20 @@ def test_drain_flags_the_worker_on_every_shard_it_serves(r, valkey_session, caps
     assert code == 0
     assert [r.hget(k.worker("decode-0"), "drain") for k in KEYS.all()] == [b"1"] * 3
     assert [r.exists(k.worker("prefill-2")) for k in KEYS.all()] == [0, 0, 1]
+
+
+def test_an_entry_id_two_shards_share_must_name_its_shard(r, valkey_session, capsys):
+    seed(r)
+    for shard in (1, 2):  # the same stream entry id in two shards' DLQs
+        fields = {"payload": b"", "reason": f"boom {shard}", "request_id": f"x{shard}"}
+        r.xadd(KEYS.at(shard).dlq, fields, id="1700000000000-0")
+    code, out, err = cli(capsys, valkey_session, "dlq", "show", "1700000000000-0", "--json")
+    assert (code, out) == (2, "")
+    assert "DLQ entry 1700000000000-0 is on several shards: name one" in err
+    assert "(1700000000000-0@1, 1700000000000-0@2)" in err
+    code, out, _ = cli(capsys, valkey_session, "dlq", "show", "1700000000000-0@2", "--json")
+    assert (code, json.loads(out)["reason"], json.loads(out)["dlq_id"]) == (
+        0, "boom 2", "1700000000000-0@2",
+    )  # fmt: skip
+    code, _, _ = cli(capsys, valkey_session, "dlq", "show", "1700000000000-0@0", "--json")
+    assert code != 0  # shard 0 holds no such entry

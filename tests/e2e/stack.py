@@ -94,6 +94,11 @@ class Stack:
             return ("valkey",)
         return tuple(f"valkey-{i}" for i in range(self.shards))
 
+    def valkey_of(self, request_id: str = "") -> str:
+        """The supervisord program of the Valkey holding a request's shard (node i holds shard
+        i's keys); the one Valkey of a plain stack."""
+        return self.valkeys[self.keys.of(request_id).shard] if request_id else self.valkeys[-1]
+
     def down(self) -> None:
         subprocess.run(
             [sys.executable, "-m", "kvrelay.cli.main", "down", "--run-dir", str(self.run_dir)],

@@ -89,6 +89,8 @@ def _serves(client, timeout: float = 120) -> str:
 
 @pytest.mark.parametrize("program", ["ingress", "store", "prefill-0", "decode-0", "valkey"])
 def test_killed_process_is_restarted_and_serving_resumes(stack, client, program):
+    if program == "valkey":
+        program = stack.valkey_of()  # on a cluster: one of its nodes
     expected = _serves(client)
     old = stack.kill(program)
     stack.wait_restarted(program, old)
@@ -109,7 +111,8 @@ def test_request_in_flight_survives_valkey_restart(stack, client):
     thread = threading.Thread(target=victim)
     thread.start()
     time.sleep(1.0)
-    stack.wait_restarted("valkey", stack.kill("valkey"))
+    node = stack.valkey_of("fault-vk")  # on a cluster: the node holding the request's shard
+    stack.wait_restarted(node, stack.kill(node))
     thread.join(180)
     # the ingress waits the restart out: the open stream goes on, nothing is cut or repeated
     assert not errors, f"{errors!r}{stack.logs()}"

@@ -305,6 +305,23 @@ def test_claim_takes_only_dead_consumers_entries_and_forgets_them_once_empty(r):
     assert r.get(KEYS.fence("gone")) == b"f"
 
 
+def test_a_dead_consumer_is_forgotten_only_once_neither_stage_holds_anything_of_it(r):
+    """The consumers hash serves both stages: a prefill worker's scan fences a dead decode
+    consumer but keeps it, so the decode workers' next scan claims its entry at once."""
+    a, d = make(r, "a"), make(r, "d")
+    task = DecodeTask(request_id="r1", prompt_token_ids=[1, 2, 3], sampling={})
+    r.hset(KEYS.progress, "r1", new_progress())
+    r.xadd(D, {MESSAGE_FIELD: task.encode()})
+    [held] = a.read(D, DECODE_GROUP, 1, None)
+    r.hset(KEYS.consumers, "a", 0)  # a's lease ran out
+    assert d.claim(P, PREFILL_GROUP, 10_000, 10) == []  # the prefill scan: nothing of a there
+    assert r.get(KEYS.fence("a")) == b"f" and r.hexists(KEYS.consumers, "a") == 1
+    [claimed] = d.claim(D, DECODE_GROUP, 10_000, 10)
+    assert claimed.entry_id == held.entry_id
+    assert r.hexists(KEYS.consumers, "a") == 1  # d holds it now; a holds nothing
+    assert d.claim(D, DECODE_GROUP, 10_000, 10) == [] and r.hexists(KEYS.consumers, "a") == 0
+
+
 def test_release_makes_entries_claimable_at_once(r):
     a, b = make(r, "a"), make(r, "b")
     eid = add_task(r)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import redis
@@ -72,27 +72,57 @@ def kind_of(reason: str, payload: bytes, stream: str, keys: Keys) -> str:
     return "invalid" if _task(payload, stream, keys) is None else "other"
 
 
-def _id_order(letter: DeadLetter) -> tuple[int, int]:
-    ms, _, seq = letter.dlq_id.partition("-")
-    return int(ms), int(seq or 0)
+SHARD_SEP = "@"  # `<entry id>@<shard>`: a DLQ entry's id once there are several shards
+
+
+class AmbiguousEntry(KvrelayError, ValueError):
+    """An entry id without its shard that several shards' DLQs hold (ids are per stream)."""
+
+
+def dlq_ref(entry_id: str, shard: Keys) -> str:
+    """A DLQ entry as `dlq ls` shows it and `show`/`replay` take it: its stream entry id, with
+    `@<shard>` when there are several shards (two shards' DLQs can hold the same entry id)."""
+    return entry_id if shard.shards == 1 else f"{entry_id}{SHARD_SEP}{shard.shard}"
+
+
+def _id_order(letter: DeadLetter) -> tuple[int, int, int]:
+    entry_id, _, shard = letter.dlq_id.partition(SHARD_SEP)
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0), int(shard or 0)
 
 
 def entries(r: redis.Redis, keys: Keys, limit: int = 100) -> list[DeadLetter]:
-    """Oldest-first DLQ entries of every shard."""
+    """Oldest-first DLQ entries of every shard (ids `dlq_ref`)."""
     out: list[DeadLetter] = []
     for shard in keys.all():
         rows = cast("list[StreamEntry]", r.xrange(shard.dlq, count=limit))
-        out += [DeadLetter.decode(eid, fields) for eid, fields in rows]
+        for eid, fields in rows:
+            letter = DeadLetter.decode(eid, fields)
+            out.append(replace(letter, dlq_id=dlq_ref(letter.dlq_id, shard)))
     return sorted(out, key=_id_order)[:limit] if keys.shards > 1 else out
 
 
 def _read(r: redis.Redis, keys: Keys, dlq_id: str) -> tuple[DeadLetter, Keys] | None:
-    """The entry and the keys of the shard whose DLQ holds it."""
-    for shard in keys.all():
-        rows = cast("list[StreamEntry]", r.xrange(shard.dlq, min=dlq_id, max=dlq_id))
+    """The entry (its stream entry id in `dlq_id`) and the keys of the shard whose DLQ holds
+    it: the shard `dlq_id` names (`<entry id>@<shard>`), else the one shard that holds such
+    an entry (AmbiguousEntry when several do)."""
+    entry_id, sep, shard_text = dlq_id.partition(SHARD_SEP)
+    if sep:
+        shard = int(shard_text)
+        if not 0 <= shard < keys.shards:
+            return None
+        candidates = [keys.at(shard)]
+    else:
+        candidates = keys.all()
+    found: list[tuple[DeadLetter, Keys]] = []
+    for shard_keys in candidates:
+        rows = cast("list[StreamEntry]", r.xrange(shard_keys.dlq, min=entry_id, max=entry_id))
         if rows:
-            return DeadLetter.decode(*rows[0]), shard
-    return None
+            found.append((DeadLetter.decode(*rows[0]), shard_keys))
+    if len(found) > 1:
+        where = ", ".join(dlq_ref(entry_id, k) for _, k in found)
+        raise AmbiguousEntry(f"DLQ entry {entry_id} is on several shards: name one ({where})")
+    return found[0] if found else None
 
 
 def entry(r: redis.Redis, keys: Keys, dlq_id: str) -> dict[str, Any] | None:
@@ -101,7 +131,7 @@ def entry(r: redis.Redis, keys: Keys, dlq_id: str) -> dict[str, Any] | None:
     if found is None:
         return None
     letter, keys = found
-    out = letter.public()
+    out = replace(letter, dlq_id=dlq_ref(letter.dlq_id, keys)).public()
     for cls in (PrefillTask, DecodeTask):
         try:
             out["task"] = cls.decode(letter.payload).to_dict()
@@ -157,7 +187,7 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
             mapping=replayed.changes(),  # type: ignore[arg-type]  # redis-py: invariant keys
         )
     pipe.xadd(stream, {MESSAGE_FIELD: payload})
-    pipe.xdel(keys.dlq, dlq_id)
+    pipe.xdel(keys.dlq, letter.dlq_id)
     new_id = as_str(pipe.execute()[-2])
     logger.info("replayed DLQ entry %s (request %s) as %s", dlq_id, request_id or "?", new_id)
     return Replayed(dlq_id, new_id, stream, request_id, reason, kind, kind != "other")

@@ -24,7 +24,7 @@ import redis
 
 from kvrelay.core import record as rec
 from kvrelay.core.enums import FinishReason, WorkerField
-from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import TokenChunk, decode_chunks, frame
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.worker_record import WorkerRecord
@@ -182,10 +182,15 @@ class Streams:
     def claim(self, stream: str, group: str, lease_ms: int, count: int) -> list[Entry]:
         """Take up to `count` entries of consumers whose worker has not beaten for a lease
         (`lua/claim.lua`); nothing is read per entry while every worker lives."""
+        prefill = stream == self.keys.prefill_stream
+        other = self.keys.decode_stream if prefill else self.keys.prefill_stream
         reply = self._claim(
-            keys=[stream, self.keys.consumers],
-            args=[group, self.consumer, lease_ms, count, self.keys.fence("")],
-        )
+            keys=[stream, self.keys.consumers, other],
+            args=[
+                group, self.consumer, lease_ms, count, self.keys.fence(""),
+                DECODE_GROUP if prefill else PREFILL_GROUP,
+            ],
+        )  # fmt: skip
         return [Entry(as_str(eid), payload or None, int(n)) for eid, payload, n in reply or []]
 
     def beat(self, worker_key: str, fields: dict, ttl_s: int) -> tuple[bool, bool]:

@@ -3,9 +3,11 @@
 -- lease, so XPENDING and XCLAIM run only when a consumer is found dead. A dead consumer is
 -- fenced first (its fence key `<fence prefix><consumer>` becomes 'f', kept a day: every later
 -- step of it is refused wholesale), so no write of it lands after its entries change hands.
--- One that owns nothing more leaves the consumers hash.
--- KEYS: 1 work stream, 2 consumers hash
--- ARGV: 1 group, 2 claiming consumer, 3 lease ms, 4 most entries to claim, 5 fence key prefix
+-- One that owns nothing more, in this stream or the other stage's (the consumers hash serves
+-- both: a prefill worker's scan must not forget a dead decode consumer), leaves the hash.
+-- KEYS: 1 work stream, 2 consumers hash, 3 the other stage's stream
+-- ARGV: 1 group, 2 claiming consumer, 3 lease ms, 4 most entries to claim, 5 fence key prefix,
+--       6 the other stream's group
 -- Returns {entry id, payload or false, deliveries} per claimed entry.
 local group, me, lease_ms, room = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local t = redis.call('TIME')
@@ -18,7 +20,10 @@ for i = 1, #beats, 2 do
     redis.call('SET', ARGV[5] .. name, 'f', 'EX', 86400)
     local pending = redis.call('XPENDING', KEYS[1], group, '-', '+', room, name)
     if #pending == 0 then
-      redis.call('HDEL', KEYS[2], name)
+      local other = redis.pcall('XPENDING', KEYS[3], ARGV[6], '-', '+', 1, name)
+      if type(other) ~= 'table' or other.err or #other == 0 then
+        redis.call('HDEL', KEYS[2], name)
+      end
     else
       local ids, counts = {}, {}
       for _, row in ipairs(pending) do

@@ -22,7 +22,12 @@ import redis.asyncio as aioredis
 import redis.asyncio.cluster as aiocluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError
+from redis.exceptions import (
+    ClusterDownError,
+    ConnectionError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 from kvrelay.core.redis_client import is_cluster
 
@@ -46,6 +51,40 @@ def resilient(
 
 
 RESILIENT = resilient()  # no timeouts: callers that block on XREAD without a bound of their own
+
+
+class ClusterUnavailable(ConnectionError):
+    """A cluster node could not serve a command now (it is down or restarting): what the
+    callers wait out like any lost connection."""
+
+
+def _raised_in_redis(exc: BaseException) -> bool:
+    """Whether `exc` was raised inside redis-py itself (its innermost frame is there)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("redis.")
+
+
+class ResilientCluster(aiocluster.RedisCluster):
+    """redis-py's asyncio RedisCluster whose failures while a node is down or restarting are
+    all ConnectionErrors (`ClusterUnavailable`), which callers wait out: CLUSTERDOWN and
+    TRYAGAIN replies, a slot no node covers for the moment, and an AttributeError or TypeError
+    raised inside redis-py's own connection code when a node's connections are torn down under
+    a command (seen with nodes killed: `'NoneType' object has no attribute 'writelines'`).
+    None of these ran the command."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except (ClusterDownError, TryAgainError, SlotNotCoveredError) as exc:
+            raise ClusterUnavailable(str(exc)) from exc
+        except (AttributeError, TypeError) as exc:
+            if not _raised_in_redis(exc):
+                raise
+            raise ClusterUnavailable(f"cluster connection lost ({exc})") from exc
+
+
 # the asyncio client `async_redis` makes: a plain one or a cluster one, used alike
 AsyncRedis: TypeAlias = aioredis.Redis | aiocluster.RedisCluster
 
@@ -69,7 +108,7 @@ def async_redis(
         # no timeout unless given, as for the plain pool (blocking reads bound their own wait)
         options.setdefault("socket_timeout", None)
         options.setdefault("socket_connect_timeout", None)
-        return aiocluster.RedisCluster.from_url(url, max_connections=max_connections, **options)
+        return ResilientCluster.from_url(url, max_connections=max_connections, **options)
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=pool_timeout_s, **options
     )

@@ -167,3 +167,10 @@ async def test_the_producer_client_submits_to_each_shard(
             valkey_session.url, key_prefix=THREE, shards=2, tokenizers=tokenizers
         ) as client:
             await client.submit(PROMPT, sampling=GREEDY_8)
+    # no count given (nor KVRELAY_SHARDS): the client takes the stack's from its Redis, so the
+    # Valkey URL alone reads a request of any shard
+    async with AsyncClient(valkey_session.url, key_prefix=THREE, tokenizers=tokenizers) as client:
+        assert client.keys.shards == 1  # until it has asked
+        assert (await client.result(rid)).text == expected and client.keys.shards == 3
+        later = ids_on_every_shard("shd-client-url-only")[2]
+        assert (await client.generate(PROMPT, request_id=later, sampling=GREEDY_8)).text == expected

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncGenerator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -80,6 +81,20 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """The client's settings its shard-dependent pieces are built with (`AsyncClient._build`)."""
+
+    tokenizers: dict[str, Any] | None
+    mode: RouteMode | str
+    route_threshold: int
+    timeout_s: float | None
+    max_prompt_tokens: int
+    max_tokens_limit: int
+    submit_wait_s: float
+    block_ms: int
+
+
 class AsyncClient:
     """Submit requests to a kvrelay pipeline and iterate their tokens (asyncio)."""
 
@@ -103,30 +118,22 @@ class AsyncClient:
         shards: int | None = None,
     ):
         self.model = model
-        # None: KVRELAY_SHARDS (default 1); checked against the stack's at the first submit
-        shards = check_shards(setting(RedisSettings, "shards") if shards is None else shards)
-        self.keys = Keys(key_prefix, shards=shards)
+        # given (the argument, else KVRELAY_SHARDS): checked against the stack's at first use;
+        # not given: the stack's own count, read from its Redis at first use (1 until then)
+        if shards is None:
+            shards = setting(RedisSettings, "shards", default=None)
+        self._shards_given = shards is not None
         self._shards_checked = False
-        override = _override(override_generation_config)
+        self._override = _override(override_generation_config)
         self._own_redis = redis is None
         # each request being read holds a connection: beyond max_connections, callers wait
         self.redis = redis or async_redis(redis_url, max_connections)
-        self.cluster = ClusterState(self.redis, self.keys)
-        self.registry = ModelRegistry((model,), self.cluster, tokenizers, override)
-        router = Router(self.redis, self.keys, mode, route_threshold, self.cluster)
-        self.producer = Producer(
-            self.redis,
-            self.keys,
-            self.registry,
-            router,
-            max_prompt_tokens=max_prompt_tokens,
-            max_tokens_limit=max_tokens_limit,
-            timeout_s=timeout_s,
-            submit_wait_s=submit_wait_s,
-        )
+        self._options = _Options(
+            tokenizers, mode, route_threshold, timeout_s, max_prompt_tokens, max_tokens_limit,
+            submit_wait_s, block_ms,
+        )  # fmt: skip
         self.block_ms = block_ms
-        # the one reader of the outputs this client reads (started on first use)
-        self.feed = output_feed(self.redis, self.keys, block_ms=block_ms)
+        self._build(Keys(key_prefix, shards=check_shards(shards or 1)))
         self._deadlines: dict[str, float | None] = {}
         self._models: dict[str, str] = {}
 
@@ -213,13 +220,44 @@ class AsyncClient:
         self._models[request_id] = parsed.model
         return request_id
 
+    def _build(self, keys: Keys) -> None:
+        """The pieces that depend on the shard count: keys, cluster view, models, producer and
+        the output reader (started on first use)."""
+        o = self._options
+        self.keys = keys
+        self.cluster = ClusterState(self.redis, keys)
+        self.registry = ModelRegistry((self.model,), self.cluster, o.tokenizers, self._override)
+        router = Router(self.redis, keys, o.mode, o.route_threshold, self.cluster)
+        self.producer = Producer(
+            self.redis,
+            keys,
+            self.registry,
+            router,
+            max_prompt_tokens=o.max_prompt_tokens,
+            max_tokens_limit=o.max_tokens_limit,
+            timeout_s=o.timeout_s,
+            submit_wait_s=o.submit_wait_s,
+        )
+        # the one reader of the outputs this client reads (started on first use)
+        self.feed = output_feed(self.redis, keys, block_ms=o.block_ms)
+
     async def _check_shards(self) -> None:
-        """Refuse (ShardCountError) to run with another shard count than the stack's, checked
-        once; Redis unreachable, the submission's own wait rides it out (checked next time)."""
+        """A given shard count is checked against the stack's (ShardCountError when they
+        differ); otherwise the stack's count is taken, before anything used the keys. Done
+        once; Redis unreachable (or no process of the stack started yet), tried again at the
+        next call (the call itself rides the outage out)."""
         if self._shards_checked:
             return
         try:
-            await check_shard_count(self.redis, self.keys)
+            if self._shards_given:
+                await check_shard_count(self.redis, self.keys)
+            else:
+                raw = await self.redis.get(self.keys.shard_count)
+                if raw in (None, b"", ""):
+                    return  # the stack has not started yet: 1 shard until it says
+                stored = check_shards(int(raw))
+                if stored != self.keys.shards:
+                    self._build(Keys(self.keys.prefix, shards=stored))
         except RedisError:
             return
         self._shards_checked = True
@@ -255,6 +293,7 @@ class AsyncClient:
                 code="invalid_value",
             )
         try:
+            await self._check_shards()
             deadline = self._deadlines.get(request_id)
             if deadline is None and request_id not in self._deadlines:
                 raw = await self.redis.hget(
@@ -293,6 +332,10 @@ class AsyncClient:
         chunk (subscribed before it is queued: no history to read)."""
         given = kwargs.pop("request_id", None)
         request_id = new_request_id() if given is None else checked_id(given)
+        try:
+            await self._check_shards()  # before the subscription takes its shard's feed
+        except RedisError as exc:
+            raise queue_unavailable(exc) from exc
         subscription = await self.feed.subscribe(request_id)
         try:
             await self._submit(prompt, request_id=request_id, feed=self.feed.reader_id, **kwargs)
@@ -306,6 +349,7 @@ class AsyncClient:
         every choice of a request of several."""
         checked_id(request_id)
         try:
+            await self._check_shards()
             await choices_state.cancel(self.redis, self.keys, request_id)
         except RedisError as exc:
             raise queue_unavailable(exc) from exc
@@ -316,6 +360,7 @@ class AsyncClient:
         `choices`); None when unknown or expired."""
         checked_id(request_id)
         try:
+            await self._check_shards()
             return await choices_state.request_view(self.redis, self.keys, request_id)
         except RedisError as exc:
             raise queue_unavailable(exc) from exc

@@ -29,6 +29,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from kvrelay.core.errors import KvrelayError
 from kvrelay.core.redis_client import is_cluster
 
 
@@ -53,9 +54,9 @@ def resilient(
 RESILIENT = resilient()  # no timeouts: callers that block on XREAD without a bound of their own
 
 
-class ClusterUnavailable(ConnectionError):
-    """A cluster node could not serve a command now (it is down or restarting): what the
-    callers wait out like any lost connection."""
+class ClusterUnavailable(KvrelayError, ConnectionError):
+    """A cluster node could not serve a command now (it is down or restarting): a redis
+    ConnectionError, which callers wait out like any lost connection."""
 
 
 def _raised_in_redis(exc: BaseException) -> bool:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import redis
 
-from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import TokenChunk, unframe
+from kvrelay.core.keys import MESSAGE_FIELD, Keys, shard_of
+from kvrelay.core.messages import TokenChunk, decode_chunks, unframe
 from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.queue.streams import Streams
@@ -80,3 +82,36 @@ def expires_at(r: redis.Redis, key: str, field: str | None = None) -> int:
     if field is None:
         return int(r.pexpiretime(key))
     return int(r.execute_command("HPEXPIRETIME", key, "FIELDS", 1, field)[0])
+
+
+def final_chunks(
+    r: redis.Redis, keys: Keys, request_id: str, timeout: float = 120
+) -> list[TokenChunk]:
+    """Every chunk of the request, from out:{id} on its shard, once its final chunk is there
+    (what there is when `timeout` passes first)."""
+    key = keys.of(request_id).out(request_id)
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [c for _, f in r.xrange(key) for c in decode_chunks(f[MESSAGE_FIELD])]
+        if (got and got[-1].finished) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
+def tokens_of(got: list[TokenChunk]) -> list[int]:
+    """The token ids of chunks whose indices run on without a gap or an overlap."""
+    expect = 0
+    for c in got:
+        assert c.index == expect, "chunk indices must be contiguous"
+        expect += len(c.token_ids)
+    return [t for c in got for t in c.token_ids]
+
+
+def ids_on_every_shard(stem: str, shards: int = 3) -> list[str]:
+    """One request id per shard (`{stem}-{i}`), shard 0 first."""
+    found: dict[int, str] = {}
+    i = 0
+    while len(found) < shards:
+        found.setdefault(shard_of(f"{stem}-{i}", shards), f"{stem}-{i}")
+        i += 1
+    return [found[k] for k in range(shards)]

@@ -7,10 +7,11 @@ import json
 import time
 
 from kvrelay.cli.main import main
-from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys, shard_of
+from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk
 from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.queue.streams import Streams
+from tests.queue_state import ids_on_every_shard
 
 PREFIX = "adms:"
 KEYS = Keys(PREFIX, shards=3)
@@ -20,13 +21,6 @@ def cli(capsys, valkey, *argv: str) -> tuple[int, str, str]:
     code = main([*argv, "--redis-url", valkey.url, "--key-prefix", PREFIX])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def on_shard(stem: str, shard: int) -> str:
-    i = 0
-    while shard_of(f"{stem}{i}", 3) != shard:
-        i += 1
-    return f"{stem}{i}"
 
 
 def worker(r, keys: Keys, name: str, role: str) -> None:
@@ -46,7 +40,7 @@ def seed(r) -> dict[int, Streams]:
     for shard, count in ((1, 2), (2, 1)):
         keys = KEYS.at(shard)
         for i in range(count):
-            rid = on_shard(f"t{i}-", shard)
+            rid = ids_on_every_shard(f"t{i}")[shard]
             task = PrefillTask(request_id=rid, prompt_token_ids=[1, 2], sampling={})
             r.xadd(keys.prefill_stream, {MESSAGE_FIELD: task.encode()})
     return streams
@@ -71,7 +65,7 @@ def test_status_shows_each_shards_load_and_each_worker_once(r, valkey_session, c
 
 def test_requests_and_dead_letters_are_found_on_their_shard(r, valkey_session, capsys):
     streams = seed(r)
-    rid = on_shard("run-", 1)
+    rid = ids_on_every_shard("run")[1]
     one = KEYS.at(1)
     r.hset(one.request(rid), mapping={"status": "decoding", "prompt_tokens": 2})
     r.hset(one.progress, rid, Progress(emitted=2).encode())

@@ -19,7 +19,7 @@ from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     running_worker,
     smollm_tokenizer,
 )
-from tests.pipeline.test_shards_worker import ids_on_every_shard
+from tests.queue_state import ids_on_every_shard
 
 pytestmark = pytest.mark.anyio
 

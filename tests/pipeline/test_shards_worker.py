@@ -10,7 +10,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from kvrelay.core.keys import Keys, shard_of
+from kvrelay.core.keys import Keys
 from kvrelay.pipeline.queue.shard_count import (
     ShardCountError,
     check_shard_count,
@@ -26,22 +26,13 @@ from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
     running_worker,
     smollm_tokenizer,
 )
+from tests.queue_state import ids_on_every_shard
 
 pytestmark = pytest.mark.anyio
 
 ONE, THREE = "shd1:", "shd3:"
 PROMPT = "The capital of France is"
 GREEDY_8 = {"max_tokens": 8, "temperature": 0}
-
-
-def ids_on_every_shard(stem: str, shards: int = 3) -> list[str]:
-    """One request id per shard, shard 0 first."""
-    found: dict[int, str] = {}
-    i = 0
-    while len(found) < shards:
-        found.setdefault(shard_of(f"{stem}-{i}", shards), f"{stem}-{i}")
-        i += 1
-    return [found[k] for k in range(shards)]
 
 
 @pytest.fixture(scope="module")

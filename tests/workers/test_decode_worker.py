@@ -10,12 +10,19 @@ import pytest
 import redis
 
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, Keys
-from kvrelay.core.messages import DecodeTask, TokenChunk, decode_chunks, frame
+from kvrelay.core.messages import DecodeTask, TokenChunk, frame
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.queue.streams import StepStatus, StepWrite, Streams
 from kvrelay.workers.config import WorkerConfig
-from tests.queue_state import ValkeyClock, emitted_chunks, expires_at, set_cancelled
+from tests.queue_state import (
+    ValkeyClock,
+    emitted_chunks,
+    expires_at,
+    final_chunks,
+    set_cancelled,
+    tokens_of,
+)
 
 KEYS = Keys("dw:")
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -66,18 +73,6 @@ def submit(r, request_id: str, prompt: list[int], outputs: list[int], **fields) 
     return r.xadd(KEYS.decode_stream, {MESSAGE_FIELD: task.encode()}).decode()
 
 
-def chunks(r, request_id: str, timeout: float = 120) -> list[TokenChunk]:
-    """Every chunk of the request once its final chunk is there."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = [
-            c for _, f in r.xrange(KEYS.out(request_id)) for c in decode_chunks(f[MESSAGE_FIELD])
-        ]
-        if (got and got[-1].finished) or time.monotonic() > deadline:
-            return got
-        time.sleep(0.02)
-
-
 def ghost(r, consumer: str) -> Streams:
     """A worker's streams that beat once (registered in the fence hash), then go silent."""
     streams = Streams(r, KEYS, consumer)
@@ -98,14 +93,6 @@ def emitted(r, request_id: str) -> int:
     return sum(len(c.token_ids) for c in emitted_chunks(r, KEYS, request_id))
 
 
-def tokens_of(got: list[TokenChunk]) -> list[int]:
-    expect = 0
-    for c in got:
-        assert c.index == expect, "chunk indices must be contiguous"
-        expect += len(c.token_ids)
-    return [t for c in got for t in c.token_ids]
-
-
 def test_batch_matches_generate(stack):
     r, _, prompts, refs = stack
     clock = ValkeyClock(r).start()
@@ -119,7 +106,7 @@ def test_batch_matches_generate(stack):
             r, f"pre{i}", prompt, refs[i].output_token_ids[:1], prefilled=True, num_cached_tokens=32
         )
     for i, ref in enumerate(refs):
-        local = chunks(r, f"local{i}")
+        local = final_chunks(r, KEYS, f"local{i}")
         assert tokens_of(local) == ref.output_token_ids
         assert "".join(c.text for c in local) == ref.text_delta
         assert local[-1].finish_reason == "length"
@@ -129,7 +116,7 @@ def test_batch_matches_generate(stack):
             "completion_tokens": 8,
             "cached_tokens": len(prompts[i]) // 16 * 16,
         }
-        pre = chunks(r, f"pre{i}")
+        pre = final_chunks(r, KEYS, f"pre{i}")
         assert tokens_of(pre) == ref.output_token_ids
         assert pre[-1].usage["cached_tokens"] == 32  # the prefill worker's report is kept
     clock.stop()
@@ -161,7 +148,7 @@ def test_claimed_request_resumes_without_gaps_or_duplicates(stack):
     em = StepWrite(eid, "resume", TokenChunk(1, done[1:]))
     assert ghost_step(dead, em) == StepStatus.OK
     r.hset(KEYS.consumers, "ghost", 0)  # its last beat is long past
-    got = chunks(r, "resume")
+    got = final_chunks(r, KEYS, "resume")
     assert tokens_of(got) == refs[1].output_token_ids
     assert [c.index for c in got[:2]] == [0, 1] and got[2].index == 3
     # the ghost's chunks carried no text (held back, say): the resumed worker sends all of it
@@ -169,7 +156,7 @@ def test_claimed_request_resumes_without_gaps_or_duplicates(stack):
     # the presumed-dead owner wakes up: the claim fenced it, its next step is refused
     em.chunk = TokenChunk(3, refs[1].output_token_ids[3:4])
     assert ghost_step(dead, em) == StepStatus.FENCED
-    assert tokens_of(chunks(r, "resume")) == refs[1].output_token_ids
+    assert tokens_of(final_chunks(r, KEYS, "resume")) == refs[1].output_token_ids
 
 
 def test_cancel_mid_request(stack):
@@ -179,7 +166,7 @@ def test_cancel_mid_request(stack):
     while emitted(r, "stopme") < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     set_cancelled(r, KEYS, "stopme")
-    got = chunks(r, "stopme")
+    got = final_chunks(r, KEYS, "stopme")
     assert got[-1].finish_reason == "cancelled" and got[-1].token_ids == []
     n = len(tokens_of(got))
     assert 2 <= n < 200 and got[-1].usage["completion_tokens"] == n
@@ -207,7 +194,7 @@ def test_many_claims_with_progress_between_are_churn_not_poison(stack):
     for _ in range(6):  # claimed by six more holders: 7 deliveries, more than max_deliveries
         r.xclaim(KEYS.decode_stream, DECODE_GROUP, "ghost2", 0, [eid])
     r.hset(KEYS.consumers, "ghost2", 0)
-    got = chunks(r, "churn")
+    got = final_chunks(r, KEYS, "churn")
     assert tokens_of(got) == ref and got[-1].finish_reason == "length"
     rec = r.hmget(KEYS.request("churn"), "status", "claim_emitted", "claim_delivery")
     assert rec == [b"finished", b"3", b"8"]  # progress seen at the 8th delivery: no strike
@@ -218,7 +205,7 @@ def test_a_fenced_worker_drops_its_requests_rejoins_and_resumes_them_exactly_onc
     r, worker, prompts, _ = stack
     sampling = {**GREEDY, "max_tokens": 40}
     submit(r, "fence-ref", prompts[2], [], sampling=sampling)
-    ref = tokens_of(chunks(r, "fence-ref"))
+    ref = tokens_of(final_chunks(r, KEYS, "fence-ref"))
     assert len(ref) == 40
     old = worker.consumer
     submit(r, "fenced", prompts[2], [], sampling=sampling)
@@ -226,7 +213,7 @@ def test_a_fenced_worker_drops_its_requests_rejoins_and_resumes_them_exactly_onc
     while emitted(r, "fenced") < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
     r.set(KEYS.fence(old), "f")  # as a claim does when the worker stalled past its lease
-    got = chunks(r, "fenced")
+    got = final_chunks(r, KEYS, "fenced")
     # the next step was refused: the worker came back as a new consumer, its old entry was
     # claimed after the lease (by itself, the only worker) and resumed where it stopped
     assert worker.consumer != old and worker.streams.generation >= 1
@@ -249,4 +236,4 @@ def test_an_idle_worker_learns_it_was_fenced_from_its_heartbeat(stack):
     assert worker.consumer != old
     assert r.get(KEYS.fence(old)) == b"f" and r.get(KEYS.fence(worker.consumer)) == b"0"
     submit(r, "after-fence", prompts[0], [])
-    assert tokens_of(chunks(r, "after-fence")) == refs[0].output_token_ids
+    assert tokens_of(final_chunks(r, KEYS, "after-fence")) == refs[0].output_token_ids

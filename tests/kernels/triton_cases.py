@@ -39,6 +39,18 @@ def _dot_bf16_as_fp32(self, a, b, d, *args):
 
 
 interpreter.InterpreterBuilder.create_dot = _dot_bf16_as_fp32
+_patch_lang_tensor = interpreter._patch_lang_tensor
+
+
+def _scalar_index(tensor, scope) -> None:
+    # The interpreter holds a scalar as a 1-element array; Triton before 3.9 made a loop bound of
+    # it with int(array), which NumPy >= 2.4 refuses for a 1-d array (the lent GPU machine's
+    # Triton 3.6). 3.9 squeezes it first, as this does.
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+
+interpreter._patch_lang_tensor = _scalar_index
 # The interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest even): bf16 results
 # are checked within two bf16 ulps of torch, not bitwise.
 BF16_ULP = 2.0**-7

@@ -430,7 +430,8 @@ PREFIX = unique_prefix()
 
 @pytest.fixture(scope="module")
 def decode_worker(valkey_session):
-    with running_worker(valkey_session.url, PREFIX, "decode-tools") as worker:
+    # on CPU where a GPU is visible too: the calls below are the fp32 model's greedy answers
+    with running_worker(valkey_session.url, PREFIX, "decode-tools", device="cpu") as worker:
         yield worker
 
 

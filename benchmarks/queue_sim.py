@@ -23,6 +23,10 @@ second) is the capacity that Valkey itself shows.
 
     python benchmarks/queue_sim.py --workers 1 --batch 32 --rates 50,100,200,0 --write-docs
     python benchmarks/queue_sim.py --shards 3 --workers 1 --batch 32 --rates 0
+    python benchmarks/queue_sim.py --shards 3 --workers 1 --batch 32 --rates 0 --valkey-cpu 0.15
+
+`--valkey-cpu F` caps each Valkey node at F of a core (a cgroup per node; root): on a host
+with fewer cores than nodes plus load generator, shards are compared at equal CPU per node.
 """
 
 from __future__ import annotations
@@ -89,6 +93,40 @@ def start_cluster(data_dir: Path, shards: int) -> tuple[list[subprocess.Popen], 
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
     form(nodes)
     return procs, [node.url for node in nodes]
+
+
+def cap_cpu(pids: list[int], fraction: float) -> list[Path]:
+    """Give each process its own CPU cgroup capped at `fraction` of one core (CFS quota), so
+    every Valkey node gets the same CPU however many share the host; the cgroups made (remove
+    them with `uncap`). Needs root and the cgroup v1 `cpu` controller or cgroup v2."""
+    root_v1, root_v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    made = []
+    for pid in pids:
+        if (root_v1 / "cpu.cfs_quota_us").exists():
+            group = root_v1 / f"kvrelay-qsim-{pid}"
+            group.mkdir()
+            (group / "cpu.cfs_period_us").write_text("100000")
+            (group / "cpu.cfs_quota_us").write_text(str(round(fraction * 100000)))
+            (group / "cgroup.procs").write_text(str(pid))  # every thread of it
+        elif (root_v2 / "cgroup.controllers").exists():
+            group = root_v2 / f"kvrelay-qsim-{pid}"
+            group.mkdir()
+            (group / "cpu.max").write_text(f"{round(fraction * 100000)} 100000")
+            (group / "cgroup.procs").write_text(str(pid))
+        else:
+            raise SystemExit("--valkey-cpu needs a cgroup cpu controller (and root)")
+        made.append(group)
+    return made
+
+
+def uncap(groups: list[Path]) -> None:
+    for group in groups:
+        for _ in range(50):  # empty once its process has exited
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 def valkey_counters(r: redis.Redis) -> tuple[int, float]:
@@ -293,6 +331,12 @@ def main() -> None:
     ap.add_argument("--ingresses", type=int, default=1, help="ingress processes (readers)")
     ap.add_argument("--duration-s", type=float, default=8.0)
     ap.add_argument("--warmup-s", type=float, default=2.0)
+    ap.add_argument(
+        "--valkey-cpu",
+        type=float,
+        help="cap each Valkey node at this fraction of one core (cgroup; root): shards "
+        "compared at equal CPU per node on a host too small to give each node a core",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
@@ -309,6 +353,9 @@ def main() -> None:
         else:
             proc, url = start_valkey(data_dir)
             procs, urls = [proc], [url]
+    if args.valkey_cpu and not procs:
+        ap.error("--valkey-cpu caps the Valkeys it starts; leave out --redis-url")
+    groups = cap_cpu([p.pid for p in procs], args.valkey_cpu) if args.valkey_cpu else []
     rows = []
     try:
         for workers in [int(w) for w in args.workers.split(",")]:
@@ -322,6 +369,7 @@ def main() -> None:
         for proc in procs:
             proc.terminate()
             proc.wait(10)
+        uncap(groups)
         if data_dir is not None:
             shutil.rmtree(data_dir, ignore_errors=True)
     if args.write_docs:

@@ -15,7 +15,7 @@ from kvrelay.pipeline.queue.streams import Streams
 
 def emitted_chunks(r: redis.Redis, keys: Keys, request_id: str) -> list[TokenChunk]:
     """Every chunk emitted so far: out:{id}'s entries, then the tail (on the request's shard)."""
-    return Streams(r, keys.of(request_id), "reader").history(request_id)[0]
+    return Streams(r, keys.of(request_id), "reader").history(request_id)
 
 
 def feed_chunks(fields: dict[bytes, bytes]) -> dict[str, TokenChunk]:

@@ -118,8 +118,7 @@ class Keys:
 
     @property
     def progress(self) -> str:
-        """Hash: request id -> its `Progress` (tokens emitted, feeds, owner, cancel flag), and
-        `<request id>#<index>` -> each chunk not yet in out:{id} (its tail);
+        """Hash: request id -> its `Progress` (tokens emitted, feeds, owner, cancel flag);
         `kvrelay.pipeline.queue.progress`."""
         return self._p + "prog"
 
@@ -139,6 +138,13 @@ class Keys:
         """List: what the owner of requests must learn (`cancel <id>`, `feeds <id> <f1,f2>`),
         popped by its step script. Lua derives it from `progress` (same prefix)."""
         return self._p + f"control:{consumer}"
+
+    def tail(self, consumer: str) -> str:
+        """Hash: a stream consumer's step number -> the chunks its step added to requests'
+        tails (the chunks not yet in out:{id}), one run of `progress.feed_item` per step; the
+        tail of a request is in its owner's hash (`lua/progress.lua` walks it). Lua derives it
+        from `progress` (same prefix)."""
+        return self._p + f"tail:{consumer}"
 
     def feed(self, reader_id: str) -> str:
         """Stream: the live chunks of every request one output reader (an ingress process or

@@ -25,7 +25,6 @@ import redis
 
 from kvrelay.core.messages import TokenChunk, frame
 from kvrelay.core.worker_record import HEARTBEAT_FIELDS, WorkerRecord
-from kvrelay.pipeline.queue.progress import tail_field
 from kvrelay.pipeline.queue.streams import StepStatus, StepWrite, Streams, WriteMode
 from kvrelay.workers.publication import ModelPublication
 
@@ -42,8 +41,9 @@ class OutgoingKind(enum.StrEnum):
 
 
 # a request's tail (chunks not yet in out:{id}) is flushed at this many chunks or bytes: a
-# flush costs ~5 Valkey commands whatever its size, a long tail costs a reader that attaches
-# (or a claimant) one HGET per chunk; 16 KiB is ~240 chunks of one token
+# flush costs ~5 Valkey commands whatever its size; a long tail keeps more step fields in the
+# worker's tail hash, which a reader that attaches (or a claimant) walks; 16 KiB is ~240
+# chunks of one token
 FLUSH_CHUNKS = 256
 FLUSH_BYTES = 16384
 
@@ -96,6 +96,11 @@ class Emitter:
         self.on_fenced = on_fenced or (lambda consumer: None)
         # request id -> its tail: chunk index -> payload, written since its last flush
         self._tail: dict[str, dict[int, bytes]] = {}
+        # request id -> the step whose tail field holds its tail's first chunk, and the steps
+        # that wrote a tail field still in the tail hash: the fields older than every tail's
+        # first step are dropped with the next step
+        self._tail_since: dict[str, int] = {}
+        self._tail_steps: list[int] = []
         # request id -> the feeds following it (from its admission, then the control list)
         self._feeds: dict[str, list[str]] = {}
         self._tail_lock = threading.Lock()
@@ -107,22 +112,19 @@ class Emitter:
     def put(self, item: Outgoing) -> None:
         self.queue.put(item)
 
-    def inherit(self, request_id: str, tail: list[tuple[int, bytes]]) -> None:
-        """The tail a claimed request already has (its previous owner's chunks not yet in
-        out:{id}): this worker's first flush writes them too (reader thread)."""
-        with self._tail_lock:
-            self._tail[request_id] = dict(tail)
-
     def follow(self, request_id: str, feeds: list[str]) -> None:
         """The feeds following an admitted request (reader thread)."""
         with self._tail_lock:
             self._feeds[request_id] = list(feeds)
 
     def drop_all(self) -> None:
-        """Forget every tail and feed (the worker rejoined as a new consumer)."""
+        """Forget every tail and feed (the worker rejoined as a new consumer; the old one's
+        tail hash stays for the admissions that move its requests' tails)."""
         with self._tail_lock:
             self._tail.clear()
             self._feeds.clear()
+            self._tail_since.clear()
+            self._tail_steps.clear()
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush everything queued, then stop the thread."""
@@ -207,6 +209,9 @@ class Emitter:
             consumer, generation = self.streams.identity  # read before what it holds
             if generation != self._generation:
                 self._generation, self._step_no, self._acked = generation, 0, 0
+                with self._tail_lock:
+                    self._tail_since.clear()
+                    self._tail_steps.clear()
             held = self.inflight.snapshot()
             batch = [
                 item
@@ -228,9 +233,11 @@ class Emitter:
                 step = (generation, self._step_no)
             for item in now:
                 item.step = step
-            writes = [self._write_of(item) for item in now]  # built once per item
+            writes = [self._write_of(item, step[1]) for item in now]  # built once per item
             with self._tail_lock:
                 feeds = {item.request_id: self._feeds.get(item.request_id, []) for item in now}
+                floor = min(self._tail_since.values(), default=step[1])
+                drop = [s for s in self._tail_steps if s < floor]
             res = self.streams.step(
                 self.stream,
                 self.group,
@@ -240,6 +247,7 @@ class Emitter:
                 step[1],
                 self._acked,
                 consumer=consumer,
+                drop_steps=drop,
             )
             if res.status == StepStatus.FENCED and self.streams.consumer != consumer:
                 continue  # rejoined meanwhile: what is held now goes under the new name
@@ -255,6 +263,11 @@ class Emitter:
                 return
             self._acked = res.num_control
             with self._tail_lock:
+                self._tail_steps = [s for s in self._tail_steps if s >= floor]
+                if any(w.mode == WriteMode.EMIT for w in writes) and (
+                    not self._tail_steps or self._tail_steps[-1] != step[1]
+                ):
+                    self._tail_steps.append(step[1])
                 for rid, feed_ids in res.feeds.items():
                     if rid in held:
                         self._feeds[rid] = feed_ids
@@ -268,9 +281,10 @@ class Emitter:
             if not batch:
                 return
 
-    def _write_of(self, item: Outgoing) -> StepWrite:
-        """The item's StepWrite: the chunk joins the request's tail, or the tail and the chunk
-        go to out:{id} (at a hand-off, the end, or when the tail is long)."""
+    def _write_of(self, item: Outgoing, step_no: int) -> StepWrite:
+        """The item's StepWrite: the chunk joins the request's tail (in step `step_no`'s field
+        of the tail hash), or the tail and the chunk go to out:{id} (at a hand-off, the end, or
+        when the tail is long)."""
         if item.write is not None:
             return item.write
         rid = item.request_id
@@ -298,10 +312,11 @@ class Emitter:
             )  # fmt: skip
             if mode == WriteMode.EMIT:
                 tail[chunk.index] = payload
+                self._tail_since.setdefault(rid, step_no)
             else:
                 write.history = b"".join(frame(p) for p in tail.values()) + frame(payload)
-                write.drop = [tail_field(rid, index) for index in tail]
                 tail.clear()
+                self._tail_since.pop(rid, None)
         item.write = write
         return write
 
@@ -310,6 +325,7 @@ class Emitter:
         with self._tail_lock:
             self._tail.pop(item.request_id, None)
             self._feeds.pop(item.request_id, None)
+            self._tail_since.pop(item.request_id, None)
 
 
 class Inflight:

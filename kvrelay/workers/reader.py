@@ -82,7 +82,7 @@ class ReaderHost(Protocol):
     def heartbeat(self) -> Heartbeat: ...  # draining: read nothing new
 
     @property
-    def emitter(self) -> Emitter: ...  # dead letters, claimed requests' tails
+    def emitter(self) -> Emitter: ...  # dead letters, the feeds of admitted requests
 
     @property
     def metrics(self) -> WorkerMetrics: ...
@@ -219,7 +219,7 @@ def _admission(
     emitted = queued
     if claimed or entry.deliveries > 1 or found.emitted != len(queued):
         try:
-            chunks, tail = w.streams.history(task.request_id)
+            chunks = w.streams.history(task.request_id)
             emitted, text_len, finished = emitted_of(chunks, task.request_id)
         except (MessageError, ValueError) as exc:
             w.inflight.remove(task.request_id, entry.entry_id)
@@ -229,7 +229,6 @@ def _admission(
             w.r.xack(w.stream, w.group, entry.entry_id)
             w.inflight.remove(task.request_id, entry.entry_id)
             return None
-        w.emitter.inherit(task.request_id, tail)  # the first flush writes them to out:{id}
         logger.info(
             "request %s: claimed entry %s (delivery %d) with %d tokens already emitted",
             task.request_id,

@@ -16,7 +16,7 @@ from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk, frame
 from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue import admin as queue_admin
-from kvrelay.pipeline.queue.progress import Progress, new_progress
+from kvrelay.pipeline.queue.progress import Progress, new_progress, tail_entry
 from kvrelay.pipeline.queue.streams import Streams
 from kvrelay.workers.emitter import Heartbeat, Inflight
 from tests.conftest import free_port
@@ -48,10 +48,10 @@ def seed(r) -> Streams:
     r.expire(KEYS.worker("decode-0"), 30)
     r.hset(KEYS.request("q0"), mapping={"status": "decoding", "prompt_tokens": 2})
     r.hset(KEYS.request("q1"), mapping={"status": "finished"})
-    # q0 runs: its two tokens are in the tail of its progress, none in out:{id} yet
+    # q0 runs: its two tokens are in its owner's tail hash, none in out:{id} yet
     tail = TokenChunk(0, [5, 6], text="hi").encode()
-    r.hset(KEYS.progress, "q0", Progress(emitted=2).encode())
-    r.hset(KEYS.progress, "q0#0", tail)
+    r.hset(KEYS.progress, "q0", Progress(emitted=2, owner="decode-0.1/1-0").encode())
+    r.hset(KEYS.tail("decode-0.1"), 1, tail_entry([("q0", tail)]))
     return s
 
 

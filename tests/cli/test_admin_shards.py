@@ -9,7 +9,7 @@ import time
 from kvrelay.cli.main import main
 from kvrelay.core.keys import MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import PrefillTask, TokenChunk
-from kvrelay.pipeline.queue.progress import Progress
+from kvrelay.pipeline.queue.progress import Progress, tail_entry
 from kvrelay.pipeline.queue.streams import Streams
 from tests.queue_state import ids_on_every_shard
 
@@ -68,8 +68,8 @@ def test_requests_and_dead_letters_are_found_on_their_shard(r, valkey_session, c
     rid = ids_on_every_shard("run")[1]
     one = KEYS.at(1)
     r.hset(one.request(rid), mapping={"status": "decoding", "prompt_tokens": 2})
-    r.hset(one.progress, rid, Progress(emitted=2).encode())
-    r.hset(one.progress, f"{rid}#0", TokenChunk(0, [5, 6], text="hi").encode())
+    r.hset(one.progress, rid, Progress(emitted=2, owner="w/1-0").encode())
+    r.hset(one.tail("w"), 1, tail_entry([(rid, TokenChunk(0, [5, 6], text="hi").encode())]))
     code, out, _ = cli(capsys, valkey_session, "requests", "show", rid, "--json")
     data = json.loads(out)
     assert (code, data["status"], data["output_text"], data["emitted"]) == (0, "decoding", "hi", 2)

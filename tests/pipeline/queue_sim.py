@@ -10,8 +10,11 @@ import redis
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus
 from kvrelay.core.keys import MESSAGE_FIELD, Keys
-from kvrelay.core.messages import TokenChunk, decode_chunks, frame
-from kvrelay.pipeline.queue.progress import Progress, feed_item, new_progress, tail_field
+from kvrelay.core.messages import TokenChunk, frame
+from kvrelay.pipeline.queue.progress import Progress, feed_item, new_progress, owner_of, tail_entry
+
+# the stand-in worker: the owner of every request it writes, whose tail hash holds the tails
+CONSUMER = "sim-worker"
 
 
 def submit(r: redis.Redis, keys: Keys, request_id: str, feed: str = "", **record) -> None:
@@ -22,6 +25,12 @@ def submit(r: redis.Redis, keys: Keys, request_id: str, feed: str = "", **record
 
 # (key prefix, request id) -> the tail's chunks, as a worker keeps them to flush them
 _TAILS: dict[tuple[str, str], list[TokenChunk]] = {}
+_STEPS: dict[str, int] = {}  # key prefix -> the stand-in's last step number
+
+
+def _next_step(keys: Keys) -> int:
+    _STEPS[keys.prefix] = _STEPS.get(keys.prefix, 0) + 1
+    return _STEPS[keys.prefix]
 
 
 def _step(
@@ -30,6 +39,7 @@ def _step(
     """The progress after one chunk, and the run of frames to flush to out:{id} (b"": none):
     flushed when asked and with the final chunk."""
     progress = progress or Progress(emitted=chunk.index, hist=chunk.index)
+    progress.owner = progress.owner or owner_of(CONSUMER, "0-0")
     tail = _TAILS.setdefault((keys.prefix, rid), [])
     tail.append(chunk)
     progress.emitted = max(progress.emitted, chunk.index + len(chunk.token_ids))
@@ -42,11 +52,10 @@ def _step(
 
 
 def _writes(pipe: Any, keys: Keys, rid: str, chunk: TokenChunk, p: Progress, run: bytes) -> None:
-    if run:
+    if run:  # (the step fields of its tail stay: a walk starts at the progress's `hist`)
         pipe.xadd(keys.out(rid), {MESSAGE_FIELD: run})
-        pipe.hdel(keys.progress, *[tail_field(rid, c.index) for c in decode_chunks(run)])
     else:
-        pipe.hset(keys.progress, tail_field(rid, chunk.index), chunk.encode())
+        pipe.hset(keys.tail(CONSUMER), _next_step(keys), tail_entry([(rid, chunk.encode())]))
     if chunk.finished:  # the end: the record's count, the progress gone
         pipe.hset(keys.request(rid), rec.EMITTED, p.emitted)
         pipe.hdel(keys.progress, rid)
@@ -91,13 +100,15 @@ async def emit_async(r: Any, keys: Keys, request_id: str, chunk: TokenChunk) -> 
 def step(r: redis.Redis, keys: Keys, chunks: dict[str, TokenChunk]) -> None:
     """One worker step of several requests: one feed entry per feed for all of them."""
     by_feed: dict[str, list[bytes]] = {}
+    tail: list[tuple[str, bytes]] = []
     for request_id, chunk in chunks.items():
         progress = Progress.parse(r.hget(keys.progress, request_id))
         progress, _ = _step(keys, request_id, progress, chunk, False)
         r.hset(keys.progress, request_id, progress.encode())
-        r.hset(keys.progress, tail_field(request_id, chunk.index), chunk.encode())
+        tail.append((request_id, chunk.encode()))
         for feed in progress.feeds:
             by_feed.setdefault(feed, []).append(feed_item(request_id, chunk.encode()))
+    r.hset(keys.tail(CONSUMER), _next_step(keys), tail_entry(tail))
     for feed, items in by_feed.items():
         r.xadd(keys.feed(feed), {MESSAGE_FIELD: b"".join(items)}, nomkstream=True)
 

@@ -286,8 +286,7 @@ def test_a_reader_attaching_between_steps_gets_the_chunk_it_missed_from_the_tail
         await _until(lambda: len(got) == 3)
         history = b"".join(frame(_c(i, [i + 1], "abc"[i]).encode()) for i in range(3))
         last = _c(3, [4], "d", FinishReason.STOP)
-        drop = [f"late#{i}" for i in range(3)]
-        step(last, WriteMode.DONE, history=history + frame(last.encode()), drop=drop)
+        step(last, WriteMode.DONE, history=history + frame(last.encode()))
         await asyncio.wait_for(reader, 10)
 
     _run(valkey_session.url, scenario)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from kvrelay.core.keys import PREFILL_GROUP, Keys
 from kvrelay.core.messages import TokenChunk
-from kvrelay.pipeline.queue.progress import Progress
+from kvrelay.pipeline.queue.progress import Progress, tail_entry
+from kvrelay.pipeline.queue.streams import StepWrite
 from tests.pipeline.test_streams import add_task, make
 
 KEYS = Keys("t:")
@@ -36,10 +37,11 @@ def test_strikes_restart_with_progress_and_with_a_new_entry(r):
 def test_strikes_count_the_tail_of_the_progress(r):
     s = make(r, "a")
     r.hset(KEYS.request("q"), mapping={"status": "decoding", "emitted": 0})
-    r.hset(KEYS.progress, "q", Progress(emitted=0).encode())
+    r.hset(KEYS.progress, "q", Progress(emitted=0, owner="w/1-0").encode())
     assert s.strikes("q", "1-0", 2, 0) == 1
-    # a step wrote a chunk of two tokens to the tail: the record and the progress still say 0
-    r.hset(KEYS.progress, "q#0", TokenChunk(0, [4, 5]).encode())
+    # a step of its owner w wrote a chunk of two tokens to the tail: the record and the
+    # progress still say 0
+    r.hset(KEYS.tail("w"), 1, tail_entry([("q", TokenChunk(0, [4, 5]).encode())]))
     assert s.strikes("q", "1-0", 3, 0) == 0
 
 
@@ -55,3 +57,21 @@ def test_release_makes_owned_entries_claimable_at_once(r):
     assert {p["message_id"].decode(): p["consumer"].decode() for p in
             r.xpending_range(KEYS.prefill_stream, PREFILL_GROUP, "-", "+", 10)} == {
         e1: "b", e2: "b"}  # fmt: skip
+
+
+def test_a_release_moves_the_tail_to_out_and_the_next_admission_goes_on_from_it(r):
+    a, b = make(r, "a"), make(r, "b")
+    e1 = add_task(r, "r1")
+    [entry] = a.read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
+    a.admit([(entry.entry_id, "r1", 0, {})])
+    c0 = TokenChunk(0, [4, 5], text="hi")
+    a.step(StepWrite(e1, "r1", c0))
+    assert r.exists(KEYS.out("r1")) == 0  # in a's tail hash
+    a.release(KEYS.prefill_stream, PREFILL_GROUP, [(e1, "r1")])
+    # ownerless, so its tail is in out:{id} now, counted as history
+    prog = Progress.parse(r.hget(KEYS.progress, "r1"))
+    assert (prog.owner, prog.emitted, prog.hist) == ("", 2, 2)
+    assert [c.token_ids for c in a.history("r1")] == [[4, 5]] and r.xlen(KEYS.out("r1")) == 1
+    [claimed] = b.claim(KEYS.prefill_stream, PREFILL_GROUP, 60_000, 10)
+    [found] = b.admit([(claimed.entry_id, "r1", 0, {})])
+    assert found.emitted == 2 and r.xlen(KEYS.out("r1")) == 1  # nothing moved twice

@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk, decode_chunks, frame
 from kvrelay.pipeline.queue import choices_state
-from kvrelay.pipeline.queue.progress import Progress, new_progress
+from kvrelay.pipeline.queue.progress import Progress, new_progress, tail_entry
 from kvrelay.pipeline.queue.streams import StepStatus, StepWrite, Streams, WriteMode
 from tests.queue_state import ValkeyClock, expires_at, feed_chunks
 
@@ -36,10 +36,13 @@ class Stepper:
             self.feeds[rid] = one.feeds
         return found
 
-    def step(self, *writes: StepWrite, repeat: bool = False):
+    def step(self, *writes: StepWrite, repeat: bool = False, drop_steps=()):
         if not repeat:
             self.no += 1
-        res = self.s.step(P, PREFILL_GROUP, D, list(writes), self.feeds, self.no, self.acked)
+        res = self.s.step(
+            P, PREFILL_GROUP, D, list(writes), self.feeds, self.no, self.acked,
+            drop_steps=drop_steps,
+        )  # fmt: skip
         if res.status != StepStatus.FENCED:
             self.acked = res.num_control
             self.feeds.update(res.feeds)
@@ -72,8 +75,12 @@ def out_chunks(r, request_id: str) -> list[TokenChunk]:
     return [c for _, f in r.xrange(KEYS.out(request_id)) for c in decode_chunks(f[MESSAGE_FIELD])]
 
 
-def step(s: Stepper, *writes: StepWrite):
-    return s.step(*writes)
+def step(s: Stepper, *writes: StepWrite, drop_steps=()):
+    return s.step(*writes, drop_steps=drop_steps)
+
+
+def entries_blob(eids) -> bytes:
+    return tail_entry([(f"q{i}", TokenChunk(0, [i, i]).encode()) for i in range(len(eids))])
 
 
 def test_ensure_group_twice_and_read_entries_added_before_group(r):
@@ -97,14 +104,16 @@ def test_step_keeps_a_tail_and_the_end_flushes_acks_and_expires(r):
     assert r.exists(KEYS.out("r1")) == 0  # not flushed yet: the chunks wait in the tail
     prog = Progress.parse(r.hget(KEYS.progress, "r1"))
     assert (prog.emitted, prog.hist) == (0, 0)  # the progress moves only at flushes
-    assert a.history("r1") == ([first], [(0, first.encode())])
+    assert a.history("r1") == [first]
     assert a.emitted("r1") == 2
-    assert sorted(r.hkeys(KEYS.progress)) == [b"r1", b"r1#0"]
+    # the tail is the step's field of a's tail hash (its chunks of every request), not prog's
+    assert r.hkeys(KEYS.progress) == [b"r1"]
+    assert r.hgetall(KEYS.tail("a")) == {b"1": tail_entry([("r1", first.encode())])}
     assert a.emitted_tokens("r1") == ([5, 6], 2, False)
     last = TokenChunk(2, [7], "ç", finish_reason="stop", usage={"completion_tokens": 3})
     fields = {"status": "finished", "finish_reason": "stop"}
     done = StepWrite(eid, "r1", last, WriteMode.DONE, req_fields=fields)
-    done.history, done.drop = frame(first.encode()) + frame(last.encode()), ["r1#0"]
+    done.history = frame(first.encode()) + frame(last.encode())
     with ValkeyClock(r) as clock:
         assert step(a, done).status == StepStatus.OK
     assert [(c.index, c.token_ids) for c in out_chunks(r, "r1")] == [(0, [5, 6]), (2, [7])]
@@ -128,11 +137,16 @@ def test_feeds_get_one_entry_per_step_for_all_requests(r):
     r.config_resetstat()
     res = step(a, *[StepWrite(e, f"q{i}", TokenChunk(0, [i, i])) for i, e in enumerate(eids)])
     assert res.status == StepStatus.OK
-    # no per-sequence commands: the script, one SET of the fence, one write of the tail fields
-    # and one XADD; the control list is read only when items wait
+    # no per-sequence commands: the script, one SET of the fence, one HSET of the step's tail
+    # field and one XADD (step 1, and every 64th, also renews the tail hash's time to live);
+    # the control list is read only when items wait
     calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
-    tail_write = "hsetex" if a.ttl_fields == "1" else "hset"
-    assert calls == {"evalsha": 1, "set": 1, tail_write: 1, "xadd": 1, "config|resetstat": 1}
+    assert calls == {
+        "evalsha": 1, "set": 1, "hset": 1, "xadd": 1, "expire": 1, "config|resetstat": 1
+    }  # fmt: skip
+    assert 86_000 < r.ttl(KEYS.tail("a")) <= 86_400
+    [blob] = r.hvals(KEYS.tail("a"))
+    assert blob == entries_blob(eids)
     entries = r.xrange(KEYS.feed("f1"))[1:]
     assert len(entries) == 1
     assert {rid: c.token_ids for rid, c in feed_chunks(entries[0][1]).items()} == {
@@ -148,16 +162,16 @@ def test_flush_moves_the_tail_to_out(r):
     take(a)
     c0, c1, c2 = TokenChunk(0, [1]), TokenChunk(1, [2]), TokenChunk(2, [3])
     step(a, StepWrite(eid, "r1", c0))
-    flush = StepWrite(eid, "r1", c1, WriteMode.FLUSH, drop=["r1#0"])
+    flush = StepWrite(eid, "r1", c1, WriteMode.FLUSH)
     flush.history = frame(c0.encode()) + frame(c1.encode())
-    step(a, flush)
+    step(a, flush, drop_steps=[1])  # (the emitter drops step fields no tail needs)
     step(a, StepWrite(eid, "r1", c2))
     [(_, fields)] = r.xrange(KEYS.out("r1"))
     assert [c.token_ids for c in decode_chunks(fields[MESSAGE_FIELD])] == [[1], [2]]
     prog = Progress.parse(r.hget(KEYS.progress, "r1"))
     assert (prog.emitted, prog.hist) == (2, 2)
-    assert sorted(r.hkeys(KEYS.progress)) == [b"r1", b"r1#2"]
-    assert a.history("r1") == ([c0, c1, c2], [(2, c2.encode())])
+    assert r.hkeys(KEYS.progress) == [b"r1"] and r.hkeys(KEYS.tail("a")) == [b"3"]
+    assert a.history("r1") == [c0, c1, c2]
     assert a.emitted_tokens("r1") == ([1, 2, 3], 0, False)
 
 
@@ -173,20 +187,21 @@ def test_a_fenced_consumers_step_is_refused_wholesale_and_the_claimant_resumes(r
     assert [(e.entry_id, e.deliveries) for e in claimed] == [(eid, 2)]
     assert r.get(KEYS.fence("a")) == b"f"
     [found] = b.admit([(eid, "r1", 0, {})])
-    assert (found.emitted, found.cancelled, found.feeds) == (0, False, ["f1"])
+    # the admission moved a's tail of it to out:{id}: b writes its own tail
+    assert (found.emitted, found.cancelled, found.feeds) == (1, False, ["f1"])
+    assert [c.token_ids for c in out_chunks(r, "r1")] == [[9]]
     assert b.emitted_tokens("r1") == ([9], 0, False)
     feed_len = r.xlen(KEYS.feed("f1"))
     # the stale owner can no longer emit, hand off (not even a request not claimed yet) or
     # dead-letter; it beats no more either, so its other entries go at the next scan
     task = DecodeTask(request_id="r1", prompt_token_ids=[1], sampling={}).encode()
-    handoff = StepWrite(eid, "r1", TokenChunk(1, [4]), WriteMode.HANDOFF, task, drop=["r1#0"])
-    handoff.history = frame(TokenChunk(0, [9]).encode()) + frame(TokenChunk(1, [4]).encode())
+    handoff = StepWrite(eid, "r1", TokenChunk(1, [4]), WriteMode.HANDOFF, task)
     stale = step(a, StepWrite(eid2, "r2", TokenChunk(0, [5])), handoff)
     assert (stale.status, stale.cancelled, stale.feeds) == (StepStatus.FENCED, set(), {})
     assert step(a).status == StepStatus.FENCED
     assert a.dead_letter(P, PREFILL_GROUP, eid, b"x", "bad") is None
     assert r.xlen(D) == 0 and r.xlen(KEYS.dlq) == 0 and r.xlen(KEYS.feed("f1")) == feed_len
-    assert b"r2#0" not in r.hkeys(KEYS.progress) and r.exists(KEYS.out("r1")) == 0
+    assert r.hkeys(KEYS.tail("a")) == [b"1"] and len(out_chunks(r, "r1")) == 1
     assert a.beat(KEYS.worker("a"), {"name": "a"}, 10) == (False, True)
     assert r.hget(KEYS.consumers, "a") == b"0"
     assert [e.entry_id for e in b.claim(P, PREFILL_GROUP, 10_000, 10)] == [eid2]
@@ -215,14 +230,14 @@ def test_a_retried_step_is_not_applied_twice(r):
     take(a)
     c0, c1 = TokenChunk(0, [1]), TokenChunk(1, [2], finish_reason="stop")
     assert step(a, StepWrite(eid, "r1", c0)).status == StepStatus.OK
-    done = StepWrite(eid, "r1", c1, WriteMode.DONE, drop=["r1#0"])
+    done = StepWrite(eid, "r1", c1, WriteMode.DONE)
     done.history = frame(c0.encode()) + frame(c1.encode())
     assert step(a, done).status == StepStatus.OK
     # the reply was lost: the emitter sends the same step (same number) again
     assert a.step(done, repeat=True).status == StepStatus.REPEATED
     assert a.step(StepWrite(eid, "r1", c0), repeat=True).status == StepStatus.REPEATED
     assert len(r.xrange(KEYS.out("r1"))) == 1 and r.xlen(KEYS.feed("f1")) == 3
-    assert b"r1#0" not in r.hkeys(KEYS.progress)
+    assert r.hkeys(KEYS.progress) == []
     assert a.emitted_tokens("r1") == ([1, 2], 0, True)
     assert r.get(KEYS.fence("a")) == b"2"
     # a consumer that never registered (no first beat) cannot step

@@ -55,7 +55,7 @@ def test_a_fenced_step_writes_nothing_and_the_worker_is_told(r, caplog):
         "consumer w1 was fenced (its entries were claimed): dropping 2 requests and 2 writes; "
         "rejoining as a new consumer"
     ]
-    assert s.history("q1") == ([], []) and s.history("q2") == ([], [])
+    assert s.history("q1") == [] and s.history("q2") == []
 
 
 class LostReply(Streams):
@@ -140,10 +140,37 @@ def test_a_silent_emitter_learns_cancels_and_feeds_from_its_control_list(r):
         emitter.close()
     got = [feed_chunks(f)["q6"].token_ids for _, f in r.xrange(KEYS.feed("f6"))[1:]]
     assert got == [[9]]
-    assert s.history("q6")[0] == [TokenChunk(0, [9])]
+    assert s.history("q6") == [TokenChunk(0, [9])]
 
 
 def _attach() -> str:
     from kvrelay.pipeline.queue import scripts
 
     return scripts.with_progress("attach")
+
+
+def test_the_tail_hash_keeps_the_steps_that_tails_still_need(r):
+    s = _streams(r, "w1")
+    e1, e2 = _held(r, s, "q1"), _held(r, s, "q2")
+    inflight = Inflight()
+    inflight.add("q1", e1)
+    inflight.add("q2", e2)
+    emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight)
+
+    def write(rid: str, eid: str, chunk: TokenChunk, **kw) -> list[int]:
+        """One step (the thread's loop, called directly); the steps in w1's tail hash."""
+        emitter._write_once([Outgoing(OutgoingKind.EMIT, rid, eid, chunk, **kw)])
+        return sorted(int(k) for k in r.hkeys(KEYS.tail("w1")))
+
+    flush = {"req_fields": {"status": "decoding"}}  # record fields go with a flush
+    assert write("q1", e1, TokenChunk(0, [5])) == [1]
+    assert write("q2", e2, TokenChunk(0, [6])) == [1, 2]
+    assert write("q1", e1, TokenChunk(1, [7])) == [1, 2, 3]
+    # q1's tail goes to out:{id}; q2's starts at step 2, so only step 1 goes
+    assert write("q1", e1, TokenChunk(2, [8]), **flush) == [2, 3]
+    assert [c.token_ids for c in s.history("q1")] == [[5], [7], [8]]
+    assert [c.token_ids for c in s.history("q2")] == [[6]]
+    # no tail left: every step field goes
+    assert write("q2", e2, TokenChunk(1, [9]), **flush) == []
+    assert [c.token_ids for c in s.history("q2")] == [[6], [9]]
+    assert r.xlen(KEYS.out("q1")) == 1 and r.xlen(KEYS.out("q2")) == 1

@@ -1,6 +1,7 @@
 """A request's progress: the one field per request of the `prog` hash, written at submission,
-admission, flushes, hand-offs and the end (docs/internals.md "Queue plane"); the workers' steps
-add tail fields beside it.
+admission, flushes, hand-offs and the end (docs/internals.md "Queue plane"). The chunks a
+request emitted since its last flush (its tail) are in its owner's `tail:{consumer}` hash: one
+field per worker step, the step's chunks of every request as a run of `feed_item`s.
 
 The value is five lines:
 
@@ -8,9 +9,9 @@ The value is five lines:
 
 - `emitted`: tokens emitted at the last flush (the chunks of the tail come on top: readers
   walk it, `lua/live.lua`);
-- `hist`: how many of them `out:{id}` holds; the others are the request's tail: chunk
-  payloads in the same hash, one field `<request id>#<chunk index>` each ('#' is no request
-  id character), moved to `out:{id}` by the worker's next flush;
+- `hist`: how many of them `out:{id}` holds; the others are the request's tail, in the step
+  fields of its owner's `tail:{consumer}` hash, moved to `out:{id}` by the owner's next flush,
+  or when the request changes hands (admission by another consumer, release);
 - `cancel`: "1" once the request was cancelled (read at admission; the owner is told through
   its control list);
 - `feeds`: the output readers (ingress processes, producer clients) following the request,
@@ -80,9 +81,16 @@ def feed_item(request_id: str, payload: bytes) -> bytes:
     return frame(request_id.encode()) + frame(payload)
 
 
-def tail_field(request_id: str, index: int) -> str:
-    """The prog hash field holding a request's chunk that starts at token `index`."""
-    return f"{request_id}#{index}"
+def tail_entry(chunks: list[tuple[str, bytes]]) -> bytes:
+    """One step's field of a worker's tail hash: the (request id, chunk payload) pairs that
+    joined tails in that step, as a framed header of lines `\n<request id> <offset> <length>`
+    then the payloads, so the Lua side finds one request's chunk with one plain search of the
+    header (request ids have no space or newline: `submit.valid_request_id`)."""
+    header, offset = [], 0
+    for request_id, payload in chunks:
+        header.append(f"\n{request_id} {offset} {len(payload)}".encode())
+        offset += len(payload)
+    return frame(b"".join(header)) + b"".join(payload for _, payload in chunks)
 
 
 def owner_of(consumer: str, entry_id: str) -> str:

@@ -30,7 +30,7 @@ from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.field_ttl import field_ttl_sync
-from kvrelay.pipeline.queue.progress import FEED_SEP, feed_item, tail_field
+from kvrelay.pipeline.queue.progress import FEED_SEP, feed_item, tail_entry
 from kvrelay.pipeline.queue.replies import StreamReply
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,8 @@ class Entry:
 class WriteMode(enum.StrEnum):
     """What a step write does besides appending its chunk (the step script's `mode`)."""
 
-    EMIT = "e"  # the chunk joins the request's tail (a `<id>#<index>` field)
-    FLUSH = "f"  # out:{id} gets the tail and the chunk; the tail's fields go
+    EMIT = "e"  # the chunk joins the request's tail (the step's field of the tail hash)
+    FLUSH = "f"  # out:{id} gets the tail and the chunk
     DONE = "d"  # the final chunk: flush, ack the entry, write the record's end, drop progress
     HANDOFF = "h"  # queue the next stage's task and ack the entry
 
@@ -72,9 +72,8 @@ class StepWrite:
     mode: WriteMode = WriteMode.EMIT
     next_payload: bytes = b""  # the next stage's task (HANDOFF)
     req_fields: dict[str, str | int | float] | None = None
-    # FLUSH, DONE, HANDOFF: the framed tail and chunk for out:{id}, and the tail's fields
+    # FLUSH, DONE, HANDOFF: the framed tail and chunk for out:{id}
     history: bytes = b""
-    drop: list[str] | None = None
     payload: bytes = b""  # chunk.encode(), when the caller has it already
 
 
@@ -245,9 +244,11 @@ class Streams:
         if not entries:
             return
         args: list[str] = [group, self.consumer, self.ttl_fields, self.RELEASED]
+        keys = [stream, self.keys.consumers, self.keys.progress]
         for entry_id, request_id in entries:
             args += [entry_id, request_id]
-        self._release(keys=[stream, self.keys.consumers, self.keys.progress], args=args)
+            keys.append(self.keys.out(request_id))
+        self._release(keys=keys, args=args)
 
     # admission and the step's writes
     def admit(
@@ -260,7 +261,7 @@ class Streams:
         keys = [self.keys.progress]
         args: list[str | int | float] = [self.consumer, self.ttl_fields, len(entries)]
         for entry_id, request_id, queued, fields in entries:
-            keys.append(self.keys.request(request_id))
+            keys += [self.keys.request(request_id), self.keys.out(request_id)]
             flat = _flat(fields)
             args += [entry_id, request_id, queued, len(flat), *flat]
         out = []
@@ -283,18 +284,20 @@ class Streams:
         acked: int = 0,
         consumer: str | None = None,
         max_control: int = 256,
+        drop_steps: Sequence[int] = (),
     ) -> StepResult:
         """One worker step in one script call (`lua/step.lua`), fenced per worker: refused
         wholesale once `consumer` (default: this one) is fenced; a repeated `step_no` writes
         nothing again. `feeds`: request id -> the feeds following it (each feed gets one entry
-        for all its requests' chunks); `acked`: the control items the previous step returned.
+        for all its requests' chunks); `acked`: the control items the previous step returned;
+        `drop_steps`: earlier steps whose tail field no request's tail needs any more.
         A request id may appear once per call."""
         consumer = consumer or self.consumer
-        tail: list[str | bytes] = []
+        tail: list[tuple[str, bytes]] = []  # (id, chunk) joining tails: the step's field
         by_feed: dict[str, list[bytes]] = {}  # feed -> framed (request id, chunk) pairs
         flushes: list[list] = []
         keys = [stream, next_stream, self.keys.progress, self.keys.fence(consumer)]
-        keys.append(self.keys.control(consumer))
+        keys += [self.keys.control(consumer), self.keys.tail(consumer)]
         stamp: rec.Encoded | None = None  # the step's `updated`, for the writes that set fields
         for w in writes:
             chunk = w.chunk
@@ -305,7 +308,7 @@ class Streams:
                 for feed in followers:
                     by_feed.setdefault(feed, []).append(framed)
             if w.mode == WriteMode.EMIT:
-                tail += [tail_field(w.request_id, chunk.index), payload]
+                tail.append((w.request_id, payload))
                 continue
             keys += [self.keys.request(w.request_id), self.keys.out(w.request_id)]
             fields = w.req_fields
@@ -315,7 +318,6 @@ class Streams:
                     stamp = now.changes(places={rec.UPDATED: rec.MILLIS})
                 fields = {**stamp, **(fields or {})}
             flat = _flat(fields)
-            drop = w.drop or []
             flushes.append(
                 [
                     w.request_id,
@@ -323,8 +325,6 @@ class Streams:
                     w.mode.value,
                     chunk.index + len(chunk.token_ids),
                     w.history or frame(payload),  # a flush with no tail before the chunk
-                    len(drop),
-                    *drop,
                     w.next_payload,
                     len(flat),
                     *flat,
@@ -341,10 +341,11 @@ class Streams:
             step_no,
             acked,
             max_control,
-            len(tail),
+            tail_entry(tail) if tail else b"",
             len(by_feed),
             len(flushes),
-            *tail,
+            len(drop_steps),
+            *drop_steps,
         ]
         for feed, items in by_feed.items():
             args += [feed, b"".join(items)]
@@ -411,31 +412,26 @@ class Streams:
     def emitted(self, request_id: str) -> int:
         """Tokens emitted so far: out:{id} and the tail, or the record's count when they are
         gone (a rare path: dead letters)."""
-        chunks, _tail = self.history(request_id)
+        chunks = self.history(request_id)
         if chunks:
             return chunks[-1].index + len(chunks[-1].token_ids)
         raw = self.r.hget(self.keys.request(request_id), rec.EMITTED)
         return RequestRecord.decode_fields((rec.EMITTED,), (raw,)).emitted or 0
 
-    def history(self, request_id: str) -> tuple[list[TokenChunk], list[tuple[int, bytes]]]:
-        """Everything emitted, read in one step (`lua/attach.lua`, following nothing): the
-        chunks in order, and the tail among them as (chunk index, payload), which a worker
-        that takes the request over writes to out:{id} with its first flush."""
+    def history(self, request_id: str) -> list[TokenChunk]:
+        """Everything emitted, in order, read in one step (`lua/attach.lua`, following
+        nothing): out:{id}, then the tail in its owner's tail hash."""
         _raw, runs, tail = self._read(
             keys=[self.keys.progress, self.keys.out(request_id)],
             args=[request_id, "", 0, self.ttl_fields],
         )
         chunks = [c for run in runs for c in decode_chunks(run)]
-        tail_chunks = [TokenChunk.decode(payload) for payload in tail]
-        return chunks + tail_chunks, [
-            (c.index, payload) for c, payload in zip(tail_chunks, tail, strict=True)
-        ]
+        return chunks + [TokenChunk.decode(payload) for payload in tail]
 
     def emitted_tokens(self, request_id: str) -> tuple[list[int], int, bool]:
         """What was emitted (out:{id} then the tail): the token ids in order, the length of
         their text in characters, and whether a final chunk was written."""
-        chunks, _tail = self.history(request_id)
-        return emitted_of(chunks, request_id)
+        return emitted_of(self.history(request_id), request_id)
 
     def trim_acked(self, stream: str, group: str) -> int:
         """Drop entries every consumer is done with (older than the oldest pending/undelivered)."""

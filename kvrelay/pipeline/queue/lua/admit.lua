@@ -1,8 +1,10 @@
 -- Admission of a batch of entries a worker just read or claimed: each request's progress names
 -- the worker as its owner (from here on only its writes land) and the record says who has it.
 -- A request without progress gets one (a task queued with tokens already emitted counts them
--- as history), unless its record says it ended: then nothing is written.
--- KEYS: 1 prog hash, then per entry req:{id}
+-- as history), unless its record says it ended: then nothing is written. A request that had
+-- an owner (claimed from a dead one, or taken back) has its tail moved to out:{id} first: the
+-- tail is in its owner's tail hash, and the new owner writes its own.
+-- KEYS: 1 prog hash, then per entry req:{id}, out:{id}
 -- ARGV: 1 consumer, 2 ttl_fields, 3 N entries, then per entry: entry id, request id, tokens
 --       the task carries, number F of record field/value items, the F items
 -- Returns per entry {emitted at its last flush, cancel flag (0/1), the feeds following it},
@@ -23,7 +25,7 @@ for i = 1, n do
   local p = prog_parse(values[i])
   local ended = nil
   if not p then
-    local status = redis.call('HGET', KEYS[1 + i], ${STATUS})
+    local status = redis.call('HGET', KEYS[2 * i], ${STATUS})
     if status == ${STATUS.FINISHED} or status == ${STATUS.CANCELLED} or status == ${STATUS.FAILED} then
       ended = status
     else
@@ -33,10 +35,11 @@ for i = 1, n do
   if ended then
     out[i] = {-1, ended}
   else
+    if p.owner ~= '' then p = move_tail(KEYS[1], KEYS[2 * i + 1], e.rid, p) end
     p.owner = consumer .. '/' .. e.entry
     stores[#stores + 1] = e.rid
     stores[#stores + 1] = prog_encode(p)
-    if e.nf > 0 then redis.call('HSET', KEYS[1 + i], unpack(ARGV, e.first, e.first + e.nf - 1)) end
+    if e.nf > 0 then redis.call('HSET', KEYS[2 * i], unpack(ARGV, e.first, e.first + e.nf - 1)) end
     out[i] = {p.emitted, p.cancel == '1' and 1 or 0, p.feeds}
   end
 end

@@ -2,7 +2,7 @@
 -- MAX_FEEDS kept), tell its owner (`feeds <id> <f1,f2>` on its control list) and read the
 -- history, in one step. The owner learns the feed at its next step: a chunk it writes before
 -- then reaches the reader through the tail (the gap at the next chunk, or the quiet check).
--- KEYS: 1 the prog hash (progress and tails), 2 out:{id}
+-- KEYS: 1 the prog hash, 2 out:{id}
 -- ARGV: 1 request id, 2 feed (reader) id ("" reads only), 3 max feeds, 4 ttl_fields ("1": HSETEX)
 -- Returns {progress value or false (no progress: the request ended, or never ran), the `m`
 -- values of out:{id} in order (each one or more framed chunks), the tail's chunk payloads}.
@@ -31,5 +31,5 @@ for _, entry in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
   end
 end
 local tail = {}
-if p then tail = tail_chunks(KEYS[1], ARGV[1], p.hist) end
+if p then tail = tail_chunks(KEYS[1], ARGV[1], p) end
 return {value or false, history, tail}

@@ -18,6 +18,9 @@ for i = 1, #beats, 2 do
   local name, beat_ms = beats[i], tonumber(beats[i + 1]) or 0
   if name ~= me and now_ms - beat_ms > lease_ms and room > 0 then
     redis.call('SET', ARGV[5] .. name, 'f', 'EX', 86400)
+    -- its tail hash stays until the requests claimed from it are admitted (which moves
+    -- their tails to out:{id}): a day, like the fence
+    redis.call('EXPIRE', string.sub(ARGV[5], 1, #ARGV[5] - 6) .. 'tail:' .. name, 86400)
     local pending = redis.call('XPENDING', KEYS[1], group, '-', '+', room, name)
     if #pending == 0 then
       local other = redis.pcall('XPENDING', KEYS[3], ARGV[6], '-', '+', 1, name)

@@ -3,7 +3,7 @@
 -- following it, after the tail not yet flushed) so no reader is left waiting, and drop its
 -- progress.
 -- KEYS: 1 work stream, 2 dlq, 3 req:{id} (or the dlq key when unknown), 4 out:{id} (likewise),
---       5 prog hash (progress and tails)
+--       5 prog hash
 -- ARGV: 1 group, 2 consumer, 3 entry id, 4 payload, 5 reason, 6 request id ("" = unknown),
 --       7 error chunk payload ("" = none), 8 chunk index, 9 out ttl s, 10 now, 11 dlq maxlen,
 --       12 feed key prefix, 13 feed maxlen
@@ -19,10 +19,10 @@ redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 if ARGV[6] ~= '' then
   local p = prog_parse(redis.call('HGET', KEYS[5], ARGV[6]))
   local emitted = tonumber(redis.call('HGET', KEYS[3], ${EMITTED}) or '0')
-  local history, fields = '', {}
+  local history = ''
   if p then
     local chunks
-    chunks, fields, emitted = tail_chunks(KEYS[5], ARGV[6], p.hist)
+    chunks, emitted = tail_chunks(KEYS[5], ARGV[6], p)
     for _, chunk in ipairs(chunks) do history = history .. frame(chunk) end
   end
   if ARGV[7] ~= '' and emitted == tonumber(ARGV[8]) then
@@ -39,7 +39,6 @@ if ARGV[6] ~= '' then
     redis.call('EXPIRE', KEYS[4], tonumber(ARGV[9]))
   end
   if p then redis.call('HDEL', KEYS[5], ARGV[6]) end
-  if #fields > 0 then redis.call('HDEL', KEYS[5], unpack(fields)) end
   redis.call('HSET', KEYS[3], ${STATUS}, ${STATUS.FAILED}, ${FINISH_REASON},
     ${FINISH_REASON.ERROR}, ${ERROR}, ARGV[5], ${UPDATED}, ARGV[10], ${EMITTED}, emitted,
     ${COMPLETION_TOKENS}, emitted)

@@ -1,5 +1,5 @@
 -- The live progress of requests: each one's progress value with `emitted` counted up to the
--- end of its tail (the stored count moves only at flushes; workers add tail fields per step).
+-- end of its tail (the stored count moves only at flushes; workers add to tails per step).
 -- For status reads (GET /v1/requests/{id}, `kvrelay requests show`), not per token.
 -- KEYS: 1 the prog hash
 -- ARGV: request ids
@@ -8,8 +8,7 @@ local out = {}
 for i, rid in ipairs(ARGV) do
   local p = prog_parse(redis.call('HGET', KEYS[1], rid))
   if p then
-    local _chunks, _fields, at = tail_chunks(KEYS[1], rid, p.hist)
-    p.emitted = at
+    p.emitted = tail_end(KEYS[1], rid, p)
     out[i] = prog_encode(p)
   else
     out[i] = false

@@ -34,27 +34,100 @@ local function frame(payload)
   return struct.pack('>I4', #payload) .. payload
 end
 
--- The tail of request `rid` (chunk payloads from token `hist` on, in order) and the fields
--- holding them: each chunk's token count (MessagePack `token_ids`) says where the next one
--- starts; the walk ends at the first missing field (workers write tail fields without touching
--- the progress, whose `emitted` moves only at flushes). Returns chunks, fields and the tokens
--- emitted (where the walk ended). Only readers that attach, claims and dead letters walk it.
-local function tail_chunks(prog, rid, hist)
-  local chunks, fields = {}, {}
-  local at = hist
-  while true do
-    local field = rid .. '#' .. at
-    local payload = redis.call('HGET', prog, field)
-    if not payload then break end
-    local ok, chunk = pcall(cmsgpack.unpack, payload)
-    local n = ok and type(chunk) == 'table' and type(chunk.token_ids) == 'table'
-      and #chunk.token_ids or 0
-    chunks[#chunks + 1] = payload
-    fields[#fields + 1] = field
+-- A consumer's tail hash (`tail:{consumer}` next to the prog hash, Keys.tail): step number ->
+-- the chunks that step added to requests' tails (`progress.tail_entry`: a framed header of
+-- lines `\n<request id> <offset> <length>`, then the chunk payloads).
+local function tail_key(prog, consumer)
+  return string.sub(prog, 1, #prog - 4) .. 'tail:' .. consumer
+end
+
+local function owner_consumer(owner)
+  return string.match(owner or '', '^(.*)/[^/]*$')
+end
+
+-- Request `rid`'s chunk payload in one step's tail entry, or nil.
+local function tail_entry_chunk(entry, rid)
+  local n = struct.unpack('>I4', entry, 1)
+  local header = string.sub(entry, 5, 4 + n)
+  local at = string.find(header, '\n' .. rid .. ' ', 1, true)
+  if not at then return nil end
+  local offset, length = string.match(header, '^(%d+) (%d+)', at + #rid + 2)
+  return string.sub(entry, 5 + n + offset, 4 + n + offset + length)
+end
+
+-- The decoded chunk (a table with `index` and `token_ids`) or nil.
+local function chunk_of(payload)
+  local ok, chunk = pcall(cmsgpack.unpack, payload)
+  if ok and type(chunk) == 'table' and type(chunk.index) == 'number' then return chunk end
+  return nil
+end
+
+-- Request `rid`'s chunks in the tail hash of its owner, newest step first: calls
+-- visit(payload, chunk) until it returns true. None without an owner (a request changing
+-- hands has its tail moved to out:{id}).
+local function walk_tail(prog, rid, p, visit)
+  local consumer = owner_consumer(p.owner)
+  if not consumer or consumer == '' then return end
+  local key = tail_key(prog, consumer)
+  local steps = redis.call('HKEYS', key)
+  for i = 1, #steps do steps[i] = tonumber(steps[i]) end
+  table.sort(steps, function(a, b) return a > b end)
+  for first = 1, #steps, 32 do
+    local some = {}
+    for i = first, math.min(first + 31, #steps) do some[#some + 1] = steps[i] end
+    for _, entry in ipairs(redis.call('HMGET', key, unpack(some))) do
+      local payload = entry and tail_entry_chunk(entry, rid)
+      local chunk = payload and chunk_of(payload)
+      if chunk and visit(payload, chunk) then return end
+    end
+  end
+end
+
+-- The tail of request `rid` whose progress is `p`: its chunk payloads from token `p.hist` on,
+-- in order (each chunk's token count says where the next one starts; they end at the first
+-- one missing), and the tokens emitted (where they end). Walks the owner's step fields from
+-- the newest until it reaches `hist`. Only readers that attach, admissions of claimed
+-- requests, releases and dead letters read a tail, never a step.
+local function tail_chunks(prog, rid, p)
+  local found = {}
+  walk_tail(prog, rid, p, function(payload, chunk)
+    found[chunk.index] = payload
+    return chunk.index <= p.hist
+  end)
+  local chunks, at = {}, p.hist
+  while found[at] do
+    local chunk = chunk_of(found[at])
+    local n = type(chunk.token_ids) == 'table' and #chunk.token_ids or 0
+    chunks[#chunks + 1] = found[at]
     if n == 0 then break end
     at = at + n
   end
-  return chunks, fields, at
+  return chunks, at
+end
+
+-- The tokens emitted so far by request `rid` (its tail's end, else `p.hist`): the newest of
+-- its chunks in the owner's step fields (live counts, strikes).
+local function tail_end(prog, rid, p)
+  local at = p.hist
+  walk_tail(prog, rid, p, function(_payload, chunk)
+    local n = type(chunk.token_ids) == 'table' and #chunk.token_ids or 0
+    if chunk.index + n > at then at = chunk.index + n end
+    return true
+  end)
+  return at
+end
+
+-- Move a request's tail to out:{id} (its owner changes: admission by another consumer, a
+-- release): after it, the progress counts it as history. Returns the progress, changed.
+local function move_tail(prog, out, rid, p)
+  local chunks, at = tail_chunks(prog, rid, p)
+  if #chunks > 0 then
+    local run = {}
+    for i, chunk in ipairs(chunks) do run[i] = frame(chunk) end
+    redis.call('XADD', out, '*', ${MESSAGE_FIELD}, table.concat(run))
+  end
+  p.emitted, p.hist = at, at
+  return p
 end
 
 -- The control list of a worker's consumer (cancels and feed changes of the requests it owns,

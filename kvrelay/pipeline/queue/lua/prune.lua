@@ -6,4 +6,6 @@
 if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return -1 end
 local fence = redis.call('GET', KEYS[2])
 if fence and string.byte(fence, 1) ~= 102 then redis.call('DEL', KEYS[2]) end
+-- its tail hash: gone in a day (a request taken from it moves its tail at its admission)
+redis.call('EXPIRE', string.sub(KEYS[2], 1, #KEYS[2] - #ARGV[2] - 6) .. 'tail:' .. ARGV[2], 86400)
 return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])

@@ -1,9 +1,10 @@
 -- Release entries: give those this consumer still owns to the `released` consumer, which never
 -- beats, so the next claim scan of any worker takes them at once (shutdown, engine failure);
 -- the requests' progress loses its owner (cancels go nowhere until the next admission reads
--- the flag); the releasing worker, alive, writes nothing more for them. Never touches one
--- another consumer has claimed. XCLAIM JUSTID does not count a delivery.
--- KEYS: 1 work stream, 2 consumers hash, 3 prog hash
+-- the flag) and their tails move to out:{id} (a tail is in its owner's tail hash); the
+-- releasing worker, alive, writes nothing more for them. Never touches one another consumer
+-- has claimed. XCLAIM JUSTID does not count a delivery.
+-- KEYS: 1 work stream, 2 consumers hash, 3 prog hash, then out:{id} per pair
 -- ARGV: 1 group, 2 consumer, 3 ttl_fields, 4 released consumer name, then entry id, request id
 --       pairs
 local stores = {}
@@ -13,6 +14,7 @@ for i = 5, #ARGV, 2 do
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[4], 0, entry, 'JUSTID')
     local p = prog_parse(redis.call('HGET', KEYS[3], rid))
     if p and p.owner == ARGV[2] .. '/' .. entry then
+      p = move_tail(KEYS[3], KEYS[3 + (i - 3) / 2], rid, p)
       p.owner = ''
       stores[#stores + 1] = rid
       stores[#stores + 1] = prog_encode(p)

@@ -3,10 +3,10 @@
 -- of its entries sets its fence key to 'f') and the step number must be new (a retried step
 -- whose reply was lost is recognised: nothing is written again). One SET ... GET checks both
 -- and records the step; its old value also says whether control items wait ('!' appended by
--- `tell_owner`). Then it writes what the worker laid out: one write of the tail fields
--- (`<id>#<index>` in the prog hash), one XADD per feed (one field for all its chunks), and
--- per flush (a flush, a hand-off,
--- the end) out:{id} gets the tail and the chunk, the tail's fields go and the progress's
+-- `tell_owner`). Then it writes what the worker laid out: one field of its tail hash for
+-- the step (the chunks that joined requests' tails, `progress.feed_item` each; the step fields
+-- no tail needs any more go), one XADD per feed (one field for all its chunks), and per flush
+-- (a flush, a hand-off, the end) out:{id} gets the tail and the chunk and the progress's
 -- counts move; a hand-off also queues the next stage's task and acks the entry, an end acks
 -- it, writes the record's final fields and drops the progress. The caller's control list
 -- (cancels and feed changes of what it holds) comes back when items wait or the previous step
@@ -16,15 +16,16 @@
 -- written), 0 fenced (nothing written: the worker drops everything and comes back as a new
 -- consumer).
 -- KEYS: 1 work stream, 2 next stream (hand-offs), 3 prog hash, 4 the caller's fence key,
---       5 the caller's control list, then per flush req:{id}, out:{id}
+--       5 the caller's control list, 6 the caller's tail hash, then per flush req:{id},
+--       out:{id}
 -- ARGV: 1 group, 2 feed key prefix, 3 ttl_fields, 4 out ttl s, 5 req ttl s, 6 feed maxlen,
 --       7 consumer, 8 step number, 9 control items acked, 10 most control items to return,
---       11 T tail items, 12 F feeds, 13 N flushes, then the T tail field/value items, then
---       per feed: its id and its entry (`m`: framed request id, framed chunk payload per
---       request, `core.messages.frame`), then per flush: request id,
---       entry id, mode ('f' flush, 'd' done, 'h' hand-off), tokens emitted after it, out:{id}
---       payload (the framed tail and chunk), D, the D tail fields to drop, next task payload
---       ('' unless 'h'), R, the R record field/value items
+--       11 the step's tail field ('' when no chunk joins a tail), 12 F feeds, 13 N flushes,
+--       14 S step fields to drop, then the S step numbers, then per feed: its id and its entry
+--       (`m`: framed request id, framed chunk payload per request, `core.messages.frame`),
+--       then per flush: request id, entry id, mode ('f' flush, 'd' done, 'h' hand-off),
+--       tokens emitted after it, out:{id} payload (the framed tail and chunk), next task
+--       payload ('' unless 'h'), R, the R record field/value items
 local most = tonumber(ARGV[10])
 local seen = redis.call('SET', KEYS[4], ARGV[8], 'KEEPTTL', 'GET')
 if not seen then  -- never registered (or pruned): refused like a fenced consumer
@@ -45,16 +46,15 @@ if tonumber(ARGV[9]) > 0 then redis.call('LTRIM', KEYS[5], tonumber(ARGV[9]), -1
 if pending or tonumber(ARGV[9]) > 0 then control = redis.call('LRANGE', KEYS[5], 0, most - 1) end
 local group, feed_prefix, ttl_fields = ARGV[1], ARGV[2], ARGV[3]
 local out_ttl, req_ttl, maxlen = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
-local t, f, n = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
-local at = 14
-if t > 0 then
-  if ttl_fields == '1' then
-    redis.call('HSETEX', KEYS[3], 'EX', req_ttl, 'FIELDS', t / 2, unpack(ARGV, at, at + t - 1))
-  else
-    redis.call('HSET', KEYS[3], unpack(ARGV, at, at + t - 1))
-  end
+local f, n, s = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
+local at = 15
+if ARGV[11] ~= '' then
+  redis.call('HSET', KEYS[6], ARGV[8], ARGV[11])
+  -- the hash outlives a consumer that vanished (claims and prune set a day too)
+  if tonumber(ARGV[8]) % 64 == 1 then redis.call('EXPIRE', KEYS[6], 86400) end
 end
-at = at + t
+if s > 0 then redis.call('HDEL', KEYS[6], unpack(ARGV, at, at + s - 1)) end
+at = at + s
 for _ = 1, f do
   redis.call('XADD', feed_prefix .. ARGV[at], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
     ${MESSAGE_FIELD}, ARGV[at + 1])
@@ -63,10 +63,9 @@ end
 local acks = {}
 for i = 1, n do
   local rid, entry, mode, emitted = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
-  local nd = tonumber(ARGV[at + 5])
-  local task_at = at + 6 + nd
+  local task_at = at + 5
   local nf = tonumber(ARGV[task_at + 1])
-  local req, out = KEYS[4 + 2 * i], KEYS[5 + 2 * i]
+  local req, out = KEYS[5 + 2 * i], KEYS[6 + 2 * i]
   redis.call('XADD', out, '*', ${MESSAGE_FIELD}, ARGV[at + 4])
   redis.call('HSET', req, ${EMITTED}, emitted, ${COMPLETION_TOKENS}, emitted,
     unpack(ARGV, task_at + 2, task_at + 1 + nf))
@@ -74,9 +73,8 @@ for i = 1, n do
   if mode == 'd' then
     redis.call('EXPIRE', out, out_ttl)
     redis.call('EXPIRE', req, req_ttl)
-    redis.call('HDEL', KEYS[3], rid, unpack(ARGV, at + 6, at + 5 + nd))
+    redis.call('HDEL', KEYS[3], rid)
   else
-    if nd > 0 then redis.call('HDEL', KEYS[3], unpack(ARGV, at + 6, at + 5 + nd)) end
     local p = prog_parse(redis.call('HGET', KEYS[3], rid))
     if p then
       p.emitted, p.hist = emitted, emitted

@@ -13,8 +13,7 @@ end
 local p = prog_parse(redis.call('HGET', KEYS[2], ARGV[5]))
 local emitted = tonumber(redis.call('HGET', KEYS[1], ${EMITTED}) or '0')
 if p then
-  local _chunks, _fields, at = tail_chunks(KEYS[2], ARGV[5], p.hist)
-  emitted = at
+  emitted = tail_end(KEYS[2], ARGV[5], p)
 end
 local seen = redis.call('HMGET', KEYS[1], ${CLAIM_ENTRY}, ${CLAIM_EMITTED}, ${CLAIM_DELIVERY})
 local base_emitted, base_delivery = tonumber(ARGV[3]), 1

@@ -1,9 +1,10 @@
 """Queue-plane load simulator: how many generated tokens/s one Valkey carries, at what latency.
 
 Simulated decode workers (no model) run the real worker code paths against a real Valkey:
-`Streams.read` + `Streams.admit` for new requests, one `Streams.step` script call per step for
-all their sequences (a one-token chunk each, the last one ending the request), and a heartbeat
-a second. Simulated ingress processes submit requests with the real submit script
+`Streams.read` + `Streams.admit` for new requests, then per step a one-token chunk for each
+of their sequences (the last one ending the request) written by the worker's own `Emitter`
+(one step script call: tails, flushes at the end, step numbers, the control list), and a
+heartbeat a second. Simulated ingress processes submit requests with the real submit script
 (`Producer.enqueue`, routed straight to decode) and read every chunk through the real
 `OutputFeed`, one reader per process. Each chunk's text carries the time it was emitted, so
 the readers measure emit-to-reader latency.
@@ -50,7 +51,8 @@ from common import free_port, machine_line, pct, write_section  # noqa: E402
 
 from kvrelay.core.keys import DECODE_GROUP, Keys  # noqa: E402
 from kvrelay.core.messages import TokenChunk  # noqa: E402
-from kvrelay.pipeline.queue.streams import StepWrite, Streams, WriteMode  # noqa: E402
+from kvrelay.pipeline.queue.streams import Streams  # noqa: E402
+from kvrelay.workers.emitter import Emitter, Inflight, Outgoing, OutgoingKind  # noqa: E402
 
 PREFIX = "sim:"
 
@@ -148,8 +150,11 @@ def worker_main(
     streams.ensure_group(keys.decode_stream, DECODE_GROUP)
     streams.beat(keys.worker(f"sim-{index}"), {"name": f"sim-{index}"}, 10)  # registers it
     active: dict[str, list] = {}  # request id -> [entry id, next index]
-    feeds: dict[str, list[str]] = {}  # request id -> the feeds following it (admission)
-    steps = written = acked = 0
+    # the worker's own emitter (tails, flushes, step numbers, the control list), its batch
+    # written in line: the simulated step waits for it as the emitter thread does
+    inflight = Inflight()
+    emitter = Emitter(streams, keys.decode_stream, DECODE_GROUP, inflight)
+    steps = written = 0
     period = 1.0 / rate if rate > 0 else 0.0
     next_step = time.monotonic()
     last_beat = 0.0
@@ -163,11 +168,12 @@ def worker_main(
             found = streams.admit([(eid, rid, 0, {}) for eid, rid in tasks])
             for (eid, rid), admitted in zip(tasks, found, strict=True):
                 active[rid] = [eid, 0]
-                feeds[rid] = admitted.feeds
+                inflight.add(rid, eid)
+                emitter.follow(rid, admitted.feeds)
         if not active:
             continue
         now = time.time()
-        writes = []
+        writes: list[Outgoing] = []
         for rid, (eid, index_) in list(active.items()):
             last = index_ + 1 >= tokens
             chunk = TokenChunk(
@@ -177,22 +183,15 @@ def worker_main(
                 finish_reason="length" if last else None,
                 usage={"prompt_tokens": 8, "completion_tokens": tokens} if last else None,
             )
-            writes.append(StepWrite(eid, rid, chunk, WriteMode.DONE if last else WriteMode.EMIT))
+            writes.append(Outgoing(OutgoingKind.EMIT, rid, eid, chunk, done=last))
             if last:
                 del active[rid]
             else:
                 active[rid][1] += 1
-        res = streams.step(
-            keys.decode_stream, DECODE_GROUP, keys.decode_stream, writes, feeds, steps + 1, acked
-        )
-        acked = res.num_control
-        for rid, feed_ids in res.feeds.items():
-            feeds[rid] = feed_ids
-        for w in writes:
-            if w.mode == WriteMode.DONE:
-                feeds.pop(w.request_id, None)
+        n = len(writes)
+        emitter._write_once(writes)
         steps += 1
-        written += len(writes)
+        written += n
         if time.monotonic() - last_beat > 1.0:
             last_beat = time.monotonic()
             streams.beat(keys.worker(f"sim-{index}"), {"name": f"sim-{index}"}, 10)

@@ -148,11 +148,16 @@ class DecodeTask(_Task, tag=Stage.DECODE.value, kw_only=True):
     detokenize: bool = True
 
 
-class TokenChunk(Message, tag="chunk"):
+class TokenChunk(Message, tag="chunk", omit_defaults=True):
     """Tokens appended to out:{request_id}; `index` is the position of the first token.
 
     The final chunk has `finish_reason` set and `usage` filled (prompt_tokens,
     completion_tokens, cached_tokens); it may carry no tokens.
+
+    Fields at their defaults are left out of the payload (a one-token chunk is ~50 bytes, not
+    ~125: Valkey stores it in a tail, a feed and out:{id}, and its AOF writes each): a missing
+    field is its default, `v` included (1 while WIRE_VERSION is 1; a version that changes
+    chunks must keep reading a missing `v` as 1).
     """
 
     kind: ClassVar[str] = "chunk"

@@ -134,3 +134,15 @@ def test_sampling_ranges_are_declared_once_on_the_fields():
     assert list(BOUNDS) == ["max_tokens", "temperature", "top_p", "top_k", "min_p",
                             "repetition_penalty", "presence_penalty", "frequency_penalty",
                             "min_tokens", "logprobs", "prompt_logprobs"]  # fmt: skip
+
+
+def test_a_chunk_leaves_out_its_defaults_and_reads_them_back():
+    one = TokenChunk(index=17, token_ids=[1017], text=" the")
+    assert msgspec.msgpack.decode(one.encode()) == {
+        "t": "chunk", "index": 17, "token_ids": [1017], "text": " the"
+    }  # fmt: skip
+    assert len(one.encode()) == 40 and TokenChunk.decode(one.encode()) == one  # was 112
+    # a chunk without `v` is version 1; one from a later version is refused
+    assert TokenChunk.decode(msgspec.msgpack.encode({"t": "chunk"})) == TokenChunk(v=1)
+    with pytest.raises(MessageError, match="unsupported wire version"):
+        TokenChunk.decode(msgspec.msgpack.encode({"t": "chunk", "v": 2}))

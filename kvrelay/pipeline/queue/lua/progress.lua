@@ -55,11 +55,14 @@ local function tail_entry_chunk(entry, rid)
   return string.sub(entry, 5 + n + offset, 4 + n + offset + length)
 end
 
--- The decoded chunk (a table with `index` and `token_ids`) or nil.
+-- The decoded chunk (a table with `index` and `token_ids`) or nil. A chunk leaves out the
+-- fields at their defaults (`TokenChunk`): no `index` is 0.
 local function chunk_of(payload)
   local ok, chunk = pcall(cmsgpack.unpack, payload)
-  if ok and type(chunk) == 'table' and type(chunk.index) == 'number' then return chunk end
-  return nil
+  if not ok or type(chunk) ~= 'table' or chunk.t ~= 'chunk' then return nil end
+  chunk.index = chunk.index or 0
+  if type(chunk.index) ~= 'number' then return nil end
+  return chunk
 end
 
 -- Request `rid`'s chunks in the tail hash of its owner, newest step first: calls

@@ -141,8 +141,8 @@ class Keys:
 
     def tail(self, consumer: str) -> str:
         """Hash: a stream consumer's step number -> the chunks its step added to requests'
-        tails (the chunks not yet in out:{id}), one run of `progress.feed_item` per step; the
-        tail of a request is in its owner's hash (`lua/progress.lua` walks it). Lua derives it
+        tails (the chunks not yet in out:{id}), one `progress.tail_entry` per step; the tail
+        of a request is in its owner's hash (`lua/progress.lua` walks it). Lua derives it
         from `progress` (same prefix)."""
         return self._p + f"tail:{consumer}"
 

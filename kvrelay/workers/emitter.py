@@ -124,7 +124,6 @@ class Emitter:
             self._tail.clear()
             self._feeds.clear()
             self._tail_since.clear()
-            self._tail_steps.clear()
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush everything queued, then stop the thread."""
@@ -210,8 +209,7 @@ class Emitter:
             if generation != self._generation:
                 self._generation, self._step_no, self._acked = generation, 0, 0
                 with self._tail_lock:
-                    self._tail_since.clear()
-                    self._tail_steps.clear()
+                    self._tail_steps.clear()  # the steps of the consumer's hash before
             held = self.inflight.snapshot()
             batch = [
                 item

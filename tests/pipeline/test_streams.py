@@ -409,10 +409,14 @@ def test_prune_consumers_removes_idle_empty_ones(r):
     make(r, "c").read(KEYS.prefill_stream, PREFILL_GROUP, 1, None)
     import time
 
+    r.hset(KEYS.tail("c"), 1, b"")  # a step field "c" left behind
     time.sleep(0.05)
-    assert b.prune_consumers(KEYS.prefill_stream, PREFILL_GROUP, idle_ms=20) == 1  # only "c"
+    with ValkeyClock(r) as clock:
+        assert b.prune_consumers(KEYS.prefill_stream, PREFILL_GROUP, idle_ms=20) == 1  # "c"
     names = {c["name"] for c in r.xinfo_consumers(KEYS.prefill_stream, PREFILL_GROUP)}
     assert names == {b"a", b"b"}
+    # its tail hash goes in a day (a request taken from it may not be admitted yet)
+    assert expires_at(r, KEYS.tail("c")) in clock.window(86_400)
 
 
 def test_a_consumer_that_never_beat_is_adopted_for_claims(r):

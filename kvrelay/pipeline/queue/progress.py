@@ -1,7 +1,7 @@
 """A request's progress: the one field per request of the `prog` hash, written at submission,
 admission, flushes, hand-offs and the end (docs/internals.md "Queue plane"). The chunks a
 request emitted since its last flush (its tail) are in its owner's `tail:{consumer}` hash: one
-field per worker step, the step's chunks of every request as a run of `feed_item`s.
+field per worker step, the step's chunks of every request in one `tail_entry`.
 
 The value is five lines:
 

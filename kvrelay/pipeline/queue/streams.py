@@ -187,7 +187,7 @@ class Streams:
             keys=[stream, self.keys.consumers, other],
             args=[
                 group, self.consumer, lease_ms, count, self.keys.fence(""),
-                DECODE_GROUP if prefill else PREFILL_GROUP,
+                DECODE_GROUP if prefill else PREFILL_GROUP, self.keys.tail(""),
             ],
         )  # fmt: skip
         return [Entry(as_str(eid), payload or None, int(n)) for eid, payload, n in reply or []]
@@ -473,7 +473,8 @@ class Streams:
             if name == self.consumer or info["pending"]:
                 continue  # entries of a dead consumer are claimed after the lease; prune later
             if info["idle"] > (idle_ms if name in live else min(idle_ms, dead_idle_ms)):
-                pruned = self._prune(keys=[stream, self.keys.fence(name)], args=[group, name])
+                keys = [stream, self.keys.fence(name), self.keys.tail(name)]
+                pruned = self._prune(keys=keys, args=[group, name])
                 removed += int(pruned == 0)
         return removed
 

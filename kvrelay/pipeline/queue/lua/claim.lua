@@ -7,7 +7,7 @@
 -- both: a prefill worker's scan must not forget a dead decode consumer), leaves the hash.
 -- KEYS: 1 work stream, 2 consumers hash, 3 the other stage's stream
 -- ARGV: 1 group, 2 claiming consumer, 3 lease ms, 4 most entries to claim, 5 fence key prefix,
---       6 the other stream's group
+--       6 the other stream's group, 7 tail hash key prefix
 -- Returns {entry id, payload or false, deliveries} per claimed entry.
 local group, me, lease_ms, room = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local t = redis.call('TIME')
@@ -20,7 +20,7 @@ for i = 1, #beats, 2 do
     redis.call('SET', ARGV[5] .. name, 'f', 'EX', 86400)
     -- its tail hash stays until the requests claimed from it are admitted (which moves
     -- their tails to out:{id}): a day, like the fence
-    redis.call('EXPIRE', string.sub(ARGV[5], 1, #ARGV[5] - 6) .. 'tail:' .. name, 86400)
+    redis.call('EXPIRE', ARGV[7] .. name, 86400)
     local pending = redis.call('XPENDING', KEYS[1], group, '-', '+', room, name)
     if #pending == 0 then
       local other = redis.pcall('XPENDING', KEYS[3], ARGV[6], '-', '+', 1, name)

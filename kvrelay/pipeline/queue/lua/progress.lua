@@ -92,16 +92,16 @@ end
 -- the newest until it reaches `hist`. Only readers that attach, admissions of claimed
 -- requests, releases and dead letters read a tail, never a step.
 local function tail_chunks(prog, rid, p)
-  local found = {}
+  local found = {}  -- chunk index -> {payload, decoded chunk}
   walk_tail(prog, rid, p, function(payload, chunk)
-    found[chunk.index] = payload
+    found[chunk.index] = {payload, chunk}
     return chunk.index <= p.hist
   end)
   local chunks, at = {}, p.hist
   while found[at] do
-    local chunk = chunk_of(found[at])
+    local payload, chunk = found[at][1], found[at][2]
     local n = type(chunk.token_ids) == 'table' and #chunk.token_ids or 0
-    chunks[#chunks + 1] = found[at]
+    chunks[#chunks + 1] = payload
     if n == 0 then break end
     at = at + n
   end

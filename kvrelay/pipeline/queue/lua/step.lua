@@ -4,7 +4,7 @@
 -- whose reply was lost is recognised: nothing is written again). One SET ... GET checks both
 -- and records the step; its old value also says whether control items wait ('!' appended by
 -- `tell_owner`). Then it writes what the worker laid out: one field of its tail hash for
--- the step (the chunks that joined requests' tails, `progress.feed_item` each; the step fields
+-- the step (the chunks that joined requests' tails, `progress.tail_entry`; the step fields
 -- no tail needs any more go), one XADD per feed (one field for all its chunks), and per flush
 -- (a flush, a hand-off, the end) out:{id} gets the tail and the chunk and the progress's
 -- counts move; a hand-off also queues the next stage's task and acks the entry, an end acks

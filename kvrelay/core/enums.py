@@ -55,6 +55,7 @@ class Quantization(enum.StrEnum):
     INT8 = "int8"  # int8 weights (7-bit) and per-token int8 activations (oneDNN)
     FP16 = "fp16"  # fp16 weights, fp32 activations (fbgemm)
     INT8_WEIGHT_ONLY = "int8-weight-only"  # int8 weights, a scale per 32 inputs (C++ kernel)
+    Q8_0 = "q8_0"  # int8 weights and activations, a scale per 32 each (llama.cpp's Q8_0 dot)
 
 
 class WorkerField(enum.StrEnum):

@@ -3,21 +3,25 @@
 only when a CUDA tensor or impl="triton" is used), and the decoder's row-wise ops (RMSNorm with
 the residual add, SiLU * up, int8 row quantization: C++ on CPU fp32, Triton for RMSNorm on
 CUDA, torch elsewhere), the dense linear layer (a row-invariant Triton GEMM on CUDA, F.linear
-elsewhere) and the int8-weight linear layer (C++ only). The C++ kernels come in ISA variants
-(avx2, avx512), chosen at load time: `loaded_isa()` says which one runs."""
+elsewhere), the int8-weight linear layer and the Q8_0 x Q8_0 linear layer (C++ only). The C++
+kernels come in ISA variants (avx2, avx512, amx), chosen at load time: `loaded_isa()` says which one runs."""
 
 from kvrelay.kernels.cpu_build import loaded_isa
 from kvrelay.kernels.errors import KernelError
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.ops import (
     Int8Weight,
+    Q8Weight,
     add_rms_norm,
     gather_pages,
     int8_linear,
     int8_linear_available,
     linear,
     pack_int8_weight,
+    pack_q8_weight,
     paged_attention,
+    q8_linear,
+    q8_path,
     quantize_int8_weight,
     quantize_rows,
     rms_norm,
@@ -30,6 +34,7 @@ from kvrelay.kernels.ops import (
 __all__ = [
     "AttentionMetadata",
     "Int8Weight",
+    "Q8Weight",
     "KernelError",
     "add_rms_norm",
     "gather_pages",
@@ -38,7 +43,10 @@ __all__ = [
     "linear",
     "loaded_isa",
     "pack_int8_weight",
+    "pack_q8_weight",
     "paged_attention",
+    "q8_linear",
+    "q8_path",
     "quantize_int8_weight",
     "quantize_rows",
     "rms_norm",

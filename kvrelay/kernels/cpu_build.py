@@ -34,7 +34,7 @@ from kvrelay.kernels.errors import KernelError
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("plan.cpp", "attention.cpp", "cache_ops.cpp", "rowwise.cpp", "wint8.cpp", "bindings.cpp")
+SOURCES = ("plan.cpp", "attention.cpp", "cache_ops.cpp", "rowwise.cpp", "wint8.cpp", "q8.cpp", "bindings.cpp")
 HEADERS = ("ops.h", "parallel.h", "vec.h", "kv_types.h")
 # -ffp-contract=off: the compiler must not fuse a*b+c on its own; the kernels place their FMAs
 # explicitly, so the arithmetic of a row is exactly what the source says.
@@ -49,10 +49,24 @@ LDFLAGS = ("-fopenmp",)
 VARIANTS: dict[str, tuple[str, ...]] = {
     "avx2": (),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    # AMX hosts (Sapphire Rapids on): AVX-512 plus VNNI and the AMX int8 tiles of `q8_linear`.
+    "amx": (
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512vnni",
+        "-mamx-tile",
+        "-mamx-int8",
+    ),
 }
 VARIANT_CPU_FLAGS: dict[str, frozenset[str]] = {
     "avx2": frozenset({"avx2", "fma"}),
     "avx512": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    "amx": frozenset(
+        {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+        | {"amx_tile", "amx_int8"}
+    ),
 }
 BASE_VARIANT = "avx2"
 SECTION = "KERNELS"

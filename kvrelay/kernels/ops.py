@@ -326,6 +326,65 @@ def pack_int8_weight(q: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
     return Int8Weight(_pack_columns(q), _pack_columns(scales.float()), n, k)
 
 
+@dataclass(frozen=True, slots=True)
+class Q8Weight:
+    """A weight [out_features, in_features] packed for `q8_linear` (llama.cpp's Q8_0 blocks)."""
+
+    packed: torch.Tensor  # int8 [ceil(N / 64), Kp / 4, 64, 4], Kp = K rounded up to 32
+    scales: torch.Tensor  # fp32 [ceil(N / 64), Kp / 32, 64]
+    comp: torch.Tensor  # int32 [ceil(N / 64), Kp / 32, 64]: 128 * each block's weight sum
+    out_features: int
+    in_features: int
+
+
+def pack_q8_weight(q: torch.Tensor, scales: torch.Tensor) -> Q8Weight:
+    """`quantize_int8_weight`'s (q, scales) in `q8_linear`'s layout: per group of 64 outputs,
+    each 4 consecutive inputs of every output side by side (an AMX B-tile row, a VNNI lane)."""
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise KernelError(f"need a 2-D int8 weight, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    blocks = -(-k // INT8_SCALE_BLOCK)
+    if tuple(scales.shape) != (n, blocks):
+        raise KernelError(f"scales {tuple(scales.shape)} do not fit a weight {tuple(q.shape)}")
+    if int(q.min()) < -127:
+        raise KernelError("q8 weights must lie in [-127, 127]")
+    groups = -(-n // INT8_GROUP)
+    padded = torch.zeros(groups * INT8_GROUP, blocks * INT8_SCALE_BLOCK, dtype=torch.int8)
+    padded[:n, :k] = q
+    packed = padded.view(groups, INT8_GROUP, blocks * INT8_SCALE_BLOCK // 4, 4)
+    packed = packed.permute(0, 2, 1, 3).contiguous()
+    sums = (padded.view(-1, blocks, INT8_SCALE_BLOCK).sum(dim=2, dtype=torch.int32) * 128).int()
+    comp = sums.view(groups, INT8_GROUP, blocks).transpose(1, 2).contiguous()
+    return Q8Weight(packed, _pack_columns(scales.float()), comp, n, k)
+
+
+def q8_path(rows: int) -> str | None:
+    """The code path `q8_linear` takes for `rows` rows ("amx", "vnni", "avx512bw", "avx2";
+    None without the C++ kernels). Every path gives the same bits."""
+    from kvrelay.kernels import cpu_build
+
+    ext = cpu_build.load()
+    return None if ext is None else str(ext.q8_path(rows))
+
+
+def q8_linear(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] . W^T (+ bias) in llama.cpp's Q8_0 x Q8_0 arithmetic: each row of x quantized
+    to int8 with one scale per 32 inputs, exact integer block dots, one fp32 FMA per block.
+
+    A row's result is the same in any batch, with any thread count and on every ISA variant
+    (AMX tiles, VNNI, AVX-512, AVX2: the integer sums are exact). C++ only, like
+    `int8_linear`."""
+    ext = _cpp_rows(x)
+    if ext is None or x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise KernelError(
+            f"q8_linear needs the C++ kernels and CPU fp32 rows of {weight.in_features} "
+            f"features, got {x.dtype} {tuple(x.shape)} on {x.device.type}"
+        )
+    return ext.q8_linear(
+        x.contiguous(), weight.packed, weight.scales, weight.comp, bias, weight.out_features
+    )
+
+
 def int8_linear_available() -> bool:
     """True where the C++ kernel behind `int8_linear` is built (x86-64 with AVX2 and FMA)."""
     from kvrelay.kernels import cpu_build

@@ -131,6 +131,19 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return y;
 }
 
+torch::Tensor q8_linear_op(const torch::Tensor& x, const torch::Tensor& packed,
+                           const torch::Tensor& scale, const torch::Tensor& comp,
+                           const c10::optional<torch::Tensor>& bias, int64_t n) {
+  auto y = torch::empty({x.size(0), n}, x.options());
+  Q8Args a{x.data_ptr<float>(), x.stride(0), packed.data_ptr<int8_t>(), scale.data_ptr<float>(),
+           comp.data_ptr<int32_t>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+           y.data_ptr<float>(), y.stride(0), x.size(0), n, x.size(1)};
+  q8_linear(a);
+  return y;
+}
+
+std::string q8_linear_path(int64_t m) { return q8_path(m); }
+
 }  // namespace
 
 }  // namespace kvr
@@ -146,6 +159,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &kvr::add_norm, release(), "residual += delta, then RMSNorm of each row");
   m.def("silu_mul", &kvr::swiglu, release(), "SiLU(gate) * up of rows [gate | up]");
   m.def("int8_linear", &kvr::int8_linear, release(), "x . (W * scales)^T (+ bias), W packed int8");
+  m.def("q8_linear", &kvr::q8_linear_op, release(), "Q8_0 x Q8_0 linear (int8 x and W, scales)");
+  m.def("q8_path", &kvr::q8_linear_path, "q8_linear's code path for m rows");
   m.def("quantize_rows", &kvr::quantize, release(), "Symmetric int8 per row: (uint8 q, scale)");
   m.def("simd_width", &kvr::simd_width, "Floats per vector of this build (8 AVX2, 16 AVX-512)");
 }

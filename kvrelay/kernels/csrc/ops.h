@@ -94,6 +94,25 @@ struct WInt8Args {
 
 void wint8_linear(const WInt8Args& args);
 
+// y [m, n] = Q8_0 x Q8_0 linear (q8.cpp): x quantized per row to int8, one scale per 32 k;
+// q packed as [ceil(n / 64)][kp / 4][64][4] int8 (kp = k rounded up to 32), scale and comp
+// (128 * each block's weight sum) as [ceil(n / 64)][kp / 32][64].
+struct Q8Args {
+  const float* x;
+  int64_t x_stride;
+  const int8_t* packed;
+  const float* scale;
+  const int32_t* comp;
+  const float* bias;  // [n] or nullptr
+  float* y;
+  int64_t y_stride;
+  int64_t m, n, k;
+};
+
+void q8_linear(const Q8Args& args);
+// The code path q8_linear takes for m rows: "amx", "vnni", "avx512bw" or "avx2".
+const char* q8_path(int64_t m);
+
 // Floats per vector of this build (8: AVX2, 16: AVX-512), to tell the ISA variants apart.
 int simd_width();
 

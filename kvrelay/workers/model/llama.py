@@ -172,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
     def quantize(self, method: str, lm_head: bool = True) -> None:
         """Replace linears by `method`'s (see `kvrelay.workers.model.quant`); "none" keeps fp32.
         int8: QKV, O, gate/up and the LM head (unless `lm_head` is False); fp16 and
-        int8-weight-only: every linear and the LM head. Call once after loading."""
+        int8-weight-only and q8_0: every linear and the LM head. Call once after loading."""
         from kvrelay.workers.model.quant import WEIGHT_ONLY, quantized_linear
 
         if method not in QUANTIZATIONS:
@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         # int8 keeps `down` fp32: its input (SiLU(gate) * up) has outlier channels that per-token
         # int8 rounds away (measured perplexity vs fp32: +5.2% with `down` in int8, +2.6%
         # without). fp16 and int8-weight-only keep fp32 activations: only weights are rounded.
-        all_four = method in (Quantization.FP16, WEIGHT_ONLY)
+        all_four = method in (Quantization.FP16, WEIGHT_ONLY, Quantization.Q8_0)
         names = ("qkv", "o", "gate_up", "down") if all_four else ("qkv", "o", "gate_up")
         slots: list[tuple[object, str]] = [(layer, name) for layer in self.layers for name in names]
         if lm_head:

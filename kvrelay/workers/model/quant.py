@@ -1,4 +1,10 @@
-"""Smaller weights for CPU fp32 models: `--quantization int8`, `fp16` and `int8-weight-only`.
+"""Smaller weights for CPU fp32 models: `--quantization int8`, `fp16`, `int8-weight-only`, `q8_0`.
+
+q8_0 (`Q8Linear`): llama.cpp's Q8_0 x Q8_0 dot: the int8-weight-only weights, and each row of
+activations quantized to int8 with one fp32 scale per 32 inputs as it enters the layer;
+integer block sums (exact), one fp32 FMA per block (`kvrelay.kernels.q8_linear`, C++). On AMX
+hosts the integer sums run on AMX tiles once 16 rows form, on VNNI, AVX-512 or AVX2 otherwise:
+all exact, so the bits are the same on every host and in any batch.
 
 int8-weight-only (`Int8WeightLinear`): int8 weights with one fp32 scale per 32 inputs of each
 output (llama.cpp's Q8_0 blocks), fp32 activations and sums (`kvrelay.kernels.int8_linear`,
@@ -50,7 +56,7 @@ def can_quantize(weight: torch.Tensor, method: str = Quantization.INT8) -> bool:
         return False
     if method == Quantization.FP16:
         return "fbgemm" in torch.backends.quantized.supported_engines
-    if method == WEIGHT_ONLY:
+    if method in (WEIGHT_ONLY, Quantization.Q8_0):
         return kernels.int8_linear_available()
     return hasattr(torch.ops.onednn, "qlinear_prepack")
 
@@ -153,8 +159,30 @@ class Int8WeightLinear:
         return kernels.int8_linear(x, self.weight, self.bias)
 
 
+class Q8Linear:
+    """Drop-in for `model.Linear` (same call): y = x W^T + b in Q8_0 x Q8_0 arithmetic."""
+
+    __slots__ = ("weight", "bias", "out_features", "in_features")
+    any_row_count = True  # each row is computed alone whatever the row count
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if not can_quantize(weight, Quantization.Q8_0):
+            raise ValueError(
+                f"q8_0 needs CPU float32 weights (got {weight.dtype} on "
+                f"{weight.device.type}) and the C++ CPU kernels (x86-64 with AVX2)"
+            )
+        self.weight = kernels.pack_q8_weight(*kernels.quantize_int8_weight(weight))
+        self.out_features, self.in_features = self.weight.out_features, self.weight.in_features
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.q8_linear(x, self.weight, self.bias)
+
+
 def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None):
     """`method`'s linear layer for a dense fp32 weight."""
+    if method == Quantization.Q8_0:
+        return Q8Linear(weight, bias)
     if method == Quantization.FP16:
         return Fp16Linear(weight, bias)
     if method == WEIGHT_ONLY:

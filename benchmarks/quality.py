@@ -135,6 +135,7 @@ def main() -> int:
         "int8, fp32 lm_head": ("int8", False),
         "fp16": ("fp16", True),
         "int8-weight-only": ("int8-weight-only", True),
+        "q8_0": ("q8_0", True),
     }
     if args.variants:
         wanted = ["fp32", *(v.strip() for v in args.variants.split(",") if v.strip() != "fp32")]

@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="torch: KVRELAY_KERNELS_CPU=torch (the torch attention path)",
     )
-    p.add_argument("--quantization", choices=("none", "int8", "fp16", "int8-weight-only"),
+    p.add_argument("--quantization", choices=("none", "int8", "fp16", "int8-weight-only", "q8_0"),
                    default="none")  # fmt: skip
     p.add_argument(
         "--worker-io",

@@ -4,7 +4,8 @@ only when a CUDA tensor or impl="triton" is used), and the decoder's row-wise op
 the residual add, SiLU * up, int8 row quantization: C++ on CPU fp32, Triton for RMSNorm on
 CUDA, torch elsewhere), the dense linear layer (a row-invariant Triton GEMM on CUDA, F.linear
 elsewhere), the int8-weight linear layer and the Q8_0 x Q8_0 linear layer (C++ only). The C++
-kernels come in ISA variants (avx2, avx512, amx), chosen at load time: `loaded_isa()` says which one runs."""
+kernels come in ISA variants (avx2, avx512, amx), chosen at load time: `loaded_isa()` says
+which one runs."""
 
 from kvrelay.kernels.cpu_build import loaded_isa
 from kvrelay.kernels.errors import KernelError

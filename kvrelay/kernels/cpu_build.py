@@ -4,11 +4,11 @@ The same sources compile once per ISA variant (`VARIANTS`: flags on top of `CFLA
 its own module name and cache directory); the sources pick their code paths with
 `#if defined(__AVX512F__)`. `python -m kvrelay.kernels.cpu_build` builds at install time: the
 avx2 variant and the host's best one. At run time `load()` imports the best variant the CPU
-supports (`KVRELAY_KERNELS_ISA=auto|avx2|avx512` overrides it; a variant the CPU lacks is refused
-with a warning) from the cache (milliseconds); when it is missing it builds on first use (about
-a minute), and when building fails it logs one warning and falls back to the avx2 variant, then
-to None: callers then use the torch path. `KVRELAY_KERNELS_CPU=torch` forces the torch path.
-Every variant gives the same bits (docs/internals.md, Kernels).
+supports (`KVRELAY_KERNELS_ISA=auto|avx2|avx512|amx` overrides it; a variant the CPU lacks is
+refused with a warning) from the cache (milliseconds); when it is missing it builds on first
+use (about a minute), and when building fails it logs one warning and falls back to the avx2
+variant, then to None: callers then use the torch path. `KVRELAY_KERNELS_CPU=torch` forces the
+torch path. Every variant gives the same bits (docs/internals.md, Kernels).
 """
 
 from __future__ import annotations
@@ -34,7 +34,15 @@ from kvrelay.kernels.errors import KernelError
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("plan.cpp", "attention.cpp", "cache_ops.cpp", "rowwise.cpp", "wint8.cpp", "q8.cpp", "bindings.cpp")
+SOURCES = (
+    "plan.cpp",
+    "attention.cpp",
+    "cache_ops.cpp",
+    "rowwise.cpp",
+    "wint8.cpp",
+    "q8.cpp",
+    "bindings.cpp",
+)
 HEADERS = ("ops.h", "parallel.h", "vec.h", "kv_types.h")
 # -ffp-contract=off: the compiler must not fuse a*b+c on its own; the kernels place their FMAs
 # explicitly, so the arithmetic of a row is exactly what the source says.
@@ -77,7 +85,7 @@ class KernelSettings:
     """Process-wide kernel choices (`KVRELAY_KERNELS_*`, read through kvrelay.core.config)."""
 
     cpu: str = "auto"  # torch: never load the C++ kernels (the torch path)
-    isa: str = "auto"  # auto | avx2 | avx512: the variant `load()` imports
+    isa: str = "auto"  # auto | avx2 | avx512 | amx: the variant `load()` imports
 
     @property
     def torch_only(self) -> bool:
@@ -263,7 +271,7 @@ def load() -> ModuleType | None:
 
 
 def loaded_isa() -> str | None:
-    """The ISA variant `load()` uses ("avx2", "avx512"), None on the torch path."""
+    """The ISA variant `load()` uses ("avx2", "avx512", "amx"), None on the torch path."""
     load()
     return _state.get("isa")  # type: ignore[return-value]
 

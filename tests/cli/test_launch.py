@@ -176,9 +176,13 @@ def test_weights_are_chosen_for_the_host_unless_given(tmp_path, monkeypatch):
     from kvrelay.cli.up.command import build_programs
     from kvrelay.cli.up.topology import default_weights
 
-    assert default_weights(0, "x86_64", int8_kernel=True) == (
+    assert default_weights(0, "x86_64", int8_kernel=True, kernel_isa="avx512") == (
         "int8-weight-only",
         "CPU host: int8 weights (a scale per 32), fp32 activations",
+    )
+    assert default_weights(0, "x86_64", int8_kernel=True, kernel_isa="amx") == (
+        "q8_0",
+        "AMX host: int8 weights and activations (a scale per 32 each), AMX int8 tiles",
     )
     assert default_weights(0, "x86_64", int8_kernel=False) == (
         "fp16",

@@ -14,6 +14,7 @@ from kvrelay.kernels import KernelError, cpu_build, pack_int8_weight
 
 AVX2 = ("avx2", "fma")
 AVX512 = (*AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+AMX = (*AVX512, "avx512_vnni", "amx_tile", "amx_int8")
 
 
 def test_supported_variants_follow_the_cpu_flags():
@@ -21,6 +22,8 @@ def test_supported_variants_follow_the_cpu_flags():
     assert cpu_build.supported_variants(("avx2",)) == ()  # FMA too
     assert cpu_build.supported_variants((*AVX2, "avx512f")) == ("avx2",)
     assert cpu_build.supported_variants((*AVX512, "amx_tile")) == ("avx2", "avx512")
+    assert cpu_build.supported_variants(AMX) == ("avx2", "avx512", "amx")
+    assert cpu_build.supported_variants(AMX[:-1]) == ("avx2", "avx512")  # no amx_int8
 
 
 def test_choose_variant_takes_the_best_or_the_override(caplog):
@@ -42,7 +45,7 @@ def test_choose_variant_refuses_what_the_cpu_lacks(caplog):
         "KVRELAY_KERNELS_ISA=avx512 refused: this CPU lacks avx512bw, avx512dq, avx512f, "
         "avx512vl; using avx2"
     )
-    assert second == "KVRELAY_KERNELS_ISA=sse is not one of auto, avx2, avx512: using avx512"
+    assert second == "KVRELAY_KERNELS_ISA=sse is not one of auto, avx2, avx512, amx: using avx512"
 
 
 def test_load_variant_refuses_a_variant_the_cpu_lacks(monkeypatch):
@@ -98,23 +101,23 @@ def test_env_picks_the_variant_and_load_reports_it():
     assert _isa_in_subprocess(KVRELAY_KERNELS_CPU="torch")[0] == "None"
 
 
-needs_both = pytest.mark.skipif(
-    cpu_build.supported_variants() != ("avx2", "avx512"),
-    reason="needs a CPU with AVX-512 F/BW/VL/DQ to compare the avx512 variant with avx2",
-)
+WIDE = tuple(v for v in cpu_build.VARIANTS if v != "avx2")  # each compared with avx2
 
 
-@pytest.fixture(scope="module")
-def variants():
-    return {v: cpu_build.load_variant(v) for v in ("avx2", "avx512")}
+@pytest.fixture(scope="module", params=WIDE)
+def variants(request):
+    """avx2's module and, as "wide", one wider variant's (each that this CPU runs in turn)."""
+    if request.param not in cpu_build.supported_variants():
+        needs = ", ".join(sorted(cpu_build.VARIANT_CPU_FLAGS[request.param]))
+        pytest.skip(f"needs a CPU with {needs} to compare the {request.param} variant with avx2")
+    return {"avx2": cpu_build.load_variant("avx2"), "wide": cpu_build.load_variant(request.param)}
 
 
-@needs_both
 def test_variants_load_side_by_side(variants):
-    assert variants["avx2"].__name__ != variants["avx512"].__name__
+    assert variants["avx2"].__name__ != variants["wide"].__name__
     # each module runs its own code (no symbol of one resolves to the other)
     assert variants["avx2"].simd_width() == 8
-    assert variants["avx512"].simd_width() == 16
+    assert variants["wide"].simd_width() == 16
 
 
 # The model's linears (qkv, o, gate_up, down, LM head) and awkward ones: n not a multiple of 64
@@ -130,26 +133,24 @@ def _int8_layer(n: int, k: int, seed: int):
     return pack_int8_weight(q, scales), torch.randn(n, generator=g)
 
 
-@needs_both
 @pytest.mark.parametrize(("n", "k"), LINEAR_SHAPES + AWKWARD_SHAPES)
-def test_int8_linear_same_bits_in_both_variants(variants, n, k):
+def test_int8_linear_same_bits_in_each_variant(variants, n, k):
     w, bias = _int8_layer(n, k, n * 7 + k)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)) * 3
     row_counts = range(1, 41) if n * k <= 600_000 else (1, 2, 3, 8, 24, 25, 40)
     for m in row_counts:
         for b in (bias, None):
             a2 = variants["avx2"].int8_linear(x[:m], w.packed, w.scales, b, n)
-            a5 = variants["avx512"].int8_linear(x[:m], w.packed, w.scales, b, n)
+            a5 = variants["wide"].int8_linear(x[:m], w.packed, w.scales, b, n)
             assert torch.equal(a2, a5), (m, b is None)
 
 
-@needs_both
 def test_int8_linear_same_bits_past_96_rows(variants):
     w, bias = _int8_layer(200, 70, 3)
     x = torch.randn(300, 70, generator=torch.Generator().manual_seed(4))
     for m in (95, 96, 97, 131, 300):
         a2 = variants["avx2"].int8_linear(x[:m], w.packed, w.scales, bias, 200)
-        assert torch.equal(a2, variants["avx512"].int8_linear(x[:m], w.packed, w.scales, bias, 200))
+        assert torch.equal(a2, variants["wide"].int8_linear(x[:m], w.packed, w.scales, bias, 200))
 
 
 def _rows_with_edges(n: int, dim: int, seed: int) -> torch.Tensor:
@@ -161,10 +162,9 @@ def _rows_with_edges(n: int, dim: int, seed: int) -> torch.Tensor:
     return x
 
 
-@needs_both
 @pytest.mark.parametrize("dim", [1536, 1000, 24, 17, 5])  # 16-lane vectors, 8-lane, tails
-def test_rowwise_ops_same_bits_in_both_variants(variants, dim):
-    a2, a5 = variants["avx2"], variants["avx512"]
+def test_rowwise_ops_same_bits_in_each_variant(variants, dim):
+    a2, a5 = variants["avx2"], variants["wide"]
     gu = _rows_with_edges(40, 2 * dim, dim)
     torch.testing.assert_close(a2.silu_mul(gu), a5.silu_mul(gu), rtol=0, atol=0, equal_nan=True)
     x, w = _rows_with_edges(40, dim, dim + 1)[2:], torch.randn(dim)
@@ -227,15 +227,14 @@ ATTENTION_BATCHES = [
 ]
 
 
-@needs_both
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_attention_same_bits_in_both_variants(variants, group, dtype):
+def test_attention_same_bits_in_each_variant(variants, group, dtype):
     for (ctx, qlen), page in zip(ATTENTION_BATCHES, (16, 5, 16, 16, 16, 8, 32), strict=True):
         for kv_heads in (1, 3):
             case = _attention_case(group, kv_heads, ctx, qlen, page, dtype)
             one = _attend(variants["avx2"], case, 1)
-            for v in ("avx2", "avx512"):
+            for v in ("avx2", "wide"):
                 for threads in (1, 2):
                     out = _attend(variants[v], case, threads)
                     assert torch.equal(out, one), (ctx, qlen, kv_heads, v, threads)

@@ -1,10 +1,12 @@
-"""int8_linear, silu_mul and rms_norm per ISA variant of the C++ CPU kernels (avx2 vs avx512).
+"""int8_linear, q8_linear, silu_mul and rms_norm per ISA variant of the C++ CPU kernels.
 
 Usage: python benchmarks/kernel_isa.py [--repeat N] [--rows 1,8,32,128,512] [--threads T]
 Loads every variant this CPU runs side by side (`cpu_build.load_variant`), checks that their
 outputs have the same bits, and times each op at SmolLM2-135M's shapes (the LM head only up to
 32 rows: it runs on the sampled rows). Prints one JSON line, then a table of milliseconds per
 call and the speedup of each variant over avx2 measured in the same run (higher is faster).
+q8_linear (`--quantization q8_0`) runs beside int8_linear on the same weights: on the amx
+variant its integer sums run on AMX tiles from 16 rows on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from functools import partial
 
 import torch
 
-from kvrelay.kernels import cpu_build, pack_int8_weight, quantize_int8_weight
+from kvrelay.kernels import cpu_build, pack_int8_weight, pack_q8_weight, quantize_int8_weight
 
 # (name, in_features, out_features) of SmolLM2-135M's linears
 SHAPES = (
@@ -42,6 +44,10 @@ def _time(fn, repeat: int) -> float:
 
 def _int8_linear(mod, x: torch.Tensor, w) -> torch.Tensor:
     return mod.int8_linear(x, w.packed, w.scales, None, w.out_features)
+
+
+def _q8_linear(mod, x: torch.Tensor, w) -> torch.Tensor:
+    return mod.q8_linear(x, w.packed, w.scales, w.comp, None, w.out_features)
 
 
 def _rms_norm(mod, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -72,7 +78,7 @@ def main() -> None:
     results = []
     for name, k, n in SHAPES:
         q, scales = quantize_int8_weight(torch.randn(n, k, generator=g) * 0.05)
-        w = pack_int8_weight(q, scales)
+        w, w8 = pack_int8_weight(q, scales), pack_q8_weight(q, scales)
         for m in row_counts:
             if name == "lm_head" and m > LM_HEAD_MAX_ROWS:
                 continue
@@ -80,6 +86,8 @@ def main() -> None:
             row = {"op": f"int8_linear {name}", "shape": f"{m}x{k}->{n}"}
             call = partial(_int8_linear, x=x, w=w)
             results.append(_compare(row, mods, call, args.repeat))
+            row = {"op": f"q8_linear {name}", "shape": f"{m}x{k}->{n}"}
+            results.append(_compare(row, mods, partial(_q8_linear, x=x, w=w8), args.repeat))
     for m in row_counts:
         gu = torch.randn(m, 2 * 1536, generator=g) * 3
         x, wn = torch.randn(m, 576, generator=g), torch.randn(576, generator=g)

@@ -216,7 +216,7 @@ def worker_io(engine, batch: int, tokens: int) -> dict:
 
     from benchmarks.common import free_port
     from kvrelay.core.keys import MESSAGE_FIELD, Keys
-    from kvrelay.core.messages import DecodeTask, TokenChunk
+    from kvrelay.core.messages import DecodeTask
     from kvrelay.workers.config import WorkerConfig
     from kvrelay.workers.decode import DecodeWorker
     from kvrelay.workers.engine.config import EngineConfig
@@ -245,8 +245,8 @@ def worker_io(engine, batch: int, tokens: int) -> dict:
         while not worker.emitter.thread.is_alive():
             time.sleep(0.01)
         time.sleep(0.3)
-        named = {t.name: t.native_id for t in threading.enumerate()
-                 if t.name in ("compute", "reader", "emitter", "heartbeat")}  # fmt: skip
+        named = {t.name.partition("-")[0]: t.native_id for t in threading.enumerate()
+                 if t.name in ("compute", "reader-0", "emitter", "heartbeat")}  # fmt: skip
 
         def snapshot() -> dict[str, float]:
             cpu = {"valkey": _cpu_s(f"/proc/{valkey.pid}/stat")}
@@ -271,9 +271,9 @@ def worker_io(engine, batch: int, tokens: int) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker IO probe: {len(pending)} requests unfinished")
             time.sleep(0.25)
+            streams = next(iter(worker.lanes.values())).streams
             for rid in list(pending):
-                last = r.xrevrange(keys.out(rid), count=1)
-                if last and TokenChunk.decode(last[0][1][MESSAGE_FIELD]).finished:
+                if streams.emitted_tokens(rid)[2]:  # out:{id} and the tail: a final chunk
                     pending.discard(rid)
         wall, after = time.perf_counter() - t0, snapshot()
         steps = engine.stats.num_steps - steps0

@@ -69,8 +69,9 @@ _HELP: list[tuple[str, ...]] = [
     ("dtype", "auto | float32 | bfloat16 | float16"),
     (
         "quantization",
-        "int8-weight-only: int8 weights, fp32 math; fp16: half-size weights; "
-        "int8: int8 weights and activations (CPU fp32)",
+        "int8-weight-only: int8 weights, fp32 math; q8_0: int8 weights and activations, a "
+        "scale per 32 each (llama.cpp's Q8_0 dot; AMX tiles where the CPU has them); "
+        "fp16: half-size weights; int8: int8 weights and activations (CPU fp32)",
     ),
     ("kv_cache_dtype", KV_DTYPE_HELP),
     *SPECULATION_HELP_TABLE,

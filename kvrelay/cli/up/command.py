@@ -114,8 +114,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=("auto", *QUANTIZATIONS),
         default="auto",
-        help="worker weights: auto (int8-weight-only on x86-64 CPU hosts, else the model's), "
-        "none (model dtype), int8-weight-only, fp16 or int8 (CPU only; see docs/benchmarks.md)",
+        help="worker weights: auto (q8_0 on AMX hosts, int8-weight-only on other x86-64 CPU "
+        "hosts, else the model's), none (model dtype), q8_0, int8-weight-only, fp16 or int8 "
+        "(CPU only; see docs/benchmarks.md)",
     )
     p.add_argument(
         "--kv-cache-dtype",

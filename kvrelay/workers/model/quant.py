@@ -144,36 +144,36 @@ class Int8WeightLinear:
     __slots__ = ("weight", "bias", "out_features", "in_features")
     # Each row is computed alone whatever the row count, so the model need not pad batches.
     any_row_count = True
+    method: str = WEIGHT_ONLY
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        if not can_quantize(weight, WEIGHT_ONLY):
+        if not can_quantize(weight, self.method):
             raise ValueError(
-                f"int8-weight-only needs CPU float32 weights (got {weight.dtype} on "
+                f"{self.method} needs CPU float32 weights (got {weight.dtype} on "
                 f"{weight.device.type}) and the C++ CPU kernels (x86-64 with AVX2)"
             )
-        self.weight = kernels.pack_int8_weight(*kernels.quantize_int8_weight(weight))
+        self.weight = self.pack(*kernels.quantize_int8_weight(weight))
         self.out_features, self.in_features = self.weight.out_features, self.weight.in_features
         self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    @staticmethod
+    def pack(q: torch.Tensor, scales: torch.Tensor):
+        return kernels.pack_int8_weight(q, scales)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.int8_linear(x, self.weight, self.bias)
 
 
-class Q8Linear:
-    """Drop-in for `model.Linear` (same call): y = x W^T + b in Q8_0 x Q8_0 arithmetic."""
+class Q8Linear(Int8WeightLinear):
+    """Drop-in for `model.Linear` (same call): y = x W^T + b in Q8_0 x Q8_0 arithmetic (the
+    same int8 weights, packed for `q8_linear`)."""
 
-    __slots__ = ("weight", "bias", "out_features", "in_features")
-    any_row_count = True  # each row is computed alone whatever the row count
+    __slots__ = ()
+    method = Quantization.Q8_0
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        if not can_quantize(weight, Quantization.Q8_0):
-            raise ValueError(
-                f"q8_0 needs CPU float32 weights (got {weight.dtype} on "
-                f"{weight.device.type}) and the C++ CPU kernels (x86-64 with AVX2)"
-            )
-        self.weight = kernels.pack_q8_weight(*kernels.quantize_int8_weight(weight))
-        self.out_features, self.in_features = self.weight.out_features, self.weight.in_features
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+    @staticmethod
+    def pack(q: torch.Tensor, scales: torch.Tensor):
+        return kernels.pack_q8_weight(q, scales)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.q8_linear(x, self.weight, self.bias)

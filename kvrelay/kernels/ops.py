@@ -316,13 +316,20 @@ def _pack_columns(t: torch.Tensor) -> torch.Tensor:
     return padded.view(groups, INT8_GROUP, k).transpose(1, 2).contiguous()
 
 
-def pack_int8_weight(q: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
-    """`quantize_int8_weight`'s (q, scales) in `int8_linear`'s layout (zero columns pad N)."""
+def _check_int8_weight(q: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, int]:
+    """(N, K, scale blocks) of `quantize_int8_weight`'s (q, scales); KernelError otherwise."""
     if q.dtype != torch.int8 or q.dim() != 2:
         raise KernelError(f"need a 2-D int8 weight, got {q.dtype} {tuple(q.shape)}")
     n, k = q.shape
-    if tuple(scales.shape) != (n, -(-k // INT8_SCALE_BLOCK)):
+    blocks = -(-k // INT8_SCALE_BLOCK)
+    if tuple(scales.shape) != (n, blocks):
         raise KernelError(f"scales {tuple(scales.shape)} do not fit a weight {tuple(q.shape)}")
+    return n, k, blocks
+
+
+def pack_int8_weight(q: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
+    """`quantize_int8_weight`'s (q, scales) in `int8_linear`'s layout (zero columns pad N)."""
+    n, k, _ = _check_int8_weight(q, scales)
     return Int8Weight(_pack_columns(q), _pack_columns(scales.float()), n, k)
 
 
@@ -340,12 +347,7 @@ class Q8Weight:
 def pack_q8_weight(q: torch.Tensor, scales: torch.Tensor) -> Q8Weight:
     """`quantize_int8_weight`'s (q, scales) in `q8_linear`'s layout: per group of 64 outputs,
     each 4 consecutive inputs of every output side by side (an AMX B-tile row, a VNNI lane)."""
-    if q.dtype != torch.int8 or q.dim() != 2:
-        raise KernelError(f"need a 2-D int8 weight, got {q.dtype} {tuple(q.shape)}")
-    n, k = q.shape
-    blocks = -(-k // INT8_SCALE_BLOCK)
-    if tuple(scales.shape) != (n, blocks):
-        raise KernelError(f"scales {tuple(scales.shape)} do not fit a weight {tuple(q.shape)}")
+    n, k, blocks = _check_int8_weight(q, scales)
     if int(q.min()) < -127:
         raise KernelError("q8 weights must lie in [-127, 127]")
     groups = -(-n // INT8_GROUP)
@@ -374,15 +376,21 @@ def q8_linear(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None) -> t
     A row's result is the same in any batch, with any thread count and on every ISA variant
     (AMX tiles, VNNI, AVX-512, AVX2: the integer sums are exact). C++ only, like
     `int8_linear`."""
-    ext = _cpp_rows(x)
-    if ext is None or x.dim() != 2 or x.shape[1] != weight.in_features:
-        raise KernelError(
-            f"q8_linear needs the C++ kernels and CPU fp32 rows of {weight.in_features} "
-            f"features, got {x.dtype} {tuple(x.shape)} on {x.device.type}"
-        )
+    ext = _linear_rows("q8_linear", x, weight.in_features)
     return ext.q8_linear(
         x.contiguous(), weight.packed, weight.scales, weight.comp, bias, weight.out_features
     )
+
+
+def _linear_rows(op: str, x: torch.Tensor, in_features: int) -> ModuleType:
+    """The C++ extension for `op` on rows x [T, in_features] (CPU fp32); KernelError otherwise."""
+    ext = _cpp_rows(x)
+    if ext is None or x.dim() != 2 or x.shape[1] != in_features:
+        raise KernelError(
+            f"{op} needs the C++ kernels and CPU fp32 rows of {in_features} "
+            f"features, got {x.dtype} {tuple(x.shape)} on {x.device.type}"
+        )
+    return ext
 
 
 def int8_linear_available() -> bool:
@@ -398,10 +406,5 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     Each output is one fp32 accumulator over k = 0..K-1 in order, so a row's result is the
     same in any batch and with any thread count. C++ only: there is no torch path with the
     same arithmetic, callers check `int8_linear_available()`."""
-    ext = _cpp_rows(x)
-    if ext is None or x.dim() != 2 or x.shape[1] != weight.in_features:
-        raise KernelError(
-            f"int8_linear needs the C++ kernels and CPU fp32 rows of {weight.in_features} "
-            f"features, got {x.dtype} {tuple(x.shape)} on {x.device.type}"
-        )
+    ext = _linear_rows("int8_linear", x, weight.in_features)
     return ext.int8_linear(x.contiguous(), weight.packed, weight.scales, bias, weight.out_features)

@@ -22,7 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <cstring>  // memcpy
 #include <vector>
 
 #include "ops.h"
@@ -35,6 +35,7 @@ namespace {
 constexpr int kGroup = 64;
 constexpr int kBlock = 32;
 constexpr int64_t kGroupBlockBytes = kBlock * kGroup;  // one block of one group: 2 KiB
+constexpr int kTileRows = 16;  // rows of an AMX tile
 
 // ---- activations ------------------------------------------------------------------------
 
@@ -260,7 +261,6 @@ void vec_linear(const Q8Data& d) {
 // ---- AMX tiles --------------------------------------------------------------------------
 
 #if defined(__AMX_INT8__)
-constexpr int kTileRows = 16;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -353,33 +353,44 @@ void amx_linear(const Q8Data& d) {
 }
 #endif
 
-}  // namespace
+enum class Path { kAmx, kVnni, kAvx512bw, kAvx2 };
 
 // Rows from which the AMX variant uses tiles (below, VPDPBUSD; the bits are the same).
-constexpr int64_t kQ8AmxRows = 16;
+constexpr int64_t kAmxRows = 16;
 
-const char* q8_path(int64_t m) {
+Path path_for(int64_t m) {
 #if defined(__AMX_INT8__)
-  if (m >= kQ8AmxRows && amx_permitted()) return "amx";
-  return "vnni";
+  return m >= kAmxRows && amx_permitted() ? Path::kAmx : Path::kVnni;
 #elif defined(__AVX512BW__)
   (void)m;
-  return "avx512bw";
+  return Path::kAvx512bw;
 #else
   (void)m;
-  return "avx2";
+  return Path::kAvx2;
 #endif
+}
+
+}  // namespace
+
+const char* q8_path(int64_t m) {
+  switch (path_for(m)) {
+    case Path::kAmx: return "amx";
+    case Path::kVnni: return "vnni";
+    case Path::kAvx512bw: return "avx512bw";
+    default: return "avx2";
+  }
 }
 
 void q8_linear(const Q8Args& a) {
   if (a.m == 0 || a.n == 0) return;
   const int64_t blocks = (a.k + kBlock - 1) / kBlock, ld = blocks * kBlock;
-  const char* path = q8_path(a.m);
-  const bool amx = std::strcmp(path, "amx") == 0, offset = std::strcmp(path, "vnni") == 0;
-  const int64_t rows = amx ? (a.m + 15) / 16 * 16 : a.m;  // AMX loads whole 16-row tiles
-  std::vector<int8_t> xq(rows * ld, offset ? int8_t(-128) : int8_t(0));
+  const Path path = path_for(a.m);
+  const bool amx = path == Path::kAmx;
+  // AMX loads whole 16-row tiles: the padding rows stay zero (xq 0, xd 0) and are not written.
+  const int64_t rows = amx ? (a.m + kTileRows - 1) / kTileRows * kTileRows : a.m;
+  std::vector<int8_t> xq(rows * ld, 0);
   std::vector<float> xd(rows * blocks, 0.0f);
-  quantize_x(a, xq.data(), xd.data(), ld, offset);
+  quantize_x(a, xq.data(), xd.data(), ld, path == Path::kVnni);
   const Q8Data d{&a, xq.data(), xd.data(), ld, blocks};
 #if defined(__AMX_INT8__)
   if (amx) {

@@ -147,3 +147,24 @@ def check_alone_equals_in_batch_of_8_and_chunked(make_engine) -> None:
         alone = engine.generate([prompts[i]], params)[0]
         assert alone.output_token_ids == batch[i].output_token_ids
         assert alone.new_logprobs == batch[i].new_logprobs
+
+
+def outputs_in_each_variant(make_engine, prompt_lengths, max_tokens: int) -> dict:
+    """{ISA variant: [(greedy token ids, logprobs)] of random prompts of `prompt_lengths`
+    (seeded: the same prompts on every call)} for each C++ kernel variant the CPU runs (a
+    fresh engine per variant); skips the test where the CPU runs only one."""
+    from kvrelay.core.sampling import SamplingParams
+    from kvrelay.kernels import cpu_build
+
+    supported = cpu_build.supported_variants()
+    if len(supported) < 2:
+        pytest.skip(f"this CPU runs one kernel variant only ({', '.join(supported)})")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in prompt_lengths]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True)
+    results = {}
+    for variant in supported:
+        with cpu_build.use_variant(variant):
+            outs = make_engine().generate(prompts, params)
+        results[variant] = [(o.output_token_ids, o.new_logprobs) for o in outs]
+    return results

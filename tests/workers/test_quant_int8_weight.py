@@ -13,6 +13,7 @@ from tests.workers.conftest import (
     FP32_CAPITAL_ANSWER,
     check_alone_equals_in_batch_of_8_and_chunked,
     greedy_capital_answer,
+    outputs_in_each_variant,
     quantized_engine_factory,
 )
 
@@ -68,18 +69,5 @@ def test_fingerprint_is_its_own(make_engine, model_dir):
 def test_every_isa_variant_gives_the_same_tokens_and_logprobs(make_engine):
     """The whole model (int8_linear, silu_mul, rms_norm, attention) in each ISA variant the
     CPU runs: the same greedy tokens and the same logprob bits."""
-    from kvrelay.core.sampling import SamplingParams
-    from kvrelay.kernels import cpu_build
-
-    supported = cpu_build.supported_variants()
-    if len(supported) < 2:
-        pytest.skip(f"this CPU runs one kernel variant only ({', '.join(supported)})")
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (7, 40, 3)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
-    results = {}
-    for variant in supported:
-        with cpu_build.use_variant(variant):
-            outs = make_engine().generate(prompts, params)
-        results[variant] = [(o.output_token_ids, o.new_logprobs) for o in outs]
+    results = outputs_in_each_variant(make_engine, (7, 40, 3), max_tokens=6)
     assert all(r == results["avx2"] for r in results.values())

@@ -13,6 +13,7 @@ from kvrelay.workers.model.quant import Q8Linear, can_quantize
 from tests.workers.conftest import (
     check_alone_equals_in_batch_of_8_and_chunked,
     greedy_capital_answer,
+    outputs_in_each_variant,
     quantized_engine_factory,
 )
 
@@ -97,20 +98,8 @@ def test_every_isa_variant_gives_the_same_tokens_and_logprobs(make_engine):
     """The whole model (q8_linear on AMX tiles, VNNI, AVX-512 or AVX2, and the other kernels)
     in each ISA variant the CPU runs: the same greedy tokens and the same logprob bits, at
     batch 1 and in a batch of 20 (AMX tiles from 16 rows on)."""
-    from kvrelay.core.sampling import SamplingParams
-    from kvrelay.kernels import cpu_build
-
-    supported = cpu_build.supported_variants()
-    if len(supported) < 2:
-        pytest.skip(f"this CPU runs one kernel variant only ({', '.join(supported)})")
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in range(3, 23)]
-    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
-    results = {}
-    for variant in supported:
-        with cpu_build.use_variant(variant):
-            engine = make_engine()
-            outs = engine.generate(prompts, params) + engine.generate(prompts[:1], params)
-        results[variant] = [(o.output_token_ids, o.new_logprobs) for o in outs]
-    assert all(r == results["avx2"] for r in results.values())
-    assert results["avx2"][0] == results["avx2"][-1]  # alone == in the batch of 20
+    batch = outputs_in_each_variant(make_engine, range(3, 23), max_tokens=4)
+    alone = outputs_in_each_variant(make_engine, (3,), max_tokens=4)  # batch's first prompt
+    assert all(r == batch["avx2"] for r in batch.values())
+    assert all(r == alone["avx2"] for r in alone.values())
+    assert alone["avx2"][0] == batch["avx2"][0]  # alone == in the batch of 20

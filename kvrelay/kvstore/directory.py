@@ -44,6 +44,8 @@ class Directory:
         self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
         self._info: dict[str, str] = {}
         self._ops: queue.Queue = queue.Queue()
+        # one flush at a time: a caller waits for the flush in flight (which may hold its ops)
+        self._flush_lock = threading.Lock()
         self._stop = threading.Event()
         self._nodes: dict[str, tuple[float, dict[str, str] | None]] = {}
         self._thread = threading.Thread(target=self._run, name="kv-directory", daemon=True)
@@ -85,6 +87,12 @@ class Directory:
         pipe.execute()
 
     def _flush(self) -> None:
+        """Write every queued op; when it returns, what was queued before the call is written
+        (by this call or by the flush that was in flight)."""
+        with self._flush_lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
         ops = []
         while True:
             try:

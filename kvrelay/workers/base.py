@@ -87,6 +87,8 @@ class Worker:
         self.active: dict[str, Active] = {}
         self.metrics = metrics or WorkerMetrics(engine.model_name, engine)
         self.stop_event = threading.Event()
+        # set once the worker's groups exist and its heartbeat announced it (start())
+        self.ready = threading.Event()
         self.page_size = engine.config.page_size
         publication = ModelPublication.from_dir(
             engine.model_name,
@@ -183,6 +185,7 @@ class Worker:
             self.consumer,
             ",".join(map(str, self.lanes)),
         )
+        self.ready.set()
 
     def run(self) -> None:
         """The compute loop; returns after stop() once in-flight work is done or released."""

@@ -66,6 +66,7 @@ def decode_worker(valkey_session):
     engine.step = held_step
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
+    assert worker.ready.wait(120), "the worker did not start"  # announced before any request
     yield worker
     worker.stop()
     thread.join(30)

@@ -81,6 +81,9 @@ def running_worker(
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
+        # announced before the first request: an ingress that saw no decode worker would route
+        # a long prompt to prefill, where no worker of this test reads
+        assert worker.ready.wait(120), f"worker {name} did not start"
         yield worker
     finally:
         worker.stop()

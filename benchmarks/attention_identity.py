@@ -126,10 +126,12 @@ def run(ext, case: dict, layer: int) -> torch.Tensor:
         case["tables"], case["ctx"], case["qsl"], q.shape[0], page, chunk_pages,
         case["pool"].shape[0],
     )  # fmt: skip
-    return ext.paged_attention(
-        q, case["pool"], layer, case["tables"], items, entries, positions, offsets, chunk_pages,
-        case["scale"],
-    )  # fmt: skip
+    args = (q, case["pool"], layer, case["tables"], items, entries, positions, offsets,
+            chunk_pages, case["scale"])  # fmt: skip
+    try:
+        return ext.paged_attention(*args, False)  # fp32 dot products (not bf16 on AMX tiles)
+    except TypeError:  # a build from before the precision argument
+        return ext.paged_attention(*args)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

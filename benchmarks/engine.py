@@ -245,6 +245,8 @@ def run(args: argparse.Namespace) -> dict:
     max_len = max(args.prefill_lens, default=0)
     context = args.decode_context or args.prompt_len
     extra = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
+    if args.attention_precision:
+        extra["attention_precision"] = args.attention_precision
     if args.device == "cuda" or torch.cuda.is_available():
         extra["device"] = args.device  # auto would pick CUDA even for --device cpu
     if args.speculation:
@@ -350,6 +352,7 @@ def run(args: argparse.Namespace) -> dict:
         "load_average_at_start": round(load_at_start, 2),
         "quantization": engine.config.quantization,
         "decode_context": args.decode_context, "kv_cache_dtype": args.kv_cache_dtype,
+        "attention_precision": getattr(engine, "attention_precision", "fp32"),
         "kv_cache_bytes": engine.config.kv_cache_bytes,
         "speculation": str(getattr(engine, "speculation", "")),
         "cuda_graphs": getattr(engine.runner, "graphs", None) is not None,
@@ -539,6 +542,11 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-cache-dtype",
         default=None,
         help="EngineConfig.kv_cache_dtype (passed only when given)",
+    )
+    p.add_argument(
+        "--attention-precision",
+        default=None,
+        help="EngineConfig.attention_precision (passed only when given)",
     )
     p.add_argument(
         "--json", type=Path, default=None, metavar="OUT", help="also write the results to this file"

@@ -55,10 +55,14 @@ def prompts() -> list[str]:
 
 
 @torch.inference_mode()
-def perplexity(loaded, token_ids: list[int], ctx: int) -> tuple[float, int]:
-    """(PPL, scored tokens) with llama-perplexity's chunking (see the module docstring)."""
+def perplexity(
+    loaded, token_ids: list[int], ctx: int, kv_dtype: str | None = None, attention: str = "fp32"
+) -> tuple[float, int]:
+    """(PPL, scored tokens) with llama-perplexity's chunking (see the module docstring); K/V in
+    `kv_dtype` pages (None: the model's dtype), attention dot products in `attention`."""
     model, page = loaded.model, 16
-    pool = model.allocate_kv_pool(-(-ctx // page), page)
+    dtype = getattr(torch, kv_dtype) if kv_dtype else None
+    pool = model.allocate_kv_pool(-(-ctx // page), page, dtype)
     first = ctx // 2
     nll, count = 0.0, 0
     for start in range(0, len(token_ids) - ctx + 1, ctx):
@@ -71,6 +75,7 @@ def perplexity(loaded, token_ids: list[int], ctx: int) -> tuple[float, int]:
             query_start_loc=torch.tensor([0, ctx], dtype=torch.int32),
             max_query_len=ctx,
             max_context_len=ctx,
+            precision=attention,
         )
         rows = torch.arange(first, ctx - 1)
         logits = model(chunk, pos, pool, meta, rows)
@@ -80,10 +85,13 @@ def perplexity(loaded, token_ids: list[int], ctx: int) -> tuple[float, int]:
     return math.exp(nll / count), count
 
 
-def greedy(loaded, quantization: str, max_tokens: int) -> list[list[int]]:
-    """Greedy outputs of the 50 prompts, batched by the engine."""
-    engine = Engine(EngineConfig(quantization=quantization, kv_cache_bytes=256 << 20),
-                    loaded=loaded)  # fmt: skip
+def greedy(
+    loaded, quantization: str, max_tokens: int, kv_dtype: str | None, attention: str
+) -> list[list[int]]:
+    """Greedy outputs of the 50 prompts, batched by the engine (`kv_dtype` None: its auto)."""
+    engine = Engine(EngineConfig(quantization=quantization, kv_cache_bytes=256 << 20,
+                                 kv_cache_dtype=kv_dtype or "auto",
+                                 attention_precision=attention), loaded=loaded)  # fmt: skip
     ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
            for p in prompts()]  # fmt: skip
     outs = engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
@@ -129,13 +137,18 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     binary = args.llama_perplexity or Path(shutil.which("llama-perplexity") or LLAMA_PERPLEXITY)
-    variants = {  # name -> (flag value, quantize the LM head)
-        "fp32": ("none", False),
-        "int8": ("int8", True),
-        "int8, fp32 lm_head": ("int8", False),
-        "fp16": ("fp16", True),
-        "int8-weight-only": ("int8-weight-only", True),
-        "q8_0": ("q8_0", True),
+    # name -> (flag value, quantize the LM head, KV page dtype for the perplexity (None: the
+    # model's; the greedy engine's auto), attention precision)
+    variants: dict[str, tuple[str, bool, str | None, str]] = {
+        "fp32": ("none", False, None, "fp32"),
+        "int8": ("int8", True, None, "fp32"),
+        "int8, fp32 lm_head": ("int8", False, None, "fp32"),
+        "fp16": ("fp16", True, None, "fp32"),
+        "int8-weight-only": ("int8-weight-only", True, None, "fp32"),
+        "q8_0": ("q8_0", True, None, "fp32"),
+        "bf16-kv": ("none", False, "bfloat16", "fp32"),
+        "bf16-attention": ("none", False, "bfloat16", "bf16"),
+        "q8_0+bf16-attention": ("q8_0", True, "bfloat16", "bf16"),
     }
     if args.variants:
         wanted = ["fp32", *(v.strip() for v in args.variants.split(",") if v.strip() != "fp32")]
@@ -144,15 +157,15 @@ def main() -> int:
             ap.error(f"unknown variants {unknown}; choose from {list(variants)}")
         variants = {v: variants[v] for v in wanted}
     results, reference = [], None
-    for name, (quantization, lm_head) in variants.items():
+    for name, (quantization, lm_head, kv_dtype, attention) in variants.items():
         loaded = load_model(progress=False, dtype="float32", device="cpu")
         if quantization != "none":
             loaded.model.quantize(quantization, lm_head=lm_head)
             loaded.quantization = quantization
         start = time.perf_counter()
         token_ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
-        ppl, scored = perplexity(loaded, token_ids, args.ctx)
-        outputs = greedy(loaded, quantization, args.max_tokens)
+        ppl, scored = perplexity(loaded, token_ids, args.ctx, kv_dtype, attention)
+        outputs = greedy(loaded, quantization, args.max_tokens, kv_dtype, attention)
         reference = reference or outputs
         exact, prefix = agreement(reference, outputs)
         results.append({"variant": name, "ppl": round(ppl, 4), "scored_tokens": scored,

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvrelay.cli.errors import CommandError
 from kvrelay.cli.worker import (
+    ATTENTION_HELP,
     KV_DTYPE_HELP,
     SPECULATION_FIELDS,
     SPECULATION_HELP_TABLE,
@@ -73,6 +74,7 @@ _ENGINE_HELP: list[tuple[str, ...]] = [
         "fp16: half-size weights; int8: int8 weights and activations (CPU fp32)",
     ),
     ("kv_cache_dtype", KV_DTYPE_HELP),
+    ("attention_precision", ATTENTION_HELP + " (here fp32 by default: the same bits anywhere)"),
     *SPECULATION_HELP_TABLE,
 ]
 
@@ -258,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
             num_threads=args.num_threads,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            attention_precision=args.attention_precision,
             **{name: getattr(args, name) for name in SPECULATION_FIELDS},
         )
         check_speculation(

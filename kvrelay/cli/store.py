@@ -30,6 +30,10 @@ _HELP: list[tuple[str, ...]] = [
     ("model_dtype", "workers' compute dtype with --model when not the page dtype (fingerprint)"),
     ("page_size", "tokens per page with --model"),
     ("quantization", "workers' weight quantization with --model (fingerprint)"),
+    (
+        "attention_precision",
+        "workers' --attention-precision with --model (fingerprint; auto: CPU workers')",
+    ),
     ("fingerprint", "accept only pages of this model fingerprint (none: any)"),
     ("listen_host", "address of the remote-transfer listeners"),
     ("advertise_host", "address peers dial (none: the listen host)"),
@@ -69,14 +73,23 @@ def build_config(args: argparse.Namespace):
     cfg = from_env(StoreConfig, SECTION, file_values=file_values, **overrides)
     if cfg.model is not None:
         from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
+        from kvrelay.workers.model.loader import resolve_attention_precision
 
         try:
             model_dtype, kv_dtype = page_dtypes(cfg.dtype, cfg.model_dtype)
-            info = read_model_info(
-                converted_dir(resolve_model(cfg.model)),
+            directory = converted_dir(resolve_model(cfg.model))
+            shape = read_model_info(directory)
+            attention = resolve_attention_precision(
+                cfg.attention_precision,
+                kv_dtype,
                 model_dtype,
-                cfg.quantization,
-                kv_dtype=kv_dtype,
+                "cpu",
+                cfg.page_size,
+                shape.head_dim,
+                None if _kernels_load() else False,
+            )
+            info = read_model_info(
+                directory, model_dtype, cfg.quantization, kv_dtype=kv_dtype, attention=attention
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
@@ -101,15 +114,18 @@ def page_dtypes(dtype: str, model_dtype: str | None) -> tuple[str, str]:
     if normalize_kv_cache_dtype(dtype) != "auto":
         return normalize_dtype(model_dtype or dtype), normalize_dtype(dtype)
     model_dtype = normalize_dtype(model_dtype or "float32")
-    try:
-        from kvrelay.kernels.cpu_build import load
-    except ImportError:  # no torch on this host: no CPU worker here either; fp32 pages
-        kernels = False
-    else:
-        kernels = load() is not None
     from kvrelay.workers.model.loader import resolve_kv_dtype_name
 
-    return model_dtype, resolve_kv_dtype_name("auto", model_dtype, "cpu", kernels)
+    return model_dtype, resolve_kv_dtype_name("auto", model_dtype, "cpu", _kernels_load())
+
+
+def _kernels_load() -> bool:
+    """Whether the C++ CPU kernels load on this host (as a CPU worker's would)."""
+    try:
+        from kvrelay.kernels.cpu_build import load
+    except ImportError:  # no torch on this host: no CPU worker here either
+        return False
+    return load() is not None
 
 
 def run_store(args: argparse.Namespace) -> int:

@@ -128,6 +128,24 @@ def normalize_kv_cache_dtype(value: str) -> str:
         ) from None
 
 
+# --attention-precision: fp32 dot products everywhere, or q and p rounded to bf16 for AMX-BF16
+# tiles (CPU, bf16 pages); auto picks bf16 where it runs (loader.resolve_attention_precision).
+ATTENTION_PRECISIONS = ("auto", "fp32", "bf16")
+# what pages computed with bf16 attention carry in their fingerprint (the bits of the kernel)
+BF16_ATTENTION_SCHEME = "attn=bf16-amx-tiles-v1"
+
+
+def normalize_attention_precision(value: str) -> str:
+    """`auto`, `fp32` or `bf16` from an --attention-precision value."""
+    name = str(value).strip().lower()
+    if name not in ATTENTION_PRECISIONS:
+        raise ValueError(
+            f"unsupported attention precision {value!r}; use one of "
+            f"{', '.join(ATTENTION_PRECISIONS)}"
+        )
+    return name
+
+
 def _builtin(name: str) -> ModelRef:
     package, filename = BUILTIN_MODELS[name]
     hint = (
@@ -269,10 +287,14 @@ def model_fingerprint(
     dtype: str = "float32",
     quantization: str = Quantization.NONE,
     kv_dtype: str | None = None,
+    attention: str = "fp32",
 ) -> str:
-    """Hex fingerprint of (config, weights, dtype, quantization, KV page dtype); the weight
-    digest is cached in kvrelay.json. `kv_dtype` (None: `dtype`) is hashed in only when it
-    differs from `dtype`, so pages in the compute dtype keep their fingerprint."""
+    """Hex fingerprint of (config, weights, dtype, quantization, KV page dtype, attention
+    precision); the weight digest is cached in kvrelay.json. `kv_dtype` (None: `dtype`) is
+    hashed in only when it differs from `dtype`, and `attention` only when it is bf16, so pages
+    computed the default way keep their fingerprint."""
+    if attention not in ("fp32", "bf16"):
+        raise ValueError(f"attention precision must be resolved to fp32 or bf16, got {attention!r}")
     directory = Path(directory)
     meta = read_meta(directory)
     digest = meta.get("weights_digest")
@@ -292,6 +314,8 @@ def model_fingerprint(
         h.update(b"|" + scheme.encode())
     if kv_dtype is not None and normalize_dtype(kv_dtype) != normalize_dtype(dtype):
         h.update(b"|kv=" + normalize_dtype(kv_dtype).encode())
+    if attention == "bf16":
+        h.update(b"|" + BF16_ATTENTION_SCHEME.encode())
     return h.hexdigest()
 
 
@@ -310,9 +334,10 @@ def read_model_info(
     dtype: str = "float32",
     quantization: str = Quantization.NONE,
     kv_dtype: str | None = None,
+    attention: str = "fp32",
 ) -> ModelInfo:
     """Architecture numbers and fingerprint of a converted model directory (`dtype`: compute,
-    `kv_dtype`: KV pages, None: the same)."""
+    `kv_dtype`: KV pages, None: the same; `attention`: the workers' resolved precision)."""
     cfg = read_config(directory)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
@@ -326,7 +351,7 @@ def read_model_info(
         vocab_size=int(cfg["vocab_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         dtype=normalize_dtype(dtype),
-        fingerprint=model_fingerprint(directory, dtype, quantization, kv_dtype),
+        fingerprint=model_fingerprint(directory, dtype, quantization, kv_dtype, attention),
     )
 
 

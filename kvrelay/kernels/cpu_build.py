@@ -57,15 +57,18 @@ LDFLAGS = ("-fopenmp",)
 VARIANTS: dict[str, tuple[str, ...]] = {
     "avx2": (),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
-    # AMX hosts (Sapphire Rapids on): AVX-512 plus VNNI and the AMX int8 tiles of `q8_linear`.
+    # AMX hosts (Sapphire Rapids on): AVX-512 plus VNNI and BF16, the AMX int8 tiles of
+    # `q8_linear` and the bf16 tiles of bf16 attention.
     "amx": (
         "-mavx512f",
         "-mavx512bw",
         "-mavx512vl",
         "-mavx512dq",
         "-mavx512vnni",
+        "-mavx512bf16",
         "-mamx-tile",
         "-mamx-int8",
+        "-mamx-bf16",
     ),
 }
 VARIANT_CPU_FLAGS: dict[str, frozenset[str]] = {
@@ -73,7 +76,7 @@ VARIANT_CPU_FLAGS: dict[str, frozenset[str]] = {
     "avx512": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     "amx": frozenset(
         {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
-        | {"amx_tile", "amx_int8"}
+        | {"avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}
     ),
 }
 BASE_VARIANT = "avx2"

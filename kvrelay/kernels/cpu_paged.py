@@ -18,7 +18,14 @@ from kvrelay.kernels.errors import KernelError
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.torch_ref import gather_pages, scatter_pages
 
-__all__ = ["gather_pages", "paged_attention", "rope_write_kv", "scatter_pages", "write_kv"]
+__all__ = [
+    "bf16_attention_available",
+    "gather_pages",
+    "paged_attention",
+    "rope_write_kv",
+    "scatter_pages",
+    "write_kv",
+]
 
 CHUNK_KEYS = 256  # keys per chunk: the unit of parallel work and of the final merge
 HEAD_DIMS = (8, 16, 32, 64, 128)
@@ -146,17 +153,41 @@ def _build_plan(meta: AttentionMetadata, page_size: int, num_blocks: int, num_to
     return CppPlan(tables, items, entries, positions, offsets, chunk_pages)
 
 
+def bf16_attention_available() -> bool:
+    """Whether `paged_attention(..., precision="bf16")` runs here: the amx build loaded and the
+    OS grants its tiles."""
+    ext = cpu_build.load()
+    return ext is not None and bool(ext.bf16_attention_available())
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_pool: torch.Tensor,
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    precision: str = "fp32",
 ) -> torch.Tensor:
-    """Causal paged attention, bitwise independent of batch, chunking and thread count."""
+    """Causal paged attention, bitwise independent of batch, chunking and thread count.
+    `precision="bf16"`: q.k and p.v on AMX-BF16 tiles (docs/internals.md), a bf16 pool only;
+    a KernelError where it cannot run (no other path gives its bits)."""
     ext = cpu_build.load()
-    if ext is None or not supports(query, kv_pool):
+    bf16 = precision == "bf16"
+    if bf16:
+        if not (bf16_attention_available() and supports(query, kv_pool)):
+            raise KernelError(
+                "bf16 attention needs the C++ kernels' amx build with AMX-BF16 tiles granted, "
+                "fp32 queries on CPU and a supported shape"
+            )
+        if kv_pool.dtype != torch.bfloat16 or kv_pool.shape[3] % 16 or query.shape[2] < 32:
+            raise KernelError(
+                "bf16 attention needs a bfloat16 KV pool, a page size that is a multiple of 16 "
+                f"and head_dim 32, 64 or 128 (got {kv_pool.dtype}, page size "
+                f"{kv_pool.shape[3]}, head_dim {query.shape[2]})"
+            )
+    elif ext is None or not supports(query, kv_pool):
         return torch_paged.paged_attention(query, kv_pool, layer, meta, scale)
+    assert ext is not None
     shape = kv_pool.shape
     plan = get_plan(meta, shape[3], shape[0], query.shape[0])
     return ext.paged_attention(
@@ -170,4 +201,5 @@ def paged_attention(
         plan.chunk_offsets,
         plan.chunk_pages,
         scale,
+        bf16,
     )

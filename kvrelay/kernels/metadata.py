@@ -17,6 +17,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [S + 1]: prefix sums of query rows per sequence
     max_query_len: int
     max_context_len: int
+    # How the attention's dot products compute: "fp32", or "bf16" (q and p rounded to bf16, AMX
+    # tiles; ops.paged_attention). One value per engine: it is part of its pages' fingerprint.
+    precision: str = "fp32"
     # Kernel-private index plans derived from the fields above, built once per step and
     # reused by every layer. Do not mutate the tensors above after the first kernel call.
     plans: dict = field(default_factory=dict, repr=False, compare=False)

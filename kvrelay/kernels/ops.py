@@ -19,6 +19,8 @@ from kvrelay.kernels.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 _IMPLS = ("auto", "torch", "triton", "cpp")
+# attention dot products: fp32, or q and p rounded to bf16 on AMX tiles
+PRECISIONS = ("fp32", "bf16")
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -133,8 +135,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     impl: str = "auto",
+    precision: str | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention for query [T, heads, head_dim]; returns [T, heads, head_dim]."""
+    """Causal paged attention for query [T, heads, head_dim]; returns [T, heads, head_dim].
+    `precision` (None: `meta.precision`): "fp32" (every path) or "bf16" (q and p rounded to
+    bf16 for the dot products, on AMX tiles: the C++ amx build only,
+    `bf16_attention_available()`; a KernelError elsewhere)."""
+    precision = precision or meta.precision
+    if precision not in PRECISIONS:
+        raise KernelError(f"attention precision must be one of {PRECISIONS}, got {precision!r}")
     _check_pool(kv_pool, layer)
     if query.dim() != 3 or query.shape[2] != kv_pool.shape[5]:
         raise KernelError(f"query must be [T, heads, {kv_pool.shape[5]}], got {tuple(query.shape)}")
@@ -147,7 +156,18 @@ def paged_attention(
         raise KernelError("query_start_loc must have S+1 entries and block_tables S rows")
     if query.shape[0] == 0:
         return torch.empty_like(query)
+    if precision == "bf16":
+        from kvrelay.kernels import cpu_paged
+
+        return cpu_paged.paged_attention(query, kv_pool, layer, meta, scale, "bf16")
     return _backend(impl, query).paged_attention(query, kv_pool, layer, meta, scale)
+
+
+def bf16_attention_available() -> bool:
+    """Whether paged_attention(..., precision="bf16") runs on this host (AMX-BF16)."""
+    from kvrelay.kernels import cpu_paged
+
+    return cpu_paged.bf16_attention_available()
 
 
 def gather_pages(

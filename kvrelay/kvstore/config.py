@@ -38,6 +38,9 @@ class StoreConfig:
     model_dtype: str | None = None
     page_size: int = 16  # with `model`: tokens per page
     quantization: str = Quantization.NONE  # with `model`: the workers' (in the fingerprint)
+    # with `model`: the workers' --attention-precision (in the fingerprint); auto: what `auto`
+    # gives fp32 workers on this host's CPU
+    attention_precision: str = "auto"
     fingerprint: str | None = None  # None: accept any model whose pages have page_bytes
     listen_host: str = "127.0.0.1"
     advertise_host: str | None = None  # address peers dial; default listen_host

@@ -15,7 +15,11 @@ from kvrelay.core.config import (
     nested,
     read_config_file,
 )
-from kvrelay.core.modelref import normalize_kv_cache_dtype, normalize_quantization
+from kvrelay.core.modelref import (
+    normalize_attention_precision,
+    normalize_kv_cache_dtype,
+    normalize_quantization,
+)
 from kvrelay.core.sampling import GenerationDefaults, generation_override
 from kvrelay.kvstore.config import SECTION as STORE_SECTION
 from kvrelay.workers.engine.config import EngineConfig
@@ -34,8 +38,9 @@ DEPRECATED_SECTIONS = ("ENGINE",)
 
 
 def worker_engine() -> EngineConfig:
-    """A worker's default engine settings: the engine's, with more sequences per step."""
-    return EngineConfig(max_num_seqs=MAX_NUM_SEQS)
+    """A worker's default engine settings: the engine's, with more sequences per step and the
+    attention precision the host runs fastest (auto)."""
+    return EngineConfig(max_num_seqs=MAX_NUM_SEQS, attention_precision="auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +87,7 @@ class WorkerConfig(RedisSettings):
         try:
             normalize_quantization(engine.quantization)
             normalize_kv_cache_dtype(engine.kv_cache_dtype)
+            normalize_attention_precision(engine.attention_precision)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         if engine.num_threads is not None and engine.num_threads < 1:

@@ -450,12 +450,49 @@ def test_kv_cache_dtype_reaches_the_workers_and_the_store(tmp_path, monkeypatch)
     add_store_arguments(p)
     cfg = build_config(p.parse_args([]))
     directory = converted_dir(resolve_model(args.model))
-    quant = state["quantization"]
-    assert cfg.fingerprint == model_fingerprint(directory, "float32", quant, "bfloat16")
+    quant, attention = state["quantization"], state["attention_precision"]
+    assert env["decode-0"]["KVRELAY_WORKER_ATTENTION_PRECISION"] == attention
+    assert store_env["KVRELAY_STORE_ATTENTION_PRECISION"] == attention
+    assert cfg.fingerprint == model_fingerprint(directory, "float32", quant, "bfloat16", attention)
     assert cfg.fingerprint != model_fingerprint(directory, "float32", quant)
     monkeypatch.setenv("KVRELAY_STORE_DTYPE", "fp32")
     monkeypatch.delenv("KVRELAY_STORE_MODEL_DTYPE")
+    monkeypatch.setenv("KVRELAY_STORE_ATTENTION_PRECISION", "fp32")  # bf16 needs bf16 pages
     assert build_config(p.parse_args([])).page_bytes == 2 * cfg.page_bytes
+
+
+def test_attention_precision_is_resolved_once_for_the_workers_and_the_store(tmp_path, monkeypatch):
+    """`up --attention-precision`: auto is bf16 where AMX-BF16 runs with bf16 pages, fp32
+    elsewhere; given, the workers and the store get it; bf16 where it cannot run is refused
+    before anything starts, with the reason."""
+    from kvrelay.cli import up
+    from kvrelay.cli.errors import CommandError
+    from kvrelay.cli.main import build_parser
+    from kvrelay.cli.up.command import build_programs
+    from kvrelay.kernels import bf16_attention_available
+
+    monkeypatch.setattr(up.command, "_num_gpus", lambda: 0)
+
+    def programs_for(*flags):
+        args = build_parser().parse_args(["up", "--threads", "2", *flags])
+        programs, state = build_programs(args, tmp_path)
+        env = {p.name: p.env for p in programs}
+        got = env["decode-0"]["KVRELAY_WORKER_ATTENTION_PRECISION"]
+        assert env["store"]["KVRELAY_STORE_ATTENTION_PRECISION"] == got
+        assert state["attention_precision"] == got
+        return got
+
+    amx = bf16_attention_available()
+    assert programs_for() == ("bf16" if amx else "fp32")
+    assert programs_for("--attention-precision", "fp32") == "fp32"
+    assert programs_for("--kv-cache-dtype", "fp32") == "fp32"  # auto: bf16 needs bf16 pages
+    with pytest.raises(CommandError, match="--attention-precision bf16 needs bf16 KV pages"):
+        programs_for("--attention-precision", "bf16", "--kv-cache-dtype", "fp32")
+    if amx:
+        assert programs_for("--attention-precision", "bf16") == "bf16"
+    else:
+        with pytest.raises(CommandError, match="needs AMX-BF16"):
+            programs_for("--attention-precision", "bf16")
 
 
 def test_kv_cache_dtype_auto_is_resolved_once_for_workers_and_store(tmp_path, monkeypatch):
@@ -506,7 +543,10 @@ def test_kv_cache_dtype_auto_is_resolved_once_for_workers_and_store(tmp_path, mo
     add_store_arguments(p)
     cfg = build_config(p.parse_args(["--model", args.model]))  # dtype auto
     expected = "bfloat16" if kernels else "float32"
-    assert cfg.fingerprint == model_fingerprint(directory, "float32", "none", expected)
+    from kvrelay.kernels import bf16_attention_available
+
+    attention = "bf16" if kernels and bf16_attention_available() else "fp32"  # auto as well
+    assert cfg.fingerprint == model_fingerprint(directory, "float32", "none", expected, attention)
     bf16 = build_config(p.parse_args(["--model", args.model, "--dtype", "bf16", "--model-dtype",
                                       "float32"]))  # fmt: skip
     assert cfg.page_bytes == bf16.page_bytes * (1 if kernels else 2)

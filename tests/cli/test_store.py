@@ -179,8 +179,17 @@ def test_model_sets_page_bytes_and_fingerprint():
     auto = build_config(p.parse_args(["--model", "smollm2-135m-instruct"]))
     kv = "bfloat16" if cpu_build.load() is not None else "float32"
     assert auto.page_bytes == (368_640 if kv == "bfloat16" else 737_280)
-    info = read_model_info(converted_dir(ref), "float32", kv_dtype=kv)
+    # and the attention fp32 workers' --attention-precision auto gives here (bf16 on AMX-BF16)
+    from kvrelay.kernels import bf16_attention_available
+
+    attention = "bf16" if kv == "bfloat16" and bf16_attention_available() else "fp32"
+    info = read_model_info(converted_dir(ref), "float32", kv_dtype=kv, attention=attention)
     assert auto.fingerprint == info.fingerprint
+    fp32 = build_config(
+        p.parse_args(["--model", "smollm2-135m-instruct", "--attention-precision", "fp32"])
+    )
+    plain = read_model_info(converted_dir(ref), "float32", kv_dtype=kv).fingerprint
+    assert fp32.fingerprint == plain
     with pytest.raises(CommandError, match="--page-bytes 1024 contradicts --model"):
         build_config(p.parse_args(["--model", "smollm2-135m-instruct", "--page-bytes", "1024"]))
 

@@ -157,7 +157,8 @@ def test_flags_are_generated_from_the_settings_fields():
     assert [f for f, *_ in worker_flags()] == [
         "--name", "--model", "--redis-url", "--key-prefix", "--shards", "--serve-shards",
         "--threads", "--device", "--dtype",
-        "--quantization", "--kv-cache-dtype", "--speculation", "--num-speculative-tokens",
+        "--quantization", "--kv-cache-dtype", "--attention-precision", "--speculation",
+        "--num-speculative-tokens",
         "--prompt-lookup-min", "--prompt-lookup-max", "--draft-model", "--kv-cache-bytes",
         "--max-num-seqs", "--max-num-batched-tokens",
         "--store-run-dir", "--lease-ms", "--metrics-port", "--override-generation-config",
@@ -331,7 +332,8 @@ def test_the_worker_settings_nest_the_engine_settings(tmp_path: Path):
     # one definition: no engine field is copied into the worker's own
     worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)}
     assert worker_fields & {f.name for f in dataclasses.fields(EngineConfig)} == set()
-    assert WorkerConfig().engine == EngineConfig(max_num_seqs=64)  # a worker batches more
+    # a worker batches more, and runs the attention its host runs fastest
+    assert WorkerConfig().engine == EngineConfig(max_num_seqs=64, attention_precision="auto")
     # every engine setting is a worker setting, spelled flat (threads: num_threads)
     names = list(settings_of(WorkerConfig))
     assert names[:6] == ["redis_url", "key_prefix", "shards", "name", "model", "dtype"]
@@ -342,7 +344,7 @@ def test_the_worker_settings_nest_the_engine_settings(tmp_path: Path):
     cfg = load_worker_config(environ=env, config_file=str(path), max_model_len=99)
     assert cfg.engine == EngineConfig(
         model="m", num_threads=2, num_blocks=12, cuda_graphs=False, max_num_seqs=64,
-        max_model_len=99)  # fmt: skip
+        max_model_len=99, attention_precision="auto")  # fmt: skip
     shown = redacted(cfg)
     assert list(shown) == names
     assert (shown["threads"], shown["num_blocks"], shown["model"]) == (2, 12, "m")

@@ -143,10 +143,15 @@ class Stack:
 
 
 def generate_reference(
-    tmp_path: Path, requests: list[dict], max_tokens: int, quantization: str = "none"
+    tmp_path: Path,
+    requests: list[dict],
+    max_tokens: int,
+    quantization: str = "none",
+    attention: str = "fp32",
 ) -> dict[str, dict]:
-    """`kvrelay generate --json` (the in-process engine, with the stack's weights, plain
-    decoding) for JSONL requests (greedy unless a line says otherwise); results by id."""
+    """`kvrelay generate --json` (the in-process engine, with the stack's weights and attention
+    precision, plain decoding) for JSONL requests (greedy unless a line says otherwise);
+    results by id."""
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(json.dumps(r) + "\n" for r in requests))
     done = subprocess.run(
@@ -166,6 +171,8 @@ def generate_reference(
             "1",
             "--quantization",
             quantization,
+            "--attention-precision",
+            attention,
             "--speculation",  # the reference is plain decoding: speculation must not show
             "off",
         ],

@@ -44,7 +44,8 @@ def reference(stack, tmp_path_factory):
     reqs = [{"id": f"chat{i}", "messages": m} for i, m in enumerate(CHATS)]
     reqs.append({"id": "cmpl", "prompt": PROMPT})
     weights = stack.state["quantization"]  # `up` picks them for the host (fp16 on x86 CPUs)
-    return generate_reference(tmp_path_factory.mktemp("gen"), reqs, MAX_TOKENS, weights)
+    attention = stack.state["attention_precision"]  # and the attention (bf16 on AMX hosts)
+    return generate_reference(tmp_path_factory.mktemp("gen"), reqs, MAX_TOKENS, weights, attention)
 
 
 def test_non_streaming_matches_generate(stack, client, reference):

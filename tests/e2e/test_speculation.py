@@ -109,7 +109,9 @@ def _send(client, req: dict, stream: bool) -> tuple[str, str | None]:
 
 def test_100_requests_identical_to_plain_decoding(stack, client, tmp_path):
     reqs = [_request(i) for i in range(NUM_REQUESTS)]
-    ref = generate_reference(tmp_path, reqs, 64, stack.state["quantization"])
+    ref = generate_reference(
+        tmp_path, reqs, 64, stack.state["quantization"], stack.state["attention_precision"]
+    )
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda i: _send(client, reqs[i], stream=i % 2 == 1), range(len(reqs))))
     for req, (text, reason) in zip(reqs, got, strict=True):
@@ -134,7 +136,9 @@ def test_decode_worker_killed_mid_draft_resumes_identically(stack, client, tmp_p
     ]
     for r in reqs:
         r.update(max_tokens=120, ignore_eos=True)
-    ref = generate_reference(tmp_path, reqs, 120, stack.state["quantization"])
+    ref = generate_reference(
+        tmp_path, reqs, 120, stack.state["quantization"], stack.state["attention_precision"]
+    )
     for req in reqs:
         killed: dict[str, int] = {}
         done = threading.Event()

@@ -127,12 +127,21 @@ def random_seq(length, heads=9, kv_heads=3, head_dim=64, seed=0) -> SeqData:
 
 
 def attend_batch(
-    specs, *, page_size=16, seed=0, scale=0.125, impl="auto", device="cpu", kv_dtype=None
+    specs,
+    *,
+    page_size=16,
+    seed=0,
+    scale=0.125,
+    impl="auto",
+    device="cpu",
+    kv_dtype=None,
+    precision="fp32",
 ):
     """Attention for a batch of (SeqData, context_len, num_query_rows); outputs per sequence.
 
     The pool places pages in random blocks (seeded), so layouts differ between calls. Its dtype
-    is `kv_dtype` (default: the keys' dtype); queries keep the keys' dtype.
+    is `kv_dtype` (default: the keys' dtype); queries keep the keys' dtype. `precision`: the
+    dot products' (ops.paged_attention).
     """
     from kvrelay.kernels import paged_attention
 
@@ -155,5 +164,5 @@ def attend_batch(
     write_kv(pool, 0, keys, values, full.slot_mapping)
     meta = build_meta(tables, [c for _, c, _ in specs], [n for _, _, n in specs], page_size, device)
     query = torch.cat([s.queries[c - n : c] for s, c, n in specs]).to(device)
-    out = paged_attention(query, pool, 0, meta, scale, impl=impl)
+    out = paged_attention(query, pool, 0, meta, scale, impl=impl, precision=precision)
     return list(out.cpu().split([n for _, _, n in specs]))

@@ -14,7 +14,7 @@ from kvrelay.kernels import KernelError, cpu_build, pack_int8_weight
 
 AVX2 = ("avx2", "fma")
 AVX512 = (*AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
-AMX = (*AVX512, "avx512_vnni", "amx_tile", "amx_int8")
+AMX = (*AVX512, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def test_supported_variants_follow_the_cpu_flags():
@@ -208,7 +208,7 @@ def _attend(mod, case, threads: int) -> torch.Tensor:
     try:
         torch.set_num_threads(threads)
         plan = mod.build_plan(tables, ctx, qsl, q.shape[0], page, chunk_pages, pool.shape[0])
-        return mod.paged_attention(q, pool, 1, tables, *plan, chunk_pages, 0.125)
+        return mod.paged_attention(q, pool, 1, tables, *plan, chunk_pages, 0.125, False)
     finally:
         torch.set_num_threads(before)
 

@@ -27,7 +27,12 @@ from kvrelay.cli.up.valkey_cluster import MAX_SHARDS, ClusterError
 from kvrelay.cli.worker import KV_DTYPE_CHOICES, SPECULATION_CHOICES
 from kvrelay.core.config import DEFAULT_KEY_PREFIX, check_redis_url, env_name, setting
 from kvrelay.core.enums import Quantization, Speculation, Stage
-from kvrelay.core.modelref import DEFAULT_MODEL, QUANTIZATIONS, SHORT_DTYPE_NAMES
+from kvrelay.core.modelref import (
+    ATTENTION_PRECISIONS,
+    DEFAULT_MODEL,
+    QUANTIZATIONS,
+    SHORT_DTYPE_NAMES,
+)
 from kvrelay.kvstore.config import SECTION as STORE_SECTION
 from kvrelay.kvstore.config import StoreConfig
 from kvrelay.pipeline.queue.route import RouteMode
@@ -125,6 +130,14 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         metavar="{auto,fp32,bf16,fp16}",
         help="worker KV page dtype: auto (bf16, or fp32 on CPUs without the C++ kernels), "
         "fp32, bf16 or fp16; resolved once here, the store expects the same pages",
+    )
+    p.add_argument(
+        "--attention-precision",
+        choices=ATTENTION_PRECISIONS,
+        default="auto",
+        help="worker attention dot products: auto (bf16 on AMX-BF16 CPUs with bf16 pages, "
+        "else fp32), fp32, or bf16 (q and p rounded to bf16 on AMX tiles); resolved once "
+        "here, the store expects the same pages",
     )
     p.add_argument(
         "--speculation",
@@ -336,6 +349,37 @@ def resolve_kv_cache_dtype(
         raise CommandError(f"KVRELAY_WORKER_KV_CACHE_DTYPE: {exc}") from None
 
 
+def resolve_attention(
+    args: argparse.Namespace, env: dict[str, str], kv_dtype: str, model_dtype: str, device: str
+) -> str:
+    """The workers' attention precision ("fp32" or "bf16") for --attention-precision (or,
+    given `auto`, KVRELAY_WORKER_ATTENTION_PRECISION), `auto` resolved by the workers' own rule
+    (loader.resolve_attention_precision) for the prepared model's head_dim and page size."""
+    from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
+    from kvrelay.kernels.cpu_build import kernel_settings
+    from kvrelay.workers.config import DEPRECATED_SECTIONS, SECTION, WorkerConfig
+    from kvrelay.workers.model.loader import resolve_attention_precision
+
+    seen = dict(os.environ, **env)  # what the workers will see
+    requested = getattr(args, "attention_precision", "auto")
+    if requested == "auto":
+        requested = setting(
+            WorkerConfig, "attention_precision", SECTION, seen, deprecated=DEPRECATED_SECTIONS
+        )
+    page_size = setting(WorkerConfig, "page_size", SECTION, seen, deprecated=DEPRECATED_SECTIONS)
+    try:
+        head_dim: int | None = read_model_info(converted_dir(resolve_model(args.model))).head_dim
+    except (OSError, ValueError, KeyError):  # not prepared here: the workers check it
+        head_dim = None
+    available = False if kernel_settings(seen).torch_only else None
+    try:
+        return resolve_attention_precision(
+            requested, kv_dtype, model_dtype, device, page_size, head_dim, available
+        )
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+
 def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Program], dict]:
     """The supervised programs and the stack state for these `up` arguments."""
     py = [sys.executable, "-m", "kvrelay.cli.main"]
@@ -379,6 +423,10 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     kv_dtype = resolve_kv_cache_dtype(args, env, model_dtype, "cuda" if gpus else "cpu")
     env["KVRELAY_WORKER_KV_CACHE_DTYPE"] = SHORT_DTYPE_NAMES[kv_dtype]
     env.setdefault("KVRELAY_STORE_DTYPE", kv_dtype)
+    device = "cuda" if gpus else "cpu"
+    attention = resolve_attention(args, env, kv_dtype, model_dtype, device)
+    env["KVRELAY_WORKER_ATTENTION_PRECISION"] = attention
+    env.setdefault("KVRELAY_STORE_ATTENTION_PRECISION", attention)
     env.setdefault("KVRELAY_STORE_MODEL_DTYPE", model_dtype)
     programs.append(Program("store", [*py, "store"], env=env, priority=20))
     programs.append(
@@ -427,6 +475,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "topology": topo.to_dict(),
         "quantization": quantization,
         "kv_cache_dtype": SHORT_DTYPE_NAMES[kv_dtype],  # resolved: what the workers hold
+        "attention_precision": attention,  # resolved
         "speculation": speculation_mode(check_worker_config(args)),  # resolved
         **valkey_state,
     }
@@ -476,7 +525,11 @@ def run_up(args: argparse.Namespace) -> int:
     sup.write(programs, nodaemon=not args.detach, state=state)
     print(f"kvrelay: topology: {args.topology.describe()}", file=sys.stderr)
     why = getattr(args, "quantization_why", "given")
-    print(f"kvrelay: weights: {state['quantization']} ({why})", file=sys.stderr)
+    print(
+        f"kvrelay: weights: {state['quantization']} ({why}); KV pages "
+        f"{state['kv_cache_dtype']}, {state['attention_precision']} attention",
+        file=sys.stderr,
+    )
     progress = UpProgress(state, run_dir / "logs")  # before the start: log sizes of earlier runs
     sup.start(detach=args.detach)
     where = f"http://{args.host}:{args.port}"

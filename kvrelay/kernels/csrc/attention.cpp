@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "kv_types.h"
 #include "ops.h"
 #include "parallel.h"
@@ -451,15 +452,14 @@ void merge_row(const Args<T>& a, int t, float* out) {
   }
 }
 
-template <int ND, class T>
-void run(const Args<T>& a, int num_items, int num_tokens, int num_threads, float* out) {
-  std::atomic<int> next{0};
-  // Fewer than 2 items per thread (decode at batch 1 and under 256 * 2 * threads keys): cut
-  // each item by KV heads, so that every thread has work (bitwise the same; see run_item). A
-  // single thread keeps whole items, and so does a small step: under kSplitWork (pages x query
-  // rows) in all, or 4 times that for one item, whose thread the cut would wake (at batch 1,
-  // 256 keys: +3 us for -4 us, measured worse). More items already balance: cutting them
-  // measured slower (4 items on 2 threads).
+// Fewer than 2 items per thread (decode at batch 1 and under 256 * 2 * threads keys): cut each
+// item by KV heads, so that every thread has work (bitwise the same; see run_item). A single
+// thread keeps whole items, and so does a small step: under kSplitWork (pages x query rows) in
+// all, or 4 times that for one item, whose thread the cut would wake (at batch 1, 256 keys:
+// +3 us for -4 us, measured worse). More items already balance: cutting them measured slower
+// (4 items on 2 threads). Returns the parts each item is cut into.
+template <class T>
+int head_split(const Args<T>& a, int num_items, int num_threads) {
   int split = 1;
   if (num_threads > 1 && num_items < 2 * num_threads && a.kv_heads > 1) {
     int64_t work = 0;
@@ -477,6 +477,13 @@ void run(const Args<T>& a, int num_items, int num_tokens, int num_threads, float
     if (work >= (num_items > 1 ? kSplitWork : 4 * kSplitWork))
       split = std::min(a.kv_heads, (4 * num_threads + num_items - 1) / num_items);
   }
+  return split;
+}
+
+template <int ND, class T>
+void run(const Args<T>& a, int num_items, int num_tokens, int num_threads, float* out) {
+  std::atomic<int> next{0};
+  const int split = head_split(a, num_items, num_threads);
   const int num_units = num_items * split;
   const int threads = std::max(1, std::min(num_threads, num_units));
   const bool ahead = num_units >= 2 * threads;
@@ -502,6 +509,357 @@ void run(const Args<T>& a, int num_items, int num_tokens, int num_threads, float
   });
 }
 
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// ---- bf16 dot products on AMX tiles (`bf16_dots`; the amx build variant) ----------------
+//
+// The same items, chunks and chunk merge as above, but each (row, head) takes these operations,
+// which depend only on its own query, position and K/V (bf16 pool):
+// - q is scaled in fp32 and rounded to bf16 (RNE);
+// - keys go in blocks of 64 from the chunk's start (kKeyBlock); per block: scores s = q.k as
+//   TDPBF16PS computes them (fp32 accumulation of exact bf16 products, one tile op per 32 dims,
+//   dims in order), keys past the row's position -inf; m' = max(m, max s); c = exp(m - m');
+//   p = exp(s - m'); l = fma(l, c, sum p in key order); pv = p rounded to bf16 times V as
+//   TDPBF16PS computes it from zero (one op per 32 keys, keys in order); acc = fma(acc, c, pv).
+//   A row whose position is before the block skips it.
+// Rows share tiles: a score tile is S^T (16 keys x 16 rows: a lane per row, so the softmax is
+// per lane with no cross-lane step), P.V is rows x 16 dims. A tile element depends only on its
+// own A row, B column and initial value, and the key tiles a block computes beyond a row's
+// position hold p = 0 for it (exact zero products: TDPBF16PS flushes denormal results, so its
+// accumulators never hold a value that adding zeros would change). So rows are bitwise the
+// same in any batch, tile, chunking, decode or prefill and thread count, on AMX hosts; the
+// fp32 kernel above gives other bits (q and p rounded), so the engine's fingerprint says which
+// ran.
+constexpr int kKeyBlock = 64;  // keys per online-softmax update
+constexpr int kLanes = 16;     // query rows per tile (16 fp32 lanes)
+constexpr int kTileKeys = 16;  // keys per score tile, and the page size unit
+
+// Tiles: 0 = scores C / P rows A, 1 = K A / V pairs B, 2..3 = q^T B (resident for head_dim <= 64,
+// else reloaded in 2), 4..7 = P.V C (16 dims each). All 16 rows x 64 bytes.
+inline void bf16_tile_config() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// 16 x 16 dwords transposed in registers: r[i][j] -> r[j][i].
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // u[4i + j], 128-bit lane L: column 4L + j of rows 4i..4i+3
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+    r[j] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+    r[12 + j] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+  }
+}
+
+// 16 dwords of bf16 pairs: dword i = (a[i], b[i]) rounded to bf16 (RNE), a in the low half.
+inline __m512i bf16_pair(__m512 a, __m512 b) {
+  static const __m512i interleave = [] {
+    alignas(64) int16_t idx[32];
+    for (int i = 0; i < 16; ++i) {
+      idx[2 * i] = static_cast<int16_t>(i);
+      idx[2 * i + 1] = static_cast<int16_t>(16 + i);
+    }
+    return _mm512_load_si512(idx);
+  }();
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+// 32 consecutive fp32 as 16 dwords of bf16 pairs in order (RNE).
+inline __m512i bf16_row(const float* x, __m512 scale) {
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + 16), scale),
+                                      _mm512_mul_ps(_mm512_loadu_ps(x), scale));
+}
+
+template <int D>
+struct Bf16Work {
+  // V of the chunk's keys for one KV head as B tiles: [32-key half][16-dim tile][16 key pairs]
+  // [16 dims] dwords (V[2j][d], V[2j + 1][d]).
+  alignas(64) uint32_t vp[256 / 32][D / 16][16][16];
+  alignas(64) uint32_t qt[D / 32][16][16];  // q^T: [32-dim tile][dim pair][row]
+  alignas(64) float s[kKeyBlock][kLanes];   // scores, then p, of a key block: [key][row]
+  alignas(64) uint32_t pa[2][16][16];       // p as A tiles: [32-key half][row][key pair]
+  alignas(64) float pv[kLanes][D];
+  alignas(64) float acc[kLanes][D];
+};
+
+template <int T>
+inline void load_k(const bf16* k, int64_t row_bytes) {
+  _tile_loadd(T, k, row_bytes);
+}
+
+// Scores of one 16-key tile for the row block: S^T into w.s rows [16 kt, 16 kt + 16).
+template <int D>
+inline void score_tile(Bf16Work<D>& w, const bf16* k, int64_t row_bytes, int kt) {
+  _tile_zero(0);
+  if constexpr (D <= 64) {
+    _tile_loadd(1, k, row_bytes);
+    _tile_dpbf16ps(0, 1, 2);
+    if constexpr (D == 64) {
+      _tile_loadd(1, k + 32, row_bytes);
+      _tile_dpbf16ps(0, 1, 3);
+    }
+  } else {
+    for (int t = 0; t < D / 32; t += 2) {
+      _tile_loadd(1, k + 32 * t, row_bytes);
+      _tile_loadd(2, w.qt[t], 64);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_loadd(1, k + 32 * (t + 1), row_bytes);
+      _tile_loadd(3, w.qt[t + 1], 64);
+      _tile_dpbf16ps(0, 1, 3);
+    }
+  }
+  _tile_stored(0, w.s[kTileKeys * kt], 64);
+}
+
+// P.V of a key block into w.pv: dims [16 c0, 16 c0 + 16 * n) from the block's halves [0, nh).
+template <int D, int C0, int N>
+inline void pv_pass(Bf16Work<D>& w, int half0, int nh) {
+  _tile_zero(4);
+  if constexpr (N > 1) _tile_zero(5);
+  if constexpr (N > 2) _tile_zero(6);
+  if constexpr (N > 3) _tile_zero(7);
+  for (int kh = 0; kh < nh; ++kh) {
+    _tile_loadd(0, w.pa[kh], 64);
+    _tile_loadd(1, w.vp[half0 + kh][C0], 64);
+    _tile_dpbf16ps(4, 0, 1);
+    if constexpr (N > 1) {
+      _tile_loadd(1, w.vp[half0 + kh][C0 + 1], 64);
+      _tile_dpbf16ps(5, 0, 1);
+    }
+    if constexpr (N > 2) {
+      _tile_loadd(1, w.vp[half0 + kh][C0 + 2], 64);
+      _tile_dpbf16ps(6, 0, 1);
+    }
+    if constexpr (N > 3) {
+      _tile_loadd(1, w.vp[half0 + kh][C0 + 3], 64);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+  }
+  constexpr int64_t ld = D * sizeof(float);
+  _tile_stored(4, &w.pv[0][16 * C0], ld);
+  if constexpr (N > 1) _tile_stored(5, &w.pv[0][16 * (C0 + 1)], ld);
+  if constexpr (N > 2) _tile_stored(6, &w.pv[0][16 * (C0 + 2)], ld);
+  if constexpr (N > 3) _tile_stored(7, &w.pv[0][16 * (C0 + 3)], ld);
+}
+
+template <int D>
+inline void pv_block(Bf16Work<D>& w, int half0, int nh) {
+  if constexpr (D == 32) {
+    pv_pass<D, 0, 2>(w, half0, nh);
+  } else if constexpr (D == 64) {
+    pv_pass<D, 0, 4>(w, half0, nh);
+  } else {
+    pv_pass<D, 0, 4>(w, half0, nh);
+    pv_pass<D, 4, 4>(w, half0, nh);
+  }
+}
+
+// One KV head's V pairs for keys [0, nkeys) of the chunk (pairs past nkeys are zero).
+template <int D>
+void build_v_pairs(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first, int h,
+                   int nkeys) {
+  static const __m512i interleave = [] {
+    alignas(64) int16_t idx[32];
+    for (int i = 0; i < 16; ++i) {
+      idx[2 * i] = static_cast<int16_t>(i);
+      idx[2 * i + 1] = static_cast<int16_t>(16 + i);
+    }
+    return _mm512_load_si512(idx);
+  }();
+  const int64_t stride = (int64_t)a.kv_heads * D;
+  const int halves = (nkeys + 31) / 32;
+  for (int kh = 0; kh < halves; ++kh)
+    for (int j = 0; j < 16; ++j) {
+      const int key = 32 * kh + 2 * j;
+      if (key >= nkeys) {
+        for (int c = 0; c < D / 16; ++c) _mm512_store_si512(w.vp[kh][c][j], _mm512_setzero_si512());
+        continue;
+      }
+      const int page = first + key / a.page_size, off = key % a.page_size;
+      const bf16* v = (const bf16*)page_span(a, table, page) + a.kv_stride + off * stride + h * D;
+      const bool second = key + 1 < nkeys;  // keys come in pairs within a page (page % 16 == 0)
+      for (int c = 0; c < D / 16; ++c) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i*)(v + 16 * c));
+        const __m256i v1 =
+            second ? _mm256_loadu_si256((const __m256i*)(v + stride + 16 * c)) : _mm256_setzero_si256();
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
+        _mm512_store_si512(w.vp[kh][c][j], _mm512_permutexvar_epi16(interleave, both));
+      }
+    }
+}
+
+// Up to 16 rows of KV head h through the item's chunk; their states into the partials.
+template <int D>
+void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first, int last,
+               int h, const int* tok, const int* grp, int nr) {
+  const int chunk_start = first * a.page_size;
+  const int64_t stride = (int64_t)a.kv_heads * D, row_bytes = stride * sizeof(bf16);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  alignas(64) int pos[kLanes];
+  int maxpos = 0, minpos = std::numeric_limits<int>::max();
+  // q^T: each row's scaled q as bf16 pairs, transposed per 32-dim tile
+  for (int t = 0; t < D / 32; ++t) {
+    __m512i r[16];
+    for (int n = 0; n < kLanes; ++n) {
+      if (n >= nr) {
+        r[n] = _mm512_setzero_si512();
+        continue;
+      }
+      const float* q = a.query + ((int64_t)tok[n] * a.num_heads + h * a.group + grp[n]) * D;
+      r[n] = bf16_row(q + 32 * t, scale);
+    }
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_store_si512(w.qt[t][j], r[j]);
+  }
+  for (int n = 0; n < kLanes; ++n) {
+    pos[n] = n < nr ? a.tokpos[tok[n]] : -1;
+    if (n < nr) {
+      maxpos = std::max(maxpos, pos[n]);
+      minpos = std::min(minpos, pos[n]);
+    }
+  }
+  if constexpr (D <= 64) {
+    _tile_loadd(2, w.qt[0], 64);
+    if constexpr (D == 64) _tile_loadd(3, w.qt[1], 64);
+  }
+  const __m512i posv = _mm512_load_si512(pos);
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 m = ninf, l = _mm512_setzero_ps();
+  std::fill(&w.acc[0][0], &w.acc[0][0] + kLanes * D, 0.0f);
+  const int keys_end = std::min((last + 1) * a.page_size, chunk_start + 256);
+  for (int kb = chunk_start; kb <= maxpos && kb < keys_end; kb += kKeyBlock) {
+    const int ntiles = std::min({4, (maxpos - kb) / kTileKeys + 1, (keys_end - kb) / kTileKeys});
+    for (int kt = 0; kt < ntiles; ++kt) {
+      const int key = kb + kTileKeys * kt - chunk_start;
+      const int page = first + key / a.page_size, off = key % a.page_size;
+      const bf16* k = (const bf16*)page_span(a, table, page) + off * stride + h * D;
+      score_tile<D>(w, k, row_bytes, kt);
+    }
+    const int nkeys = kTileKeys * ntiles;
+    const __mmask16 act = _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(kb));
+    __m512 mx = ninf;
+    for (int j = 0; j < nkeys; ++j) {
+      __m512 s = _mm512_load_ps(w.s[j]);
+      if (kb + j > minpos)
+        s = _mm512_mask_mov_ps(ninf, _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(kb + j)), s);
+      _mm512_store_ps(w.s[j], s);
+      mx = _mm512_max_ps(mx, s);
+    }
+    const __m512 m_new = _mm512_mask_max_ps(m, act, m, mx);
+    const __m512 c = exp16(_mm512_sub_ps(m, m_new));
+    __m512 lsum = _mm512_setzero_ps();
+    for (int j = 0; j < nkeys; ++j) {
+      const __m512 p = _mm512_maskz_mov_ps(act, exp16(_mm512_sub_ps(_mm512_load_ps(w.s[j]), m_new)));
+      lsum = _mm512_add_ps(lsum, p);
+      _mm512_store_ps(w.s[j], p);
+    }
+    l = _mm512_mask_mov_ps(l, act, _mm512_fmadd_ps(l, c, lsum));
+    m = m_new;
+    const int nh = (nkeys + 31) / 32;
+    for (int kh = 0; kh < nh; ++kh) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) {
+        const int k0 = 32 * kh + 2 * j;
+        r[j] = k0 < nkeys ? bf16_pair(_mm512_load_ps(w.s[k0]), _mm512_load_ps(w.s[k0 + 1]))
+                          : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int n = 0; n < 16; ++n) _mm512_store_si512(w.pa[kh][n], r[n]);
+    }
+    pv_block<D>(w, (kb - chunk_start) / 32, nh);
+    alignas(64) float cs[kLanes];
+    _mm512_store_ps(cs, c);
+    for (int n = 0; n < nr; ++n) {
+      if (!((act >> n) & 1)) continue;
+      const __m512 cn = _mm512_set1_ps(cs[n]);
+      for (int d = 0; d < D; d += 16)
+        _mm512_store_ps(&w.acc[n][d], _mm512_fmadd_ps(_mm512_load_ps(&w.acc[n][d]), cn,
+                                                      _mm512_load_ps(&w.pv[n][d])));
+    }
+  }
+  alignas(64) float ms[kLanes], ls[kLanes];
+  _mm512_store_ps(ms, m);
+  _mm512_store_ps(ls, l);
+  const int state = 2 + D, chunk = first / a.chunk_pages;
+  for (int n = 0; n < nr; ++n) {
+    const int64_t row = (int64_t)(a.chunk_off[tok[n]] + chunk) * a.num_heads + h * a.group + grp[n];
+    float* st = a.partial + row * state;
+    st[0] = ms[n];
+    st[1] = ls[n];
+    std::copy(&w.acc[n][0], &w.acc[n][0] + D, st + 2);
+  }
+}
+
+// One unit of the bf16 path: the item's chunk for KV heads [h0, h1), rows in tiles of 16.
+template <int D>
+void run_item_bf16(const Args<bf16>& a, Unit un) {
+  thread_local Bf16Work<D> w;
+  const int* item = a.items + 3 * un.item;
+  const int chunk = item[0], e0 = item[1], e1 = item[2];
+  const int* table = a.tables + a.width * a.entries[4 * e0];
+  const int first = chunk * a.chunk_pages, chunk_start = first * a.page_size;
+  int pmax = 0;
+  for (int e = e0; e < e1; ++e) pmax = std::max(pmax, a.entries[4 * e + 3] + a.entries[4 * e + 2] - 1);
+  const int last = std::min(pmax / a.page_size, first + a.chunk_pages - 1);
+  const int nkeys = std::min(pmax + 1, (last + 1) * a.page_size) - chunk_start;
+  int tok[kLanes], grp[kLanes];
+  for (int h = un.h0; h < un.h1; ++h) {
+    build_v_pairs<D>(w, a, table, first, h, nkeys);
+    int nr = 0;
+    for (int e = e0; e < e1; ++e) {
+      const int* en = a.entries + 4 * e;
+      for (int t = en[1]; t < en[1] + en[2]; ++t) {
+        if (a.tokpos[t] < chunk_start) continue;
+        for (int g = 0; g < a.group; ++g) {
+          tok[nr] = t;
+          grp[nr] = g;
+          if (++nr == kLanes) {
+            bf16_rows<D>(w, a, table, first, last, h, tok, grp, nr);
+            nr = 0;
+          }
+        }
+      }
+    }
+    if (nr) bf16_rows<D>(w, a, table, first, last, h, tok, grp, nr);
+  }
+}
+template <int D>
+void run_bf16(const Args<bf16>& a, int num_items, int num_tokens, int num_threads, float* out) {
+  const int split = head_split(a, num_items, num_threads);
+  const int num_units = num_items * split;
+  const int threads = std::max(1, std::min(num_threads, num_units));
+  std::atomic<int> next{0};
+  parallel_for(threads, 1, [&](int64_t, int64_t) {
+    bf16_tile_config();
+    for (int i = next.fetch_add(1); i < num_units; i = next.fetch_add(1))
+      run_item_bf16<D>(a, unit_of(i, split, a.kv_heads));
+    _tile_release();
+  });
+  parallel_for(num_tokens, 4, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) merge_row<D / 8>(a, (int)t, out);
+  });
+}
+#endif
+
 thread_local std::vector<float> partial_buffer;  // reused: fresh MBs would page-fault per call
 
 template <class T>
@@ -514,6 +872,19 @@ void run_typed(const AttentionArgs& x, int num_threads) {
             x.positions, x.chunk_off, partial_buffer.data(), x.width, x.layer * 2 * kv_stride,
             x.num_layers * 2 * kv_stride, kv_stride, x.num_heads, x.kv_heads,
             x.num_heads / x.kv_heads, x.head_dim, x.page_size, x.chunk_pages, x.scale};
+  if (x.bf16_dots) {
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, bf16>) {
+      switch (x.head_dim) {
+        case 32: run_bf16<32>(a, x.num_items, x.num_tokens, num_threads, x.out); return;
+        case 64: run_bf16<64>(a, x.num_items, x.num_tokens, num_threads, x.out); return;
+        case 128: run_bf16<128>(a, x.num_items, x.num_tokens, num_threads, x.out); return;
+        default: throw std::invalid_argument("bf16 attention: head_dim must be 32, 64 or 128");
+      }
+    }
+#endif
+    throw std::invalid_argument("bf16 attention needs a bfloat16 pool on an AMX-BF16 build");
+  }
   switch (x.head_dim / 8) {
     case 1: run<1>(a, x.num_items, x.num_tokens, num_threads, x.out); break;
     case 2: run<2>(a, x.num_items, x.num_tokens, num_threads, x.out); break;
@@ -526,9 +897,21 @@ void run_typed(const AttentionArgs& x, int num_threads) {
 
 }  // namespace
 
+bool bf16_attention_available() {
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 void paged_attention(const AttentionArgs& x, int num_threads) {
   if (x.page_size > kMaxPage || x.head_dim % 8 || x.head_dim > 128)
     throw std::invalid_argument("unsupported page_size or head_dim");
+  if (x.bf16_dots && (!bf16_attention_available() || x.page_size % 16))
+    throw std::invalid_argument(
+        "bf16 attention needs AMX-BF16 tiles (the amx build, granted by the OS) and a page "
+        "size that is a multiple of 16");
   switch (x.pool_type) {
     case KVType::f32: run_typed<float>(x, num_threads); break;
     case KVType::bf16: run_typed<bf16>(x, num_threads); break;

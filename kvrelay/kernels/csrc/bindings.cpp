@@ -43,14 +43,15 @@ KVType kv_type(const torch::Tensor& pool) {
 torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& pool, int64_t layer,
                         const torch::Tensor& tables, const torch::Tensor& items,
                         const torch::Tensor& entries, const torch::Tensor& positions,
-                        const torch::Tensor& chunk_off, int64_t chunk_pages, double scale) {
+                        const torch::Tensor& chunk_off, int64_t chunk_pages, double scale,
+                        bool bf16_dots) {
   auto out = torch::empty_like(query);
   AttentionArgs a{query.data_ptr<float>(), pool.data_ptr(), out.data_ptr<float>(),
                   tables.data_ptr<int>(), items.data_ptr<int>(), entries.data_ptr<int>(),
                   positions.data_ptr<int>(), chunk_off.data_ptr<int>(), tables.size(1), layer,
                   (int)items.size(0), (int)query.size(0), (int)pool.size(1), (int)query.size(1),
                   (int)pool.size(4), (int)query.size(2), (int)pool.size(3), (int)chunk_pages,
-                  (float)scale, kv_type(pool)};
+                  (float)scale, kv_type(pool), bf16_dots};
   paged_attention(a, at::get_num_threads());
   return out;
 }
@@ -162,5 +163,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &kvr::q8_linear_op, release(), "Q8_0 x Q8_0 linear (int8 x and W, scales)");
   m.def("q8_path", &kvr::q8_linear_path, "q8_linear's code path for m rows");
   m.def("quantize_rows", &kvr::quantize, release(), "Symmetric int8 per row: (uint8 q, scale)");
+  m.def("bf16_attention_available", &kvr::bf16_attention_available,
+        "Whether paged_attention can take bf16 dots on AMX tiles here");
   m.def("simd_width", &kvr::simd_width, "Floats per vector of this build (8 AVX2, 16 AVX-512)");
 }

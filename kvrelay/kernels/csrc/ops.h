@@ -34,9 +34,12 @@ struct AttentionArgs {
   int num_items, num_tokens, num_layers, num_heads, kv_heads, head_dim, page_size, chunk_pages;
   float scale;
   KVType pool_type;
+  bool bf16_dots = false;  // q.k and p.v on AMX-BF16 tiles (bf16 pool only; attention.cpp)
 };
 
 void paged_attention(const AttentionArgs& args, int num_threads);
+// Whether this build and process can run bf16_dots: compiled for AMX-BF16, tiles granted.
+bool bf16_attention_available();
 
 struct KVWriteArgs {
   void* pool;  // elements of pool_type; writes round to nearest even

@@ -17,14 +17,12 @@
 // Packed weight layout: [ceil(N / 64) groups][Kp / 4][64 columns][4 k] int8 (Kp = K rounded up
 // to 32, zero padded; N padded with zero columns): one AMX B tile row, one VNNI lane. Scales and
 // the VNNI correction (128 * the block's weight sum) are [groups][Kp / 32][64], fp32 and int32.
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>  // memcpy
 #include <vector>
 
+#include "amx.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -262,14 +260,6 @@ void vec_linear(const Q8Data& d) {
 
 #if defined(__AMX_INT8__)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: C, 16 rows x 16 int32 columns each (64 columns); 4: A, 16 rows x 32 k;
 // 5, 6: B, 8 k-quads x 16 columns x 4.
 void tile_config() {
@@ -283,15 +273,6 @@ void tile_config() {
   c.rows[5] = c.rows[6] = kBlock / 4;
   c.colsb[5] = c.colsb[6] = 64;
   _tile_loadconfig(&c);
-}
-
-// Linux grants AMX tile data per process on request (arch_prctl ARCH_REQ_XCOMP_PERM).
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
 }
 
 // One group (64 columns) x 16 rows from m0 (rows past `rows` are computed on zero padding and

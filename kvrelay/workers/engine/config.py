@@ -28,6 +28,11 @@ class EngineConfig:
     # fp32 model on CPU with the C++ kernels, else the model dtype (loader.resolve_kv_dtype_name).
     # 16-bit pages halve the pool's bytes per token.
     kv_cache_dtype: str = "auto"
+    # Attention dot products: fp32 | bf16 | auto (loader.resolve_attention_precision). bf16
+    # rounds q and p to bf16 for AMX-BF16 tiles (CPU, bf16 pages; other bits than fp32, so a
+    # part of the fingerprint); auto = bf16 where it runs. `kvrelay up` and workers default to
+    # auto; the engine alone keeps fp32, the same bits on every host.
+    attention_precision: str = "fp32"
     # Speculative decoding (engine/speculator.py), never changing the output: auto | off |
     # ngram | draft (auto: draft with a draft_model, else ngram); drafts of up to
     # num_speculative_tokens tokens, as long as each row is likely enough to pay.

@@ -64,9 +64,17 @@ class Engine:
         loaded: LoadedModel | None = None,
     ):
         """`loaded`: reuse an already loaded model (several engines sharing weights, tests)."""
-        from kvrelay.core.modelref import model_fingerprint, normalize_kv_cache_dtype
+        from kvrelay.core.modelref import (
+            model_fingerprint,
+            normalize_attention_precision,
+            normalize_kv_cache_dtype,
+        )
         from kvrelay.workers.model.llama import allocate_kv_pool
-        from kvrelay.workers.model.loader import load_model, resolve_kv_dtype
+        from kvrelay.workers.model.loader import (
+            load_model,
+            resolve_attention_precision,
+            resolve_kv_dtype,
+        )
 
         self.config = config = config or EngineConfig()
         if config.num_threads:
@@ -75,6 +83,7 @@ class Engine:
             raise ValueError(f"page_size must be >= 1, got {config.page_size}")
         try:  # a bad value fails before the model loads
             normalize_kv_cache_dtype(config.kv_cache_dtype)
+            normalize_attention_precision(config.attention_precision)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if loaded is None:
@@ -95,13 +104,29 @@ class Engine:
         self.kv_dtype = kv_dtype = resolve_kv_dtype(
             config.kv_cache_dtype, loaded.dtype, loaded.device
         )
-        # Pages of another dtype are other pages: the KV dtype is part of their identity.
-        self.fingerprint = loaded.fingerprint
-        if kv_dtype != loaded.dtype:
-            self.fingerprint = model_fingerprint(
-                loaded.dir, _dtype_name(loaded.dtype), loaded.quantization, _dtype_name(kv_dtype)
-            )
         mc = loaded.config
+        try:
+            self.attention_precision = attention = resolve_attention_precision(
+                config.attention_precision,
+                _dtype_name(kv_dtype),
+                _dtype_name(loaded.dtype),
+                loaded.device.type,
+                config.page_size,
+                mc.head_dim,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        # Pages of another dtype, or computed with bf16 attention, are other pages: both are
+        # part of their identity.
+        self.fingerprint = loaded.fingerprint
+        if kv_dtype != loaded.dtype or attention != "fp32":
+            self.fingerprint = model_fingerprint(
+                loaded.dir,
+                _dtype_name(loaded.dtype),
+                loaded.quantization,
+                _dtype_name(kv_dtype),
+                attention,
+            )
         self.vocab_size = mc.vocab_size
         limit = mc.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
@@ -116,7 +141,7 @@ class Engine:
         )
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
         kv_pool = allocate_kv_pool(mc, num_blocks, P, kv_dtype, loaded.device)
-        self.runner = ModelRunner(loaded.model, kv_pool, P)
+        self.runner = ModelRunner(loaded.model, kv_pool, P, attention)
         if loaded.device.type == "cuda" and config.cuda_graphs:
             self.runner.use_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
@@ -140,13 +165,14 @@ class Engine:
         self.kernel_isa = (loaded_isa() or "") if loaded.device.type == "cpu" else ""
         logger.info(
             "engine ready: model %s, %d blocks of %d tokens (%s KV), max_model_len %d, "
-            "CPU kernels %s",
+            "CPU kernels %s, %s attention",
             self.model_name,
             num_blocks,
             P,
             _dtype_name(kv_dtype),
             self.max_model_len,
             self.kernel_isa or "none",
+            attention,
         )
 
     def _speculator(self, config: EngineConfig) -> Speculator | None:

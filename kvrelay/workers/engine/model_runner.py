@@ -42,10 +42,17 @@ class StepLogits:
 class ModelRunner:
     """Owns the model and the KV pool `[num_blocks, layers, 2, page_size, kv_heads, head_dim]`."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, page_size: int):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_pool: torch.Tensor,
+        page_size: int,
+        attention_precision: str = "fp32",
+    ):
         self.model = model
         self.kv_pool = kv_pool
         self.page_size = page_size
+        self.attention_precision = attention_precision  # every step's metadata says it
         self.device = kv_pool.device
         self.graphs: DecodeGraphs | None = None  # CUDA: decode steps replayed as graphs
 
@@ -108,6 +115,7 @@ class ModelRunner:
             query_start_loc=torch.from_numpy(query_start).to(dev),
             max_query_len=int(np.diff(query_start).max()),
             max_context_len=int(context_lens.max()),
+            precision=self.attention_precision,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)

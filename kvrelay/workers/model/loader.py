@@ -31,6 +31,7 @@ from kvrelay.core.modelref import (
     converted_dir,
     is_prepared,
     model_fingerprint,
+    normalize_attention_precision,
     normalize_dtype,
     normalize_kv_cache_dtype,
     normalize_quantization,
@@ -254,6 +255,54 @@ def resolve_kv_dtype_name(
 
         kernels = load() is not None
     return "bfloat16" if kernels else "float32"
+
+
+BF16_ATTENTION_HEAD_DIMS = (32, 64, 128)
+
+
+def resolve_attention_precision(
+    precision: str,
+    kv_dtype: str,
+    model_dtype: str,
+    device_type: str,
+    page_size: int = 16,
+    head_dim: int | None = None,
+    available: bool | None = None,
+) -> str:
+    """ "fp32" or "bf16" for `--attention-precision`; the one place that decides what `auto`
+    means (the workers, `kvrelay up` and the store agree through it). `available`: whether the
+    kernels can run bf16 attention here (None: load them to find out); `head_dim` None: unknown
+    (taken as supported).
+
+    bf16 (q and p rounded to bf16, dot products on AMX-BF16 tiles) needs an fp32 model on CPU,
+    bfloat16 pages (tiles read them in place), pages a multiple of 16 tokens, head_dim 32, 64 or
+    128, and the amx kernel build with its tiles granted. auto = bf16 where all of that holds:
+    prefill attention 4x faster at 2-4k tokens (docs/benchmarks.md), perplexity within 0.1% of
+    fp32 attention; fp32 elsewhere. Asked for where it cannot run, it is a ValueError."""
+    name = normalize_attention_precision(precision)
+    if name == "fp32":
+        return name
+    why = ""
+    if device_type != "cpu" or normalize_dtype(model_dtype) != "float32":
+        why = "an fp32 model on CPU"
+    elif normalize_dtype(kv_dtype) != "bfloat16":
+        why = "bf16 KV pages (--kv-cache-dtype bf16)"
+    elif page_size % 16:
+        why = "a page size that is a multiple of 16"
+    elif head_dim is not None and head_dim not in BF16_ATTENTION_HEAD_DIMS:
+        why = "head_dim 32, 64 or 128"
+    else:
+        if available is None:
+            from kvrelay.kernels import bf16_attention_available
+
+            available = bf16_attention_available()
+        if not available:
+            why = "AMX-BF16 (the amx build of the C++ kernels, tiles granted by the OS)"
+    if not why:
+        return "bf16"
+    if name == "bf16":
+        raise ValueError(f"--attention-precision bf16 needs {why}")
+    return "fp32"
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype, device="cpu"):

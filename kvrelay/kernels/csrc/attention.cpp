@@ -809,20 +809,45 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
   }
 }
 
+// The pages [first, last] of an item's chunk.
+struct ChunkPages {
+  const int* table;
+  int first, last, pmax;
+};
+
+template <class T>
+inline ChunkPages chunk_pages_of(const Args<T>& a, int index) {
+  const int* item = a.items + 3 * index;
+  int pmax = 0;
+  for (int e = item[1]; e < item[2]; ++e)
+    pmax = std::max(pmax, a.entries[4 * e + 3] + a.entries[4 * e + 2] - 1);
+  const int first = item[0] * a.chunk_pages;
+  return ChunkPages{a.tables + a.width * a.entries[4 * item[1]], first,
+                    std::min(pmax / a.page_size, first + a.chunk_pages - 1), pmax};
+}
+
 // One unit of the bf16 path: the item's chunk for KV heads [h0, h1), rows in tiles of 16.
+// Decode is memory-bound: while it runs, the next unit's pages (`after`, if any) go to L2, a
+// share per head, so that they are there when that unit starts. No arithmetic changes.
 template <int D>
-void run_item_bf16(const Args<bf16>& a, Unit un) {
+void run_item_bf16(const Args<bf16>& a, Unit un, const Unit* after) {
   thread_local Bf16Work<D> w;
   const int* item = a.items + 3 * un.item;
   const int chunk = item[0], e0 = item[1], e1 = item[2];
-  const int* table = a.tables + a.width * a.entries[4 * e0];
-  const int first = chunk * a.chunk_pages, chunk_start = first * a.page_size;
-  int pmax = 0;
-  for (int e = e0; e < e1; ++e) pmax = std::max(pmax, a.entries[4 * e + 3] + a.entries[4 * e + 2] - 1);
-  const int last = std::min(pmax / a.page_size, first + a.chunk_pages - 1);
-  const int nkeys = std::min(pmax + 1, (last + 1) * a.page_size) - chunk_start;
+  const ChunkPages cp = chunk_pages_of(a, un.item);
+  const int* table = cp.table;
+  const int first = cp.first, last = cp.last, chunk_start = first * a.page_size;
+  const int nkeys = std::min(cp.pmax + 1, (last + 1) * a.page_size) - chunk_start;
+  (void)chunk;
+  ChunkPages np{};
+  if (after) np = chunk_pages_of(a, after->item);
+  const int64_t span = 2 * a.kv_stride * (int64_t)sizeof(bf16);  // a page's K and V bytes
+  const int npages = after ? np.last - np.first + 1 : 0, nh = un.h1 - un.h0;
   int tok[kLanes], grp[kLanes];
   for (int h = un.h0; h < un.h1; ++h) {
+    for (int p = np.first + npages * (h - un.h0) / nh; p < np.first + npages * (h - un.h0 + 1) / nh;
+         ++p)
+      prefetch_l2(page_span(a, np.table, p), 0, span);
     build_v_pairs<D>(w, a, table, first, h, nkeys);
     int nr = 0;
     for (int e = e0; e < e1; ++e) {
@@ -842,16 +867,25 @@ void run_item_bf16(const Args<bf16>& a, Unit un) {
     if (nr) bf16_rows<D>(w, a, table, first, last, h, tok, grp, nr);
   }
 }
+
 template <int D>
 void run_bf16(const Args<bf16>& a, int num_items, int num_tokens, int num_threads, float* out) {
   const int split = head_split(a, num_items, num_threads);
   const int num_units = num_items * split;
   const int threads = std::max(1, std::min(num_threads, num_units));
   std::atomic<int> next{0};
+  // claim the next unit before running the current one (its pages are prefetched meanwhile),
+  // as run() does, and not with fewer than 2 units per thread
+  const bool ahead = num_units >= 2 * threads;
   parallel_for(threads, 1, [&](int64_t, int64_t) {
     bf16_tile_config();
-    for (int i = next.fetch_add(1); i < num_units; i = next.fetch_add(1))
-      run_item_bf16<D>(a, unit_of(i, split, a.kv_heads));
+    int i = next.fetch_add(1);
+    while (i < num_units) {
+      const int after = ahead ? next.fetch_add(1) : num_units;
+      const Unit following = unit_of(after, split, a.kv_heads);
+      run_item_bf16<D>(a, unit_of(i, split, a.kv_heads), after < num_units ? &following : nullptr);
+      i = ahead ? after : next.fetch_add(1);
+    }
     _tile_release();
   });
   parallel_for(num_tokens, 4, [&](int64_t b, int64_t e) {

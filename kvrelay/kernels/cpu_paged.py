@@ -29,6 +29,7 @@ __all__ = [
 
 CHUNK_KEYS = 256  # keys per chunk: the unit of parallel work and of the final merge
 HEAD_DIMS = (8, 16, 32, 64, 128)
+BF16_HEAD_DIMS = (32, 64, 128)  # bf16 attention: whole 32-dim tiles, up to 4 of them
 MAX_PAGE_SIZE = 256
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -174,15 +175,21 @@ def paged_attention(
     ext = cpu_build.load()
     bf16 = precision == "bf16"
     if bf16:
-        if not (bf16_attention_available() and supports(query, kv_pool)):
+        if not bf16_attention_available():
             raise KernelError(
-                "bf16 attention needs the C++ kernels' amx build with AMX-BF16 tiles granted, "
-                "fp32 queries on CPU and a supported shape"
+                "bf16 attention needs the C++ kernels' amx build (AMX-BF16, tiles granted by "
+                "the OS)"
             )
-        if kv_pool.dtype != torch.bfloat16 or kv_pool.shape[3] % 16 or query.shape[2] < 32:
+        if (
+            not supports(query, kv_pool)
+            or kv_pool.dtype != torch.bfloat16
+            or kv_pool.shape[3] % 16
+            or query.shape[2] not in BF16_HEAD_DIMS
+        ):
             raise KernelError(
-                "bf16 attention needs a bfloat16 KV pool, a page size that is a multiple of 16 "
-                f"and head_dim 32, 64 or 128 (got {kv_pool.dtype}, page size "
+                "bf16 attention needs fp32 queries on CPU, a bfloat16 KV pool, a page size "
+                "that is a multiple of 16 and head_dim 32, 64 or 128 (got "
+                f"{query.dtype} queries on {query.device}, a {kv_pool.dtype} pool, page size "
                 f"{kv_pool.shape[3]}, head_dim {query.shape[2]})"
             )
     elif ext is None or not supports(query, kv_pool):

@@ -570,8 +570,8 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// 16 dwords of bf16 pairs: dword i = (a[i], b[i]) rounded to bf16 (RNE), a in the low half.
-inline __m512i bf16_pair(__m512 a, __m512 b) {
+// Word indices that interleave the two 16-word halves of a zmm: word 2i <- i, 2i + 1 <- 16 + i.
+inline __m512i interleave_halves() {
   static const __m512i interleave = [] {
     alignas(64) int16_t idx[32];
     for (int i = 0; i < 16; ++i) {
@@ -580,7 +580,12 @@ inline __m512i bf16_pair(__m512 a, __m512 b) {
     }
     return _mm512_load_si512(idx);
   }();
-  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  return interleave;
+}
+
+// 16 dwords of bf16 pairs: dword i = (a[i], b[i]) rounded to bf16 (RNE), a in the low half.
+inline __m512i bf16_pair(__m512 a, __m512 b) {
+  return _mm512_permutexvar_epi16(interleave_halves(), (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
 // 32 consecutive fp32 as 16 dwords of bf16 pairs in order (RNE).
@@ -600,11 +605,6 @@ struct Bf16Work {
   alignas(64) float pv[kLanes][D];
   alignas(64) float acc[kLanes][D];
 };
-
-template <int T>
-inline void load_k(const bf16* k, int64_t row_bytes) {
-  _tile_loadd(T, k, row_bytes);
-}
 
 // Scores of one 16-key tile for the row block: S^T into w.s rows [16 kt, 16 kt + 16).
 template <int D>
@@ -677,14 +677,7 @@ inline void pv_block(Bf16Work<D>& w, int half0, int nh) {
 template <int D>
 void build_v_pairs(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first, int h,
                    int nkeys) {
-  static const __m512i interleave = [] {
-    alignas(64) int16_t idx[32];
-    for (int i = 0; i < 16; ++i) {
-      idx[2 * i] = static_cast<int16_t>(i);
-      idx[2 * i + 1] = static_cast<int16_t>(16 + i);
-    }
-    return _mm512_load_si512(idx);
-  }();
+  const __m512i interleave = interleave_halves();
   const int64_t stride = (int64_t)a.kv_heads * D;
   const int halves = (nkeys + 31) / 32;
   for (int kh = 0; kh < halves; ++kh)
@@ -833,12 +826,11 @@ template <int D>
 void run_item_bf16(const Args<bf16>& a, Unit un, const Unit* after) {
   thread_local Bf16Work<D> w;
   const int* item = a.items + 3 * un.item;
-  const int chunk = item[0], e0 = item[1], e1 = item[2];
+  const int e0 = item[1], e1 = item[2];
   const ChunkPages cp = chunk_pages_of(a, un.item);
   const int* table = cp.table;
   const int first = cp.first, last = cp.last, chunk_start = first * a.page_size;
   const int nkeys = std::min(cp.pmax + 1, (last + 1) * a.page_size) - chunk_start;
-  (void)chunk;
   ChunkPages np{};
   if (after) np = chunk_pages_of(a, after->item);
   const int64_t span = 2 * a.kv_stride * (int64_t)sizeof(bf16);  // a page's K and V bytes

@@ -257,9 +257,6 @@ def resolve_kv_dtype_name(
     return "bfloat16" if kernels else "float32"
 
 
-BF16_ATTENTION_HEAD_DIMS = (32, 64, 128)
-
-
 def resolve_attention_precision(
     precision: str,
     kv_dtype: str,
@@ -269,16 +266,16 @@ def resolve_attention_precision(
     head_dim: int | None = None,
     available: bool | None = None,
 ) -> str:
-    """ "fp32" or "bf16" for `--attention-precision`; the one place that decides what `auto`
-    means (the workers, `kvrelay up` and the store agree through it). `available`: whether the
-    kernels can run bf16 attention here (None: load them to find out); `head_dim` None: unknown
-    (taken as supported).
+    """The attention precision, "fp32" or "bf16", for `--attention-precision`; the one place
+    that decides what `auto` means (the workers, `kvrelay up` and the store agree through it).
+    `available`: whether the kernels can run bf16 attention here (None: load them to find
+    out); `head_dim` None: unknown (taken as supported).
 
     bf16 (q and p rounded to bf16, dot products on AMX-BF16 tiles) needs an fp32 model on CPU,
     bfloat16 pages (tiles read them in place), pages a multiple of 16 tokens, head_dim 32, 64 or
     128, and the amx kernel build with its tiles granted. auto = bf16 where all of that holds:
-    prefill attention 4x faster at 2-4k tokens (docs/benchmarks.md), perplexity within 0.1% of
-    fp32 attention; fp32 elsewhere. Asked for where it cannot run, it is a ValueError."""
+    prefill attention 4x faster at 2-4k tokens (docs/benchmarks.md), perplexity unchanged to
+    three digits; fp32 elsewhere. Asked for where it cannot run, it is a ValueError."""
     name = normalize_attention_precision(precision)
     if name == "fp32":
         return name
@@ -289,8 +286,6 @@ def resolve_attention_precision(
         why = "bf16 KV pages (--kv-cache-dtype bf16)"
     elif page_size % 16:
         why = "a page size that is a multiple of 16"
-    elif head_dim is not None and head_dim not in BF16_ATTENTION_HEAD_DIMS:
-        why = "head_dim 32, 64 or 128"
     else:
         if available is None:
             from kvrelay.kernels import bf16_attention_available
@@ -298,6 +293,11 @@ def resolve_attention_precision(
             available = bf16_attention_available()
         if not available:
             why = "AMX-BF16 (the amx build of the C++ kernels, tiles granted by the OS)"
+        elif head_dim is not None:
+            from kvrelay.kernels.cpu_paged import BF16_HEAD_DIMS
+
+            if head_dim not in BF16_HEAD_DIMS:
+                why = "head_dim 32, 64 or 128"
     if not why:
         return "bf16"
     if name == "bf16":

@@ -76,6 +76,7 @@ class WorkerField(enum.StrEnum):
     MAX_NUM_SEQS = "max_num_seqs"
     KERNEL_ISA = "kernel_isa"
     KV_DTYPE = "kv_dtype"
+    ATTENTION = "attention"  # attention precision, resolved: fp32 or bf16 (AMX tiles)
     SPECULATION = "speculation"  # a Speculation, resolved ("" for engines without it)
     RUNNING = "running"  # requests in its batch
     WAITING = "waiting"  # admitted, not yet in the batch

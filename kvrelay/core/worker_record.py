@@ -42,6 +42,7 @@ class WorkerRecord:
     max_num_seqs: int | None = None
     kernel_isa: str = ""
     kv_dtype: str = ""
+    attention: str = ""  # attention precision, resolved ("fp32", "bf16"; "" from older workers)
     speculation: str = ""  # a Speculation, resolved ("" for engines without it)
     running: int | None = None  # requests in its batch
     waiting: int | None = None  # admitted, not yet in the batch

@@ -108,6 +108,7 @@ class Worker:
             kernel_isa=engine.kernel_isa,
             # the KV pool's dtype ("float32", "bfloat16", "float16")
             kv_dtype=str(engine.kv_dtype).removeprefix("torch."),
+            attention=engine.attention_precision,  # fp32 or bf16 (AMX tiles), resolved
             # speculative decoding, resolved: off, ngram or draft
             speculation=str(engine.speculation),
         )

@@ -70,6 +70,9 @@ class EngineAPI(BlockPoolOwner, Protocol):
     @property
     def speculation(self) -> Speculation: ...  # speculative decoding, resolved
 
+    @property
+    def attention_precision(self) -> str: ...  # "fp32" or "bf16" (AMX tiles), resolved
+
     # ---- state ---------------------------------------------------------------------------
     @property
     def stats(self) -> EngineStats: ...  # counters since start (speculation metrics)

@@ -21,6 +21,7 @@ FULL = WorkerRecord(
     max_num_seqs=64,
     kernel_isa="avx512",
     kv_dtype="bfloat16",
+    attention="bf16",
     speculation="ngram",
     running=2,
     waiting=1,

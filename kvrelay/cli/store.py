@@ -72,20 +72,25 @@ def build_config(args: argparse.Namespace):
     file_values = read_config_file(getattr(args, "config", None), SECTION)
     cfg = from_env(StoreConfig, SECTION, file_values=file_values, **overrides)
     if cfg.model is not None:
-        from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
+        from kvrelay.core.modelref import (
+            config_head_dim,
+            converted_dir,
+            read_config,
+            read_model_info,
+            resolve_model,
+        )
         from kvrelay.workers.model.loader import resolve_attention_precision
 
         try:
             model_dtype, kv_dtype = page_dtypes(cfg.dtype, cfg.model_dtype)
             directory = converted_dir(resolve_model(cfg.model))
-            shape = read_model_info(directory)
             attention = resolve_attention_precision(
                 cfg.attention_precision,
                 kv_dtype,
                 model_dtype,
                 "cpu",
                 cfg.page_size,
-                shape.head_dim,
+                config_head_dim(read_config(directory)),
                 None if _kernels_load() else False,
             )
             info = read_model_info(

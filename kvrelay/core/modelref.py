@@ -347,12 +347,17 @@ def read_model_info(
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        head_dim=config_head_dim(cfg),
         vocab_size=int(cfg["vocab_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         dtype=normalize_dtype(dtype),
         fingerprint=model_fingerprint(directory, dtype, quantization, kv_dtype, attention),
     )
+
+
+def config_head_dim(cfg: dict) -> int:
+    """A (flattened) config.json's head_dim: its own, else hidden_size / num_attention_heads."""
+    return int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
 
 
 def _file_defaults(data: dict, where: str) -> GenerationDefaults:

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.kernels import KernelError, bf16_attention_available, cpu_build, paged_attention
+from kvrelay.kernels import (
+    KernelError,
+    bf16_attention_available,
+    cpu_build,
+    paged_attention,
+    write_kv,
+)
 from tests.kernels.helpers import SeqData, attend_batch, build_meta, random_seq
 
 LENGTH = 300  # two 256-key chunks, key blocks of 64 cut across pages of 16 and 32
@@ -128,8 +134,6 @@ def test_shared_prefix_rows_equal_rows_alone(shape) -> None:
     pool = torch.randn(nxt, 1, 2, page_size, kv_heads, head_dim).to(torch.bfloat16)
     for s, t in zip(seqs, tables, strict=True):
         meta = build_meta([t], [LENGTH], [LENGTH], page_size)
-        from kvrelay.kernels import write_kv
-
         write_kv(pool, 0, s.keys, s.values, meta.slot_mapping)
     meta = build_meta(tables, [LENGTH] * 3, [1] * 3, page_size)
     query = torch.cat([s.queries[LENGTH - 1 :] for s in seqs])

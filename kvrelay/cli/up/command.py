@@ -355,7 +355,7 @@ def resolve_attention(
     """The workers' attention precision ("fp32" or "bf16") for --attention-precision (or,
     given `auto`, KVRELAY_WORKER_ATTENTION_PRECISION), `auto` resolved by the workers' own rule
     (loader.resolve_attention_precision) for the prepared model's head_dim and page size."""
-    from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
+    from kvrelay.core.modelref import config_head_dim, converted_dir, read_config, resolve_model
     from kvrelay.kernels.cpu_build import kernel_settings
     from kvrelay.workers.config import DEPRECATED_SECTIONS, SECTION, WorkerConfig
     from kvrelay.workers.model.loader import resolve_attention_precision
@@ -368,7 +368,8 @@ def resolve_attention(
         )
     page_size = setting(WorkerConfig, "page_size", SECTION, seen, deprecated=DEPRECATED_SECTIONS)
     try:
-        head_dim: int | None = read_model_info(converted_dir(resolve_model(args.model))).head_dim
+        model_dir = converted_dir(resolve_model(args.model))
+        head_dim: int | None = config_head_dim(read_config(model_dir))
     except (OSError, ValueError, KeyError):  # not prepared here: the workers check it
         head_dim = None
     available = False if kernel_settings(seen).torch_only else None

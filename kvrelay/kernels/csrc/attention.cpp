@@ -314,12 +314,29 @@ inline Unit unit_of(int u, int split, int kv_heads) {
   return Unit{u / split, part * kv_heads / split, (part + 1) * kv_heads / split};
 }
 
-// The first page's K and V of a unit's item, and the unit's first KV head.
+// The pages [first, last] of an item's chunk (its entries share their block ids there), and
+// the last position its rows reach.
+struct ChunkPages {
+  const int* table;
+  int first, last, pmax;
+};
+
+template <class T>
+inline ChunkPages chunk_pages_of(const Args<T>& a, int index) {
+  const int* item = a.items + 3 * index;
+  int pmax = 0;
+  for (int e = item[1]; e < item[2]; ++e)
+    pmax = std::max(pmax, a.entries[4 * e + 3] + a.entries[4 * e + 2] - 1);
+  const int first = item[0] * a.chunk_pages;
+  return ChunkPages{a.tables + a.width * a.entries[4 * item[1]], first,
+                    std::min(pmax / a.page_size, first + a.chunk_pages - 1), pmax};
+}
+
+// The first page's K and V of a unit's item.
 template <class T>
 inline const char* first_span(const Args<T>& a, int index) {
-  const int* item = a.items + 3 * index;
-  const int* table = a.tables + a.width * a.entries[4 * item[1]];
-  return page_span(a, table, item[0] * a.chunk_pages);
+  const ChunkPages cp = chunk_pages_of(a, index);
+  return page_span(a, cp.table, cp.first);
 }
 
 // Every query row of the item's entries that reaches this page, for KV head h: K/V rows of the
@@ -452,61 +469,77 @@ void merge_row(const Args<T>& a, int t, float* out) {
   }
 }
 
+// How a step's items become units of work: each item cut into `split` parts by KV heads, on
+// `threads` threads, claiming ahead (`ahead`) or not.
+struct UnitPlan {
+  int split, num_units, threads;
+  bool ahead;
+};
+
 // Fewer than 2 items per thread (decode at batch 1 and under 256 * 2 * threads keys): cut each
 // item by KV heads, so that every thread has work (bitwise the same; see run_item). A single
 // thread keeps whole items, and so does a small step: under kSplitWork (pages x query rows) in
 // all, or 4 times that for one item, whose thread the cut would wake (at batch 1, 256 keys:
 // +3 us for -4 us, measured worse). More items already balance: cutting them measured slower
-// (4 items on 2 threads). Returns the parts each item is cut into.
+// (4 items on 2 threads). Claiming ahead needs 2 units per thread (claim_units).
 template <class T>
-int head_split(const Args<T>& a, int num_items, int num_threads) {
+UnitPlan plan_units(const Args<T>& a, int num_items, int num_threads) {
   int split = 1;
   if (num_threads > 1 && num_items < 2 * num_threads && a.kv_heads > 1) {
     int64_t work = 0;
     for (int i = 0; i < num_items; ++i) {
       const int* item = a.items + 3 * i;
-      int pmax = 0, rows = 0;
-      for (int e = item[1]; e < item[2]; ++e) {
-        pmax = std::max(pmax, a.entries[4 * e + 3] + a.entries[4 * e + 2] - 1);
-        rows += a.entries[4 * e + 2];
-      }
-      const int first = item[0] * a.chunk_pages;
-      const int last = std::min(pmax / a.page_size, first + a.chunk_pages - 1);
-      work += (int64_t)rows * (last - first + 1);
+      int rows = 0;
+      for (int e = item[1]; e < item[2]; ++e) rows += a.entries[4 * e + 2];
+      const ChunkPages cp = chunk_pages_of(a, i);
+      work += (int64_t)rows * (cp.last - cp.first + 1);
     }
     if (work >= (num_items > 1 ? kSplitWork : 4 * kSplitWork))
       split = std::min(a.kv_heads, (4 * num_threads + num_items - 1) / num_items);
   }
-  return split;
+  const int num_units = num_items * split;
+  const int threads = std::max(1, std::min(num_threads, num_units));
+  return UnitPlan{split, num_units, threads, num_units >= 2 * threads};
+}
+
+// One thread's share of the units: run_unit(unit, the unit it runs next or nullptr, whether
+// the previous unit prefetched this one). With `ahead`, a thread claims its next unit before
+// running the current one, so that the current unit can prefetch the next one's pages; not
+// with fewer than 2 units per thread: the first thread would claim the units the others wake
+// up for (2 items on 2 threads ran one after the other).
+template <class F>
+void claim_units(std::atomic<int>& next, const UnitPlan& plan, int kv_heads, F&& run_unit) {
+  int i = next.fetch_add(1);
+  for (bool prefetched = false; i < plan.num_units; prefetched = plan.ahead) {
+    const int after = plan.ahead ? next.fetch_add(1) : plan.num_units;
+    const Unit following = unit_of(after, plan.split, kv_heads);
+    run_unit(unit_of(i, plan.split, kv_heads), after < plan.num_units ? &following : nullptr,
+             prefetched);
+    i = plan.ahead ? after : next.fetch_add(1);
+  }
+}
+
+// Every token's rows: its chunk partials merged (merge_row), split over the threads.
+template <int ND, class T>
+void merge_rows(const Args<T>& a, int num_tokens, float* out) {
+  parallel_for(num_tokens, 4, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) merge_row<ND>(a, (int)t, out);
+  });
 }
 
 template <int ND, class T>
 void run(const Args<T>& a, int num_items, int num_tokens, int num_threads, float* out) {
+  const UnitPlan plan = plan_units(a, num_items, num_threads);
   std::atomic<int> next{0};
-  const int split = head_split(a, num_items, num_threads);
-  const int num_units = num_items * split;
-  const int threads = std::max(1, std::min(num_threads, num_units));
-  const bool ahead = num_units >= 2 * threads;
-  parallel_for(threads, 1, [&](int64_t, int64_t) {
-    // Each thread claims its next unit before running the current one, so that the current
-    // unit's last page can prefetch the next unit's first page; but not with fewer than 2 units
-    // per thread: the first thread would claim the units the others wake up for (2 items on
-    // 2 threads ran one after the other).
-    int i = next.fetch_add(1);
-    for (bool prefetched = false; i < num_units; prefetched = ahead) {
-      const int after = ahead ? next.fetch_add(1) : num_units;
-      const Unit following = unit_of(after, split, a.kv_heads);
-      const Unit* then = after < num_units ? &following : nullptr;
-      if (split > 1)
-        run_item<ND, true>(a, unit_of(i, split, a.kv_heads), prefetched, then);
+  parallel_for(plan.threads, 1, [&](int64_t, int64_t) {
+    claim_units(next, plan, a.kv_heads, [&](Unit un, const Unit* then, bool prefetched) {
+      if (plan.split > 1)
+        run_item<ND, true>(a, un, prefetched, then);
       else
-        run_item<ND, false>(a, unit_of(i, split, a.kv_heads), prefetched, then);
-      i = ahead ? after : next.fetch_add(1);
-    }
+        run_item<ND, false>(a, un, prefetched, then);
+    });
   });
-  parallel_for(num_tokens, 4, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) merge_row<ND>(a, (int)t, out);
-  });
+  merge_rows<ND>(a, num_tokens, out);
 }
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -802,23 +835,6 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
   }
 }
 
-// The pages [first, last] of an item's chunk.
-struct ChunkPages {
-  const int* table;
-  int first, last, pmax;
-};
-
-template <class T>
-inline ChunkPages chunk_pages_of(const Args<T>& a, int index) {
-  const int* item = a.items + 3 * index;
-  int pmax = 0;
-  for (int e = item[1]; e < item[2]; ++e)
-    pmax = std::max(pmax, a.entries[4 * e + 3] + a.entries[4 * e + 2] - 1);
-  const int first = item[0] * a.chunk_pages;
-  return ChunkPages{a.tables + a.width * a.entries[4 * item[1]], first,
-                    std::min(pmax / a.page_size, first + a.chunk_pages - 1), pmax};
-}
-
 // One unit of the bf16 path: the item's chunk for KV heads [h0, h1), rows in tiles of 16.
 // Decode is memory-bound: while it runs, the next unit's pages (`after`, if any) go to L2, a
 // share per head, so that they are there when that unit starts. No arithmetic changes.
@@ -862,27 +878,16 @@ void run_item_bf16(const Args<bf16>& a, Unit un, const Unit* after) {
 
 template <int D>
 void run_bf16(const Args<bf16>& a, int num_items, int num_tokens, int num_threads, float* out) {
-  const int split = head_split(a, num_items, num_threads);
-  const int num_units = num_items * split;
-  const int threads = std::max(1, std::min(num_threads, num_units));
+  const UnitPlan plan = plan_units(a, num_items, num_threads);
   std::atomic<int> next{0};
-  // claim the next unit before running the current one (its pages are prefetched meanwhile),
-  // as run() does, and not with fewer than 2 units per thread
-  const bool ahead = num_units >= 2 * threads;
-  parallel_for(threads, 1, [&](int64_t, int64_t) {
+  parallel_for(plan.threads, 1, [&](int64_t, int64_t) {
     bf16_tile_config();
-    int i = next.fetch_add(1);
-    while (i < num_units) {
-      const int after = ahead ? next.fetch_add(1) : num_units;
-      const Unit following = unit_of(after, split, a.kv_heads);
-      run_item_bf16<D>(a, unit_of(i, split, a.kv_heads), after < num_units ? &following : nullptr);
-      i = ahead ? after : next.fetch_add(1);
-    }
+    claim_units(next, plan, a.kv_heads, [&](Unit un, const Unit* then, bool) {
+      run_item_bf16<D>(a, un, then);
+    });
     _tile_release();
   });
-  parallel_for(num_tokens, 4, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) merge_row<D / 8>(a, (int)t, out);
-  });
+  merge_rows<D / 8>(a, num_tokens, out);
 }
 #endif
 

@@ -175,7 +175,7 @@ def paged_attention(
     ext = cpu_build.load()
     bf16 = precision == "bf16"
     if bf16:
-        if not bf16_attention_available():
+        if ext is None or not ext.bf16_attention_available():
             raise KernelError(
                 "bf16 attention needs the C++ kernels' amx build (AMX-BF16, tiles granted by "
                 "the OS)"

@@ -340,6 +340,7 @@ WEIGHTS = {
     "int8": "int8 linears (down fp32), int8 activations",
     "int8-weight-only": "int8 weights, a scale per 32 (fp32 activations)",
     "q8_0": "int8 weights and activations, a scale per 32 each (AMX int8 tiles)",
+    "w8a16": "int8 weights (a scale per output), bf16 activations (AMX bf16 tiles)",
 }
 
 

@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", type=Path, nargs=2, default=None, metavar=("OLD", "NEW"),
                    help="print NEW/OLD of two --json files and exit")  # fmt: skip
     p.add_argument("--quantization", default="none",
-                   choices=["none", "int8", "fp16", "int8-weight-only", "q8_0"],
+                   choices=["none", "int8", "fp16", "int8-weight-only", "q8_0", "w8a16"],
                    help="the engine's weights (transformers stays fp32: the baseline)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script works")
     p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")

@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--quantization",
-        choices=("auto", "none", "int8", "fp16", "int8-weight-only", "q8_0"),
+        choices=("auto", "none", "int8", "fp16", "int8-weight-only", "q8_0", "w8a16"),
         default="auto",
         help="kvrelay's weights (`kvrelay up --quantization`; auto: its default for the host)",
     )

@@ -149,6 +149,7 @@ def main() -> int:
         "bf16-kv": ("none", False, "bfloat16", "fp32"),
         "bf16-attention": ("none", False, "bfloat16", "bf16"),
         "q8_0+bf16-attention": ("q8_0", True, "bfloat16", "bf16"),
+        "w8a16+bf16-attention": ("w8a16", True, "bfloat16", "bf16"),
     }
     if args.variants:
         wanted = ["fp32", *(v.strip() for v in args.variants.split(",") if v.strip() != "fp32")]

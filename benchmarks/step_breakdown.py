@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import DOCS, WEIGHTS, machine_line, write_section  # noqa: E402
+from kvrelay.core.modelref import QUANTIZATIONS  # noqa: E402
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 COLUMNS = ("qkv", "o", "gate_up", "down", "lm_head", "attention", "write_kv", "rms_norm",
@@ -350,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="torch: KVRELAY_KERNELS_CPU=torch (the torch attention path)",
     )
-    p.add_argument("--quantization", choices=("none", "int8", "fp16", "int8-weight-only", "q8_0"),
-                   default="none")  # fmt: skip
+    p.add_argument("--quantization", default="none",
+                   choices=QUANTIZATIONS)  # fmt: skip
     p.add_argument(
         "--worker-io",
         default="8",

@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--validity", type=int, default=50, help="varied-schema requests (0: none)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quantization", default="auto", choices=(
-        "auto", "none", "int8", "fp16", "int8-weight-only", "q8_0"))  # fmt: skip
+        "auto", "none", "int8", "fp16", "int8-weight-only", "q8_0", "w8a16"))  # fmt: skip
     p.add_argument("--kvrelay-extra", default="", help="more `kvrelay up` arguments (one string)")
     p.add_argument("--vllm-python", default="/work/peers/vllm-venv/bin/python")
     p.add_argument("--vllm-kv-gib", type=int, default=4)

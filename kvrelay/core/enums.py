@@ -56,6 +56,7 @@ class Quantization(enum.StrEnum):
     FP16 = "fp16"  # fp16 weights, fp32 activations (fbgemm)
     INT8_WEIGHT_ONLY = "int8-weight-only"  # int8 weights, a scale per 32 inputs (C++ kernel)
     Q8_0 = "q8_0"  # int8 weights and activations, a scale per 32 each (llama.cpp's Q8_0 dot)
+    W8A16 = "w8a16"  # int8 weights (a scale per output), bf16 activations, AMX bf16 tiles
 
 
 class WorkerField(enum.StrEnum):

@@ -268,6 +268,7 @@ QUANTIZATION_SCHEMES = {
     Quantization.FP16: "fp16-weights-all-linears-lmhead-v1",
     Quantization.INT8_WEIGHT_ONLY: "int8-weights-scale-per-32-all-linears-lmhead-v1",
     Quantization.Q8_0: "q8_0-weights-and-activations-all-linears-lmhead-v1",
+    Quantization.W8A16: "int8-weights-per-output-bf16-activations-amx-tiles-all-linears-lmhead-v1",
 }
 QUANTIZATIONS = tuple(q.value for q in Quantization)  # flag choices (plain strings for argparse)
 

@@ -3,7 +3,8 @@
 only when a CUDA tensor or impl="triton" is used), and the decoder's row-wise ops (RMSNorm with
 the residual add, SiLU * up, int8 row quantization: C++ on CPU fp32, Triton for RMSNorm on
 CUDA, torch elsewhere), the dense linear layer (a row-invariant Triton GEMM on CUDA, F.linear
-elsewhere), the int8-weight linear layer and the Q8_0 x Q8_0 linear layer (C++ only). The C++
+elsewhere), the int8-weight linear layer, the Q8_0 x Q8_0 linear layer and the int8-weight x bf16
+linear on AMX tiles (C++ only). The C++
 kernels come in ISA variants (avx2, avx512, amx), chosen at load time: `loaded_isa()` says
 which one runs."""
 
@@ -13,6 +14,7 @@ from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.ops import (
     Int8Weight,
     Q8Weight,
+    W8A16Weight,
     add_rms_norm,
     bf16_attention_available,
     gather_pages,
@@ -21,15 +23,19 @@ from kvrelay.kernels.ops import (
     linear,
     pack_int8_weight,
     pack_q8_weight,
+    pack_w8a16_weight,
     paged_attention,
     q8_linear,
     q8_path,
+    quantize_channel_weight,
     quantize_int8_weight,
     quantize_rows,
     rms_norm,
     rope_write_kv,
     scatter_pages,
     silu_mul,
+    w8a16_available,
+    w8a16_linear,
     write_kv,
 )
 
@@ -37,6 +43,7 @@ __all__ = [
     "AttentionMetadata",
     "Int8Weight",
     "Q8Weight",
+    "W8A16Weight",
     "KernelError",
     "add_rms_norm",
     "bf16_attention_available",
@@ -47,14 +54,18 @@ __all__ = [
     "loaded_isa",
     "pack_int8_weight",
     "pack_q8_weight",
+    "pack_w8a16_weight",
     "paged_attention",
     "q8_linear",
     "q8_path",
+    "quantize_channel_weight",
     "quantize_int8_weight",
     "quantize_rows",
     "rms_norm",
     "rope_write_kv",
     "scatter_pages",
     "silu_mul",
+    "w8a16_available",
+    "w8a16_linear",
     "write_kv",
 ]

@@ -41,9 +41,10 @@ SOURCES = (
     "rowwise.cpp",
     "wint8.cpp",
     "q8.cpp",
+    "w8a16.cpp",
     "bindings.cpp",
 )
-HEADERS = ("ops.h", "parallel.h", "vec.h", "kv_types.h")
+HEADERS = ("ops.h", "parallel.h", "vec.h", "kv_types.h", "amx.h")
 # -ffp-contract=off: the compiler must not fuse a*b+c on its own; the kernels place their FMAs
 # explicitly, so the arithmetic of a row is exactly what the source says.
 # -mf16c: fp16 KV pages widen and narrow with vcvtph2ps / vcvtps2ph (every AVX2 CPU has F16C).
@@ -58,7 +59,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "avx2": (),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
     # AMX hosts (Sapphire Rapids on): AVX-512 plus VNNI and BF16, the AMX int8 tiles of
-    # `q8_linear` and the bf16 tiles of bf16 attention.
+    # `q8_linear`, the bf16 tiles of bf16 attention and
+    # `w8a16_linear`.
     "amx": (
         "-mavx512f",
         "-mavx512bw",

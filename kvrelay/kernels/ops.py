@@ -402,6 +402,67 @@ def q8_linear(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None) -> t
     )
 
 
+W8A16_COLS = 32  # output columns per packed block of `w8a16_linear`'s layout (two AMX B tiles)
+W8A16_K = 32  # inputs per k tile (16 bf16 pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class W8A16Weight:
+    """A weight [out_features, in_features] packed for `w8a16_linear`: int8, one scale per
+    output."""
+
+    packed: torch.Tensor  # int8 [ceil(N / 32), Kp / 32, 2, 16, 16, 2], Kp = K rounded up to 32
+    scales: torch.Tensor  # fp32 [N]
+    out_features: int
+    in_features: int
+
+
+def quantize_channel_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 q [N, K], fp32 scales [N]): symmetric, one scale per output (its largest |w| / 127),
+    q = round(w / scale) in [-127, 127]."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    return torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
+
+
+def pack_w8a16_weight(q: torch.Tensor, scales: torch.Tensor) -> W8A16Weight:
+    """`quantize_channel_weight`'s (q, scales) in `w8a16_linear`'s layout: per block of 32
+    outputs and k tile of 32 inputs, two AMX B tiles (16 outputs each) of input pairs."""
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise KernelError(f"need a 2-D int8 weight, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    if tuple(scales.shape) != (n,):
+        raise KernelError(f"scales {tuple(scales.shape)} do not fit a weight {tuple(q.shape)}")
+    if n and int(q.min()) < -127:
+        raise KernelError("w8a16 weights must lie in [-127, 127]")
+    blocks, ktiles = -(-n // W8A16_COLS), -(-k // W8A16_K)
+    padded = torch.zeros(blocks * W8A16_COLS, ktiles * W8A16_K, dtype=torch.int8)
+    padded[:n, :k] = q
+    # [block, sub, col, ktile, pair, 2] -> [block, ktile, sub, pair, col, 2]
+    grid = padded.view(blocks, 2, 16, ktiles, 16, 2).permute(0, 3, 1, 4, 2, 5)
+    return W8A16Weight(grid.contiguous(), scales.float().contiguous(), n, k)
+
+
+def w8a16_available() -> bool:
+    """Whether `w8a16_linear` runs here: the amx kernel variant loaded and the OS grants its
+    tiles (AMX-BF16 and AVX512-BF16 hosts)."""
+    from kvrelay.kernels import cpu_build
+
+    ext = cpu_build.load()
+    return ext is not None and bool(ext.w8a16_available())
+
+
+def w8a16_linear(x: torch.Tensor, weight: W8A16Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] . (q * scales)^T (+ bias) on AMX bf16 tiles: x rounded to bf16 (nearest even),
+    the int8 weights exact in bf16, fp32 sums over K in tiles, each output times its column's
+    scale. A row's result is the same in any batch and with any thread count. AMX hosts only
+    (`w8a16_available`)."""
+    ext = _linear_rows("w8a16_linear", x, weight.in_features)
+    if not ext.w8a16_available():
+        raise KernelError("w8a16_linear needs AMX-BF16 tiles (the amx kernel variant)")
+    return ext.w8a16_linear(x.contiguous(), weight.packed, weight.scales, bias, weight.out_features)
+
+
 def _linear_rows(op: str, x: torch.Tensor, in_features: int) -> ModuleType:
     """The C++ extension for `op` on rows x [T, in_features] (CPU fp32); KernelError otherwise."""
     ext = _cpp_rows(x)

@@ -180,9 +180,13 @@ def test_weights_are_chosen_for_the_host_unless_given(tmp_path, monkeypatch):
         "int8-weight-only",
         "CPU host: int8 weights (a scale per 32), fp32 activations",
     )
-    assert default_weights(0, "x86_64", int8_kernel=True, kernel_isa="amx") == (
+    assert default_weights(0, "x86_64", int8_kernel=True, kernel_isa="amx", bf16_tiles=True) == (
+        "w8a16",
+        "AMX host: int8 weights (a scale per output), bf16 activations, AMX bf16 tiles",
+    )
+    assert default_weights(0, "x86_64", int8_kernel=True, kernel_isa="amx", bf16_tiles=False) == (
         "q8_0",
-        "AMX host: int8 weights and activations (a scale per 32 each), AMX int8 tiles",
+        "AMX host without the OS's tiles: int8 weights and activations",
     )
     assert default_weights(0, "x86_64", int8_kernel=False) == (
         "fp16",

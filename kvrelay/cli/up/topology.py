@@ -95,16 +95,19 @@ def default_weights(
     machine: str | None = None,
     int8_kernel: bool | None = None,
     kernel_isa: str | None = None,
+    bf16_tiles: bool | None = None,
 ) -> tuple[str, str]:
     """(quantization, why) for `kvrelay up --quantization auto` on a host with `gpus` GPUs.
 
     On x86-64 CPUs int8 weights with a scale per 32 inputs (fp32 activations and sums, our C++
     kernel) read about half the bytes of fp16 per decode step, with perplexity within 0.3% of
     fp32 and below the bundled Q4_1 GGUF's (docs/benchmarks.md); where the amx kernel variant
-    runs, q8_0 (the same weights, int8 activations with a scale per 32, integer sums on AMX
-    tiles: 2-4.7x faster linears once a batch forms); fp16 weights (fbgemm) where the kernel is
-    not built; elsewhere, and on GPUs (bf16 models), the model's own weights. `int8_kernel` and
-    `kernel_isa` None: ask the kernel build (loads it, or builds it once)."""
+    runs, w8a16 (int8 weights with a scale per output, bf16 activations, AMX bf16 tiles that sum
+    over all of K: 1.5-1.8x q8_0's linears from 8 rows on, perplexity below q8_0's); fp16
+    weights (fbgemm) where the kernel is not built; elsewhere, and on GPUs (bf16 models), the
+    model's own weights. `int8_kernel`, `kernel_isa` and `bf16_tiles` (the OS grants the AMX
+    tiles) None: ask the kernel build (loads it, or builds it once); an amx host whose tiles are
+    not granted runs q8_0 (VNNI)."""
     if gpus:
         return Quantization.NONE, "GPU workers keep the model's weights"
     arch = (machine or platform.machine()).lower()
@@ -118,10 +121,16 @@ def default_weights(
         from kvrelay.kernels import loaded_isa
 
         kernel_isa = loaded_isa()
+    if int8_kernel and kernel_isa == "amx" and bf16_tiles is None:
+        from kvrelay.kernels import w8a16_available
+
+        bf16_tiles = w8a16_available()
+    if int8_kernel and kernel_isa == "amx" and not bf16_tiles:
+        return Quantization.Q8_0, "AMX host without the OS's tiles: int8 weights and activations"
     if int8_kernel and kernel_isa == "amx":
         return (
-            Quantization.Q8_0,
-            "AMX host: int8 weights and activations (a scale per 32 each), AMX int8 tiles",
+            Quantization.W8A16,
+            "AMX host: int8 weights (a scale per output), bf16 activations, AMX bf16 tiles",
         )
     if int8_kernel:
         return (

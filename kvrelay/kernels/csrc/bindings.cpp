@@ -145,6 +145,17 @@ torch::Tensor q8_linear_op(const torch::Tensor& x, const torch::Tensor& packed,
 
 std::string q8_linear_path(int64_t m) { return q8_path(m); }
 
+torch::Tensor w8a16_linear_op(const torch::Tensor& x, const torch::Tensor& packed,
+                              const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
+                              int64_t n) {
+  auto y = torch::empty({x.size(0), n}, x.options());
+  W8A16Args a{x.data_ptr<float>(), x.stride(0), packed.data_ptr<int8_t>(), scale.data_ptr<float>(),
+              bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+              y.stride(0), x.size(0), n, x.size(1)};
+  w8a16_linear(a);
+  return y;
+}
+
 }  // namespace
 
 }  // namespace kvr
@@ -162,6 +173,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &kvr::int8_linear, release(), "x . (W * scales)^T (+ bias), W packed int8");
   m.def("q8_linear", &kvr::q8_linear_op, release(), "Q8_0 x Q8_0 linear (int8 x and W, scales)");
   m.def("q8_path", &kvr::q8_linear_path, "q8_linear's code path for m rows");
+  m.def("w8a16_linear", &kvr::w8a16_linear_op, release(),
+        "x (as bf16) . (int8 W * column scales)^T on AMX bf16 tiles");
+  m.def("w8a16_available", &kvr::w8a16_available, "Whether w8a16_linear runs here");
   m.def("quantize_rows", &kvr::quantize, release(), "Symmetric int8 per row: (uint8 q, scale)");
   m.def("bf16_attention_available", &kvr::bf16_attention_available,
         "Whether paged_attention can take bf16 dots on AMX tiles here");

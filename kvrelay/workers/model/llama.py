@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         # int8 rounds away (measured perplexity vs fp32: +5.2% with `down` in int8, +2.6%
         # without). fp16 and int8-weight-only keep fp32 activations: only weights are rounded;
         # q8_0 rounds activations too, per 32 inputs (+0.5% with `down` included).
-        all_four = method in (Quantization.FP16, WEIGHT_ONLY, Quantization.Q8_0)
+        all_four = method in (Quantization.FP16, WEIGHT_ONLY, Quantization.Q8_0, Quantization.W8A16)
         names = ("qkv", "o", "gate_up", "down") if all_four else ("qkv", "o", "gate_up")
         slots: list[tuple[object, str]] = [(layer, name) for layer in self.layers for name in names]
         if lm_head:

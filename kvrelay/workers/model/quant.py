@@ -58,6 +58,8 @@ def can_quantize(weight: torch.Tensor, method: str = Quantization.INT8) -> bool:
         return "fbgemm" in torch.backends.quantized.supported_engines
     if method in (WEIGHT_ONLY, Quantization.Q8_0):
         return kernels.int8_linear_available()
+    if method == Quantization.W8A16:
+        return kernels.w8a16_available()
     return hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
@@ -145,16 +147,21 @@ class Int8WeightLinear:
     # Each row is computed alone whatever the row count, so the model need not pad batches.
     any_row_count = True
     method: str = WEIGHT_ONLY
+    needs = "the C++ CPU kernels (x86-64 with AVX2)"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         if not can_quantize(weight, self.method):
             raise ValueError(
                 f"{self.method} needs CPU float32 weights (got {weight.dtype} on "
-                f"{weight.device.type}) and the C++ CPU kernels (x86-64 with AVX2)"
+                f"{weight.device.type}) and {self.needs}"
             )
-        self.weight = self.pack(*kernels.quantize_int8_weight(weight))
+        self.weight = self.pack(*self.quantize(weight))
         self.out_features, self.in_features = self.weight.out_features, self.weight.in_features
         self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.quantize_int8_weight(weight)
 
     @staticmethod
     def pack(q: torch.Tensor, scales: torch.Tensor):
@@ -179,8 +186,30 @@ class Q8Linear(Int8WeightLinear):
         return kernels.q8_linear(x, self.weight, self.bias)
 
 
+class W8A16Linear(Int8WeightLinear):
+    """Drop-in for `model.Linear` (same call): y = x W^T + b with W int8, one scale per output,
+    and x rounded to bf16, summed on AMX bf16 tiles (`kvrelay.kernels.w8a16_linear`)."""
+
+    __slots__ = ()
+    method = Quantization.W8A16
+    needs = "the amx kernel variant (a CPU with AMX-BF16 and AVX512-BF16)"
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.quantize_channel_weight(weight)
+
+    @staticmethod
+    def pack(q: torch.Tensor, scales: torch.Tensor):
+        return kernels.pack_w8a16_weight(q, scales)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.w8a16_linear(x, self.weight, self.bias)
+
+
 def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None):
     """`method`'s linear layer for a dense fp32 weight."""
+    if method == Quantization.W8A16:
+        return W8A16Linear(weight, bias)
     if method == Quantization.Q8_0:
         return Q8Linear(weight, bias)
     if method == Quantization.FP16:

@@ -1,0 +1,298 @@
+// Linear layer with int8 weights, one fp32 scale per output column, and bf16 activations on
+// AMX bf16 tiles (`--quantization w8a16`, amx build variant only):
+//   xb[m, k] = bf16(x[m, k])                               (round to nearest even)
+//   acc[m, n] = TDPBF16PS over k in 32-k tiles, in order, from 0   (q[n, k] is exact in bf16)
+//   y[m, n] = acc[m, n] * scale[n] (+ bias[n])
+//
+// Without per-block scales the tiles accumulate over all of K: no int32 block sums to widen and
+// scale per 32 k (what bounds q8_linear on AMX), the same tile work per weight as vLLM's bf16
+// GEMMs, with half their weight bytes. The weights are widened to bf16 in a per-thread panel
+// as they are used.
+//
+// Invariance: a C tile row takes only its own A row, k tiles in order, and the tile operation
+// treats rows independently; the epilogue is per output. So a row's result is bitwise the same
+// in any batch, row tiling and thread count.
+//
+// Packed weight layout: [ceil(N / 32) blocks][Kp / 32 k tiles][2 sub][16 k pairs][16 n][2 k]
+// int8 (Kp = K rounded up to 32, zero padded; N padded with zero columns): one k tile of one
+// block is two AMX B tiles (16 columns each) once widened to bf16.
+#include <algorithm>
+#include <stdexcept>
+#include <vector>
+
+#include "amx.h"
+#include "ops.h"
+#include "parallel.h"
+
+namespace kvr {
+
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+namespace {
+
+constexpr int kCols = 32;          // columns of a block: two B tiles
+constexpr int kK = 32;             // k of a tile step (16 bf16 pairs)
+constexpr int kTileRows = 16;      // rows of an A or C tile
+constexpr int kChunkRows = 256;    // rows of x one unit covers (its bf16 rows stay in L2)
+constexpr int kKBlock = 8;         // k tiles per widened panel: 16 KiB of bf16 B tiles, in L1
+constexpr int kTileElems = 512;    // bf16 of one B tile: 16 pairs x 16 columns x 2
+constexpr int kSmallRows = 16;     // up to here one A tile per step, two blocks at a time
+
+// Per-thread scratch reused across calls (no allocation, no zeroing per call).
+template <typename T>
+T* scratch(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// Every tile 16 rows x 64 bytes. Large rows: 0-3 C (rows r0/r1 x columns c0/c1), 4-5 A, 6-7 B.
+// Small rows: 0-3 C (four 16-column tiles of two blocks), 4 A, 6-7 B alternately.
+void tile_config() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = kTileRows;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// Rows of x to bf16 [rows][kp], zero padded in k (padding rows were zeroed by the caller).
+void to_bf16_rows(const W8A16Args& a, uint16_t* xb, int64_t kp) {
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, a.k));
+  parallel_for(a.m, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* src = a.x + m * a.x_stride;
+      uint16_t* dst = xb + m * kp;
+      for (int64_t k = 0; k < kp; k += 16) {
+        const int64_t left = a.k - k;
+        const __mmask16 mask = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1;
+        const __m512 v = _mm512_maskz_loadu_ps(mask, src + k);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+      }
+    }
+  });
+}
+
+// `tiles` B tiles of int8 weights widened to bf16 (exact: |q| <= 127), in order. The weights
+// stream from memory: lines kAhead bytes further on are prefetched (tile instructions keep the
+// out-of-order core from running far ahead on its own).
+constexpr int64_t kAhead = 8192;
+inline void widen(const int8_t* q, uint16_t* out, int64_t tiles) {
+  for (int64_t r = 0; r < tiles * kTileRows; ++r) {
+    if ((r & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + r * 32 + kAhead), _MM_HINT_T0);
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * 32));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    _mm512_storeu_si512(out + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+}
+
+// y rows [m0, m0 + rows) x 16 columns from c0 of the sums in `acc` (row stride `ld` floats).
+void store_tile(const W8A16Args& a, const float* acc, int64_t ld, int64_t m0, int rows,
+                int64_t c0) {
+  if (c0 >= a.n) return;
+  const int64_t left = a.n - c0;
+  const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+  const __m512 s = _mm512_maskz_loadu_ps(mask, a.scale + c0);
+  const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + c0) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) {
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(acc + r * ld), s);
+    if (a.bias) v = _mm512_add_ps(v, b);
+    _mm512_mask_storeu_ps(a.y + (m0 + r) * a.y_stride + c0, mask, v);
+  }
+}
+
+// Up to 16 rows: per k tile one A tile against the four B tiles of blocks b and b + 1 (four
+// independent accumulators), widened as they are used.
+void small_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t block,
+                int64_t blocks) {
+  const int64_t ktiles = kp / kK, tiles = block + 1 < blocks ? 4 : 2;
+  const int64_t block_bytes = ktiles * 2 * kTileElems;
+  const int8_t* q0 = a.packed + block * block_bytes;
+  alignas(64) uint16_t w[4 * kTileElems];
+  alignas(64) float acc[kTileRows * 16];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t = 0; t < ktiles; ++t) {
+    widen(q0 + t * 2 * kTileElems, w, 2);
+    if (tiles == 4) widen(q0 + block_bytes + t * 2 * kTileElems, w + 2 * kTileElems, 2);
+    _tile_loadd(4, xb + t * kK, kp * 2);
+    _tile_loadd(6, w, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, w + kTileElems, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if (tiles == 4) {
+      _tile_loadd(6, w + 2 * kTileElems, 64);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(7, w + 3 * kTileElems, 64);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+  }
+  const int rows = static_cast<int>(a.m);
+  const int64_t c0 = block * kCols;
+  _tile_stored(0, acc, 64);
+  store_tile(a, acc, 16, 0, rows, c0);
+  _tile_stored(1, acc, 64);
+  store_tile(a, acc, 16, 0, rows, c0 + 16);
+  if (tiles == 4) {
+    _tile_stored(2, acc, 64);
+    store_tile(a, acc, 16, 0, rows, c0 + 32);
+    _tile_stored(3, acc, 64);
+    store_tile(a, acc, 16, 0, rows, c0 + 48);
+  }
+}
+
+// 17 to 32 rows: per k tile two A tiles against the block's two B tiles, widened as they are
+// used (the sums stay in tiles for all of K).
+void pair_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t block) {
+  const int64_t ktiles = kp / kK;
+  const int8_t* q = a.packed + block * ktiles * 2 * kTileElems;
+  alignas(64) uint16_t w[2 * kTileElems];
+  alignas(64) float acc[kTileRows * 16];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t = 0; t < ktiles; ++t) {
+    widen(q + t * 2 * kTileElems, w, 2);
+    _tile_loadd(4, xb + t * kK, kp * 2);
+    _tile_loadd(5, xb + kTileRows * kp + t * kK, kp * 2);
+    _tile_loadd(6, w, 64);
+    _tile_loadd(7, w + kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  const int64_t c0 = block * kCols;
+  const int rows1 = static_cast<int>(a.m - kTileRows);
+  _tile_stored(0, acc, 64);
+  store_tile(a, acc, 16, 0, kTileRows, c0);
+  _tile_stored(1, acc, 64);
+  store_tile(a, acc, 16, 0, kTileRows, c0 + 16);
+  _tile_stored(2, acc, 64);
+  store_tile(a, acc, 16, kTileRows, rows1, c0);
+  _tile_stored(3, acc, 64);
+  store_tile(a, acc, 16, kTileRows, rows1, c0 + 16);
+}
+
+// Rows [r0, r1) of a chunk x one block: per k block the block's B tiles are widened into an
+// L1 panel and every row pair takes them; sums carry across k blocks in `acc` [rows][32].
+void large_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t block, int64_t r0,
+                int64_t r1, uint16_t* panel, float* acc) {
+  const int64_t ktiles = kp / kK;
+  const int8_t* q = a.packed + block * ktiles * 2 * kTileElems;
+  // A tile store and the load of the same sums right after it stall: with few row pairs the
+  // panel holds all of K (L2) and the sums never leave their tiles.
+  const int64_t kblock = r1 - r0 > 2 * kCols ? kKBlock : ktiles;
+  for (int64_t kb = 0; kb < ktiles; kb += kblock) {
+    const int64_t kn = std::min<int64_t>(kblock, ktiles - kb);
+    widen(q + kb * 2 * kTileElems, panel, 2 * kn);
+    for (int64_t m0 = r0; m0 < r1; m0 += 2 * kTileRows) {
+      float* c = acc + (m0 - r0) * kCols;
+      const bool two = m0 + kTileRows < r1;
+      if (kb == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, c, kCols * 4);
+        _tile_loadd(1, c + 16, kCols * 4);
+        if (two) {
+          _tile_loadd(2, c + kTileRows * kCols, kCols * 4);
+          _tile_loadd(3, c + kTileRows * kCols + 16, kCols * 4);
+        }
+      }
+      const uint16_t* x0 = xb + m0 * kp + kb * kK;
+      for (int64_t t = 0; t < kn; ++t) {
+        const uint16_t* w = panel + t * 2 * kTileElems;
+        _tile_loadd(4, x0 + t * kK, kp * 2);
+        _tile_loadd(6, w, 64);
+        _tile_loadd(7, w + kTileElems, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, x0 + kTileRows * kp + t * kK, kp * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c, kCols * 4);
+      _tile_stored(1, c + 16, kCols * 4);
+      if (two) {
+        _tile_stored(2, c + kTileRows * kCols, kCols * 4);
+        _tile_stored(3, c + kTileRows * kCols + 16, kCols * 4);
+      }
+    }
+  }
+  for (int64_t m0 = r0; m0 < r1; m0 += kTileRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, a.m - m0));
+    const float* c = acc + (m0 - r0) * kCols;
+    store_tile(a, c, kCols, m0, rows, block * kCols);
+    store_tile(a, c + 16, kCols, m0, rows, block * kCols + 16);
+  }
+}
+
+thread_local std::vector<uint16_t> t_xb, t_panel;
+thread_local std::vector<float> t_acc;
+
+}  // namespace
+
+bool w8a16_available() { return amx_permitted(); }
+
+void w8a16_linear(const W8A16Args& a) {
+  if (a.m == 0 || a.n == 0) return;
+  const int64_t kp = (a.k + kK - 1) / kK * kK;
+  const int64_t blocks = (a.n + kCols - 1) / kCols;
+  // Whole 16-row tiles (32 for row pairs): padding rows are zero and never written back.
+  const int64_t rows = (a.m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  uint16_t* xb = scratch(t_xb, rows * kp);
+  std::fill(xb + a.m * kp, xb + rows * kp, uint16_t{0});
+  to_bf16_rows(a, xb, kp);
+  if (a.m <= kSmallRows) {
+    parallel_for((blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      tile_config();
+      for (int64_t u = begin; u < end; ++u) small_rows(a, xb, kp, 2 * u, blocks);
+      _tile_release();
+    });
+    return;
+  }
+  if (a.m <= 2 * kTileRows) {
+    parallel_for(blocks, 1, [&](int64_t begin, int64_t end) {
+      tile_config();
+      for (int64_t b = begin; b < end; ++b) pair_rows(a, xb, kp, b);
+      _tile_release();
+    });
+    return;
+  }
+  // Units: (chunk of rows, block), chunk-major so a thread's x rows stay in its L2 while it
+  // walks the blocks.
+  const int64_t chunks = (a.m + kChunkRows - 1) / kChunkRows;
+  parallel_for(chunks * blocks, 1, [&](int64_t begin, int64_t end) {
+    tile_config();
+    uint16_t* panel = scratch(t_panel, 2 * std::max<int64_t>(kKBlock, kp / kK) * kTileElems);
+    float* acc = scratch(t_acc, kChunkRows * kCols);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t chunk = u / blocks, block = u % blocks;
+      large_rows(a, xb, kp, block, chunk * kChunkRows,
+                 std::min(a.m, (chunk + 1) * kChunkRows), panel, acc);
+    }
+    _tile_release();
+  });
+}
+
+#else
+
+bool w8a16_available() { return false; }
+
+void w8a16_linear(const W8A16Args&) {
+  throw std::runtime_error("w8a16_linear needs the amx kernel variant (AMX-BF16, AVX512-BF16)");
+}
+
+#endif
+
+}  // namespace kvr

@@ -17,6 +17,7 @@ from kvrelay.cli.errors import CommandError
 from kvrelay.cli.worker import (
     ATTENTION_HELP,
     KV_DTYPE_HELP,
+    QUANTIZATION_HELP,
     SPECULATION_FIELDS,
     SPECULATION_HELP_TABLE,
     flag_options,
@@ -67,12 +68,7 @@ _ENGINE_HELP: list[tuple[str, ...]] = [
     ("max_num_seqs", "most sequences per step"),
     ("max_num_batched_tokens", "most tokens per step"),
     ("num_threads", "torch compute threads (none: torch's default)"),
-    (
-        "quantization",
-        "int8-weight-only: int8 weights, fp32 math; q8_0: int8 weights and activations, a "
-        "scale per 32 each (llama.cpp's Q8_0 dot; AMX tiles where the CPU has them); "
-        "fp16: half-size weights; int8: int8 weights and activations (CPU fp32)",
-    ),
+    ("quantization", QUANTIZATION_HELP),
     ("kv_cache_dtype", KV_DTYPE_HELP),
     ("attention_precision", ATTENTION_HELP + " (here fp32 by default: the same bits anywhere)"),
     *SPECULATION_HELP_TABLE,

@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 LOADER_THREADS = 4  # concurrent store fetches of one worker (the node fetches 4 remotely too)
 
 
+QUANTIZATION_HELP = (
+    "int8-weight-only: int8 weights, fp32 math; q8_0: int8 weights and activations, a "
+    "scale per 32 each (llama.cpp's Q8_0 dot; AMX tiles where the CPU has them); w8a16: "
+    "int8 weights with a scale per output, bf16 activations (AMX-BF16 CPUs only); "
+    "fp16: half-size weights; int8: int8 weights and activations (CPU fp32)"
+)
 KV_DTYPE_HELP = (
     "KV page dtype: auto (bf16 for an fp32 model on CPU with the C++ kernels, else the "
     "model's: bf16 on CUDA, fp32 on the torch path), fp32, bf16 or fp16; 16-bit pages fit "
@@ -73,12 +79,7 @@ _HELP: list[tuple[str, ...]] = [
     ("threads", "compute threads (none: torch's default)"),
     ("device", "auto | cpu | cuda[:n]"),
     ("dtype", "auto | float32 | bfloat16 | float16"),
-    (
-        "quantization",
-        "int8-weight-only: int8 weights, fp32 math; q8_0: int8 weights and activations, a "
-        "scale per 32 each (llama.cpp's Q8_0 dot; AMX tiles where the CPU has them); "
-        "fp16: half-size weights; int8: int8 weights and activations (CPU fp32)",
-    ),
+    ("quantization", QUANTIZATION_HELP),
     ("kv_cache_dtype", KV_DTYPE_HELP),
     ("attention_precision", ATTENTION_HELP),
     *SPECULATION_HELP_TABLE,

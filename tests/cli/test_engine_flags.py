@@ -44,7 +44,7 @@ def test_generate_rejects_unknown_quantization_env():
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         "kvrelay generate: error: unsupported quantization 'int4'; use one of none, int8, "
-        "fp16, int8-weight-only, q8_0"
+        "fp16, int8-weight-only, q8_0, w8a16"
     ]
 
 
@@ -53,5 +53,5 @@ def test_worker_rejects_unknown_quantization_env():
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "kvrelay worker: error: unsupported quantization 'int4'; use one of none, int8, fp16, "
-        "int8-weight-only, q8_0"
+        "int8-weight-only, q8_0, w8a16"
     ]

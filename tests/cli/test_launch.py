@@ -592,3 +592,32 @@ def test_up_refuses_an_unknown_draft_model_before_launching(tmp_path, capsys):
     assert code == 2
     assert line.startswith("kvrelay up: error: draft model: unknown model 'no-such-model': ")
     assert not run.exists()
+
+
+def test_w8a16_is_the_amx_default_and_refused_where_it_cannot_run(tmp_path, monkeypatch):
+    """`up` picks w8a16 where the AMX bf16 tiles run (and tells the store); asked for where they
+    do not, it is refused before anything starts, with the reason."""
+    import kvrelay.kernels
+    from kvrelay.cli import up
+    from kvrelay.cli.errors import CommandError
+    from kvrelay.cli.main import build_parser
+    from kvrelay.cli.up.command import build_programs
+    from kvrelay.kernels import loaded_isa, w8a16_available
+
+    monkeypatch.setattr(up.command, "_num_gpus", lambda: 0)
+
+    def weights(*flags):
+        args = build_parser().parse_args(["up", "--threads", "2", *flags])
+        programs, state = build_programs(args, tmp_path)
+        env = {p.name: p.env for p in programs}
+        assert env["store"]["KVRELAY_STORE_QUANTIZATION"] == state["quantization"]
+        return env["decode-0"]["KVRELAY_WORKER_QUANTIZATION"]
+
+    if w8a16_available():
+        assert weights() == "w8a16"
+        assert weights("--quantization", "w8a16") == "w8a16"
+    elif loaded_isa() is not None:
+        assert weights() in ("q8_0", "int8-weight-only")
+    monkeypatch.setattr(kvrelay.kernels, "w8a16_available", lambda: False)
+    with pytest.raises(CommandError, match="w8a16 needs AMX-BF16 tiles"):
+        weights("--quantization", "w8a16")

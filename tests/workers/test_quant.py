@@ -83,7 +83,10 @@ def test_fingerprint_differs_from_fp32(make_engine, model_dir, loaded_model):
 
 def test_worker_config_rejects_unknown_quantization():
     env = {"KVRELAY_WORKER_QUANTIZATION": "int4"}
-    message = "unsupported quantization 'int4'; use one of none, int8, fp16, int8-weight-only, q8_0"
+    message = (
+        "unsupported quantization 'int4'; use one of none, int8, fp16, int8-weight-only, q8_0, "
+        "w8a16"
+    )
     with pytest.raises(ConfigError, match=message):
         load_worker_config(environ=env)
     assert load_worker_config(environ={}, quantization="int8").engine.quantization == "int8"

@@ -119,9 +119,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=("auto", *QUANTIZATIONS),
         default="auto",
-        help="worker weights: auto (q8_0 on AMX hosts, int8-weight-only on other x86-64 CPU "
-        "hosts, else the model's), none (model dtype), q8_0, int8-weight-only, fp16 or int8 "
-        "(CPU only; see docs/benchmarks.md)",
+        help="worker weights: auto (w8a16 on AMX hosts, int8-weight-only on other x86-64 CPU "
+        "hosts, else the model's), none (model dtype), w8a16, q8_0, int8-weight-only, fp16 or "
+        "int8 (CPU only; see docs/benchmarks.md)",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -288,6 +288,14 @@ def resolve_quantization(args: argparse.Namespace) -> str:
     """The workers' weights: --quantization, or for `auto` what the host runs fastest."""
     if args.quantization == "auto":
         args.quantization, args.quantization_why = default_weights(resolve_topology(args).gpus)
+    elif args.quantization == Quantization.W8A16:
+        from kvrelay.kernels import loaded_isa, w8a16_available
+
+        if not w8a16_available():
+            raise CommandError(
+                "--quantization w8a16 needs AMX-BF16 tiles (the amx kernel variant); this host "
+                f"runs the {loaded_isa() or 'torch'} kernels: use q8_0 or int8-weight-only"
+            )
     return args.quantization
 
 

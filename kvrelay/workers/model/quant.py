@@ -1,4 +1,12 @@
-"""Smaller weights for CPU fp32 models: `--quantization int8`, `fp16`, `int8-weight-only`, `q8_0`.
+"""Smaller weights for CPU fp32 models: `--quantization int8`, `fp16`, `int8-weight-only`, `q8_0`,
+`w8a16`.
+
+w8a16 (`W8A16Linear`, AMX-BF16 hosts only): int8 weights with one scale per output, each row
+of activations rounded to bf16, sums over all inputs on AMX bf16 tiles
+(`kvrelay.kernels.w8a16_linear`, C++). No per-block scales: the tiles run the whole sum, so
+linears are 1.3-1.8x q8_0's once a few rows form; perplexity between int8-weight-only's and
+q8_0's. Rows are bitwise the same in any batch; AMX's summation is its own (no other
+instruction set gives its bits), so other hosts refuse the scheme.
 
 q8_0 (`Q8Linear`): llama.cpp's Q8_0 x Q8_0 dot: the int8-weight-only weights, and each row of
 activations quantized to int8 with one fp32 scale per 32 inputs as it enters the layer;

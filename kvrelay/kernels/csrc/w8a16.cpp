@@ -6,8 +6,9 @@
 //
 // Without per-block scales the tiles accumulate over all of K: no int32 block sums to widen and
 // scale per 32 k (what bounds q8_linear on AMX), the same tile work per weight as vLLM's bf16
-// GEMMs, with half their weight bytes. The weights are widened to bf16 in a per-thread panel
-// as they are used.
+// GEMMs, with half their weight bytes. The weights are widened to bf16 as they are used (per k
+// tile, or into a per-thread L1 panel of 8 k tiles); x's rows become bf16 A tiles stored one
+// after another.
 //
 // Invariance: a C tile row takes only its own A row, k tiles in order, and the tile operation
 // treats rows independently; the epilogue is per output. So a row's result is bitwise the same
@@ -56,22 +57,29 @@ void tile_config() {
   _tile_loadconfig(&c);
 }
 
-// Rows of x to bf16 [rows][kp], zero padded in k (padding rows were zeroed by the caller).
-void to_bf16_rows(const W8A16Args& a, uint16_t* xb, int64_t kp) {
+// Rows of x to bf16 A tiles: [rows / 16][kp / 32][16 rows][32 k], so that the tiles a unit
+// walks lie one after another in memory (the hardware prefetcher streams them); rows from a.m
+// to `rows` and k from a.k to kp are zero.
+void to_bf16_tiles(const W8A16Args& a, uint16_t* xb, int64_t rows, int64_t kp) {
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, a.k));
-  parallel_for(a.m, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* src = a.x + m * a.x_stride;
-      uint16_t* dst = xb + m * kp;
+      uint16_t* dst = xb + (m / kTileRows) * kTileRows * kp + (m % kTileRows) * kK;
       for (int64_t k = 0; k < kp; k += 16) {
-        const int64_t left = a.k - k;
+        const int64_t left = m < a.m ? a.k - k : 0;
         const __mmask16 mask = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1;
         const __m512 v = _mm512_maskz_loadu_ps(mask, src + k);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k / kK) * kTileElems + k % kK),
                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
       }
     }
   });
+}
+
+// The A tile of rows [m0, m0 + 16) (m0 a multiple of 16) and k tile t; rows 64 bytes apart.
+inline const uint16_t* a_tile(const uint16_t* xb, int64_t kp, int64_t m0, int64_t t) {
+  return xb + m0 * kp + t * kTileElems;
 }
 
 // `tiles` B tiles of int8 weights widened to bf16 (exact: |q| <= 127), in order. The weights
@@ -119,7 +127,7 @@ void small_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t bloc
   for (int64_t t = 0; t < ktiles; ++t) {
     widen(q0 + t * 2 * kTileElems, w, 2);
     if (tiles == 4) widen(q0 + block_bytes + t * 2 * kTileElems, w + 2 * kTileElems, 2);
-    _tile_loadd(4, xb + t * kK, kp * 2);
+    _tile_loadd(4, a_tile(xb, kp, 0, t), 64);
     _tile_loadd(6, w, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_loadd(7, w + kTileElems, 64);
@@ -158,8 +166,8 @@ void pair_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t block
   _tile_zero(3);
   for (int64_t t = 0; t < ktiles; ++t) {
     widen(q + t * 2 * kTileElems, w, 2);
-    _tile_loadd(4, xb + t * kK, kp * 2);
-    _tile_loadd(5, xb + kTileRows * kp + t * kK, kp * 2);
+    _tile_loadd(4, a_tile(xb, kp, 0, t), 64);
+    _tile_loadd(5, a_tile(xb, kp, kTileRows, t), 64);
     _tile_loadd(6, w, 64);
     _tile_loadd(7, w + kTileElems, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -207,16 +215,15 @@ void large_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t bloc
           _tile_loadd(3, c + kTileRows * kCols + 16, kCols * 4);
         }
       }
-      const uint16_t* x0 = xb + m0 * kp + kb * kK;
       for (int64_t t = 0; t < kn; ++t) {
         const uint16_t* w = panel + t * 2 * kTileElems;
-        _tile_loadd(4, x0 + t * kK, kp * 2);
+        _tile_loadd(4, a_tile(xb, kp, m0, kb + t), 64);
         _tile_loadd(6, w, 64);
         _tile_loadd(7, w + kTileElems, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
-          _tile_loadd(5, x0 + kTileRows * kp + t * kK, kp * 2);
+          _tile_loadd(5, a_tile(xb, kp, m0 + kTileRows, kb + t), 64);
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }
@@ -249,10 +256,10 @@ void w8a16_linear(const W8A16Args& a) {
   const int64_t kp = (a.k + kK - 1) / kK * kK;
   const int64_t blocks = (a.n + kCols - 1) / kCols;
   // Whole 16-row tiles (32 for row pairs): padding rows are zero and never written back.
+  // (x's rows of k are A tiles here: `to_bf16_tiles`.)
   const int64_t rows = (a.m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
   uint16_t* xb = scratch(t_xb, rows * kp);
-  std::fill(xb + a.m * kp, xb + rows * kp, uint16_t{0});
-  to_bf16_rows(a, xb, kp);
+  to_bf16_tiles(a, xb, rows, kp);
   if (a.m <= kSmallRows) {
     parallel_for((blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
       tile_config();

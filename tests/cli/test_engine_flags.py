@@ -55,3 +55,14 @@ def test_worker_rejects_unknown_quantization_env():
         "kvrelay worker: error: unsupported quantization 'int4'; use one of none, int8, fp16, "
         "int8-weight-only, q8_0, w8a16"
     ]
+
+
+def test_generate_refuses_w8a16_where_its_tiles_do_not_run():
+    """Without AMX-BF16 (here the avx2 kernel variant forced, or no C++ kernels at all) the
+    scheme is a usage error naming what it needs, before any weight is converted."""
+    r = _cli("generate", "hi", "--quantization", "w8a16", env={"KVRELAY_KERNELS_ISA": "avx2"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "kvrelay generate: error: --quantization w8a16 needs the amx kernel variant (a CPU with "
+        "AMX-BF16 and AVX512-BF16)"
+    )

@@ -121,14 +121,16 @@ std::vector<torch::Tensor> quantize(const torch::Tensor& x, double qmax, int64_t
   return {q, scales};
 }
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                          const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
-                          int64_t n) {
+// y = x . W^T for the kernels taking WInt8Args (int8 weights and fp32 scales, each its layout).
+template <void (*Kernel)(const WInt8Args&)>
+torch::Tensor scaled_int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                 const torch::Tensor& scale,
+                                 const c10::optional<torch::Tensor>& bias, int64_t n) {
   auto y = torch::empty({x.size(0), n}, x.options());
   WInt8Args a{x.data_ptr<float>(), x.stride(0), packed.data_ptr<int8_t>(), scale.data_ptr<float>(),
               bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
               y.stride(0), x.size(0), n, x.size(1)};
-  wint8_linear(a);
+  Kernel(a);
   return y;
 }
 
@@ -145,17 +147,6 @@ torch::Tensor q8_linear_op(const torch::Tensor& x, const torch::Tensor& packed,
 
 std::string q8_linear_path(int64_t m) { return q8_path(m); }
 
-torch::Tensor w8a16_linear_op(const torch::Tensor& x, const torch::Tensor& packed,
-                              const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
-                              int64_t n) {
-  auto y = torch::empty({x.size(0), n}, x.options());
-  W8A16Args a{x.data_ptr<float>(), x.stride(0), packed.data_ptr<int8_t>(), scale.data_ptr<float>(),
-              bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
-              y.stride(0), x.size(0), n, x.size(1)};
-  w8a16_linear(a);
-  return y;
-}
-
 }  // namespace
 
 }  // namespace kvr
@@ -170,10 +161,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &kvr::norm, release(), "RMSNorm of each row");
   m.def("add_rms_norm", &kvr::add_norm, release(), "residual += delta, then RMSNorm of each row");
   m.def("silu_mul", &kvr::swiglu, release(), "SiLU(gate) * up of rows [gate | up]");
-  m.def("int8_linear", &kvr::int8_linear, release(), "x . (W * scales)^T (+ bias), W packed int8");
+  m.def("int8_linear", &kvr::scaled_int8_linear<kvr::wint8_linear>, release(),
+        "x . (W * scales)^T (+ bias), W packed int8");
   m.def("q8_linear", &kvr::q8_linear_op, release(), "Q8_0 x Q8_0 linear (int8 x and W, scales)");
   m.def("q8_path", &kvr::q8_linear_path, "q8_linear's code path for m rows");
-  m.def("w8a16_linear", &kvr::w8a16_linear_op, release(),
+  m.def("w8a16_linear", &kvr::scaled_int8_linear<kvr::w8a16_linear>, release(),
         "x (as bf16) . (int8 W * column scales)^T on AMX bf16 tiles");
   m.def("w8a16_available", &kvr::w8a16_available, "Whether w8a16_linear runs here");
   m.def("quantize_rows", &kvr::quantize, release(), "Symmetric int8 per row: (uint8 q, scale)");

@@ -116,20 +116,10 @@ void q8_linear(const Q8Args& args);
 // The code path q8_linear takes for m rows: "amx", "vnni", "avx512bw" or "avx2".
 const char* q8_path(int64_t m);
 
-// y [m, n] = x . (q * scale)^T (+ bias) with x rounded to bf16 and bf16 AMX tiles (w8a16.cpp);
-// q packed as [ceil(n / 32)][kp / 32][2][16][16][2] int8 (kp = k rounded up to 32), scale [n].
-struct W8A16Args {
-  const float* x;
-  int64_t x_stride;
-  const int8_t* packed;
-  const float* scale;
-  const float* bias;  // [n] or nullptr
-  float* y;
-  int64_t y_stride;
-  int64_t m, n, k;
-};
-
-void w8a16_linear(const W8A16Args& args);
+// y [m, n] = x . (q * scale)^T (+ bias) with x rounded to bf16 on AMX bf16 tiles (w8a16.cpp),
+// the arguments of wint8_linear in another layout: q packed as
+// [ceil(n / 32)][kp / 32][2][16][16][2] int8 (kp = k rounded up to 32), one scale per column [n].
+void w8a16_linear(const WInt8Args& args);
 // Whether w8a16_linear runs here (the amx variant, and Linux granted the tiles).
 bool w8a16_available();
 

@@ -60,7 +60,7 @@ void tile_config() {
 // Rows of x to bf16 A tiles: [rows / 16][kp / 32][16 rows][32 k], so that the tiles a unit
 // walks lie one after another in memory (the hardware prefetcher streams them); rows from a.m
 // to `rows` and k from a.k to kp are zero.
-void to_bf16_tiles(const W8A16Args& a, uint16_t* xb, int64_t rows, int64_t kp) {
+void to_bf16_tiles(const WInt8Args& a, uint16_t* xb, int64_t rows, int64_t kp) {
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, a.k));
   parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -97,7 +97,7 @@ inline void widen(const int8_t* q, uint16_t* out, int64_t tiles) {
 }
 
 // y rows [m0, m0 + rows) x 16 columns from c0 of the sums in `acc` (row stride `ld` floats).
-void store_tile(const W8A16Args& a, const float* acc, int64_t ld, int64_t m0, int rows,
+void store_tile(const WInt8Args& a, const float* acc, int64_t ld, int64_t m0, int rows,
                 int64_t c0) {
   if (c0 >= a.n) return;
   const int64_t left = a.n - c0;
@@ -111,19 +111,32 @@ void store_tile(const W8A16Args& a, const float* acc, int64_t ld, int64_t m0, in
   }
 }
 
+// Accumulator tiles 0-3 from zero.
+inline void zero_acc() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// Accumulator tiles 0-3 to acc [4][16 rows][16 columns].
+inline void store_acc(float* acc) {
+  _tile_stored(0, acc, 64);
+  _tile_stored(1, acc + 256, 64);
+  _tile_stored(2, acc + 512, 64);
+  _tile_stored(3, acc + 768, 64);
+}
+
 // Up to 16 rows: per k tile one A tile against the four B tiles of blocks b and b + 1 (four
 // independent accumulators), widened as they are used.
-void small_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t block,
+void small_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t block,
                 int64_t blocks) {
   const int64_t ktiles = kp / kK, tiles = block + 1 < blocks ? 4 : 2;
   const int64_t block_bytes = ktiles * 2 * kTileElems;
   const int8_t* q0 = a.packed + block * block_bytes;
   alignas(64) uint16_t w[4 * kTileElems];
-  alignas(64) float acc[kTileRows * 16];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  alignas(64) float acc[4 * kTileRows * 16];
+  zero_acc();
   for (int64_t t = 0; t < ktiles; ++t) {
     widen(q0 + t * 2 * kTileElems, w, 2);
     if (tiles == 4) widen(q0 + block_bytes + t * 2 * kTileElems, w + 2 * kTileElems, 2);
@@ -141,29 +154,18 @@ void small_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t bloc
   }
   const int rows = static_cast<int>(a.m);
   const int64_t c0 = block * kCols;
-  _tile_stored(0, acc, 64);
-  store_tile(a, acc, 16, 0, rows, c0);
-  _tile_stored(1, acc, 64);
-  store_tile(a, acc, 16, 0, rows, c0 + 16);
-  if (tiles == 4) {
-    _tile_stored(2, acc, 64);
-    store_tile(a, acc, 16, 0, rows, c0 + 32);
-    _tile_stored(3, acc, 64);
-    store_tile(a, acc, 16, 0, rows, c0 + 48);
-  }
+  store_acc(acc);
+  for (int j = 0; j < tiles; ++j) store_tile(a, acc + 256 * j, 16, 0, rows, c0 + 16 * j);
 }
 
 // 17 to 32 rows: per k tile two A tiles against the block's two B tiles, widened as they are
 // used (the sums stay in tiles for all of K).
-void pair_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t block) {
+void pair_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t block) {
   const int64_t ktiles = kp / kK;
   const int8_t* q = a.packed + block * ktiles * 2 * kTileElems;
   alignas(64) uint16_t w[2 * kTileElems];
-  alignas(64) float acc[kTileRows * 16];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  alignas(64) float acc[4 * kTileRows * 16];
+  zero_acc();
   for (int64_t t = 0; t < ktiles; ++t) {
     widen(q + t * 2 * kTileElems, w, 2);
     _tile_loadd(4, a_tile(xb, kp, 0, t), 64);
@@ -177,19 +179,16 @@ void pair_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t block
   }
   const int64_t c0 = block * kCols;
   const int rows1 = static_cast<int>(a.m - kTileRows);
-  _tile_stored(0, acc, 64);
+  store_acc(acc);
   store_tile(a, acc, 16, 0, kTileRows, c0);
-  _tile_stored(1, acc, 64);
-  store_tile(a, acc, 16, 0, kTileRows, c0 + 16);
-  _tile_stored(2, acc, 64);
-  store_tile(a, acc, 16, kTileRows, rows1, c0);
-  _tile_stored(3, acc, 64);
-  store_tile(a, acc, 16, kTileRows, rows1, c0 + 16);
+  store_tile(a, acc + 256, 16, 0, kTileRows, c0 + 16);
+  store_tile(a, acc + 512, 16, kTileRows, rows1, c0);
+  store_tile(a, acc + 768, 16, kTileRows, rows1, c0 + 16);
 }
 
 // Rows [r0, r1) of a chunk x one block: per k block the block's B tiles are widened into an
 // L1 panel and every row pair takes them; sums carry across k blocks in `acc` [rows][32].
-void large_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t block, int64_t r0,
+void large_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t block, int64_t r0,
                 int64_t r1, uint16_t* panel, float* acc) {
   const int64_t ktiles = kp / kK;
   const int8_t* q = a.packed + block * ktiles * 2 * kTileElems;
@@ -203,10 +202,7 @@ void large_rows(const W8A16Args& a, const uint16_t* xb, int64_t kp, int64_t bloc
       float* c = acc + (m0 - r0) * kCols;
       const bool two = m0 + kTileRows < r1;
       if (kb == 0) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_acc();
       } else {
         _tile_loadd(0, c, kCols * 4);
         _tile_loadd(1, c + 16, kCols * 4);
@@ -251,7 +247,7 @@ thread_local std::vector<float> t_acc;
 
 bool w8a16_available() { return amx_permitted(); }
 
-void w8a16_linear(const W8A16Args& a) {
+void w8a16_linear(const WInt8Args& a) {
   if (a.m == 0 || a.n == 0) return;
   const int64_t kp = (a.k + kK - 1) / kK * kK;
   const int64_t blocks = (a.n + kCols - 1) / kCols;
@@ -296,7 +292,7 @@ void w8a16_linear(const W8A16Args& a) {
 
 bool w8a16_available() { return false; }
 
-void w8a16_linear(const W8A16Args&) {
+void w8a16_linear(const WInt8Args&) {
   throw std::runtime_error("w8a16_linear needs the amx kernel variant (AMX-BF16, AVX512-BF16)");
 }
 

@@ -343,6 +343,11 @@ def load_model(
             f"--quantization {quantization} runs on CPU with float32 only "
             f"(got {torch_device.type}, {str(torch_dtype).removeprefix('torch.')})"
         )
+    if quantization != Quantization.NONE:
+        from kvrelay.workers.model.quant import NEEDS, can_quantize
+
+        if not can_quantize(torch.zeros(1, 1), quantization):
+            raise ModelLoadError(f"--quantization {quantization} needs {NEEDS[quantization]}")
     config = ModelConfig.from_hf(read_config(directory))
     with torch.inference_mode():
         model = LlamaForCausalLM(config, torch_dtype, torch_device)

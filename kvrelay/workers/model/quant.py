@@ -58,6 +58,16 @@ ACT_ZERO_POINT = 128
 WEIGHT_ONLY = Quantization.INT8_WEIGHT_ONLY
 
 
+# What each method needs beyond CPU float32 weights (its error message where it cannot run).
+NEEDS = {
+    Quantization.INT8: "a torch with oneDNN's int8 linear (qlinear_prepack)",
+    Quantization.FP16: "a torch built with fbgemm",
+    WEIGHT_ONLY: "the C++ CPU kernels (x86-64 with AVX2)",
+    Quantization.Q8_0: "the C++ CPU kernels (x86-64 with AVX2)",
+    Quantization.W8A16: "the amx kernel variant (a CPU with AMX-BF16 and AVX512-BF16)",
+}
+
+
 def can_quantize(weight: torch.Tensor, method: str = Quantization.INT8) -> bool:
     """True where `method`'s path runs: CPU fp32 with oneDNN's int8 / fbgemm's fp16 linear."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -155,13 +165,12 @@ class Int8WeightLinear:
     # Each row is computed alone whatever the row count, so the model need not pad batches.
     any_row_count = True
     method: str = WEIGHT_ONLY
-    needs = "the C++ CPU kernels (x86-64 with AVX2)"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         if not can_quantize(weight, self.method):
             raise ValueError(
                 f"{self.method} needs CPU float32 weights (got {weight.dtype} on "
-                f"{weight.device.type}) and {self.needs}"
+                f"{weight.device.type}) and {NEEDS[Quantization(self.method)]}"
             )
         self.weight = self.pack(*self.quantize(weight))
         self.out_features, self.in_features = self.weight.out_features, self.weight.in_features
@@ -200,7 +209,6 @@ class W8A16Linear(Int8WeightLinear):
 
     __slots__ = ()
     method = Quantization.W8A16
-    needs = "the amx kernel variant (a CPU with AMX-BF16 and AVX512-BF16)"
 
     @staticmethod
     def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,10 +3,9 @@
 only when a CUDA tensor or impl="triton" is used), and the decoder's row-wise ops (RMSNorm with
 the residual add, SiLU * up, int8 row quantization: C++ on CPU fp32, Triton for RMSNorm on
 CUDA, torch elsewhere), the dense linear layer (a row-invariant Triton GEMM on CUDA, F.linear
-elsewhere), the int8-weight linear layer, the Q8_0 x Q8_0 linear layer and the int8-weight x bf16
-linear on AMX tiles (C++ only). The C++
-kernels come in ISA variants (avx2, avx512, amx), chosen at load time: `loaded_isa()` says
-which one runs."""
+elsewhere), the int8-weight linear layer, the Q8_0 x Q8_0 linear layer and the int8-weight x
+bf16 linear on AMX tiles (C++ only). The C++ kernels come in ISA variants (avx2, avx512, amx),
+chosen at load time: `loaded_isa()` says which one runs."""
 
 from kvrelay.kernels.cpu_build import loaded_isa
 from kvrelay.kernels.errors import KernelError

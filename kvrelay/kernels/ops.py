@@ -417,12 +417,14 @@ class W8A16Weight:
     in_features: int
 
 
-def quantize_channel_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 q [N, K], fp32 scales [N]): symmetric, one scale per output (its largest |w| / 127),
-    q = round(w / scale) in [-127, 127]."""
+def quantize_channel_weight(
+    weight: torch.Tensor, qmax: int = 127
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 q [N, K], fp32 scales [N]): symmetric, one scale per output (its largest
+    |w| / qmax), q = round(w / scale) in [-qmax, qmax]."""
     w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127
-    return torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
+    scales = w.abs().amax(dim=1).clamp_min(1e-12) / qmax
+    return torch.round(w / scales[:, None]).clamp_(-qmax, qmax).to(torch.int8), scales
 
 
 def pack_w8a16_weight(q: torch.Tensor, scales: torch.Tensor) -> W8A16Weight:

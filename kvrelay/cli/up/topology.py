@@ -121,13 +121,14 @@ def default_weights(
         from kvrelay.kernels import loaded_isa
 
         kernel_isa = loaded_isa()
-    if int8_kernel and kernel_isa == "amx" and bf16_tiles is None:
-        from kvrelay.kernels import w8a16_available
-
-        bf16_tiles = w8a16_available()
-    if int8_kernel and kernel_isa == "amx" and not bf16_tiles:
-        return Quantization.Q8_0, "AMX host without the OS's tiles: int8 weights and activations"
     if int8_kernel and kernel_isa == "amx":
+        if bf16_tiles is None:
+            from kvrelay.kernels import w8a16_available
+
+            bf16_tiles = w8a16_available()
+        if not bf16_tiles:
+            why = "AMX host without the OS's tiles: int8 weights and activations"
+            return Quantization.Q8_0, why
         return (
             Quantization.W8A16,
             "AMX host: int8 weights (a scale per output), bf16 activations, AMX bf16 tiles",

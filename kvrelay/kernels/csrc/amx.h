@@ -1,5 +1,6 @@
 // AMX tile state shared by the kernels that use tiles (q8.cpp's int8 tiles, attention.cpp's
-// bf16 tiles): the palette-1 configuration record and Linux's per-process permission.
+// and w8a16.cpp's bf16 tiles): the palette-1 configuration record, Linux's per-process
+// permission, and the all-16x64 configuration of the bf16 kernels with their thread split.
 #pragma once
 #if defined(__AMX_TILE__)
 #include <immintrin.h>
@@ -7,6 +8,8 @@
 #include <unistd.h>
 
 #include <cstdint>
+
+#include "parallel.h"
 
 namespace kvr {
 
@@ -27,6 +30,27 @@ inline bool amx_permitted() {
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return ok;
+}
+
+// Palette 1 with every tile 16 rows x 64 bytes, on the calling thread.
+inline void load_full_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// body(begin, end) over [0, n) split across torch's threads (grain 1), each thread with
+// load_full_tiles() for its share and its tiles released after.
+template <class Body>
+void parallel_on_full_tiles(int64_t n, const Body& body) {
+  parallel_for(n, 1, [&](int64_t begin, int64_t end) {
+    load_full_tiles();
+    body(begin, end);
+    _tile_release();
+  });
 }
 
 }  // namespace kvr

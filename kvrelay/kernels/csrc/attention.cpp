@@ -566,16 +566,9 @@ constexpr int kKeyBlock = 64;  // keys per online-softmax update
 constexpr int kLanes = 16;     // query rows per tile (16 fp32 lanes)
 constexpr int kTileKeys = 16;  // keys per score tile, and the page size unit
 
-// Tiles: 0 = scores C / P rows A, 1 = K A / V pairs B, 2..3 = q^T B (resident for head_dim <= 64,
-// else reloaded in 2), 4..7 = P.V C (16 dims each). All 16 rows x 64 bytes.
-inline void bf16_tile_config() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.rows[t] = 16;
-    c.colsb[t] = 64;
-  }
-  _tile_loadconfig(&c);
-}
+// Tiles (load_full_tiles: all 16 rows x 64 bytes): 0 = scores C / P rows A, 1 = K A / V pairs
+// B, 2..3 = q^T B (resident for head_dim <= 64, else reloaded in 2), 4..7 = P.V C (16 dims
+// each).
 
 // 16 x 16 dwords transposed in registers: r[i][j] -> r[j][i].
 inline void transpose16(__m512i r[16]) {
@@ -899,12 +892,10 @@ template <int D>
 void run_bf16(const Args<bf16>& a, int num_items, int num_tokens, int num_threads, float* out) {
   const UnitPlan plan = plan_units(a, num_items, num_threads);
   std::atomic<int> next{0};
-  parallel_for(plan.threads, 1, [&](int64_t, int64_t) {
-    bf16_tile_config();
+  parallel_on_full_tiles(plan.threads, [&](int64_t, int64_t) {
     claim_units(next, plan, a.kv_heads, [&](Unit un, const Unit* then, bool) {
       run_item_bf16<D>(a, un, then);
     });
-    _tile_release();
   });
   merge_rows<D / 8>(a, num_tokens, out);
 }

@@ -46,16 +46,9 @@ T* scratch(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
-// Every tile 16 rows x 64 bytes. Large rows: 0-3 C (rows r0/r1 x columns c0/c1), 4-5 A, 6-7 B.
-// Small rows: 0-3 C (four 16-column tiles of two blocks), 4 A, 6-7 B alternately.
-void tile_config() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.rows[t] = kTileRows;
-    c.colsb[t] = 64;
-  }
-  _tile_loadconfig(&c);
-}
+// Tiles (load_full_tiles: every one 16 rows x 64 bytes). Large rows: 0-3 C (rows r0/r1 x
+// columns c0/c1), 4-5 A, 6-7 B. Small rows: 0-3 C (four 16-column tiles of two blocks), 4 A,
+// 6-7 B alternately.
 
 // Rows of x to bf16 A tiles: [rows / 16][kp / 32][16 rows][32 k], so that the tiles a unit
 // walks lie one after another in memory (the hardware prefetcher streams them); rows from a.m
@@ -194,7 +187,7 @@ void large_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t bloc
   const int8_t* q = a.packed + block * ktiles * 2 * kTileElems;
   // A tile store and the load of the same sums right after it stall: with few row pairs the
   // panel holds all of K (L2) and the sums never leave their tiles.
-  const int64_t kblock = r1 - r0 > 2 * kCols ? kKBlock : ktiles;
+  const int64_t kblock = r1 - r0 > 4 * kTileRows ? kKBlock : ktiles;
   for (int64_t kb = 0; kb < ktiles; kb += kblock) {
     const int64_t kn = std::min<int64_t>(kblock, ktiles - kb);
     widen(q + kb * 2 * kTileElems, panel, 2 * kn);
@@ -251,32 +244,28 @@ void w8a16_linear(const WInt8Args& a) {
   if (a.m == 0 || a.n == 0) return;
   const int64_t kp = (a.k + kK - 1) / kK * kK;
   const int64_t blocks = (a.n + kCols - 1) / kCols;
-  // Whole 16-row tiles (32 for row pairs): padding rows are zero and never written back.
-  // (x's rows of k are A tiles here: `to_bf16_tiles`.)
-  const int64_t rows = (a.m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  // x as A tiles (`to_bf16_tiles`), whole 16-row tiles, 32-row pairs past kSmallRows: padding
+  // rows are zero and never written back.
+  const int64_t pad = a.m <= kSmallRows ? kTileRows : 2 * kTileRows;
+  const int64_t rows = (a.m + pad - 1) / pad * pad;
   uint16_t* xb = scratch(t_xb, rows * kp);
   to_bf16_tiles(a, xb, rows, kp);
   if (a.m <= kSmallRows) {
-    parallel_for((blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      tile_config();
+    parallel_on_full_tiles((blocks + 1) / 2, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) small_rows(a, xb, kp, 2 * u, blocks);
-      _tile_release();
     });
     return;
   }
   if (a.m <= 2 * kTileRows) {
-    parallel_for(blocks, 1, [&](int64_t begin, int64_t end) {
-      tile_config();
+    parallel_on_full_tiles(blocks, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) pair_rows(a, xb, kp, b);
-      _tile_release();
     });
     return;
   }
   // Units: (chunk of rows, block), chunk-major so a thread's x rows stay in its L2 while it
   // walks the blocks.
   const int64_t chunks = (a.m + kChunkRows - 1) / kChunkRows;
-  parallel_for(chunks * blocks, 1, [&](int64_t begin, int64_t end) {
-    tile_config();
+  parallel_on_full_tiles(chunks * blocks, [&](int64_t begin, int64_t end) {
     uint16_t* panel = scratch(t_panel, 2 * std::max<int64_t>(kKBlock, kp / kK) * kTileElems);
     float* acc = scratch(t_acc, kChunkRows * kCols);
     for (int64_t u = begin; u < end; ++u) {
@@ -284,7 +273,6 @@ void w8a16_linear(const WInt8Args& a) {
       large_rows(a, xb, kp, block, chunk * kChunkRows,
                  std::min(a.m, (chunk + 1) * kChunkRows), panel, acc);
     }
-    _tile_release();
   });
 }
 

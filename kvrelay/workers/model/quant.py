@@ -84,11 +84,9 @@ def can_quantize(weight: torch.Tensor, method: str = Quantization.INT8) -> bool:
 def quantize_weight(
     weight: torch.Tensor, qmax: int = WEIGHT_MAX
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight [out, in], fp32 scale [out]): symmetric, one scale per output channel."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / qmax
-    q = torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
-    return q, scale
+    """(int8 weight [out, in], fp32 scale [out]): symmetric, one scale per output channel
+    (7-bit by default: see WEIGHT_MAX)."""
+    return kernels.quantize_channel_weight(weight, qmax)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,12 +18,38 @@ def emitted_chunks(r: redis.Redis, keys: Keys, request_id: str) -> list[TokenChu
     return Streams(r, keys.of(request_id), "reader").history(request_id)
 
 
-def feed_chunks(fields: dict[bytes, bytes]) -> dict[str, TokenChunk]:
-    """A feed entry's chunks by request id (its one field `m`: framed id, framed chunk, ...)."""
-    frames = unframe(fields[MESSAGE_FIELD])
+def feed_chunks(message: bytes) -> dict[str, TokenChunk]:
+    """A feed message's chunks by request id (framed id, framed chunk, ...)."""
+    frames = unframe(message)
     return {
         k.decode(): TokenChunk.decode(v) for k, v in zip(frames[::2], frames[1::2], strict=True)
     }
+
+
+class FeedListener:
+    """A subscriber to output feed channels, as an `OutputFeed` is (sync, for tests): what
+    workers publish while it listens, in order."""
+
+    def __init__(self, r: redis.Redis, *channels: str):
+        self.pubsub = r.pubsub()
+        self.pubsub.ssubscribe(*channels)
+        confirmed = 0
+        deadline = time.monotonic() + 10
+        while confirmed < len(channels):
+            assert time.monotonic() < deadline, "no subscription confirmation"
+            message = self.pubsub.get_message(timeout=1)
+            confirmed += bool(message and message["type"] == "ssubscribe")
+
+    def messages(self, wait_s: float = 0.2) -> list[bytes]:
+        """Every message received so far (waiting up to `wait_s` for each next one)."""
+        out = []
+        while (message := self.pubsub.get_message(timeout=wait_s)) is not None:
+            if message["type"] == "smessage":
+                out.append(message["data"])
+        return out
+
+    def close(self) -> None:
+        self.pubsub.close()
 
 
 def progress(r: redis.Redis, keys: Keys, request_id: str) -> Progress | None:

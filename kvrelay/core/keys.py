@@ -147,8 +147,9 @@ class Keys:
         return self._p + f"tail:{consumer}"
 
     def feed(self, reader_id: str) -> str:
-        """Stream: the live chunks of every request one output reader (an ingress process or
-        a producer client) follows, one entry per worker step (`progress.feed_item` per request)."""
+        """Shard channel (SPUBLISH, not a key): the live chunks of every request one output
+        reader (an ingress process or a producer client) follows, one message per worker step
+        (`progress.feed_item` per request)."""
         return self._p + f"feed:{reader_id}"
 
     def response(self, response_id: str) -> str:

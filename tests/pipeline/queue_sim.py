@@ -51,7 +51,15 @@ def _step(
     return progress, run
 
 
-def _writes(pipe: Any, keys: Keys, rid: str, chunk: TokenChunk, p: Progress, run: bytes) -> None:
+def _writes(
+    pipe: Any,
+    keys: Keys,
+    rid: str,
+    chunk: TokenChunk,
+    p: Progress,
+    run: bytes,
+    publish: bool = True,
+) -> None:
     if run:  # (the step fields of its tail stay: a walk starts at the progress's `hist`)
         pipe.xadd(keys.out(rid), {MESSAGE_FIELD: run})
     else:
@@ -61,8 +69,8 @@ def _writes(pipe: Any, keys: Keys, rid: str, chunk: TokenChunk, p: Progress, run
         pipe.hdel(keys.progress, rid)
     else:
         pipe.hset(keys.progress, rid, p.encode())
-    for feed in p.feeds:
-        pipe.xadd(keys.feed(feed), {MESSAGE_FIELD: feed_item(rid, chunk.encode())}, nomkstream=True)
+    for feed in p.feeds if publish else ():
+        pipe.spublish(keys.feed(feed), feed_item(rid, chunk.encode()))
 
 
 def emit(
@@ -73,11 +81,12 @@ def emit(
     flush: bool = False,
     progress: Progress | None = None,
     end_status: bool = True,
+    publish: bool = True,
 ) -> None:
     """One worker step of one request: the chunk appended to the tail (flushed to out:{id}
-    when asked and with the final chunk), then one entry in each feed following it; the final
-    chunk ends the request (record fields, progress deleted). `r` may be a pipeline, given
-    the request's `progress`."""
+    when asked and with the final chunk), then one message on each feed following it (not
+    with `publish=False`: a message no reader got); the final chunk ends the request (record
+    fields, progress deleted). `r` may be a pipeline, given the request's `progress`."""
     progress = progress or Progress.parse(r.hget(keys.progress, request_id))
     progress, run = _step(keys, request_id, progress, chunk, flush)
     if chunk.finished and end_status:
@@ -85,7 +94,7 @@ def emit(
             keys.request(request_id),
             mapping={rec.STATUS: RequestStatus.FINISHED, rec.FINISH_REASON: chunk.finish_reason},
         )
-    _writes(r, keys, request_id, chunk, progress, run)
+    _writes(r, keys, request_id, chunk, progress, run, publish)
 
 
 async def emit_async(r: Any, keys: Keys, request_id: str, chunk: TokenChunk) -> None:
@@ -98,7 +107,7 @@ async def emit_async(r: Any, keys: Keys, request_id: str, chunk: TokenChunk) -> 
 
 
 def step(r: redis.Redis, keys: Keys, chunks: dict[str, TokenChunk]) -> None:
-    """One worker step of several requests: one feed entry per feed for all of them."""
+    """One worker step of several requests: one feed message per feed for all of them."""
     by_feed: dict[str, list[bytes]] = {}
     tail: list[tuple[str, bytes]] = []
     for request_id, chunk in chunks.items():
@@ -110,7 +119,7 @@ def step(r: redis.Redis, keys: Keys, chunks: dict[str, TokenChunk]) -> None:
             by_feed.setdefault(feed, []).append(feed_item(request_id, chunk.encode()))
     r.hset(keys.tail(CONSUMER), _next_step(keys), tail_entry(tail))
     for feed, items in by_feed.items():
-        r.xadd(keys.feed(feed), {MESSAGE_FIELD: b"".join(items)}, nomkstream=True)
+        r.spublish(keys.feed(feed), b"".join(items))
 
 
 async def cancel_flags(r: Any, keys: Keys, ids: list[str]) -> list[bool | None]:

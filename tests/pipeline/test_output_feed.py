@@ -1,6 +1,7 @@
-"""OutputFeed: one blocking reader per process dispatching each request's chunks from the feed,
-history read on attach, gaps refilled, made-up finals, deadlines and a lost feed (workers are
-simulated by tests/pipeline/queue_sim.py, writing prog/out/feed as the design says)."""
+"""OutputFeed: one reader per process dispatching each request's chunks from its feed channel,
+history read on attach, gaps refilled, made-up finals, deadlines and a lost subscription
+(workers are simulated by tests/pipeline/queue_sim.py, writing prog/out/tails and publishing
+feed messages as the design says)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from kvrelay.pipeline.queue.output import OutputExpired, OutputTimeout, RequestN
 from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.queue.redis_options import async_redis
 from tests.pipeline.queue_sim import emit, step, submit
-from tests.queue_state import ValkeyClock, expires_at
 
 KEYS = Keys("of:")
 
@@ -71,7 +71,10 @@ def _run(url: str, scenario, **options) -> None:
 def test_one_feed_entry_reaches_several_requests_and_two_subscribers_of_one(r, valkey_session):
     got: dict[str, list[TokenChunk]] = {"a": [], "b": [], "b2": []}
 
+    feed_id: list[str] = []
+
     async def scenario(feed: OutputFeed) -> None:
+        feed_id.append(feed.reader_id)
         sub_a, sub_b, sub_b2 = [await feed.subscribe(rid) for rid in ("a", "b", "b")]
         submit(r, KEYS, "a", feed.reader_id)
         submit(r, KEYS, "b", feed.reader_id)
@@ -89,7 +92,7 @@ def test_one_feed_entry_reaches_several_requests_and_two_subscribers_of_one(r, v
     assert _view(got["a"]) == [(0, [1], "x", None), (1, [2], "w", "stop")]
     assert _view(got["b"]) == [(0, [7, 8], "yz", None), (2, [9], "v", "length")]
     assert _view(got["b2"]) == _view(got["b"])
-    assert r.xlen(KEYS.feed("x")) == 0  # nothing else was written
+    assert r.exists(KEYS.feed(feed_id[0])) == 0  # a channel: nothing is stored
 
 
 def test_attach_reads_history_and_tail_then_live_without_loss_or_repeat(r, valkey_session):
@@ -132,17 +135,12 @@ def test_attach_keeps_the_newest_feeds(r, valkey_session):
     assert progress.feeds[:3] == ["f2", "f3", "f4"] and len(progress.feeds) == 4
 
 
-def test_a_chunk_trimmed_from_the_feed_is_refilled_from_the_history(r, valkey_session):
+def test_a_chunk_whose_message_was_lost_is_refilled_from_the_history(r, valkey_session):
     got: list[TokenChunk] = []
 
     async def scenario(feed: OutputFeed) -> None:
         reader = await _first_chunk_read(r, feed, "g", got)
-        # chunk 1's feed entry is trimmed before the reader sees it
-        with r.pipeline(transaction=True) as pipe:
-            progress = Progress.parse(r.hget(KEYS.progress, "g"))
-            emit(pipe, KEYS, "g", _c(1, [2], "b"), progress=progress)
-            pipe.xtrim(KEYS.feed(feed.reader_id), maxlen=0)
-            pipe.execute()
+        emit(r, KEYS, "g", _c(1, [2], "b"), publish=False)  # its message reached no one
         emit(r, KEYS, "g", _c(2, [3], "c", FinishReason.STOP))
         await asyncio.wait_for(reader, 10)
 
@@ -214,33 +212,36 @@ def test_unknown_and_expired_requests(r, valkey_session):
     _run(valkey_session.url, scenario)
 
 
-def test_a_vanished_feed_is_recreated_and_its_requests_attached_again(r, valkey_session):
+def test_a_dropped_subscription_is_made_again_and_its_requests_attached_again(r, valkey_session):
+    """The server drops the reader's connection (CLIENT KILL): what is published before it
+    subscribes again reaches no one, so every subscription reads its history again."""
     got: list[TokenChunk] = []
 
     async def scenario(feed: OutputFeed) -> None:
         reader = await _first_chunk_read(r, feed, "v", got)
-        clock.start()  # the feed is made again (and renewed) from now on
-        r.delete(KEYS.feed(feed.reader_id))
-        emit(r, KEYS, "v", _c(1, [2], "b"))  # NOMKSTREAM: lost with the feed
-        await _until(lambda: r.exists(KEYS.feed(feed.reader_id)) == 1)
+        assert r.client_kill_filter(_type="pubsub") == 1
+        emit(r, KEYS, "v", _c(1, [2], "b"))  # published to no one
         await _until(lambda: len(got) == 2)
+        await _until(lambda: _subscribers(r, feed) == 1)
         emit(r, KEYS, "v", _c(2, [3], "c", FinishReason.STOP))
         await asyncio.wait_for(reader, 10)
-        at = expires_at(r, KEYS.feed(feed.reader_id))  # the last renewal's, then the clock
-        clock.stop()
-        assert at in clock.window(60)
 
-    clock = ValkeyClock(r)
-    _run(valkey_session.url, scenario, renew_s=0.2)
+    _run(valkey_session.url, scenario)
     assert _view(got) == [(0, [1], "a", None), (1, [2], "b", None), (2, [3], "c", "stop")]
 
 
-def test_stop_deletes_the_feed(r, valkey_session):
+def _subscribers(r, feed: OutputFeed) -> int:
+    [(_, count)] = r.pubsub_shardnumsub(feed.channel)
+    return count
+
+
+def test_start_subscribes_and_stop_drops_the_subscription(r, valkey_session):
     async def scenario(feed: OutputFeed) -> None:
         await feed.start()
-        assert r.exists(KEYS.feed(feed.reader_id)) == 1
+        assert _subscribers(r, feed) == 1  # confirmed before start returns
         await feed.stop()
-        assert r.exists(KEYS.feed(feed.reader_id)) == 0
+        await _until(lambda: _subscribers(r, feed) == 0)
+        assert r.exists(feed.channel) == 0  # a channel, never a key
 
     _run(valkey_session.url, scenario)
 

@@ -8,7 +8,7 @@ from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk, decode_ch
 from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.progress import Progress, new_progress, tail_entry
 from kvrelay.pipeline.queue.streams import StepStatus, StepWrite, Streams, WriteMode
-from tests.queue_state import ValkeyClock, expires_at, feed_chunks
+from tests.queue_state import FeedListener, ValkeyClock, expires_at, feed_chunks
 
 KEYS = Keys("t:")
 P, D = KEYS.prefill_stream, KEYS.decode_stream
@@ -126,12 +126,12 @@ def test_step_keeps_a_tail_and_the_end_flushes_acks_and_expires(r):
     assert req[b"status"] == b"finished" and req[b"completion_tokens"] == b"3"
     assert req[b"emitted"] == b"3"
     assert a.emitted_tokens("r1") == ([5, 6, 7], 3, True)
-    assert r.exists(KEYS.feed("f1")) == 0  # XADD NOMKSTREAM: a gone reader costs nothing
+    assert r.exists(KEYS.feed("f1")) == 0  # a channel (SPUBLISH): nothing is stored
 
 
 def test_feeds_get_one_entry_per_step_for_all_requests(r):
     a = make(r, "a")
-    r.xadd(KEYS.feed("f1"), {"hello": ""})  # the reader created its feed
+    listener = FeedListener(r, KEYS.feed("f1"))  # the reader subscribed to its feed
     eids = [add_task(r, f"q{i}", feed="f1") for i in range(3)]
     take(a, 3)
     step(a)  # (loads the script: a first EVALSHA would get NOSCRIPT, then SCRIPT LOAD)
@@ -139,15 +139,14 @@ def test_feeds_get_one_entry_per_step_for_all_requests(r):
     res = step(a, *[StepWrite(e, f"q{i}", TokenChunk(0, [i, i])) for i, e in enumerate(eids)])
     assert res.status == StepStatus.OK
     # no per-sequence commands: the script, one SET of the fence, one HSET of the step's tail
-    # field and one XADD (steps 1, 65, 129... also give the tail hash a day to live); the
+    # field and one SPUBLISH (steps 1, 65, 129... also give the tail hash a day to live); the
     # control list is read only when items wait
     calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
-    assert calls == {"evalsha": 1, "set": 1, "hset": 1, "xadd": 1, "config|resetstat": 1}
+    assert calls == {"evalsha": 1, "set": 1, "hset": 1, "spublish": 1, "config|resetstat": 1}
     [blob] = r.hvals(KEYS.tail("a"))
     assert blob == entries_blob(eids)
-    entries = r.xrange(KEYS.feed("f1"))[1:]
-    assert len(entries) == 1
-    assert {rid: c.token_ids for rid, c in feed_chunks(entries[0][1]).items()} == {
+    [message] = listener.messages()
+    assert {rid: c.token_ids for rid, c in feed_chunks(message).items()} == {
         "q0": [0, 0],
         "q1": [1, 1],
         "q2": [2, 2],
@@ -175,7 +174,7 @@ def test_flush_moves_the_tail_to_out(r):
 
 def test_a_fenced_consumers_step_is_refused_wholesale_and_the_claimant_resumes(r):
     a, b = make(r, "a"), make(r, "b")
-    r.xadd(KEYS.feed("f1"), {"hello": ""})
+    listener = FeedListener(r, KEYS.feed("f1"))
     eid = add_task(r, feed="f1")
     eid2 = add_task(r, "r2")
     take(a, 2)
@@ -193,7 +192,7 @@ def test_a_fenced_consumers_step_is_refused_wholesale_and_the_claimant_resumes(r
     assert (found.emitted, found.cancelled, found.feeds) == (1, False, ["f1"])
     assert [c.token_ids for c in out_chunks(r, "r1")] == [[9]]
     assert b.emitted_tokens("r1") == ([9], 0, False)
-    feed_len = r.xlen(KEYS.feed("f1"))
+    assert len(listener.messages()) == 1  # a's first step
     # the stale owner can no longer emit, hand off (not even a request not claimed yet) or
     # dead-letter; it beats no more either, so its other entries go at the next scan
     task = DecodeTask(request_id="r1", prompt_token_ids=[1], sampling={}).encode()
@@ -202,7 +201,7 @@ def test_a_fenced_consumers_step_is_refused_wholesale_and_the_claimant_resumes(r
     assert (stale.status, stale.cancelled, stale.feeds) == (StepStatus.FENCED, set(), {})
     assert step(a).status == StepStatus.FENCED
     assert a.dead_letter(P, PREFILL_GROUP, eid, b"x", "bad") is None
-    assert r.xlen(D) == 0 and r.xlen(KEYS.dlq) == 0 and r.xlen(KEYS.feed("f1")) == feed_len
+    assert r.xlen(D) == 0 and r.xlen(KEYS.dlq) == 0 and listener.messages() == []
     assert r.hkeys(KEYS.tail("a")) == [b"1"] and len(out_chunks(r, "r1")) == 1
     assert a.beat(KEYS.worker("a"), {"name": "a"}, 10) == (False, True)
     assert r.hget(KEYS.consumers, "a") == b"0"
@@ -211,7 +210,7 @@ def test_a_fenced_consumers_step_is_refused_wholesale_and_the_claimant_resumes(r
     handoff.req_fields = {"status": "decoding"}
     assert step(b, handoff).status == StepStatus.OK
     assert b.emitted_tokens("r1") == ([9, 4], 0, False)
-    assert feed_chunks(r.xrange(KEYS.feed("f1"))[-1][1])["r1"].token_ids == [4]
+    assert feed_chunks(listener.messages()[-1])["r1"].token_ids == [4]
     assert (
         r.xpending(
             P,
@@ -227,7 +226,7 @@ def test_a_fenced_consumers_step_is_refused_wholesale_and_the_claimant_resumes(r
 
 def test_a_retried_step_is_not_applied_twice(r):
     a = make(r, "a")
-    r.xadd(KEYS.feed("f1"), {"hello": ""})
+    listener = FeedListener(r, KEYS.feed("f1"))
     eid = add_task(r, feed="f1")
     take(a)
     c0, c1 = TokenChunk(0, [1]), TokenChunk(1, [2], finish_reason="stop")
@@ -238,7 +237,7 @@ def test_a_retried_step_is_not_applied_twice(r):
     # the reply was lost: the emitter sends the same step (same number) again
     assert a.step(done, repeat=True).status == StepStatus.REPEATED
     assert a.step(StepWrite(eid, "r1", c0), repeat=True).status == StepStatus.REPEATED
-    assert len(r.xrange(KEYS.out("r1"))) == 1 and r.xlen(KEYS.feed("f1")) == 3
+    assert len(r.xrange(KEYS.out("r1"))) == 1 and len(listener.messages()) == 2
     assert r.hkeys(KEYS.progress) == []
     assert a.emitted_tokens("r1") == ([1, 2], 0, True)
     assert r.get(KEYS.fence("a")) == b"2"
@@ -261,11 +260,11 @@ def test_cancel_and_attach_reach_the_owner_through_its_control_list(r):
     # a lost reply: the repeat brings the items again; the next step drops them
     again = a.step(StepWrite(eids[0], "q0", TokenChunk(0, [1])), repeat=True)
     assert (again.status, again.cancelled, again.num_control) == (StepStatus.REPEATED, {"q1"}, 2)
-    r.xadd(KEYS.feed("f7"), {"hello": ""})
+    listener = FeedListener(r, KEYS.feed("f7"))
     res = step(a, StepWrite(eids[2], "q2", TokenChunk(0, [3])))
     assert (res.cancelled, res.feeds, res.num_control) == (set(), {}, 0)
     assert r.llen(KEYS.control("a")) == 0
-    assert feed_chunks(r.xrange(KEYS.feed("f7"))[-1][1])["q2"].token_ids == [3]
+    assert feed_chunks(listener.messages()[-1])["q2"].token_ids == [3]
     # a request waiting in a stream has no owner: its flag is read at admission
     waiting = add_task(r, "w1")
     choices_state.cancel_sync(r, KEYS, ["w1"])
@@ -363,7 +362,7 @@ def test_dead_letter_records_reason_acks_and_finishes_output(r):
     assert fields[b"id"].decode() == eid and fields[b"consumer"] == b"a"
     assert r.xpending(P, PREFILL_GROUP)["pending"] == 0
     # with a known request id the readers get a final error chunk after the tail
-    r.xadd(KEYS.feed("f2"), {"hello": ""})
+    listener = FeedListener(r, KEYS.feed("f2"))
     eid2 = add_task(r, "r2", feed="f2")
     take(a)
     step(a, StepWrite(eid2, "r2", TokenChunk(0, [8])))
@@ -373,8 +372,7 @@ def test_dead_letter_records_reason_acks_and_finishes_output(r):
         (0, None, None),
         (1, "error", "too many deliveries"),
     ]
-    last = r.xrange(KEYS.feed("f2"))[-1][1]
-    assert feed_chunks(last)["r2"].error == "too many deliveries"
+    assert feed_chunks(listener.messages()[-1])["r2"].error == "too many deliveries"
     assert r.hget(KEYS.request("r2"), "status") == b"failed"
     assert r.hget(KEYS.request("r2"), "emitted") == b"1"
     assert r.hget(KEYS.progress, "r2") is None and r.hlen(KEYS.progress) == 0

@@ -12,7 +12,7 @@ from kvrelay.core.messages import PrefillTask, TokenChunk
 from kvrelay.pipeline.queue.progress import new_progress
 from kvrelay.pipeline.queue.streams import StepResult, Streams
 from kvrelay.workers.emitter import Emitter, Inflight, Outgoing, OutgoingKind
-from tests.queue_state import feed_chunks, set_cancelled
+from tests.queue_state import FeedListener, feed_chunks, set_cancelled
 
 KEYS = Keys("emit:")
 
@@ -75,7 +75,7 @@ def test_a_step_whose_reply_was_lost_is_sent_again_and_not_applied_twice(r):
     s = LostReply(r, KEYS, "w5")
     s.ensure_group(KEYS.prefill_stream, PREFILL_GROUP)
     s.beat(KEYS.worker("w5"), {"name": "w5"}, 10)
-    r.xadd(KEYS.feed("f5"), {"hello": ""})
+    listener = FeedListener(r, KEYS.feed("f5"))
     eid = _held(r, s, "q5", feed="f5")
     inflight = Inflight()
     inflight.add("q5", eid)
@@ -92,8 +92,7 @@ def test_a_step_whose_reply_was_lost_is_sent_again_and_not_applied_twice(r):
     assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 3
     assert s.emitted_tokens("q5") == ([1, 2], 0, True)
     assert len(r.xrange(KEYS.out("q5"))) == 1
-    feed = [feed_chunks(f)["q5"].index for _, f in r.xrange(KEYS.feed("f5"))[1:]]
-    assert feed == [0, 1]
+    assert [feed_chunks(m)["q5"].index for m in listener.messages()] == [0, 1]
     assert r.get(KEYS.fence("w5")) == b"2"
 
 
@@ -128,7 +127,7 @@ def test_a_silent_emitter_learns_cancels_and_feeds_from_its_control_list(r):
         assert emitter.cancels.get(timeout=10) == "q4"
         # a reader attaching: its feed reaches the owner, whose next chunk goes there
         feed = s.r.register_script(_attach())
-        r.xadd(KEYS.feed("f6"), {"hello": ""})
+        listener = FeedListener(r, KEYS.feed("f6"))
         feed(keys=[KEYS.progress, KEYS.out("q6")], args=["q6", "f6", 4, "0"])
         # the step after the one that brought the item drops it from the list
         deadline = time.monotonic() + 10
@@ -138,8 +137,8 @@ def test_a_silent_emitter_learns_cancels_and_feeds_from_its_control_list(r):
         emitter.put(Outgoing(OutgoingKind.EMIT, "q6", eid6, TokenChunk(0, [9])))
     finally:
         emitter.close()
-    got = [feed_chunks(f)["q6"].token_ids for _, f in r.xrange(KEYS.feed("f6"))[1:]]
-    assert got == [[9]]
+    got = [feed_chunks(m).get("q6") for m in listener.messages()]
+    assert [c.token_ids for c in got if c] == [[9]]
     assert s.history("q6") == [TokenChunk(0, [9])]
 
 

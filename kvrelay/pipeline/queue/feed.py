@@ -1,52 +1,53 @@
 """The output feed: one reader per process (the ingress, a producer client) of the chunks of
 every request it follows (docs/internals.md, "Queue plane: progress, feeds, history").
 
-Workers XADD each step's chunks for the requests a reader follows to its stream `feed:{reader}`
-(one field `m`: a framed request id and a framed TokenChunk per request, `core.messages.frame`;
-one argument to the step script however many requests); one background task blocks on it and
-hands each
-chunk to that request's subscriptions in this process. A request the reader submitted itself
-names the feed at submission, so subscribing first is enough; any other (a resumed stream, an
-old request, a gap in the feed, a reconnect) attaches (`lua/attach.lua`): it adds the feed to
-the request's progress and reads the history (out:{id} and the progress's tail) in one step,
-and the subscription drops what it already yielded. A request that stays quiet for `quiet_s`
-has its record checked (did it end without a final chunk?); nothing is polled while chunks
-flow. The only periodic command is the feed's renewal (EXPIRE), every `renew_s`.
+Workers publish each step's chunks for the requests a reader follows on its shard channel
+`feed:{reader}` (SPUBLISH from the step script: no stream, nothing in the append-only file;
+one message of framed request ids and framed TokenChunks, `core.messages.frame`, however many
+requests); one background task holds the subscription and hands each chunk to that request's
+subscriptions in this process. A request the reader submitted itself names the feed at
+submission, so subscribing first is enough; any other (a resumed stream, an old request, a
+gap, a reconnect) attaches (`lua/attach.lua`): it adds the feed to the request's progress and
+reads the history (out:{id} and the progress's tail) in one step, and the subscription drops
+what it already yielded. Pub/sub keeps nothing for a reader that is not connected: whenever
+the subscription is made again (a reconnect, redis-py's own or ours after an outage) every
+subscription attaches again, and a chunk lost otherwise shows as a gap at the next one (or,
+at the end, in the quiet check). A request that stays quiet for `quiet_s` has its record
+checked (did it end without a final chunk?). Nothing is polled: an idle reader sends no
+command.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, cast
+from typing import Any
 
+import redis.asyncio.cluster as aiocluster
+from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
-from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.keys import Keys
 from kvrelay.core.messages import MessageError, TokenChunk, unframe
 from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.outage import FIRST_PAUSE_S, MAX_PAUSE_S, REDIS_RETRY_S
-from kvrelay.pipeline.queue.redis_options import AsyncRedis
-from kvrelay.pipeline.queue.replies import StreamReply
+from kvrelay.pipeline.queue.redis_options import AsyncRedis, cluster_failures_unavailable
 from kvrelay.pipeline.queue.subscription import WAKE, Subscription
 
 logger = logging.getLogger(__name__)
 
 
-READ_COUNT = 512  # feed entries per XREAD
-BLOCK_MS = 1000  # XREAD BLOCK slice; a reader's deadlines are checked between slices
-FEED_TTL_S = 60  # a reader that stops renewing its feed (it died) leaves nothing behind
-RENEW_S = 20.0
+BLOCK_MS = 1000  # longest wait for a message; the reader checks for stop between waits
 QUIET_S = 3.0  # a request silent this long has its record checked
-PLACEHOLDER = b""  # the field of the entry that creates a feed (no request id is empty)
+SUBSCRIBED = ("ssubscribe", b"ssubscribe")  # the confirmation of a (re)subscription
+CONFIRM_S = 10.0  # longest wait for a subscription's confirmation
 _ATTACH_LUA = scripts.with_progress("attach")
 
 
 class OutputFeed:
-    """The process's one reader of its feed stream, dispatching chunks to subscriptions."""
+    """The process's one reader of its feed channel, dispatching chunks to subscriptions."""
 
     def __init__(
         self,
@@ -56,19 +57,15 @@ class OutputFeed:
         block_ms: int = BLOCK_MS,
         redis_retry_s: float = REDIS_RETRY_S,
         quiet_s: float = QUIET_S,
-        renew_s: float = RENEW_S,
-        ttl_s: int = FEED_TTL_S,
         reader_id: str | None = None,
     ):
         self.redis, self.keys = redis, keys
         self.reader_id = reader_id or uuid.uuid4().hex[:16]
-        self.key = keys.feed(self.reader_id)
-        self.block_ms, self.redis_retry_s = block_ms, redis_retry_s
-        self.quiet_s, self.renew_s, self.ttl_s = quiet_s, renew_s, ttl_s
+        self.channel = keys.feed(self.reader_id)
+        self.block_ms, self.redis_retry_s, self.quiet_s = block_ms, redis_retry_s, quiet_s
         self._subs: dict[bytes, list[Subscription]] = {}
-        self._last_id: Any = "0-0"
-        self._renew_at = 0.0
-        self._lost = False  # Redis failed: recreate the feed and re-attach before reading on
+        self._pubsub: PubSub | aiocluster.ClusterPubSub | None = None
+        self._lost = False  # Redis failed: subscribe again and re-attach before reading on
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._start_lock = asyncio.Lock()
@@ -77,37 +74,36 @@ class OutputFeed:
 
     # lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Create the feed and start its reader task (once; also done by the first subscribe).
-        Redis unreachable: the task creates the feed once it answers."""
+        """Subscribe to the feed and start its reader task (once; also done by the first
+        subscribe). Redis unreachable: the task subscribes once it answers."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or an app reused on another event loop
             self._loop, self._start_lock, self._task, self._subs = loop, asyncio.Lock(), None, {}
+            self._pubsub = None  # (its connection belonged to the other loop)
         async with self._start_lock:
             if self._task is not None and not self._task.done():
                 return
             try:
-                await self._create()
+                await self._subscribe()
             except RedisError as exc:
                 logger.warning("output feed %s: redis unavailable (%s)", self.reader_id, exc)
                 self._lost = True
             self._task = asyncio.create_task(self._run(), name=f"feed-{self.reader_id}")
 
     async def stop(self) -> None:
-        """Stop reading and delete the feed (workers stop writing to it: NOMKSTREAM)."""
+        """Stop reading and drop the subscription (what workers still publish to the channel
+        reaches no one and costs nothing)."""
         task, self._task = self._task, None
         if task is not None:
-            # the task ends after its current blocking read; cancelling it mid-read is the
-            # fallback (a read cancelled under some runners, anyio's, never returns)
+            # the task ends after its current wait; cancelling it mid-read is the fallback
+            # (a read cancelled under some runners, anyio's, never returns)
             self._stopping = True
             await asyncio.wait([task], timeout=self.block_ms / 1000 + 1)
             if not task.done():
                 task.cancel()
                 await asyncio.wait([task], timeout=1)
             self._stopping = False
-            try:
-                await self.redis.delete(self.key)
-            except RedisError as exc:
-                logger.debug("output feed %s: not deleted: %s", self.reader_id, exc)
+        await self._unsubscribe_all()
 
     async def subscribe(self, request_id: str) -> Subscription:
         """A subscription to the request's chunks, receiving from now on: subscribe before
@@ -144,32 +140,48 @@ class OutputFeed:
         if not subs:
             self._subs.pop(key, None)
 
-    # the feed stream -----------------------------------------------------------------------
-    async def _create(self) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.key, {PLACEHOLDER: b""})
-            pipe.expire(self.key, self.ttl_s)
-            entry_id, _ = await pipe.execute()
-        self._last_id, self._renew_at = entry_id, time.monotonic() + self.renew_s
+    # the feed channel ----------------------------------------------------------------------
+    async def _subscribe(self) -> None:
+        """A new subscription to the channel, confirmed: a message published after this
+        returns reaches the reader."""
+        await self._unsubscribe_all()
+        with cluster_failures_unavailable():
+            if isinstance(self.redis, aiocluster.RedisCluster):
+                await self.redis.initialize()  # the slot map, to find the channel's node
+            pubsub = self.redis.pubsub()
+            self._pubsub = pubsub
+            await pubsub.ssubscribe(self.channel)
+        while True:
+            message = await self._next(pubsub, CONFIRM_S)
+            if message is None:
+                raise RedisError(f"no confirmation of the subscription to {self.channel}")
+            if message["type"] in SUBSCRIBED:
+                return
+            self._dispatch(message["data"])  # cannot happen before the confirmation
 
-    async def _renew(self) -> None:
-        """Keep the feed alive and drop what was read; a feed that vanished (Redis lost it,
-        or it expired while the process stalled) is created again and every request attached
-        again (the chunks it lost are in their history)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.expire(self.key, self.ttl_s)
-            pipe.xtrim(self.key, minid=self._last_id)
-            alive, _ = await pipe.execute()
-        self._renew_at = time.monotonic() + self.renew_s
-        if not alive:
-            logger.warning("output feed %s vanished; recreating it", self.reader_id)
-            await self._recover()
+    async def _unsubscribe_all(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            try:
+                await pubsub.aclose()
+            except (RedisError, OSError) as exc:
+                logger.debug("output feed %s: unsubscribe: %s", self.reader_id, exc)
+
+    @staticmethod
+    async def _next(pubsub: PubSub | aiocluster.ClusterPubSub, timeout_s: float) -> Any:
+        """The next message (a subscription's confirmation too), or None after `timeout_s`."""
+        with cluster_failures_unavailable():
+            if isinstance(pubsub, aiocluster.ClusterPubSub):
+                return await pubsub.get_sharded_message(timeout=timeout_s)
+            return await pubsub.get_message(timeout=timeout_s)
 
     async def _recover(self) -> None:
-        """After an outage or a lost feed: the feed exists again and every subscription has
-        the history it may have missed."""
-        if not await self.redis.expire(self.key, self.ttl_s):
-            await self._create()
+        """After an outage: subscribed again, and every subscription has the history it may
+        have missed."""
+        await self._subscribe()
+        await self._attach_all()
+
+    async def _attach_all(self) -> None:
         for subs in list(self._subs.values()):
             for sub in list(subs):
                 sub.queue.put_nowait((await sub.attach())[0])
@@ -178,18 +190,19 @@ class OutputFeed:
         pause = FIRST_PAUSE_S
         while not self._stopping:
             try:
-                if self._lost:
+                if self._lost or self._pubsub is None:
                     await self._recover()
+                    if self._lost:
+                        logger.info("output feed %s: redis is back", self.reader_id)
                     self._lost = False
-                    logger.info("output feed %s: redis is back", self.reader_id)
-                elif time.monotonic() >= self._renew_at:
-                    await self._renew()
-                reply = cast(
-                    "StreamReply",
-                    await self.redis.xread(
-                        {self.key: self._last_id}, count=READ_COUNT, block=self.block_ms
-                    ),
-                )
+                assert self._pubsub is not None
+                message = await self._next(self._pubsub, self.block_ms / 1000)
+                if message is not None and message["type"] in SUBSCRIBED:
+                    # redis-py reconnected and subscribed again by itself: what was published
+                    # meanwhile reached no one
+                    logger.info("output feed %s: subscribed again", self.reader_id)
+                    await self._attach_all()
+                    message = None
             except RedisError as exc:
                 if not self._lost:
                     logger.warning("output feed %s: redis unavailable (%s)", self.reader_id, exc)
@@ -201,15 +214,11 @@ class OutputFeed:
                 pause = min(pause * 2, MAX_PAUSE_S)
                 continue
             pause = FIRST_PAUSE_S
-            for entry_id, fields in reply[0][1] if reply else ():
-                self._last_id = entry_id
-                self._dispatch(fields)
+            if message is not None and message["type"] in ("smessage", b"smessage"):
+                self._dispatch(message["data"])
 
-    def _dispatch(self, fields: dict[bytes, bytes]) -> None:
-        """One feed entry (one worker step): each request's chunk to its subscriptions."""
-        packed = fields.get(MESSAGE_FIELD)
-        if packed is None:
-            return  # the placeholder that created the feed
+    def _dispatch(self, packed: bytes) -> None:
+        """One feed message (one worker step): each request's chunk to its subscriptions."""
         try:
             frames = unframe(packed)
         except MessageError as exc:  # a worker's script wrote it: a bug worth shouting
@@ -229,8 +238,8 @@ class OutputFeed:
 
 
 class OutputFeeds:
-    """A process's output readers, one `OutputFeed` per pipeline shard (a cluster cannot read
-    streams of several slots in one call), all under one reader id: a request names that id and
+    """A process's output readers, one `OutputFeed` per pipeline shard (each shard's channel
+    lives on its own node), all under one reader id: a request names that id and
     its shard's workers write to its shard's feed. One shard: the one feed itself."""
 
     def __init__(self, redis: AsyncRedis, keys: Keys, **options: Any):

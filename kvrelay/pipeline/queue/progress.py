@@ -76,8 +76,8 @@ def new_progress(feed: str = "") -> bytes:
 
 
 def feed_item(request_id: str, payload: bytes) -> bytes:
-    """One request's chunk in a feed entry: its framed id and its framed chunk payload (a feed
-    entry's one field `m` is a run of these; `OutputFeed` unframes it)."""
+    """One request's chunk in a feed message: its framed id and its framed chunk payload (a
+    feed message is a run of these; `OutputFeed` unframes it)."""
     return frame(request_id.encode()) + frame(payload)
 
 

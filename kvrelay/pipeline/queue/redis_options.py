@@ -16,6 +16,8 @@ each HTTP request for several timeouts instead of one.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TypeAlias
 
 import redis.asyncio as aioredis
@@ -76,14 +78,22 @@ class ResilientCluster(aiocluster.RedisCluster):
     None of these ran the command."""
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        try:
+        with cluster_failures_unavailable():
             return await super().execute_command(*args, **kwargs)
-        except (ClusterDownError, TryAgainError, SlotNotCoveredError) as exc:
-            raise ClusterUnavailable(str(exc)) from exc
-        except (AttributeError, TypeError) as exc:
-            if not _raised_in_redis(exc):
-                raise
-            raise ClusterUnavailable(f"cluster connection lost ({exc})") from exc
+
+
+@contextmanager
+def cluster_failures_unavailable() -> Iterator[None]:
+    """`ResilientCluster`'s failures while a node is down or restarting raised as
+    `ClusterUnavailable` (for what does not go through its execute_command: pub/sub)."""
+    try:
+        yield
+    except (ClusterDownError, TryAgainError, SlotNotCoveredError) as exc:
+        raise ClusterUnavailable(str(exc)) from exc
+    except (AttributeError, TypeError) as exc:
+        if not _raised_in_redis(exc):
+            raise
+        raise ClusterUnavailable(f"cluster connection lost ({exc})") from exc
 
 
 # the asyncio client `async_redis` makes: a plain one or a cluster one, used alike

@@ -116,7 +116,6 @@ class Streams:
         out_ttl_s: int = 600,
         req_ttl_s: int = 86400,
         dlq_maxlen: int = 10000,
-        feed_maxlen: int = 10000,
     ):
         self.r = client
         self.keys = keys
@@ -129,7 +128,6 @@ class Streams:
         self.out_ttl_s = out_ttl_s
         self.req_ttl_s = req_ttl_s
         self.dlq_maxlen = dlq_maxlen
-        self.feed_maxlen = feed_maxlen
         self._step = client.register_script(scripts.with_progress("step"))
         self._admit = client.register_script(scripts.with_progress("admit"))
         self._claim = client.register_script(scripts.source("claim"))
@@ -336,7 +334,6 @@ class Streams:
             self.ttl_fields,
             self.out_ttl_s,
             self.req_ttl_s,
-            self.feed_maxlen,
             consumer,
             step_no,
             acked,
@@ -394,7 +391,6 @@ class Streams:
                 f"{time.time():.3f}",
                 self.dlq_maxlen,
                 self.feed_prefix,
-                self.feed_maxlen,
             ],
         )
         if reply in (0, b"0"):

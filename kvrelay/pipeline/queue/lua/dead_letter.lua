@@ -6,7 +6,7 @@
 --       5 prog hash
 -- ARGV: 1 group, 2 consumer, 3 entry id, 4 payload, 5 reason, 6 request id ("" = unknown),
 --       7 error chunk payload ("" = none), 8 chunk index, 9 out ttl s, 10 now, 11 dlq maxlen,
---       12 feed key prefix, 13 feed maxlen
+--       12 feed channel prefix
 -- Returns the DLQ entry id, or 0 when the consumer no longer owns the entry.
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return 0
@@ -29,8 +29,7 @@ if ARGV[6] ~= '' then
     history = history .. frame(ARGV[7])
     if p then
       for feed in string.gmatch(p.feeds, '[^,]+') do
-        redis.call('XADD', ARGV[12] .. feed, 'NOMKSTREAM', 'MAXLEN', '~', ARGV[13], '*',
-          ${MESSAGE_FIELD}, frame(ARGV[6]) .. frame(ARGV[7]))
+        redis.call('SPUBLISH', ARGV[12] .. feed, frame(ARGV[6]) .. frame(ARGV[7]))
       end
     end
   end

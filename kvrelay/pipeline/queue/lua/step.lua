@@ -5,7 +5,7 @@
 -- and records the step; its old value also says whether control items wait ('!' appended by
 -- `tell_owner`). Then it writes what the worker laid out: one field of its tail hash for
 -- the step (the chunks that joined requests' tails, `progress.tail_entry`; the step fields
--- no tail needs any more go), one XADD per feed (one field for all its chunks), and per flush
+-- no tail needs any more go), one SPUBLISH per feed (all its chunks in one message), and per flush
 -- (a flush, a hand-off, the end) out:{id} gets the tail and the chunk and the progress's
 -- counts move; a hand-off also queues the next stage's task and acks the entry, an end acks
 -- it, writes the record's final fields and drops the progress. The caller's control list
@@ -18,16 +18,16 @@
 -- KEYS: 1 work stream, 2 next stream (hand-offs), 3 prog hash, 4 the caller's fence key,
 --       5 the caller's control list, 6 the caller's tail hash, then per flush req:{id},
 --       out:{id}
--- ARGV: 1 group, 2 feed key prefix, 3 ttl_fields, 4 out ttl s, 5 req ttl s, 6 feed maxlen,
---       7 consumer, 8 step number, 9 control items acked, 10 most control items to return,
---       11 the step's tail field ('' when no chunk joins a tail), 12 F feeds, 13 N flushes,
---       14 S step fields to drop, then the S step numbers, then per feed: its id and its entry
---       (`m`: framed request id, framed chunk payload per request, `core.messages.frame`),
+-- ARGV: 1 group, 2 feed channel prefix, 3 ttl_fields, 4 out ttl s, 5 req ttl s,
+--       6 consumer, 7 step number, 8 control items acked, 9 most control items to return,
+--       10 the step's tail field ('' when no chunk joins a tail), 11 F feeds, 12 N flushes,
+--       13 S step fields to drop, then the S step numbers, then per feed: its id and its
+--       message (framed request id, framed chunk payload per request, `core.messages.frame`),
 --       then per flush: request id, entry id, mode ('f' flush, 'd' done, 'h' hand-off),
 --       tokens emitted after it, out:{id} payload (the framed tail and chunk), next task
 --       payload ('' unless 'h'), R, the R record field/value items
-local most = tonumber(ARGV[10])
-local seen = redis.call('SET', KEYS[4], ARGV[8], 'KEEPTTL', 'GET')
+local most = tonumber(ARGV[9])
+local seen = redis.call('SET', KEYS[4], ARGV[7], 'KEEPTTL', 'GET')
 if not seen then  -- never registered (or pruned): refused like a fenced consumer
   redis.call('DEL', KEYS[4])
   return {0, {}}
@@ -37,27 +37,26 @@ if string.byte(seen, 1) == 102 then  -- 'f': fenced by a claim
   return {0, {}}
 end
 local pending = string.byte(seen, -1) == 33  -- '!': control items wait
-if tonumber(pending and string.sub(seen, 1, -2) or seen) >= tonumber(ARGV[8]) then
+if tonumber(pending and string.sub(seen, 1, -2) or seen) >= tonumber(ARGV[7]) then
   redis.call('SET', KEYS[4], seen, 'KEEPTTL')
   return {2, redis.call('LRANGE', KEYS[5], 0, most - 1)}
 end
 local control = {}
-if tonumber(ARGV[9]) > 0 then redis.call('LTRIM', KEYS[5], tonumber(ARGV[9]), -1) end
-if pending or tonumber(ARGV[9]) > 0 then control = redis.call('LRANGE', KEYS[5], 0, most - 1) end
+if tonumber(ARGV[8]) > 0 then redis.call('LTRIM', KEYS[5], tonumber(ARGV[8]), -1) end
+if pending or tonumber(ARGV[8]) > 0 then control = redis.call('LRANGE', KEYS[5], 0, most - 1) end
 local group, feed_prefix, ttl_fields = ARGV[1], ARGV[2], ARGV[3]
-local out_ttl, req_ttl, maxlen = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
-local f, n, s = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
-local at = 15
-if ARGV[11] ~= '' then
-  redis.call('HSET', KEYS[6], ARGV[8], ARGV[11])
+local out_ttl, req_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
+local f, n, s = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
+local at = 14
+if ARGV[10] ~= '' then
+  redis.call('HSET', KEYS[6], ARGV[7], ARGV[10])
   -- the hash outlives a consumer that vanished (claims and prune set a day too)
-  if tonumber(ARGV[8]) % 64 == 1 then redis.call('EXPIRE', KEYS[6], 86400) end
+  if tonumber(ARGV[7]) % 64 == 1 then redis.call('EXPIRE', KEYS[6], 86400) end
 end
 if s > 0 then redis.call('HDEL', KEYS[6], unpack(ARGV, at, at + s - 1)) end
 at = at + s
 for _ = 1, f do
-  redis.call('XADD', feed_prefix .. ARGV[at], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
-    ${MESSAGE_FIELD}, ARGV[at + 1])
+  redis.call('SPUBLISH', feed_prefix .. ARGV[at], ARGV[at + 1])
   at = at + 2
 end
 local acks = {}

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 BLOCK_MS = 1000  # longest wait for a message; the reader checks for stop between waits
 QUIET_S = 3.0  # a request silent this long has its record checked
 SUBSCRIBED = ("ssubscribe", b"ssubscribe")  # the confirmation of a (re)subscription
+UNSUBSCRIBED = ("sunsubscribe", b"sunsubscribe")  # the server dropped it (a slot moved)
+MESSAGE = ("smessage", b"smessage")
 CONFIRM_S = 10.0  # longest wait for a subscription's confirmation
 _ATTACH_LUA = scripts.with_progress("attach")
 
@@ -157,7 +159,8 @@ class OutputFeed:
                 raise RedisError(f"no confirmation of the subscription to {self.channel}")
             if message["type"] in SUBSCRIBED:
                 return
-            self._dispatch(message["data"])  # cannot happen before the confirmation
+            if message["type"] in MESSAGE:  # (cannot come before the confirmation)
+                self._dispatch(message["data"])
 
     async def _unsubscribe_all(self) -> None:
         pubsub, self._pubsub = self._pubsub, None
@@ -203,6 +206,8 @@ class OutputFeed:
                     logger.info("output feed %s: subscribed again", self.reader_id)
                     await self._attach_all()
                     message = None
+                elif message is not None and message["type"] in UNSUBSCRIBED:
+                    raise RedisError(f"the server dropped the subscription to {self.channel}")
             except RedisError as exc:
                 if not self._lost:
                     logger.warning("output feed %s: redis unavailable (%s)", self.reader_id, exc)
@@ -214,7 +219,7 @@ class OutputFeed:
                 pause = min(pause * 2, MAX_PAUSE_S)
                 continue
             pause = FIRST_PAUSE_S
-            if message is not None and message["type"] in ("smessage", b"smessage"):
+            if message is not None and message["type"] in MESSAGE:
                 self._dispatch(message["data"])
 
     def _dispatch(self, packed: bytes) -> None:

@@ -41,9 +41,10 @@ logger = logging.getLogger(__name__)
 
 BLOCK_MS = 1000  # longest wait for a message; the reader checks for stop between waits
 QUIET_S = 3.0  # a request silent this long has its record checked
-SUBSCRIBED = ("ssubscribe", b"ssubscribe")  # the confirmation of a (re)subscription
-UNSUBSCRIBED = ("sunsubscribe", b"sunsubscribe")  # the server dropped it (a slot moved)
-MESSAGE = ("smessage", b"smessage")
+# message types (redis-py gives them as str)
+SUBSCRIBED = "ssubscribe"  # the confirmation of a (re)subscription
+UNSUBSCRIBED = "sunsubscribe"  # the server dropped it (a slot moved)
+MESSAGE = "smessage"
 CONFIRM_S = 10.0  # longest wait for a subscription's confirmation
 _ATTACH_LUA = scripts.with_progress("attach")
 
@@ -157,9 +158,9 @@ class OutputFeed:
             message = await self._next(pubsub, CONFIRM_S)
             if message is None:
                 raise RedisError(f"no confirmation of the subscription to {self.channel}")
-            if message["type"] in SUBSCRIBED:
+            if message["type"] == SUBSCRIBED:
                 return
-            if message["type"] in MESSAGE:  # (cannot come before the confirmation)
+            if message["type"] == MESSAGE:  # (cannot come before the confirmation)
                 self._dispatch(message["data"])
 
     async def _unsubscribe_all(self) -> None:
@@ -200,13 +201,13 @@ class OutputFeed:
                     self._lost = False
                 assert self._pubsub is not None
                 message = await self._next(self._pubsub, self.block_ms / 1000)
-                if message is not None and message["type"] in SUBSCRIBED:
+                if message is not None and message["type"] == SUBSCRIBED:
                     # redis-py reconnected and subscribed again by itself: what was published
                     # meanwhile reached no one
                     logger.info("output feed %s: subscribed again", self.reader_id)
                     await self._attach_all()
                     message = None
-                elif message is not None and message["type"] in UNSUBSCRIBED:
+                elif message is not None and message["type"] == UNSUBSCRIBED:
                     raise RedisError(f"the server dropped the subscription to {self.channel}")
             except RedisError as exc:
                 if not self._lost:
@@ -219,7 +220,7 @@ class OutputFeed:
                 pause = min(pause * 2, MAX_PAUSE_S)
                 continue
             pause = FIRST_PAUSE_S
-            if message is not None and message["type"] in MESSAGE:
+            if message is not None and message["type"] == MESSAGE:
                 self._dispatch(message["data"])
 
     def _dispatch(self, packed: bytes) -> None:

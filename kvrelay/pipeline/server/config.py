@@ -46,10 +46,10 @@ class IngressConfig(RedisSettings):
     # request is cancelled; 0 cancels at once. Long enough for a prompt retry, short enough
     # that an abandoned request does not hold a worker's batch slot for long.
     disconnect_grace_s: float = 10.0
-    read_block_ms: int = BLOCK_MS  # XREAD BLOCK slice; the deadline is checked between slices
+    read_block_ms: int = BLOCK_MS  # the output feed's longest wait for a message
     state_refresh_s: float = 0.25  # how stale worker/lag/model snapshots may be
-    # A Redis command answering later than this fails (503); blocking XREADs get read_block_ms
-    # on top, so a healthy but quiet output stream is never cut off.
+    # A Redis command answering later than this fails (503); pooled connections (the output
+    # feed's pub/sub one among them) read with read_block_ms on top.
     redis_timeout_s: float = 2.0
     # A new request waits this long for an unreachable Redis (a Valkey restart) before its
     # 503, never past its deadline: as long as the output readers wait (REDIS_RETRY_S)
@@ -102,7 +102,7 @@ class IngressConfig(RedisSettings):
 
     @property
     def redis_socket_timeout_s(self) -> float:
-        """Read timeout of a pooled connection: longer than the longest XREAD BLOCK."""
+        """Read timeout of a pooled connection: longer than the feed's longest wait."""
         return self.redis_timeout_s + self.read_block_ms / 1000
 
 

@@ -63,8 +63,9 @@ def allocate_kv_pool(
 
     On CPU the pool is private anonymous memory advised for transparent huge pages: a layer's
     K/V of a page is a 12 KB span (SmolLM2, bf16) every layers x that apart, so with 4 KB pages
-    a decode step at 32 x 2,048 tokens misses the TLB on ~370k spans; with 2 MB pages that step
-    ran 7-10% faster on an AMX host (docs/benchmarks.md). Where the kernel's THP setting is
+    a decode step at 32 x 2,048 tokens misses the TLB on ~370k spans; with 2 MB pages the bf16
+    attention kernel alone took 4.1 instead of 4.3-4.7 ms per layer on an AMX host, the whole
+    step moved within that day's noise (docs/benchmarks.md). Where the kernel's THP setting is
     `never` the advice does nothing; a refused mapping falls back to torch's allocator.
     """
     shape = (num_blocks, config.num_layers, 2, page_size, config.num_kv_heads, config.head_dim)

@@ -795,20 +795,31 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
     const int nkeys = kTileKeys * ntiles;
     const __mmask16 act = _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(kb));
     __m512 mx = ninf;
-    for (int j = 0; j < nkeys; ++j) {
-      __m512 s = _mm512_load_ps(w.s[j]);
-      if (kb + j > minpos)
-        s = _mm512_mask_mov_ps(ninf, _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(kb + j)), s);
+    // keys up to the earliest row's position are visible to every row: no mask, no store
+    const int open = std::min(nkeys, minpos - kb + 1);
+    for (int j = 0; j < open; ++j) mx = _mm512_max_ps(mx, _mm512_load_ps(w.s[j]));
+    for (int j = std::max(open, 0); j < nkeys; ++j) {
+      const __m512 s = _mm512_mask_mov_ps(
+          ninf, _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(kb + j)), _mm512_load_ps(w.s[j]));
       _mm512_store_ps(w.s[j], s);
       mx = _mm512_max_ps(mx, s);
     }
     const __m512 m_new = _mm512_mask_max_ps(m, act, m, mx);
     const __m512 c = exp_p16(_mm512_sub_ps(m, m_new));
     __m512 lsum = _mm512_setzero_ps();
-    for (int j = 0; j < nkeys; ++j) {
-      const __m512 p = _mm512_maskz_mov_ps(act, exp_p16(_mm512_sub_ps(_mm512_load_ps(w.s[j]), m_new)));
-      lsum = _mm512_add_ps(lsum, p);
-      _mm512_store_ps(w.s[j], p);
+    if (act == 0xffff) {  // every lane active: the mask below would keep every lane
+      for (int j = 0; j < nkeys; ++j) {
+        const __m512 p = exp_p16(_mm512_sub_ps(_mm512_load_ps(w.s[j]), m_new));
+        lsum = _mm512_add_ps(lsum, p);
+        _mm512_store_ps(w.s[j], p);
+      }
+    } else {
+      for (int j = 0; j < nkeys; ++j) {
+        const __m512 p =
+            _mm512_maskz_mov_ps(act, exp_p16(_mm512_sub_ps(_mm512_load_ps(w.s[j]), m_new)));
+        lsum = _mm512_add_ps(lsum, p);
+        _mm512_store_ps(w.s[j], p);
+      }
     }
     l = _mm512_mask_mov_ps(l, act, _mm512_fmadd_ps(l, c, lsum));
     m = m_new;
@@ -852,7 +863,9 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
 // share per head, so that they are there when that unit starts. No arithmetic changes.
 template <int D>
 void run_item_bf16(const Args<bf16>& a, Unit un, const Unit* after) {
-  thread_local Bf16Work<D> w;
+  thread_local Bf16Work<D> work;
+  Bf16Work<D>& w = work;  // resolved once: each use of a thread_local in a loaded module calls
+                          // __tls_get_addr
   const int* item = a.items + 3 * un.item;
   const int e0 = item[1], e1 = item[2];
   const ChunkPages cp = chunk_pages_of(a, un.item);

@@ -18,7 +18,11 @@ namespace kvr {
 namespace {
 
 constexpr int kRowBlock = 16;  // query positions per row block
-constexpr int kItemPositions = 16;  // cap on positions sharing one item
+// Cap on positions sharing one item. A prefill chunk's item re-lays its chunk's V once per KV
+// head (bf16 path) and reads its pages once for all its rows: 64 positions instead of 16 took
+// the bf16 attention of a 512-row chunk at 4,096 tokens from 10.5 to 8.2 ms per layer (fp32,
+// 2,048 context: 18.3 -> 16.9 ms); decode items (one position per sequence) do not change.
+constexpr int kItemPositions = 64;
 
 struct Item {
   int chunk;

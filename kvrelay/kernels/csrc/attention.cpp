@@ -645,15 +645,18 @@ struct Bf16Work {
   // [16 dims] dwords (V[2j][d], V[2j + 1][d]).
   alignas(64) uint32_t vp[256 / 32][D / 16][16][16];
   alignas(64) uint32_t qt[D / 32][16][16];  // q^T: [32-dim tile][dim pair][row]
-  alignas(64) float s[kKeyBlock][kLanes];   // scores, then p, of a key block: [key][row]
+  // scores, then p, of a key block: [key][row]; two, so that the next block's scores are
+  // computed (on the tiles) while this block's softmax runs (on the vector units)
+  alignas(64) float s2[2][kKeyBlock][kLanes];
   alignas(64) uint32_t pa[2][16][16];       // p as A tiles: [32-key half][row][key pair]
-  alignas(64) float pv[kLanes][D];
+  alignas(64) float pv[2][kLanes][D];  // two: a block's P.V is added to acc a block later
   alignas(64) float acc[kLanes][D];
 };
 
-// Scores of one 16-key tile for the row block: S^T into w.s rows [16 kt, 16 kt + 16).
+// Scores of one 16-key tile for the row block: S^T into out rows [16 kt, 16 kt + 16).
 template <int D>
-inline void score_tile(Bf16Work<D>& w, const bf16* k, int64_t row_bytes, int kt) {
+inline void score_tile(Bf16Work<D>& w, const bf16* k, int64_t row_bytes, int kt,
+                       float (*out)[kLanes]) {
   _tile_zero(0);
   if constexpr (D <= 64) {
     _tile_loadd(1, k, row_bytes);
@@ -672,12 +675,12 @@ inline void score_tile(Bf16Work<D>& w, const bf16* k, int64_t row_bytes, int kt)
       _tile_dpbf16ps(0, 1, 3);
     }
   }
-  _tile_stored(0, w.s[kTileKeys * kt], 64);
+  _tile_stored(0, out[kTileKeys * kt], 64);
 }
 
-// P.V of a key block into w.pv: dims [16 c0, 16 c0 + 16 * n) from the block's halves [0, nh).
+// P.V of a key block into out: dims [16 c0, 16 c0 + 16 * n) from the block's halves [0, nh).
 template <int D, int C0, int N>
-inline void pv_pass(Bf16Work<D>& w, int half0, int nh) {
+inline void pv_pass(Bf16Work<D>& w, int half0, int nh, float (*out)[D]) {
   _tile_zero(4);
   if constexpr (N > 1) _tile_zero(5);
   if constexpr (N > 2) _tile_zero(6);
@@ -700,21 +703,21 @@ inline void pv_pass(Bf16Work<D>& w, int half0, int nh) {
     }
   }
   constexpr int64_t ld = D * sizeof(float);
-  _tile_stored(4, &w.pv[0][16 * C0], ld);
-  if constexpr (N > 1) _tile_stored(5, &w.pv[0][16 * (C0 + 1)], ld);
-  if constexpr (N > 2) _tile_stored(6, &w.pv[0][16 * (C0 + 2)], ld);
-  if constexpr (N > 3) _tile_stored(7, &w.pv[0][16 * (C0 + 3)], ld);
+  _tile_stored(4, &out[0][16 * C0], ld);
+  if constexpr (N > 1) _tile_stored(5, &out[0][16 * (C0 + 1)], ld);
+  if constexpr (N > 2) _tile_stored(6, &out[0][16 * (C0 + 2)], ld);
+  if constexpr (N > 3) _tile_stored(7, &out[0][16 * (C0 + 3)], ld);
 }
 
 template <int D>
-inline void pv_block(Bf16Work<D>& w, int half0, int nh) {
+inline void pv_block(Bf16Work<D>& w, int half0, int nh, float (*out)[D]) {
   if constexpr (D == 32) {
-    pv_pass<D, 0, 2>(w, half0, nh);
+    pv_pass<D, 0, 2>(w, half0, nh, out);
   } else if constexpr (D == 64) {
-    pv_pass<D, 0, 4>(w, half0, nh);
+    pv_pass<D, 0, 4>(w, half0, nh, out);
   } else {
-    pv_pass<D, 0, 4>(w, half0, nh);
-    pv_pass<D, 4, 4>(w, half0, nh);
+    pv_pass<D, 0, 4>(w, half0, nh, out);
+    pv_pass<D, 4, 4>(w, half0, nh, out);
   }
 }
 
@@ -784,24 +787,48 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
   __m512 m = ninf, l = _mm512_setzero_ps();
   std::fill(&w.acc[0][0], &w.acc[0][0] + kLanes * D, 0.0f);
   const int keys_end = std::min((last + 1) * a.page_size, chunk_start + 256);
-  for (int kb = chunk_start; kb <= maxpos && kb < keys_end; kb += kKeyBlock) {
-    const int ntiles = std::min({4, (maxpos - kb) / kTileKeys + 1, (keys_end - kb) / kTileKeys});
-    for (int kt = 0; kt < ntiles; ++kt) {
+  const auto block_tiles = [&](int kb) {
+    return std::min({4, (maxpos - kb) / kTileKeys + 1, (keys_end - kb) / kTileKeys});
+  };
+  const auto scores = [&](int kb, float (*out)[kLanes]) {
+    for (int kt = 0; kt < block_tiles(kb); ++kt) {
       const int key = kb + kTileKeys * kt - chunk_start;
       const int page = first + key / a.page_size, off = key % a.page_size;
       const bf16* k = (const bf16*)page_span(a, table, page) + off * stride + h * D;
-      score_tile<D>(w, k, row_bytes, kt);
+      score_tile<D>(w, k, row_bytes, kt, out);
     }
+  };
+  // acc = fma(acc, c, pv) of a block, rows in order, once its P.V is in w.pv[buf]
+  alignas(64) float pend_c[kLanes];
+  __mmask16 pend_act = 0;
+  int pend = -1;
+  const auto add_pv = [&](int buf) {
+    for (int n = 0; n < nr; ++n) {
+      if (!((pend_act >> n) & 1)) continue;
+      const __m512 cn = _mm512_set1_ps(pend_c[n]);
+      for (int d = 0; d < D; d += 16)
+        _mm512_store_ps(&w.acc[n][d], _mm512_fmadd_ps(_mm512_load_ps(&w.acc[n][d]), cn,
+                                                      _mm512_load_ps(&w.pv[buf][n][d])));
+    }
+  };
+  if (chunk_start <= maxpos && chunk_start < keys_end) scores(chunk_start, w.s2[0]);
+  for (int kb = chunk_start, cur = 0; kb <= maxpos && kb < keys_end; kb += kKeyBlock, cur ^= 1) {
+    // the next block's scores first: its tile work overlaps this block's vector work
+    if (kb + kKeyBlock <= maxpos && kb + kKeyBlock < keys_end)
+      scores(kb + kKeyBlock, w.s2[cur ^ 1]);
+    if (pend >= 0) add_pv(pend);  // the previous block's P.V, its tile work done meanwhile
+    float (*sc)[kLanes] = w.s2[cur];
+    const int ntiles = block_tiles(kb);
     const int nkeys = kTileKeys * ntiles;
     const __mmask16 act = _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(kb));
     __m512 mx = ninf;
     // keys up to the earliest row's position are visible to every row: no mask, no store
     const int open = std::min(nkeys, minpos - kb + 1);
-    for (int j = 0; j < open; ++j) mx = _mm512_max_ps(mx, _mm512_load_ps(w.s[j]));
+    for (int j = 0; j < open; ++j) mx = _mm512_max_ps(mx, _mm512_load_ps(sc[j]));
     for (int j = std::max(open, 0); j < nkeys; ++j) {
       const __m512 s = _mm512_mask_mov_ps(
-          ninf, _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(kb + j)), _mm512_load_ps(w.s[j]));
-      _mm512_store_ps(w.s[j], s);
+          ninf, _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(kb + j)), _mm512_load_ps(sc[j]));
+      _mm512_store_ps(sc[j], s);
       mx = _mm512_max_ps(mx, s);
     }
     const __m512 m_new = _mm512_mask_max_ps(m, act, m, mx);
@@ -809,16 +836,16 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
     __m512 lsum = _mm512_setzero_ps();
     if (act == 0xffff) {  // every lane active: the mask below would keep every lane
       for (int j = 0; j < nkeys; ++j) {
-        const __m512 p = exp_p16(_mm512_sub_ps(_mm512_load_ps(w.s[j]), m_new));
+        const __m512 p = exp_p16(_mm512_sub_ps(_mm512_load_ps(sc[j]), m_new));
         lsum = _mm512_add_ps(lsum, p);
-        _mm512_store_ps(w.s[j], p);
+        _mm512_store_ps(sc[j], p);
       }
     } else {
       for (int j = 0; j < nkeys; ++j) {
         const __m512 p =
-            _mm512_maskz_mov_ps(act, exp_p16(_mm512_sub_ps(_mm512_load_ps(w.s[j]), m_new)));
+            _mm512_maskz_mov_ps(act, exp_p16(_mm512_sub_ps(_mm512_load_ps(sc[j]), m_new)));
         lsum = _mm512_add_ps(lsum, p);
-        _mm512_store_ps(w.s[j], p);
+        _mm512_store_ps(sc[j], p);
       }
     }
     l = _mm512_mask_mov_ps(l, act, _mm512_fmadd_ps(l, c, lsum));
@@ -828,23 +855,18 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
       __m512i r[16];
       for (int j = 0; j < 16; ++j) {
         const int k0 = 32 * kh + 2 * j;
-        r[j] = k0 < nkeys ? bf16_pair(_mm512_load_ps(w.s[k0]), _mm512_load_ps(w.s[k0 + 1]))
+        r[j] = k0 < nkeys ? bf16_pair(_mm512_load_ps(sc[k0]), _mm512_load_ps(sc[k0 + 1]))
                           : _mm512_setzero_si512();
       }
       transpose16(r);
       for (int n = 0; n < 16; ++n) _mm512_store_si512(w.pa[kh][n], r[n]);
     }
-    pv_block<D>(w, (kb - chunk_start) / 32, nh);
-    alignas(64) float cs[kLanes];
-    _mm512_store_ps(cs, c);
-    for (int n = 0; n < nr; ++n) {
-      if (!((act >> n) & 1)) continue;
-      const __m512 cn = _mm512_set1_ps(cs[n]);
-      for (int d = 0; d < D; d += 16)
-        _mm512_store_ps(&w.acc[n][d], _mm512_fmadd_ps(_mm512_load_ps(&w.acc[n][d]), cn,
-                                                      _mm512_load_ps(&w.pv[n][d])));
-    }
+    pv_block<D>(w, (kb - chunk_start) / 32, nh, w.pv[cur]);
+    _mm512_store_ps(pend_c, c);
+    pend_act = act;
+    pend = cur;
   }
+  if (pend >= 0) add_pv(pend);
   alignas(64) float ms[kLanes], ls[kLanes];
   _mm512_store_ps(ms, m);
   _mm512_store_ps(ls, l);

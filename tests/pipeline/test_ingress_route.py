@@ -92,6 +92,19 @@ async def test_auto_without_prefill_workers_goes_to_decode(harness):
     assert isinstance(await _route(app, role, PROMPT), DecodeTask)
 
 
+async def test_auto_with_no_live_worker_goes_to_decode(harness):
+    # no worker has registered yet (or every one is restarting): a long prompt waits on
+    # stream:decode, which every deployment's decode workers read, not on stream:prefill
+    factory, worker = harness
+    app = factory(route_threshold=4)
+    role = await worker(app)
+    await role.publish_model()
+    task = await _route(app, role, PROMPT)
+    assert isinstance(task, DecodeTask) and task.prompt_token_ids == PROMPT
+    await role.heartbeat("p1", "prefill")
+    assert isinstance(await _route(app, role, PROMPT), PrefillTask)
+
+
 @pytest.mark.parametrize(
     ("mode", "cls"), [("colocated", DecodeTask), ("disaggregated", PrefillTask)]
 )

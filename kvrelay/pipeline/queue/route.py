@@ -87,8 +87,11 @@ class Router:
         if len(prompt_ids) <= self.threshold:
             return Route(DECODE, reason="short prompt")
         if self.cluster is not None:
+            # Decode workers compute any prompt themselves: with no live prefill worker a long
+            # prompt goes to them, also while no worker at all is live (starting, restarting);
+            # on stream:prefill it would wait for a prefill worker that may never come.
             roles = await self.cluster.roles(model.name)
-            if roles.get(DECODE, 0) and not roles.get(PREFILL, 0):
+            if not roles.get(PREFILL, 0):
                 return Route(DECODE, reason="no prefill worker")
         pages = await self.cached_pages(model, prompt_ids, salt)
         cached = pages * model.page_size

@@ -157,7 +157,7 @@ def run_status(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{'WORKER':<24}{'ROLE':<9}{'PID':>8}{'LOAD':>6}{'TOK/S':>8}{'AGE':>7}  "
-        f"{'KERNELS':<9}{'KV':<6}{'SPEC':<7}STATE"
+        f"{'KERNELS':<9}{'KV':<6}{'ATTN':<6}{'SPEC':<7}STATE"
     )
     for w in data["workers"]:
         record = status_data.worker_record(w)
@@ -167,11 +167,12 @@ def run_status(args: argparse.Namespace) -> int:
             "" if v is None else str(v) for v in (record.pid, record.load, record.tokens_per_s)
         )
         kernels, kv = status_data.worker_compute(w)
+        attn = status_data.worker_attention(w)
         spec = status_data.worker_speculation(w)
         name, role = (str(v) if v else "?" for v in (record.name, record.role))
         print(
             f"{name:<24}{role:<9}{pid:>8}"
-            f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {kernels:<9}{kv:<6}{spec:<7}{shown}"
+            f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {kernels:<9}{kv:<6}{attn:<6}{spec:<7}{shown}"
         )
     print(f"\n{'STREAM':<34}{'LENGTH':>8}{'PENDING':>9}{'LAG':>6}{'CONSUMERS':>11}")
     for s in data["streams"]:

@@ -31,6 +31,11 @@ def worker_compute(w: dict[str, Any]) -> tuple[str, str]:
     return record.kernel_isa or "-", SHORT_DTYPE_NAMES.get(kv, kv or "-")
 
 
+def worker_attention(w: dict[str, Any]) -> str:
+    """The ATTN column: the worker's attention precision (fp32, bf16; "-" when not reported)."""
+    return worker_record(w).attention or "-"
+
+
 def worker_speculation(w: dict[str, Any]) -> str:
     """The SPEC column: the worker's speculative decoding (off, ngram, draft; "-" when not
     reported)."""

@@ -12,7 +12,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kvrelay.cli.status_data import worker_compute, worker_record, worker_speculation
+from kvrelay.cli.status_data import (
+    worker_attention,
+    worker_compute,
+    worker_record,
+    worker_speculation,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +42,9 @@ def worker_state(w: dict[str, Any]) -> str:
 
 def workers_table(workers: list[dict[str, Any]]) -> Table:
     t = Table(title="Workers", title_justify="left", expand=False)
-    left = ("NAME", "STAGE", "STATE", "KERNELS", "KV", "SPEC")
+    left = ("NAME", "STAGE", "STATE", "KERNELS", "KV", "ATTN", "SPEC")
     for col in ("NAME", "STAGE", "STATE", "BATCH", "WAITING", "KV USE", "TOK/S", "HEARTBEAT",
-                "KERNELS", "KV", "SPEC"):  # fmt: skip
+                "KERNELS", "KV", "ATTN", "SPEC"):  # fmt: skip
         t.add_column(col, justify="left" if col in left else "right")
     for w in workers:
         record = worker_record(w)
@@ -55,10 +60,11 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
             _num(record.tokens_per_s, "{:.1f}"),
             f"{w['age_s']:.1f}s ago",
             *worker_compute(w),
+            worker_attention(w),
             worker_speculation(w),
         )
     if not workers:
-        t.add_row("(no live workers)", "", "", "", "", "", "", "", "", "", "")
+        t.add_row("(no live workers)", "", "", "", "", "", "", "", "", "", "", "")
     return t
 
 

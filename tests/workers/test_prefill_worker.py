@@ -114,7 +114,8 @@ def test_handoff_emits_first_token_and_decode_task(stack, capsys):
     [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prefill-t")]
     short = {"bfloat16": "bf16", "float32": "fp32"}[kv]
     assert info[b"speculation"] == b"ngram"  # auto without a draft model
-    assert row.endswith(f"s  {isa or '-':<9}{short:<6}{'ngram':<7}ok")
+    attn = worker.engine.attention_precision
+    assert row.endswith(f"s  {isa or '-':<9}{short:<6}{attn:<6}{'ngram':<7}ok")
     assert b'"page_size": 16' in r.hget(KEYS.models, "smollm2-135m-instruct")
 
 

@@ -791,7 +791,7 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
     return std::min({4, (maxpos - kb) / kTileKeys + 1, (keys_end - kb) / kTileKeys});
   };
   const auto scores = [&](int kb, float (*out)[kLanes]) {
-    for (int kt = 0; kt < block_tiles(kb); ++kt) {
+    for (int kt = 0, nt = block_tiles(kb); kt < nt; ++kt) {
       const int key = kb + kTileKeys * kt - chunk_start;
       const int page = first + key / a.page_size, off = key % a.page_size;
       const bf16* k = (const bf16*)page_span(a, table, page) + off * stride + h * D;
@@ -834,19 +834,11 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
     const __m512 m_new = _mm512_mask_max_ps(m, act, m, mx);
     const __m512 c = exp_p16(_mm512_sub_ps(m, m_new));
     __m512 lsum = _mm512_setzero_ps();
-    if (act == 0xffff) {  // every lane active: the mask below would keep every lane
-      for (int j = 0; j < nkeys; ++j) {
-        const __m512 p = exp_p16(_mm512_sub_ps(_mm512_load_ps(sc[j]), m_new));
-        lsum = _mm512_add_ps(lsum, p);
-        _mm512_store_ps(sc[j], p);
-      }
-    } else {
-      for (int j = 0; j < nkeys; ++j) {
-        const __m512 p =
-            _mm512_maskz_mov_ps(act, exp_p16(_mm512_sub_ps(_mm512_load_ps(sc[j]), m_new)));
-        lsum = _mm512_add_ps(lsum, p);
-        _mm512_store_ps(sc[j], p);
-      }
+    for (int j = 0; j < nkeys; ++j) {
+      const __m512 p =
+          _mm512_maskz_mov_ps(act, exp_p16(_mm512_sub_ps(_mm512_load_ps(sc[j]), m_new)));
+      lsum = _mm512_add_ps(lsum, p);
+      _mm512_store_ps(sc[j], p);
     }
     l = _mm512_mask_mov_ps(l, act, _mm512_fmadd_ps(l, c, lsum));
     m = m_new;
@@ -885,9 +877,7 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
 // share per head, so that they are there when that unit starts. No arithmetic changes.
 template <int D>
 void run_item_bf16(const Args<bf16>& a, Unit un, const Unit* after) {
-  thread_local Bf16Work<D> work;
-  Bf16Work<D>& w = work;  // resolved once: each use of a thread_local in a loaded module calls
-                          // __tls_get_addr
+  thread_local Bf16Work<D> w;
   const int* item = a.items + 3 * un.item;
   const int e0 = item[1], e1 = item[2];
   const ChunkPages cp = chunk_pages_of(a, un.item);

@@ -47,6 +47,10 @@ class OutgoingKind(enum.StrEnum):
 FLUSH_CHUNKS = 256
 FLUSH_BYTES = 16384
 
+# the heartbeat rewrites the model's entry (and refreshes its files' week-long expiry) this
+# often, not every beat: readers only skip an entry no worker has stamped for a week
+REPUBLISH_S = 30.0
+
 
 @dataclass(slots=True)
 class Outgoing:
@@ -366,8 +370,8 @@ class Inflight:
 
 class Heartbeat:
     """Publishes worker:{name} (with TTL), the consumer's beat (its lease on every entry it
-    holds: nothing is renewed per entry) and the served model (`ModelPublication`: numbers,
-    defaults, tokenizer files); reads `drain`.
+    holds: nothing is renewed per entry) and, every REPUBLISH_S and after a fence, the served
+    model (`ModelPublication`: numbers, defaults, tokenizer files); reads `drain`.
 
     `info` holds the worker's fixed fields (model, fingerprint, ...); each beat fills in who it
     is and its load, `stats` adds the moment's counts, and `WorkerRecord.encode` writes it."""
@@ -395,6 +399,7 @@ class Heartbeat:
         self.draining = False
         self._stop = threading.Event()
         self._last_trim = float("-inf")  # trim and prune on the first beat after a (re)start
+        self._last_publish = float("-inf")
         self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def beat(self) -> None:
@@ -414,8 +419,13 @@ class Heartbeat:
         self.draining, fenced = self.streams.beat(key, fields, self.ttl_s)
         if fenced:  # silent past a lease (a stall): its entries are another's now
             self.on_fenced(record.consumer)
-        if self.publication is not None:
+        # the model's entry on the first beat, then every REPUBLISH_S, and at once after a
+        # fence: a Valkey restarted without its data also reads as one (the fence key is gone)
+        if self.publication is not None and (
+            fenced or time.monotonic() - self._last_publish >= REPUBLISH_S
+        ):
             self.publication.publish(self.streams.r, self.streams.keys)
+            self._last_publish = time.monotonic()
         if time.monotonic() - self._last_trim > 30:
             self._last_trim = time.monotonic()
             self.streams.trim_acked(self.stream, self.group)

@@ -4,9 +4,9 @@ Two keys: the `models` hash entry (fingerprint, page size, max_model_len, vocab 
 generation defaults, the digest of the files, when it was `published`) and
 `model-files:{digest}`, the tokenizer files (`core.model_bundle`). The files are
 content-addressed: every worker of a model writes the same key, and a producer fetches it once
-per digest. The heartbeat calls `publish` each beat: it refreshes the files' expiry and writes
-them again only when they are gone (a Valkey restarted without its data), before the entry that
-names them.
+per digest. The heartbeat calls `publish` on its first beat, every `REPUBLISH_S` and after a
+fence (which a Valkey restarted without its data also reads as): it refreshes the files' expiry
+and writes them again only when they are gone, before the entry that names them.
 """
 
 from __future__ import annotations
@@ -82,5 +82,5 @@ class ModelPublication:
                     self.bundle.digest,
                     sum(len(data) for data in self.bundle.files.values()),
                 )
-        # stamped each beat: readers skip a model no worker has served for a week
+        # stamped each publication: readers skip a model no worker has served for a week
         r.hset(keys.models, self.name, self.entry.stamped(time.time()).encode())

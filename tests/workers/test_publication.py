@@ -90,6 +90,36 @@ def test_worker_heartbeat_publishes_model_with_its_override(r, valkey_session, l
     assert sorted(r.hgetall(KEYS.model_files(digest))) == FILE_NAMES
 
 
+def test_heartbeat_republishes_after_an_interval_or_a_fence(r, valkey_session, loaded_model):
+    from kvrelay.workers import emitter
+    from kvrelay.workers.config import WorkerConfig
+    from kvrelay.workers.decode import DecodeWorker
+    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(num_blocks=8, num_threads=1), loaded=loaded_model)
+    config = WorkerConfig(
+        redis_url=valkey_session.url, key_prefix="pub:", name="decode-q", metrics_port=-1
+    )
+    worker = DecodeWorker(config, engine, client=r)
+    worker.streams.ensure_group(KEYS.decode_stream, "decode")
+    worker.heartbeat.beat()
+    assert r.hexists(KEYS.models, DEFAULT_MODEL)
+    # later beats inside the interval write no entry: two commands a second saved per worker
+    r.hdel(KEYS.models, DEFAULT_MODEL)
+    worker.heartbeat.beat()
+    assert not r.hexists(KEYS.models, DEFAULT_MODEL)
+    # a Valkey that lost its data: the fence key is gone too, the beat reads a fence and the
+    # entry is back at once
+    r.delete(KEYS.fence(worker.streams.consumer))
+    worker.heartbeat.beat()
+    assert r.hexists(KEYS.models, DEFAULT_MODEL)
+    # and every REPUBLISH_S without one
+    r.hdel(KEYS.models, DEFAULT_MODEL)
+    worker.heartbeat._last_publish -= emitter.REPUBLISH_S
+    worker.heartbeat.beat()
+    assert r.hexists(KEYS.models, DEFAULT_MODEL)
+
+
 def test_bad_worker_override_is_a_config_error():
     from kvrelay.core.config import ConfigError
     from kvrelay.workers.config import load_worker_config

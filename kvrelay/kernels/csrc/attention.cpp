@@ -547,13 +547,14 @@ void run(const Args<T>& a, int num_items, int num_tokens, int num_threads, float
 //
 // The same items, chunks and chunk merge as above, but each (row, head) takes these operations
 // per chunk, which depend only on its own query, position and K/V (bf16 pool):
-// - q is scaled in fp32 and rounded to bf16 (RNE);
+// - q is scaled in fp32 by scale * log2(e) and rounded to bf16 (RNE): scores in log2 units;
 // - scores s = q.k of the chunk's keys as TDPBF16PS computes them (fp32 accumulation of exact
 //   bf16 products, one tile op per 32 dims, dims in order), keys past the row's position -inf;
-//   m = max s over the chunk; p = exp(s - m); l = sum p in key order; the P.V sums = p rounded
-//   to bf16 times V as TDPBF16PS computes them from zero, one op per 32 keys, keys in order,
-//   over the whole chunk. The chunk's state is (m, l, P.V): with the chunk's max known before
-//   any exp, nothing is rescaled inside a chunk (the chunks' merge does that, as for fp32).
+//   m = max s over the chunk; p = 2^(s - m) (exp2_p16); l = sum p in key order; the P.V sums
+//   = p rounded to bf16 times V as TDPBF16PS computes them from zero, one op per 32 keys, keys
+//   in order, over the whole chunk. The chunk's state is (m * ln 2, l, P.V): with the chunk's
+//   max known before any exp, nothing is rescaled inside a chunk (the chunks' merge does that,
+//   as for fp32).
 // Rows share tiles: a score tile is S^T (16 keys x 16 rows: a lane per row, so the softmax is
 // per lane with no cross-lane step), P.V is rows x 16 dims. A tile element depends only on its
 // own A row, B column and initial value, and the key tiles a chunk computes beyond a row's
@@ -563,8 +564,8 @@ void run(const Args<T>& a, int num_items, int num_tokens, int num_threads, float
 // AMX hosts; the fp32 kernel above gives other bits (q and p rounded), so the engine's
 // fingerprint says which ran (`BF16_ATTENTION_SCHEME`).
 constexpr int kChunkKeys = 256;  // keys of a chunk (chunk_pages x page_size, plan.py)
-constexpr int kLanes = 16;     // query rows per tile (16 fp32 lanes)
-constexpr int kTileKeys = 16;  // keys per score tile, and the page size unit
+constexpr int kLanes = 16;       // query rows per tile (16 fp32 lanes)
+constexpr int kTileKeys = 16;    // keys per score tile, and the page size unit
 
 // Tiles (load_full_tiles: all 16 rows x 64 bytes): 0 = scores C / P rows A, 1 = K A / V pairs
 // B, 2..3 = q^T B (resident for head_dim <= 64, else reloaded in 2), 4..7 = P.V C (16 dims
@@ -776,9 +777,10 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
   }
   const __m512i posv = _mm512_load_si512(pos);
   const __m512 ninf = _mm512_set1_ps(kNegInf);
-  // every key tile a row of the block sees: the chunk's up to the last row's position
+  // every key tile a row of the tile sees: the chunk's, up to the last row's position
   const int keys_end = std::min((last + 1) * a.page_size, chunk_start + kChunkKeys);
-  const int ntiles = std::min((maxpos - chunk_start) / kTileKeys + 1, (keys_end - chunk_start) / kTileKeys);
+  const int ntiles = std::min((maxpos - chunk_start) / kTileKeys + 1,
+                              (keys_end - chunk_start) / kTileKeys);
   const int nkeys = kTileKeys * ntiles, nh = (nkeys + 31) / 32;
   for (int kt = 0; kt < ntiles; ++kt) {
     const int key = kTileKeys * kt;
@@ -791,8 +793,8 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
   const int open = std::min(nkeys, minpos - chunk_start + 1);
   for (int j = 0; j < open; ++j) m = _mm512_max_ps(m, _mm512_load_ps(w.s[j]));
   for (int j = std::max(open, 0); j < nkeys; ++j) {
-    const __m512 sj = _mm512_mask_mov_ps(
-        ninf, _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(chunk_start + j)), _mm512_load_ps(w.s[j]));
+    const __mmask16 sees = _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(chunk_start + j));
+    const __m512 sj = _mm512_mask_mov_ps(ninf, sees, _mm512_load_ps(w.s[j]));
     _mm512_store_ps(w.s[j], sj);
     m = _mm512_max_ps(m, sj);
   }

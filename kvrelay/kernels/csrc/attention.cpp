@@ -820,8 +820,7 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
     }
     transpose16(r);
     for (int n = 0; n < 16; ++n) _mm512_store_si512(w.pa[kh][n], r[n]);
-    if constexpr (D == 32) pv_half<D, 0, 2>(w, kh);
-    if constexpr (D == 64) pv_half<D, 0, 4>(w, kh);
+    if constexpr (D <= 64) pv_half<D, 0, D / 16>(w, kh);
   }
   if constexpr (D <= 64) {
     pv_store<D, 0, D / 16>(w);

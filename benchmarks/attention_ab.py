@@ -1,0 +1,142 @@
+"""Two builds of the C++ paged attention in one process, calls alternated: A/B timing.
+
+This host's speed drifts by 5-20% between runs (and between processes), which hides kernel
+changes of that size when each build runs in its own process. Here both builds are loaded
+side by side (their module names differ by their sources' hash) and each case runs A, B, B,
+A, ... on the same inputs, so drifts fall on both; it also checks that both give the same
+bits (a change meant to keep them must print same=True).
+
+    python benchmarks/attention_ab.py --a /tmp/old-tree --b .            # trees (built once)
+    python benchmarks/attention_ab.py --a OLD.so --b NEW.so --precision fp32 --rounds 30
+
+A tree is a checkout of this repository: its kernels are built (or found in the cache) by a
+child process with that tree first on PYTHONPATH. Cases: a 512-row prefill chunk at 4,096, a
+2,048-token prompt in one shot, decode 32 x 2,048, decode 8 x 4,096 over a 30-layer pool (the
+bytes come from memory, as in the engine), 3 x 700 prompts; SmolLM2 shapes (9 heads, 3 KV
+heads, head_dim 64, pages of 16), 2 threads by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from kvrelay.kernels import AttentionMetadata
+from kvrelay.kernels.cpu_paged import get_plan
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
+CASES = (  # name, context lengths, query lengths, layers in the pool
+    ("prefill chunk 512 at 4,096", [4096], [512], 1),
+    ("prefill 2,048 one shot", [2048], [2048], 1),
+    ("decode 32 x 2,048", [2048] * 32, [1] * 32, 1),
+    ("decode 8 x 4,096, 30 layers", [4096] * 8, [1] * 8, 30),
+    ("prefill 3 x 700", [700] * 3, [700] * 3, 1),
+)
+
+
+def kernel_path(where: str) -> str:
+    """The extension file for `where`: a built .so, or a tree whose kernels a child builds."""
+    if where.endswith(".so"):
+        return where
+    tree = str(Path(where).resolve())
+    code = "from kvrelay.kernels import cpu_build; print(cpu_build.load().__file__)"
+    env = dict(os.environ, PYTHONPATH=tree)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True
+    )
+    lines = out.stdout.strip().splitlines()
+    if out.returncode or not lines or not lines[-1].endswith(".so"):
+        raise SystemExit(f"no kernel build for {tree}: {out.stderr.strip()[-800:]}")
+    return lines[-1]
+
+
+def load(path: str):
+    name = Path(path).name.split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_case(lens: list[int], qlens: list[int], layers: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    pages = [(n + PAGE - 1) // PAGE for n in lens]
+    shape = (sum(pages), layers, 2, PAGE, KV_HEADS, HEAD_DIM)
+    pool = torch.randn(shape, generator=g).to(dtype)
+    tables = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(pages):
+        tables[i, :n] = torch.arange(start, start + n)
+        start += n
+    qsl = [0]
+    for q in qlens:
+        qsl.append(qsl[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((qsl[-1],), -1, dtype=torch.int64),
+        block_tables=tables,
+        context_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        max_query_len=max(qlens),
+        max_context_len=max(lens),
+    )
+    return torch.randn(qsl[-1], HEADS, HEAD_DIM, generator=g), pool, meta
+
+
+def run(ext, q, pool, meta, layer: int, bf16: bool) -> torch.Tensor:
+    plan = get_plan(meta, pool.shape[3], pool.shape[0], q.shape[0])
+    return ext.paged_attention(
+        q, pool, layer, plan.block_tables, plan.items, plan.entries, plan.positions,
+        plan.chunk_offsets, plan.chunk_pages, HEAD_DIM**-0.5, bf16,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--a", required=True, help="baseline: a tree or a kernel .so")
+    p.add_argument("--b", required=True, help="candidate: a tree or a kernel .so")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--rounds", type=int, default=16, help="calls of each build per case")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    a, b = load(kernel_path(args.a)), load(kernel_path(args.b))
+    torch.set_num_threads(args.threads)
+    bf16 = args.precision == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    print(f"A {a.__name__}, B {b.__name__}; {args.precision}, {args.threads} threads")
+    print("| case | A min / median (ms) | B min / median (ms) | B/A min / median | same bits |")
+    print("|---|---:|---:|---:|---|")
+    for name, lens, qlens, layers in CASES:
+        q, pool, meta = make_case(lens, qlens, layers, dtype)
+        same = torch.equal(run(a, q, pool, meta, 0, bf16), run(b, q, pool, meta, 0, bf16))
+        times: dict[str, list[float]] = {"a": [], "b": []}
+        for r in range(args.rounds):
+            for key in ("a", "b") if r % 2 == 0 else ("b", "a"):
+                ext = a if key == "a" else b
+                t = time.perf_counter()
+                for layer in range(layers):
+                    run(ext, q, pool, meta, layer, bf16)
+                times[key].append(time.perf_counter() - t)
+        ta, tb = times["a"], times["b"]
+        ma, mb = min(ta) * 1e3, min(tb) * 1e3
+        da, db = statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
+        print(
+            f"| {name} | {ma:.2f} / {da:.2f} | {mb:.2f} / {db:.2f} | "
+            f"{mb / ma:.3f} / {db / da:.3f} | {'yes' if same else 'NO'} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -651,10 +651,7 @@ inline __m512 exp2_p16(__m512 x) {
 // both builds in one process, calls alternated): decode attention 32 x 2,048 -24%, 8 x 4,096
 // over 30 layers -12%, an engine decode step's attention at 8 x 4.2k -13%. Alone it made
 // prefill chunks 9-15% slower (the pacing in the p loop); with the tile overlap in bf16_rows
-// the prefill chunk is 3-8% faster than before both. Prefetches change no arithmetic. The
-// cursor and its span list live in thread-local storage apart from Bf16Work: the same cursor
-// as a member of Bf16Work holding its own copy of the list measured slower at 8 x 4,096 (not
-// understood; the generated code was not compared).
+// the prefill chunk is 3-8% faster than before both. Prefetches change no arithmetic.
 struct PageStream {
   const char* const* spans = nullptr;  // the pages' first bytes
   int n = 0, i = 0;                    // spans, the current one

@@ -784,8 +784,8 @@ inline void pv_store(Bf16Work<D>& w) {
 
 // One KV head's V pairs for keys [0, nkeys) of the chunk (pairs past nkeys are zero).
 template <int D>
-void build_v_pairs(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first, int h,
-                   int nkeys) {
+void build_v_pairs(Bf16Work<D>& w, PageStream& next, const Args<bf16>& a, const int* table,
+                   int first, int h, int nkeys) {
   const __m512i interleave = interleave_halves();
   const int64_t stride = (int64_t)a.kv_heads * D;
   const int halves = (nkeys + 31) / 32;
@@ -806,14 +806,14 @@ void build_v_pairs(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int fi
         const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
         _mm512_store_si512(w.vp[kh][c][j], _mm512_permutexvar_epi16(interleave, both));
       }
-      next_pages.step(kLinesPerVRow);
+      next.step(kLinesPerVRow);
     }
 }
 
 // Up to 16 rows of KV head h through the item's chunk; their states into the partials.
 template <int D>
-void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first, int last,
-               int h, const int* tok, const int* grp, int nr) {
+void bf16_rows(Bf16Work<D>& w, PageStream& next, const Args<bf16>& a, const int* table,
+               int first, int last, int h, const int* tok, const int* grp, int nr) {
   const int chunk_start = first * a.page_size;
   const int64_t stride = (int64_t)a.kv_heads * D, row_bytes = stride * sizeof(bf16);
   const __m512 scale = _mm512_set1_ps(a.scale * 1.44269504088896341f);  // log2 units
@@ -877,7 +877,7 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
       case 2: score_tile<D, 6>(w, k, row_bytes, kt, w.s); break;
       default: score_tile<D, 7>(w, k, row_bytes, kt, w.s); break;
     }
-    next_pages.step(kLinesPerScoreTile);
+    next.step(kLinesPerScoreTile);
     if (kt >= kMaxLag) take_max(kTileKeys * (kt - kMaxLag), kTileKeys * (kt - kMaxLag + 1));
   }
   take_max(kTileKeys * std::max(ntiles - kMaxLag, 0), nkeys);
@@ -901,7 +901,7 @@ void bf16_rows(Bf16Work<D>& w, const Args<bf16>& a, const int* table, int first,
       const __m512 p1 = seen ? exp2_p16<false>(x1) : exp2_p16<true>(x1);
       l = _mm512_add_ps(_mm512_add_ps(l, p0), p1);
       r[j] = bf16_pair(p0, p1, interleave);
-      next_pages.step(kLinesPerP);
+      next.step(kLinesPerP);
     }
     transpose16(r);
     for (int n = 0; n < 16; ++n) _mm512_store_si512(w.pa[kh][n], r[n]);
@@ -952,10 +952,11 @@ void run_item_bf16(const Args<bf16>& a, Unit un, const Unit* after) {
   if (after)
     for (int p = np.first; p <= np.last && nspans < kMaxStreamSpans; ++p)
       stream_spans[nspans++] = page_span(a, np.table, p);
-  next_pages = PageStream{stream_spans, nspans, 0, 0, span};
+  PageStream& next = next_pages;  // one TLS lookup; the hooks below take it by reference
+  next = PageStream{stream_spans, nspans, 0, 0, span};
   int tok[kLanes], grp[kLanes];
   for (int h = un.h0; h < un.h1; ++h) {
-    build_v_pairs<D>(w, a, table, first, h, nkeys);
+    build_v_pairs<D>(w, next, a, table, first, h, nkeys);
     int nr = 0;
     for (int e = e0; e < e1; ++e) {
       const int* en = a.entries + 4 * e;
@@ -965,15 +966,15 @@ void run_item_bf16(const Args<bf16>& a, Unit un, const Unit* after) {
           tok[nr] = t;
           grp[nr] = g;
           if (++nr == kLanes) {
-            bf16_rows<D>(w, a, table, first, last, h, tok, grp, nr);
+            bf16_rows<D>(w, next, a, table, first, last, h, tok, grp, nr);
             nr = 0;
           }
         }
       }
     }
-    if (nr) bf16_rows<D>(w, a, table, first, last, h, tok, grp, nr);
+    if (nr) bf16_rows<D>(w, next, a, table, first, last, h, tok, grp, nr);
   }
-  next_pages.finish();  // what the unit's work did not pace out (a short chunk)
+  next.finish();  // what the unit's work did not pace out (a short chunk)
 }
 
 template <int D>

@@ -928,7 +928,8 @@ void bf16_rows(Bf16Work<D>& w, PageStream& next, const Args<bf16>& a, const int*
     float* st = a.partial + row * state;
     st[0] = ms[n] * 0.693147180559945309f;  // the chunk's max in natural units, for the merge
     st[1] = ls[n];
-    std::copy(&w.acc[n][0], &w.acc[n][0] + D, st + 2);
+    for (int c = 0; c < D; c += 16)  // inline: a memmove call per row cost ~5% of a prefill
+      _mm512_storeu_ps(st + 2 + c, _mm512_load_ps(&w.acc[n][c]));
   }
 }
 

@@ -19,7 +19,6 @@ heads, head_dim 64, pages of 16), 2 threads by default.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from kvrelay.kernels import AttentionMetadata
+from kvrelay.kernels import AttentionMetadata, cpu_build
 from kvrelay.kernels.cpu_paged import get_plan
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
@@ -61,13 +60,8 @@ def kernel_path(where: str) -> str:
 
 
 def load(path: str):
-    name = Path(path).name.split(".")[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The extension at `path` under its own module name (the names differ by build)."""
+    return cpu_build._import(Path(path).name.split(".")[0], Path(path))
 
 
 def make_case(lens: list[int], qlens: list[int], layers: int, dtype: torch.dtype):

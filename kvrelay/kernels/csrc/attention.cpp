@@ -648,10 +648,11 @@ inline __m512 exp2_p16(__m512 x) {
 // before) fills the core's line fill buffers and stalls it until they drain, so the compute
 // waited on memory instead of running beside it; lines issued at about the pace the work
 // goes keep misses in flight all along. Measured on an AMX host (2 threads, SmolLM2 shapes,
-// both builds in one process, calls alternated): decode attention 32 x 2,048 -24%, 8 x 4,096
-// over 30 layers -12%, an engine decode step's attention at 8 x 4.2k -13%. Alone it made
-// prefill chunks 9-15% slower (the pacing in the p loop); with the tile overlap in bf16_rows
-// the prefill chunk is 3-8% faster than before both. Prefetches change no arithmetic.
+// both builds in one process, calls alternated): decode attention 32 x 2,048 -22%, 8 x 4,096
+// over 30 layers -14%, an engine decode step's attention at 8 x 4.2k -16%. Alone (and with a
+// thread-local lookup per hook) it made prefill chunks 9-15% slower; with the tile overlap in
+// bf16_rows the prefill chunk is 7-9% faster than before both. Prefetches change no
+// arithmetic.
 struct PageStream {
   const char* const* spans = nullptr;  // the pages' first bytes
   int n = 0, i = 0;                    // spans, the current one

@@ -672,9 +672,7 @@ struct PageStream {
     while (i < n) step(64);
   }
 };
-constexpr int kMaxStreamSpans = 64;
-thread_local const char* stream_spans[kMaxStreamSpans];
-thread_local PageStream next_pages;  // the next unit's pages
+constexpr int kMaxStreamSpans = 64;  // a chunk's pages (256 keys, pages of >= 16 keys: 16)
 
 // Lines of the next unit per piece of work: a 16-key score tile, a key pair's p, a key pair's
 // V row. With 16-page chunks of SmolLM2's 3 KV heads x 64 dims this spreads a unit's 3,072
@@ -950,12 +948,12 @@ void run_item_bf16(const Args<bf16>& a, Unit un, const Unit* after) {
   ChunkPages np{};
   if (after) np = chunk_pages_of(a, after->item);
   const int64_t span = 2 * a.kv_stride * (int64_t)sizeof(bf16);  // a page's K and V bytes
+  const char* spans[kMaxStreamSpans];
   int nspans = 0;
   if (after)
     for (int p = np.first; p <= np.last && nspans < kMaxStreamSpans; ++p)
-      stream_spans[nspans++] = page_span(a, np.table, p);
-  PageStream& next = next_pages;  // one TLS lookup; the hooks below take it by reference
-  next = PageStream{stream_spans, nspans, 0, 0, span};
+      spans[nspans++] = page_span(a, np.table, p);
+  PageStream next{spans, nspans, 0, 0, span};  // the next unit's pages
   int tok[kLanes], grp[kLanes];
   for (int h = un.h0; h < un.h1; ++h) {
     build_v_pairs<D>(w, next, a, table, first, h, nkeys);

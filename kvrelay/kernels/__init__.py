@@ -16,12 +16,14 @@ from kvrelay.kernels.ops import (
     W8A16Weight,
     add_rms_norm,
     bf16_attention_available,
+    gate_up_order,
     gather_pages,
     int8_linear,
     int8_linear_available,
     linear,
     pack_int8_weight,
     pack_q8_weight,
+    pack_w8a16_gate_up,
     pack_w8a16_weight,
     paged_attention,
     q8_linear,
@@ -35,6 +37,7 @@ from kvrelay.kernels.ops import (
     silu_mul,
     w8a16_available,
     w8a16_linear,
+    w8a16_silu_linear,
     write_kv,
 )
 
@@ -53,6 +56,8 @@ __all__ = [
     "loaded_isa",
     "pack_int8_weight",
     "pack_q8_weight",
+    "gate_up_order",
+    "pack_w8a16_gate_up",
     "pack_w8a16_weight",
     "paged_attention",
     "q8_linear",
@@ -66,5 +71,6 @@ __all__ = [
     "silu_mul",
     "w8a16_available",
     "w8a16_linear",
+    "w8a16_silu_linear",
     "write_kv",
 ]

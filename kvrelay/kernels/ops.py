@@ -445,6 +445,27 @@ def pack_w8a16_weight(q: torch.Tensor, scales: torch.Tensor) -> W8A16Weight:
     return W8A16Weight(grid.contiguous(), scales.float().contiguous(), n, k)
 
 
+def gate_up_order(intermediate: int) -> torch.Tensor:
+    """Row order of a [gate; up] weight [2I, K] for `pack_w8a16_gate_up`: per 16 outputs, the
+    gate rows then the same up rows (I a multiple of 16)."""
+    if intermediate <= 0 or intermediate % 16:
+        raise KernelError(f"gate/up fusion needs a multiple of 16 outputs, got {intermediate}")
+    gate = torch.arange(intermediate).view(-1, 1, 16)
+    return torch.cat([gate, gate + intermediate], dim=1).reshape(-1)
+
+
+def pack_w8a16_gate_up(q: torch.Tensor, scales: torch.Tensor) -> W8A16Weight:
+    """A SwiGLU gate/up weight (q [2I, K] = [gate; up], `quantize_channel_weight`'s scales) for
+    `w8a16_silu_linear`: rows in `gate_up_order`, so each 32-column block holds 16 gates and
+    their ups."""
+    if q.dim() != 2 or q.shape[0] % 2:
+        raise KernelError(f"need a [2I, K] gate/up weight, got {tuple(q.shape)}")
+    order = gate_up_order(q.shape[0] // 2)
+    if tuple(scales.shape) != (q.shape[0],):
+        raise KernelError(f"scales {tuple(scales.shape)} do not fit a weight {tuple(q.shape)}")
+    return pack_w8a16_weight(q[order], scales[order])
+
+
 def w8a16_available() -> bool:
     """Whether `w8a16_linear` runs here: the amx kernel variant loaded and the OS grants its
     tiles (AMX-BF16 and AVX512-BF16 hosts)."""
@@ -463,6 +484,22 @@ def w8a16_linear(x: torch.Tensor, weight: W8A16Weight, bias: torch.Tensor | None
     if not ext.w8a16_available():
         raise KernelError("w8a16_linear needs AMX-BF16 tiles (the amx kernel variant)")
     return ext.w8a16_linear(x.contiguous(), weight.packed, weight.scales, bias, weight.out_features)
+
+
+def w8a16_silu_linear(
+    x: torch.Tensor, weight: W8A16Weight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """SiLU(gate) * up [T, I] of x [T, K]'s SwiGLU gate/up projection, weight packed by
+    `pack_w8a16_gate_up` (bias, if any, in `gate_up_order`): bitwise `silu_mul` of
+    `w8a16_linear` on the unpermuted weight, without the [T, 2I] intermediate."""
+    ext = _linear_rows("w8a16_silu_linear", x, weight.in_features)
+    if not ext.w8a16_available():
+        raise KernelError("w8a16_silu_linear needs AMX-BF16 tiles (the amx kernel variant)")
+    if weight.out_features % 32:
+        raise KernelError(f"not a gate/up weight of 16 + 16 column blocks: {weight.out_features}")
+    return ext.w8a16_silu_linear(
+        x.contiguous(), weight.packed, weight.scales, bias, weight.out_features
+    )
 
 
 def _linear_rows(op: str, x: torch.Tensor, in_features: int) -> ModuleType:

@@ -1,6 +1,8 @@
 """`w8a16_linear`: int8 weights with a scale per output, bf16 activations, AMX bf16 tiles.
 Its numbers against float64, bitwise row invariance over every code path (one A tile with two
-blocks at a time, row pairs, row chunks with k-blocked panels) and thread count, the refusals."""
+blocks at a time, row pairs, row chunks with k-blocked panels) and thread count, the refusals;
+`w8a16_silu_linear` (a gate/up projection with SiLU(gate) * up in its epilogue) bitwise
+`silu_mul` of the plain layer on every path."""
 
 from __future__ import annotations
 
@@ -10,10 +12,14 @@ import torch
 from kvrelay.kernels import (
     KernelError,
     cpu_build,
+    gate_up_order,
+    pack_w8a16_gate_up,
     pack_w8a16_weight,
     quantize_channel_weight,
+    silu_mul,
     w8a16_available,
     w8a16_linear,
+    w8a16_silu_linear,
 )
 
 pytestmark = pytest.mark.skipif(not cpu_build.cpu_supported(), reason="needs the C++ kernels")
@@ -91,6 +97,53 @@ def test_rows_are_bitwise_the_same_in_any_batch_and_thread_count():
                 assert torch.equal(part, full[start : start + rows]), (count, start, rows)
     finally:
         torch.set_num_threads(threads)
+
+
+@amx
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_silu_linear_is_silu_mul_of_the_linear_bitwise(with_bias):
+    """Every row path (1, 16: one A tile, two blocks at a time, an odd block last; 17-32: row
+    pairs; 33 and up: chunks with k-blocked panels) and both thread counts: SiLU(gate) * up
+    from the epilogue has the bits of `w8a16_linear` on [gate; up] followed by `silu_mul`."""
+    inter, k = 48, 576  # 3 blocks: small rows take two, then the odd one
+    q, scales, plain = _weight(2 * inter, k, seed=4)
+    fused = pack_w8a16_gate_up(q, scales)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, k, generator=g) * 3
+    bias = torch.randn(2 * inter, generator=g) if with_bias else None
+    fused_bias = None if bias is None else bias[gate_up_order(inter)].contiguous()
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 5, 16, 17, 32, 33, 64, 65, 300):
+                want = silu_mul(w8a16_linear(x[:rows], plain, bias))
+                got = w8a16_silu_linear(x[:rows], fused, fused_bias)
+                assert got.shape == (rows, inter)
+                assert torch.equal(got, want), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gate_up_packing_and_its_refusals():
+    """Block b of the packed gate/up weight: gate outputs 16b..16b+15, then the same up ones."""
+    assert gate_up_order(32).tolist() == [
+        *range(16),
+        *range(32, 48),
+        *range(16, 32),
+        *range(48, 64),
+    ]
+    q, scales, _ = _weight(64, 64)
+    fused = pack_w8a16_gate_up(q, scales)
+    assert torch.equal(fused.packed[0, 0, 1, 0, 3], q[32 + 3, 0:2])  # block 0's up column 3
+    with pytest.raises(KernelError, match="multiple of 16"):
+        gate_up_order(24)
+    with pytest.raises(KernelError, match="\\[2I, K\\]"):
+        pack_w8a16_gate_up(q[:63], scales[:63])
+    if w8a16_available():
+        _, _, plain = _weight(48, 64)  # 48 columns: not blocks of 16 gates + 16 ups
+        with pytest.raises(KernelError, match="not a gate/up weight"):
+            w8a16_silu_linear(torch.randn(2, 64), plain, None)
 
 
 def test_packing_and_bad_arguments_are_refused():

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from kvrelay.core.modelref import model_fingerprint
-from kvrelay.workers.model.quant import W8A16Linear, can_quantize
+from kvrelay.kernels import silu_mul
+from kvrelay.workers.model.llama import swiglu
+from kvrelay.workers.model.quant import W8A16GateUp, W8A16Linear, can_quantize, quantized_linear
 from tests.workers.conftest import (
     FP32_CAPITAL_ANSWER,
     check_alone_equals_in_batch_of_8_and_chunked,
@@ -40,6 +42,25 @@ def test_fingerprint_is_its_own(make_engine, model_dir):
         for m in ("none", "int8", "fp16", "int8-weight-only", "q8_0")
     }
     assert own not in others
+
+
+def test_gate_up_runs_its_activation_in_the_linear_with_the_same_bits(make_engine):
+    """The model's gate/up layers are fused (SmolLM2: I = 1536); the fused layer gives the
+    plain layer's [gate; up] when called and silu_mul's bits of it from `swiglu`, with a bias
+    too; a gate/up without 16-output groups stays a plain layer."""
+    layers = make_engine().loaded.model.layers
+    assert all(isinstance(layer.gate_up, W8A16GateUp) for layer in layers)
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=g) * 0.05, torch.randn(96, generator=g)
+    x = torch.randn(40, 64, generator=g)
+    for b in (None, bias):
+        plain, fused = W8A16Linear(weight, b), quantized_linear("w8a16", weight, b, gate_up=True)
+        assert isinstance(fused, W8A16GateUp)
+        assert torch.equal(fused(x), plain(x))
+        assert torch.equal(swiglu(fused, x), silu_mul(plain(x)))
+        assert torch.equal(swiglu(plain, x), silu_mul(plain(x)))
+    odd = quantized_linear("w8a16", torch.randn(48, 64, generator=g), None, gate_up=True)
+    assert type(odd) is W8A16Linear
 
 
 def test_refuses_what_it_cannot_hold():

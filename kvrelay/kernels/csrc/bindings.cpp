@@ -134,6 +134,18 @@ torch::Tensor scaled_int8_linear(const torch::Tensor& x, const torch::Tensor& pa
   return y;
 }
 
+// SiLU(gate) * up of x's gate/up projection: y [m, n / 2] (`w8a16_silu_linear`).
+torch::Tensor w8a16_silu_op(const torch::Tensor& x, const torch::Tensor& packed,
+                            const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
+                            int64_t n) {
+  auto y = torch::empty({x.size(0), n / 2}, x.options());
+  WInt8Args a{x.data_ptr<float>(), x.stride(0), packed.data_ptr<int8_t>(), scale.data_ptr<float>(),
+              bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+              y.stride(0), x.size(0), n, x.size(1)};
+  w8a16_silu_linear(a);
+  return y;
+}
+
 torch::Tensor q8_linear_op(const torch::Tensor& x, const torch::Tensor& packed,
                            const torch::Tensor& scale, const torch::Tensor& comp,
                            const c10::optional<torch::Tensor>& bias, int64_t n) {
@@ -167,6 +179,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_path", &kvr::q8_linear_path, "q8_linear's code path for m rows");
   m.def("w8a16_linear", &kvr::scaled_int8_linear<kvr::w8a16_linear>, release(),
         "x (as bf16) . (int8 W * column scales)^T on AMX bf16 tiles");
+  m.def("w8a16_silu_linear", &kvr::w8a16_silu_op, release(),
+        "SiLU(gate) * up of x's gate/up projection packed by pack_w8a16_gate_up");
   m.def("w8a16_available", &kvr::w8a16_available, "Whether w8a16_linear runs here");
   m.def("quantize_rows", &kvr::quantize, release(), "Symmetric int8 per row: (uint8 q, scale)");
   m.def("bf16_attention_available", &kvr::bf16_attention_available,

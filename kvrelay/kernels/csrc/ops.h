@@ -120,6 +120,10 @@ const char* q8_path(int64_t m);
 // the arguments of wint8_linear in another layout: q packed as
 // [ceil(n / 32)][kp / 32][2][16][16][2] int8 (kp = k rounded up to 32), one scale per column [n].
 void w8a16_linear(const WInt8Args& args);
+// y [m, n / 2] = SiLU(gate) * up of a gate/up weight packed by `ops.pack_w8a16_gate_up` (block b:
+// gate columns [16b, 16b + 16), then the same up columns; n a multiple of 32): the same bits as
+// w8a16_linear on the unpermuted weight followed by silu_mul.
+void w8a16_silu_linear(const WInt8Args& args);
 // Whether w8a16_linear runs here (the amx variant, and Linux granted the tiles).
 bool w8a16_available();
 

@@ -17,6 +17,12 @@
 // Packed weight layout: [ceil(N / 32) blocks][Kp / 32 k tiles][2 sub][16 k pairs][16 n][2 k]
 // int8 (Kp = K rounded up to 32, zero padded; N padded with zero columns): one k tile of one
 // block is two AMX B tiles (16 columns each) once widened to bf16.
+//
+// `w8a16_silu_linear` is a SwiGLU MLP's gate/up projection with its activation: the packed
+// columns of block b are gate outputs [16b, 16b + 16) then up outputs [16b, 16b + 16)
+// (`ops.pack_w8a16_gate_up`), so a block's two C tiles hold a gate and its up side by side and
+// the epilogue writes SiLU(gate) * up with silu_mul's 16-lane operations (same bits as
+// w8a16_linear then silu_mul) instead of both halves: half the output, no second pass.
 #include <algorithm>
 #include <stdexcept>
 #include <vector>
@@ -24,6 +30,7 @@
 #include "amx.h"
 #include "ops.h"
 #include "parallel.h"
+#include "vec.h"
 
 namespace kvr {
 
@@ -104,6 +111,46 @@ void store_tile(const WInt8Args& a, const float* acc, int64_t ld, int64_t m0, in
   }
 }
 
+// What a block's sums become: the linear's 32 outputs, or (kSilu) the 16 SiLU(gate) * up of
+// a gate/up block (`w8a16_silu_linear`).
+enum Epilogue { kLinear, kSilu };
+
+// y rows [m0, m0 + rows) of block `block` from its two 16-column sum tiles `gate` and `up`
+// (row stride `ld` floats): SiLU(gate) * up with each side scaled (and biased) as
+// `store_tile` does, then silu_mul's 16-lane operations (rowwise.cpp): the same bits as the
+// linear's output followed by silu_mul.
+void store_silu(const WInt8Args& a, const float* gate, const float* up, int64_t ld, int64_t m0,
+                int rows, int64_t block) {
+  const int64_t c0 = block * kCols, o0 = block * 16;
+  const __m512 sg = _mm512_loadu_ps(a.scale + c0), su = _mm512_loadu_ps(a.scale + c0 + 16);
+  const __m512 bg = a.bias ? _mm512_loadu_ps(a.bias + c0) : _mm512_setzero_ps();
+  const __m512 bu = a.bias ? _mm512_loadu_ps(a.bias + c0 + 16) : _mm512_setzero_ps();
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) {
+    __m512 g = _mm512_mul_ps(_mm512_loadu_ps(gate + r * ld), sg);
+    __m512 u = _mm512_mul_ps(_mm512_loadu_ps(up + r * ld), su);
+    if (a.bias) {
+      g = _mm512_add_ps(g, bg);
+      u = _mm512_add_ps(u, bu);
+    }
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, g))));
+    _mm512_storeu_ps(a.y + (m0 + r) * a.y_stride + o0, _mm512_mul_ps(s, u));
+  }
+}
+
+// Rows [m0, m0 + rows) of block `block` from its sums: columns 0-15 at `acc`, 16-31 at
+// `acc + second` (row stride `ld`).
+template <Epilogue E>
+void store_block(const WInt8Args& a, const float* acc, int64_t second, int64_t ld, int64_t m0,
+                 int rows, int64_t block) {
+  if (E == kSilu) {
+    store_silu(a, acc, acc + second, ld, m0, rows, block);
+  } else {
+    store_tile(a, acc, ld, m0, rows, block * kCols);
+    store_tile(a, acc + second, ld, m0, rows, block * kCols + 16);
+  }
+}
+
 // Accumulator tiles 0-3 from zero.
 inline void zero_acc() {
   _tile_zero(0);
@@ -122,6 +169,7 @@ inline void store_acc(float* acc) {
 
 // Up to 16 rows: per k tile one A tile against the four B tiles of blocks b and b + 1 (four
 // independent accumulators), widened as they are used.
+template <Epilogue E>
 void small_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t block,
                 int64_t blocks) {
   const int64_t ktiles = kp / kK, tiles = block + 1 < blocks ? 4 : 2;
@@ -146,13 +194,14 @@ void small_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t bloc
     }
   }
   const int rows = static_cast<int>(a.m);
-  const int64_t c0 = block * kCols;
   store_acc(acc);
-  for (int j = 0; j < tiles; ++j) store_tile(a, acc + 256 * j, 16, 0, rows, c0 + 16 * j);
+  store_block<E>(a, acc, 256, 16, 0, rows, block);
+  if (tiles == 4) store_block<E>(a, acc + 512, 256, 16, 0, rows, block + 1);
 }
 
 // 17 to 32 rows: per k tile two A tiles against the block's two B tiles, widened as they are
 // used (the sums stay in tiles for all of K).
+template <Epilogue E>
 void pair_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t block) {
   const int64_t ktiles = kp / kK;
   const int8_t* q = a.packed + block * ktiles * 2 * kTileElems;
@@ -170,17 +219,15 @@ void pair_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t block
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  const int64_t c0 = block * kCols;
   const int rows1 = static_cast<int>(a.m - kTileRows);
   store_acc(acc);
-  store_tile(a, acc, 16, 0, kTileRows, c0);
-  store_tile(a, acc + 256, 16, 0, kTileRows, c0 + 16);
-  store_tile(a, acc + 512, 16, kTileRows, rows1, c0);
-  store_tile(a, acc + 768, 16, kTileRows, rows1, c0 + 16);
+  store_block<E>(a, acc, 256, 16, 0, kTileRows, block);
+  store_block<E>(a, acc + 512, 256, 16, kTileRows, rows1, block);
 }
 
 // Rows [r0, r1) of a chunk x one block: per k block the block's B tiles are widened into an
 // L1 panel and every row pair takes them; sums carry across k blocks in `acc` [rows][32].
+template <Epilogue E>
 void large_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t block, int64_t r0,
                 int64_t r1, uint16_t* panel, float* acc) {
   const int64_t ktiles = kp / kK;
@@ -227,9 +274,7 @@ void large_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t bloc
   }
   for (int64_t m0 = r0; m0 < r1; m0 += kTileRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, a.m - m0));
-    const float* c = acc + (m0 - r0) * kCols;
-    store_tile(a, c, kCols, m0, rows, block * kCols);
-    store_tile(a, c + 16, kCols, m0, rows, block * kCols + 16);
+    store_block<E>(a, acc + (m0 - r0) * kCols, 16, kCols, m0, rows, block);
   }
 }
 
@@ -238,9 +283,8 @@ thread_local std::vector<float> t_acc;
 
 }  // namespace
 
-bool w8a16_available() { return amx_permitted(); }
-
-void w8a16_linear(const WInt8Args& a) {
+template <Epilogue E>
+void w8a16_run(const WInt8Args& a) {
   if (a.m == 0 || a.n == 0) return;
   const int64_t kp = (a.k + kK - 1) / kK * kK;
   const int64_t blocks = (a.n + kCols - 1) / kCols;
@@ -252,13 +296,13 @@ void w8a16_linear(const WInt8Args& a) {
   to_bf16_tiles(a, xb, rows, kp);
   if (a.m <= kSmallRows) {
     parallel_on_full_tiles((blocks + 1) / 2, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) small_rows(a, xb, kp, 2 * u, blocks);
+      for (int64_t u = begin; u < end; ++u) small_rows<E>(a, xb, kp, 2 * u, blocks);
     });
     return;
   }
   if (a.m <= 2 * kTileRows) {
     parallel_on_full_tiles(blocks, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) pair_rows(a, xb, kp, b);
+      for (int64_t b = begin; b < end; ++b) pair_rows<E>(a, xb, kp, b);
     });
     return;
   }
@@ -270,10 +314,20 @@ void w8a16_linear(const WInt8Args& a) {
     float* acc = scratch(t_acc, kChunkRows * kCols);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t chunk = u / blocks, block = u % blocks;
-      large_rows(a, xb, kp, block, chunk * kChunkRows,
+      large_rows<E>(a, xb, kp, block, chunk * kChunkRows,
                  std::min(a.m, (chunk + 1) * kChunkRows), panel, acc);
     }
   });
+}
+
+bool w8a16_available() { return amx_permitted(); }
+
+void w8a16_linear(const WInt8Args& a) { w8a16_run<kLinear>(a); }
+
+void w8a16_silu_linear(const WInt8Args& a) {
+  if (a.n % kCols != 0)
+    throw std::invalid_argument("w8a16_silu_linear needs gate/up blocks of 16 + 16 columns");
+  w8a16_run<kSilu>(a);
 }
 
 #else
@@ -282,6 +336,11 @@ bool w8a16_available() { return false; }
 
 void w8a16_linear(const WInt8Args&) {
   throw std::runtime_error("w8a16_linear needs the amx kernel variant (AMX-BF16, AVX512-BF16)");
+}
+
+void w8a16_silu_linear(const WInt8Args&) {
+  throw std::runtime_error(
+      "w8a16_silu_linear needs the amx kernel variant (AMX-BF16, AVX512-BF16)");
 }
 
 #endif

@@ -94,6 +94,13 @@ def _can_pack(weight: torch.Tensor) -> bool:
     )
 
 
+def swiglu(gate_up: Any, x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of x's [gate; up] projection: in one kernel where the layer fuses its
+    activation (`quant.W8A16GateUp.silu_mul`), else the projection then `silu_mul`."""
+    fused = getattr(gate_up, "silu_mul", None)
+    return fused(x) if fused is not None else silu_mul(gate_up(x))
+
+
 class Linear:
     """y = x W^T + b; on CPU fp32 the weight is pre-packed once for oneDNN's GEMM."""
 
@@ -215,7 +222,8 @@ class LlamaForCausalLM(nn.Module):
         def convert(slot: tuple[object, str]) -> None:
             owner, name = slot
             lin = getattr(owner, name)
-            setattr(owner, name, quantized_linear(method, lin.dense_weight(), lin.bias))
+            gate_up = name == "gate_up"
+            setattr(owner, name, quantized_linear(method, lin.dense_weight(), lin.bias, gate_up))
 
         with ThreadPoolExecutor(2) as pool:  # the torch ops release the GIL: ~2x on 2 cores
             list(pool.map(convert, slots))
@@ -300,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
                 attn_in = attn_rows
             # The residual adds run in place, fused with the next norm (one op each).
             x = add_rms_norm(hidden, layer.o(attn_in), layer.post_norm, c.rms_norm_eps)
-            down = layer.down(silu_mul(layer.gate_up(x)))
+            down = layer.down(swiglu(layer.gate_up, x))
             if index + 1 < len(self.layers):
                 x = add_rms_norm(hidden, down, self.layers[index + 1].input_norm, c.rms_norm_eps)
             else:

@@ -6,7 +6,9 @@ of activations rounded to bf16, sums over all inputs on AMX bf16 tiles
 (`kvrelay.kernels.w8a16_linear`, C++). No per-block scales: the tiles run the whole sum, so
 linears are 1.3-1.8x q8_0's once a few rows form; perplexity between int8-weight-only's and
 q8_0's. Rows are bitwise the same in any batch; AMX's summation is its own (no other
-instruction set gives its bits), so other hosts refuse the scheme.
+instruction set gives its bits), so other hosts refuse the scheme. A SwiGLU gate/up projection
+(`W8A16GateUp`) also runs its activation in the same kernel (`kernels.w8a16_silu_linear`):
+SiLU(gate) * up with silu_mul's bits, without writing and rereading the [T, 2I] gate/up rows.
 
 q8_0 (`Q8Linear`): llama.cpp's Q8_0 x Q8_0 dot: the int8-weight-only weights, and each row of
 activations quantized to int8 with one fp32 scale per 32 inputs as it enters the layer;
@@ -220,9 +222,47 @@ class W8A16Linear(Int8WeightLinear):
         return kernels.w8a16_linear(x, self.weight, self.bias)
 
 
-def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None):
-    """`method`'s linear layer for a dense fp32 weight."""
+class W8A16GateUp(W8A16Linear):
+    """A SwiGLU MLP's gate/up projection ([gate; up], [2I, K]) in w8a16 with its activation:
+    `silu_mul(x)` gives SiLU(gate) * up [T, I] in one kernel, bitwise what `silu_mul` of the
+    plain layer's output gives. The weight is packed in `kernels.gate_up_order` (16 gates, then
+    their ups, per 32-column block); calling the layer still gives [T, 2I] in [gate; up] order."""
+
+    __slots__ = ("inverse",)
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether a [2I, K] gate/up weight has the 16-output groups the fused kernel needs."""
+        return weight.dim() == 2 and weight.shape[0] % 32 == 0
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if not self.fits(weight):
+            raise ValueError(f"a gate/up weight needs 2I rows, I a multiple of 16: {weight.shape}")
+        super().__init__(weight, bias)
+        order = kernels.gate_up_order(self.out_features // 2)
+        self.inverse = torch.argsort(order)
+        if self.bias is not None:  # in the packed order, as the kernel reads it
+            self.bias = self.bias[order].contiguous()
+
+    @staticmethod
+    def pack(q: torch.Tensor, scales: torch.Tensor):
+        return kernels.pack_w8a16_gate_up(q, scales)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.w8a16_linear(x, self.weight, self.bias)[:, self.inverse]
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.w8a16_silu_linear(x, self.weight, self.bias)
+
+
+def quantized_linear(
+    method: str, weight: torch.Tensor, bias: torch.Tensor | None, gate_up: bool = False
+):
+    """`method`'s linear layer for a dense fp32 weight; `gate_up`: a SwiGLU [gate; up]
+    projection, which w8a16 fuses with its activation where the shape allows."""
     if method == Quantization.W8A16:
+        if gate_up and W8A16GateUp.fits(weight):
+            return W8A16GateUp(weight, bias)
         return W8A16Linear(weight, bias)
     if method == Quantization.Q8_0:
         return Q8Linear(weight, bias)

@@ -159,6 +159,74 @@ torch::Tensor q8_linear_op(const torch::Tensor& x, const torch::Tensor& packed,
 
 std::string q8_linear_path(int64_t m) { return q8_path(m); }
 
+// A decoder's layers run in one call (`kvrelay.kernels.cpu_decoder`): per layer the same
+// kernel entry points, in the same order, as the model's Python loop calls one by one, so the
+// bits are the same; what goes is the interpreter between them (~0.3 ms per layer on a 2-core
+// host, with the other thread idle in its barrier meanwhile).
+enum LinearKind : int64_t { kW8A16 = 0, kW8A16GateUpSilu = 1, kInt8 = 2, kQ8 = 3 };
+
+// One linear: kind, packed weight, scales, Q8_0 block sums (or undefined), bias, outputs.
+using LinearSpec = std::tuple<int64_t, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
+                              c10::optional<torch::Tensor>, int64_t>;
+// One layer: input norm, post-attention norm, qkv, o, gate/up, down.
+using LayerSpec =
+    std::tuple<torch::Tensor, torch::Tensor, LinearSpec, LinearSpec, LinearSpec, LinearSpec>;
+
+torch::Tensor run_linear(const LinearSpec& l, const torch::Tensor& x) {
+  const auto& [kind, packed, scales, comp, bias, n] = l;
+  switch (kind) {
+    case kW8A16: return scaled_int8_linear<w8a16_linear>(x, packed, scales, bias, n);
+    case kW8A16GateUpSilu: return w8a16_silu_op(x, packed, scales, bias, n);
+    case kInt8: return scaled_int8_linear<wint8_linear>(x, packed, scales, bias, n);
+    case kQ8: return q8_linear_op(x, packed, scales, comp.value(), bias, n);
+    default: throw std::invalid_argument("unknown linear kind " + std::to_string(kind));
+  }
+}
+
+class CpuDecoder {
+ public:
+  CpuDecoder(std::vector<LayerSpec> layers, double eps, int64_t heads)
+      : layers_(std::move(layers)), eps_(eps), heads_(heads) {
+    for (const auto& layer : layers_)
+      for (const LinearSpec* l : {&std::get<2>(layer), &std::get<3>(layer), &std::get<5>(layer)})
+        if (std::get<0>(*l) == kW8A16GateUpSilu)
+          throw std::invalid_argument("only a gate/up projection may fuse its activation");
+  }
+
+  // Every layer on x (the first layer's normed input); hidden (the residual stream) is
+  // updated in place, as the Python loop does.
+  void forward(torch::Tensor& hidden, torch::Tensor x, const torch::Tensor& positions,
+               const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& pool,
+               const torch::Tensor& slots, const torch::Tensor& tables,
+               const torch::Tensor& items, const torch::Tensor& entries,
+               const torch::Tensor& qpos, const torch::Tensor& chunk_off, int64_t chunk_pages,
+               double scale, bool bf16_dots) const {
+    const int64_t n = static_cast<int64_t>(layers_.size());
+    for (int64_t i = 0; i < n; ++i) {
+      const auto& [input_norm, post_norm, qkv, o, gate_up, down] = layers_[i];
+      auto q = rope_kv_write(run_linear(qkv, x), positions, cos, sin, pool, i, slots, heads_);
+      auto attn = attention(q, pool, i, tables, items, entries, qpos, chunk_off, chunk_pages,
+                            scale, bf16_dots);
+      x = add_norm(hidden, run_linear(o, attn.view({attn.size(0), -1})), post_norm, eps_);
+      auto act = run_linear(gate_up, x);
+      if (std::get<0>(gate_up) != kW8A16GateUpSilu) act = swiglu(act);
+      auto out = run_linear(down, act);
+      if (i + 1 < n) {
+        x = add_norm(hidden, out, std::get<0>(layers_[i + 1]), eps_);
+      } else {
+        hidden.add_(out);
+      }
+    }
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  std::vector<LayerSpec> layers_;
+  double eps_;
+  int64_t heads_;
+};
+
 }  // namespace
 
 }  // namespace kvr
@@ -185,5 +253,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &kvr::quantize, release(), "Symmetric int8 per row: (uint8 q, scale)");
   m.def("bf16_attention_available", &kvr::bf16_attention_available,
         "Whether paged_attention can take bf16 dots on AMX tiles here");
+  py::class_<kvr::CpuDecoder>(m, "CpuDecoder", "A decoder's layers run in one call")
+      .def(py::init<std::vector<kvr::LayerSpec>, double, int64_t>())
+      .def("forward", &kvr::CpuDecoder::forward, release())
+      .def("__len__", &kvr::CpuDecoder::size);
   m.def("simd_width", &kvr::simd_width, "Floats per vector of this build (8 AVX2, 16 AVX-512)");
 }

@@ -33,6 +33,7 @@ from kvrelay.core.enums import Quantization
 from kvrelay.core.modelref import QUANTIZATIONS
 from kvrelay.kernels import (
     AttentionMetadata,
+    KernelError,
     add_rms_norm,
     linear,
     paged_attention,
@@ -40,6 +41,7 @@ from kvrelay.kernels import (
     rope_write_kv,
     silu_mul,
 )
+from kvrelay.kernels.cpu_decoder import CpuDecoder, LayerSpec
 from kvrelay.workers.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -180,6 +182,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear.empty(config.vocab_size, config.hidden_size, False, **kw)
         self.scale = config.head_dim**-0.5
         self.row_align = ROW_ALIGN  # 1 once every linear is row-invariant at any row count
+        # every layer in one C++ call where all its linears are C++ ones (`quantize` builds it)
+        self.cpu_decoder: CpuDecoder | None = None
         self._inv_freq = torch.tensor(config.inv_freq(), dtype=torch.float64)
         self._rope_cos = torch.empty(0, config.head_dim // 2, dtype=dtype, device=self.device)
         self._rope_sin = self._rope_cos
@@ -229,6 +233,30 @@ class LlamaForCausalLM(nn.Module):
             list(pool.map(convert, slots))
         if all(getattr(lin, "any_row_count", False) for lin in self.all_linears()):
             self.row_align = 1
+        self.cpu_decoder = self._build_cpu_decoder()
+
+    def _build_cpu_decoder(self) -> CpuDecoder | None:
+        """The layers as one `CpuDecoder` call where every layer linear is a C++ one on CPU
+        (w8a16, int8-weight-only, q8_0), else None (the Python loop runs them)."""
+        layers = self.layers
+        linears = [lin for layer in layers for lin in layer.linears()]
+        if self.device.type != "cpu" or not layers or self.row_align != 1:
+            return None
+        if not all(hasattr(lin, "cpp_spec") for lin in linears):
+            return None
+        specs = [
+            LayerSpec(
+                layer.input_norm,
+                layer.post_norm,
+                *(lin.cpp_spec() for lin in layer.linears()),  # type: ignore[attr-defined]
+            )
+            for layer in layers
+        ]
+        try:
+            return CpuDecoder(specs, self.config.rms_norm_eps, self.config.num_heads)
+        except KernelError as exc:  # the kernels did not load: the loop's calls say so
+            logger.debug("no C++ decoder: %s", exc)
+            return None
 
     def allocate_kv_pool(
         self, num_blocks: int, page_size: int, dtype: torch.dtype | None = None
@@ -287,6 +315,11 @@ class LlamaForCausalLM(nn.Module):
         token_pos = pos[:num_tokens]
         attn_rows = hidden.new_zeros(rows, c.q_size) if rows != num_tokens else None
         x = rms_norm(hidden, self.layers[0].input_norm, c.rms_norm_eps) if self.layers else hidden
+        decoder = self.cpu_decoder
+        if decoder is not None and decoder.run(
+            hidden, x, token_pos, cos_table, sin_table, kv_pool, slots, meta, self.scale
+        ):
+            return self.compute_logits(hidden, logits_indices)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
             # RoPE on q and k, k and v into the pool: one fused op (C++ on CPU fp32).

@@ -51,6 +51,7 @@ import torch
 
 from kvrelay import kernels
 from kvrelay.core.enums import Quantization
+from kvrelay.kernels.cpu_decoder import LinearKind, LinearSpec
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +188,14 @@ class Int8WeightLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.int8_linear(x, self.weight, self.bias)
 
+    def cpp_spec(self) -> LinearSpec:
+        """This layer for `kernels.CpuDecoder` (the same kernel as a call)."""
+        return self._spec(LinearKind.INT8)
+
+    def _spec(self, kind: LinearKind, comp: torch.Tensor | None = None) -> LinearSpec:
+        w = self.weight
+        return LinearSpec(kind, w.packed, w.scales, comp, self.bias, self.out_features)
+
 
 class Q8Linear(Int8WeightLinear):
     """Drop-in for `model.Linear` (same call): y = x W^T + b in Q8_0 x Q8_0 arithmetic (the
@@ -201,6 +210,9 @@ class Q8Linear(Int8WeightLinear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.q8_linear(x, self.weight, self.bias)
+
+    def cpp_spec(self) -> LinearSpec:
+        return self._spec(LinearKind.Q8, self.weight.comp)
 
 
 class W8A16Linear(Int8WeightLinear):
@@ -220,6 +232,9 @@ class W8A16Linear(Int8WeightLinear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.w8a16_linear(x, self.weight, self.bias)
+
+    def cpp_spec(self) -> LinearSpec:
+        return self._spec(LinearKind.W8A16)
 
 
 class W8A16GateUp(W8A16Linear):
@@ -253,6 +268,9 @@ class W8A16GateUp(W8A16Linear):
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.w8a16_silu_linear(x, self.weight, self.bias)
+
+    def cpp_spec(self) -> LinearSpec:
+        return self._spec(LinearKind.W8A16_GATE_UP_SILU)
 
 
 def quantized_linear(

@@ -1,0 +1,181 @@
+"""A Llama-style decoder's layers in one C++ call on CPU (`CpuDecoder`).
+
+The model's Python loop calls, per layer, a linear, RoPE with the K/V write, paged attention,
+a linear, the residual add with the next norm, the gate/up linear (its activation fused or
+`silu_mul`), the down linear and the next residual add: about ten calls, each with its
+wrapper's checks. On a 2-core host that interpreter work was ~0.3 ms per layer (10-14% of a
+step), with the other thread idle in its barrier all the while. `CpuDecoder.run` makes the
+same kernel calls, in the same order, from C++ (bindings.cpp): the same bits, the per-layer
+checks done once per step. It runs where every linear is a C++ one (w8a16, int8-weight-only,
+q8_0) and attention is the C++ path's; elsewhere (`run` returns False) the model loops in
+Python as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from kvrelay.kernels import cpu_build, cpu_paged
+from kvrelay.kernels.errors import KernelError
+from kvrelay.kernels.metadata import AttentionMetadata
+
+
+class LinearKind(IntEnum):
+    """How a linear's packed weight is applied (bindings.cpp `LinearKind`)."""
+
+    W8A16 = 0  # `w8a16_linear`
+    W8A16_GATE_UP_SILU = 1  # `w8a16_silu_linear`: a gate/up projection and its activation
+    INT8 = 2  # `int8_linear` (int8-weight-only)
+    Q8 = 3  # `q8_linear`
+
+
+@dataclass(frozen=True, slots=True)
+class LinearSpec:
+    """A C++ linear: its kind, its packed weight's tensors, bias and output count."""
+
+    kind: LinearKind
+    packed: torch.Tensor
+    scales: torch.Tensor
+    comp: torch.Tensor | None  # q8_0's block sums
+    bias: torch.Tensor | None
+    out_features: int
+
+    def as_tuple(self) -> tuple:
+        return (int(self.kind), self.packed, self.scales, self.comp, self.bias, self.out_features)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One decoder layer: its two RMSNorm weights and four linears."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: LinearSpec
+    o: LinearSpec
+    gate_up: LinearSpec
+    down: LinearSpec
+
+
+class CpuDecoder:
+    """The layers `specs` of a model with `num_heads` query heads and RMSNorm `eps`."""
+
+    def __init__(self, specs: list[LayerSpec], eps: float, num_heads: int):
+        ext = cpu_build.load()
+        if ext is None:
+            raise KernelError("the C++ CPU kernels are not loaded")
+        layers = [
+            (
+                s.input_norm.contiguous(),
+                s.post_norm.contiguous(),
+                s.qkv.as_tuple(),
+                s.o.as_tuple(),
+                s.gate_up.as_tuple(),
+                s.down.as_tuple(),
+            )
+            for s in specs
+        ]
+        self._impl: Any = ext.CpuDecoder(layers, float(eps), int(num_heads))
+        self.num_layers = len(specs)
+        self.num_heads = int(num_heads)
+        self._qkv_width = {s.qkv.out_features for s in specs}
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> bool:
+        """Every layer on x (the first layer's normed input) with the residual stream `hidden`
+        [T, hidden] updated in place, as the Python loop would; False (nothing done) where
+        this step is not one the C++ path takes, and the caller loops in Python (whose checks
+        then say what is wrong)."""
+        num_tokens = int(slot_mapping.shape[0])
+        if not self._takes(hidden, x, cos, sin, kv_pool, slot_mapping, positions, meta):
+            return False
+        if num_tokens == 0:
+            return False
+        # the checks ops.rope_write_kv makes per layer, once
+        if not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
+            raise KernelError(f"positions must be in [0, {cos.shape[0]})")
+        if int(slot_mapping.max()) >= kv_pool.shape[0] * kv_pool.shape[3]:
+            raise KernelError(f"slot {int(slot_mapping.max())} outside the pool")
+        plan = cpu_paged.get_plan(meta, kv_pool.shape[3], kv_pool.shape[0], num_tokens)
+        self._impl.forward(
+            hidden,
+            x,
+            positions.to(torch.int64).contiguous(),
+            cos.contiguous(),
+            sin.contiguous(),
+            kv_pool,
+            slot_mapping.contiguous(),
+            plan.block_tables,
+            plan.items,
+            plan.entries,
+            plan.positions,
+            plan.chunk_offsets,
+            plan.chunk_pages,
+            float(scale),
+            meta.precision == "bf16",
+        )
+        return True
+
+    def _takes(
+        self,
+        hidden: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> bool:
+        """Whether the kernels the Python loop would pick for this step are all C++ ones
+        (shapes as the model makes them; anything else goes to the loop)."""
+        num_tokens = int(slot_mapping.shape[0])
+        if not (
+            hidden.dtype == x.dtype == cos.dtype == sin.dtype == torch.float32
+            and hidden.is_cpu
+            and x.is_cpu
+            and cos.is_cpu
+            and sin.is_cpu
+            and hidden.is_contiguous()
+            and x.is_contiguous()
+            and hidden.dim() == x.dim() == 2
+            and hidden.shape[0] == x.shape[0] == num_tokens
+            and positions.shape == slot_mapping.shape
+            and slot_mapping.dtype == torch.int64
+            and kv_pool.dim() == 6
+            and kv_pool.shape[2] == 2
+            and kv_pool.shape[1] >= self.num_layers
+            and cos.shape == sin.shape
+            and cos.dim() == 2
+            and cos.shape[1] == kv_pool.shape[5] // 2
+            and self.num_heads % kv_pool.shape[4] == 0
+            and self._qkv_width == {(self.num_heads + 2 * kv_pool.shape[4]) * kv_pool.shape[5]}
+        ):
+            return False
+        num_seqs = meta.context_lens.shape[0]
+        if meta.query_start_loc.shape[0] != num_seqs + 1 or meta.block_tables.shape[0] != num_seqs:
+            return False
+        query = torch.empty((0, self.num_heads, kv_pool.shape[5]))  # shape and dtype only
+        if not cpu_paged.supports(query, kv_pool):
+            return False
+        if meta.precision == "bf16":
+            return (
+                cpu_paged.bf16_attention_available()
+                and kv_pool.dtype == torch.bfloat16
+                and kv_pool.shape[3] % 16 == 0
+                and kv_pool.shape[5] in cpu_paged.BF16_HEAD_DIMS
+            )
+        return meta.precision == "fp32"

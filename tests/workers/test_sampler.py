@@ -46,6 +46,17 @@ def test_greedy_takes_argmax_first_on_ties():
     assert out[0].logprobs is None
 
 
+def test_greedy_rows_of_a_whole_vocabulary_take_the_first_maximum():
+    """The batched greedy path at a real vocabulary size (49,152) and 32 rows: ties planted
+    far apart resolve to the first, as argmax does (the path the engine's steps take)."""
+    logits = torch.randn(32, 49152, generator=torch.Generator().manual_seed(0))
+    for i, spots in enumerate([(7, 40000), (30000, 49151), (0, 1), (16, 17, 48000)] * 8):
+        logits[i, list(spots)] = 100.0 + i % 3
+    out = Sampler()(logits, [row(temperature=0.0) for _ in range(32)])
+    want = [[7, 30000, 0, 16][i % 4] for i in range(32)]
+    assert [r.token_id for r in out] == want == logits.argmax(dim=-1).tolist()
+
+
 def test_temperature_draw_is_inverse_cdf_of_counter_uniform():
     probs = [0.1, 0.2, 0.3, 0.4]
     sampler = Sampler()

@@ -118,12 +118,7 @@ class CpuDecoder:
             sin.contiguous(),
             kv_pool,
             slot_mapping.contiguous(),
-            plan.block_tables,
-            plan.items,
-            plan.entries,
-            plan.positions,
-            plan.chunk_offsets,
-            plan.chunk_pages,
+            *plan.args(),
             float(scale),
             meta.precision == "bf16",
         )

@@ -45,6 +45,17 @@ class CppPlan:
     chunk_offsets: torch.Tensor  # int32 [T + 1]: first partial of each token
     chunk_pages: int
 
+    def args(self) -> tuple:
+        """The plan as the extension's attention calls take it, in their order."""
+        return (
+            self.block_tables,
+            self.items,
+            self.entries,
+            self.positions,
+            self.chunk_offsets,
+            self.chunk_pages,
+        )
+
 
 # is_cpu rather than device.type in these per-call checks: a device object costs ~0.3 us.
 def _f32_cpu(*tensors: torch.Tensor) -> bool:
@@ -197,16 +208,4 @@ def paged_attention(
     assert ext is not None
     shape = kv_pool.shape
     plan = get_plan(meta, shape[3], shape[0], query.shape[0])
-    return ext.paged_attention(
-        query.contiguous(),
-        kv_pool,
-        layer,
-        plan.block_tables,
-        plan.items,
-        plan.entries,
-        plan.positions,
-        plan.chunk_offsets,
-        plan.chunk_pages,
-        scale,
-        bf16,
-    )
+    return ext.paged_attention(query.contiguous(), kv_pool, layer, *plan.args(), scale, bf16)

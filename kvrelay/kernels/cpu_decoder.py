@@ -22,6 +22,7 @@ import torch
 from kvrelay.kernels import cpu_build, cpu_paged
 from kvrelay.kernels.errors import KernelError
 from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.kernels.ops import check_rope_rows
 
 
 class LinearKind(IntEnum):
@@ -104,11 +105,7 @@ class CpuDecoder:
             return False
         if num_tokens == 0:
             return False
-        # the checks ops.rope_write_kv makes per layer, once
-        if not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
-            raise KernelError(f"positions must be in [0, {cos.shape[0]})")
-        if int(slot_mapping.max()) >= kv_pool.shape[0] * kv_pool.shape[3]:
-            raise KernelError(f"slot {int(slot_mapping.max())} outside the pool")
+        check_rope_rows(positions, slot_mapping, cos.shape[0], kv_pool)  # once, not per layer
         plan = cpu_paged.get_plan(meta, kv_pool.shape[3], kv_pool.shape[0], num_tokens)
         self._impl.forward(
             hidden,

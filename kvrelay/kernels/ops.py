@@ -86,6 +86,17 @@ def write_kv(
     _backend(impl, key).write_kv(kv_pool, layer, key, value, slot_mapping)
 
 
+def check_rope_rows(
+    positions: torch.Tensor, slot_mapping: torch.Tensor, table_rows: int, kv_pool: torch.Tensor
+) -> None:
+    """Positions inside the RoPE tables and slots inside the pool (CPU rows: on CUDA these
+    reductions would cost a device sync), else a KernelError."""
+    if not 0 <= int(positions.min()) <= int(positions.max()) < table_rows:
+        raise KernelError(f"positions must be in [0, {table_rows})")
+    if int(slot_mapping.max()) >= kv_pool.shape[0] * kv_pool.shape[3]:
+        raise KernelError(f"slot {int(slot_mapping.max())} outside the pool")
+
+
 def rope_write_kv(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -111,10 +122,7 @@ def rope_write_kv(
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim // 2:
         raise KernelError(f"cos/sin must be [N, {head_dim // 2}], got {tuple(cos.shape)}")
     if not qkv.is_cuda and num_tokens:
-        if not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
-            raise KernelError(f"positions must be in [0, {cos.shape[0]})")
-        if int(slot_mapping.max()) >= kv_pool.shape[0] * kv_pool.shape[3]:
-            raise KernelError(f"slot {int(slot_mapping.max())} outside the pool")
+        check_rope_rows(positions, slot_mapping, cos.shape[0], kv_pool)
     backend = _backend(impl, qkv)
     fused = getattr(backend, "rope_write_kv", None)
     if fused is not None:

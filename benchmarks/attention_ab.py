@@ -12,8 +12,10 @@ bits (a change meant to keep them must print same=True).
 A tree is a checkout of this repository: its kernels are built (or found in the cache) by a
 child process with that tree first on PYTHONPATH. Cases: a 512-row prefill chunk at 4,096, a
 2,048-token prompt in one shot, decode 32 x 2,048, decode 8 x 4,096 over a 30-layer pool (the
-bytes come from memory, as in the engine), 3 x 700 prompts; SmolLM2 shapes (9 heads, 3 KV
-heads, head_dim 64, pages of 16), 2 threads by default.
+bytes come from memory, as in the engine), 3 x 700 prompts, a mixed step (a 496-row chunk at
+3,000 beside 16 decodes at 4,096, 30 layers); SmolLM2 shapes (9 heads, 3 KV heads, head_dim
+64, pages of 16), 2 threads by default. The last row times the fused RoPE + K/V write
+(`rope_write_kv`) of a 496-token chunk, the op beside attention in each layer.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ CASES = (  # name, context lengths, query lengths, layers in the pool
     ("decode 32 x 2,048", [2048] * 32, [1] * 32, 1),
     ("decode 8 x 4,096, 30 layers", [4096] * 8, [1] * 8, 30),
     ("prefill 3 x 700", [700] * 3, [700] * 3, 1),
+    # a mixed step of a long-context run: a prefill chunk beside 16 decoding sequences
+    (
+        "mixed: 496 at 3,000 + 16 x 4,096 decode, 30 layers",
+        [3000] + [4096] * 16,
+        [496] + [1] * 16,
+        30,
+    ),
 )
 
 
@@ -96,6 +105,18 @@ def run(ext, q, pool, meta, layer: int, bf16: bool) -> torch.Tensor:
     )  # fmt: skip
 
 
+def rope_case(dtype: torch.dtype):
+    """`rope_write_kv`'s arguments for a 496-token chunk at positions 1,000.. (one layer)."""
+    g = torch.Generator().manual_seed(0)
+    tokens, half = 496, HEAD_DIM // 2
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g)
+    positions = torch.arange(1000, 1000 + tokens, dtype=torch.int64)
+    cos, sin = torch.randn(8192, half, generator=g), torch.randn(8192, half, generator=g)
+    pool = torch.zeros(tokens // PAGE + 1, 30, 2, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype)
+    slots = torch.arange(tokens, dtype=torch.int64)
+    return qkv, positions, cos, sin, pool, 3, slots, HEADS
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--a", required=True, help="baseline: a tree or a kernel .so")
@@ -129,6 +150,23 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {ma:.2f} / {da:.2f} | {mb:.2f} / {db:.2f} | "
             f"{mb / ma:.3f} / {db / da:.3f} | {'yes' if same else 'NO'} |"
         )
+    rope = rope_case(dtype)
+    pool_a, pool_b = rope[4].clone(), rope[4].clone()
+    q_a = a.rope_write_kv(*rope[:4], pool_a, *rope[5:])
+    q_b = b.rope_write_kv(*rope[:4], pool_b, *rope[5:])
+    same = torch.equal(q_a, q_b) and torch.equal(pool_a, pool_b)
+    times = {"a": [], "b": []}
+    for r in range(10 * args.rounds):
+        for key in ("a", "b") if r % 2 == 0 else ("b", "a"):
+            ext = a if key == "a" else b
+            t = time.perf_counter()
+            ext.rope_write_kv(*rope)
+            times[key].append(time.perf_counter() - t)
+    ta, tb = times["a"], times["b"]
+    ma, mb = min(ta) * 1e3, min(tb) * 1e3
+    da, db = statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
+    print(f"| rope_write_kv, 496 tokens | {ma:.3f} / {da:.3f} | {mb:.3f} / {db:.3f} | "
+          f"{mb / ma:.3f} / {db / da:.3f} | {'yes' if same else 'NO'} |")  # fmt: skip
     return 0
 
 

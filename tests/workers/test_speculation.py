@@ -7,11 +7,20 @@ import math
 
 import pytest
 
-from kvrelay.core.enums import Speculation
+from kvrelay.core.enums import Quantization, Speculation
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine.ngram import NgramIndex
 from kvrelay.workers.engine.sequence import SpecState
-from kvrelay.workers.engine.speculator import Speculator, resolve_speculation
+from kvrelay.workers.engine.speculator import (
+    CPU_STEP_OVERHEAD_BYTES,
+    Speculator,
+    StepCost,
+    default_free_rows,
+    default_row_cost,
+    fixed_step_bytes,
+    resolve_speculation,
+)
+from kvrelay.workers.model.config import ModelConfig
 
 from .conftest import quantized_engine_factory
 
@@ -57,7 +66,7 @@ def test_ngram_index_is_incremental() -> None:
 
 
 def test_draft_length_follows_acceptance_and_batch_size() -> None:
-    spec = Speculator(drafter=None, max_draft=6, row_cost=0.05, max_model_len=100)  # type: ignore[arg-type]
+    spec = Speculator(drafter=None, max_draft=6, cost=StepCost(0.05), max_model_len=100)  # type: ignore[arg-type]
     one = 0.05 / 1.05  # threshold at one decoding sequence
     assert spec._worth(0.5, one) == 4  # 0.5 ** 4 = 0.0625 > 0.0476 > 0.5 ** 5
     assert spec._worth(0.9, one) == 6  # capped
@@ -67,6 +76,46 @@ def test_draft_length_follows_acceptance_and_batch_size() -> None:
     assert spec._worth(0.5, many) == 0
     assert spec._worth(0.9, many) == 4  # 0.9 ** 4 = 0.656, 0.9 ** 5 = 0.590
     assert spec._worth(0.9, 0.66) == 3  # 0.9 ** 4 = 0.6561 is not above 0.66
+
+
+def test_step_cost_without_context_or_free_rows_is_the_plain_rule() -> None:
+    plain = StepCost(row_cost=0.05)
+    assert plain.threshold(1, 10_000, 0.0) == pytest.approx(0.05 / 1.05)
+    assert plain.threshold(32, 0, 0.0) == pytest.approx(0.05 * 32 / (1 + 0.05 * 32))
+    assert plain.threshold(4, 0, 0.2) == pytest.approx((0.05 * 4 + 0.2) / (1 + 0.05 * 4))
+
+
+def test_step_cost_counts_context_and_free_rows() -> None:
+    # F = 1,000 bytes, 10 bytes per token: 300 tokens of context cost 3 T0
+    cost = StepCost(row_cost=0.04, free_rows=32, fixed_bytes=1000.0, kv_bytes_per_token=10)
+    assert cost.threshold(8, 0, 0.0) == pytest.approx(0.04 * 8)  # all 8 rows are free
+    assert cost.threshold(8, 300, 0.0) == pytest.approx(0.04 * 8 / 4)
+    assert cost.threshold(40, 300, 0.0) == pytest.approx(0.04 * 40 / (1 + 0.04 * 8 + 3))
+    # long contexts make drafts pay where the plain rule (0.25 per row) would draft nothing
+    spec = Speculator(drafter=None, max_draft=6, cost=cost, max_model_len=100)  # type: ignore[arg-type]
+    old = Speculator(drafter=None, max_draft=6, cost=StepCost(0.25), max_model_len=100)  # type: ignore[arg-type]
+    assert old.cost.threshold(8, 300, 0.0) == pytest.approx(2 / 3)
+    assert old._worth(0.6, old.cost.threshold(8, 300, 0.0)) == 0
+    assert spec._worth(0.6, spec.cost.threshold(8, 300, 0.0)) == 4  # 0.6 ** 4 = 0.13 > 0.08
+    assert spec.row_cost == 0.04
+
+
+def test_default_costs_by_device_and_quantization() -> None:
+    assert default_row_cost("cpu") == 0.25
+    assert default_row_cost("cpu", Quantization.INT8_WEIGHT_ONLY) == 0.25
+    assert default_row_cost("cpu", Quantization.W8A16) == 0.04
+    assert default_row_cost("cuda", Quantization.NONE) == 0.01
+    assert default_free_rows("cpu", Quantization.W8A16) == 32
+    assert default_free_rows("cpu", Quantization.Q8_0) == 0
+    assert default_free_rows("cuda", Quantization.NONE) == 0
+    smollm2 = ModelConfig(model_type="llama", hidden_size=576, intermediate_size=1536,
+                          num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                          vocab_size=49152, max_position_embeddings=8192)  # fmt: skip
+    weights = 30 * (576 * 15 * 64 + 9 * 64 * 576 + 3 * 576 * 1536) + 49152 * 576
+    assert weights == 134_479_872
+    assert fixed_step_bytes(smollm2, Quantization.W8A16, 4) == weights + CPU_STEP_OVERHEAD_BYTES
+    assert fixed_step_bytes(smollm2, Quantization.NONE, 4) == 4 * weights + CPU_STEP_OVERHEAD_BYTES
+    assert fixed_step_bytes(smollm2, Quantization.FP16, 4) == 2 * weights + CPU_STEP_OVERHEAD_BYTES
 
 
 def test_acceptance_estimate_learns_and_drifts_back() -> None:
@@ -262,3 +311,12 @@ def test_off_drafts_nothing_and_bad_settings_are_refused(make_engine) -> None:
     with pytest.raises(ValueError, match="max_draft"):
         make_engine(num_speculative_tokens=0)
     assert math.isclose(make_engine().speculator.row_cost, 0.25)
+
+
+def test_a_cpu_engine_prices_context(make_engine) -> None:
+    eng = make_engine()
+    cost = eng.speculator.cost
+    per_token = 30 * 2 * 3 * 64 * eng.kv_dtype.itemsize  # layers x K and V x heads x dims
+    assert cost.kv_bytes_per_token == eng.kv_bytes_per_token == per_token
+    assert cost.fixed_bytes == fixed_step_bytes(eng.loaded.config, "int8-weight-only", 4)
+    assert cost.free_rows == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import math
 import operator
 import time
 from collections.abc import Sequence as Seq
@@ -40,7 +41,10 @@ from kvrelay.workers.engine.speculator import (
     Drafter,
     NgramDrafter,
     Speculator,
+    StepCost,
+    default_free_rows,
     default_row_cost,
+    fixed_step_bytes,
     resolve_speculation,
 )
 from kvrelay.workers.errors import EngineError, InvalidRequestError
@@ -139,6 +143,7 @@ class Engine:
             * mc.head_dim
             * torch.empty((), dtype=kv_dtype).element_size()
         )
+        self.kv_bytes_per_token = block_bytes // P
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
         kv_pool = allocate_kv_pool(mc, num_blocks, P, kv_dtype, loaded.device)
         self.runner = ModelRunner(loaded.model, kv_pool, P, attention)
@@ -189,8 +194,19 @@ class Engine:
             drafter: Drafter = DraftModelDrafter(self, config.draft_model)
         else:
             drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
-        row_cost = config.spec_row_cost or default_row_cost(self.loaded.device.type)
-        return Speculator(drafter, config.num_speculative_tokens, row_cost, self.max_model_len)
+        device, quantization = self.loaded.device.type, self.loaded.quantization
+        cost = StepCost(
+            row_cost=config.spec_row_cost or default_row_cost(device, quantization),
+            free_rows=default_free_rows(device, quantization),
+            # On a GPU the step's fixed cost is not its bytes read: context is left out there.
+            fixed_bytes=fixed_step_bytes(
+                self.loaded.config, quantization, self.loaded.dtype.itemsize
+            )
+            if device == "cpu"
+            else math.inf,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+        )
+        return Speculator(drafter, config.num_speculative_tokens, cost, self.max_model_len)
 
     @property
     def num_blocks(self) -> int:

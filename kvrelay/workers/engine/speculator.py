@@ -24,15 +24,31 @@ A draft model also runs a forward per draft position, costing `d T0` (the drafte
 `B` sequences (as if all drafted that far), a draft token then costs `c + d T0 / B`, so a row
 pays when `a ** j > (c B + d T0) / (T0 + B c)`. A draft model as large as the target (`d >= 1`)
 never pays, and drafts nothing.
+
+Two more terms make the step's cost what it is on a CPU (`StepCost`):
+- Context. A decoding sequence reads its whole K/V every step, and its draft rows share that
+  read (one attention unit takes all of a sequence's query rows): with `KV` bytes of context
+  the step costs `T0 (1 + KV / F) + B c`, where `F` is the step's fixed cost in bytes read
+  (`fixed_step_bytes`: the weights plus what the rest of a step costs, measured). At 8 x 4,000
+  tokens of context a SmolLM2 decode step took 48.8 ms against 16.7 at 8 x 600 (AMX host,
+  w8a16, bf16 K/V); the rows cost the same, so long contexts make drafts cheap.
+- Free rows. Linears on AMX tiles (`w8a16`) take up to 32 rows at one cost (two A tiles), so
+  the first `free_rows` rows of a step do not add `c`: B sequences cost `T0 + c max(0, B -
+  free_rows)`. Measured (same host, 600-token contexts): 8 x 1 rows 16.7 ms, 8 x 4 19.3; 32 x 1
+  35.5, 32 x 2 55.2 (c = 0.62 ms, T0 ~ 15.7: c / T0 0.04).
+So a row pays when `a ** j > (c B + d T0) / (T0 (1 + KV / F) + c max(0, B - free_rows))`.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Protocol
 
-from kvrelay.core.enums import Speculation
+from kvrelay.core.enums import Quantization, Speculation
 from kvrelay.workers.engine.ngram import NgramIndex
 from kvrelay.workers.engine.sequence import Sequence
+from kvrelay.workers.model.config import ModelConfig
 
 # c / T0 (see the module docstring). CPU: SmolLM2-135M int8-weight-only, 2 threads, Zen 4
 # (`python benchmarks/speculation.py --rows`): one row 8.2 ms, four 12.3, eight 21.3; the
@@ -41,10 +57,61 @@ from kvrelay.workers.engine.sequence import Sequence
 # other workers (0.95-1.00x on open-ended chat), so 0.25 (docs/benchmarks.md "Speculative
 # decoding"). A GPU step stays weight-bound far longer.
 ROW_COST = {"cpu": 0.25, "cuda": 0.01}
+# w8a16 linears on AMX tiles (measured as in the module docstring): c / T0 and the rows a step
+# takes at one cost.
+W8A16_ROW_COST, W8A16_FREE_ROWS = 0.04, 32
+# What a CPU decode step costs besides reading its weights, in bytes read at the same speed:
+# SmolLM2-135M w8a16 on an AMX host took T0 ~ 15.7 ms, ~320 MB of K/V reads at its ~20 GB/s,
+# of which its linear weights are 134 MB (Python, sampling, norms and launches are the rest).
+CPU_STEP_OVERHEAD_BYTES = 192 << 20
+# Bytes per linear weight by quantization (int8 kinds: 1; fp16: 2; none: the model dtype).
+WEIGHT_BYTES = {Quantization.FP16: 2}
 
 
-def default_row_cost(device_type: str) -> float:
+def default_row_cost(device_type: str, quantization: str = Quantization.NONE) -> float:
+    if device_type == "cpu" and quantization == Quantization.W8A16:
+        return W8A16_ROW_COST
     return ROW_COST.get(device_type, ROW_COST["cpu"])
+
+
+def default_free_rows(device_type: str, quantization: str) -> int:
+    """Rows a step's linears take at one cost (see the module docstring)."""
+    return W8A16_FREE_ROWS if device_type == "cpu" and quantization == Quantization.W8A16 else 0
+
+
+def fixed_step_bytes(config: ModelConfig, quantization: str, dtype_bytes: int) -> int:
+    """A CPU decode step's fixed cost `F` in bytes read: its linear weights (the layers' and the
+    LM head's) plus CPU_STEP_OVERHEAD_BYTES."""
+    h, d = config.hidden_size, config.head_dim
+    per_layer = (
+        h * (config.num_heads + 2 * config.num_kv_heads) * d  # qkv
+        + config.num_heads * d * h  # o
+        + 3 * h * config.intermediate_size  # gate, up, down
+    )
+    weights = config.num_layers * per_layer + config.vocab_size * h
+    if quantization == Quantization.NONE:
+        per_weight = dtype_bytes
+    else:
+        per_weight = WEIGHT_BYTES.get(Quantization(quantization), 1)
+    return weights * per_weight + CPU_STEP_OVERHEAD_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """What a decode step costs, relative to its fixed cost T0 (the module docstring)."""
+
+    row_cost: float  # c / T0
+    free_rows: int = 0  # rows the step's linears take at one cost
+    fixed_bytes: float = math.inf  # F: T0 in bytes of K/V read (inf: context is free)
+    kv_bytes_per_token: int = 0
+
+    def threshold(self, batch: int, context_tokens: int, drafter_cost: float) -> float:
+        """Acceptance probability above which a draft row pays, for `batch` decoding sequences
+        holding `context_tokens` tokens of K/V in all."""
+        rb = self.row_cost * batch
+        base = 1.0 + self.row_cost * max(0, batch - self.free_rows)
+        base += context_tokens * self.kv_bytes_per_token / self.fixed_bytes
+        return (rb + drafter_cost) / base
 
 
 def resolve_speculation(mode: str, draft_model: str | None) -> Speculation:
@@ -101,15 +168,19 @@ class NgramDrafter:
 class Speculator:
     """Chooses each decoding sequence's draft length and asks the drafter for the tokens."""
 
-    def __init__(self, drafter: Drafter, max_draft: int, row_cost: float, max_model_len: int):
+    def __init__(self, drafter: Drafter, max_draft: int, cost: StepCost, max_model_len: int):
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
-        if row_cost <= 0:
-            raise ValueError(f"row_cost must be > 0, got {row_cost}")
+        if cost.row_cost <= 0:
+            raise ValueError(f"row_cost must be > 0, got {cost.row_cost}")
         self.drafter = drafter
         self.max_draft = max_draft
-        self.row_cost = row_cost
+        self.cost = cost
         self.max_model_len = max_model_len
+
+    @property
+    def row_cost(self) -> float:
+        return self.cost.row_cost
 
     def propose(self, running: list[Sequence]) -> None:
         """Set `seq.draft` of every running sequence ([] for those that draft nothing)."""
@@ -120,8 +191,8 @@ class Speculator:
                 decoding.append(seq)
         if not decoding:
             return
-        rb = self.row_cost * len(decoding)
-        threshold = (rb + self.drafter.cost) / (1.0 + rb)
+        context = sum(seq.num_computed_tokens for seq in decoding)
+        threshold = self.cost.threshold(len(decoding), context, self.drafter.cost)
         seqs, lengths = [], []
         for seq in decoding:
             k = min(self._worth(seq.spec.acceptance, threshold), self._room(seq))

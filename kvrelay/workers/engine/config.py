@@ -41,7 +41,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # n-gram lengths matched, longest first (vLLM's names)
     prompt_lookup_max: int = 4
     draft_model: str | None = None  # same tokenizer as `model`; loaded like it
-    spec_row_cost: float = 0.0  # a row's cost over a step's fixed cost; 0: the device's default
+    spec_row_cost: float = 0.0  # a row's cost over a step's fixed cost; 0: the kernels' default
     cuda_graphs: bool = True  # on CUDA, decode steps replay CUDA graphs (engine/cuda_graphs.py)
 
 

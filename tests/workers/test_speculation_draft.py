@@ -14,9 +14,9 @@ from kvrelay.core.config import ConfigError
 from kvrelay.core.enums import Speculation
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine import draft_model
-from kvrelay.workers.engine.draft_model import DraftModelDrafter, matmul_params
+from kvrelay.workers.engine.draft_model import DraftModelDrafter
 from kvrelay.workers.engine.llm_engine import Engine, EngineConfig, RequestOutput
-from kvrelay.workers.engine.speculator import resolve_speculation
+from kvrelay.workers.engine.speculator import matmul_params, resolve_speculation
 
 DRAFT = "smollm2-135m-instruct"
 

@@ -42,11 +42,11 @@ from kvrelay.workers.engine.kv_cache_manager import KVCacheManager
 from kvrelay.workers.engine.model_runner import ModelRunner
 from kvrelay.workers.engine.scheduler import ScheduledSeq, Scheduler
 from kvrelay.workers.engine.sequence import Sequence
+from kvrelay.workers.engine.speculator import matmul_params
 from kvrelay.workers.model.llama import allocate_kv_pool
 from kvrelay.workers.model.loader import load_model
 
 if TYPE_CHECKING:
-    from kvrelay.workers.model.config import ModelConfig
     from kvrelay.workers.model.loader import LoadedModel
 
 
@@ -91,16 +91,6 @@ def _as_seq(view: _DraftView) -> Sequence:
     """`view` where ScheduledSeq takes a Sequence: it has every field that
     `ModelRunner.prepare` and `draft` read of one."""
     return cast(Sequence, view)
-
-
-def matmul_params(config: ModelConfig) -> int:
-    """Weights a token's forward multiplies by (attention, MLP, LM head; not the embedding
-    lookup): a decode step is bound by reading them, so their ratio is a step-cost ratio."""
-    c = config
-    kv = c.num_kv_heads * c.head_dim
-    q = c.num_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-    return c.num_layers * per_layer + c.vocab_size * c.hidden_size
 
 
 def vocab_fingerprint(tokenizer) -> str:

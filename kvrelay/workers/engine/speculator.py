@@ -79,16 +79,20 @@ def default_free_rows(device_type: str, quantization: str) -> int:
     return W8A16_FREE_ROWS if device_type == "cpu" and quantization == Quantization.W8A16 else 0
 
 
+def matmul_params(config: ModelConfig) -> int:
+    """Weights a token's forward multiplies by (attention, MLP, LM head; not the embedding
+    lookup): a decode step is bound by reading them, so their ratio is a step-cost ratio."""
+    c = config
+    kv = c.num_kv_heads * c.head_dim
+    q = c.num_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    return c.num_layers * per_layer + c.vocab_size * c.hidden_size
+
+
 def fixed_step_bytes(config: ModelConfig, quantization: str, dtype_bytes: int) -> int:
-    """A CPU decode step's fixed cost `F` in bytes read: its linear weights (the layers' and the
-    LM head's) plus CPU_STEP_OVERHEAD_BYTES."""
-    h, d = config.hidden_size, config.head_dim
-    per_layer = (
-        h * (config.num_heads + 2 * config.num_kv_heads) * d  # qkv
-        + config.num_heads * d * h  # o
-        + 3 * h * config.intermediate_size  # gate, up, down
-    )
-    weights = config.num_layers * per_layer + config.vocab_size * h
+    """A CPU decode step's fixed cost `F` in bytes read: its linear weights (`matmul_params`)
+    plus CPU_STEP_OVERHEAD_BYTES."""
+    weights = matmul_params(config)
     if quantization == Quantization.NONE:
         per_weight = dtype_bytes
     else:

@@ -135,15 +135,14 @@ class Engine:
         limit = mc.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         P = config.page_size
-        block_bytes = (
+        self.kv_bytes_per_token = (
             mc.num_layers
             * 2
-            * P
             * mc.num_kv_heads
             * mc.head_dim
             * torch.empty((), dtype=kv_dtype).element_size()
         )
-        self.kv_bytes_per_token = block_bytes // P
+        block_bytes = self.kv_bytes_per_token * P
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
         kv_pool = allocate_kv_pool(mc, num_blocks, P, kv_dtype, loaded.device)
         self.runner = ModelRunner(loaded.model, kv_pool, P, attention)

@@ -117,6 +117,28 @@ def rope_case(dtype: torch.dtype):
     return qkv, positions, cos, sin, pool, 3, slots, HEADS
 
 
+def alternate(a, b, call, rounds: int) -> tuple[list[float], list[float]]:
+    """Seconds of `call(ext)` for builds a and b, `rounds` each, in the order A B B A A B ..."""
+    times: dict[str, list[float]] = {"a": [], "b": []}
+    for r in range(rounds):
+        for key in ("a", "b") if r % 2 == 0 else ("b", "a"):
+            t = time.perf_counter()
+            call(a if key == "a" else b)
+            times[key].append(time.perf_counter() - t)
+    return times["a"], times["b"]
+
+
+def print_row(name: str, times: tuple[list[float], list[float]], same: bool, digits: int) -> None:
+    """A table row: min / median ms of A and B, B/A of both, whether the bits match."""
+    ta, tb = times
+    ma, mb = min(ta) * 1e3, min(tb) * 1e3
+    da, db = statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
+    print(
+        f"| {name} | {ma:.{digits}f} / {da:.{digits}f} | {mb:.{digits}f} / {db:.{digits}f} | "
+        f"{mb / ma:.3f} / {db / da:.3f} | {'yes' if same else 'NO'} |"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--a", required=True, help="baseline: a tree or a kernel .so")
@@ -135,38 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     for name, lens, qlens, layers in CASES:
         q, pool, meta = make_case(lens, qlens, layers, dtype)
         same = torch.equal(run(a, q, pool, meta, 0, bf16), run(b, q, pool, meta, 0, bf16))
-        times: dict[str, list[float]] = {"a": [], "b": []}
-        for r in range(args.rounds):
-            for key in ("a", "b") if r % 2 == 0 else ("b", "a"):
-                ext = a if key == "a" else b
-                t = time.perf_counter()
-                for layer in range(layers):
-                    run(ext, q, pool, meta, layer, bf16)
-                times[key].append(time.perf_counter() - t)
-        ta, tb = times["a"], times["b"]
-        ma, mb = min(ta) * 1e3, min(tb) * 1e3
-        da, db = statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
-        print(
-            f"| {name} | {ma:.2f} / {da:.2f} | {mb:.2f} / {db:.2f} | "
-            f"{mb / ma:.3f} / {db / da:.3f} | {'yes' if same else 'NO'} |"
-        )
+
+        def layers_of(ext, q=q, pool=pool, meta=meta, layers=layers) -> None:
+            for layer in range(layers):
+                run(ext, q, pool, meta, layer, bf16)
+
+        print_row(name, alternate(a, b, layers_of, args.rounds), same, 2)
     rope = rope_case(dtype)
     pool_a, pool_b = rope[4].clone(), rope[4].clone()
     q_a = a.rope_write_kv(*rope[:4], pool_a, *rope[5:])
     q_b = b.rope_write_kv(*rope[:4], pool_b, *rope[5:])
     same = torch.equal(q_a, q_b) and torch.equal(pool_a, pool_b)
-    times = {"a": [], "b": []}
-    for r in range(10 * args.rounds):
-        for key in ("a", "b") if r % 2 == 0 else ("b", "a"):
-            ext = a if key == "a" else b
-            t = time.perf_counter()
-            ext.rope_write_kv(*rope)
-            times[key].append(time.perf_counter() - t)
-    ta, tb = times["a"], times["b"]
-    ma, mb = min(ta) * 1e3, min(tb) * 1e3
-    da, db = statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
-    print(f"| rope_write_kv, 496 tokens | {ma:.3f} / {da:.3f} | {mb:.3f} / {db:.3f} | "
-          f"{mb / ma:.3f} / {db / da:.3f} | {'yes' if same else 'NO'} |")  # fmt: skip
+    times = alternate(a, b, lambda ext: ext.rope_write_kv(*rope), 10 * args.rounds)
+    print_row("rope_write_kv, 496 tokens", times, same, 3)
     return 0
 
 

@@ -284,3 +284,13 @@ def test_queue_simulator_carries_tokens_through_the_real_scripts(shards):
     [row] = [json.loads(line) for line in done.stdout.splitlines()]
     assert (row["shards"], row["workers"], row["batch"], row["steps_per_s"]) == (shards, 1, 4, 20.0)
     assert row["carried"] > 0 and row["commands_per_token"] > 0  # tokens reached the readers
+
+
+def test_valkey_wake_prints_a_row_per_rate():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "valkey_wake.py"), "--rates", "50,100",
+           "--seconds", "0.2"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert (done.returncode, done.stderr) == (0, "")
+    machine, header, rule, *rows = done.stdout.splitlines()
+    assert header == "| PINGs per second | Valkey CPU per call (µs) | idle Valkey CPU (ms/s) |"
+    assert [row.split(" | ")[0] for row in rows] == ["| 50", "| 100"]

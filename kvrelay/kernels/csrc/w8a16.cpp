@@ -307,16 +307,14 @@ void w8a16_run(const WInt8Args& a) {
     return;
   }
   // Units: (chunk of rows, block), chunk-major so a thread's x rows stay in its L2 while it
-  // walks the blocks.
+  // walks the blocks of its share; claimed one by one (claim_on_full_tiles).
   const int64_t chunks = (a.m + kChunkRows - 1) / kChunkRows;
-  parallel_on_full_tiles(chunks * blocks, [&](int64_t begin, int64_t end) {
+  claim_on_full_tiles(chunks * blocks, [&](int64_t u) {
     uint16_t* panel = scratch(t_panel, 2 * std::max<int64_t>(kKBlock, kp / kK) * kTileElems);
     float* acc = scratch(t_acc, kChunkRows * kCols);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t chunk = u / blocks, block = u % blocks;
-      large_rows<E>(a, xb, kp, block, chunk * kChunkRows,
-                 std::min(a.m, (chunk + 1) * kChunkRows), panel, acc);
-    }
+    const int64_t chunk = u / blocks, block = u % blocks;
+    large_rows<E>(a, xb, kp, block, chunk * kChunkRows, std::min(a.m, (chunk + 1) * kChunkRows),
+                  panel, acc);
   });
 }
 

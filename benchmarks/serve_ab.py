@@ -11,6 +11,12 @@ script says whether they are.
     python benchmarks/serve_ab.py --dataset long-context --streams 8 --a-step-cost row_cost=0.25
     python benchmarks/serve_ab.py --dataset short --streams 32 --a '{"speculation": "off"}'
 
+`--a-kernels TREE` / `--b-kernels TREE` run that engine on the C++ kernels built from another
+checkout (each build loads under its own module name; the engine's decoder and every op it
+calls use its build while it steps), so two kernel builds compare at engine level:
+
+    python benchmarks/serve_ab.py --dataset long-context --streams 8 --a-kernels /tmp/old-tree
+
 Defaults: `kvrelay up`'s choices on an AMX host (w8a16 weights, bf16 K/V and attention, 2
 threads), 128 new tokens per request (greedy, ignore_eos). `--a-step-cost` / `--b-step-cost`
 replace that engine's `speculator.StepCost` (`row_cost=0.25` is the rule before 2026-12-01:
@@ -20,15 +26,20 @@ no context term, no free rows).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from attention_ab import kernel_path, load  # noqa: E402
+
 from kvrelay.bench.datasets import builtin  # noqa: E402
 from kvrelay.core.sampling import SamplingParams  # noqa: E402
+from kvrelay.kernels import cpu_build  # noqa: E402
 from kvrelay.workers.engine.llm_engine import Engine, EngineConfig  # noqa: E402
 from kvrelay.workers.engine.speculator import StepCost  # noqa: E402
 
@@ -61,11 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b", default="{}", help="EngineConfig overrides of B (JSON)")
     p.add_argument("--a-step-cost", default=None, help="A's speculation cost, e.g. row_cost=0.25")
     p.add_argument("--b-step-cost", default=None, help="B's speculation cost")
+    p.add_argument("--a-kernels", default=None, help="a checkout whose C++ kernels A runs on")
+    p.add_argument("--b-kernels", default=None, help="a checkout whose C++ kernels B runs on")
     args = p.parse_args(argv)
     data = builtin(args.dataset, args.seed)
     kv_bytes = int(args.streams * (data_tokens(args.dataset) + args.max_tokens + 64) * 23040 * 1.2)
-    engines = {"a": make_engine(json.loads(args.a), kv_bytes),
-               "b": make_engine(json.loads(args.b), kv_bytes)}  # fmt: skip
+    kernels = {"a": kernels_of(args.a_kernels), "b": kernels_of(args.b_kernels)}
+    engines = {}
+    for key, overrides in (("a", args.a), ("b", args.b)):
+        with kernels[key]():
+            engines[key] = make_engine(json.loads(overrides), kv_bytes)
     for key, spec in (("a", args.a_step_cost), ("b", args.b_step_cost)):
         if spec is not None:
             speculator = engines[key].speculator
@@ -78,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     busy = {"a": 0.0, "b": 0.0}
     steps = {"a": 0, "b": 0}
     tokens: dict[str, dict[str, list[int]]] = {"a": {}, "b": {}}
-    for eng in engines.values():  # warm-up, then a cold prefix cache
-        eng.generate([prompts[0][:256]], SamplingParams(max_tokens=4, ignore_eos=True))
+    for key, eng in engines.items():  # warm-up, then a cold prefix cache
+        with kernels[key]():
+            eng.generate([prompts[0][:256]], SamplingParams(max_tokens=4, ignore_eos=True))
         eng.pool.reset_prefix_cache()
         for i, prompt in enumerate(prompts):
             eng.add_request(f"r{i}", prompt, params)
@@ -89,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             eng = engines[key]
             if not eng.has_unfinished_requests():
                 continue
-            t = time.perf_counter()
-            outs = eng.step()
-            busy[key] += time.perf_counter() - t
+            with kernels[key]():
+                t = time.perf_counter()
+                outs = eng.step()
+                busy[key] += time.perf_counter() - t
             steps[key] += 1
             for out in outs:
                 tokens[key].setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -107,6 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     same = tokens["a"] == tokens["b"]
     print(f"B/A time {busy['b'] / busy['a']:.3f}; outputs identical: {same}")
     return 0 if same else 1
+
+
+def kernels_of(tree: str | None) -> Callable[[], contextlib.AbstractContextManager]:
+    """Contexts in which `cpu_build.load()` (so the engine built or stepping inside one, and
+    every op it calls) is the build of `tree`'s C++ kernels; this process's own without one."""
+    if tree is None:
+        return contextlib.nullcontext
+    isa = cpu_build.loaded_isa()
+    if isa is None:
+        raise SystemExit("--a-kernels / --b-kernels: this process runs without the C++ kernels")
+    module = load(kernel_path(tree))  # the variant this host chooses, built from `tree`
+    return lambda: cpu_build.use_module(module, isa)
 
 
 def data_tokens(dataset: str) -> int:

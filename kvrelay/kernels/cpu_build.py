@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -250,14 +250,20 @@ def load_variant(variant: str) -> ModuleType:
         return _load_unlocked(variant)
 
 
-@contextmanager
-def use_variant(variant: str) -> Iterator[ModuleType]:
+def use_variant(variant: str) -> AbstractContextManager[ModuleType]:
     """Within the block `load()` (so every public op) uses `variant`: tests run each variant
     the CPU supports through the same ops. Not thread-safe; for tests and benchmarks."""
-    module = load_variant(variant)
+    return use_module(load_variant(variant), variant)
+
+
+@contextmanager
+def use_module(module: ModuleType, isa: str) -> Iterator[ModuleType]:
+    """Within the block `load()` returns `module`, a build of variant `isa` (one of
+    `load_variant`'s, or another checkout's loaded beside this one's: benchmarks compare two
+    builds in one process). Not thread-safe; for tests and benchmarks."""
     load()  # settle the process's own choice first, so it is what comes back afterwards
     saved = dict(_state)
-    _state.update(module=module, isa=variant)
+    _state.update(module=module, isa=isa)
     try:
         yield module
     finally:

@@ -65,12 +65,6 @@ void parallel_on_full_tiles(int64_t n, const Body& body) {
 template <class Unit>
 void claim_on_full_tiles(int64_t n, const Unit& unit) {
   const int64_t threads = std::min<int64_t>(std::max(1, num_threads()), n);
-  if (threads <= 1) {
-    parallel_on_full_tiles(n, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) unit(u);
-    });
-    return;
-  }
   struct alignas(64) Share {
     std::atomic<int64_t> next;
     int64_t end;

@@ -42,6 +42,9 @@ ATTACH = "attach"
 CLAIM_ENTRY = "claim_entry"
 CLAIM_EMITTED = "claim_emitted"
 CLAIM_DELIVERY = "claim_delivery"
+CLAIM_STRIKES = "claim_strikes"
+CLAIM_SEEN = "claim_seen"
+CLAIM_RAN = "claim_ran"
 # a random id per submission: the submit script recognises its own retry by it
 SUBMISSION_ID = "submission_id"
 # a request answered by several choices (n, best_of, a list of prompts): the parent record
@@ -96,6 +99,9 @@ class RequestRecord:
     claim_entry: str | None = None
     claim_emitted: int | None = None
     claim_delivery: int | None = None
+    claim_strikes: int | None = None  # holders that died running it since its last progress
+    claim_seen: int | None = None  # the delivery the last claim counted its strikes at
+    claim_ran: int | None = None  # the last delivery whose holder began running it as a suspect
     submission_id: str | None = None
     num_choices: int | None = None
     parent: str | None = None

@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -59,6 +60,7 @@ class Active:
     started: float
     generation: int = 0  # the consumer generation that admitted it (its writes carry it)
     shard: int = 0  # the pipeline shard it came from (its writes go back there)
+    first_index: int = 0  # next_index when this worker admitted it (above: progress here)
 
 
 class Worker:
@@ -85,6 +87,12 @@ class Worker:
         self.admissions: queue.Queue[Admission] = queue.Queue()
         self.cancels: queue.Queue[str] = queue.Queue()
         self.active: dict[str, Active] = {}
+        # Suspects (a holder died running them since their last progress) run alone: one at a
+        # time, beside nothing that has not made progress here, and admissions wait behind
+        # them in order. So a poison entry kills no innocent that would be struck with it, and
+        # a suspect is exposed to churn for its own run only (docs/reliability.md).
+        self._waiting: deque[Admission] = deque()
+        self._alone: tuple[str, int] | None = None  # the suspect running alone, its next_index
         self.metrics = metrics or WorkerMetrics(engine.model_name, engine)
         self.stop_event = threading.Event()
         # set once the worker's groups exist and its heartbeat announced it (start())
@@ -243,6 +251,7 @@ class Worker:
                 self._admit(self.admissions.get_nowait())
             except queue.Empty:
                 break
+        self._start_waiting()
         for q, reason in (
             (self.cancels, FinishReason.CANCELLED),
             *((lane.emitter.lost, None) for lane in self.lanes.values()),
@@ -257,6 +266,10 @@ class Worker:
         for rid, act in list(self.active.items()):
             if act.task.deadline is not None and now > act.task.deadline:
                 self._abort(rid, FinishReason.TIMEOUT)
+        for adm in list(self._waiting):
+            if adm.task.deadline is not None and now > adm.task.deadline:
+                self._waiting.remove(adm)
+                self._start(adm)  # ends it as a timeout
 
     def _follow_generation(self, shard: int, generation: int) -> None:
         """After a rejoin on `shard`, drop (no final chunk) what its older consumer held."""
@@ -270,11 +283,52 @@ class Worker:
         return self.lanes[shard].emitter
 
     def _admit(self, adm: Admission) -> None:
+        if adm.suspect or self._waiting or self._alone is not None:
+            self._waiting.append(adm)
+            self._start_waiting()
+        else:
+            self._start(adm)
+
+    def _start_waiting(self) -> None:
+        """Start what waits, in order, up to a suspect that cannot run alone yet."""
+        if self._alone is not None:
+            rid, index = self._alone
+            act = self.active.get(rid)
+            if act is not None and act.next_index == index:
+                return  # still running alone, no progress yet
+            self._alone = None
+        while self._waiting:
+            adm = self._waiting[0]
+            if adm.suspect:
+                if any(a.next_index == a.first_index for a in self.active.values()):
+                    return  # beside requests that may still be struck with it: wait
+                self._waiting.popleft()
+                self._ran(adm)
+                self._start(adm)
+                act = self.active.get(adm.task.request_id)
+                if act is not None:
+                    self._alone = (adm.task.request_id, act.next_index)
+                    return
+            else:
+                self._start(self._waiting.popleft())
+
+    def _ran(self, adm: Admission) -> None:
+        """Record that this holder runs the suspect now: its death counts as a strike."""
+        try:
+            self.lanes[adm.shard].streams.ran(adm.task.request_id, adm.entry_id, adm.delivery)
+        except redis.RedisError as exc:  # unrecorded, a death while it runs is not counted
+            logger.warning("request %s: running it alone unrecorded (%s)", adm.task.request_id, exc)
+        logger.info(
+            "request %s: a suspect (delivery %d), running alone", adm.task.request_id, adm.delivery
+        )
+
+    def _start(self, adm: Admission) -> None:
         task, rid = adm.task, adm.task.request_id
         if adm.generation < self._generation[adm.shard]:
             return  # admitted by a consumer since fenced: its claimant has it
         self._follow_generation(adm.shard, adm.generation)
-        act = Active(task, adm.entry_id, len(adm.emitted), time.time(), adm.generation, adm.shard)
+        first = len(adm.emitted)
+        act = Active(task, adm.entry_id, first, time.time(), adm.generation, adm.shard, first)
         late = task.deadline is not None and time.time() > task.deadline
         if adm.cancelled or late:
             # past its deadline it is a timeout even when the ingress, giving up at the
@@ -310,6 +364,12 @@ class Worker:
         self.metrics.admitted(task, len(adm.emitted))
 
     def _abort(self, rid: str, reason: FinishReason | None) -> None:
+        waiting = next((a for a in self._waiting if a.task.request_id == rid), None)
+        if waiting is not None:  # not in the engine yet
+            self._waiting.remove(waiting)
+            if reason is not None:  # cancel/timeout: end it as if admitted now
+                self._start(replace(waiting, cancelled=reason == FinishReason.CANCELLED))
+            return
         act = self.active.pop(rid, None)
         if act is None:
             return

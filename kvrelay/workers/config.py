@@ -57,7 +57,7 @@ class WorkerConfig(RedisSettings):
     # the pipeline shards this worker serves, comma-separated ("1,2"); None: every shard
     serve_shards: str | None = None
     lease_ms: int = 10000  # a worker silent (no heartbeat) this long loses its entries
-    # redeliveries in a row with no new token in between (poison, not churn) -> DLQ
+    # holders that died running an entry with no new token in between (poison, not churn) -> DLQ
     max_deliveries: int = 5
     read_batch: int = 16  # entries per XREADGROUP
     block_ms: int = 500  # XREADGROUP BLOCK slice (stop/drain checks happen between slices)

@@ -38,6 +38,10 @@ class Admission:
     emitted_text_len: int | None = None  # characters in out:{id} (None: all of `emitted`'s)
     generation: int = 0  # the consumer generation that admitted it (`Streams.generation`)
     shard: int = 0  # the pipeline shard it came from (its writes go back there)
+    # a holder died running it since its last progress: run alone, and say so first
+    # (`Streams.ran`), so that only a death while it runs counts against it
+    suspect: bool = False
+    delivery: int = 1  # this holder's delivery of the entry
 
 
 class ReaderHost(Protocol):
@@ -132,28 +136,29 @@ def read_loop(w: ReaderHost) -> None:
 def receive(w: ReaderHost, entries: list[Entry], claimed: bool = False) -> None:
     """Validate entries (poison -> DLQ), admit the rest in one script call (this worker
     becomes their owner), learn what was emitted, queue them for the compute loop."""
-    taken: list[tuple[Entry, Task]] = []
+    taken: list[tuple[Entry, Task, int]] = []
     for entry in entries:
-        task = _validate(w, entry)
-        if task is not None:
-            taken.append((entry, task))
+        valid = _validate(w, entry)
+        if valid is not None:
+            taken.append((entry, *valid))
     if not taken:
         return
     try:
-        found = w.streams.admit([_admit_args(w, entry, task, claimed) for entry, task in taken])
+        found = w.streams.admit([_admit_args(w, e, task, claimed) for e, task, _ in taken])
     except BaseException:
         # not queued for admission: forget them so the entries are claimed again
-        for entry, task in taken:
+        for entry, task, _ in taken:
             w.inflight.remove(task.request_id, entry.entry_id)
         raise
-    for (entry, task), admitted in zip(taken, found, strict=True):
-        admission = _admission(w, entry, task, claimed, admitted)
+    for (entry, task, strikes), admitted in zip(taken, found, strict=True):
+        admission = _admission(w, entry, task, claimed, admitted, strikes)
         if admission is not None:
             w.admissions.put(admission)
 
 
-def _validate(w: ReaderHost, entry: Entry) -> Task | None:
-    """The entry's task, now held by this worker; None when it went to the DLQ or is ours."""
+def _validate(w: ReaderHost, entry: Entry) -> tuple[Task, int] | None:
+    """The entry's task, now held by this worker, and its strikes; None when it went to the
+    DLQ or is ours."""
     if entry.payload is None:
         dead_letter(w, entry, "entry has no 'm' field", "")
         return None
@@ -172,19 +177,22 @@ def _validate(w: ReaderHost, entry: Entry) -> Task | None:
         # holder is no crash, so this delivery is no strike
         w.streams.strikes(task.request_id, entry.entry_id, entry.deliveries, queued, alive=True)
         return None
+    strikes = 0
     if entry.deliveries > 1:
-        # Poison is an entry whose holders die (or wedge) before it makes progress; a request
-        # that emitted tokens since its last claim is churn, however often it was claimed.
-        strikes = w.streams.strikes(task.request_id, entry.entry_id, entry.deliveries, queued)
+        # Poison is an entry whose holders die (or wedge) running it before it makes progress;
+        # a request that emitted tokens since its last claim is churn, however often it was
+        # claimed, and so is one whose holders died before they began running it.
+        found = w.streams.strikes(task.request_id, entry.entry_id, entry.deliveries, queued)
+        strikes = found.count
         if strikes >= w.config.max_deliveries:
             reason = (
-                f"delivered {entry.deliveries} times, {strikes} times in a row without "
-                f"progress (limit {w.config.max_deliveries})"
+                f"delivered {entry.deliveries} times, {strikes} times its holder died running "
+                f"it without progress (limit {w.config.max_deliveries})"
             )
             dead_letter(w, entry, reason, task.request_id)
             return None
     w.inflight.add(task.request_id, entry.entry_id)
-    return task
+    return task, strikes
 
 
 def _admit_args(
@@ -207,7 +215,7 @@ def _admit_args(
 
 
 def _admission(
-    w: ReaderHost, entry: Entry, task: Task, claimed: bool, found: Admitted
+    w: ReaderHost, entry: Entry, task: Task, claimed: bool, found: Admitted, strikes: int
 ) -> Admission | None:
     """What the engine needs to go on; None when nothing is left to do."""
     queued = list(getattr(task, "output_token_ids", ()))
@@ -230,15 +238,26 @@ def _admission(
             w.inflight.remove(task.request_id, entry.entry_id)
             return None
         logger.info(
-            "request %s: claimed entry %s (delivery %d) with %d tokens already emitted",
+            "request %s: claimed entry %s (delivery %d, %d strikes) with %d tokens already emitted",
             task.request_id,
             entry.entry_id,
             entry.deliveries,
+            strikes,
             len(emitted),
         )
     w.emitter.follow(task.request_id, found.feeds)
     generation = w.streams.generation
-    return Admission(entry.entry_id, task, emitted, found.cancelled, text_len, generation, w.shard)
+    return Admission(
+        entry.entry_id,
+        task,
+        emitted,
+        found.cancelled,
+        text_len,
+        generation,
+        w.shard,
+        suspect=strikes > 0,
+        delivery=entry.deliveries,
+    )
 
 
 def _compile_grammar(w: ReaderHost, task: Task) -> str | None:

@@ -20,7 +20,7 @@ from tests.conftest import free_port
 from tests.kvstore.conftest import SMALL, RunningNode, keys_for, payload
 
 KEYS = Keys("ctr:")
-POISON = "delivered 6 times, 5 times in a row without progress (limit 5)"
+POISON = "delivered 6 times, 5 times its holder died running it without progress (limit 5)"
 
 
 def cli(capsys, valkey, *argv: str) -> tuple[int, str, str]:

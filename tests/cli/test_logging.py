@@ -58,7 +58,7 @@ def test_dlq_replay_force_prints_its_result_and_no_log_line(r, valkey_session):
     task = PrefillTask(request_id="p1", prompt_token_ids=[1, 2], sampling={})
     r.xadd(keys.prefill_stream, {MESSAGE_FIELD: task.encode()})
     [entry] = s.read(keys.prefill_stream, PREFILL_GROUP, 1, None)
-    reason = "delivered 6 times, 5 times in a row without progress (limit 5)"
+    reason = "delivered 6 times, 5 times its holder died running it without progress (limit 5)"
     dlq_id = s.dead_letter(keys.prefill_stream, PREFILL_GROUP, entry.entry_id, entry.payload,
                            reason, "p1")  # fmt: skip
     done = subprocess.run(

@@ -30,7 +30,7 @@ def _raw_scripts() -> dict[str, str]:
 
 def test_every_script_loads_filled_in():
     expected = "admit attach beat cancel claim dead_letter field_ttl live owner progress prune"
-    expected += " release"
+    expected += " ran release"
     expected += " step strikes submit submit_choices"
     assert scripts.names() == expected.split()
     for name in scripts.names():
@@ -53,7 +53,15 @@ def test_scripts_spell_no_name_python_defines():
         used |= set(scripts.PLACEHOLDER.findall(text))
     # the fields the fenced scripts maintain, the status a dead letter sets, the entry field
     maintained = {"EMITTED", "COMPLETION_TOKENS", "STATUS", "FINISH_REASON", "ERROR", "UPDATED"}
-    claims = {"CLAIM_ENTRY", "CLAIM_EMITTED", "CLAIM_DELIVERY", "MESSAGE_FIELD"}
+    claims = {
+        "CLAIM_ENTRY",
+        "CLAIM_EMITTED",
+        "CLAIM_DELIVERY",
+        "CLAIM_STRIKES",
+        "CLAIM_SEEN",
+        "CLAIM_RAN",
+        "MESSAGE_FIELD",
+    }
     dead_letter = {"STATUS.FAILED", "FINISH_REASON.ERROR"} | {f"DLQ.{name}" for name in dlq}
     submit = {"SUBMISSION_ID"}  # how the submit script knows a retry of its own submission
     ended = {"STATUS.FINISHED", "STATUS.CANCELLED"}  # admission leaves an ended request alone
@@ -103,7 +111,7 @@ def test_field_types_are_declared_once_on_the_dataclass():
     assert kinds == {
         "int": {"prompt_tokens", "completion_tokens", "cached_tokens", "draft_tokens",
                 "accepted_tokens", "emitted", "attach", "claim_emitted", "claim_delivery",
-                "num_choices"},
+                "claim_strikes", "claim_seen", "claim_ran", "num_choices"},
         "float": {"created", "updated", "started", "deadline"},
         "json": {"ingress"},
         "private": {"ingress", "key_id", "attach", "submission_id", "num_choices", "parent"},
@@ -147,7 +155,8 @@ def test_public_view_has_json_types_and_null_for_what_is_absent():
         "draft_tokens": "12", "accepted_tokens": "7",
         "finish_reason": "length", "error": "", "source": "client", "user": "",
         "ingress": "{}", "key_id": "k", "attach": "2", "submission_id": "ab12",
-        "claim_entry": "1-0", "claim_emitted": "3", "claim_delivery": "2",
+        "claim_entry": "1-0", "claim_emitted": "3", "claim_delivery": "2", "claim_strikes": "1",
+        "claim_seen": "4", "claim_ran": "3",
     }  # fmt: skip
     record = RequestRecord.decode(stored)
     assert record is not None
@@ -158,7 +167,7 @@ def test_public_view_has_json_types_and_null_for_what_is_absent():
         "prompt_tokens": 31, "completion_tokens": 8, "cached_tokens": 16, "draft_tokens": 12,
         "accepted_tokens": 7, "finish_reason": "length", "error": None, "emitted": 8,
         "source": "client", "user": None, "claim_entry": "1-0", "claim_emitted": 3,
-        "claim_delivery": 2,
+        "claim_delivery": 2, "claim_strikes": 1, "claim_seen": 4, "claim_ran": 3,
     }  # fmt: skip
     assert list(public) == list(rec.PUBLIC_FIELDS)
     assert type(public["status"]) is str  # the enum's plain string

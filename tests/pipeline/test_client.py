@@ -106,6 +106,9 @@ async def test_status_is_the_typed_record_get_shows(harness, smollm_tokenizer):
         "claim_entry": None,
         "claim_emitted": None,
         "claim_delivery": None,
+        "claim_strikes": None,
+        "claim_seen": None,
+        "claim_ran": None,
     }
     assert body == {"id": rid, "object": "request", **state, "cancel_requested": False}
 

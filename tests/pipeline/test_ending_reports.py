@@ -24,7 +24,7 @@ pytestmark = pytest.mark.anyio
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
 DEADLINE = "the request passed its deadline"
-POISON = "delivered 6 times, 5 times in a row without progress (limit 5)"
+POISON = "delivered 6 times, 5 times its holder died running it without progress (limit 5)"
 
 
 async def _end(role, taken, chunk: TokenChunk, error: str, reason: str) -> None:

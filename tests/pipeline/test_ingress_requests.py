@@ -262,5 +262,8 @@ async def test_request_state_shows_the_public_fields_with_their_types(harness):
         "claim_entry": "1-0",
         "claim_emitted": 2,
         "claim_delivery": 1,
+        "claim_strikes": None,
+        "claim_seen": None,
+        "claim_ran": None,
         "cancel_requested": False,
     }

@@ -150,6 +150,30 @@ def test_poison_entries_go_to_dlq_and_worker_keeps_serving(stack):
     assert r.xpending(KEYS.prefill_stream, PREFILL_GROUP)["pending"] == 0
 
 
+def test_a_suspect_runs_alone_and_says_so_and_its_neighbours_go_on(stack, caplog):
+    r, worker, prompt, ref = stack
+    caplog.set_level("INFO", logger="kvrelay.workers.base")
+    task = PrefillTask(request_id="sus", prompt_token_ids=prompt, sampling=GREEDY)
+    r.hset(KEYS.request("sus"), mapping={"status": "queued"})
+    pipe = r.pipeline(transaction=True)  # a ghost takes it first, then dies (it never beats)
+    pipe.xadd(KEYS.prefill_stream, {MESSAGE_FIELD: task.encode()})
+    pipe.xreadgroup(PREFILL_GROUP, "ghost-s", {KEYS.prefill_stream: ">"}, count=1)
+    pipe.execute()
+    r.hset(KEYS.consumers, "ghost-s", 0)
+    for k in range(3):  # plain neighbours, queued beside the suspect
+        submit(r, f"nb{k}", prompt)
+    [first] = chunks(r, "sus")
+    assert first.token_ids == ref.output_token_ids[:1]
+    for k in range(3):
+        assert [c.token_ids for c in chunks(r, f"nb{k}")] == [ref.output_token_ids[:1]]
+    # its first holder counts as having run it (one strike); the claimant ran it alone and
+    # recorded its delivery first, so a death there would have been the second strike
+    rec = r.hmget(KEYS.request("sus"), "claim_strikes", "claim_seen", "claim_ran")
+    assert rec == [b"1", b"2", b"2"]
+    assert "request sus: a suspect (delivery 2), running alone" in caplog.text
+    assert b"sus" not in [f[b"request_id"] for _, f in r.xrange(KEYS.dlq)]
+
+
 def test_deadline_cancel_and_delivery_limit(stack):
     r, worker, prompt, _ = stack
     submit(r, "late", prompt, deadline=time.time() - 1)
@@ -175,7 +199,10 @@ def test_deadline_cancel_and_delivery_limit(stack):
     r.hset(KEYS.consumers, "ghost", 0)  # the ghost never beats
     [err] = chunks(r, "poison", timeout=30)
     assert err.finish_reason == "error"
-    assert err.error == "delivered 6 times, 5 times in a row without progress (limit 5)"
+    assert (
+        err.error
+        == "delivered 6 times, 5 times its holder died running it without progress (limit 5)"
+    )
 
 
 def test_drain_stops_reading_until_undone(stack):

@@ -25,8 +25,10 @@ from kvrelay.pipeline.queue.replies import StreamEntry
 logger = logging.getLogger(__name__)
 
 # The reason workers.reader gives an entry struck out by strikes.lua (docs/reliability.md):
-# its holders died MAX_DELIVERIES times in a row before it made progress.
-POISON_REASON = re.compile(r"delivered \d+ times, \d+ times in a row without progress")
+# MAX_DELIVERIES of its holders died running it before it made progress.
+POISON_REASON = re.compile(
+    r"delivered \d+ times, \d+ times its holder died running it without progress"
+)
 
 
 # the progress's time to live when the record has none (the submit scripts' default)

@@ -95,6 +95,15 @@ class Admitted:
     feeds: list[str] = field(default_factory=list)  # the output readers following it
 
 
+@dataclass(frozen=True, slots=True)
+class Strikes:
+    """Poison versus churn at a claim (strikes.lua): holders that died running the entry since
+    its last progress, and the delivery of that progress (1: none since it was queued)."""
+
+    count: int
+    since: int
+
+
 def _flat(fields: dict[str, str | int | float] | None) -> list[str | int | float]:
     out: list[str | int | float] = []
     for key, value in (fields or {}).items():
@@ -134,6 +143,7 @@ class Streams:
         self._beat = client.register_script(scripts.source("beat"))
         self._dead_letter = client.register_script(scripts.fenced("dead_letter"))
         self._strikes = client.register_script(scripts.with_progress("strikes"))
+        self._ran = client.register_script(scripts.source("ran"))
         self._release = client.register_script(scripts.fenced("release"))
         self._prune = client.register_script(scripts.source("prune"))
         self._read = client.register_script(scripts.with_progress("attach"))
@@ -219,12 +229,15 @@ class Streams:
         deliveries: int,
         queued_tokens: int,
         alive: bool = False,
-    ) -> int:
-        """Deliveries of the entry since the last one that found new tokens emitted.
+    ) -> Strikes:
+        """How many holders of the entry died running it since it last made progress (new
+        tokens emitted between two claims), and the delivery of that progress.
 
         `queued_tokens`: the tokens the task carried when queued (its first delivery's count);
         `alive`: the claimant already holds it, which proves no crash.
-        Recorded in req:{id} (claim_entry, claim_emitted, claim_delivery) at every claim."""
+        Recorded in req:{id} (claim_entry, claim_emitted, claim_delivery, claim_strikes,
+        claim_seen) at every claim; the first holder counts as running it, a later one only
+        when it said so (`ran`)."""
         args: list[str | int] = [
             entry_id,
             deliveries,
@@ -233,7 +246,14 @@ class Streams:
             request_id,
         ]
         keys = [self.keys.request(request_id), self.keys.progress]
-        return int(self._strikes(keys=keys, args=args))
+        count, since = self._strikes(keys=keys, args=args)
+        return Strikes(int(count), int(since))
+
+    def ran(self, request_id: str, entry_id: str, delivery: int) -> bool:
+        """Record that this holder (of `delivery`) begins running the entry, a suspect, alone:
+        its death from now on is a strike. False when the record counts no longer this entry."""
+        keys = [self.keys.request(request_id)]
+        return bool(self._ran(keys=keys, args=[entry_id, delivery]))
 
     def release(self, stream: str, group: str, entries: list[tuple[str, str]]) -> None:
         """Give (entry id, request id) pairs this consumer holds back, claimable at once: they

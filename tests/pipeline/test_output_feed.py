@@ -188,6 +188,24 @@ def test_start_index_cuts_the_chunk_it_falls_in(r, valkey_session):
     assert _view(got) == [(2, [3], "c", None), (3, [4], "d", "stop")]
 
 
+def test_a_chunk_overlapping_tokens_already_read_is_cut_where_they_end(r, valkey_session):
+    got: list[TokenChunk] = []
+
+    async def scenario(feed: OutputFeed) -> None:
+        submit(r, KEYS, "o")
+        emit(r, KEYS, "o", _c(0, [1, 2, 3], "abc"), flush=True)
+        # split differently from the chunk already read: tokens 1..4 again, then the end
+        emit(r, KEYS, "o", _c(1, [2, 3, 4, 5], "bcde"))
+        emit(r, KEYS, "o", _c(5, [6], "f", FinishReason.STOP))
+        retext = lambda ids: "".join(chr(ord("a") + i - 1) for i in ids)  # noqa: E731
+        await asyncio.wait_for(_collect(feed.chunks("o", retext=retext), got), 10)
+
+    _run(valkey_session.url, scenario)
+    # each token once, at its own index
+    assert _view(got) == [(0, [1, 2, 3], "abc", None), (3, [4, 5], "de", None),
+                          (5, [6], "f", "stop")]  # fmt: skip
+
+
 def test_the_deadline_ends_the_reading(r, valkey_session, fake_clock):
     fake_clock.install(subscription_module)  # the reader's clock moves only as it waits
     deadline = fake_clock.time() + 0.25

@@ -217,7 +217,18 @@ class _Cursor:
         end = chunk.index + len(chunk.token_ids)
         if chunk.token_ids and end <= self.next_index:
             return None  # history and feed both brought it
+        cut = self.start
+        if chunk.token_ids and self.start < self.next_index and chunk.index < self.next_index:
+            # it begins inside what was yielded: chunks split differently from the ones
+            # already read (never expected; its text is redone by `retext`, else left out);
+            # each token still goes out once, at its own index
+            logger.warning(
+                "chunk at %d overlaps tokens already read (to %d): cut there",
+                chunk.index,
+                self.next_index,
+            )
+            cut = self.next_index
         self.next_index = max(self.next_index, end)
         if self.next_index > self.start or chunk.finished:
-            return trim_chunk(chunk, self.start, self.retext)
+            return trim_chunk(chunk, cut, self.retext)
         return None

@@ -198,6 +198,7 @@ async def reattach(
         deadline=deadline,
         start_index=start,
         send_role=last is None,
+        retext=entry.tokenizer.decode,
         attach_seq=attach_seq,
         slot=ing.backpressure.slot(),
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -180,6 +180,8 @@ class OutputJob(Delivery):
     server_ended: bool = False
     slot: Slot | None = None
     subscriptions: list[Subscription] = field(default_factory=list)
+    # the text of token ids, for a chunk cut where it overlaps tokens already sent
+    retext: Callable[[list[int]], str] | None = None
 
     @property
     def _read_from(self) -> int:
@@ -192,10 +194,13 @@ class OutputJob(Delivery):
         # chunk that lands later would say the same thing, and the reader cancels the request.
         if self.subscriptions:
             return self.subscriptions[0].chunks(
-                start_index=self._read_from, deadline=self.deadline, submitted=True
+                start_index=self._read_from,
+                deadline=self.deadline,
+                retext=self.retext,
+                submitted=True,
             )
         return self.ingress.feed.chunks(
-            self.request_id, start_index=self._read_from, deadline=self.deadline
+            self.request_id, start_index=self._read_from, deadline=self.deadline, retext=self.retext
         )
 
     async def _events(self) -> AsyncIterator[bytes]:

@@ -192,6 +192,7 @@ class GenerationApi:
             timer=timer,
             slot=slot,
             subscriptions=[subscription],
+            retext=entry.tokenizer.decode,
         )
         return job.response()
 

@@ -299,7 +299,7 @@ class Worker:
             self._alone = None
         while self._waiting:
             adm = self._waiting[0]
-            if adm.suspect:
+            if adm.suspect and adm.generation >= self._generation[adm.shard]:
                 if any(a.next_index == a.first_index for a in self.active.values()):
                     return  # beside requests that may still be struck with it: wait
                 self._waiting.popleft()

@@ -40,6 +40,12 @@ CONCURRENCY = 8
 KILL_EVERY_S = (1.0, 2.0)  # uniform: ~1.5 s on average
 CHAOS_MAX_S = CHAOS_S + 60  # then the churn stops, so the last requests can finish
 VICTIMS = ("prefill-0", "prefill-1", "decode-0", "decode-1", "store")
+# The churn here (a kill every ~1.5 s among 5 processes whose restart takes 3-10 s on a loaded
+# 2-core machine) is far above what the default strike limit (5) is set for, so the stacks run
+# with the raised limit docs/reliability.md advises for such failure rates; the poison test
+# checks that limit.
+MAX_DELIVERIES = 8
+CHAOS_ENV = {"KVRELAY_WORKER_MAX_DELIVERIES": str(MAX_DELIVERIES)}
 TOPICS = ["a lighthouse", "the moon", "a small dog", "rain in the city", "an old clock",
           "the ocean", "a mountain road", "a library at night"]  # fmt: skip
 
@@ -55,7 +61,7 @@ BRIEF = ("You write for a children's magazine that likes gentle rhymes, simple w
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("chaos"), prefill=2, decode=2)
+    s = Stack(tmp_path_factory.mktemp("chaos"), prefill=2, decode=2, env=CHAOS_ENV)
     s.up(timeout=300)
     yield s
     s.down()
@@ -248,10 +254,11 @@ def test_entry_that_kills_every_holder_goes_to_dlq_and_workers_live_on(stack):
         killer.join(10)
     print(f"\npoison {rid}: {len(killed)} holders killed: {killed}")
     assert sse.error is not None and sse.error["code"] == "generation_failed", sse
-    # bounded: one crash per strike (limit 5), maybe one more of the claimant dead-lettering it
-    assert 5 <= len(killed) <= 7, killed
+    # bounded: one crash per strike, maybe one more of the claimant dead-lettering it
+    assert MAX_DELIVERIES <= len(killed) <= MAX_DELIVERIES + 2, killed
     reason = sse.error["message"]
-    assert "times its holder died running it without progress (limit 5)" in reason, reason
+    limit = f"times its holder died running it without progress (limit {MAX_DELIVERIES})"
+    assert limit in reason, reason
     [(_, dlq)] = stack.redis.xrange(stack.keys.of(rid).dlq)
     assert (dlq[b"request_id"].decode(), dlq[b"reason"].decode()) == (rid, reason)
     # every interface tells the same story: record, non-streaming reattach, producer client

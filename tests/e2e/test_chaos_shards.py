@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.stack import Stack
-from tests.e2e.test_chaos import churn_and_compare
+from tests.e2e.test_chaos import CHAOS_ENV, churn_and_compare
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("chaos-shards"), prefill=2, decode=2, shards=3)
+    s = Stack(tmp_path_factory.mktemp("chaos-shards"), prefill=2, decode=2, shards=3, env=CHAOS_ENV)
     s.up(timeout=300)
     yield s
     s.down()

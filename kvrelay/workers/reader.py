@@ -182,8 +182,7 @@ def _validate(w: ReaderHost, entry: Entry) -> tuple[Task, int] | None:
         # Poison is an entry whose holders die (or wedge) running it before it makes progress;
         # a request that emitted tokens since its last claim is churn, however often it was
         # claimed, and so is one whose holders died before they began running it.
-        found = w.streams.strikes(task.request_id, entry.entry_id, entry.deliveries, queued)
-        strikes = found.count
+        strikes = w.streams.strikes(task.request_id, entry.entry_id, entry.deliveries, queued)
         if strikes >= w.config.max_deliveries:
             reason = (
                 f"delivered {entry.deliveries} times, {strikes} times its holder died running "

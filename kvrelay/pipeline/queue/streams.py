@@ -95,15 +95,6 @@ class Admitted:
     feeds: list[str] = field(default_factory=list)  # the output readers following it
 
 
-@dataclass(frozen=True, slots=True)
-class Strikes:
-    """Poison versus churn at a claim (strikes.lua): holders that died running the entry since
-    its last progress, and the delivery of that progress (1: none since it was queued)."""
-
-    count: int
-    since: int
-
-
 def _flat(fields: dict[str, str | int | float] | None) -> list[str | int | float]:
     out: list[str | int | float] = []
     for key, value in (fields or {}).items():
@@ -229,9 +220,9 @@ class Streams:
         deliveries: int,
         queued_tokens: int,
         alive: bool = False,
-    ) -> Strikes:
+    ) -> int:
         """How many holders of the entry died running it since it last made progress (new
-        tokens emitted between two claims), and the delivery of that progress.
+        tokens emitted between two claims).
 
         `queued_tokens`: the tokens the task carried when queued (its first delivery's count);
         `alive`: the claimant already holds it, which proves no crash.
@@ -246,8 +237,7 @@ class Streams:
             request_id,
         ]
         keys = [self.keys.request(request_id), self.keys.progress]
-        count, since = self._strikes(keys=keys, args=args)
-        return Strikes(int(count), int(since))
+        return int(self._strikes(keys=keys, args=args))
 
     def ran(self, request_id: str, entry_id: str, delivery: int) -> bool:
         """Record that this holder (of `delivery`) begins running the entry, a suspect, alone:

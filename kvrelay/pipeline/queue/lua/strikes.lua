@@ -9,10 +9,10 @@
 -- ARGV: 1 entry id, 2 deliveries so far (this one included), 3 tokens the task carried when
 --       first queued (the emitted count at its first delivery), 4 "1" when the claimant is
 --       the live holder itself (no crash, so the count restarts too), 5 request id
--- Returns {strikes, the delivery of the last progress}.
+-- Returns the strikes: holders that died running it since its last progress (0 = progress).
 local deliveries = tonumber(ARGV[2])
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  return {deliveries - 1, 1}  -- no record to keep the count in: every redelivery is a strike
+  return deliveries - 1  -- no record to keep the count in: every redelivery is a strike
 end
 local p = prog_parse(redis.call('HGET', KEYS[2], ARGV[5]))
 local emitted = tonumber(redis.call('HGET', KEYS[1], ${EMITTED}) or '0')
@@ -35,4 +35,4 @@ elseif last == 1 or (ran and ran >= last and ran < deliveries) then
 end
 redis.call('HSET', KEYS[1], ${CLAIM_ENTRY}, ARGV[1], ${CLAIM_EMITTED}, base_emitted,
   ${CLAIM_DELIVERY}, base_delivery, ${CLAIM_STRIKES}, strikes, ${CLAIM_SEEN}, deliveries)
-return {strikes, base_delivery}
+return strikes

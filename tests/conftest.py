@@ -231,6 +231,10 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
 
+    def step_wall(self, seconds: float) -> None:
+        """The wall clock set `seconds` ahead (a VM's clock corrected); monotonic stays."""
+        self._wall += seconds
+
     async def async_sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
         await asyncio.sleep(0)  # yield to the event loop as a real sleep does

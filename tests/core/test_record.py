@@ -7,6 +7,7 @@ import re
 from dataclasses import fields
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -229,7 +230,8 @@ def test_writers_keep_the_wire_values(monkeypatch):
     from kvrelay.pipeline.queue import submit
     from kvrelay.workers.base import speculation_record
 
-    monkeypatch.setattr(submit.time, "time", lambda: 1700000001.5)
+    # the module's clock alone: time.time itself stays real for every other thread
+    monkeypatch.setattr(submit, "time", SimpleNamespace(time=lambda: 1700000001.5))
     task = PrefillTask(
         request_id="r", model="m", prompt_token_ids=[1, 2], arrival_time=1700000000.25,
         deadline=1700000060.0,

@@ -219,6 +219,29 @@ def test_the_deadline_ends_the_reading(r, valkey_session, fake_clock):
     assert fake_clock.slept == [0.25]  # one wait, up to the deadline (not the quiet time's 3 s)
 
 
+def test_a_wall_clock_step_past_the_deadline_does_not_end_the_reading(
+    r, valkey_session, fake_clock
+):
+    """The deadline is timed on the monotonic clock: the wall clock set 60 s ahead while a
+    reply with 30 s left is read (a VM's clock corrected) ends nothing early."""
+    fake_clock.install(subscription_module)
+    deadline = fake_clock.time() + 30.0
+    got: list[TokenChunk] = []
+
+    async def scenario(feed: OutputFeed) -> None:
+        submit(r, KEYS, "w")
+        emit(r, KEYS, "w", _c(0, [1], "a"))
+        async for chunk in feed.chunks("w", deadline=deadline):
+            got.append(chunk)
+            if len(got) == 1:
+                fake_clock.step_wall(60.0)
+                emit(r, KEYS, "w", _c(1, [2], "b", FinishReason.STOP))
+
+    _run(valkey_session.url, scenario)
+    assert _view(got) == [(0, [1], "a", None), (1, [2], "b", "stop")]
+    assert sum(fake_clock.slept) < 30.0
+
+
 def test_unknown_and_expired_requests(r, valkey_session):
     async def scenario(feed: OutputFeed) -> None:
         with pytest.raises(RequestNotFound):

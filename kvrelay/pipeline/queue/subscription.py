@@ -109,7 +109,10 @@ class Subscription:
         RequestNotFound when there is no record. Redis unreachable (a Valkey restart) is
         waited out for the feed's `redis_retry_s` before the connection error is raised.
         A chunk that began before `start_index` is cut there (its text redone by `retext`).
+        The wait is timed on the monotonic clock from the deadline's distance now: a step of
+        the wall clock (a VM's clock corrected) neither ends the reply early nor stretches it.
         """
+        until = None if deadline is None else time.monotonic() + (deadline - time.time())
         cursor = _Cursor(start_index, retext)
         outage = Outage(f"request {self.request_id}", self.feed.redis_retry_s)
         pending: deque[TokenChunk] = deque()
@@ -123,7 +126,7 @@ class Subscription:
                 if pending:
                     chunk = pending.popleft()  # history: complete, in order
                 else:
-                    item = await self._next(deadline, outage)
+                    item = await self._next(until, outage)
                     if item is QUIET or item is WAKE:
                         pending.extend(await self._ride(outage, lambda: self._check(cursor)))
                         continue
@@ -144,12 +147,12 @@ class Subscription:
         finally:
             self.close()
 
-    async def _next(self, deadline: float | None, outage: Outage) -> Any:
+    async def _next(self, until: float | None, outage: Outage) -> Any:
         """The next queued item; QUIET after quiet_s without one; OutputTimeout (or
-        OutputExpired) at the deadline."""
+        OutputExpired) at `until` (the deadline on the monotonic clock)."""
         wait = self.feed.quiet_s
-        if deadline is not None:
-            left = deadline - time.time()
+        if until is not None:
+            left = until - time.monotonic()
             if left <= 0:
                 feed = self.feed
                 await self._ride(
@@ -162,8 +165,8 @@ class Subscription:
         try:
             return await asyncio.wait_for(self.queue.get(), wait)
         except TimeoutError:
-            if deadline is not None and deadline - time.time() <= 0:
-                return await self._next(deadline, outage)
+            if until is not None and until - time.monotonic() <= 0:
+                return await self._next(until, outage)
             return QUIET
 
     async def _check(self, cursor: _Cursor) -> list[TokenChunk]:

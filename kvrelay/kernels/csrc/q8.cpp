@@ -19,6 +19,7 @@
 // the VNNI correction (128 * the block's weight sum) are [groups][Kp / 32][64], fp32 and int32.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>  // memcpy
 #include <vector>
 
@@ -369,10 +370,13 @@ void q8_linear(const Q8Args& a) {
   const bool amx = path == Path::kAmx;
   // AMX loads whole 16-row tiles: the padding rows stay zero (xq 0, xd 0) and are not written.
   const int64_t rows = amx ? (a.m + kTileRows - 1) / kTileRows * kTileRows : a.m;
-  std::vector<int8_t> xq(rows * ld, 0);
+  // xq 64-byte aligned: an AMX tile row straddling two cache lines costs its load twice
+  std::vector<int8_t> xq_buffer(rows * ld + 64, 0);
+  int8_t* xq = reinterpret_cast<int8_t*>(
+      (reinterpret_cast<uintptr_t>(xq_buffer.data()) + 63) & ~static_cast<uintptr_t>(63));
   std::vector<float> xd(rows * blocks, 0.0f);
-  quantize_x(a, xq.data(), xd.data(), ld, path == Path::kVnni);
-  const Q8Data d{&a, xq.data(), xd.data(), ld, blocks};
+  quantize_x(a, xq, xd.data(), ld, path == Path::kVnni);
+  const Q8Data d{&a, xq, xd.data(), ld, blocks};
 #if defined(__AMX_INT8__)
   if (amx) {
     amx_linear(d);

@@ -229,6 +229,16 @@ void pair_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t block
   store_block<E>(a, acc + 512, 256, 16, kTileRows, rows1, block);
 }
 
+// The epilogue of the row pair at m0 (of a chunk from r0) of `block`: its final sums in
+// `acc` [rows][32] to y.
+template <Epilogue E>
+void store_pair(const WInt8Args& a, const float* acc, int64_t r0, int64_t m0, int64_t block) {
+  for (int64_t m = m0; m < std::min(m0 + 2 * kTileRows, a.m); m += kTileRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, a.m - m));
+    store_block<E>(a, acc + (m - r0) * kCols, 16, kCols, m, rows, block);
+  }
+}
+
 // Rows [r0, r1) of a chunk x one block: per k block the block's B tiles are widened into an
 // L1 panel and every row pair takes them; sums carry across k blocks in `acc` [rows][32].
 template <Epilogue E>
@@ -274,12 +284,13 @@ void large_rows(const WInt8Args& a, const uint16_t* xb, int64_t kp, int64_t bloc
         _tile_stored(2, c + kTileRows * kCols, kCols * 4);
         _tile_stored(3, c + kTileRows * kCols + 16, kCols * 4);
       }
+      // In the last k block the previous pair's sums are final: its epilogue's stores to y
+      // (cache misses) drain while this pair's tiles run, instead of in one burst at the end
+      // (read a pair behind: a vector load right after a tile store of the same lines waits)
+      if (kb + kn == ktiles && m0 > r0) store_pair<E>(a, acc, r0, m0 - 2 * kTileRows, block);
     }
   }
-  for (int64_t m0 = r0; m0 < r1; m0 += kTileRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, a.m - m0));
-    store_block<E>(a, acc + (m0 - r0) * kCols, 16, kCols, m0, rows, block);
-  }
+  store_pair<E>(a, acc, r0, r0 + (r1 - 1 - r0) / (2 * kTileRows) * (2 * kTileRows), block);
 }
 
 thread_local std::vector<uint16_t> t_xb, t_panel;

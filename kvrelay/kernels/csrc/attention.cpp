@@ -427,7 +427,7 @@ void run_item(const Args<T>& a, Unit un, bool prefetched, const Unit* after) {
           users += std::max(0, std::min(en[2], en[3] + en[2] - kstart));
         }
         if (users >= kWidenUsers) {
-          thread_local float kw[kMaxPage * 128], vw[kMaxPage * 128];
+          alignas(64) thread_local float kw[kMaxPage * 128], vw[kMaxPage * 128];
           for (int j = 0; j < a.page_size; ++j)
             for (int d = 0; d < ND; ++d) {
               _mm256_storeu_ps(kw + j * a.head_dim + 8 * d, load8(kh + j * stride + 8 * d));

@@ -4,7 +4,8 @@ Each server runs alone on 127.0.0.1 (started, warmed, loaded, stopped), in alter
 (kvrelay, llama, vllm, kvrelay, ...). Every server gets the same streamed OpenAI chat requests,
 greedy, `ignore_eos` + `min_tokens` so each answer is exactly `--tokens` long, in a closed loop:
 - `short`: short chats at each `--streams` level, 2 requests per stream (at least 4);
-- `shared-prefix`: 8 streams whose requests share a ~1,500-token system prompt;
+- `shared-prefix`: `--shared-prefix-streams` (8) whose requests share a ~1,500-token system
+  prompt;
 - `long-context`: `--long-context-streams` (8 and 32), each request its own 4,000-token document
   (`kvrelay bench --dataset long-context`: kvrelay.bench.datasets builds both);
 - `grounded`: `--grounded-streams` (1 and 8), tasks on a passage or a Python file in the prompt
@@ -212,7 +213,7 @@ def workload_levels(args: argparse.Namespace) -> list[tuple[str, int]]:
     if "short" in args.workloads:
         levels += [("short", int(s)) for s in args.streams.split(",") if s]
     if "shared-prefix" in args.workloads:
-        levels.append(("shared-prefix", 8))
+        levels += [("shared-prefix", int(s)) for s in args.shared_prefix_streams.split(",") if s]
     if "long-context" in args.workloads:
         levels += [("long-context", int(s)) for s in args.long_context_streams.split(",") if s]
     if "grounded" in args.workloads:
@@ -393,7 +394,8 @@ def workload_notes(args: argparse.Namespace, res: dict) -> str:
     """What the shared-prefix and long-context workloads sent, for those that ran."""
     notes = ""
     if "shared-prefix" in args.workloads:
-        notes += (f"; shared-prefix: 8 streams, a {res['system_prompt_tokens'][0]}-token system "
+        notes += (f"; shared-prefix: {args.shared_prefix_streams} streams, a "
+                  f"{res['system_prompt_tokens'][0]}-token system "
                   "prompt (new each round)")  # fmt: skip
     if "long-context" in args.workloads:
         notes += (f"; long-context: {args.long_context_streams} streams, each request its own "
@@ -438,7 +440,9 @@ def plot(res: dict, path: Path) -> None:
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend()
     shared = {
-        r["server"]: r["output_tok_s"] or 0 for r in res["rows"] if r["workload"] == "shared-prefix"
+        r["server"]: r["output_tok_s"] or 0
+        for r in res["rows"]
+        if r["workload"] == "shared-prefix" and r["streams"] == 8
     }
     axes[3].bar(list(shared), list(shared.values()), color=[f"C{servers.index(s)}" for s in shared])
     axes[3].set_title("shared 1,500-token prompt, 8 streams: tok/s")
@@ -467,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workloads", default="short,shared-prefix", help=f"comma-separated: {','.join(WORKLOADS)}"
     )
     p.add_argument("--long-context-streams", default="8,32", help="long-context's stream levels")
+    p.add_argument("--shared-prefix-streams", default="8", help="shared-prefix's stream levels")
     p.add_argument("--grounded-streams", default="1,8", help="grounded's stream levels")
     p.add_argument(
         "--requests-per-stream", type=int, default=2, help="requests per stream and level (2)"

@@ -19,13 +19,13 @@
 // the VNNI correction (128 * the block's weight sum) are [groups][Kp / 32][64], fp32 and int32.
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <cstring>  // memcpy
 #include <vector>
 
 #include "amx.h"
 #include "ops.h"
 #include "parallel.h"
+#include "vec.h"
 
 namespace kvr {
 
@@ -370,10 +370,8 @@ void q8_linear(const Q8Args& a) {
   const bool amx = path == Path::kAmx;
   // AMX loads whole 16-row tiles: the padding rows stay zero (xq 0, xd 0) and are not written.
   const int64_t rows = amx ? (a.m + kTileRows - 1) / kTileRows * kTileRows : a.m;
-  // xq 64-byte aligned: an AMX tile row straddling two cache lines costs its load twice
   std::vector<int8_t> xq_buffer(rows * ld + 64, 0);
-  int8_t* xq = reinterpret_cast<int8_t*>(
-      (reinterpret_cast<uintptr_t>(xq_buffer.data()) + 63) & ~static_cast<uintptr_t>(63));
+  int8_t* xq = line_aligned(xq_buffer.data());  // AMX tile rows on whole cache lines
   std::vector<float> xd(rows * blocks, 0.0f);
   quantize_x(a, xq, xd.data(), ld, path == Path::kVnni);
   const Q8Data d{&a, xq, xd.data(), ld, blocks};

@@ -7,6 +7,15 @@
 
 namespace kvr {
 
+// The first 64-byte boundary at or after p (the buffer needs 64 bytes of slack): tile and
+// 64-byte vector rows that straddle two cache lines cost their loads twice, and malloc's
+// large blocks start 16 bytes into a page.
+template <typename T>
+inline T* line_aligned(T* p) {
+  const uintptr_t u = reinterpret_cast<uintptr_t>(p);
+  return reinterpret_cast<T*>((u + 63) & ~static_cast<uintptr_t>(63));
+}
+
 // exp(x) for 8 lanes (Cephes polynomial, ~2 ulp). x <= -87.3 gives exactly 0 (no denormals,
 // -inf included), so masked scores contribute exact zeros.
 inline __m256 exp8(__m256 x) {

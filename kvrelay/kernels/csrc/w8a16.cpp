@@ -47,14 +47,12 @@ constexpr int kTileElems = 512;    // bf16 of one B tile: 16 pairs x 16 columns 
 constexpr int kSmallRows = 16;     // up to here one A tile per step, two blocks at a time
 
 // Per-thread scratch reused across calls (no allocation, no zeroing per call), 64-byte
-// aligned: a tile row that straddles two cache lines costs its load twice (and malloc's large
-// blocks start 16 bytes into a page).
+// aligned (`line_aligned`).
 template <typename T>
 T* scratch(std::vector<T>& v, size_t n) {
   constexpr size_t kSlack = 64 / sizeof(T);
   if (v.size() < n + kSlack) v.resize(n + kSlack);
-  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
-  return reinterpret_cast<T*>((p + 63) & ~static_cast<uintptr_t>(63));
+  return line_aligned(v.data());
 }
 
 // Tiles (load_full_tiles: every one 16 rows x 64 bytes). Large rows: 0-3 C (rows r0/r1 x

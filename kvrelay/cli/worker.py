@@ -88,6 +88,11 @@ _HELP: list[tuple[str, ...]] = [
     ("max_num_batched_tokens", "most tokens per step"),
     ("store_run_dir", "local store node run dir (none: off; or KVRELAY_STORE_RUN_DIR)"),
     ("lease_ms", "claim entries idle this long"),
+    (
+        "stream_interval_ms",
+        "write a streaming request's further tokens at most this often, several engine steps "
+        "in one queue-plane call (first tokens and ends at once; 0: every step)",
+    ),
     ("metrics_port", "0: any free port; -1: none"),
     (
         "override_generation_config",

@@ -65,6 +65,10 @@ class WorkerConfig(RedisSettings):
     heartbeat_ttl_s: int = 10
     # a cancel is seen at the next step; a worker writing nothing this long steps anyway
     cancel_poll_s: float = 0.5
+    # further tokens of a streaming request are written at most this often (ms), several
+    # engine steps in one Valkey call; first tokens, ends and hand-offs go at once. 0: every
+    # step. Fewer queue-plane calls per token, each token later by up to the interval.
+    stream_interval_ms: int = 0
     out_ttl_s: int = 600  # out:{id} lifetime after the final chunk
     req_ttl_s: int = 86400  # req:{id} lifetime after the final chunk
     stop_grace_s: float = 5.0  # on SIGTERM, finish in-flight work this long, then release it
@@ -90,6 +94,8 @@ class WorkerConfig(RedisSettings):
             normalize_attention_precision(engine.attention_precision)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        if self.stream_interval_ms < 0:
+            raise ConfigError("stream_interval_ms must be 0 or more")
         if engine.num_threads is not None and engine.num_threads < 1:
             raise ConfigError("threads must be at least 1")
         check_speculation(

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import cast
 
+import msgspec
 import redis
 
 from kvrelay.core.messages import TokenChunk, frame
@@ -71,12 +72,69 @@ class Outgoing:
     generation: int = 0
 
 
+def merged(a: Outgoing, b: Outgoing) -> Outgoing | None:
+    """`b` with `a`'s chunk in front of its own, when `a` and `b` are consecutive chunks of
+    one request not yet sent: one write of a chunk with both steps' tokens (as a speculative
+    step makes); None when they must stay two writes."""
+    ca, cb = a.chunk, b.chunk
+    if (
+        a.kind != OutgoingKind.EMIT
+        or b.kind != OutgoingKind.EMIT
+        or (a.request_id, a.entry_id, a.generation) != (b.request_id, b.entry_id, b.generation)
+        or a.write is not None
+        or b.write is not None
+        or a.done
+        or a.req_fields
+        or ca is None
+        or cb is None
+        or not ca.token_ids
+        or not cb.token_ids  # (an end without tokens, a cancel's, stays one)
+        or ca.finished
+        or ca.error is not None
+        or cb.prompt_logprobs is not None
+        or cb.index != ca.index + len(ca.token_ids)
+        or (ca.logprobs is None) != (cb.logprobs is None)
+    ):
+        return None
+    chunk = msgspec.structs.replace(
+        cb,
+        index=ca.index,
+        token_ids=[*ca.token_ids, *cb.token_ids],
+        text=ca.text + cb.text,
+        logprobs=None if ca.logprobs is None else [*ca.logprobs, *(cb.logprobs or ())],
+        prompt_logprobs=ca.prompt_logprobs,
+    )
+    return replace(b, chunk=chunk)
+
+
+def coalesce(items: list[Outgoing]) -> list[Outgoing]:
+    """`items` with each request's consecutive chunks (steps queued while a write was in
+    flight, or held for the stream interval) merged into one write each (`merged`); the
+    order of everything else is kept."""
+    out: list[Outgoing] = []
+    last: dict[str, int] = {}  # request id -> its latest write in `out`
+    for item in items:
+        at = last.get(item.request_id)
+        if item.kind != OutgoingKind.EMIT:
+            last.clear()  # (a release or dead letter ends a run of step calls)
+        elif at is not None and (both := merged(out[at], item)) is not None:
+            out[at] = both
+            continue
+        last[item.request_id] = len(out)
+        out.append(item)
+    return out
+
+
 class Emitter:
     """Writes Outgoing items in order from its own thread: the chunks queued since its last
-    write go out in one step call (`Streams.step`); requests found cancelled go to `cancels`,
-    writes that failed to `lost`. While nothing is written for `check_s` and requests are
-    held, a step without writes reads the control list. A fenced step calls `on_fenced` with
-    the fenced consumer name (the worker rejoins as a new consumer and drops what it held)."""
+    write go out in one step call (`Streams.step`), a request's chunks of several engine steps
+    merged into one (`coalesce`); requests found cancelled go to `cancels`, writes that failed
+    to `lost`. With `interval_s`, a write of only further tokens of requests already streaming
+    waits until `interval_s` after the previous write (first chunks, ends, hand-offs, releases
+    and dead letters go at once): fewer Valkey calls than engine steps, each token later by up
+    to the interval. While nothing is written for `check_s` and requests are held, a step
+    without writes reads the control list. A fenced step calls `on_fenced` with the fenced
+    consumer name (the worker rejoins as a new consumer and drops what it held)."""
 
     def __init__(
         self,
@@ -88,12 +146,14 @@ class Emitter:
         next_stream: str = "",
         cancels: queue.Queue[str] | None = None,
         check_s: float = 0.25,
+        interval_s: float = 0.0,
         on_fenced: Callable[[str], None] | None = None,
     ):
         self.streams, self.stream, self.group = streams, stream, group
         self.next_stream = next_stream or stream
         self.inflight = inflight
         self.check_s = check_s
+        self.interval_s = interval_s
         self.queue: queue.Queue[Outgoing | None] = queue.Queue()
         self.lost: queue.Queue[str] = queue.Queue()
         self.cancels: queue.Queue[str] = cancels if cancels is not None else queue.Queue()
@@ -137,6 +197,7 @@ class Emitter:
     def _run(self) -> None:
         stopping = False
         checked = time.monotonic()  # the control list was last read with a step then
+        wrote = float("-inf")  # the last write with chunks started then
         while not stopping:
             try:
                 wait = max(0.0, checked + self.check_s - time.monotonic())
@@ -144,17 +205,24 @@ class Emitter:
             except queue.Empty:
                 items = []
             checked = time.monotonic()
-            while len(items) < 1024:
+            self._drain(items)
+            while items and None not in items and not self._urgent(items):
+                wait = wrote + self.interval_s - time.monotonic()
+                if wait <= 0:
+                    break
                 try:
-                    items.append(self.queue.get_nowait())
+                    items.append(self.queue.get(timeout=wait))
                 except queue.Empty:
                     break
+                self._drain(items)
             if None in items:
                 stopping = True
                 items = [i for i in items if i is not None]
                 if not items:
                     break
-            batch = cast("list[Outgoing]", items)  # the None (stop) is filtered out above
+            batch = coalesce(cast("list[Outgoing]", items))  # (the None, stop, is out)
+            if batch:
+                wrote = time.monotonic()
             try:
                 self._write(batch)
             except Exception:  # the emitter must outlive any one bad write
@@ -162,6 +230,30 @@ class Emitter:
                 for item in batch:
                     self._forget(item)
                     self.lost.put(item.request_id)
+
+    def _drain(self, items: list[Outgoing | None]) -> None:
+        """Append what the queue holds now to `items` (1,024 at most)."""
+        while len(items) < 1024:
+            try:
+                items.append(self.queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _urgent(self, items: list[Outgoing | None]) -> bool:
+        """Whether `items` must go without waiting for the stream interval: anything but
+        further tokens of requests already streaming from here (a first chunk, an end, a
+        hand-off, a release, a dead letter, record fields)."""
+        if self.interval_s <= 0:
+            return True
+        with self._tail_lock:
+            return any(
+                item is None
+                or item.kind != OutgoingKind.EMIT
+                or item.done
+                or item.req_fields
+                or item.request_id not in self._tail
+                for item in items
+            )
 
     def _write(self, items: list[Outgoing]) -> None:
         while True:

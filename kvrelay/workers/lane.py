@@ -88,6 +88,7 @@ class ShardLane:
             next_stream=self.keys.decode_stream,
             cancels=worker.cancels,
             check_s=config.cancel_poll_s,
+            interval_s=config.stream_interval_ms / 1000,
             on_fenced=self.rejoin,
         )
         self.heartbeat = Heartbeat(

@@ -82,10 +82,13 @@ def test_a_step_whose_reply_was_lost_is_sent_again_and_not_applied_twice(r):
     emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight)
     emitter.follow("q5", ["f5"])
     last = TokenChunk(1, [2], finish_reason="stop")
-    emitter.put(Outgoing(OutgoingKind.EMIT, "q5", eid, TokenChunk(0, [1])))
-    emitter.put(Outgoing(OutgoingKind.EMIT, "q5", eid, last, done=True))
     r.config_resetstat()
     emitter.thread.start()
+    emitter.put(Outgoing(OutgoingKind.EMIT, "q5", eid, TokenChunk(0, [1])))
+    deadline = time.monotonic() + 10
+    while r.get(KEYS.fence("w5")) != b"1" and time.monotonic() < deadline:
+        time.sleep(0.01)  # the first step written (its reply lost) and repeated
+    emitter.put(Outgoing(OutgoingKind.EMIT, "q5", eid, last, done=True))
     emitter.close()
     assert s.lost == 1 and emitter.lost.empty() and len(inflight) == 0
     # three calls: the first step twice (its repeat wrote nothing), then the final one
@@ -96,20 +99,61 @@ def test_a_step_whose_reply_was_lost_is_sent_again_and_not_applied_twice(r):
     assert r.get(KEYS.fence("w5")) == b"2"
 
 
-def test_two_steps_of_one_request_in_one_batch_go_in_order(r):
+def test_steps_of_one_request_queued_together_go_as_one_write(r):
     s = _streams(r, "w3")
     eid = _held(r, s, "q3")
     inflight = Inflight()
     inflight.add("q3", eid)
     emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight)
     for i in range(3):  # queued before the thread runs: one drain holds all three
-        emitter.put(Outgoing(OutgoingKind.EMIT, "q3", eid, TokenChunk(i, [i])))
+        emitter.put(Outgoing(OutgoingKind.EMIT, "q3", eid, TokenChunk(i, [i], text=f"t{i}")))
     r.config_resetstat()
     emitter.thread.start()
     emitter.close()
     assert emitter.lost.empty()
-    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 3  # one call per step of it
-    assert s.emitted_tokens("q3") == ([0, 1, 2], 0, False)
+    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 1  # the three in one call
+    assert s.emitted_tokens("q3") == ([0, 1, 2], 6, False)
+    assert s.history("q3") == [TokenChunk(0, [0, 1, 2], text="t0t1t2")]
+
+
+def test_with_a_stream_interval_further_tokens_wait_and_go_with_the_end(r):
+    s = _streams(r, "w7")
+    listener = FeedListener(r, KEYS.feed("f7"))
+    eid = _held(r, s, "q7", feed="f7")
+    inflight = Inflight()
+    inflight.add("q7", eid)
+    # an interval far longer than the test: what goes out goes without waiting for it
+    emitter = Emitter(s, KEYS.prefill_stream, PREFILL_GROUP, inflight, interval_s=600)
+    emitter.follow("q7", ["f7"])
+    emitter.thread.start()
+    emitter.put(Outgoing(OutgoingKind.EMIT, "q7", eid, TokenChunk(0, [10], text="a")))
+    first = _next_message(listener)  # a first token goes at once
+    assert feed_chunks(first)["q7"] == TokenChunk(0, [10], text="a")
+    for i in (1, 2, 3):  # three engine steps inside the interval: held
+        emitter.put(Outgoing(OutgoingKind.EMIT, "q7", eid, TokenChunk(i, [10 + i], text="b")))
+    assert listener.messages(wait_s=0.5) == []
+    # the end goes at once, and what was held goes with it, in one chunk
+    end = TokenChunk(4, [14], finish_reason="length", usage={"completion_tokens": 5})
+    emitter.put(Outgoing(OutgoingKind.EMIT, "q7", eid, end, done=True))
+    last = _next_message(listener)
+    both = TokenChunk(1, [11, 12, 13, 14], text="bbb", finish_reason="length",
+                      usage={"completion_tokens": 5})  # fmt: skip
+    assert feed_chunks(last)["q7"] == both
+    emitter.close()
+    assert s.emitted_tokens("q7") == ([10, 11, 12, 13, 14], 4, True)
+    assert s.history("q7") == [TokenChunk(0, [10], text="a"), both]
+    assert listener.messages(wait_s=0.2) == []
+    listener.close()
+
+
+def _next_message(listener: FeedListener, wait_s: float = 10.0) -> bytes:
+    """The next message on the listener's channels (fails after `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        message = listener.pubsub.get_message(timeout=0.1)
+        if message is not None and message["type"] == "smessage":
+            return message["data"]
+    raise AssertionError("no feed message")
 
 
 def test_a_silent_emitter_learns_cancels_and_feeds_from_its_control_list(r):

@@ -28,6 +28,14 @@ second) is the capacity that Valkey itself shows.
 
 `--valkey-cpu F` caps each Valkey node at F of a core (a cgroup per node; root): on a host
 with fewer cores than nodes plus load generator, shards are compared at equal CPU per node.
+
+`--emitter-thread` runs each simulated worker as a real one does: its steps go to the
+emitter's thread and the next step does not wait for the write, so when Valkey cannot take a
+call per step, the steps queued behind a write go out together (one chunk per request). With
+a capped Valkey it shows what a worker carries once the queue plane is its bottleneck:
+
+    python benchmarks/queue_sim.py --workers 1 --batch 32 --rates 200,400 --valkey-cpu 0.05 \
+        [--emitter-thread]
 """
 
 from __future__ import annotations
@@ -119,7 +127,7 @@ def valkey_counters(r: redis.Redis) -> tuple[int, float]:
 # ---- simulated decode worker -------------------------------------------------------------------
 def worker_main(
     url: str, index: int, shard: int, shards: int, batch: int, tokens: int, rate: float,
-    until: float, q,
+    until: float, q, threaded: bool = False,
 ):  # fmt: skip
     r = redis.Redis.from_url(url)  # the node holding `shard` (a plain client: one slot)
     keys = Keys(PREFIX, shard, shards)
@@ -127,10 +135,13 @@ def worker_main(
     streams.ensure_group(keys.decode_stream, DECODE_GROUP)
     streams.beat(keys.worker(f"sim-{index}"), {"name": f"sim-{index}"}, 10)  # registers it
     active: dict[str, list] = {}  # request id -> [entry id, next index]
-    # the worker's own emitter (tails, flushes, step numbers, the control list), its batch
-    # written in line: the simulated step waits for it as the emitter thread does
+    # the worker's own emitter (tails, flushes, step numbers, the control list): its batch
+    # written in line (the simulated step waits for it), or with `threaded` put on the
+    # emitter's queue, as a worker's compute loop does
     inflight = Inflight()
     emitter = Emitter(streams, keys.decode_stream, DECODE_GROUP, inflight)
+    if threaded:
+        emitter.thread.start()
     steps = written = 0
     period = 1.0 / rate if rate > 0 else 0.0
     next_step = time.monotonic()
@@ -156,7 +167,7 @@ def worker_main(
             chunk = TokenChunk(
                 index=index_,
                 token_ids=[1000 + index_],
-                text=f"{now:.6f}",
+                text=f"{now:.6f} ",  # (chunks merged by the emitter join their texts)
                 finish_reason="length" if last else None,
                 usage={"prompt_tokens": 8, "completion_tokens": tokens} if last else None,
             )
@@ -166,7 +177,11 @@ def worker_main(
             else:
                 active[rid][1] += 1
         n = len(writes)
-        emitter._write_once(writes)
+        if threaded:
+            for item in writes:
+                emitter.put(item)
+        else:
+            emitter._write_once(writes)
         steps += 1
         written += n
         if time.monotonic() - last_beat > 1.0:
@@ -179,6 +194,8 @@ def worker_main(
                 time.sleep(delay)
             else:
                 next_step = time.monotonic()
+    if threaded:
+        emitter.close(30)
     q.put({"worker": index, "steps": steps, "tokens": written})
 
 
@@ -223,7 +240,7 @@ async def _ingress(url, shards, index, inflight, tokens, start, until, q) -> Non
             now = time.time()
             if start <= now < until and chunk.token_ids:
                 received += len(chunk.token_ids)
-                latencies.append(now - float(chunk.text))
+                latencies.extend(now - float(t) for t in chunk.text.split())
 
     async def loop() -> None:
         while time.time() < until:
@@ -257,7 +274,18 @@ def run_point(urls: list[str], workers: int, batch: int, rate: float, args) -> d
     procs += [
         ctx.Process(
             target=worker_main,
-            args=(urls[k], k * workers + i, k, shards, batch, args.tokens, rate, until + 1, q),
+            args=(
+                urls[k],
+                k * workers + i,
+                k,
+                shards,
+                batch,
+                args.tokens,
+                rate,
+                until + 1,
+                q,
+                args.emitter_thread,
+            ),  # fmt: skip
         )
         for k in range(shards)
         for i in range(workers)
@@ -313,9 +341,20 @@ def main() -> None:
         help="cap each Valkey node at this fraction of one core (cgroup; root): shards "
         "compared at equal CPU per node on a host too small to give each node a core",
     )
+    ap.add_argument(
+        "--emitter-thread",
+        action="store_true",
+        help="workers hand their steps to the emitter's thread, as real ones do (fixed rates "
+        "only): steps queued behind a write go out together",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
+    if args.emitter_thread and any(float(x) <= 0 for x in args.rates.split(",")):
+        ap.error(
+            "--emitter-thread needs fixed rates (steps/s > 0): a flat-out producer "
+            "would queue without bound"
+        )
     if args.shards > 1 and args.redis_url:
         ap.error("--shards starts its own cluster; leave out --redis-url")
     data_dir = None

@@ -95,7 +95,9 @@ class WorkerConfig(RedisSettings):
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         if self.stream_interval_ms < 0:
-            raise ConfigError("stream_interval_ms must be 0 or more")
+            raise ConfigError(
+                f"stream_interval_ms must be 0 or more, got {self.stream_interval_ms}"
+            )
         if engine.num_threads is not None and engine.num_threads < 1:
             raise ConfigError("threads must be at least 1")
         check_speculation(

@@ -207,13 +207,17 @@ class Emitter:
             checked = time.monotonic()
             self._drain(items)
             while items and None not in items and not self._urgent(items):
-                wait = wrote + self.interval_s - time.monotonic()
-                if wait <= 0:
+                now = time.monotonic()
+                if now >= wrote + self.interval_s:
                     break
+                if now >= checked + self.check_s:  # holding: cancels are read all the same
+                    self._check()
+                    checked = now
+                wait = min(wrote + self.interval_s, checked + self.check_s) - now
                 try:
-                    items.append(self.queue.get(timeout=wait))
+                    items.append(self.queue.get(timeout=max(0.0, wait)))
                 except queue.Empty:
-                    break
+                    continue
                 self._drain(items)
             if None in items:
                 stopping = True
@@ -230,6 +234,13 @@ class Emitter:
                 for item in batch:
                     self._forget(item)
                     self.lost.put(item.request_id)
+
+    def _check(self) -> None:
+        """A step without writes (the control list: cancels, feeds) while chunks are held."""
+        try:
+            self._write([])
+        except Exception:  # the emitter must outlive any one bad write
+            logger.exception("emitter: reading the control list failed")
 
     def _drain(self, items: list[Outgoing | None]) -> None:
         """Append what the queue holds now to `items` (1,024 at most)."""

@@ -161,7 +161,8 @@ def test_flags_are_generated_from_the_settings_fields():
         "--num-speculative-tokens",
         "--prompt-lookup-min", "--prompt-lookup-max", "--draft-model", "--kv-cache-bytes",
         "--max-num-seqs", "--max-num-batched-tokens",
-        "--store-run-dir", "--lease-ms", "--metrics-port", "--override-generation-config",
+        "--store-run-dir", "--lease-ms", "--stream-interval-ms", "--metrics-port",
+        "--override-generation-config",
     ]  # fmt: skip
     parser = build_parser()
     args = parser.parse_args(["store", "--keep-arena", "off", "--arena-bytes", "4096"])
@@ -353,3 +354,12 @@ def test_the_worker_settings_nest_the_engine_settings(tmp_path: Path):
     assert given.engine == EngineConfig(page_size=8, max_num_seqs=3)
     with pytest.raises(ConfigError, match="unknown setting 'num_threads' for WorkerConfig"):
         load_worker_config(environ={}, num_threads=2)
+
+
+def test_the_stream_interval_is_a_worker_setting_of_zero_or_more():
+    assert load_worker_config(environ={}).stream_interval_ms == 0
+    got = load_worker_config(environ={"KVRELAY_WORKER_STREAM_INTERVAL_MS": "250"})
+    assert got.stream_interval_ms == 250
+    with pytest.raises(ConfigError) as info:
+        load_worker_config(environ={"KVRELAY_WORKER_STREAM_INTERVAL_MS": "-5"})
+    assert str(info.value) == "stream_interval_ms must be 0 or more, got -5"

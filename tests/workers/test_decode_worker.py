@@ -3,6 +3,7 @@ fencing of the stale owner, cancellation."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -172,6 +173,43 @@ def test_cancel_mid_request(stack):
     assert 2 <= n < 200 and got[-1].usage["completion_tokens"] == n
     assert r.hget(KEYS.request("stopme"), "status") == b"cancelled"
     assert r.xpending(KEYS.decode_stream, DECODE_GROUP)["pending"] == 0
+
+
+@contextlib.contextmanager
+def stream_interval(worker, seconds: float):
+    """The worker's emitter holding further tokens for `seconds` (as `stream_interval_ms`)."""
+    [lane] = worker.lanes.values()
+    lane.emitter.interval_s = seconds
+    try:
+        yield
+    finally:
+        lane.emitter.interval_s = 0.0
+
+
+def test_with_a_stream_interval_the_first_token_and_the_end_go_at_once_and_hold_the_rest(stack):
+    r, worker, prompts, refs = stack
+    ref = refs[1].output_token_ids
+    with stream_interval(worker, 600.0):  # longer than the test: only first chunks and ends go
+        submit(r, "held", prompts[1], [], prefilled=False)
+        got = final_chunks(r, KEYS, "held")
+    assert tokens_of(got) == ref
+    assert [len(c.token_ids) for c in got] == [1, len(ref) - 1]
+    assert got[-1].finish_reason == "length" and got[-1].usage["completion_tokens"] == len(ref)
+
+
+def test_a_cancel_is_read_while_tokens_are_held(stack):
+    r, worker, prompts, _ = stack
+    with stream_interval(worker, 600.0):
+        submit(r, "heldstop", prompts[0], [], sampling={**GREEDY, "max_tokens": 400})
+        deadline = time.monotonic() + 60
+        while emitted(r, "heldstop") < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        set_cancelled(r, KEYS, "heldstop")
+        got = final_chunks(r, KEYS, "heldstop")
+    n = len(tokens_of(got))
+    assert got[0].token_ids and got[-1].finish_reason == "cancelled"
+    assert 1 <= n < 400 and got[-1].usage["completion_tokens"] == n
+    assert r.hget(KEYS.request("heldstop"), "status") == b"cancelled"
 
 
 def test_many_claims_with_progress_between_are_churn_not_poison(stack):

@@ -160,14 +160,19 @@ def test_claimed_request_resumes_without_gaps_or_duplicates(stack):
     assert tokens_of(final_chunks(r, KEYS, "resume")) == refs[1].output_token_ids
 
 
+def cancelled_after(r, request_id: str, prompt: list[int], tokens: int) -> list[TokenChunk]:
+    """A long greedy request cancelled once `tokens` of it were emitted: all its chunks."""
+    submit(r, request_id, prompt, [], sampling={**GREEDY, "max_tokens": 200})
+    deadline = time.monotonic() + 60
+    while emitted(r, request_id) < tokens and time.monotonic() < deadline:
+        time.sleep(0.01)
+    set_cancelled(r, KEYS, request_id)
+    return final_chunks(r, KEYS, request_id)
+
+
 def test_cancel_mid_request(stack):
     r, _, prompts, _ = stack
-    submit(r, "stopme", prompts[0], [], sampling={**GREEDY, "max_tokens": 200})
-    deadline = time.monotonic() + 60
-    while emitted(r, "stopme") < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    set_cancelled(r, KEYS, "stopme")
-    got = final_chunks(r, KEYS, "stopme")
+    got = cancelled_after(r, "stopme", prompts[0], 2)
     assert got[-1].finish_reason == "cancelled" and got[-1].token_ids == []
     n = len(tokens_of(got))
     assert 2 <= n < 200 and got[-1].usage["completion_tokens"] == n
@@ -200,15 +205,10 @@ def test_with_a_stream_interval_the_first_token_and_the_end_go_at_once_and_hold_
 def test_a_cancel_is_read_while_tokens_are_held(stack):
     r, worker, prompts, _ = stack
     with stream_interval(worker, 600.0):
-        submit(r, "heldstop", prompts[0], [], sampling={**GREEDY, "max_tokens": 400})
-        deadline = time.monotonic() + 60
-        while emitted(r, "heldstop") < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        set_cancelled(r, KEYS, "heldstop")
-        got = final_chunks(r, KEYS, "heldstop")
+        got = cancelled_after(r, "heldstop", prompts[0], 1)
     n = len(tokens_of(got))
     assert got[0].token_ids and got[-1].finish_reason == "cancelled"
-    assert 1 <= n < 400 and got[-1].usage["completion_tokens"] == n
+    assert 1 <= n < 200 and got[-1].usage["completion_tokens"] == n
     assert r.hget(KEYS.request("heldstop"), "status") == b"cancelled"
 
 

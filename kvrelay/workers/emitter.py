@@ -208,7 +208,7 @@ class Emitter:
             self._drain(items)
             while items and None not in items and not self._urgent(items):
                 now = time.monotonic()
-                if now >= wrote + self.interval_s:
+                if now >= wrote + self.interval_s or len(items) >= 1024:
                     break
                 if now >= checked + self.check_s:  # holding: cancels are read all the same
                     self._check()

@@ -121,7 +121,7 @@ def instrument(app) -> None:
 def worker(url: str, keys: Keys, stage: Stage, tokens: int, stop: threading.Event) -> None:
     """Answer every task of one stream at once as a worker writes: admitted (this consumer
     owns it), one chunk per token, then the final chunk ending the request, all through the
-    emitter's step script calls."""
+    emitter's step script calls (the token chunks, queued at once, go as one merged chunk)."""
     r = redis.Redis.from_url(url)
     if stage == Stage.PREFILL:
         stream, group, kind = keys.prefill_stream, PREFILL_GROUP, PrefillTask
@@ -191,7 +191,7 @@ def run_client(port: int, n: int, stream: bool, gap_s: float) -> list[dict[str, 
             ) as resp:
                 first = True
                 for data in resp.iter_raw():
-                    if first and stream and b'"content":"a"' in data:
+                    if first and stream and b'"content":"a' in data:  # (one a or more)
                         mark(rid, "first_bytes")
                         first = False
                 mark(rid, "done")

@@ -285,7 +285,7 @@ def run_point(urls: list[str], workers: int, batch: int, rate: float, args) -> d
                 until + 1,
                 q,
                 args.emitter_thread,
-            ),  # fmt: skip
+            ),
         )
         for k in range(shards)
         for i in range(workers)

@@ -57,21 +57,21 @@ async def arrivals(url: str, rounds: int, batches: int = 10, calls: int = 32) ->
     client = aioredis.Redis.from_url(url, max_connections=calls * 2)
     sha = sync.script_load(SCRIPT)
 
-    def one(tag: str, i: int):
-        return client.evalsha(sha, 2, f"h:{tag}:{i}", "s", "x" * 300)
+    def call(target, tag: str, i: int):
+        return target.evalsha(sha, 2, f"h:{tag}:{i}", "s", "x" * 300)
 
     async def pipelined(tag: str) -> None:
         pipe = client.pipeline(transaction=False)
         for i in range(calls):
-            pipe.evalsha(sha, 2, f"h:{tag}:{i}", "s", "x" * 300)
+            call(pipe, tag, i)
         await pipe.execute()
 
     async def at_once(tag: str) -> None:
-        await asyncio.gather(*(one(tag, i) for i in range(calls)))
+        await asyncio.gather(*(call(client, tag, i) for i in range(calls)))
 
     async def spread(tag: str) -> None:
         for i in range(calls):
-            await one(tag, i)
+            await call(client, tag, i)
             await asyncio.sleep(0.005)
 
     await at_once("warm")

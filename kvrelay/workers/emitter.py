@@ -116,7 +116,7 @@ def coalesce(items: list[Outgoing]) -> list[Outgoing]:
     for item in items:
         at = last.get(item.request_id)
         if item.kind != OutgoingKind.EMIT:
-            last.clear()  # (a release or dead letter ends a run of step calls)
+            last.clear()  # (nothing merges across a hand-off, a release or a dead letter)
         elif at is not None and (both := merged(out[at], item)) is not None:
             out[at] = both
             continue

@@ -1,13 +1,19 @@
 """`--quantization fp16`: fp16 weights (fbgemm), fp32 activations; row, batch and chunk
-invariance, the greedy answer of fp32, its own fingerprint."""
+invariance, the greedy answer of fp32, its own fingerprint; on this host's ISA and, in a
+subprocess, with fbgemm forced to its AVX2 kernels (whose 6-row blocks are padded)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvrelay.core.modelref import model_fingerprint
-from kvrelay.workers.model.quant import Fp16Linear, can_quantize
+from kvrelay.workers.model.quant import Fp16Linear, can_quantize, fp16_row_block
 from tests.workers.conftest import (
     FP32_CAPITAL_ANSWER,
     check_alone_equals_in_batch_of_8_and_chunked,
@@ -39,6 +45,26 @@ def test_fp16_linear_rounds_only_the_weights_and_rows_stand_alone():
         torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="fp16 weights need CPU float32 weights"):
         Fp16Linear(weight.double())
+
+
+FORCED = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS")
+
+
+def test_row_block_is_fbgemms_kernel_block():
+    # AVX2's kernels (forced below, or an AVX2-only host) need whole blocks of 6 rows
+    assert fp16_row_block() == (6 if FORCED == "AVX2" else Fp16Linear(torch.zeros(1, 1)).row_block)
+    assert fp16_row_block() in (1, 6)
+
+
+@pytest.mark.skipif(FORCED is not None, reason="this is the forced run")
+def test_every_check_holds_with_fbgemms_avx2_kernels_forced():
+    # fbgemm reads FBGEMM_ENABLE_INSTRUCTIONS once per process: run this file again under it
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "5 passed, 1 skipped" in done.stdout
 
 
 def test_greedy_answer_is_fp32s(make_engine):

@@ -9,6 +9,7 @@ prefill is chunked, decode or prefill) comes from giving every row the same arit
   path (MKL: 1-3 rows take GEMV, 5-11 rows differ with 2 threads) invariant. With
   `--quantization int8-weight-only` every linear computes each row alone for any row count
   (our C++ kernel), so rows are not padded (`row_align` 1): batch 1 decode computes 1 row.
+  `--quantization fp16` on an AVX2 host pads to 12 (fbgemm's 6-row blocks, see quant.py).
   On CUDA the linears run `kvrelay.kernels.linear`'s Triton GEMM (one tile configuration for
   every row count; cuBLAS picks its algorithm from M, so its rows change with the batch);
 - RMSNorm and SiLU were measured row-invariant on CPU; on CUDA RMSNorm (and the residual add
@@ -231,8 +232,11 @@ class LlamaForCausalLM(nn.Module):
 
         with ThreadPoolExecutor(2) as pool:  # the torch ops release the GIL: ~2x on 2 cores
             list(pool.map(convert, slots))
-        if all(getattr(lin, "any_row_count", False) for lin in self.all_linears()):
+        linears = list(self.all_linears())
+        if all(getattr(lin, "any_row_count", False) for lin in linears):
             self.row_align = 1
+        for lin in linears:  # fp16 on AVX2: fbgemm's whole row blocks (quant.fp16_row_block)
+            self.row_align = math.lcm(self.row_align, getattr(lin, "row_block", 1))
         self.cpu_decoder = self._build_cpu_decoder()
 
     def _build_cpu_decoder(self) -> CpuDecoder | None:

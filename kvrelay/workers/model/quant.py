@@ -24,8 +24,12 @@ row's result is bitwise the same in any batch.
 
 fp16 (`Fp16Linear`): weights stored as IEEE half, converted to fp32 inside fbgemm's GEMM, fp32
 activations and accumulation. Half the bytes of fp32 per step (batch 1 decode is bound by
-reading the weights); each output is a dot product over K in an order set by the packed weight
-alone, so a row's result does not depend on the rows beside it (tested bitwise).
+reading the weights). fbgemm's AVX-512 kernels sum every row in the same order whatever the
+row count; its AVX2 kernels run rows in blocks of 6 and give a trailing block of 1-2 rows a
+kernel of its own whose sums round differently (a row alone -0.8467, in a batch -0.8468). So
+`fp16_row_block()` measures once which holds on this host: 1 (any row count), 6 (rows padded
+to whole blocks of 6, which every ISA fbgemm has computes alike: measured 1-139 rows, 1-4
+threads), or neither (fp16 is refused here: `can_quantize` says False).
 
 int8 (`Int8Linear`): int8 weights, per-token dynamic int8 activations.
 
@@ -45,6 +49,7 @@ cost per layer on AVX2), `_weight_int8pack_mm` is 5-50x slower than fp32, fbgemm
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -64,7 +69,7 @@ WEIGHT_ONLY = Quantization.INT8_WEIGHT_ONLY
 # What each method needs beyond CPU float32 weights (its error message where it cannot run).
 NEEDS = {
     Quantization.INT8: "a torch with oneDNN's int8 linear (qlinear_prepack)",
-    Quantization.FP16: "a torch built with fbgemm",
+    Quantization.FP16: "a torch built with fbgemm whose fp16 rows are batch invariant here",
     WEIGHT_ONLY: "the C++ CPU kernels (x86-64 with AVX2)",
     Quantization.Q8_0: "the C++ CPU kernels (x86-64 with AVX2)",
     Quantization.W8A16: "the amx kernel variant (a CPU with AMX-BF16 and AVX512-BF16)",
@@ -76,7 +81,7 @@ def can_quantize(weight: torch.Tensor, method: str = Quantization.INT8) -> bool:
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return False
     if method == Quantization.FP16:
-        return "fbgemm" in torch.backends.quantized.supported_engines
+        return fp16_row_block() is not None
     if method in (WEIGHT_ONLY, Quantization.Q8_0):
         return kernels.int8_linear_available()
     if method == Quantization.W8A16:
@@ -138,24 +143,59 @@ class Int8Linear:
         return y if self.bias is None else y.add_(self.bias)
 
 
+# Row counts fbgemm's fp16 GEMM is tried with (alone and at offsets) against a 48-row batch.
+_FP16_PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 13, 14, 20, 31, 32, 44)
+
+
+@functools.cache
+def fp16_row_block() -> int | None:
+    """Rows fbgemm's fp16 GEMM must get in whole multiples of for every row to be computed
+    alike in any batch on this host: 1, 6 (its AVX2 kernels), or None (neither: refused)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return None
+    g = torch.Generator().manual_seed(0)
+    packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(64, 1536, generator=g), None)
+    x = torch.randn(48, 1536, generator=g) * 3
+    for block in (1, 6):
+        full = _fp16_rows(x, packed, block)
+        if all(
+            torch.equal(_fp16_rows(x[start : start + n], packed, block), full[start : start + n])
+            for n in _FP16_PROBE_ROWS
+            for start in (0, 1, 48 - n)
+        ):
+            return block
+    logger.warning("fbgemm's fp16 rows change with their batch on this host: fp16 refused")
+    return None
+
+
+def _fp16_rows(x: torch.Tensor, packed: torch.Tensor, block: int) -> torch.Tensor:
+    n = x.shape[0]
+    pad = -n % block
+    if pad:  # zero rows to a whole block: the real rows take the full-block kernel
+        x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+    y = torch.ops.quantized.linear_dynamic_fp16(x, packed)
+    return y[:n] if pad else y
+
+
 class Fp16Linear:
     """Drop-in for `model.Linear` (same call): y = x W^T + b with W stored as fp16 (fbgemm)."""
 
-    __slots__ = ("packed", "bias", "out_features", "in_features")
+    __slots__ = ("packed", "bias", "out_features", "in_features", "row_block")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         if not can_quantize(weight, Quantization.FP16):
             raise ValueError(
                 f"fp16 weights need CPU float32 weights (got {weight.dtype} on "
-                f"{weight.device.type}) and a torch built with fbgemm"
+                f"{weight.device.type}) and {NEEDS[Quantization.FP16]}"
             )
         self.out_features, self.in_features = (int(n) for n in weight.shape)
         w = weight.detach().float().contiguous()
         self.packed = torch.ops.quantized.linear_prepack_fp16(w, None)
         self.bias = None if bias is None else bias.detach().float().clone()
+        self.row_block = fp16_row_block() or 1  # rows padded to it (the model pads to it too)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        y = _fp16_rows(x, self.packed, self.row_block)
         return y if self.bias is None else y.add_(self.bias)
 
 

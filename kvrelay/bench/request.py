@@ -30,6 +30,7 @@ class RequestOptions:
     max_tokens: int = 128
     ignore_eos: bool = False
     temperature: float = 0.0
+    top_p: float | None = None  # None: the server's default
 
 
 @dataclass(slots=True)
@@ -84,6 +85,8 @@ def request_body(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if opts.top_p is not None:
+        body["top_p"] = opts.top_p
     if opts.endpoint == "chat":
         body["messages"] = messages if prompt is None else [{"role": "user", "content": prompt}]
     else:

@@ -53,6 +53,7 @@ class BenchConfig:
             "max_tokens": self.opts.max_tokens,
             "ignore_eos": self.opts.ignore_eos,
             "temperature": self.opts.temperature,
+            "top_p": self.opts.top_p,
             "slo": {"ttft_ms": self.slo.ttft_ms, "itl_ms": self.slo.itl_ms},
         }
 

@@ -81,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="send ignore_eos and min_tokens so every answer is max-tokens long",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0)")
+    p.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling mass (the server's default)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (0)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput bound on TTFT")
     p.add_argument(
@@ -136,6 +139,8 @@ def _check(args: argparse.Namespace) -> None:
         raise CommandError("--request-rate inf sends everything at once: give --num-requests", 2)
     if args.temperature < 0:
         raise CommandError(f"--temperature must be >= 0, got {args.temperature:g}", 2)
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise CommandError(f"--top-p must be in (0, 1], got {args.top_p:g}", 2)
     if args.compare_model and not args.compare:
         raise CommandError("--compare-model needs --compare URL", 2)
 
@@ -194,7 +199,9 @@ def _config(args: argparse.Namespace):
         for label, url, model in zip("AB", urls, models, strict=False)
     ]
     num_requests = None if args.duration else (args.num_requests or 64)
-    opts = RequestOptions(args.endpoint, args.max_tokens, args.ignore_eos, args.temperature)
+    opts = RequestOptions(
+        args.endpoint, args.max_tokens, args.ignore_eos, args.temperature, args.top_p
+    )
     progress = not args.no_progress and sys.stderr.isatty()
     return BenchConfig(
         targets,

@@ -42,6 +42,7 @@ SOURCES = (
     "wint8.cpp",
     "q8.cpp",
     "w8a16.cpp",
+    "sampling.cpp",
     "bindings.cpp",
 )
 HEADERS = ("ops.h", "parallel.h", "vec.h", "kv_types.h", "amx.h")

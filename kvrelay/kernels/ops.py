@@ -536,3 +536,26 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     same arithmetic, callers check `int8_linear_available()`."""
     ext = _linear_rows("int8_linear", x, weight.in_features)
     return ext.int8_linear(x.contiguous(), weight.packed, weight.scales, bias, weight.out_features)
+
+
+def sample_rows(
+    logits: torch.Tensor, settings: torch.Tensor, top_k: torch.Tensor
+) -> torch.Tensor | None:
+    """The token drawn for each row of logits [R, V] (C++, csrc/sampling.cpp): settings [R, 4]
+    fp32 (temperature > 0, top_p, min_p, u), top_k [R] int64 (0: none); None where the C++
+    kernels are not built (the caller samples in torch)."""
+    ext = _cpp_rows(logits)
+    if ext is None:
+        return None
+    if (
+        logits.dim() != 2
+        or settings.shape != (logits.shape[0], 4)
+        or top_k.shape != (logits.shape[0],)
+    ):
+        raise KernelError(
+            f"need logits [R, V], settings [R, 4] and top_k [R], got {tuple(logits.shape)}, "
+            f"{tuple(settings.shape)} and {tuple(top_k.shape)}"
+        )
+    return ext.sample_rows(
+        logits, settings.float().contiguous(), top_k.to(torch.int64).contiguous()
+    )

@@ -256,3 +256,17 @@ def test_attention_items_cut_by_heads_keep_the_bits(variant):
                    torch.tensor([0, 1], dtype=torch.int32), page)  # fmt: skip
             for threads in (1, 2, 3):
                 assert torch.equal(_attend(mod, one, threads)[0], rows[pos]), (pos, threads)
+
+
+@pytest.mark.parametrize("vocab", [49152, 3001])
+def test_sampled_tokens_same_in_each_variant(variants, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(64, vocab, generator=g) * 4
+    temperature = torch.rand(64, generator=g) + 0.3
+    top_p = torch.where(torch.arange(64) % 3 == 0, 1.0, torch.rand(64, generator=g))
+    min_p = torch.where(torch.arange(64) % 4 == 0, 0.05, 0.0)
+    settings = torch.stack((temperature, top_p, min_p, torch.rand(64, generator=g)), dim=1)
+    top_k = torch.where(torch.arange(64) % 5 == 0, 20, 0)
+    a2 = variants["avx2"].sample_rows(logits, settings, top_k)
+    assert torch.equal(a2, variants["wide"].sample_rows(logits, settings, top_k))
+    assert len(set(a2.tolist())) > 40  # real draws, not one token

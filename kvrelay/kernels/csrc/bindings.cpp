@@ -123,6 +123,23 @@ std::vector<torch::Tensor> quantize(const torch::Tensor& x, double qmax, int64_t
   return {q, scales};
 }
 
+// The drawn token of each row of logits [rows, vocab]; settings [rows, 4] fp32 (temperature,
+// top_p, min_p, u) and top_k [rows] int64.
+torch::Tensor sample(const torch::Tensor& logits, const torch::Tensor& settings,
+                     const torch::Tensor& top_k) {
+  const int64_t rows = logits.size(0);
+  std::vector<SampleParams> params(rows);
+  const float* s = settings.data_ptr<float>();
+  const int64_t* k = top_k.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    params[r] = SampleParams{s[4 * r], s[4 * r + 1], s[4 * r + 2], s[4 * r + 3], k[r]};
+  }
+  auto out = torch::empty({rows}, top_k.options());
+  sample_rows(logits.data_ptr<float>(), rows, logits.size(1), logits.stride(0), params.data(),
+              out.data_ptr<int64_t>());
+  return out;
+}
+
 // y = x . W^T for the kernels taking WInt8Args (int8 weights and fp32 scales, each its layout).
 template <void (*Kernel)(const WInt8Args&)>
 torch::Tensor scaled_int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
@@ -253,6 +270,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "SiLU(gate) * up of x's gate/up projection packed by pack_w8a16_gate_up");
   m.def("w8a16_available", &kvr::w8a16_available, "Whether w8a16_linear runs here");
   m.def("quantize_rows", &kvr::quantize, release(), "Symmetric int8 per row: (uint8 q, scale)");
+  m.def("sample_rows", &kvr::sample, release(),
+        "The token drawn for each row (temperature, min-p, top-k, top-p, inverse CDF of u)");
   m.def("bf16_attention_available", &kvr::bf16_attention_available,
         "Whether paged_attention can take bf16 dots on AMX tiles here");
   py::class_<kvr::CpuDecoder>(m, "CpuDecoder", "A decoder's layers run in one call")

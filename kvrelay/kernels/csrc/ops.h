@@ -127,6 +127,17 @@ void w8a16_silu_linear(const WInt8Args& args);
 // Whether w8a16_linear runs here (the amx variant, and Linux granted the tiles).
 bool w8a16_available();
 
+// One sampled row's settings (sampling.cpp): temperature > 0, top_k 0 for none, top_p in
+// (0, 1], min_p in [0, 1], u the row's uniform number in [0, 1).
+struct SampleParams {
+  float temperature, top_p, min_p, u;
+  int64_t top_k;
+};
+
+// out[r] = the token drawn for row r of logits [rows, vocab] (rows `stride` floats apart).
+void sample_rows(const float* logits, int64_t rows, int64_t vocab, int64_t stride,
+                 const SampleParams* params, int64_t* out);
+
 // Floats per vector of this build (8: AVX2, 16: AVX-512), to tell the ISA variants apart.
 int simd_width();
 

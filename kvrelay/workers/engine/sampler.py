@@ -11,7 +11,12 @@ distribution, as vLLM does) and draw.
 Reproducibility: the draw for output position `i` uses one uniform number computed from
 `(seed, i)` alone (a blake2b counter, no generator state), mapped through the inverse CDF of
 the candidate distribution. A request restarted at any position, alone or in any batch,
-therefore draws the same number; every per-row tensor op is row-local, so the token matches too.
+therefore draws the same number; every per-row op is row-local, so the token matches too.
+
+The random rows of a step are drawn in one call of the C++ kernel `kernels.sample_rows`
+(temperature, min-p, top-k, top-p and the draw, each row alone in a fixed order, the same bits
+on every ISA variant; only the tokens above a probability threshold are sorted), after the
+per-row processing above; where the kernels are not built, the torch path below draws them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrelay import kernels
 from kvrelay.core.sampling import SamplingParams
 
 # Top-p without top-k: sort only the best `k` tokens, growing k until they hold top_p of the
@@ -184,33 +190,66 @@ class Sampler:
             not greedy_ids or any(r.params.logprobs is not None for r in rows)
         ):
             logits = logits.cpu()  # the per-row processing below runs on CPU
+        tokens = greedy_ids or self._tokens(logits, rows)
         results: list[SampleResult] = []
         for i, row in enumerate(rows):
-            raw = logits[i]
-            if greedy_ids:
-                token = greedy_ids[i]
-            else:
-                token = self._sample_row(raw, row)
             lps = None
             if row.params.logprobs is not None:
-                lps = _logprobs(raw, token, row.params.logprobs)
-            results.append(SampleResult(token, lps))
+                lps = _logprobs(logits[i], tokens[i], row.params.logprobs)
+            results.append(SampleResult(tokens[i], lps))
         return results
 
-    def _sample_row(self, raw: torch.Tensor, row: SampleRow) -> int:
-        logits = raw
-        if row.banned_token_ids:
-            logits = logits.clone()
-            logits[torch.as_tensor(row.banned_token_ids, dtype=torch.long)] = float("-inf")
-        logits = _apply_logit_bias(logits, row.params.logit_bias)
-        logits = _apply_penalties(logits, row)
-        if row.allowed_token_mask is not None:
-            logits = _grammar_masked(raw, logits, row)
-        p = row.params
-        if p.temperature < _MIN_TEMPERATURE:
-            return int(logits.argmax())
-        probs, ids = _candidates(logits / p.temperature, p)
-        return _draw(probs, ids, uniform(row.seed, row.index))
+    def _tokens(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
+        """Each row's token: greedy rows their argmax, random rows drawn together."""
+        tokens = [0] * len(rows)
+        drawn: list[int] = []
+        drawn_logits: list[torch.Tensor] = []
+        for i, row in enumerate(rows):
+            processed = logits[i] if _is_plain(row) else _processed(logits[i], row)
+            if row.params.temperature < _MIN_TEMPERATURE:
+                tokens[i] = int(processed.argmax())
+            else:
+                drawn.append(i)
+                drawn_logits.append(processed)
+        if drawn:
+            every_row_raw = len(drawn) == len(rows) and all(_is_plain(r) for r in rows)
+            batch = logits if every_row_raw else torch.stack(drawn_logits)
+            for i, token in zip(drawn, _draw_rows(batch, [rows[i] for i in drawn]), strict=True):
+                tokens[i] = token
+        return tokens
+
+
+def _processed(raw: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """A row's logits after min_tokens' bans, logit_bias, penalties and its grammar's mask."""
+    logits = raw
+    if row.banned_token_ids:
+        logits = logits.clone()
+        logits[torch.as_tensor(row.banned_token_ids, dtype=torch.long)] = float("-inf")
+    logits = _apply_logit_bias(logits, row.params.logit_bias)
+    logits = _apply_penalties(logits, row)
+    if row.allowed_token_mask is not None:
+        logits = _grammar_masked(raw, logits, row)
+    return logits
+
+
+def _draw_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
+    """The tokens drawn for random rows (logits [R, V], processed): the C++ kernel, or torch."""
+    settings = torch.tensor(
+        [
+            [r.params.temperature, r.params.top_p, r.params.min_p, uniform(r.seed, r.index)]
+            for r in rows
+        ],
+        dtype=torch.float32,
+    )
+    top_k = torch.tensor([max(r.params.top_k, 0) for r in rows], dtype=torch.int64)
+    ids = kernels.sample_rows(logits, settings, top_k) if logits.is_cpu else None
+    if ids is not None:
+        return ids.tolist()
+    drawn = []
+    for i, row in enumerate(rows):
+        probs, cand = _candidates(logits[i] / row.params.temperature, row.params)
+        drawn.append(_draw(probs, cand, uniform(row.seed, row.index)))
+    return drawn
 
 
 def _grammar_masked(raw: torch.Tensor, logits: torch.Tensor, row: SampleRow) -> torch.Tensor:

@@ -77,13 +77,24 @@ void collect(const float* w, int64_t n, float threshold, std::vector<Candidate>&
   }
 }
 
-// The smallest prefix of `c` (sorted) whose running sum reaches `mass`: its length, or 0 if
-// the whole list falls short.
-size_t prefix_reaching(const std::vector<Candidate>& c, float mass) {
+// The smallest prefix of `c` in sorted order whose running sum reaches `mass`: its length, or
+// 0 if the whole list falls short. `c` is sorted only as far as it is read: chunks of growing
+// size are selected (nth_element) and sorted in turn, which gives a full sort's order.
+size_t prefix_reaching(std::vector<Candidate>& c, float mass, bool sorted) {
   float run = 0.0f;
-  for (size_t j = 0; j < c.size(); ++j) {
-    if (run >= mass) return j;  // the exclusive sum reached it: entry j is not kept
-    run += c[j].w;
+  size_t done = 0, chunk = 256;
+  while (done < c.size()) {
+    const size_t end = std::min(c.size(), done + chunk);
+    if (!sorted) {
+      if (end < c.size()) std::nth_element(c.begin() + done, c.begin() + end, c.end(), before);
+      std::sort(c.begin() + done, c.begin() + end, before);
+    }
+    for (size_t j = done; j < end; ++j) {
+      if (run >= mass) return j;  // the exclusive sum reached it: entry j is not kept
+      run += c[j].w;
+    }
+    done = end;
+    chunk *= 2;
   }
   return run >= mass ? c.size() : 0;
 }
@@ -92,10 +103,13 @@ size_t prefix_reaching(const std::vector<Candidate>& c, float mass) {
 void top_p_prefix(const float* w, int64_t n, float mass, std::vector<Candidate>& c) {
   for (float threshold : kThresholds) {
     collect(w, n, threshold, c);
-    std::sort(c.begin(), c.end(), before);
-    const size_t keep = prefix_reaching(c, mass);
+    const size_t keep = prefix_reaching(c, mass, false);
     if (keep > 0 || threshold == 0.0f) {
-      if (keep > 0) c.resize(keep);  // else every token (rounding left the sum just short)
+      if (keep > 0) {
+        c.resize(keep);
+      } else {  // every token: rounding left the sum just short of the mass
+        std::sort(c.begin(), c.end(), before);
+      }
       return;
     }
   }
@@ -158,7 +172,7 @@ int64_t sample_row(const float* x, int64_t n, const SampleParams& p, std::vector
     if (p.top_p < 1.0f) {
       float kept = 0.0f;
       for (const Candidate& e : c) kept += e.w;
-      const size_t keep = prefix_reaching(c, p.top_p * kept);
+      const size_t keep = prefix_reaching(c, p.top_p * kept, true);
       if (keep > 0) c.resize(keep);
     }
   } else if (p.top_p < 1.0f) {

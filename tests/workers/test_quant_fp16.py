@@ -1,13 +1,10 @@
 """`--quantization fp16`: fp16 weights (fbgemm), fp32 activations; row, batch and chunk
-invariance, the greedy answer of fp32, its own fingerprint; on this host's ISA and, in a
-subprocess, with fbgemm forced to its AVX2 kernels (whose 6-row blocks are padded)."""
+invariance, the greedy answer of fp32, its own fingerprint; on this host's ISA (and with fbgemm
+forced to its AVX2 kernels, whose 6-row blocks are padded, in test_avx2_forced.py)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -54,17 +51,6 @@ def test_row_block_is_fbgemms_kernel_block():
     # AVX2's kernels (forced below, or an AVX2-only host) need whole blocks of 6 rows
     assert fp16_row_block() == (6 if FORCED == "AVX2" else Fp16Linear(torch.zeros(1, 1)).row_block)
     assert fp16_row_block() in (1, 6)
-
-
-@pytest.mark.skipif(FORCED is not None, reason="this is the forced run")
-def test_every_check_holds_with_fbgemms_avx2_kernels_forced():
-    # fbgemm reads FBGEMM_ENABLE_INSTRUCTIONS once per process: run this file again under it
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "5 passed, 1 skipped" in done.stdout
 
 
 def test_greedy_answer_is_fp32s(make_engine):

@@ -25,6 +25,11 @@ _HELP = [
     ("host", "address to listen on"),
     ("port", "port to listen on"),
     ("max_body_bytes", "largest request body in bytes"),
+    (
+        "body_timeout_s",
+        "408 when a request body sends nothing for this many seconds",
+        "--body-timeout",
+    ),
     ("max_prompt_tokens", "longest prompt accepted"),
     ("max_tokens_limit", "largest max_tokens"),
     (
@@ -50,8 +55,8 @@ _HELP = [
     ),
     (
         "tool_call_parser",
-        "how tool_choice auto finds tool calls in the answer: hermes (<tool_call> blocks); "
-        "unset, requests with tools and tool_choice auto are refused",
+        "how tool_choice auto finds tool calls in the answer: auto (from the model's chat "
+        "template), hermes (<tool_call> blocks) or none (tool_choice auto refused)",
     ),
 ]
 # (flag, config field, type, help)

@@ -47,7 +47,8 @@ _HELP: list[tuple[str, ...]] = [
 ]
 
 
-def _flags() -> list[tuple[str, str, Any, str]]:
+def store_flags() -> list[tuple[str, str, Any, str]]:
+    """(flag, field, type, help) of `kvrelay store`, generated from StoreConfig."""
     from kvrelay.core.config import setting_flags
     from kvrelay.kvstore.config import StoreConfig
 
@@ -55,7 +56,7 @@ def _flags() -> list[tuple[str, str, Any, str]]:
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
-    for flag, dest, kind, help_text in _flags():
+    for flag, dest, kind, help_text in store_flags():
         p.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
     p.add_argument("--config", default=None, metavar="FILE", help=config_file_help("store")["help"])
 
@@ -68,7 +69,9 @@ def build_config(args: argparse.Namespace):
     from kvrelay.core.config import from_env, read_config_file
     from kvrelay.kvstore.config import SECTION, StoreConfig
 
-    overrides: dict[str, Any] = {dest: getattr(args, dest, None) for _f, dest, _k, _h in _flags()}
+    overrides: dict[str, Any] = {
+        dest: getattr(args, dest, None) for _f, dest, _k, _h in store_flags()
+    }
     file_values = read_config_file(getattr(args, "config", None), SECTION)
     cfg = from_env(StoreConfig, SECTION, file_values=file_values, **overrides)
     if cfg.model is not None:
@@ -230,11 +233,14 @@ def run_kv(args: argparse.Namespace) -> int:
     except ValueError as exc:  # bad usage: one line, exit 2 (an unreachable node is 1)
         raise CommandError(str(exc)) from None
     client = StoreClient(run_dir, timeout_s=args.timeout_s)
+    counts: dict[str, int] = {}
     try:
         if args.action == "stats":
             out = client.stats()
         elif args.action == "ls":
             out = client.ls(args.limit)
+            # the listing stops at --limit: the node's page counts say how many there are
+            counts = client.stats().get("pages", {}) if not args.json else {}
         elif args.action == "evict":
             out = {"evicted": client.evict(args.tier), "tier": args.tier}
         else:
@@ -249,9 +255,25 @@ def run_kv(args: argparse.Namespace) -> int:
         client.close()
     if args.json:
         print(json.dumps(out, indent=2))
+    elif args.action == "ls":
+        print(ls_text(out, counts), end="")
     else:
         _print_human(args.action, out)
     return 0
+
+
+def ls_text(listing: dict[str, list[str]], counts: dict[str, int]) -> str:
+    """`kv ls` for people: each tier's page count (the node's, not the listing's length) and
+    its listed keys, saying when the listing stopped short of it (`--limit`)."""
+    lines = []
+    for tier, keys in listing.items():
+        count = max(counts.get(tier, 0), len(keys))  # a page put between the two calls
+        note = ""
+        if count > len(keys):
+            note = f" (the {len(keys)} least recently used listed; --limit {count} lists all)"
+        lines.append(f"{tier}: {count} page{'s' * (count != 1)}{note}")
+        lines += [f"  {key}" for key in keys]
+    return "".join(line + "\n" for line in lines)
 
 
 def _get(client, key: bytes, key_hex: str) -> dict | None:
@@ -291,11 +313,6 @@ def _print_human(action: str, out: dict) -> None:
         from kvrelay.cli.admin import store_line
 
         print(store_line(out))
-    elif action == "ls":
-        for tier, keys in out.items():
-            print(f"{tier}: {len(keys)} page{'s' * (len(keys) != 1)}")
-            for key in keys:
-                print(f"  {key}")
     elif action == "evict":
         print(f"evicted {out['evicted']} pages ({out['tier']})")
     else:

@@ -102,6 +102,27 @@ def test_status_json(r, valkey_session, capsys):
     assert out.splitlines()[2].endswith("s  -        -     -     -      ok")
 
 
+def test_status_counts_a_request_of_several_choices_once_as_its_choices_combine(
+    r, valkey_session, capsys
+):
+    # issue 46: an idle stack showed "in flight: 12, queued: 12" from the parents' stored
+    # status (they keep the `queued` they were written with; workers write only the choices)
+    for parent in ("p", "b"):
+        r.hset(KEYS.request(parent), mapping={"status": "queued", "num_choices": 2})
+        for k in range(2):
+            r.hset(KEYS.request(f"{parent}.{k}"), mapping={
+                "status": "finished", "finish_reason": "stop", "parent": parent})  # fmt: skip
+    r.hset(KEYS.request("solo"), mapping={"status": "finished"})
+    data = json.loads(cli(capsys, valkey_session, "status", "--json")[1])
+    assert (data["requests"], data["requests_in_flight"]) == ({"finished": 3}, 0)
+    code, out, _ = cli(capsys, valkey_session, "status")
+    assert code == 0 and "requests in flight: 0 " in out
+    # one choice of b still decoding: b is decoding, as GET /v1/requests/b says
+    r.hset(KEYS.request("b.1"), mapping={"status": "decoding", "finish_reason": ""})
+    data = json.loads(cli(capsys, valkey_session, "status", "--json")[1])
+    assert (data["requests"], data["requests_in_flight"]) == ({"finished": 2, "decoding": 1}, 1)
+
+
 def test_requests_show_and_cancel(r, valkey_session, capsys):
     seed(r)
     code, out, _ = cli(capsys, valkey_session, "requests", "show", "q0", "--json")
@@ -114,6 +135,17 @@ def test_requests_show_and_cancel(r, valkey_session, capsys):
     assert Progress.parse(r.hget(KEYS.progress, "q0")).cancelled
     data = json.loads(cli(capsys, valkey_session, "requests", "show", "q0", "--json")[1])
     assert data["cancel_requested"] is True
+    # issue 46: once it ended cancelled (its progress, and the flag, gone) it still says so,
+    # and a deadline's end (failed, timeout) too; an ordinary end does not
+    r.hdel(KEYS.progress, "q0")
+    for status, reason, asked in (
+        ("cancelled", "cancelled", True),
+        ("failed", "timeout", True),
+        ("finished", "stop", False),
+    ):
+        r.hset(KEYS.request("q0"), mapping={"status": status, "finish_reason": reason})
+        data = json.loads(cli(capsys, valkey_session, "requests", "show", "q0", "--json")[1])
+        assert (data["status"], data["cancel_requested"]) == (status, asked)
     code, _, err = cli(capsys, valkey_session, "requests", "cancel", "nope")
     assert (code, err) == (3, "kvrelay requests: error: no request 'nope'\n")
 
@@ -152,6 +184,7 @@ def test_requests_show_and_cancel_of_a_request_of_several_choices(r, valkey_sess
     code, out, _ = cli(capsys, valkey_session, "requests", "show", "p", "--json")
     data = json.loads(out)
     assert (data["status"], data["error"], data["finish_reason"]) == ("failed", "boom", "stop")
+    assert data["cancel_requested"] is True  # p.1 ended cancelled (issue 46)
     code, out, _ = cli(capsys, valkey_session, "requests", "cancel", "p")
     ended = "request p already ended (status failed, finish_reason stop); not cancelled\n"
     assert (code, out) == (0, ended)

@@ -256,6 +256,10 @@ def test_kv_contract_on_a_real_store_node(capsys, tmp_path: Path):
         assert (code, page["found"], page["verified"], page["num_tokens"]) == (0, True, True, 4)
         code, out, _ = run(capsys, "kv", "ls", "--run-dir", run_dir)
         assert out == f"host: 2 pages\n  {keys[0].hex()}\n  {keys[1].hex()}\ndisk: 0 pages\n"
+        # issue 46: the count is the node's, not the listing's (which stops at --limit)
+        code, out, _ = run(capsys, "kv", "ls", "--run-dir", run_dir, "--limit", "1")
+        assert (code, out) == (0, "host: 2 pages (the 1 least recently used listed; --limit 2 "
+                                  f"lists all)\n  {keys[0].hex()}\ndisk: 0 pages\n")  # fmt: skip
         code, out, _ = run(capsys, "kv", "stats", "--run-dir", run_dir)
         assert out.startswith("store c0: host 2/")
         code, out, _ = run(capsys, "kv", "evict", "--run-dir", run_dir, "--json")

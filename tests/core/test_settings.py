@@ -140,7 +140,7 @@ def test_flags_are_generated_from_the_settings_fields():
     assert [(f, dest, kind) for f, dest, kind, _ in SERVE_FLAGS] == [
         ("--redis-url", "redis_url", str), ("--key-prefix", "key_prefix", str),
         ("--shards", "shards", int), ("--host", "host", str), ("--port", "port", int),
-        ("--max-body-bytes", "max_body_bytes", int),
+        ("--max-body-bytes", "max_body_bytes", int), ("--body-timeout", "body_timeout_s", float),
         ("--max-prompt-tokens", "max_prompt_tokens", int),
         ("--max-tokens-limit", "max_tokens_limit", int),
         ("--route-threshold", "route_threshold", int), ("--max-waiting", "max_waiting", int),
@@ -151,7 +151,7 @@ def test_flags_are_generated_from_the_settings_fields():
         ("--override-generation-config", "override_generation_config", str),
         ("--tool-call-parser", "tool_call_parser", str),
     ]  # fmt: skip
-    assert SERVE_FLAGS[10][3] == (
+    assert SERVE_FLAGS[11][3] == (
         "429 beyond this many open requests (default 4096; KVRELAY_INGRESS_MAX_INFLIGHT)"
     )
     assert [f for f, *_ in worker_flags()] == [

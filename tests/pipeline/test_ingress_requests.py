@@ -157,6 +157,10 @@ async def test_request_state_and_cancel(harness):
         assert resp.json()["choices"][0]["finish_reason"] == "cancelled"
         again = await client.delete("/v1/requests/c-1")
         assert again.json()["cancelled"] is False and again.json()["status"] == "cancelled"
+        # issue 46: ended, its progress (and the flag) gone: the record still tells the cancel
+        assert await ing.redis.hget(ing.keys.progress, "c-1") is None
+        state = (await client.get("/v1/requests/c-1")).json()
+        assert (state["status"], state["cancel_requested"]) == ("cancelled", True)
         missing = await client.delete("/v1/requests/none")
         assert missing.status_code == 404
         assert missing.json()["error"]["code"] == "request_not_found"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import subprocess
 import sys
@@ -248,3 +249,46 @@ def test_ingress_does_not_import_torch():
         " sys; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_a_stalled_body_gets_408_and_its_connection_closed(
+    valkey_session, smollm_tokenizer, fake_clock, caplog, monkeypatch
+):
+    """Issue 46: a chunk of 5 MB declared, 1 KB sent, then nothing: held open forever before.
+    Now each body read waits `body_timeout_s` (30 s by default; on the fake clock here)."""
+    import time
+
+    from kvrelay.pipeline.server import middleware
+
+    monkeypatch.setattr(middleware, "time", time, raising=False)  # it waits on asyncio only
+    clock = fake_clock.install(middleware)
+    caplog.set_level(logging.INFO, logger=middleware.__name__)
+    async with serving(valkey_session.url, smollm_tokenizer) as (base, app, _role):
+        port = int(base.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        part = b'{"model": "%s", "prompt": "' % MODEL.encode() + b"x" * 1000
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: ingress\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+            b"X-Request-Id: stall-1\r\n\r\n" + b"%x\r\n" % (5 << 20) + part
+        )
+        await writer.drain()
+        reply = await asyncio.wait_for(reader.read(), 60)  # to the end: the ingress closes it
+        writer.close()
+        text = app.state.ingress.metrics.render().decode()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status, *headers = head.decode().split("\r\n")
+    headers = dict(h.lower().split(": ", 1) for h in headers)
+    assert status == "HTTP/1.1 408 Request Timeout"
+    assert (headers["connection"], headers["x-request-id"]) == ("close", "stall-1")
+    assert json.loads(body) == {
+        "error": {
+            "message": "the request body stopped arriving: no data for 30 s",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "request_body_timeout",
+        }
+    }
+    assert clock.slept == [30.0]  # one read waited the whole default timeout
+    assert 'kvrelay:requests_rejected_total{status="408"} 1.0' in text
+    assert any(m.endswith("no request body data for 30 s: 408") for m in caplog.messages)

@@ -1,4 +1,5 @@
-"""Field validation (parsers and over HTTP): huge integers, lone surrogates, content parts."""
+"""Field validation (parsers and over HTTP): huge integers, lone surrogates, content parts,
+names, tool messages."""
 # ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def chat(extra: str, messages: str = HI) -> str:
 
 def text(extra: str, prompt: str = '"hi"') -> str:
     return f'{{"model": "{MODEL}", "prompt": {prompt}, "max_tokens": 3{extra}}}'
+
+
+def _schema_named(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": {}}}
 
 
 # (path, raw JSON body, code, param, message); bodies are raw text so "\ud83d" stays an escape
@@ -92,6 +97,51 @@ CASES = [
         None,
         "max_completion_tokens",
         "max_completion_tokens must be at least 1, got 0",
+    ),
+    # OpenAI's rule for a JSON schema's name: 1-64 of a-zA-Z0-9_-
+    *[
+        (
+            CHAT,
+            chat(', "response_format": ' + json.dumps(_schema_named(name))),
+            None,
+            "response_format.json_schema.name",
+            "'response_format.json_schema.name' must be 1-64 characters of a-z, A-Z, 0-9, "
+            "underscores and dashes",
+        )
+        for name in ("bad name!", "x" * 65, "")
+    ],
+    # a tool message answers a call of the assistant message before it (OpenAI's words)
+    (
+        CHAT,
+        chat("", '[{"role": "user", "content": "a"}, {"role": "tool", "content": "r"}]'),
+        "missing_required_parameter",
+        "messages[1].tool_call_id",
+        "Missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'.",
+    ),
+    (
+        CHAT,
+        chat(
+            "",
+            '[{"role": "user", "content": "a"}, '
+            '{"role": "tool", "tool_call_id": "call_1", "content": "r"}]',
+        ),
+        None,
+        "messages[1].role",
+        "Invalid parameter: messages with role 'tool' must be a response to a preceeding "
+        "message with 'tool_calls'.",
+    ),
+    (
+        CHAT,
+        chat(
+            "",
+            '[{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": '
+            '[{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '
+            '"{}"}}]}, {"role": "tool", "tool_call_id": "call_2", "content": "r"}]',
+        ),
+        None,
+        "messages[2].tool_call_id",
+        "Invalid parameter: 'tool_call_id' of 'call_2' not found in 'tool_calls' of previous "
+        "message.",
     ),
 ]
 

@@ -279,8 +279,8 @@ async def test_cancel_cancels_every_choice(harness):
         got = (await post).json()
         assert [c["finish_reason"] for c in got["choices"]] == ["cancelled"] * 3
         state = (await client.get("/v1/requests/cx")).json()
-        # the flag lived in the choices' progress, which ended with them
-        assert (state["status"], state["cancel_requested"]) == ("cancelled", False)
+        # the flag lived in the choices' progress, which ended with them: their end tells
+        assert (state["status"], state["cancel_requested"]) == ("cancelled", True)
         resp = await client.delete("/v1/requests/cx")
         assert resp.json()["cancelled"] is False
 
@@ -705,14 +705,14 @@ async def test_parent_status_is_combined_for_client_and_cli_and_cancel_stops_all
         got = (await post).json()
         assert [c["finish_reason"] for c in got["choices"]] == ["stop", "cancelled"]
         state = (await client.get("/v1/requests/st")).json()
-        # the flag lived in the choices' progress, which ended with them
-        assert (state["status"], state["cancel_requested"]) == ("cancelled", False)
+        # the flag lived in the choices' progress, which ended with them: their end tells
+        assert (state["status"], state["cancel_requested"]) == ("cancelled", True)
         assert await producer.status("st") == {
             k: v for k, v in state.items() if k not in ("id", "object", "cancel_requested")
         }
         shown = kvrelay_cli(ing, capsys, "requests", "show", "st")
         assert (shown["status"], shown["finished"], shown["cancel_requested"]) == (
-            "cancelled", True, False)  # fmt: skip
+            "cancelled", True, True)  # fmt: skip
         assert kvrelay_cli(ing, capsys, "requests", "cancel", "st") == {
             "request_id": "st",
             "cancelled": False,

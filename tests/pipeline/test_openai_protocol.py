@@ -125,6 +125,27 @@ def test_completion_type_errors(body, param):
     assert (info.value.status, info.value.param) == (400, param)
 
 
+_CALLED = [
+    {"role": "user", "content": "a"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+    },
+]
+_RESULT = {"role": "tool", "content": "r", "tool_call_id": "c1"}
+
+
+def test_tool_results_answer_the_calls_before_them():
+    both = {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+    called = [_CALLED[0], {**_CALLED[1], "tool_calls": [*_CALLED[1]["tool_calls"], both]}]
+    results = [_RESULT, {**_RESULT, "tool_call_id": "c2"}]
+    req = parse_chat({"model": "m", "messages": [*called, *results]})
+    assert [m.get("tool_call_id") for m in req.messages] == [None, None, "c1", "c2"]
+
+
 @pytest.mark.parametrize(
     ("messages", "code", "param"),
     [
@@ -142,7 +163,11 @@ def test_completion_type_errors(body, param):
         ),
         ([{"role": "user", "content": None}], "invalid_type", "messages[0].content"),
         ([{"role": "system", "content": None}], "invalid_type", "messages[0].content"),
-        ([{"role": "tool", "content": None}], "invalid_type", "messages[0].content"),
+        (
+            [{"role": "tool", "tool_call_id": "c1", "content": None}],
+            "invalid_type",
+            "messages[0].content",
+        ),
         ([{"role": "user"}], "missing_required_parameter", "messages[0].content"),
         (
             [{"role": "user", "content": [{"type": "text"}]}],
@@ -161,6 +186,30 @@ def test_completion_type_errors(body, param):
         ),
         ([{"role": "user", "content": ["a"]}], "invalid_type", "messages[0].content[0]"),
         ([{"role": "user", "content": "a", "name": 7}], "invalid_type", "messages[0].name"),
+        # a tool message answers a call of the assistant message before it, by its id
+        (
+            [{"role": "user", "content": "a"}, {"role": "tool", "content": "r"}],
+            "missing_required_parameter",
+            "messages[1].tool_call_id",
+        ),
+        (
+            [
+                {"role": "user", "content": "a"},
+                {"role": "tool", "content": "r", "tool_call_id": "c"},
+            ],
+            None,
+            "messages[1].role",
+        ),
+        (
+            [*_CALLED, {"role": "tool", "content": "r", "tool_call_id": "c2"}],
+            None,
+            "messages[2].tool_call_id",
+        ),
+        (
+            [*_CALLED, _RESULT, {"role": "user", "content": "b"}, _RESULT],
+            None,
+            "messages[4].role",
+        ),
     ],
 )
 def test_chat_message_errors(messages, code, param):

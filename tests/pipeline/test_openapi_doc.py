@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
+from starlette.routing import Route
 
 from kvrelay.pipeline.errors import RequestError, error_body
 from kvrelay.pipeline.openai.models import ChatCompletionRequest, CompletionRequest, field_names
@@ -20,7 +24,7 @@ PATHS = {
     "/v1/chat/completions": ["post"],
     "/v1/completions": ["post"],
     "/v1/responses": ["post"],
-    "/v1/responses/{response_id}": ["get"],
+    "/v1/responses/{response_id}": ["delete", "get"],
     "/v1/models": ["get"],
     "/v1/requests/{request_id}": ["delete", "get"],
     "/health": ["get"],
@@ -164,3 +168,34 @@ async def test_openapi_document_and_auth(harness):
     assert missing.status_code == 401
     assert missing.json()["error"]["code"] == "missing_api_key"
     assert good.json() == doc
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+
+
+def _served(app) -> dict[str, set[str]]:
+    """The route table: OpenAPI path -> methods (HEAD, which Starlette adds to GET, aside)."""
+    served: dict[str, set[str]] = {}
+    for route in app.routes:
+        assert isinstance(route, Route), route
+        path = re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)  # {model_id:path}
+        served.setdefault(path, set()).update(m.lower() for m in route.methods or ())
+    return {path: methods - {"head"} for path, methods in served.items()}
+
+
+@pytest.mark.anyio
+async def test_every_served_route_is_in_the_document_and_the_docs(harness):
+    factory, _ = harness
+    app = factory()
+    async with http(app) as client:
+        doc = (await client.get("/openapi.json")).json()
+    served = _served(app)
+    assert {p: set(ops) for p, ops in doc["paths"].items()} == served
+    text = DOCS.read_text()
+    endpoints = text[text.index("## Endpoints") : text.index("### Request bodies")]
+    listed = text[text.index("## OpenAPI document") : text.index("## Errors")]
+    for path, methods in served.items():
+        assert f"`{path}`" in listed, path  # the OpenAPI section's route list
+        short = re.sub(r"\{\w+\}", "{id}", path)  # the Endpoints table writes {id}
+        for method in methods:
+            assert f"`{method.upper()} {short}`" in endpoints, (method, path)

@@ -1,6 +1,6 @@
-"""POST /v1/responses and GET /v1/responses/{id}: the Responses API over the chat path, with a
-real Valkey and tokenizer; a WorkerRole answers over the streams (exact bodies), and the
-official openai client reads them through uvicorn."""
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: the Responses API over the chat
+path, with a real Valkey and tokenizer; a WorkerRole answers over the streams (exact bodies),
+and the official openai client reads them through uvicorn."""
 # ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import openai
 import pytest
 from openai.types.responses import Response
 
+from kvrelay.core.messages import TokenChunk
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.openai.responses_api import ResponsesRequest
 from tests.pipeline.openapi_bodies import Generator
@@ -298,7 +299,32 @@ async def test_store_false_and_unknown_ids(harness):
     ("extra", "param", "code"),
     [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_value"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice", None),  # no parser
+        (
+            {"text": {"format": {"type": "json_schema", "name": "bad name!", "schema": {}}}},
+            "text.format.name",
+            None,
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x" * 65, "schema": {}}}},
+            "text.format.name",
+            None,
+        ),
+        (  # answers no function call of the conversation (input, previous response)
+            {"input": [{"type": "function_call_output", "call_id": "call_1", "output": "x"}]},
+            "input[0].call_id",
+            None,
+        ),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": ""},
+                    {"type": "function_call_output", "call_id": "call_1", "output": "x"},
+                    {"type": "function_call_output", "call_id": "call_2", "output": "x"},
+                ]
+            },
+            "input[2].call_id",
+            None,
+        ),
         (
             {"tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}]},
             "tools[0].parameters",
@@ -399,10 +425,16 @@ async def test_official_client(valkey_session, smollm_tokenizer):
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve("resp_missing")
         with pytest.raises(openai.BadRequestError) as info:
-            await client.responses.create(
-                model=MODEL, input="Hi", tools=[{"type": "function", "name": "f", "parameters": {}}]
-            )
-        assert info.value.param == "tool_choice"  # auto needs --tool-call-parser
+            output = {"type": "function_call_output", "call_id": "call_x", "output": "1"}
+            await client.responses.create(model=MODEL, input=[output])
+        assert info.value.param == "input[0].call_id"
+        assert info.value.body["message"] == (
+            "No tool call found for function call output with call_id 'call_x'."
+        )
+        deleted = await client.responses.delete(final.id)
+        assert deleted is None  # the client returns nothing; the body is checked below
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(final.id)
         await client.close()
 
 
@@ -480,8 +512,6 @@ async def test_repost_reattaches_and_resumes_after_last_event_id(harness):
 
 
 async def test_a_failed_generation(harness):
-    from kvrelay.core.messages import TokenChunk
-
     factory, worker = harness
     app = factory()
     role = await worker(app)
@@ -507,3 +537,83 @@ async def test_a_failed_generation(harness):
                 events = _events(resp.content)
                 assert events[-1][1] == "response.failed"
                 assert events[-1][2]["response"] == stored
+
+
+async def test_delete_a_stored_response(harness):
+    """OpenAI's DELETE: the body, then 404 on GET and DELETE, 400 as a previous response; only
+    the owner's key deletes, and a re-post of the same request does not store it again."""
+    factory, worker = harness
+    app = factory(api_keys=("k1", "k2"))
+    role = await worker(app)
+    k1, k2 = ({"Authorization": f"Bearer {k}"} for k in ("k1", "k2"))
+    body = {"model": MODEL, "input": "Hi"}
+    async with http(app) as client:
+        serve = asyncio.create_task(role.serve_one(HELLO))
+        posted = await client.post(
+            "/v1/responses", json=body, headers={**k1, "X-Request-Id": "resp-d1"}
+        )
+        await serve
+        assert posted.status_code == 200
+        path = "/v1/responses/resp_d1"
+        other = await client.delete(path, headers=k2)  # another key's: not there for it
+        assert other.status_code == 404
+        assert (await client.get(path, headers=k1)).status_code == 200
+        deleted = await client.delete(path, headers=k1)
+        assert deleted.status_code == 200
+        assert deleted.json() == {"id": "resp_d1", "object": "response", "deleted": True}
+        assert deleted.headers["x-request-id"] == "resp-d1"
+        not_found = {
+            "message": "Response with id 'resp_d1' not found.",
+            "type": "invalid_request_error",
+            "param": "response_id",
+            "code": "response_not_found",
+        }
+        for again in (client.get(path, headers=k1), client.delete(path, headers=k1)):
+            resp = await again
+            assert resp.status_code == 404 and resp.json()["error"] == not_found
+        follow = {**body, "previous_response_id": "resp_d1"}
+        refused = await client.post("/v1/responses", json=follow, headers=k1)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "previous_response_not_found"
+        # the same request posted again reattaches and answers, but stays deleted
+        again = await client.post(
+            "/v1/responses", json=body, headers={**k1, "X-Request-Id": "resp-d1"}
+        )
+        assert again.status_code == 200 and again.json()["output"] == posted.json()["output"]
+        assert (await client.get(path, headers=k1)).status_code == 404
+        bad = await client.delete("/v1/responses/chatcmpl-1", headers=k1)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request_id"
+        missing_key = await client.delete("/v1/responses/resp_nope")
+        assert missing_key.status_code == 401
+
+
+async def test_delete_a_response_in_progress(harness):
+    """Deleting while the answer is generated: the client that asked still gets it; the final
+    object is not stored (GET stays 404)."""
+    factory, worker = harness
+    app = factory()
+    role = await worker(app)
+    async with http(app) as client:
+        post = asyncio.create_task(
+            client.post("/v1/responses", json={"model": MODEL, "input": "Hi"},
+                        headers={"X-Request-Id": "resp-d2"})
+        )  # fmt: skip
+        taken = await role.take()
+        for _ in range(500):  # stored in progress just after it is queued
+            got = await client.get("/v1/responses/resp_d2")
+            if got.status_code == 200:
+                break
+            await asyncio.sleep(0.01)
+        assert got.json()["status"] == "in_progress"
+        deleted = await client.delete("/v1/responses/resp_d2")
+        assert deleted.json() == {"id": "resp_d2", "object": "response", "deleted": True}
+        for i, (tid, text) in enumerate(HELLO):
+            chunk = TokenChunk(index=i, token_ids=[tid], text=text,
+                               finish_reason="stop" if i == len(HELLO) - 1 else None)  # fmt: skip
+            await role.emit(taken.task.request_id, chunk)
+        await role.finish(taken)
+        answered = await post
+        assert answered.status_code == 200
+        assert answered.json()["status"] == "completed"
+        assert answered.json()["output"][0]["content"][0]["text"] == "Hello world"
+        assert (await client.get("/v1/responses/resp_d2")).status_code == 404

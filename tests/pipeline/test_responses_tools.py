@@ -331,3 +331,48 @@ async def test_required_gives_one_item_per_call(harness, smollm_tokenizer):
     ]
     assert resp.json()["tool_choice"] == "required"
     assert json.loads(taken.task.sampling.structured.value)["type"] == "array"
+
+
+async def test_a_function_call_output_answers_a_call_of_the_conversation(harness, smollm_tokenizer):
+    """The call may be in `input` or in the previous response; otherwise 400, nothing queued."""
+    factory, worker = harness
+    app = factory()  # the default parser setting: hermes, from SmolLM2's template
+    role = await worker(app)
+    async with http(app) as client:
+        serve = asyncio.create_task(role.serve_one(pieces(ANSWER, smollm_tokenizer)))
+        first = await client.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": ASK, "tools": TOOLS},
+            headers={"X-Request-Id": "resp-o1"},
+        )
+        await serve
+        assert first.json()["output"][1]["call_id"] == call_id("resp-o1", 0)
+        ing = app.state.ingress
+        streams = (ing.keys.prefill_stream, ing.keys.decode_stream)
+        queued = [await ing.redis.xlen(stream) for stream in streams]
+
+        def result(call: str) -> dict:
+            return {"type": "function_call_output", "call_id": call, "output": "21"}
+
+        for extra, param, call in (
+            ({"previous_response_id": first.json()["id"]}, "input[1].call_id", "call_other"),
+            ({}, "input[1].call_id", call_id("resp-o1", 0)),  # the call is not in this one
+        ):
+            body = {"model": MODEL, "input": [{"role": "user", "content": ASK}, result(call)]}
+            resp = await client.post("/v1/responses", json={**body, **extra})
+            assert resp.status_code == 400
+            assert resp.json()["error"] == {
+                "message": f"No tool call found for function call output with call_id {call!r}.",
+                "type": "invalid_request_error",
+                "param": param,
+                "code": None,
+            }
+        assert [await ing.redis.xlen(stream) for stream in streams] == queued
+        serve = asyncio.create_task(role.serve_one([(30, "?")]))
+        follow = {
+            "previous_response_id": first.json()["id"],
+            "input": [result(call_id("resp-o1", 0))],
+        }
+        resp = await client.post("/v1/responses", json={"model": MODEL, **follow})
+        await serve
+        assert resp.status_code == 200 and resp.json()["status"] == "completed"

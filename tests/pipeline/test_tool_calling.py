@@ -304,17 +304,26 @@ def _body(**fields) -> dict:
 
 def test_the_parser_setting_names_a_known_parser():
     from kvrelay.core.config import ConfigError
-    from kvrelay.pipeline.server.config import IngressConfig
+    from kvrelay.pipeline.server.config import IngressConfig, load_config
 
-    assert IngressConfig(tool_call_parser="hermes").validate().tool_call_parser == "hermes"
-    with pytest.raises(ConfigError, match="tool_call_parser must be one of hermes, got 'x'"):
+    assert IngressConfig().tool_call_parser == "auto"  # picked from the chat template
+    for setting in ("hermes", "none", "auto"):
+        assert IngressConfig(tool_call_parser=setting).validate().tool_call_parser == setting
+    # "none" is the setting, not an absent value, in the environment too
+    assert load_config(environ={"KVRELAY_INGRESS_TOOL_CALL_PARSER": "none"}).tool_call_parser == (
+        "none"
+    )
+    with pytest.raises(
+        ConfigError, match="tool_call_parser must be one of auto, none, hermes, got 'x'"
+    ):
         IngressConfig(tool_call_parser="x").validate()
 
 
 @pytest.mark.anyio
-async def test_auto_without_a_parser_is_a_400(harness):
+async def test_auto_with_the_parser_set_to_none_is_a_400(harness):
     factory, _ = harness
-    async with http(factory()) as client:
+    app = factory(tool_call_parser="none")
+    async with http(app) as client:
         resp = await client.post("/v1/chat/completions", json=_body())
     assert resp.status_code == 400
     assert resp.json()["error"] == {
@@ -324,12 +333,55 @@ async def test_auto_without_a_parser_is_a_400(harness):
         "param": "tool_choice",
         "code": None,
     }
+    assert await _queued(app) == 0
+
+
+async def _queued(app) -> int:
+    ing = app.state.ingress
+    return await ing.redis.xlen(ing.keys.prefill_stream) + await ing.redis.xlen(
+        ing.keys.decode_stream
+    )
 
 
 @pytest.mark.anyio
-async def test_auto_hermes_whole_answer_with_the_openai_client(harness, smollm_tokenizer):
+async def test_auto_with_a_template_of_an_unknown_call_format_is_a_400(
+    valkey_session, smollm_tokenizer
+):
+    """A template that reads `tools` but writes no <tool_call> blocks (Llama 3.1-style bare
+    JSON): the default setting finds no parser and says which flag to give."""
+    template = (
+        '{% if tools %}Answer {"name": ..., "parameters": ...}{% endif %}'
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    tok = Tokenizer(smollm_tokenizer._tok, {}, template)
+    assert tok.template_reads_tools
+    config = make_config(valkey_session.url, request_timeout_s=0.05, disconnect_grace_s=0.0)
+    app = create_app(config, tokenizers={MODEL: tok})
+    try:
+        async with http(app) as client:
+            resp = await client.post("/v1/chat/completions", json=_body())
+            plain = await client.post("/v1/chat/completions", json=_body(tool_choice="none"))
+        assert resp.status_code == 400
+        assert resp.json()["error"] == {
+            "message": '"auto" tool choice needs a tool call parser: the chat template of '
+            f"{MODEL!r} does not show which format its tool calls take; start the ingress "
+            "with --tool-call-parser hermes if the model writes <tool_call> blocks, or use "
+            'tool_choice "required", a named function or "none"',
+            "type": "invalid_request_error",
+            "param": "tool_choice",
+            "code": None,
+        }
+        assert plain.status_code == 504  # not refused: queued, and no worker: its deadline
+        assert await _queued(app) == 1
+    finally:
+        await app.state.ingress.aclose()
+
+
+@pytest.mark.anyio
+async def test_auto_by_default_whole_answer_with_the_openai_client(harness, smollm_tokenizer):
+    """The default setting (auto) reads SmolLM2's answers as hermes: tools work with no flag."""
     factory, worker = harness
-    app = factory(tool_call_parser="hermes")
+    app = factory()
     role = await worker(app)
     async with http(app) as transport:
         client = openai.AsyncOpenAI(

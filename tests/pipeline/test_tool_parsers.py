@@ -1,14 +1,16 @@
 """The tool-call finders on exact texts: hermes blocks (auto), the JSON array of `required`,
 a named choice's arguments. Fed whole or split at every point, the same message comes out;
-the streamed deltas join into it."""
+the streamed deltas join into it. The parser `auto` picks from a model's chat template."""
+# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
 import pytest
 
 from kvrelay.pipeline.openai.tool_calls import call_id
-from kvrelay.pipeline.openai.tool_parsers import tool_call_stream
+from kvrelay.pipeline.openai.tool_parsers import detect_tool_parser, tool_call_stream
 from kvrelay.pipeline.openai.tools import ToolCalling
+from tests.pipeline.test_ingress_support import smollm_tokenizer  # noqa: F401  (fixture)
 
 RID = "chatcmpl-t1"
 AUTO = ToolCalling("auto")
@@ -191,3 +193,35 @@ def test_named_choice_is_the_arguments():
 def test_call_ids_depend_on_the_request_and_index_only():
     assert call_id(RID, 0) == call_id(RID, 0) != call_id(RID, 1) != call_id("other", 1)
     assert ID0.startswith("call_") and len(ID0) == 29
+
+
+QWEN_LIKE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "Answer calls as <tool_call>{...}</tool_call>{% endif %}"
+    "{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+LLAMA_LIKE = (  # reads the tools, writes calls as bare JSON: no format this server knows
+    "{% if tools %}Respond with a JSON object of the form "
+    '{"name": function name, "parameters": {...}}.{% for t in tools %}{{ t | tojson }}'
+    "{% endfor %}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "reads_tools", "parser"),
+    [
+        # SmolLM2's template ignores tools: the ingress writes them hermes-style (tool_prompt)
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", False, "hermes"),
+        (QWEN_LIKE, True, "hermes"),
+        (LLAMA_LIKE, True, None),
+        (None, False, None),  # no template: no chat at all
+    ],
+)
+def test_the_parser_detected_from_the_chat_template(template, reads_tools, parser):
+    assert detect_tool_parser(template, reads_tools) == parser
+
+
+def test_the_smollm2_template_gives_hermes(smollm_tokenizer):
+    tok = smollm_tokenizer
+    assert "<tool_call>" not in tok.chat_template and not tok.template_reads_tools
+    assert detect_tool_parser(tok.chat_template, tok.template_reads_tools) == "hermes"

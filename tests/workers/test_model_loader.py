@@ -186,3 +186,89 @@ def test_gguf_sampling_metadata_is_read_and_recorded(tmp_path, model_dir):
     write_meta(converted, {"format": 1, "kind": "gguf"})
     loader._record_gguf_sampling(ModelRef("sampled", "gguf", path), converted)
     assert read_meta(converted)[GGUF_SAMPLING_META] == found
+
+
+def test_progress_bars_are_off_when_stderr_is_no_terminal(capfd):
+    # issue 46: a conversion wrote hundreds of carriage-return frames into a log file
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from kvrelay.workers.model.loader import progress_bars
+
+    def draw() -> str:
+        for bar in (gguf_utils.tqdm, hf_logging.tqdm):  # the bars a GGUF conversion draws
+            for _ in bar(range(3), desc="tensors", mininterval=0):
+                pass
+        return capfd.readouterr().err
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    assert "\r" in draw()  # as they are: the GGUF loader's tqdm.auto bar draws frames anyway
+    with progress_bars(True) as on:  # stderr is captured here: no terminal
+        assert on is False
+        assert draw() == ""
+    assert "\r" in draw() and hf_logging.is_progress_bar_enabled() is was_on  # restored
+    with progress_bars(False) as on:
+        assert (on, draw()) == (False, "")
+
+
+def test_conversion_note_estimates_from_the_file_size():
+    from kvrelay.workers.model.loader import conversion_note
+
+    ref = resolve_model(None)  # the bundled 98,362,432-byte GGUF
+    assert conversion_note(ref) == (
+        f"converting {ref.source} (98 MB) to safetensors, once: about 20-59 s on 2 cores at "
+        "this size, longer on a busy host"
+    )
+
+
+def _gguf_with_header(path, arch: str, vocab: int = 0):
+    import gguf
+    import numpy
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(512)
+    if vocab:  # an array before the key looked for: skipped, not read
+        writer.add_token_list([f"t{i}" for i in range(vocab)])
+        writer.add_token_scores([0.5] * vocab)
+    writer.add_string("zz.after", "found")
+    writer.add_tensor("w", numpy.zeros((4, 4), dtype=numpy.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_unsupported_gguf_is_refused_from_its_header_before_converting(
+    tmp_path, monkeypatch, model_dir
+):
+    from kvrelay.workers.model.gguf_header import check_gguf_architecture, header_value
+
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    gemma = _gguf_with_header(tmp_path / "gemma-3-270m.gguf", "gemma3", vocab=300)
+    assert header_value(gemma, "zz.after") == "found"  # past the token arrays
+    assert header_value(gemma, "gemma3.context_length") == 512
+    assert header_value(gemma, "no.such.key") is None
+    message = (
+        "gemma-3-270m.gguf: GGUF architecture 'gemma3' (model_type 'gemma3_text') is not "
+        "supported; supported: ('llama', 'mistral', 'qwen2')"
+    )
+    with pytest.raises(UnsupportedModelError) as refused:
+        prepare_model(gemma, progress=False)
+    assert str(refused.value) == message
+    assert not (tmp_path / "cache" / "models").exists() or not any(
+        (tmp_path / "cache" / "models").iterdir()
+    )  # nothing converted, nothing locked
+    assert check_gguf_architecture(resolve_model("smollm2-135m-instruct").source) == "llama"
+    (tmp_path / "bad.gguf").write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(ModelLoadError, match="cannot read the GGUF header.*no GGUF magic"):
+        prepare_model(tmp_path / "bad.gguf", progress=False)
+
+
+def test_an_unsupported_config_is_refused_before_linking(tmp_path, monkeypatch, model_dir):
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    src = _tiny(tmp_path / "phi", model_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "phi3"}))
+    with pytest.raises(UnsupportedModelError, match="model_type 'phi3' is not supported"):
+        prepare_model(src, progress=False)

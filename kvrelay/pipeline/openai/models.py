@@ -42,12 +42,14 @@ from kvrelay.pipeline.openai.explain import Says, fail, fail_as, refuse
 from kvrelay.pipeline.openai.structured import ResponseFormat, StructuredOutputs
 from kvrelay.pipeline.openai.tools import (
     AUTO,
+    NAME_RULE,
     FunctionTool,
     ToolCall,
     ToolCalling,
     ToolChoice,
     tool_calling,
     tool_constraint,
+    valid_name,
 )
 from kvrelay.pipeline.openai.validate import check_known_fields, check_unicode
 from kvrelay.pipeline.tokens import EMPTY_PROMPT
@@ -166,6 +168,12 @@ class ChatMessage(_Nested):
         if role not in ROLES:
             message = f"{{param}} must be one of {', '.join(ROLES)}"
             raise fail(message, field="role", templated=True)
+        if role == "tool" and data.get("tool_call_id") is None:
+            message = (
+                "Missing parameter 'tool_call_id': messages with role 'tool' must have a "
+                "'tool_call_id'."
+            )
+            raise fail(message, field="tool_call_id", code="missing_required_parameter")
         if data.get("content") == []:  # no text at all: OpenAI refuses an empty array too
             message = "'{param}' must not be an empty array"
             raise fail(message, field="content", code="invalid_value", templated=True)
@@ -175,6 +183,33 @@ class ChatMessage(_Nested):
             expected = "a string or an array of text parts, not null"
             raise fail_as("type", field="content", expected=expected)
         return data
+
+
+_NOT_A_RESULT = (
+    "Invalid parameter: messages with role 'tool' must be a response to a preceeding message "
+    "with 'tool_calls'."
+)
+
+
+def check_tool_results(messages: list[ChatMessage]) -> None:
+    """OpenAI's rule for `tool` messages: each answers a call of the assistant message right
+    before it (or before the tool messages answering its other calls)."""
+    calls: set[str] | None = None  # the call ids the next tool message may answer
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            if calls is None:
+                raise fail(_NOT_A_RESULT, field=f"messages[{i}].role")
+            if message.tool_call_id not in calls:
+                wrote = str(message.tool_call_id)[:64]
+                raise fail(
+                    f"Invalid parameter: 'tool_call_id' of {wrote!r} not found in 'tool_calls' "
+                    "of previous message.",
+                    field=f"messages[{i}].tool_call_id",
+                )
+        elif message.role == "assistant" and message.tool_calls:
+            calls = {call.id for call in message.tool_calls}
+        else:
+            calls = None
 
 
 class StreamOptions(_Nested):
@@ -329,6 +364,17 @@ class _Request(BaseModel):
     def choices_per_prompt(self) -> int:
         return self.n or 1
 
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _schema_name(cls, value: Any) -> Any:
+        """OpenAI's rule for the JSON schema's name (before structured.py's checks of the
+        rest, which would word a name too long as a bare "is invalid")."""
+        schema = value.get("json_schema") if isinstance(value, dict) else None
+        name = schema.get("name") if isinstance(schema, dict) else None
+        if isinstance(name, str) and value.get("type") == "json_schema" and not valid_name(name):
+            raise fail(NAME_RULE, field="json_schema.name", templated=True)
+        return value
+
     @model_validator(mode="after")
     def _one_constraint(self) -> _Request:
         formatted = self.response_format is not None and self.response_format.spec() is not None
@@ -399,6 +445,11 @@ class ChatCompletionRequest(_Request):
         if number and INT64_MIN <= value <= INT64_MAX and not info.data.get("logprobs"):
             raise fail("top_logprobs requires logprobs to be true")
         return value
+
+    @model_validator(mode="after")
+    def _tool_results(self) -> ChatCompletionRequest:
+        check_tool_results(self.messages)
+        return self
 
     @model_validator(mode="after")
     def _tool_choice(self) -> ChatCompletionRequest:

@@ -5,7 +5,8 @@ The request model states each field once, as `models.py` does for the completion
 onto the chat path: `instructions` becomes a system message, then the conversation of
 `previous_response_id` (resolved by the ingress from its store), then `input`. Input items
 become chat messages: `function_call` items an assistant message's `tool_calls` (joined to
-the assistant message before them), `function_call_output` items `tool` messages. Function
+the assistant message before them), `function_call_output` items `tool` messages (each must
+answer a function call of the conversation: `ResponsesCall.check_call_outputs`). Function
 `tools` (Responses' flat shape) and `tool_choice` become chat's (tools.py), and so take the
 same constraints and parsers; `text.format` json_schema / json_object the same
 StructuredOutput as chat's `response_format`.
@@ -43,6 +44,7 @@ from kvrelay.pipeline.openai.protocol import Api, GenerationRequest
 from kvrelay.pipeline.openai.structured import checked_json_schema
 from kvrelay.pipeline.openai.tools import (
     AUTO,
+    NAME_RULE,
     CallFunction,
     FunctionDefinition,
     FunctionTool,
@@ -50,6 +52,7 @@ from kvrelay.pipeline.openai.tools import (
     ToolCalling,
     tool_calling,
     tool_constraint,
+    valid_name,
 )
 from kvrelay.pipeline.openai.validate import check_known_fields, check_unicode
 
@@ -152,12 +155,15 @@ InputItem = Annotated[
 ]
 
 
+_NAME = "^[a-zA-Z0-9_-]{1,64}$"  # NAME_RULE, as a JSON schema states it
+
+
 class TextFormat(_Nested):
     """`text.format`: `text`, `json_object` (any JSON object) or `json_schema` (output valid
     for `schema`; Responses' flat shape of chat's `response_format.json_schema`)."""
 
     type: Literal["text", "json_object", "json_schema"]
-    name: Annotated[StrictStr, Field(min_length=1, max_length=64)] | None = None
+    name: Annotated[StrictStr, WithJsonSchema({"type": "string", "pattern": _NAME})] | None = None
     description: StrictStr | None = None
     schema_: Annotated[
         dict[str, Any] | None, Field(alias="schema"), WithJsonSchema({"type": "object"})
@@ -185,6 +191,8 @@ class TextFormat(_Nested):
 
     @model_validator(mode="after")
     def _compile(self) -> TextFormat:
+        if self.type == "json_schema" and self.name is not None and not valid_name(self.name):
+            raise fail(NAME_RULE, field="name", templated=True)
         if self.type == "json_object":
             self._spec = StructuredOutput(JSON_OBJECT)
         elif self.type == "json_schema" and self.schema_ is not None:
@@ -400,11 +408,27 @@ class ResponsesCall:
     store: bool = True
     # request values the response object repeats (metadata, user, max_output_tokens, ...)
     repeated: dict[str, Any] = field(default_factory=dict)
+    # `input` items: (index, call_id) of each function_call_output, call_ids of function_calls
+    call_outputs: list[tuple[int, str]] = field(default_factory=list)
+    call_ids: frozenset[str] = frozenset()
 
     def conversation(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The chat messages to run: instructions, the earlier turns, then this input."""
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return [*system, *history, *self.input_messages]
+
+    def check_call_outputs(self, history: list[dict[str, Any]]) -> None:
+        """400 for a function_call_output whose call_id names no function call of the
+        conversation (this input, or the earlier turns of `previous_response_id`), as OpenAI."""
+        known = set(self.call_ids)
+        for message in history:
+            known.update(str(call.get("id")) for call in message.get("tool_calls") or ())
+        for index, call_id in self.call_outputs:
+            if call_id not in known:
+                raise bad_request(
+                    f"No tool call found for function call output with call_id {call_id[:64]!r}.",
+                    param=f"input[{index}].call_id",
+                )
 
     def digest(self, generation_digest: str) -> str:
         """What a re-post must match: the generation, and what the answer repeats or stores."""
@@ -464,10 +488,11 @@ def parse_responses(body: Any) -> ResponsesCall:
         raise explain(exc, ResponsesRequest) from None
     sampling, fields_set = req.to_sampling_params()
     limit = req.max_output_tokens
+    items: list[Any] = []
     if isinstance(req.input, str):
         messages = [{"role": "user", "content": req.input}]
     else:
-        messages = chat_messages(req.input)
+        items, messages = req.input, chat_messages(req.input)
     generation = GenerationRequest(
         api=Api.RESPONSES,
         model=req.model,
@@ -507,4 +532,10 @@ def parse_responses(body: Any) -> ResponsesCall:
         previous_response_id=req.previous_response_id,
         store=req.store is not False,
         repeated=repeated,
+        call_outputs=[
+            (i, item.call_id)
+            for i, item in enumerate(items)
+            if isinstance(item, FunctionCallOutputItem)
+        ],
+        call_ids=frozenset(item.call_id for item in items if isinstance(item, FunctionCallItem)),
     )

@@ -1,8 +1,9 @@
 """Tool parsers: where the calls are in an answer's text, one class per format.
 
-`hermes` (`--tool-call-parser hermes`, for `tool_choice: auto`): calls are
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, several for parallel calls;
-text outside them is content (whitespace between and after calls is dropped). The two formats
+`hermes` (for `tool_choice: auto`; `--tool-call-parser auto`, the default, picks it from the
+model's chat template): calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+blocks, several for parallel calls; text outside them is content (whitespace between and after
+calls is dropped). The two formats
 structured output enforces need no setting: `required` answers a JSON array of call objects,
 a named choice the arguments alone. Each parser holds back only what may still turn into a
 call (a tag's first characters), so content streams as it comes.
@@ -153,6 +154,23 @@ class ArgumentsParser:
 
 # --tool-call-parser choices (for tool_choice auto): a new format is a new class here
 TOOL_PARSERS = {"hermes": HermesParser}
+# the other settings: detect the parser from the model's chat template, or refuse auto
+DETECT, NO_PARSER = "auto", "none"
+PARSER_SETTINGS = (DETECT, NO_PARSER, *TOOL_PARSERS)
+
+
+def detect_tool_parser(chat_template: str | None, reads_tools: bool) -> str | None:
+    """The parser that reads a model's calls, from its chat template (None: none known).
+
+    A template that does not read `tools` (SmolLM2's) gets them written hermes-style by the
+    server (core/tool_prompt.py), so its answers are read as hermes; one that reads them is
+    hermes when it writes `<tool_call>` blocks (Qwen2.5, Hermes, SmolLM3, ...).
+    """
+    if not chat_template:
+        return None
+    if not reads_tools or HermesParser.START in chat_template:
+        return "hermes"
+    return None
 
 
 def tool_call_stream(request_id: str, calling: ToolCalling, parser: str = "") -> ToolCallStream:

@@ -24,8 +24,15 @@ from kvrelay.pipeline.openai.explain import Says, fail, fail_as, refuse
 
 NAMED, REQUIRED, AUTO, NONE = "named", "required", "auto", "none"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# OpenAI's rule for the name of a function, and of a response format's JSON schema
+NAME_RULE = "'{param}' must be 1-64 characters of a-z, A-Z, 0-9, underscores and dashes"
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters, an empty list
 _MAX_ERROR = 1000
+
+
+def valid_name(name: str) -> bool:
+    """Whether `name` keeps OpenAI's rule for names (NAME_RULE)."""
+    return _NAME.fullmatch(name) is not None
 
 
 class _Nested(BaseModel):
@@ -42,9 +49,8 @@ class FunctionDefinition(_Nested):
 
     @model_validator(mode="after")
     def _check(self) -> FunctionDefinition:
-        if not _NAME.fullmatch(self.name):
-            message = "'{param}' must be 1-64 characters of a-z, A-Z, 0-9, underscores and dashes"
-            raise fail(message, field="name", templated=True)
+        if not valid_name(self.name):
+            raise fail(NAME_RULE, field="name", templated=True)
         error = grammar_error(StructuredOutput(JSON, json_schema_text(self.arguments_schema())))
         if error is not None:
             raise fail(f"invalid JSON schema: {error[:_MAX_ERROR]}", field="parameters")

@@ -87,17 +87,63 @@ def stream_info(r: redis.Redis, stream: str, group: str) -> dict[str, Any]:
 
 
 def requests_in_flight(r: redis.Redis, keys: Keys, limit: int = 100000) -> dict[str, int]:
-    """Count of request records by status (queued, prefilling, decoding, ...), every shard's."""
+    """Count of requests by status (queued, prefilling, decoding, ...), every shard's.
+
+    A request of several choices counts once, with the status combined from its choices' (as
+    GET /v1/requests/{id} shows it: its own record keeps the `queued` it was written with);
+    its choices' records are not counted on their own. Read in pipelined batches: finished
+    records stay for a day, and `status --watch` asks every second."""
     counts: dict[str, int] = {}
-    n = 0
+    left = limit
     for shard in keys.all():
+        batch: list[Any] = []
         for key in r.scan_iter(match=shard.request_pattern, count=1000):
-            if n >= limit:
+            batch.append(key)
+            if len(batch) == STATUS_BATCH:
+                left = _count_statuses(r, shard, batch, counts, left)
+                batch = []
+            if left <= 0:
                 return counts
-            n += 1
-            status = as_str(r.hget(key, rec.STATUS)) or "unknown"
-            counts[status] = counts.get(status, 0) + 1
+        left = _count_statuses(r, shard, batch, counts, left)
+        if left <= 0:
+            break
     return counts
+
+
+STATUS_BATCH = 1000
+_STATUS_FIELDS = [rec.STATUS, rec.NUM_CHOICES, rec.PARENT]
+
+
+def _count_statuses(
+    r: redis.Redis, shard: Keys, batch: list[Any], counts: dict[str, int], left: int
+) -> int:
+    """Add the statuses of `batch` (req:{id} keys of `shard`) to `counts`, up to `left`
+    requests; returns how many may still be counted."""
+    with r.pipeline(transaction=False) as pipe:
+        for key in batch:
+            pipe.hmget(key, _STATUS_FIELDS)
+        replies = pipe.execute()
+    requests: list[tuple[str, str, int]] = []  # (id, stored status, choices)
+    for key, (status, num_choices, parent) in zip(batch, replies, strict=True):
+        if parent or left <= len(requests):  # a choice: counted in its parent's status
+            continue
+        choices = as_str(num_choices)
+        request_id = as_str(key)[len(shard.request("")) :]
+        requests.append((request_id, as_str(status), int(choices) if choices.isdigit() else 0))
+    with r.pipeline(transaction=False) as pipe:
+        for request_id, _status, count in requests:
+            for k in range(count):
+                pipe.hget(shard.request(choices_state.choice_id(request_id, k)), rec.STATUS)
+        choice_statuses = iter(pipe.execute())
+    for _id, status, count in requests:
+        if count:
+            records = [
+                RequestRecord.decode_fields([rec.STATUS], [next(choice_statuses)])
+                for _ in range(count)
+            ]
+            status = choices_state.combined_status(records)
+        counts[status or "unknown"] = counts.get(status or "unknown", 0) + 1
+    return left - len(requests)
 
 
 def valid_request_id(request_id: str) -> bool:
@@ -180,7 +226,9 @@ def show_request(r: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any] 
         "output_bad_chunks": sum(bad for _, bad in outputs),
         "output_text": None if count else "".join(c.text for c in chunks),
         "finished": all(any(c.finished for c in one) for one, _ in outputs),
-        "cancel_requested": choices_state.cancel_requested_sync(r, keys, request_id, count),
+        # the flag while it runs; once it ended (its progress gone), how it ended
+        "cancel_requested": choices_state.cancel_requested_sync(r, keys, request_id, count)
+        or choices_state.cancel_ended(record),
         "out_ttl_s": min(r.ttl(keys.out(one)) for one in ids),
     }
 

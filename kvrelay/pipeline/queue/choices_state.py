@@ -13,7 +13,7 @@ import copy
 from typing import Any
 
 from kvrelay.core import record as fields
-from kvrelay.core.enums import OPEN_STATUSES, RequestStatus
+from kvrelay.core.enums import OPEN_STATUSES, FinishReason, RequestStatus
 from kvrelay.core.keys import Keys
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.pipeline.queue import scripts
@@ -199,3 +199,20 @@ async def cancel_requested(redis: Any, keys: Keys, request_id: str, count: int =
 def cancel_requested_sync(r: Any, keys: Keys, request_id: str, count: int = 0) -> bool:
     """cancel_requested() for sync redis-py (the admin CLI)."""
     return _flagged(r.hmget(keys.of(request_id).progress, cancel_ids(request_id, count)))
+
+
+# how a request that a cancel reached ends: cancelled (a DELETE, a client gone), or failed with
+# finish_reason timeout (a deadline)
+_CANCEL_ENDS = (FinishReason.CANCELLED, FinishReason.TIMEOUT)
+
+
+def cancel_ended(view: dict[str, Any]) -> bool:
+    """Whether a request's public view (GET /v1/requests/{id}, `requests show`) says a cancel
+    ended it, or one of its choices: the flag is gone with its progress once it ended, its end
+    still tells."""
+    views = view.get("choices") or [view]
+    return any(
+        v.get(fields.STATUS) == RequestStatus.CANCELLED
+        or v.get(fields.FINISH_REASON) in _CANCEL_ENDS
+        for v in views
+    )

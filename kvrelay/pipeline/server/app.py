@@ -48,7 +48,7 @@ from kvrelay.pipeline.queue.submit import Producer
 from kvrelay.pipeline.server.config import IngressConfig, load_config
 from kvrelay.pipeline.server.http import error_response
 from kvrelay.pipeline.server.info import InfoApi
-from kvrelay.pipeline.server.middleware import RequestIdMiddleware
+from kvrelay.pipeline.server.middleware import BodyTimeoutMiddleware, RequestIdMiddleware
 from kvrelay.pipeline.server.responses_routes import ResponsesApi
 from kvrelay.pipeline.server.routes import GenerationApi
 from kvrelay.pipeline.server.tokenization import TokenizationApi
@@ -119,6 +119,7 @@ class Ingress:
             Route("/v1/completions", gen.completions, methods=["POST"]),
             Route("/v1/responses", resp.create, methods=["POST"]),
             Route("/v1/responses/{response_id}", resp.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", resp.delete, methods=["DELETE"]),
             Route("/v1/models", info.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", info.retrieve_model, methods=["GET"]),
             Route("/v1/requests/{request_id}", gen.request_state, methods=["GET"]),
@@ -268,7 +269,10 @@ def create_app(
     ingress = Ingress(config, tokenizers, redis)
     app = Starlette(
         routes=ingress.routes(),
-        middleware=[Middleware(RequestIdMiddleware, metrics=ingress.metrics)],
+        middleware=[
+            Middleware(RequestIdMiddleware, metrics=ingress.metrics),
+            Middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s),
+        ],
         # unexpected errors become OpenAI-shaped 500s in RequestIdMiddleware
         exception_handlers={HTTPException: _http_error},
         lifespan=ingress.lifespan,

@@ -21,12 +21,12 @@ from kvrelay.core.record import RequestRecord
 from kvrelay.pipeline.errors import RequestError, bad_request, unsupported
 from kvrelay.pipeline.openai.protocol import Api, GenerationRequest
 from kvrelay.pipeline.openai.responses import ResponseFormatter
-from kvrelay.pipeline.openai.tool_parsers import tool_stream
+from kvrelay.pipeline.openai.tool_parsers import DETECT, NO_PARSER, detect_tool_parser, tool_stream
 from kvrelay.pipeline.openai.tools import AUTO
 from kvrelay.pipeline.queue.output import ENDED, output_gone
 from kvrelay.pipeline.queue.records import read_record_fields
 from kvrelay.pipeline.server.choices_output import ChoicesJob, choices_job
-from kvrelay.pipeline.server.context import RecordHost, RequestHost
+from kvrelay.pipeline.server.context import ModelHost, RecordHost, RequestHost
 from kvrelay.pipeline.server.output import OutputJob, output_expired
 
 logger = logging.getLogger(__name__)
@@ -59,19 +59,43 @@ def request_digest(req: GenerationRequest) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
-def check_tool_choice(req: GenerationRequest, parser: str | None) -> dict[str, Any] | None:
+def check_tool_choice(
+    req: GenerationRequest, parser: str | None, model: str | None = None
+) -> dict[str, Any] | None:
     """What the output job needs to find the request's tool calls (None: plain text); 400
-    for tool_choice auto when this ingress has no tool parser (as vLLM refuses it)."""
+    for tool_choice auto without a tool parser (as vLLM refuses it). `model`: the parser was
+    looked for in that model's chat template (the refusal says so)."""
     calling = req.tool_calling
     if calling is None:
         return None
     if calling.mode == AUTO and parser is None:
-        raise bad_request(
-            '"auto" tool choice requires the ingress to run with --tool-call-parser (hermes); '
-            'use tool_choice "required", a named function or "none"',
-            param="tool_choice",
-        )
+        use = 'use tool_choice "required", a named function or "none"'
+        if model is None:
+            message = (
+                '"auto" tool choice requires the ingress to run with --tool-call-parser '
+                f"(hermes); {use}"
+            )
+        else:
+            message = (
+                f'"auto" tool choice needs a tool call parser: the chat template of {model!r} '
+                "does not show which format its tool calls take; start the ingress with "
+                f"--tool-call-parser hermes if the model writes <tool_call> blocks, or {use}"
+            )
+        raise bad_request(message, param="tool_choice")
     return {**calling.to_dict(), "parser": parser if calling.mode == AUTO else ""}
+
+
+async def tool_choice_options(ing: ModelHost, req: GenerationRequest) -> dict[str, Any] | None:
+    """check_tool_choice with the ingress's --tool-call-parser: `auto` (the default) takes
+    the parser the model's chat template implies (tool_parsers.detect_tool_parser)."""
+    setting = ing.config.tool_call_parser
+    calling = req.tool_calling
+    if calling is None or calling.mode != AUTO or setting != DETECT:
+        return check_tool_choice(req, None if setting == NO_PARSER else setting)
+    tokenizer = (await ing.registry.get(req.model)).tokenizer
+    template = getattr(tokenizer, "chat_template", None)
+    reads_tools = bool(getattr(tokenizer, "template_reads_tools", False))
+    return check_tool_choice(req, detect_tool_parser(template, reads_tools), req.model)
 
 
 def id_conflict(request_id: str) -> RequestError:

@@ -13,7 +13,7 @@ from kvrelay.core.config import (
 )
 from kvrelay.core.modelref import DEFAULT_MODEL
 from kvrelay.core.sampling import GenerationDefaults, generation_override
-from kvrelay.pipeline.openai.tool_parsers import TOOL_PARSERS
+from kvrelay.pipeline.openai.tool_parsers import DETECT, PARSER_SETTINGS
 from kvrelay.pipeline.queue.feed import BLOCK_MS
 from kvrelay.pipeline.queue.route import ROUTE_THRESHOLD, RouteMode
 from kvrelay.pipeline.queue.submit import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, REQUEST_TIMEOUT_S
@@ -30,6 +30,9 @@ class IngressConfig(RedisSettings):
     port: int = 8000
     models: tuple[str, ...] = (DEFAULT_MODEL,)
     max_body_bytes: int = 4 << 20
+    # 408 when a request body sends nothing for this long (between two reads, as nginx's
+    # client_body_timeout, 60 s there): a stalled body must not hold a connection forever
+    body_timeout_s: float = 30.0
     max_prompt_tokens: int = MAX_PROMPT_TOKENS  # also capped by the model's context length
     max_tokens_limit: int = MAX_TOKENS_LIMIT  # largest max_tokens a request may ask for
     mode: str = RouteMode.AUTO
@@ -58,9 +61,10 @@ class IngressConfig(RedisSettings):
     # repetition_penalty, max_tokens), over those the model's workers publish (its own, under
     # their override): vLLM's --override-generation-config. A config file may give a table.
     override_generation_config: str | None = None
-    # how `tool_choice: auto` finds tool calls in the text (vLLM's --tool-call-parser);
-    # None: requests with tools and tool_choice auto are refused
-    tool_call_parser: str | None = None
+    # how `tool_choice: auto` finds tool calls in the text (vLLM's --tool-call-parser): a
+    # parser (hermes), "auto" to pick it from the model's chat template, "none" to refuse
+    # tool_choice auto (not an optional field: "none" stays that word)
+    tool_call_parser: str = DETECT
 
     def validate(self) -> IngressConfig:
         """Raise ConfigError for values the ingress cannot run with; return self."""
@@ -81,6 +85,8 @@ class IngressConfig(RedisSettings):
                 raise ConfigError(f"{name} must be at least 1")
         if self.redis_timeout_s <= 0:
             raise ConfigError("redis_timeout_s must be > 0")
+        if self.body_timeout_s <= 0:
+            raise ConfigError("body_timeout_s must be > 0")
         if self.disconnect_grace_s < 0:
             raise ConfigError("disconnect_grace_s must be >= 0")
         if self.submit_wait_s < 0:
@@ -89,9 +95,9 @@ class IngressConfig(RedisSettings):
             raise ConfigError("route_threshold must be >= 0 and request_timeout_s > 0")
         generation_override(self.override_generation_config)
         check_shards(self.shards)
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+        if self.tool_call_parser not in PARSER_SETTINGS:
             raise ConfigError(
-                f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
+                f"tool_call_parser must be one of {', '.join(PARSER_SETTINGS)}, "
                 f"got {self.tool_call_parser!r}"
             )
         return self

@@ -63,6 +63,19 @@ def _too_large(limit: int) -> RequestError:
     )
 
 
+class BodyTimeout(RequestError):
+    """408: the request body stopped arriving; the connection is closed after the answer (the
+    rest of the body may still come: it cannot be told apart from a next request)."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(
+            f"the request body stopped arriving: no data for {timeout_s:g} s",
+            408,
+            code="request_body_timeout",
+            headers={"Connection": "close"},
+        )
+
+
 def check_json_content_type(request: Request) -> None:
     """415 for a body declared as anything but JSON; a body declared as nothing is read as JSON.
 

@@ -1,13 +1,16 @@
-"""ASGI middleware: an X-Request-Id on every response, 500s in the OpenAI shape, error counts.
+"""ASGI middleware: an X-Request-Id on every response, 500s in the OpenAI shape, error counts,
+and a bound on how long a request body may stall.
 
 A response that names no request gets the client's X-Request-Id (when valid) or a fresh
 `req-…` id. A request refused for an invalid id (header or path) gets no id at all: it never
 existed, so no id would mean anything. Errors from the completion endpoints are counted in
-`kvrelay:requests_rejected_total{status}`.
+`kvrelay:requests_rejected_total{status}`. A body that sends nothing for `body_timeout_s`
+gets a 408 and its connection closed (uvicorn has no body read timeout of its own).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -15,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.queue.submit import new_request_id, valid_request_id
-from kvrelay.pipeline.server.http import error_response
+from kvrelay.pipeline.server.http import BodyTimeout, error_response
 
 if TYPE_CHECKING:
     from kvrelay.pipeline.metrics import Metrics
@@ -75,3 +78,49 @@ class RequestIdMiddleware:
         finally:
             if status >= 400 and scope.get("path") in _COUNTED_PATHS:
                 self.metrics.requests_rejected.labels(str(status)).inc()
+
+
+class BodyTimeoutMiddleware:
+    """Each read of a request body waits at most `timeout_s` for data (nginx's
+    client_body_timeout: between two reads, not for the whole body); past it the read raises
+    the 408 `BodyTimeout`, which the endpoint answers (else this middleware), with
+    `Connection: close`. Reads after the body (waiting for a disconnect) are not bounded."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float):
+        self.app, self.timeout_s = app, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body_done, started = False, False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                logger.info(
+                    "%s %s from %s: no request body data for %g s: 408",
+                    scope.get("method"),
+                    scope.get("path"),
+                    scope.get("client"),
+                    self.timeout_s,
+                )
+                raise BodyTimeout(self.timeout_s) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body")
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, timed_receive, tracked_send)
+        except BodyTimeout as err:  # an endpoint that let it through
+            if started:
+                raise
+            await error_response(err)(scope, receive, tracked_send)

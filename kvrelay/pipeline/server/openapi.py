@@ -135,6 +135,15 @@ _TOKENIZE_ANSWER = {
         "token_strs": {"type": ["array", "null"], "items": {"type": "string"}},
     },
 }
+_DELETED = {
+    "type": "object",
+    "required": ["id", "object", "deleted"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"type": "string", "const": "response"},
+        "deleted": {"type": "boolean", "const": True},
+    },
+}
 _DETOKENIZE_ANSWER = {
     "type": "object",
     "required": ["prompt"],
@@ -206,7 +215,15 @@ def openapi_document() -> dict[str, Any]:
                         "200": _json(_OBJECT, "the response object"),
                         **_errors("400", "401", "404", "503"),
                     },
-                }
+                },
+                "delete": {
+                    "summary": "delete a stored response",
+                    "parameters": _RESPONSE_PARAM,
+                    "responses": {
+                        "200": _json(_DELETED, "deleted"),
+                        **_errors("400", "401", "404", "503"),
+                    },
+                },
             },
             "/v1/models": {
                 "get": {

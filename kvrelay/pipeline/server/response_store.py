@@ -7,6 +7,10 @@ ingress delivered its last token), `messages` (the conversation it answered, as 
 the earlier turns and its input, without its instructions, which a later turn does not
 inherit; function calls and their outputs as chat's `tool_calls` and `tool` messages),
 `request_id`, `key_id` (the API key that created it; other keys see nothing).
+
+DELETE /v1/responses/{id} leaves a tombstone until the hash would have expired: `deleted` and
+`key_id` only. Nothing writes over it (the final object of a response deleted in progress,
+a reattached client's copy), so a deleted response stays deleted.
 """
 
 from __future__ import annotations
@@ -15,14 +19,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from redis.typing import EncodableT, FieldT
-
 from kvrelay.core.keys import Keys
 from kvrelay.core.record import as_str
 from kvrelay.pipeline.openai.responses_api import output_messages
+from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.redis_options import AsyncRedis
 
 RESPONSE, MESSAGES, REQUEST_ID, KEY_ID = "response", "messages", "request_id", "key_id"
+DELETED = "deleted"
 
 
 @dataclass(slots=True)
@@ -56,24 +60,32 @@ class ResponseStore:
         request_id: str,
         key_id: str,
     ) -> None:
-        """Write (or overwrite) the stored answer and restart its expiry."""
+        """Write (or overwrite) the stored answer and restart its expiry; a deleted one stays
+        deleted."""
         key = self.keys.of(response["id"]).response(response["id"])
-        mapping: dict[FieldT, EncodableT] = {
-            RESPONSE: json.dumps(response, ensure_ascii=False),
-            MESSAGES: json.dumps(messages, ensure_ascii=False),
-            REQUEST_ID: request_id,
-            KEY_ID: key_id,
-        }
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping=mapping)
-            pipe.expire(key, self.ttl_s)
-            await pipe.execute()
+        values = [
+            RESPONSE,
+            json.dumps(response, ensure_ascii=False),
+            MESSAGES,
+            json.dumps(messages, ensure_ascii=False),
+            REQUEST_ID,
+            request_id,
+            KEY_ID,
+            key_id,
+        ]
+        await self.redis.eval(scripts.source("response_save"), 1, key, DELETED, self.ttl_s, *values)
+
+    async def delete(self, response_id: str, key_id: str) -> bool:
+        """Delete the stored answer; False when `key_id` has none by that id."""
+        key = self.keys.of(response_id).response(response_id)
+        script = scripts.source("response_delete")
+        return bool(await self.redis.eval(script, 1, key, DELETED, KEY_ID, key_id))
 
     async def load(self, response_id: str, key_id: str) -> StoredResponse | None:
         """The stored answer, or None (unknown, expired, not stored, or another key's)."""
         raw = await self.redis.hgetall(self.keys.of(response_id).response(response_id))
         found = {as_str(k): as_str(v) for k, v in raw.items()}
-        if not found or found.get(KEY_ID, "") != key_id:
+        if not found or found.get(KEY_ID, "") != key_id or DELETED in found:
             return None
         try:
             response, messages = json.loads(found[RESPONSE]), json.loads(found[MESSAGES])

@@ -1,11 +1,13 @@
-"""The Responses API endpoints: POST /v1/responses and GET /v1/responses/{response_id}.
+"""The Responses API endpoints: POST /v1/responses, GET and DELETE /v1/responses/{response_id}.
 
 POST lifecycle: API key -> request id (`resp-…`; the response id is `resp_…`, the same
 suffix) -> body -> Responses fields -> the conversation of `previous_response_id` from the
-store (400 when it is not there) -> chat messages -> tool choice (auto needs
---tool-call-parser) -> then the chat path's steps (same id
-already used? reattach or 409; admission; tokenize + limits; route; queue) -> the answer is
-stored in progress (`store: true`) -> ResponseJob delivers and stores the final object.
+store (400 when it is not there) -> each function_call_output answers a call of that
+conversation (else 400) -> chat messages -> tool choice (auto: the parser the model's chat
+template implies, or --tool-call-parser's) -> then the chat path's steps (same id already
+used? reattach or 409; admission; tokenize + limits; route; queue) -> the answer is stored in
+progress (`store: true`) -> ResponseJob delivers and stores the final object. DELETE leaves a
+tombstone that no later save overwrites (response_store.py).
 """
 
 from __future__ import annotations
@@ -46,11 +48,11 @@ from kvrelay.pipeline.queue.submit import new_request_id, valid_request_id
 from kvrelay.pipeline.queue.subscription import Subscription
 from kvrelay.pipeline.server.attach import (
     check_same,
-    check_tool_choice,
     last_event_id,
     owned_record,
     raw_record,
     request_digest,
+    tool_choice_options,
 )
 from kvrelay.pipeline.server.context import RequestHost
 from kvrelay.pipeline.server.http import (
@@ -114,7 +116,7 @@ class ResponsesApi:
             else:
                 call = parse_responses(body)
             prepared = await self._prepare(call, request_id, key_id)
-            tool_options = check_tool_choice(call.generation, ing.config.tool_call_parser)
+            tool_options = await tool_choice_options(ing, call.generation)
             if header_id is not None:
                 rec = await ing.producer.ride_out(request_id, lambda: raw_record(ing, request_id))
                 if rec is not None:
@@ -187,26 +189,41 @@ class ResponsesApi:
 
     async def retrieve(self, request: Request) -> Response:
         """GET /v1/responses/{response_id}: a stored response, as it was last written."""
-        ing = self.ingress
-        resp_id = request.path_params["response_id"]
         try:
-            if not resp_id.startswith(RESPONSE_PREFIX) or not _valid_id(request_id_of(resp_id)):
-                omit_request_id(request.scope)
-                raise _bad_id("response_id")
-            key_id = check_api_key(request, ing.config.api_keys)
+            resp_id, key_id = self._response_id(request)
             stored = await self.store.load(resp_id, key_id)
             if stored is None:
-                raise RequestError(
-                    f"Response with id '{resp_id}' not found.",
-                    404,
-                    param="response_id",
-                    code="response_not_found",
-                )
+                raise _not_found(resp_id)
         except RequestError as err:
             return error_response(err)
         except RedisError as exc:
             return error_response(queue_unavailable(exc))
         return JSONResponse(stored.response, headers={REQUEST_ID_HEADER: stored.request_id})
+
+    async def delete(self, request: Request) -> Response:
+        """DELETE /v1/responses/{response_id}: forget a stored response (GET and
+        previous_response_id answer 404 / 400 after it). One in progress is generated on for
+        the client that asked for it (cancelling is DELETE /v1/requests/{request_id}), and its
+        final object is not stored."""
+        try:
+            resp_id, key_id = self._response_id(request)
+            if not await self.store.delete(resp_id, key_id):
+                raise _not_found(resp_id)
+        except RequestError as err:
+            return error_response(err)
+        except RedisError as exc:
+            return error_response(queue_unavailable(exc))
+        logger.info("request %s: stored response deleted", request_id_of(resp_id))
+        body = {"id": resp_id, "object": "response", "deleted": True}
+        return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id_of(resp_id)})
+
+    def _response_id(self, request: Request) -> tuple[str, str]:
+        """The path's response id (400 when it is not one) and the caller's API key id."""
+        resp_id = request.path_params["response_id"]
+        if not resp_id.startswith(RESPONSE_PREFIX) or not _valid_id(request_id_of(resp_id)):
+            omit_request_id(request.scope)
+            raise _bad_id("response_id")
+        return resp_id, check_api_key(request, self.ingress.config.api_keys)
 
     async def _prepare(self, call: ResponsesCall, request_id: str, key_id: str) -> _Prepared:
         """Resolve `previous_response_id` into chat messages; digest what the call asks for."""
@@ -233,6 +250,7 @@ class ResponsesApi:
                     code="previous_response_in_progress",
                 )
             prepared.history = stored.conversation()
+        call.check_call_outputs(prepared.history)
         call.generation.messages = call.conversation(prepared.history)
         prepared.digest = call.digest(request_digest(call.generation))
         return prepared
@@ -305,6 +323,15 @@ def _options(rec: dict[str, str]) -> dict[str, Any]:
 def _valid_id(request_id: str) -> bool:
     """A response's request id: a valid request id that starts with `resp-`."""
     return request_id.startswith(REQUEST_PREFIX) and valid_request_id(request_id)
+
+
+def _not_found(resp_id: str) -> RequestError:
+    return RequestError(
+        f"Response with id '{resp_id}' not found.",
+        404,
+        param="response_id",
+        code="response_not_found",
+    )
 
 
 def _bad_id(param: str) -> RequestError:

@@ -43,11 +43,11 @@ from kvrelay.pipeline.queue.submit import check_request_id, new_request_id, vali
 from kvrelay.pipeline.queue.subscription import Subscription
 from kvrelay.pipeline.server.attach import (
     check_same,
-    check_tool_choice,
     owned_record,
     raw_record,
     reattach,
     request_digest,
+    tool_choice_options,
 )
 from kvrelay.pipeline.server.choices import (
     check_choices,
@@ -104,7 +104,7 @@ class GenerationApi:
                 parsed, digest = await asyncio.to_thread(_parse, body, api)
             else:
                 parsed, digest = _parse(body, api)
-            tool_options = check_tool_choice(parsed, ing.config.tool_call_parser)
+            tool_options = await tool_choice_options(ing, parsed)
             check_choices(parsed, request_id, ing.config.max_choices)
             if header_id is not None:
                 # the lookup rides out a Redis restart as the submission does
@@ -222,7 +222,8 @@ class GenerationApi:
                 record = RequestRecord.decode(rec) or RequestRecord()
                 view = queue_choices.live(record, progress).public()
             body: dict[str, Any] = {"id": request_id, "object": "request", **view}
-            body["cancel_requested"] = cancel_requested
+            # the flag while it runs; once it ended (its progress gone), how it ended
+            body["cancel_requested"] = cancel_requested or queue_choices.cancel_ended(view)
             return JSONResponse(body, headers={REQUEST_ID_HEADER: request_id})
 
         return await self._own_request(request, state)

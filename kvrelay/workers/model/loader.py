@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import json
 import logging
 import os
 import shutil
@@ -43,6 +45,8 @@ from kvrelay.core.modelref import (
 )
 from kvrelay.core.tokenizer import Tokenizer
 from kvrelay.workers.errors import EngineError, ModelLoadError
+from kvrelay.workers.model.config import ModelConfig
+from kvrelay.workers.model.gguf_header import check_gguf_architecture
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +96,7 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
     if is_prepared(ref):
         _record_gguf_sampling(ref, target)
         return target
+    check_architecture(ref)  # refused in milliseconds, not after a conversion
     with _file_lock(target.with_name(target.name + ".lock")):
         if is_prepared(ref):  # another process converted it while we waited
             _record_gguf_sampling(ref, target)
@@ -104,7 +109,7 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
             if ref.kind == "safetensors":
                 _link_checkpoint(ref, tmp)
             else:
-                _say(progress, f"converting {ref.source} to safetensors (one time, ~20-30 s)")
+                _say(progress, conversion_note(ref))
                 _convert_with_transformers(ref, tmp, progress)
             _say(progress, "hashing weights for the model fingerprint")
             meta = {
@@ -135,6 +140,20 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
         _say(progress, f"model ready in {target} ({time.monotonic() - start:.1f} s)")
     assert (target / META_FILE).is_file()
     return target
+
+
+def check_architecture(ref: ModelRef) -> None:
+    """UnsupportedModelError now for a model kvrelay cannot serve, from the GGUF header or
+    config.json alone."""
+    if ref.kind == "gguf":
+        check_gguf_architecture(ref.source)
+        return
+    config = (ref.source if ref.source.is_dir() else ref.source.parent) / "config.json"
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return  # the conversion says what is wrong with it
+    ModelConfig.from_hf(cfg)
 
 
 def gguf_sampling(path: Path) -> dict[str, float | int]:
@@ -168,6 +187,54 @@ def _record_gguf_sampling(ref: ModelRef, directory: Path) -> None:
         logger.warning("cannot record the GGUF sampling defaults in %s: %s", directory, exc)
 
 
+# Seconds per MB of source a conversion takes on 2 cores (measured 2026-12-03, Xeon, 2 cores,
+# quiet: SmolLM2-135M's 98 MB GGUF in 21.4 s; issue 46: 54 s for it on a busy 2-core host, 336 s
+# for a 0.5B GGUF): an estimate to print, never a promise.
+CONVERT_S_PER_MB = (0.2, 0.6)
+
+
+def _source_bytes(ref: ModelRef) -> int:
+    """Bytes of the checkpoint a conversion reads (the GGUF file, or a directory's weights)."""
+    if ref.source.is_file():
+        return ref.source.stat().st_size
+    return sum(p.stat().st_size for p in ref.source.glob("*.bin") if p.is_file())
+
+
+def conversion_note(ref: ModelRef) -> str:
+    """The line announcing a conversion: its size and a time range estimated from it."""
+    mb = _source_bytes(ref) / 1e6
+    low, high = (round(mb * rate) for rate in CONVERT_S_PER_MB)
+    return (
+        f"converting {ref.source} ({mb:.0f} MB) to safetensors, once: about {low}-{high} s "
+        "on 2 cores at this size, longer on a busy host"
+    )
+
+
+@contextlib.contextmanager
+def progress_bars(show: bool):
+    """transformers' (and huggingface_hub's) progress bars, and the GGUF loader's own tqdm bar,
+    only when `show` and stderr is a terminal: in a log file every frame of a bar is a
+    carriage-return line (hundreds per conversion). Restored on exit; yields whether on."""
+    from transformers import modeling_gguf_pytorch_utils as gguf
+    from transformers.utils import logging as hf_logging
+
+    on = show and sys.stderr.isatty()
+    was_on = hf_logging.is_progress_bar_enabled()
+    gguf_tqdm = getattr(gguf, "tqdm", None)  # tqdm.auto's, which disable_progress_bar misses
+    if not on:
+        hf_logging.disable_progress_bar()
+        if gguf_tqdm is not None:
+            gguf.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield on
+    finally:
+        if not on:
+            if gguf_tqdm is not None:
+                gguf.tqdm = gguf_tqdm
+            if was_on:
+                hf_logging.enable_progress_bar()
+
+
 def _link_checkpoint(ref: ModelRef, out: Path) -> None:
     src_dir = ref.source if ref.source.is_dir() else ref.source.parent
     weights = sorted(src_dir.glob("*.safetensors")) if ref.source.is_dir() else [ref.source]
@@ -179,28 +246,26 @@ def _link_checkpoint(ref: ModelRef, out: Path) -> None:
 
 def _convert_with_transformers(ref: ModelRef, out: Path, progress: bool) -> None:
     import torch
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not progress:
-        transformers.utils.logging.disable_progress_bar()
     if ref.kind == "gguf":
         src, kwargs = str(ref.source.parent), {"gguf_file": ref.source.name}
     else:
         src, kwargs = str(ref.source), {}
-    _say(progress, "loading tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
-    _say(progress, "loading and dequantizing weights")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kwargs)
-    # save_pretrained refuses a GGUF-quantized model; the weights are already dense fp32.
-    # (type: ignore: torch's stubs type a Module's unknown attributes Tensor | Module)
-    model.hf_quantizer = None  # type: ignore[assignment]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.is_quantized = False  # type: ignore[assignment]  # torch stubs, as above
-    _say(progress, "writing safetensors")
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    with progress_bars(progress):  # the stage lines below are the progress in a log
+        _say(progress, "loading tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
+        _say(progress, "loading and dequantizing weights")
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kwargs)
+        # save_pretrained refuses a GGUF-quantized model; the weights are already dense fp32.
+        # (type: ignore: torch's stubs type a Module's unknown attributes Tensor | Module)
+        model.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.is_quantized = False  # type: ignore[assignment]  # torch stubs, as above
+        _say(progress, "writing safetensors")
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
 
 
 @dataclass(slots=True)

@@ -474,6 +474,7 @@ class Worker:
             logprobs=_logprobs(out.new_logprobs, out.new_token_ids, act.task.sampling.logprobs),
             prompt_logprobs=out.prompt_logprobs,
             stop_reason=out.stop_reason if out.finished else None,
+            error=out.error if out.finished else None,
         )
         act.next_index += len(out.new_token_ids)
         self._tokens += len(out.new_token_ids)

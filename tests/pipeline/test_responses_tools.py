@@ -251,7 +251,7 @@ async def test_json_object_format_is_the_constraint_and_echoed(harness):
         serve = asyncio.create_task(role.serve_one([(28, "{}")]))
         data = (await client.post("/v1/responses", json=body)).json()
         taken = await serve
-    assert taken.task.sampling.structured == StructuredOutput(JSON_OBJECT)
+    assert taken.task.sampling.structured == StructuredOutput(JSON_OBJECT, any_whitespace=False)
     assert data["text"] == {"format": {"type": "json_object"}}
     assert data["output"][0]["content"][0]["text"] == "{}"
 

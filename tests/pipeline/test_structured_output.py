@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from kvrelay.core.keys import Keys
 from kvrelay.core.messages import DecodeTask
 from kvrelay.core.sampling import SamplingParams
-from kvrelay.core.structured import StructuredOutput
+from kvrelay.core.structured import StructuredOutput, grammar_error
 from kvrelay.pipeline.client.validate import parse_request, sampling_fields
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
@@ -45,6 +45,8 @@ PERSON = {
 PERSON_TEXT = json.dumps(PERSON, separators=(",", ":"))
 SCHEMA_FORMAT = {"name": "person", "schema": PERSON, "strict": True}
 BAD_TYPE = {"name": "x", "schema": {"type": "foo"}}
+COMPACT_PERSON = StructuredOutput("json", PERSON_TEXT, any_whitespace=False)
+COMPACT_OBJECT = StructuredOutput("json_object", any_whitespace=False)
 
 
 def chat(**fields):
@@ -60,7 +62,8 @@ def completion(**fields):
     ("fields", "spec"),
     [
         ({"response_format": {"type": "text"}}, None),
-        ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+        # JSON is compact by default (as OpenAI's): no whitespace between its tokens
+        ({"response_format": {"type": "json_object"}}, COMPACT_OBJECT),
         (
             {
                 "response_format": {
@@ -68,16 +71,31 @@ def completion(**fields):
                     "json_schema": {"name": "p", "schema": PERSON, "strict": True},
                 }
             },  # fmt: skip
-            StructuredOutput("json", PERSON_TEXT),
+            COMPACT_PERSON,
         ),
-        ({"structured_outputs": {"json": PERSON}}, StructuredOutput("json", PERSON_TEXT)),
+        ({"structured_outputs": {"json": PERSON}}, COMPACT_PERSON),
         (  # JSON text, spelled any way, is the same schema
             {"structured_outputs": {"json": json.dumps(PERSON, indent=2)}},
-            StructuredOutput("json", PERSON_TEXT),
+            COMPACT_PERSON,
+        ),
+        ({"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}}, COMPACT_PERSON),
+        (  # vLLM's default asked for: any whitespace
+            {"structured_outputs": {"json": PERSON, "disable_any_whitespace": False}},
+            StructuredOutput("json", PERSON_TEXT, any_whitespace=True),
         ),
         (
-            {"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}},
-            StructuredOutput("json", PERSON_TEXT, any_whitespace=False),
+            {"structured_outputs": {"json": PERSON, "whitespace_pattern": "[ ]?"}},
+            StructuredOutput("json", PERSON_TEXT, any_whitespace=False, whitespace_pattern="[ ]?"),
+        ),
+        (  # the pattern wins over vLLM's default spelled out
+            {
+                "structured_outputs": {
+                    "json_object": True,
+                    "whitespace_pattern": "(\\n[ ]{0,4})?",
+                    "disable_any_whitespace": False,
+                }
+            },  # fmt: skip
+            StructuredOutput("json_object", "", False, "(\\n[ ]{0,4})?"),
         ),
         ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutput("regex", "[0-9]+")),
         (
@@ -88,7 +106,7 @@ def completion(**fields):
             {"structured_outputs": {"grammar": 'root ::= "a" | "b"'}},
             StructuredOutput("grammar", 'root ::= "a" | "b"'),
         ),
-        ({"structured_outputs": {"json_object": True}}, StructuredOutput("json_object")),
+        ({"structured_outputs": {"json_object": True}}, COMPACT_OBJECT),
         (  # text format and a constraint together: the constraint
             {"response_format": {"type": "text"}, "structured_outputs": {"regex": "a"}},
             StructuredOutput("regex", "a"),
@@ -183,13 +201,52 @@ BAD_REGEX = (
             "unknown_parameter",
             "structured_outputs.guided",
             "unknown structured_outputs field 'guided' (known: json, regex, choice, grammar, "
-            "json_object, disable_any_whitespace, disable_fallback)",
+            "json_object, disable_any_whitespace, whitespace_pattern, disable_fallback)",
         ),
         (
             {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
             None,
             "structured_outputs",
             "response_format and structured_outputs cannot both constrain the output",
+        ),
+        (
+            {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+            "unsupported_value",
+            "structured_outputs.whitespace_pattern",
+            "whitespace_pattern applies to json and json_object only",
+        ),
+        (
+            {"structured_outputs": {"json": PERSON, "whitespace_pattern": "\\s*"}},
+            None,
+            "structured_outputs.whitespace_pattern",
+            "invalid whitespace_pattern: '\\\\s*' matches text other than JSON whitespace (space, "
+            "tab, newline, carriage return)",
+        ),
+        (
+            {"structured_outputs": {"json": PERSON, "whitespace_pattern": "[ ,]*"}},
+            None,
+            "structured_outputs.whitespace_pattern",
+            "invalid whitespace_pattern: '[ ,]*' matches text other than JSON whitespace (space, "
+            "tab, newline, carriage return)",
+        ),
+        (
+            {"structured_outputs": {"json_object": True, "whitespace_pattern": "[ "}},
+            None,
+            "structured_outputs.whitespace_pattern",
+            "invalid whitespace_pattern: regex parse error:\n    [ \n    ^\nerror: unclosed "
+            "character class",
+        ),
+        (
+            {
+                "structured_outputs": {
+                    "json": PERSON,
+                    "whitespace_pattern": " ",
+                    "disable_any_whitespace": True,
+                }
+            },  # fmt: skip
+            None,
+            "structured_outputs.whitespace_pattern",
+            "whitespace_pattern allows whitespace, disable_any_whitespace forbids it",
         ),
     ],
 )
@@ -202,11 +259,22 @@ def test_refused_constraints_name_their_field(fields, code, param, message):
         assert err.body()["error"]["type"] == "invalid_request_error"
 
 
-def test_producer_client_spec_is_the_same_request():
-    spec = StructuredOutput("json", PERSON_TEXT, any_whitespace=False)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        COMPACT_PERSON,
+        StructuredOutput("json", PERSON_TEXT),  # any whitespace: the class's default
+        StructuredOutput("json_object", whitespace_pattern="[ ]?"),
+        StructuredOutput("choice", ["a", "b"]),
+    ],
+)
+def test_producer_client_spec_is_the_same_request(spec):
     for sampling in (SamplingParams(structured=spec), {"structured": spec.to_dict()}):
         body = {**sampling_fields(sampling), "model": "m"}
         assert parse_request(body, "x", None, None).sampling.structured == spec
+
+
+def test_producer_client_refuses_a_bad_spec():
     with pytest.raises(RequestError) as info:
         parse_request({"model": "m", "structured": {"value": 1}}, "x", None, None)
     assert (info.value.status, info.value.param) == (400, "sampling")
@@ -274,8 +342,8 @@ async def test_chat_json_schema_answer_fits_the_schema(ingress):
     assert resp.status_code == 200, resp.text
     choice = resp.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
-    # the engine's own answer (tests/workers/test_structured_output.py): vLLM's whitespace
-    assert choice["message"]["content"] == '{\n  "name": "Ava",\n  "age": 25\n}'
+    # the engine's own answer: compact JSON, as OpenAI's (no whitespace between tokens)
+    assert choice["message"]["content"] == '{"name":"Alejandro","age":25}'
     jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
 
 
@@ -328,3 +396,178 @@ async def test_invalid_schema_is_a_400_and_nothing_is_queued(ingress, valkey_ses
         assert not await r.exists(KEYS.request("so-400"))
     finally:
         await r.aclose()
+
+
+# ---- the grammar engine's limits (issue 46): refused at the ingress, or a failed request ---
+
+ROW_LIMIT = (
+    "the grammar engine cannot follow it: Parser Error: Current row has {} items; max is 2000; "
+    "consider making your grammar left-recursive if it's right-recursive"
+)
+ALTERNATIVES_3000 = "start: " + " | ".join(f'"item{i}"' for i in range(3000))
+# one parser row of 3 items per branch: 3,000 items once the answer starts
+ANY_OF_1000 = {"anyOf": [{"type": "array", "prefixItems": [{"const": i}]} for i in range(1000)]}
+TOO_LONG = 'start: "' + "a" * (256 * 1024) + '"'
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        (
+            {"structured_outputs": {"choice": [f"item{i}" for i in range(10_001)]}},
+            "structured_outputs.choice",
+            "invalid choice: choice has 10,001 strings; at most 10,000 are allowed",
+        ),
+        (
+            {"structured_outputs": {"grammar": ALTERNATIVES_3000}},
+            "structured_outputs.grammar",
+            "invalid grammar: " + ROW_LIMIT.format(3001),
+        ),
+        (
+            {
+                "structured_outputs": {
+                    "grammar": "start: " + " | ".join(f'"x{i}"' for i in range(20_000))
+                }
+            },
+            "structured_outputs.grammar",
+            "invalid grammar: " + ROW_LIMIT.format(20001),
+        ),
+        (  # reached after the first bytes: the ingress's walks get there
+            {
+                "structured_outputs": {
+                    "grammar": 'start: /[0-9]{3}/ "." big\nbig: ' + ALTERNATIVES_3000[7:]
+                }
+            },
+            "structured_outputs.grammar",
+            "invalid grammar: " + ROW_LIMIT.format(3001),
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": ANY_OF_1000},
+                }
+            },
+            "response_format.json_schema.schema",
+            "invalid JSON schema: " + ROW_LIMIT.format(3000),
+        ),
+        (
+            {"structured_outputs": {"grammar": TOO_LONG}},
+            "structured_outputs.grammar",
+            "invalid grammar: grammar has 262,153 characters; at most 262,144 are allowed",
+        ),
+    ],
+    ids=["choice-10001", "grammar-3000", "grammar-20000", "grammar-late", "schema", "too-long"],
+)
+def test_constraints_past_the_engine_limits_are_a_400_naming_the_field(fields, param, message):
+    """Before, they were queued, and the worker's matcher failed on the first token: the answer
+    was its first bytes with finish_reason "stop"."""
+    for parse in (chat, completion):
+        with pytest.raises(RequestError) as info:
+            parse(**fields)
+        err = info.value
+        assert (err.status, err.code, err.param, err.message) == (400, None, param, message)
+        assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+CHOICES_2001 = [f"item{i}" for i in range(2001)]
+
+
+@pytest.mark.anyio
+async def test_2001_choices_are_answered_with_one_of_them(ingress):
+    """A choice is one lexeme, not a rule of 2,001 alternatives (one parser row too many)."""
+    body = {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "Pick an item."}],
+        "structured_outputs": {"choice": CHOICES_2001},
+    }
+    resp = await ingress.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("stop", "item1")
+
+
+@pytest.mark.anyio
+async def test_a_grammar_past_the_engine_limits_is_a_400_and_nothing_is_queued(
+    ingress, valkey_session
+):
+    r = aioredis.Redis.from_url(valkey_session.url)
+    try:
+        before = [await r.xlen(KEYS.prefill_stream), await r.xlen(KEYS.decode_stream)]
+        body = {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "structured_outputs": {"grammar": ALTERNATIVES_3000},
+        }
+        headers = {"X-Request-Id": "so-rows"}
+        resp = await ingress.post("/v1/chat/completions", json=body, headers=headers)
+        assert resp.status_code == 400
+        assert resp.json() == {
+            "error": {
+                "message": "invalid grammar: " + ROW_LIMIT.format(3001),
+                "type": "invalid_request_error",
+                "param": "structured_outputs.grammar",
+                "code": None,
+            }
+        }
+        after = [await r.xlen(KEYS.prefill_stream), await r.xlen(KEYS.decode_stream)]
+        assert after == before
+        assert not await r.exists(KEYS.request("so-rows"))
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_constraint_that_fails_mid_answer_fails_the_request(ingress):
+    """66 letters, then a rule of 3,000 alternatives: the ingress's walks (64 bytes) do not get
+    there, the worker's matcher fails once the letters are out. The request fails (500), where
+    it used to end "stop" with text that breaks the grammar."""
+    grammar = "start: /[a-z]{66}/ big\nbig: " + ALTERNATIVES_3000[7:]
+    assert grammar_error(StructuredOutput("grammar", grammar)) is None
+    body = {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 60,
+        "messages": [{"role": "user", "content": "Write a long word."}],
+        "structured_outputs": {"grammar": grammar},
+    }
+    resp = await ingress.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 500
+    assert resp.json()["error"] == {
+        "message": "the structured output constraint failed: Parser Error: Current row has 3001 "
+        "items; max is 2000; consider making your grammar left-recursive if it's right-recursive",
+        "type": "server_error",
+        "param": None,
+        "code": "generation_failed",
+    }
+
+
+@pytest.mark.anyio
+async def test_json_whitespace_compact_by_default_and_as_the_pattern_allows(ingress):
+    schema = {
+        "type": "object",
+        "properties": {"sentiment": {"enum": ["positive", "negative"]}},
+        "required": ["sentiment"],
+        "additionalProperties": False,
+    }
+    base = {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 40,
+        "messages": [{"role": "user", "content": "Classify the sentiment of 'I love it' as JSON."}],
+    }
+    answers = []
+    for options in ({}, {"whitespace_pattern": "[ ]?"}, {"disable_any_whitespace": False}):
+        body = {**base, "structured_outputs": {"json": schema, **options}}
+        resp = await ingress.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        answers.append(choice["message"]["content"])
+    assert answers == [
+        '{"sentiment":"positive"}',  # compact, as OpenAI's
+        '{ "sentiment": "positive" }',  # at most one space between tokens
+        '{\n  "sentiment": "positive"\n}',  # vLLM's default asked for: any whitespace
+    ]

@@ -193,10 +193,11 @@ class TextFormat(_Nested):
     def _compile(self) -> TextFormat:
         if self.type == "json_schema" and self.name is not None and not valid_name(self.name):
             raise fail(NAME_RULE, field="name", templated=True)
+        # compact JSON, as chat's response_format and OpenAI's structured outputs
         if self.type == "json_object":
-            self._spec = StructuredOutput(JSON_OBJECT)
+            self._spec = StructuredOutput(JSON_OBJECT, any_whitespace=False)
         elif self.type == "json_schema" and self.schema_ is not None:
-            self._spec = checked_json_schema(self.schema_, "schema")
+            self._spec = checked_json_schema(self.schema_, "schema", any_whitespace=False)
         return self
 
     def spec(self) -> StructuredOutput | None:

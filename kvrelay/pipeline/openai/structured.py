@@ -2,8 +2,10 @@
 `structured_outputs`, as pydantic models (used by `models.py` on both endpoints).
 
 Each validates its constraint once, here at the edge: it becomes a `StructuredOutput` whose
-grammar llguidance compiles (without a tokenizer), so a bad schema, regex or grammar is a 400
-naming the field and nothing is queued.
+grammar llguidance compiles (without a tokenizer) and follows along a few byte paths under the
+engine's limits (`grammar_error`), so a bad schema, regex or grammar, or one past those
+limits, is a 400 naming the field and nothing is queued. JSON is compact (no whitespace
+between tokens, as OpenAI's) unless `structured_outputs` asks for whitespace.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvrelay.core.structured import (
     StructuredOutput,
     grammar_error,
     json_schema_text,
+    whitespace_error,
 )
 from kvrelay.pipeline.openai.explain import Says, fail, fail_as, refuse
 
@@ -38,11 +41,10 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's StructuredOutputsParams options this server does not implement (refused by name)
 _UNSUPPORTED_OPTIONS = {
     "structural_tag": "structured_outputs.structural_tag",
-    "whitespace_pattern": "structured_outputs.whitespace_pattern",
     "disable_additional_properties": "structured_outputs.disable_additional_properties",
 }
 _CONSTRAINTS = (JSON, REGEX, CHOICE, GRAMMAR, JSON_OBJECT)
-_OPTIONS = ("disable_any_whitespace", "disable_fallback")
+_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_fallback")
 _MAX_ERROR = 1000  # characters of the grammar engine's message (it may quote the schema)
 
 
@@ -54,9 +56,13 @@ def _checked(spec: StructuredOutput, field: str, what: str) -> StructuredOutput:
     return spec
 
 
-def checked_json_schema(schema: dict[str, Any], field: str) -> StructuredOutput:
-    """The constraint of a JSON schema given in `field`, or its 400 (the grammar compiles)."""
-    return _checked(StructuredOutput(JSON, json_schema_text(schema)), field, "invalid JSON schema")
+def checked_json_schema(
+    schema: dict[str, Any], field: str, any_whitespace: bool = True
+) -> StructuredOutput:
+    """The constraint of a JSON schema given in `field`, or its 400 (the grammar compiles);
+    `any_whitespace` False: compact JSON."""
+    spec = StructuredOutput(JSON, json_schema_text(schema), any_whitespace)
+    return _checked(spec, field, "invalid JSON schema")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -105,9 +111,10 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _compile(self) -> ResponseFormat:
         if self.type == "json_object":
-            self._spec = StructuredOutput(JSON_OBJECT)
+            self._spec = StructuredOutput(JSON_OBJECT, any_whitespace=False)  # compact, as OpenAI's
         elif self.type == "json_schema" and self.json_schema is not None:
-            self._spec = checked_json_schema(self.json_schema.schema_, "json_schema.schema")
+            schema = self.json_schema.schema_
+            self._spec = checked_json_schema(schema, "json_schema.schema", any_whitespace=False)
         return self
 
     def spec(self) -> StructuredOutput | None:
@@ -118,8 +125,10 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: exactly one of `json` (a JSON schema, as an object or its
     JSON text), `regex`, `choice` (strings), `grammar` (Lark, or GBNF / EBNF in llama.cpp's
-    syntax) and `json_object: true`; options `disable_any_whitespace` and `disable_fallback`
-    (accepted: there is one grammar engine, so never a fallback)."""
+    syntax) and `json_object: true`; options `disable_any_whitespace` (false: any whitespace
+    between JSON tokens, vLLM's default; by default there is none), `whitespace_pattern` (the
+    whitespace allowed there, a regex) and `disable_fallback` (accepted: there is one grammar
+    engine, so never a fallback)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -136,6 +145,7 @@ class StructuredOutputs(BaseModel):
     grammar: Annotated[StrictStr, Field(min_length=1)] | None = None
     json_object: StrictBool | None = None
     disable_any_whitespace: StrictBool | None = None
+    whitespace_pattern: StrictStr | None = None
     disable_fallback: StrictBool | None = None
     _spec: StructuredOutput | None = PrivateAttr(default=None)
 
@@ -167,13 +177,13 @@ class StructuredOutputs(BaseModel):
 
     @model_validator(mode="after")
     def _compile(self) -> StructuredOutputs:
-        any_whitespace = not self.disable_any_whitespace
+        any_whitespace, pattern = self._whitespace()
         if self.json_ is not None:
             try:
                 text = json_schema_text(self.json_)
             except InvalidStructuredOutput as exc:
                 raise fail(f"invalid JSON schema: {exc}", field="json") from None
-            spec = StructuredOutput(JSON, text, any_whitespace)
+            spec = StructuredOutput(JSON, text, any_whitespace, pattern)
             self._spec = _checked(spec, "json", "invalid JSON schema")
         elif self.regex is not None:
             self._spec = _checked(StructuredOutput(REGEX, self.regex), "regex", "invalid regex")
@@ -184,8 +194,28 @@ class StructuredOutputs(BaseModel):
             spec = StructuredOutput(GRAMMAR, self.grammar)
             self._spec = _checked(spec, "grammar", "invalid grammar")
         else:
-            self._spec = StructuredOutput(JSON_OBJECT, any_whitespace=any_whitespace)
+            spec = StructuredOutput(JSON_OBJECT, "", any_whitespace, pattern)
+            self._spec = _checked(spec, "json_object", "invalid json_object")
         return self
+
+    def _whitespace(self) -> tuple[bool, str]:
+        """(any_whitespace, whitespace_pattern) of the JSON kinds: compact JSON unless
+        `disable_any_whitespace: false` (vLLM's default, asked for) or a pattern."""
+        pattern = self.whitespace_pattern or ""
+        if not pattern:
+            return self.disable_any_whitespace is False, ""
+        if self.json_ is None and not self.json_object:
+            message = "whitespace_pattern applies to json and json_object only"
+            raise fail(message, field="whitespace_pattern", code="unsupported_value")
+        if self.disable_any_whitespace:
+            message = "whitespace_pattern allows whitespace, disable_any_whitespace forbids it"
+            raise fail(message, field="whitespace_pattern")
+        error = whitespace_error(pattern)
+        if error is not None:
+            raise fail(
+                f"invalid whitespace_pattern: {error[:_MAX_ERROR]}", field="whitespace_pattern"
+            )
+        return False, pattern
 
     def spec(self) -> StructuredOutput | None:
         return self._spec

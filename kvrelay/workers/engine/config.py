@@ -64,6 +64,7 @@ class RequestOutput:
     metrics: dict[str, Any] = field(default_factory=dict)
     # with the first output: the prompt tokens' logprobs (Sequence.prompt_logprobs)
     prompt_logprobs: list[dict[str, Any]] | None = None
+    error: str | None = None  # why a request finished with "error" (its grammar failed)
 
 
 @dataclass(slots=True)

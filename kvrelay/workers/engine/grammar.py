@@ -7,7 +7,10 @@ admission, see workers/reader.py) -> the sequence waits in the scheduler until
 `GrammarState.poll()` finds its grammar compiled, copies it and replays the outputs the
 request already has (a resumed request continues exactly where it was) -> each step the
 sampler masks the row's logits with `allowed()` after penalties -> `advance(token)` after each
-sampled token; once the grammar takes no further token the sequence finishes with "stop".
+sampled token; once the grammar takes no further token the sequence finishes with "stop". A
+matcher that fails on the way (a limit of the grammar engine reached at some step, which the
+ingress's trial walks did not reach) sets `error`: the token is not output and the request
+fails ("error"), it never ends "stop" with text that breaks its constraint.
 
 The matchers are llguidance's (the engine vLLM's `guidance` backend uses); the token table is
 built once from the tokenizer's tokenizer.json.
@@ -16,7 +19,6 @@ built once from the tokenizer's tokenizer.json.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -27,11 +29,14 @@ import llguidance
 import numpy as np
 import torch
 
-from kvrelay.core.structured import InvalidStructuredOutput, StructuredOutput
+from kvrelay.core.structured import (
+    InvalidStructuredOutput,
+    StructuredOutput,
+    matcher_error,
+    parser_limits,
+)
 from kvrelay.core.tokenizer import Tokenizer
 from kvrelay.workers.errors import InvalidRequestError
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 128  # compiled grammars kept per engine
 
@@ -95,10 +100,11 @@ class Grammars:
             grammar = spec.check().grammar()
         except InvalidStructuredOutput as exc:
             raise InvalidRequestError(f"invalid structured output: {exc}", "structured") from None
-        matcher = llguidance.LLMatcher(self._token_table(), grammar, log_level=0)
-        if matcher.is_error():
-            message = f"invalid structured output: {matcher.get_error()}"
-            raise InvalidRequestError(message, "structured")
+        table = self._token_table()
+        matcher = llguidance.LLMatcher(table, grammar, log_level=0, limits=parser_limits())
+        error = matcher_error(matcher)
+        if error is not None:
+            raise InvalidRequestError(f"invalid structured output: {error}", "structured")
         return matcher
 
     def _token_table(self) -> llguidance.LLTokenizer:
@@ -141,23 +147,30 @@ class GrammarState:
             return True
         matcher = template.deep_copy()
         if self.replay and not matcher.consume_tokens(self.replay):
-            self.error = f"the tokens already emitted do not fit the grammar: {matcher.get_error()}"
+            self.error = (
+                f"the tokens already emitted do not fit the grammar: {matcher_error(matcher)}"
+            )
             return True
         self.replay = []
         self.matcher = matcher
         return True
 
     def allowed(self) -> torch.Tensor:
-        """The tokens the grammar allows next: bool [vocab_size] (EOS only where it may end)."""
+        """The tokens the grammar allows next: bool [vocab_size] (EOS only where it may end).
+        A matcher that fails here allows every token: the one sampled is refused by `advance`
+        (an all-False mask would leave the sampler nothing to draw from)."""
         assert self.matcher is not None
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        if self.matcher.is_error():
+            return torch.ones(self.vocab_size, dtype=torch.bool)
         mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].view(np.bool_)
         return torch.from_numpy(mask)
 
     def advance(self, token_id: int) -> bool:
-        """Consume a sampled token; True once the grammar takes no further token."""
+        """Consume a sampled token; True once the grammar takes no further token. A matcher
+        that fails (computing the mask or consuming the token) sets `error` instead: the
+        sequence must fail, and `token_id` is not part of its output."""
         assert self.matcher is not None
-        if not self.matcher.consume_token(token_id):
-            logger.warning("grammar refused token %d: %s", token_id, self.matcher.get_error())
-            return True
-        return self.matcher.is_stopped()
+        if self.error is None and not self.matcher.consume_token(token_id):
+            self.error = f"the structured output constraint failed: {matcher_error(self.matcher)}"
+        return self.error is None and self.matcher.is_stopped()

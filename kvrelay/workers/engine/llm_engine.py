@@ -375,6 +375,8 @@ class Engine:
             text = self.outputs.append(seq, res.token_id)
             if s.draft:
                 text += self._verify(s, logits.sample, start, tokens, lps)
+            if seq.finish_reason is FinishReason.ERROR:  # its grammar failed on the last token
+                self._grammar_failed(seq, tokens, lps)
             self.stats.num_generated_tokens += len(tokens)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -382,10 +384,12 @@ class Engine:
             if seq.finish_reason is not None or seq.handoff:
                 self._retire(seq, now)
             # A request's rows all have logprobs or none do.
-            new_lps = cast("list[dict[int, float]]", lps) if lps[0] is not None else None
+            new_lps = cast("list[dict[int, float]]", lps) if lps and lps[0] is not None else None
             out = self._output(seq, tokens, new_lps, text)
-            if seq.num_new_outputs == len(tokens):  # the first output carries the prompt's
+            if tokens and seq.num_new_outputs == len(tokens):  # the first carries the prompt's
                 out.prompt_logprobs = seq.prompt_logprobs
+            if seq.finish_reason is FinishReason.ERROR and seq.grammar is not None:
+                out.error = seq.grammar.error
             outs.append(out)
         return outs
 
@@ -446,9 +450,22 @@ class Engine:
                 logger.warning("request %s: %s", seq.request_id, seq.grammar.error)
                 self._retire(seq, time.time())
                 seq.finish_reason = FinishReason.ERROR
-                outs.append(self._output(seq, [], None, ""))
+                out = self._output(seq, [], None, "")
+                out.error = seq.grammar.error
+                outs.append(out)
         self._compiling = waiting
         return outs
+
+    def _grammar_failed(
+        self, seq: Sequence, tokens: list[int], lps: list[dict[int, float] | None]
+    ) -> None:
+        """`seq`'s grammar matcher failed on the last sampled token (a limit of the grammar
+        engine reached mid-answer): that token is no output (OutputProcessor.append left it
+        out), and the request ends with "error", never "stop" with text that breaks it."""
+        tokens.pop()
+        lps.pop()
+        assert seq.grammar is not None
+        logger.warning("request %s: %s", seq.request_id, seq.grammar.error)
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         p = seq.sampling

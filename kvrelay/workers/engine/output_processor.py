@@ -4,7 +4,9 @@ Stop checks, in order (vLLM's): eos (unless ignore_eos) and stop_token_ids once 
 outputs exist (their text is not part of the output unless include_stop_str_in_output), then
 stop strings on the detokenized text (the text is cut at the stop, or just after it with
 include_stop_str_in_output), then a structured-output grammar that takes no further token
-("stop", the token's text kept), then max_tokens / the context limit ("length").
+("stop", the token's text kept), then max_tokens / the context limit ("length"). A grammar
+whose matcher fails on the token ends the request with "error" before any of that: the token is
+not appended, so no output breaks the constraint.
 
 While a request streams, the last `max(len(stop)) - 1` characters are held back (unless
 include_stop_str_in_output) so that text which later turns out to start a stop string is
@@ -55,9 +57,13 @@ class OutputProcessor:
         return banned
 
     def append(self, seq: Sequence, token_id: int) -> str:
-        """Add a sampled token to `seq`; set its finish state; return the text to send."""
-        seq.token_ids.append(token_id)
+        """Add a sampled token to `seq`; set its finish state; return the text to send (a
+        token its grammar's matcher fails on is not added: the request fails, "error")."""
         complete = seq.grammar is not None and seq.grammar.advance(token_id)
+        if seq.grammar is not None and seq.grammar.error is not None:
+            seq.finish_reason, seq.stop_reason = FinishReason.ERROR, None
+            return ""
+        seq.token_ids.append(token_id)
         p = seq.sampling
         n_out = seq.num_output_tokens
         stop_tok = False

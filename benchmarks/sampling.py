@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         command = "python benchmarks/sampling.py " + " ".join(argv or sys.argv[1:])
         write_section(
             "sampling",
-            f"Measured {started} on {machine_line()}: `{command.strip()}`.\n\n{text}\n",
+            f"Started {started}; {machine_line()}: `{command.strip()}`.\n\n{text}\n",
         )
     return 0
 

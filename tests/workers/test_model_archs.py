@@ -1,4 +1,5 @@
-"""Tiny random Llama / Mistral / Qwen2 checkpoints: our forward vs transformers, and loading."""
+"""Tiny random Llama / Mistral / Qwen2 / Qwen3 checkpoints: our forward vs transformers, and
+loading."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ ARCHS = {
     "qwen2-bias": (
         "Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)
     ),
+    # QK-norm, head_dim apart from hidden / heads, tied embeddings
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(head_dim=32, rope_theta=1e6, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=32)),
     "llama3-rope": (
         "LlamaConfig",
@@ -102,6 +106,9 @@ def test_config_reads_architecture_features(tmp_path, model_dir):
     assert (cfg["qwen2-bias"].qkv_bias, cfg["qwen2-bias"].o_bias) == (True, False)
     assert cfg["qwen2-bias"].tie_word_embeddings and cfg["qwen2-bias"].rope_theta == 1e6
     assert cfg["mistral"].head_dim == 32 and cfg["mistral"].q_size == 128
+    assert (cfg["qwen3"].model_type, cfg["qwen3"].head_dim, cfg["qwen3"].qkv_bias) == (
+        "qwen3", 32, False,
+    )  # fmt: skip
     assert cfg["llama-bias-mha"].qkv_bias and cfg["llama-bias-mha"].o_bias
     assert cfg["llama-bias-mha"].mlp_bias and cfg["llama-bias-mha"].num_kv_heads == 4
     llama3 = cfg["llama3-rope"]
@@ -110,3 +117,27 @@ def test_config_reads_architecture_features(tmp_path, model_dir):
     plain = [1.0 / 500000.0 ** (i / 16) for i in range(0, 16, 2)]
     assert inv[0] == plain[0]  # high frequencies unchanged
     assert inv[-1] == pytest.approx(plain[-1] / 8.0)  # low frequencies divided by factor
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8-weight-only"])
+def test_qwen3_rows_alone_equal_rows_in_a_batch(quantization, tmp_path, monkeypatch, model_dir):
+    """QK-norm runs per head row: a sequence's logits are the same alone and beside another,
+    in fp32 and with C++ linears (whose layers the Python loop runs: no C++ QK-norm)."""
+    from kvrelay.kernels import int8_linear_available
+    from kvrelay.workers.model.qwen3 import Qwen3ForCausalLM
+
+    if quantization != "none" and not int8_linear_available():
+        pytest.skip("the C++ CPU kernels are not built")
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    _tiny_checkpoint("qwen3", tmp_path / "qwen3", model_dir)
+    loaded = load_model(tmp_path / "qwen3", dtype="float32", device="cpu", progress=False,
+                        quantization=quantization)  # fmt: skip
+    model = loaded.model
+    assert isinstance(model, Qwen3ForCausalLM) and model.cpu_decoder is None
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (21, 9))
+    alone = run_batch(model, model.allocate_kv_pool(8, PAGE), [SeqChunk([0, 1], 0, a)], PAGE)
+    pool = model.allocate_kv_pool(8, PAGE)
+    both = run_batch(model, pool, [SeqChunk([2, 3], 0, b), SeqChunk([0, 1], 0, a)], PAGE)
+    for p in range(21):
+        assert torch.equal(alone[(0, p)], both[(1, p)]), p

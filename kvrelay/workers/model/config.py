@@ -1,4 +1,5 @@
-"""Architecture numbers of a Llama-family model (Llama, Mistral, Qwen2, SmolLM) from config.json."""
+"""Architecture numbers of a Llama-family model (Llama, Mistral, Qwen2, Qwen3, SmolLM) from
+config.json."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from kvrelay.workers.errors import UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 

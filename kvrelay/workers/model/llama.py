@@ -164,9 +164,20 @@ class DecoderLayer:
     def linears(self) -> tuple[Linear, ...]:
         return self.qkv, self.o, self.gate_up, self.down
 
+    def extra_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        """A family's own weights of this layer, by checkpoint name (none for Llama)."""
+        return {}
+
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only LM; `forward` writes the new tokens' K/V into the pool, then attends."""
+    """Decoder-only LM; `forward` writes the new tokens' K/V into the pool, then attends.
+
+    A family that differs in a layer (qwen3.py: norms on q and k) subclasses it: its
+    `layer_class`, `project_qkv`, and `cpp_layers` False where the C++ decoder does not
+    compute its layers (the Python loop then runs them with the same kernels)."""
+
+    layer_class: type[DecoderLayer] = DecoderLayer
+    cpp_layers = True  # whether CpuDecoder computes this family's layers
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -175,7 +186,9 @@ class LlamaForCausalLM(nn.Module):
         self.device = torch.device(device)
         kw: dict[str, Any] = {"dtype": dtype, "device": self.device}
         self.embed = torch.empty(config.vocab_size, config.hidden_size, **kw)
-        self.layers = [DecoderLayer(config, dtype, self.device) for _ in range(config.num_layers)]
+        self.layers = [
+            self.layer_class(config, dtype, self.device) for _ in range(config.num_layers)
+        ]
         self.norm = torch.ones(config.hidden_size, **kw)
         if config.tie_word_embeddings:  # the packed LM head is a reordered copy of embed
             self.lm_head = Linear(self.embed)
@@ -244,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         (w8a16, int8-weight-only, q8_0), else None (the Python loop runs them)."""
         layers = self.layers
         linears = [lin for layer in layers for lin in layer.linears()]
-        if self.device.type != "cpu" or not layers or self.row_align != 1:
+        if self.device.type != "cpu" or not layers or self.row_align != 1 or not self.cpp_layers:
             return None
         if not all(hasattr(lin, "cpp_spec") for lin in linears):
             return None
@@ -325,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
         ):
             return self.compute_logits(hidden, logits_indices)
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(x)
+            qkv = self.project_qkv(layer, x)
             # RoPE on q and k, k and v into the pool: one fused op (C++ on CPU fp32).
             q = rope_write_kv(
                 qkv[:num_tokens],
@@ -351,6 +364,10 @@ class LlamaForCausalLM(nn.Module):
             else:
                 hidden.add_(down)
         return self.compute_logits(hidden, logits_indices)
+
+    def project_qkv(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        """The layer's [q | k | v] rows for normed input rows x (before RoPE)."""
+        return layer.qkv(x)
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows (padded for invariance); fp32 [S, vocab]."""

@@ -142,6 +142,14 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
     return target
 
 
+def model_class(model_type: str) -> type[LlamaForCausalLM]:
+    """The decoder class of a family: its own where its layers differ from Llama's."""
+    from kvrelay.workers.model.llama import LlamaForCausalLM
+    from kvrelay.workers.model.qwen3 import Qwen3ForCausalLM
+
+    return {"qwen3": Qwen3ForCausalLM}.get(model_type, LlamaForCausalLM)
+
+
 def check_architecture(ref: ModelRef) -> None:
     """UnsupportedModelError now for a model kvrelay cannot serve, from the GGUF header or
     config.json alone."""
@@ -390,7 +398,6 @@ def load_model(
     import torch
 
     from kvrelay.workers.model.config import ModelConfig
-    from kvrelay.workers.model.llama import LlamaForCausalLM
     from kvrelay.workers.model.weights import load_weights
 
     try:
@@ -415,7 +422,7 @@ def load_model(
             raise ModelLoadError(f"--quantization {quantization} needs {NEEDS[quantization]}")
     config = ModelConfig.from_hf(read_config(directory))
     with torch.inference_mode():
-        model = LlamaForCausalLM(config, torch_dtype, torch_device)
+        model = model_class(config.model_type)(config, torch_dtype, torch_device)
         if quantization == Quantization.NONE:
             load_weights(model, directory)
         else:  # quantize from the dense fp32 weights, then pack what stays fp32

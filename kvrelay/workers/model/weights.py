@@ -71,6 +71,7 @@ def _layer_destinations(layer: DecoderLayer, i: int, model) -> dict:
         for name, linear in (("self_attn.o_proj", layer.o), ("mlp.down_proj", layer.down)):
             if getattr(linear, kind) is not None:
                 dest[p + f"{name}.{kind}"] = getattr(linear, kind)
+    dest.update(layer.extra_weights(p))
     return dest
 
 

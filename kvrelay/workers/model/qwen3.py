@@ -1,0 +1,49 @@
+"""Qwen3 (dense): Llama's layers with an RMSNorm over each head of q and of k (QK-norm, one
+weight of head_dim per projection, the model's eps) after the projection and before RoPE; no
+q/k/v biases; head_dim given by the config (128 in the released models, not hidden / heads).
+
+The norms are row-local (kernels.rms_norm over the [tokens x heads, head_dim] rows), so a
+token's logits stay the same in any batch. The C++ decoder (CpuDecoder) has no QK-norm: the
+Python loop runs the layers, with the same linear, RoPE and attention kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.kernels import rms_norm
+from kvrelay.workers.model.config import ModelConfig
+from kvrelay.workers.model.llama import DecoderLayer, LlamaForCausalLM
+
+
+class Qwen3DecoderLayer(DecoderLayer):
+    """A Llama layer plus the q and k norms."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__(config, dtype, device)
+        self.q_norm = torch.ones(config.head_dim, dtype=dtype, device=device)
+        self.k_norm = torch.ones(config.head_dim, dtype=dtype, device=device)
+
+    def extra_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {
+            prefix + "self_attn.q_norm.weight": self.q_norm,
+            prefix + "self_attn.k_norm.weight": self.k_norm,
+        }
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3's decoder: `project_qkv` norms each head of q and k."""
+
+    layer_class = Qwen3DecoderLayer
+    cpp_layers = False
+
+    def project_qkv(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        assert isinstance(layer, Qwen3DecoderLayer)
+        c = self.config
+        qkv = layer.qkv(x)
+        rows, q, k = qkv.shape[0], c.q_size, c.kv_size
+        eps = c.rms_norm_eps
+        qkv[:, :q] = rms_norm(qkv[:, :q].reshape(-1, c.head_dim), layer.q_norm, eps).view(rows, q)
+        normed_k = rms_norm(qkv[:, q : q + k].reshape(-1, c.head_dim), layer.k_norm, eps)
+        qkv[:, q : q + k] = normed_k.view(rows, k)
+        return qkv

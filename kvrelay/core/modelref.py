@@ -350,10 +350,22 @@ def read_model_info(
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=config_head_dim(cfg),
         vocab_size=int(cfg["vocab_size"]),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=context_length(cfg),
         dtype=normalize_dtype(dtype),
         fingerprint=model_fingerprint(directory, dtype, quantization, kv_dtype, attention),
     )
+
+
+def context_length(cfg: dict) -> int:
+    """The tokens a (flattened) config.json's model is served with: max_position_embeddings,
+    capped at its sliding window where one is active. kvrelay attends to the whole context,
+    which is windowed attention exactly as long as the context fits in the window."""
+    max_len = int(cfg.get("max_position_embeddings", 2048))
+    window = cfg.get("sliding_window")
+    active = cfg.get("use_sliding_window", True)  # Qwen2/3 carry a window they may not use
+    if isinstance(window, int) and not isinstance(window, bool) and window > 0 and active:
+        return min(max_len, window)
+    return max_len
 
 
 def config_head_dim(cfg: dict) -> int:

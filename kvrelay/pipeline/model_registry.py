@@ -87,7 +87,7 @@ def _load_local(name: str) -> _Files | None:
     digest = modelref.read_meta(directory).get("weights_digest")
     fingerprint = modelref.model_fingerprint(directory, "float32") if digest else None
     vocab = max(int(cfg.get("vocab_size", 0)), tokenizer.vocab_size)
-    max_len = int(cfg.get("max_position_embeddings", 2048))
+    max_len = modelref.context_length(cfg)
     defaults = modelref.model_generation_defaults(directory, ref.name)
     return _Files(tokenizer, vocab, max_len, fingerprint, defaults)
 
@@ -97,7 +97,7 @@ def _bundle_files(bundle: ModelBundle, name: str) -> _Files:
     tokenizer = bundle.tokenizer()
     cfg = modelref.flat_config(bundle.json_file("config.json"))
     vocab = max(int(cfg.get("vocab_size", 0)), tokenizer.vocab_size)
-    max_len = int(cfg.get("max_position_embeddings", 2048))
+    max_len = modelref.context_length(cfg)
     gen = bundle.json_file("generation_config.json")
     # workers publish their defaults with the entry; these only stand in when it has none
     defaults = modelref.generation_defaults_of(gen, {}, name, f"published files of {name}")

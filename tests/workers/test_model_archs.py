@@ -141,3 +141,17 @@ def test_qwen3_rows_alone_equal_rows_in_a_batch(quantization, tmp_path, monkeypa
     both = run_batch(model, pool, [SeqChunk([2, 3], 0, b), SeqChunk([0, 1], 0, a)], PAGE)
     for p in range(21):
         assert torch.equal(alone[(0, p)], both[(1, p)]), p
+
+
+def test_an_active_sliding_window_caps_the_context():
+    """Until windows reach the KV cache, a model with one is served within it (where its
+    attention is exactly full attention); an unused window (Qwen's flag off) changes nothing."""
+    from kvrelay.core.modelref import context_length
+
+    mistral = {**COMMON, "model_type": "mistral", "sliding_window": 64}
+    assert ModelConfig.from_hf(mistral).max_position_embeddings == 64 == context_length(mistral)
+    assert context_length({**mistral, "sliding_window": None}) == 256
+    assert context_length({**mistral, "sliding_window": 4096}) == 256
+    qwen = {**COMMON, "model_type": "qwen2", "sliding_window": 32, "use_sliding_window": False}
+    assert ModelConfig.from_hf(qwen).max_position_embeddings == 256
+    assert context_length({**qwen, "use_sliding_window": True}) == 32

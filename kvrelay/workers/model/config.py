@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.core.modelref import context_length
 from kvrelay.workers.errors import UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -63,7 +64,9 @@ class ModelConfig:
                 num_kv_heads=kv_heads,
                 head_dim=head_dim,
                 vocab_size=int(cfg["vocab_size"]),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                # capped at an active sliding window: attention over the whole context is
+                # exact within it (core.modelref.context_length)
+                max_position_embeddings=context_length(cfg),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,

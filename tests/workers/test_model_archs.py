@@ -31,6 +31,13 @@ ARCHS = {
     # QK-norm, head_dim apart from hidden / heads, tied embeddings
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
               dict(head_dim=32, rope_theta=1e6, tie_word_embeddings=True)),
+    # NoPE every 2nd layer (the released model: every 4th), tied embeddings
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(no_rope_layer_interval=2, no_rope_layers=None, tie_word_embeddings=True,
+             bos_token_id=1, eos_token_id=2, pad_token_id=2),
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=32)),
     "llama3-rope": (
         "LlamaConfig",
@@ -106,6 +113,7 @@ def test_config_reads_architecture_features(tmp_path, model_dir):
     assert (cfg["qwen2-bias"].qkv_bias, cfg["qwen2-bias"].o_bias) == (True, False)
     assert cfg["qwen2-bias"].tie_word_embeddings and cfg["qwen2-bias"].rope_theta == 1e6
     assert cfg["mistral"].head_dim == 32 and cfg["mistral"].q_size == 128
+    assert cfg["smollm3"].rope_layers == (True, False) and cfg["llama3-rope"].rope_layers == ()
     assert (cfg["qwen3"].model_type, cfg["qwen3"].head_dim, cfg["qwen3"].qkv_bias) == (
         "qwen3", 32, False,
     )  # fmt: skip
@@ -120,20 +128,24 @@ def test_config_reads_architecture_features(tmp_path, model_dir):
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8-weight-only"])
-def test_qwen3_rows_alone_equal_rows_in_a_batch(quantization, tmp_path, monkeypatch, model_dir):
-    """QK-norm runs per head row: a sequence's logits are the same alone and beside another,
-    in fp32 and with C++ linears (whose layers the Python loop runs: no C++ QK-norm)."""
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3"])
+def test_family_rows_alone_equal_rows_in_a_batch(arch, quantization, tmp_path, monkeypatch,
+                                                 model_dir):  # fmt: skip
+    """QK-norm runs per head row, NoPE layers write K/V as projected: a sequence's logits are
+    the same alone and beside another, in fp32 and with C++ linears (whose layers the Python
+    loop runs: the C++ decoder has neither)."""
     from kvrelay.kernels import int8_linear_available
-    from kvrelay.workers.model.qwen3 import Qwen3ForCausalLM
+    from kvrelay.workers.model.loader import model_class
 
     if quantization != "none" and not int8_linear_available():
         pytest.skip("the C++ CPU kernels are not built")
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
-    _tiny_checkpoint("qwen3", tmp_path / "qwen3", model_dir)
-    loaded = load_model(tmp_path / "qwen3", dtype="float32", device="cpu", progress=False,
+    _tiny_checkpoint(arch, tmp_path / arch, model_dir)
+    loaded = load_model(tmp_path / arch, dtype="float32", device="cpu", progress=False,
                         quantization=quantization)  # fmt: skip
     model = loaded.model
-    assert isinstance(model, Qwen3ForCausalLM) and model.cpu_decoder is None
+    assert type(model) is model_class(arch) and type(model).__name__.lower().startswith(arch)
+    assert model.cpu_decoder is None
     g = torch.Generator().manual_seed(5)
     a, b = (torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (21, 9))
     alone = run_batch(model, model.allocate_kv_pool(8, PAGE), [SeqChunk([0, 1], 0, a)], PAGE)

@@ -251,7 +251,7 @@ def test_an_unsupported_gguf_is_refused_from_its_header_before_converting(
     assert header_value(gemma, "no.such.key") is None
     message = (
         "gemma-3-270m.gguf: GGUF architecture 'gemma3' (model_type 'gemma3_text') is not "
-        "supported; supported: ('llama', 'mistral', 'qwen2', 'qwen3')"
+        "supported; supported: ('llama', 'mistral', 'qwen2', 'qwen3', 'smollm3')"
     )
     with pytest.raises(UnsupportedModelError) as refused:
         prepare_model(gemma, progress=False)

@@ -1,5 +1,5 @@
-"""Architecture numbers of a Llama-family model (Llama, Mistral, Qwen2, Qwen3, SmolLM) from
-config.json."""
+"""Architecture numbers of a Llama-family model (Llama, Mistral, Qwen2, Qwen3, SmolLM2,
+SmolLM3) from config.json."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from kvrelay.core.modelref import context_length
 from kvrelay.workers.errors import UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -34,6 +34,11 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    rope_layers: tuple[bool, ...] = ()  # per layer: RoPE or not (SmolLM3's NoPE); () all RoPE
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k."""
+        return not self.rope_layers or self.rope_layers[layer]
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -75,6 +80,7 @@ class ModelConfig:
                 qkv_bias=model_type == "qwen2" or attention_bias,
                 o_bias=model_type != "qwen2" and attention_bias,
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
+                rope_layers=_rope_layers(cfg, model_type),
             )
         except KeyError as exc:
             raise UnsupportedModelError(f"config.json lacks {exc.args[0]!r}") from exc
@@ -103,6 +109,21 @@ class ModelConfig:
         if kind == "llama3":
             return _llama3_inv_freq(inv, self.rope_scaling)
         return inv
+
+
+def _rope_layers(cfg: dict[str, Any], model_type: str) -> tuple[bool, ...]:
+    """SmolLM3's per-layer RoPE flags (`no_rope_layers`, 1 = RoPE, or every
+    `no_rope_layer_interval`-th layer without); () for the families that rotate every layer."""
+    if model_type != "smollm3":
+        return ()
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 0)
+        return tuple(interval <= 0 or (i + 1) % interval != 0 for i in range(layers))
+    if not isinstance(flags, list) or len(flags) != layers:
+        raise UnsupportedModelError(f"no_rope_layers must list {layers} layers, got {flags!r}")
+    return tuple(bool(f) for f in flags)
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:

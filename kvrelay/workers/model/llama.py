@@ -172,9 +172,10 @@ class DecoderLayer:
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM; `forward` writes the new tokens' K/V into the pool, then attends.
 
-    A family that differs in a layer (qwen3.py: norms on q and k) subclasses it: its
-    `layer_class`, `project_qkv`, and `cpp_layers` False where the C++ decoder does not
-    compute its layers (the Python loop then runs them with the same kernels)."""
+    A family that differs in a layer subclasses it (qwen3.py: norms on q and k; smollm3.py:
+    layers without RoPE): its `layer_class`, `project_qkv`, `write_kv`, and `cpp_layers`
+    False where the C++ decoder does not compute its layers (the Python loop then runs them
+    with the same kernels)."""
 
     layer_class: type[DecoderLayer] = DecoderLayer
     cpp_layers = True  # whether CpuDecoder computes this family's layers
@@ -339,17 +340,8 @@ class LlamaForCausalLM(nn.Module):
             return self.compute_logits(hidden, logits_indices)
         for index, layer in enumerate(self.layers):
             qkv = self.project_qkv(layer, x)
-            # RoPE on q and k, k and v into the pool: one fused op (C++ on CPU fp32).
-            q = rope_write_kv(
-                qkv[:num_tokens],
-                token_pos,
-                cos_table,
-                sin_table,
-                kv_pool,
-                index,
-                slots,
-                c.num_heads,
-            )
+            q = self.write_kv(index, qkv[:num_tokens], token_pos, (cos_table, sin_table),
+                              kv_pool, slots)  # fmt: skip
             attn = paged_attention(q, kv_pool, index, meta, self.scale)
             if attn_rows is None:
                 attn_in = attn.reshape(rows, c.q_size)
@@ -364,6 +356,20 @@ class LlamaForCausalLM(nn.Module):
             else:
                 hidden.add_(down)
         return self.compute_logits(hidden, logits_indices)
+
+    def write_kv(
+        self,
+        index: int,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_pool: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer `index`'s k and v into the pool; its queries [T, heads, D]. RoPE on q and k,
+        k and v into the pool: one fused op (C++ on CPU fp32)."""
+        cos, sin = rope
+        return rope_write_kv(qkv, positions, cos, sin, kv_pool, index, slots, self.config.num_heads)
 
     def project_qkv(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
         """The layer's [q | k | v] rows for normed input rows x (before RoPE)."""

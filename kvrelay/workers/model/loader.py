@@ -146,8 +146,10 @@ def model_class(model_type: str) -> type[LlamaForCausalLM]:
     """The decoder class of a family: its own where its layers differ from Llama's."""
     from kvrelay.workers.model.llama import LlamaForCausalLM
     from kvrelay.workers.model.qwen3 import Qwen3ForCausalLM
+    from kvrelay.workers.model.smollm3 import SmolLM3ForCausalLM
 
-    return {"qwen3": Qwen3ForCausalLM}.get(model_type, LlamaForCausalLM)
+    families = {"qwen3": Qwen3ForCausalLM, "smollm3": SmolLM3ForCausalLM}
+    return families.get(model_type, LlamaForCausalLM)
 
 
 def check_architecture(ref: ModelRef) -> None:

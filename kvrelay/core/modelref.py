@@ -358,9 +358,17 @@ def read_model_info(
 
 def context_length(cfg: dict) -> int:
     """The tokens a (flattened) config.json's model is served with: max_position_embeddings,
-    capped at its sliding window where one is active. kvrelay attends to the whole context,
-    which is windowed attention exactly as long as the context fits in the window."""
+    capped at its sliding window where one is active (kvrelay attends to the whole context,
+    which is windowed attention exactly as long as the context fits in the window) and at
+    LongRoPE's pretraining length (its short factors: the long ones would change every
+    position's rotation once a sequence passes it)."""
     max_len = int(cfg.get("max_position_embeddings", 2048))
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if (rope.get("rope_type") or rope.get("type")) == "longrope":  # its short factors' length
+        original = rope.get("original_max_position_embeddings")
+        original = original or cfg.get("original_max_position_embeddings")
+        if isinstance(original, int) and original > 0:
+            max_len = min(max_len, original)
     window = cfg.get("sliding_window")
     active = cfg.get("use_sliding_window", True)  # Qwen2/3 carry a window they may not use
     if isinstance(window, int) and not isinstance(window, bool) and window > 0 and active:

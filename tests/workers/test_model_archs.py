@@ -1,8 +1,9 @@
-"""Tiny random Llama / Mistral / Qwen2 / Qwen3 checkpoints: our forward vs transformers, and
-loading."""
+"""Tiny random Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 checkpoints: our forward vs
+transformers, and loading."""
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -31,6 +32,9 @@ ARCHS = {
     # QK-norm, head_dim apart from hidden / heads, tied embeddings
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
               dict(head_dim=32, rope_theta=1e6, tie_word_embeddings=True)),
+    # fused qkv_proj / gate_up_proj tensors (full rotary, no scaling: Phi-3-mini-4k's shape)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(bos_token_id=1, eos_token_id=2, pad_token_id=2)),
     # NoPE every 2nd layer (the released model: every 4th), tied embeddings
     "smollm3": (
         "SmolLM3Config",
@@ -167,3 +171,59 @@ def test_an_active_sliding_window_caps_the_context():
     qwen = {**COMMON, "model_type": "qwen2", "sliding_window": 32, "use_sliding_window": False}
     assert ModelConfig.from_hf(qwen).max_position_embeddings == 256
     assert context_length({**qwen, "use_sliding_window": True}) == 32
+
+
+PHI3 = dict(
+    original_max_position_embeddings=64,
+    rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.5],
+                  "long_factor": [4.0, 4.0, 8.0, 8.0]},
+    bos_token_id=1, eos_token_id=2, pad_token_id=2,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8-weight-only"])
+def test_phi3_partial_rotary_and_longrope_match_transformers(
+    quantization, tmp_path, monkeypatch, model_dir
+):
+    """Phi-4-mini's shape: RoPE on half of each head's dims (permuted into our pairing at
+    load), LongRoPE's short factors and attention factor, fused qkv/gate_up tensors; served
+    within the pretraining length (64 here), where transformers uses the short factors too."""
+    import transformers
+
+    from kvrelay.kernels import int8_linear_available
+    from kvrelay.workers.model.phi3 import Phi3ForCausalLM, head_order
+
+    if quantization != "none" and not int8_linear_available():
+        pytest.skip("the C++ CPU kernels are not built")
+    assert head_order(8, 4) == [0, 1, 4, 5, 2, 3, 6, 7]
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    config = transformers.Phi3Config(**{**COMMON, **PHI3, "partial_rotary_factor": 0.5})
+    torch.manual_seed(11)
+    hf = transformers.Phi3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    hf.save_pretrained(tmp_path / "phi3")
+    for name in TOKENIZER_FILES:
+        shutil.copy(model_dir / name, tmp_path / "phi3" / name)
+    loaded = load_model(tmp_path / "phi3", dtype="float32", device="cpu", progress=False,
+                        quantization=quantization)  # fmt: skip
+    model = loaded.model
+    assert type(model) is Phi3ForCausalLM and model.config.max_position_embeddings == 64
+    assert model.config.rotary_dim == 8 and model.config.rope_scaling["attention_factor"] == (
+        pytest.approx((1 + math.log(4) / math.log(64)) ** 0.5)
+    )
+    tokens = torch.randint(0, COMMON["vocab_size"], (60,)).tolist()
+    pool = model.allocate_kv_pool(8, PAGE)
+    got = run_batch(model, pool, [SeqChunk([0, 1, 2, 3], 0, tokens[:40])], PAGE)
+    for p in range(40, 60):
+        got |= run_batch(model, pool, [SeqChunk([0, 1, 2, 3], p, tokens[p : p + 1])], PAGE)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    ours = torch.stack([got[(0, p)] for p in range(60)])
+    if quantization == "none":
+        assert (ours - ref).abs().max().item() < 1e-4
+    else:  # int8 weights: close to fp32's logits, and the same greedy tokens
+        assert (ours - ref).abs().max().item() < 0.05
+        assert ours.argmax(-1).tolist() == ref.argmax(-1).tolist()

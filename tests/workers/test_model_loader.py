@@ -140,6 +140,22 @@ def test_load_errors(tmp_path, monkeypatch, model_dir):
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
         ({"num_key_value_heads": 3}, "not a valid GQA shape"),
+        (
+            {"partial_rotary_factor": 0.5},
+            r"partial rotary embeddings are supported for \('phi3',\)",
+        ),
+        (
+            {
+                "model_type": "phi3",
+                "rope_scaling": {"type": "longrope", "short_factor": [1.0]},
+                "original_max_position_embeddings": 16,
+            },
+            "longrope short_factor has 1 entries, not",
+        ),
+        (
+            {"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0]}},
+            "longrope needs short_factor and original_max_position_embeddings",
+        ),
     ],
 )
 def test_unsupported_configs(change, message):
@@ -251,7 +267,7 @@ def test_an_unsupported_gguf_is_refused_from_its_header_before_converting(
     assert header_value(gemma, "no.such.key") is None
     message = (
         "gemma-3-270m.gguf: GGUF architecture 'gemma3' (model_type 'gemma3_text') is not "
-        "supported; supported: ('llama', 'mistral', 'qwen2', 'qwen3', 'smollm3')"
+        "supported; supported: ('llama', 'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3')"
     )
     with pytest.raises(UnsupportedModelError) as refused:
         prepare_model(gemma, progress=False)
@@ -269,6 +285,6 @@ def test_an_unsupported_config_is_refused_before_linking(tmp_path, monkeypatch, 
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
     src = _tiny(tmp_path / "phi", model_dir)
     cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "phi3"}))
-    with pytest.raises(UnsupportedModelError, match="model_type 'phi3' is not supported"):
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "gemma3_text"}))
+    with pytest.raises(UnsupportedModelError, match="model_type 'gemma3_text' is not supported"):
         prepare_model(src, progress=False)

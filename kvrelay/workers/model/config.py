@@ -1,5 +1,5 @@
 """Architecture numbers of a Llama-family model (Llama, Mistral, Qwen2, Qwen3, SmolLM2,
-SmolLM3) from config.json."""
+SmolLM3, Phi-3) from config.json."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 from kvrelay.core.modelref import context_length
 from kvrelay.workers.errors import UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
-ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+PARTIAL_ROTARY = ("phi3",)  # the families whose partial rotary embeddings are implemented
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     rope_layers: tuple[bool, ...] = ()  # per layer: RoPE or not (SmolLM3's NoPE); () all RoPE
+    rotary_dim: int = 0  # dims of each head RoPE rotates (Phi-4-mini: 3/4); 0: all
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates q and k."""
@@ -59,6 +61,7 @@ class ModelConfig:
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
             head_dim = int(cfg.get("head_dim") or hidden // heads)
             theta, scaling = _rope(cfg)
+            rotary = _rotary_dim(cfg, model_type, head_dim)
             attention_bias = bool(cfg.get("attention_bias", False))
             config = cls(
                 model_type=model_type,
@@ -81,12 +84,18 @@ class ModelConfig:
                 o_bias=model_type != "qwen2" and attention_bias,
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 rope_layers=_rope_layers(cfg, model_type),
+                rotary_dim=rotary,
             )
         except KeyError as exc:
             raise UnsupportedModelError(f"config.json lacks {exc.args[0]!r}") from exc
         if heads % kv_heads or head_dim % 2:
             raise UnsupportedModelError(
                 f"{heads} heads / {kv_heads} kv heads / head_dim {head_dim}: not a valid GQA shape"
+            )
+        short = scaling.get("short_factor")
+        if short is not None and len(short) != (rotary or head_dim) // 2:
+            raise UnsupportedModelError(
+                f"longrope short_factor has {len(short)} entries, not {(rotary or head_dim) // 2}"
             )
         return config
 
@@ -99,16 +108,29 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def inv_freq(self) -> list[float]:
-        """RoPE inverse frequencies (float64 math), with Llama-3 / linear scaling applied."""
-        dim = self.head_dim
+        """RoPE inverse frequencies (float64 math), with Llama-3 / linear / LongRoPE scaling
+        applied: head_dim / 2 of them, the last (head_dim - rotary_dim) / 2 zero (those pairs
+        of dims are not rotated: see Phi3ForCausalLM for the pairing)."""
+        dim = self.rotary_dim or self.head_dim
         inv = [1.0 / (self.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
         kind = self.rope_scaling.get("rope_type", "default")
         if kind == "linear":
             factor = float(self.rope_scaling["factor"])
-            return [f / factor for f in inv]
-        if kind == "llama3":
-            return _llama3_inv_freq(inv, self.rope_scaling)
-        return inv
+            inv = [f / factor for f in inv]
+        elif kind == "llama3":
+            inv = _llama3_inv_freq(inv, self.rope_scaling)
+        elif kind == "longrope":  # the short factors: the context is capped where they hold
+            inv = [
+                f / float(s) for f, s in zip(inv, self.rope_scaling["short_factor"], strict=True)
+            ]
+        return inv + [0.0] * ((self.head_dim - dim) // 2)
+
+    def rope_scales(self) -> list[float]:
+        """What each of the inv_freq() entries' cos and sin are multiplied by: LongRoPE's
+        attention factor on the rotated pairs, 1 elsewhere (unrotated dims stay as they are)."""
+        rotated = (self.rotary_dim or self.head_dim) // 2
+        factor = float(self.rope_scaling.get("attention_factor", 1.0))
+        return [factor] * rotated + [1.0] * (self.head_dim // 2 - rotated)
 
 
 def _rope_layers(cfg: dict[str, Any], model_type: str) -> tuple[bool, ...]:
@@ -126,6 +148,48 @@ def _rope_layers(cfg: dict[str, Any], model_type: str) -> tuple[bool, ...]:
     return tuple(bool(f) for f in flags)
 
 
+def _rotary_dim(cfg: dict[str, Any], model_type: str, head_dim: int) -> int:
+    """Dims of a head RoPE rotates (`partial_rotary_factor`); 0 for all of them."""
+    params = cfg.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if factor == 1.0:
+        return 0
+    dim = int(head_dim * factor)
+    if model_type not in PARTIAL_ROTARY:
+        raise UnsupportedModelError(
+            f"partial rotary embeddings are supported for {PARTIAL_ROTARY} only, not {model_type!r}"
+        )
+    if not 0 < dim < head_dim or dim % 2:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor {factor} gives {dim} of {head_dim} dims"
+        )
+    return dim
+
+
+def _longrope(cfg: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE (Phi-3): the short factors, the pretraining length they hold for, and the
+    attention factor on cos and sin (given, or sqrt(1 + ln(s) / ln(original)), s the ratio of
+    the extended to the original length), as transformers computes them."""
+    original = params.get("original_max_position_embeddings") or cfg.get(
+        "original_max_position_embeddings"
+    )
+    if not original or "short_factor" not in params:
+        raise UnsupportedModelError(
+            "longrope needs short_factor and original_max_position_embeddings"
+        )
+    original = int(original)
+    factor = params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {
+        "rope_type": "longrope",
+        "short_factor": [float(s) for s in params["short_factor"]],
+        "original_max_position_embeddings": original,
+        "attention_factor": float(attention),
+    }
+
+
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     # transformers 5 writes `rope_parameters` (theta inside); older configs use rope_theta and
     # rope_scaling (type or rope_type).
@@ -137,10 +201,11 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     params.pop("type", None)
     if kind not in ROPE_TYPES:
         raise UnsupportedModelError(f"rope type {kind!r} is not supported; supported: {ROPE_TYPES}")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError("partial rotary embeddings are not supported")
+    params.pop("partial_rotary_factor", None)  # _rotary_dim reads it
     if kind == "default":
         return theta, {}
+    if kind == "longrope":
+        return theta, _longrope(cfg, params)
     if kind == "llama3":
         params.setdefault(
             "original_max_position_embeddings", cfg.get("max_position_embeddings", 8192)

@@ -152,7 +152,7 @@ class DecoderLayer:
     """One pre-norm attention + SwiGLU MLP block with fused QKV and gate/up weights."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
-        c = config
+        c = self.config = config
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.input_norm = torch.ones(c.hidden_size, **kw)
         self.post_norm = torch.ones(c.hidden_size, **kw)
@@ -164,9 +164,28 @@ class DecoderLayer:
     def linears(self) -> tuple[Linear, ...]:
         return self.qkv, self.o, self.gate_up, self.down
 
-    def extra_weights(self, prefix: str) -> dict[str, torch.Tensor]:
-        """A family's own weights of this layer, by checkpoint name (none for Llama)."""
-        return {}
+    def checkpoint_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        """This layer's tensors (or slices of its fused ones) by their checkpoint names (Hugging
+        Face Llama's: q/k/v and gate/up projections apart)."""
+        c = self.config
+        q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+        dest = {
+            prefix + "input_layernorm.weight": self.input_norm,
+            prefix + "post_attention_layernorm.weight": self.post_norm,
+        }
+        for kind in ("weight", "bias"):
+            qkv, gate_up = getattr(self.qkv, kind), getattr(self.gate_up, kind)
+            if qkv is not None:
+                dest[prefix + f"self_attn.q_proj.{kind}"] = qkv[:q]
+                dest[prefix + f"self_attn.k_proj.{kind}"] = qkv[q : q + kv]
+                dest[prefix + f"self_attn.v_proj.{kind}"] = qkv[q + kv :]
+            if gate_up is not None:
+                dest[prefix + f"mlp.gate_proj.{kind}"] = gate_up[:inter]
+                dest[prefix + f"mlp.up_proj.{kind}"] = gate_up[inter:]
+            for name, layer in (("self_attn.o_proj", self.o), ("mlp.down_proj", self.down)):
+                if getattr(layer, kind) is not None:
+                    dest[prefix + f"{name}.{kind}"] = getattr(layer, kind)
+        return dest
 
 
 class LlamaForCausalLM(nn.Module):
@@ -289,8 +308,9 @@ class LlamaForCausalLM(nn.Module):
         if max_position >= self._rope_cos.shape[0]:
             n = max(1024, 1 << max_position.bit_length())
             angles = torch.arange(n, dtype=torch.float64)[:, None] * self._inv_freq[None, :]
-            self._rope_cos = angles.cos().to(self.dtype).to(self.device)
-            self._rope_sin = angles.sin().to(self.dtype).to(self.device)
+            scales = torch.tensor(self.config.rope_scales(), dtype=torch.float64)
+            self._rope_cos = (angles.cos() * scales).to(self.dtype).to(self.device)
+            self._rope_sin = (angles.sin() * scales).to(self.dtype).to(self.device)
         return self._rope_cos, self._rope_sin
 
     @torch.inference_mode()
@@ -370,6 +390,9 @@ class LlamaForCausalLM(nn.Module):
         k and v into the pool: one fused op (C++ on CPU fp32)."""
         cos, sin = rope
         return rope_write_kv(qkv, positions, cos, sin, kv_pool, index, slots, self.config.num_heads)
+
+    def after_load(self) -> None:
+        """Rearrange loaded weights before they are packed or quantized (a family's own)."""
 
     def project_qkv(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
         """The layer's [q | k | v] rows for normed input rows x (before RoPE)."""

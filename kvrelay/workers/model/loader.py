@@ -145,10 +145,11 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
 def model_class(model_type: str) -> type[LlamaForCausalLM]:
     """The decoder class of a family: its own where its layers differ from Llama's."""
     from kvrelay.workers.model.llama import LlamaForCausalLM
+    from kvrelay.workers.model.phi3 import Phi3ForCausalLM
     from kvrelay.workers.model.qwen3 import Qwen3ForCausalLM
     from kvrelay.workers.model.smollm3 import SmolLM3ForCausalLM
 
-    families = {"qwen3": Qwen3ForCausalLM, "smollm3": SmolLM3ForCausalLM}
+    families = {"phi3": Phi3ForCausalLM, "qwen3": Qwen3ForCausalLM, "smollm3": SmolLM3ForCausalLM}
     return families.get(model_type, LlamaForCausalLM)
 
 

@@ -24,8 +24,9 @@ class Qwen3DecoderLayer(DecoderLayer):
         self.q_norm = torch.ones(config.head_dim, dtype=dtype, device=device)
         self.k_norm = torch.ones(config.head_dim, dtype=dtype, device=device)
 
-    def extra_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+    def checkpoint_weights(self, prefix: str) -> dict[str, torch.Tensor]:
         return {
+            **super().checkpoint_weights(prefix),
             prefix + "self_attn.q_norm.weight": self.q_norm,
             prefix + "self_attn.k_norm.weight": self.k_norm,
         }

@@ -17,7 +17,7 @@ import torch
 
 from kvrelay.core.modelref import ModelNotFoundError
 from kvrelay.workers.errors import UnsupportedModelError
-from kvrelay.workers.model.llama import DecoderLayer, LlamaForCausalLM
+from kvrelay.workers.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -52,29 +52,6 @@ def _read_into(f, target: torch.Tensor, info: dict, base: int, name: str) -> Non
         target.copy_(buffer)  # dtype conversion and/or host-to-device copy
 
 
-def _layer_destinations(layer: DecoderLayer, i: int, model) -> dict:
-    """HF names of layer i -> the tensors (or slices of fused weights) they fill."""
-    c = model.config
-    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
-    p = f"model.layers.{i}."
-    dest = {p + "input_layernorm.weight": layer.input_norm}
-    dest[p + "post_attention_layernorm.weight"] = layer.post_norm
-    for kind in ("weight", "bias"):
-        qkv, gate_up = getattr(layer.qkv, kind), getattr(layer.gate_up, kind)
-        if qkv is not None:
-            dest[p + f"self_attn.q_proj.{kind}"] = qkv[:q]
-            dest[p + f"self_attn.k_proj.{kind}"] = qkv[q : q + kv]
-            dest[p + f"self_attn.v_proj.{kind}"] = qkv[q + kv :]
-        if gate_up is not None:
-            dest[p + f"mlp.gate_proj.{kind}"] = gate_up[:inter]
-            dest[p + f"mlp.up_proj.{kind}"] = gate_up[inter:]
-        for name, linear in (("self_attn.o_proj", layer.o), ("mlp.down_proj", layer.down)):
-            if getattr(linear, kind) is not None:
-                dest[p + f"{name}.{kind}"] = getattr(linear, kind)
-    dest.update(layer.extra_weights(p))
-    return dest
-
-
 def load_weights(model: LlamaForCausalLM, directory: Path, pack: bool | None = None) -> None:
     """Fill `model` from the safetensors of `directory`; pack linears (default: when possible)."""
     files = sorted(Path(directory).glob("*.safetensors"))
@@ -96,12 +73,13 @@ def load_weights(model: LlamaForCausalLM, directory: Path, pack: bool | None = N
             top["lm_head.weight"] = model.lm_head.dense_weight()  # not packed yet: the tensor
         _fill(groups.pop(-1, []), top, handles)
         for i, layer in enumerate(model.layers):
-            _fill(groups.pop(i, []), _layer_destinations(layer, i, model), handles)
+            _fill(groups.pop(i, []), layer.checkpoint_weights(f"model.layers.{i}."), handles)
     finally:
         for f in handles.values():
             f.close()
     if groups:
         logger.debug("ignoring weights of layers %s", sorted(groups))
+    model.after_load()
     if pack:
         model.pack_weights()
 

@@ -51,7 +51,8 @@ class LinearSpec:
 
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
-    """One decoder layer: its two RMSNorm weights and four linears."""
+    """One decoder layer: its two RMSNorm weights and four linears; a family's q and k head
+    norms (Qwen3: both or neither) and whether RoPE rotates q and k (SmolLM3's NoPE layers)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -59,6 +60,9 @@ class LayerSpec:
     o: LinearSpec
     gate_up: LinearSpec
     down: LinearSpec
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    rope: bool = True
 
 
 class CpuDecoder:
@@ -76,9 +80,14 @@ class CpuDecoder:
                 s.o.as_tuple(),
                 s.gate_up.as_tuple(),
                 s.down.as_tuple(),
+                None if s.q_norm is None else s.q_norm.contiguous(),
+                None if s.k_norm is None else s.k_norm.contiguous(),
+                bool(s.rope),
             )
             for s in specs
         ]
+        if any((s.q_norm is None) != (s.k_norm is None) for s in specs):
+            raise KernelError("a layer's q and k head norms come together")
         self._impl: Any = ext.CpuDecoder(layers, float(eps), int(num_heads))
         self.num_layers = len(specs)
         self.num_heads = int(num_heads)

@@ -11,7 +11,7 @@ import torch
 
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.kernels import KernelError, cpu_build
-from kvrelay.kernels.cpu_decoder import LinearKind, LinearSpec
+from kvrelay.kernels.cpu_decoder import CpuDecoder, LayerSpec, LinearKind, LinearSpec
 from kvrelay.workers.model.quant import can_quantize
 
 pytestmark = pytest.mark.skipif(not cpu_build.cpu_supported(), reason="needs the C++ kernels")
@@ -119,6 +119,10 @@ def test_what_it_does_not_take_goes_to_the_loop_and_bad_positions_are_refused(mo
     )
     plain = LinearSpec(LinearKind.INT8, torch.zeros(1), torch.zeros(1), None, None, 32)
     layer = (torch.ones(4), torch.ones(4), fused.as_tuple(), plain.as_tuple(), plain.as_tuple(),
-             plain.as_tuple())  # fmt: skip
+             plain.as_tuple(), None, None, True)  # fmt: skip
     with pytest.raises(ValueError, match="only a gate/up projection"):
         ext.CpuDecoder([layer], 1e-5, 1)
+    half_norms = LayerSpec(torch.ones(4), torch.ones(4), plain, plain, plain, plain,
+                           q_norm=torch.ones(2))  # fmt: skip
+    with pytest.raises(KernelError, match="a layer's q and k head norms come together"):
+        CpuDecoder([half_norms], 1e-5, 1)

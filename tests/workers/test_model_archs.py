@@ -136,8 +136,8 @@ def test_config_reads_architecture_features(tmp_path, model_dir):
 def test_family_rows_alone_equal_rows_in_a_batch(arch, quantization, tmp_path, monkeypatch,
                                                  model_dir):  # fmt: skip
     """QK-norm runs per head row, NoPE layers write K/V as projected: a sequence's logits are
-    the same alone and beside another, in fp32 and with C++ linears (whose layers the Python
-    loop runs: the C++ decoder has neither)."""
+    the same alone and beside another, in fp32 (the Python loop) and with C++ linears (the C++
+    decoder, whose logits are the Python loop's to the bit)."""
     from kvrelay.kernels import int8_linear_available
     from kvrelay.workers.model.loader import model_class
 
@@ -149,7 +149,11 @@ def test_family_rows_alone_equal_rows_in_a_batch(arch, quantization, tmp_path, m
                         quantization=quantization)  # fmt: skip
     model = loaded.model
     assert type(model) is model_class(arch) and type(model).__name__.lower().startswith(arch)
-    assert model.cpu_decoder is None
+    assert (model.cpu_decoder is None) == (quantization == "none")
+    ran: list[bool] = []
+    if model.cpu_decoder is not None:  # count the steps the C++ decoder took
+        run = model.cpu_decoder.run
+        monkeypatch.setattr(model.cpu_decoder, "run", lambda *a: ran.append(run(*a)) or ran[-1])
     g = torch.Generator().manual_seed(5)
     a, b = (torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (21, 9))
     alone = run_batch(model, model.allocate_kv_pool(8, PAGE), [SeqChunk([0, 1], 0, a)], PAGE)
@@ -157,6 +161,11 @@ def test_family_rows_alone_equal_rows_in_a_batch(arch, quantization, tmp_path, m
     both = run_batch(model, pool, [SeqChunk([2, 3], 0, b), SeqChunk([0, 1], 0, a)], PAGE)
     for p in range(21):
         assert torch.equal(alone[(0, p)], both[(1, p)]), p
+    if model.cpu_decoder is not None:  # the same step through the Python loop
+        assert ran == [True, True]
+        model.cpu_decoder = None
+        loop = run_batch(model, model.allocate_kv_pool(8, PAGE), [SeqChunk([0, 1], 0, a)], PAGE)
+        assert all(torch.equal(alone[(0, p)], loop[(0, p)]) for p in range(21))
 
 
 def test_an_active_sliding_window_caps_the_context():

@@ -187,9 +187,11 @@ enum LinearKind : int64_t { kW8A16 = 0, kW8A16GateUpSilu = 1, kInt8 = 2, kQ8 = 3
 // One linear: kind, packed weight, scales, Q8_0 block sums (or undefined), bias, outputs.
 using LinearSpec = std::tuple<int64_t, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
                               c10::optional<torch::Tensor>, int64_t>;
-// One layer: input norm, post-attention norm, qkv, o, gate/up, down.
+// One layer: input norm, post-attention norm, qkv, o, gate/up, down, then a family's own:
+// q and k head norms (Qwen3; both or neither) and whether RoPE rotates q and k (SmolLM3's NoPE).
 using LayerSpec =
-    std::tuple<torch::Tensor, torch::Tensor, LinearSpec, LinearSpec, LinearSpec, LinearSpec>;
+    std::tuple<torch::Tensor, torch::Tensor, LinearSpec, LinearSpec, LinearSpec, LinearSpec,
+               c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, bool>;
 
 torch::Tensor run_linear(const LinearSpec& l, const torch::Tensor& x) {
   const auto& [kind, packed, scales, comp, bias, n] = l;
@@ -222,8 +224,27 @@ class CpuDecoder {
                double scale, bool bf16_dots) const {
     const int64_t n = static_cast<int64_t>(layers_.size());
     for (int64_t i = 0; i < n; ++i) {
-      const auto& [input_norm, post_norm, qkv, o, gate_up, down] = layers_[i];
-      auto q = rope_kv_write(run_linear(qkv, x), positions, cos, sin, pool, i, slots, heads_);
+      const auto& [input_norm, post_norm, qkv, o, gate_up, down, q_norm, k_norm, rope] =
+          layers_[i];
+      auto proj = run_linear(qkv, x);
+      const int64_t kv_heads = pool.size(4), head_dim = pool.size(5);
+      if (q_norm.has_value()) {  // the Python loop's project_qkv: each head row normed in place
+        float* rows = proj.data_ptr<float>();
+        const int64_t tokens = proj.size(0), stride = proj.stride(0);
+        head_rms_norm(rows, tokens, stride, heads_, head_dim, q_norm->data_ptr<float>(),
+                      (float)eps_);
+        head_rms_norm(rows + heads_ * head_dim, tokens, stride, kv_heads, head_dim,
+                      k_norm->data_ptr<float>(), (float)eps_);
+      }
+      torch::Tensor q;
+      if (rope) {
+        q = rope_kv_write(proj, positions, cos, sin, pool, i, slots, heads_);
+      } else {  // NoPE: k and v written as projected, q as is (the loop's write_kv)
+        const int64_t tokens = proj.size(0), qw = heads_ * head_dim, kw = kv_heads * head_dim;
+        kv_write(pool, i, proj.narrow(1, qw, kw).view({tokens, kv_heads, head_dim}),
+                 proj.narrow(1, qw + kw, kw).view({tokens, kv_heads, head_dim}), slots);
+        q = proj.narrow(1, 0, qw).reshape({tokens, heads_, head_dim}).contiguous();
+      }
       auto attn = attention(q, pool, i, tables, items, entries, qpos, chunk_off, chunk_pages,
                             scale, bf16_dots);
       x = add_norm(hidden, run_linear(o, attn.view({attn.size(0), -1})), post_norm, eps_);

@@ -79,6 +79,10 @@ struct RowArgs {
 };
 
 void rms_norm(const RowArgs& args, const float* weight, float eps);
+// RMSNorm in place of `heads` rows of `dim` floats at the start of each of `tokens` rows
+// (`stride` floats apart): Qwen3's norm of each q or k head, rms_norm's bits per head row.
+void head_rms_norm(float* x, int64_t tokens, int64_t stride, int64_t heads, int64_t dim,
+                   const float* weight, float eps);
 void silu_mul(const RowArgs& args);  // x rows [gate | up], each dim wide
 void quantize_rows(const RowArgs& args, uint8_t* q, float* scales, float qmax, int zero_point);
 

@@ -54,6 +54,17 @@ void rms_norm(const RowArgs& a, const float* weight, float eps) {
   });
 }
 
+void head_rms_norm(float* x, int64_t tokens, int64_t stride, int64_t heads, int64_t dim,
+                   const float* weight, float eps) {
+  // norm_row in place on each head's row: the bits rms_norm gives those rows as its own rows
+  parallel_for(tokens * heads, grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = x + (r / heads) * stride + (r % heads) * dim;
+      norm_row(row, weight, row, dim, eps);
+    }
+  });
+}
+
 void silu_mul(const RowArgs& a) {
   // x rows are [gate (dim) | up (dim)]; out = gate / (1 + exp(-gate)) * up.
   parallel_for(a.rows, grain(a.dim), [&](int64_t begin, int64_t end) {

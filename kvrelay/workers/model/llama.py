@@ -286,8 +286,9 @@ class LlamaForCausalLM(nn.Module):
                 layer.input_norm,
                 layer.post_norm,
                 *(lin.cpp_spec() for lin in layer.linears()),  # type: ignore[attr-defined]
+                **self.layer_spec_extras(index, layer),
             )
-            for layer in layers
+            for index, layer in enumerate(layers)
         ]
         try:
             return CpuDecoder(specs, self.config.rms_norm_eps, self.config.num_heads)
@@ -390,6 +391,11 @@ class LlamaForCausalLM(nn.Module):
         k and v into the pool: one fused op (C++ on CPU fp32)."""
         cos, sin = rope
         return rope_write_kv(qkv, positions, cos, sin, kv_pool, index, slots, self.config.num_heads)
+
+    def layer_spec_extras(self, index: int, layer: DecoderLayer) -> dict[str, Any]:
+        """A family's own fields of layer `index`'s `LayerSpec` (q/k norms, no RoPE): what its
+        `project_qkv` and `write_kv` do, for the C++ decoder to do the same."""
+        return {}
 
     def after_load(self) -> None:
         """Rearrange loaded weights before they are packed or quantized (a family's own)."""

@@ -3,11 +3,13 @@ weight of head_dim per projection, the model's eps) after the projection and bef
 q/k/v biases; head_dim given by the config (128 in the released models, not hidden / heads).
 
 The norms are row-local (kernels.rms_norm over the [tokens x heads, head_dim] rows), so a
-token's logits stay the same in any batch. The C++ decoder (CpuDecoder) has no QK-norm: the
-Python loop runs the layers, with the same linear, RoPE and attention kernels.
+token's logits stay the same in any batch; the C++ decoder (CpuDecoder) norms the same rows in
+place with the same row function (`layer_spec_extras` gives it the weights): the same bits.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -36,7 +38,10 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3's decoder: `project_qkv` norms each head of q and k."""
 
     layer_class = Qwen3DecoderLayer
-    cpp_layers = False
+
+    def layer_spec_extras(self, index: int, layer: DecoderLayer) -> dict[str, Any]:
+        assert isinstance(layer, Qwen3DecoderLayer)
+        return {"q_norm": layer.q_norm, "k_norm": layer.k_norm}
 
     def project_qkv(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
         assert isinstance(layer, Qwen3DecoderLayer)

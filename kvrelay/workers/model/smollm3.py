@@ -2,22 +2,25 @@
 as the config's `no_rope_layers` lists them, 0 = no RoPE) attends without rotary embeddings
 (NoPE): its q and k are used as projected, k and v written to the pool as they are.
 
-The C++ decoder (CpuDecoder) rotates every layer: the Python loop runs the layers, with the
-same linear, KV-write and attention kernels, so rows stay batch-invariant.
+The C++ decoder (CpuDecoder) skips the rotation on the same layers (`layer_spec_extras`) and
+writes K/V with the same kernel: the same bits as the Python loop.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvrelay.kernels import write_kv
-from kvrelay.workers.model.llama import LlamaForCausalLM
+from kvrelay.workers.model.llama import DecoderLayer, LlamaForCausalLM
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """SmolLM3's decoder: `write_kv` skips RoPE on the config's NoPE layers."""
 
-    cpp_layers = False
+    def layer_spec_extras(self, index: int, layer: DecoderLayer) -> dict[str, Any]:
+        return {"rope": self.config.uses_rope(index)}
 
     def write_kv(
         self,

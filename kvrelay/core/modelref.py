@@ -363,17 +363,37 @@ def context_length(cfg: dict) -> int:
     LongRoPE's pretraining length (its short factors: the long ones would change every
     position's rotation once a sequence passes it)."""
     max_len = int(cfg.get("max_position_embeddings", 2048))
-    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    if (rope.get("rope_type") or rope.get("type")) == "longrope":  # its short factors' length
-        original = rope.get("original_max_position_embeddings")
-        original = original or cfg.get("original_max_position_embeddings")
-        if isinstance(original, int) and original > 0:
-            max_len = min(max_len, original)
+    original = longrope_length(cfg)
+    if original:
+        max_len = min(max_len, original)
     window = cfg.get("sliding_window")
     active = cfg.get("use_sliding_window", True)  # Qwen2/3 carry a window they may not use
     if isinstance(window, int) and not isinstance(window, bool) and window > 0 and active:
         return min(max_len, window)
     return max_len
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """A (flattened) config.json's RoPE settings as one new dict: transformers 5 writes
+    `rope_parameters` (theta inside); older configs `rope_scaling` (type or rope_type), with
+    rope_theta, partial_rotary_factor and original_max_position_embeddings beside it."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if "rope_type" not in params and "type" not in params:
+        params.update(cfg.get("rope_scaling") or {})
+    return params
+
+
+def longrope_length(cfg: dict) -> int | None:
+    """The pretraining length of a (flattened) config.json's LongRoPE, where its short factors
+    hold; None for other RoPE (or none given)."""
+    params = rope_parameters(cfg)
+    if (params.get("rope_type") or params.get("type")) != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings")
+    original = original or cfg.get("original_max_position_embeddings")
+    if isinstance(original, int | float) and not isinstance(original, bool) and original > 0:
+        return int(original)
+    return None
 
 
 def config_head_dim(cfg: dict) -> int:

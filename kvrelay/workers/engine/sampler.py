@@ -204,15 +204,18 @@ class Sampler:
         tokens = [0] * len(rows)
         drawn: list[int] = []
         drawn_logits: list[torch.Tensor] = []
+        every_row_raw = True  # every row drawn, none processed: the logits are the batch
         for i, row in enumerate(rows):
-            processed = logits[i] if _is_plain(row) else _processed(logits[i], row)
+            plain = _is_plain(row)
+            processed = logits[i] if plain else _processed(logits[i], row)
             if row.params.temperature < _MIN_TEMPERATURE:
                 tokens[i] = int(processed.argmax())
+                every_row_raw = False
             else:
                 drawn.append(i)
                 drawn_logits.append(processed)
+                every_row_raw = every_row_raw and plain
         if drawn:
-            every_row_raw = len(drawn) == len(rows) and all(_is_plain(r) for r in rows)
             batch = logits if every_row_raw else torch.stack(drawn_logits)
             for i, token in zip(drawn, _draw_rows(batch, [rows[i] for i in drawn]), strict=True):
                 tokens[i] = token

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.core.modelref import context_length
+from kvrelay.core.modelref import context_length, longrope_length, rope_parameters
 from kvrelay.workers.errors import UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
@@ -150,7 +150,7 @@ def _rope_layers(cfg: dict[str, Any], model_type: str) -> tuple[bool, ...]:
 
 def _rotary_dim(cfg: dict[str, Any], model_type: str, head_dim: int) -> int:
     """Dims of a head RoPE rotates (`partial_rotary_factor`); 0 for all of them."""
-    params = cfg.get("rope_parameters") or {}
+    params = rope_parameters(cfg)
     factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     if factor == 1.0:
         return 0
@@ -166,18 +166,14 @@ def _rotary_dim(cfg: dict[str, Any], model_type: str, head_dim: int) -> int:
     return dim
 
 
-def _longrope(cfg: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+def _longrope(cfg: dict[str, Any], params: dict[str, Any], original: int | None) -> dict[str, Any]:
     """LongRoPE (Phi-3): the short factors, the pretraining length they hold for, and the
     attention factor on cos and sin (given, or sqrt(1 + ln(s) / ln(original)), s the ratio of
     the extended to the original length), as transformers computes them."""
-    original = params.get("original_max_position_embeddings") or cfg.get(
-        "original_max_position_embeddings"
-    )
     if not original or "short_factor" not in params:
         raise UnsupportedModelError(
             "longrope needs short_factor and original_max_position_embeddings"
         )
-    original = int(original)
     factor = params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
     attention = params.get("attention_factor")
     if attention is None:
@@ -191,11 +187,7 @@ def _longrope(cfg: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    # transformers 5 writes `rope_parameters` (theta inside); older configs use rope_theta and
-    # rope_scaling (type or rope_type).
-    params = dict(cfg.get("rope_parameters") or {})
-    if "rope_type" not in params and "type" not in params:
-        params.update(cfg.get("rope_scaling") or {})
+    params = rope_parameters(cfg)
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
@@ -205,7 +197,7 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     if kind == "default":
         return theta, {}
     if kind == "longrope":
-        return theta, _longrope(cfg, params)
+        return theta, _longrope(cfg, params, longrope_length(cfg))
     if kind == "llama3":
         params.setdefault(
             "original_max_position_embeddings", cfg.get("max_position_embeddings", 8192)

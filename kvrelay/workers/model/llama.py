@@ -192,12 +192,10 @@ class LlamaForCausalLM(nn.Module):
     """Decoder-only LM; `forward` writes the new tokens' K/V into the pool, then attends.
 
     A family that differs in a layer subclasses it (qwen3.py: norms on q and k; smollm3.py:
-    layers without RoPE): its `layer_class`, `project_qkv`, `write_kv`, and `cpp_layers`
-    False where the C++ decoder does not compute its layers (the Python loop then runs them
-    with the same kernels)."""
+    layers without RoPE; phi3.py: fused checkpoint tensors): its `layer_class`, `after_load`,
+    `project_qkv`, `write_kv`, and `layer_spec_extras` (what those do, for the C++ decoder)."""
 
     layer_class: type[DecoderLayer] = DecoderLayer
-    cpp_layers = True  # whether CpuDecoder computes this family's layers
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -277,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
         (w8a16, int8-weight-only, q8_0), else None (the Python loop runs them)."""
         layers = self.layers
         linears = [lin for layer in layers for lin in layer.linears()]
-        if self.device.type != "cpu" or not layers or self.row_align != 1 or not self.cpp_layers:
+        if self.device.type != "cpu" or not layers or self.row_align != 1:
             return None
         if not all(hasattr(lin, "cpp_spec") for lin in linears):
             return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import platform
 import re
@@ -157,11 +158,58 @@ def peer_config(flags: set[str], vllm_dtype: str = "auto") -> PeerConfig:
     return PeerConfig(dtype, ["--no-repack"] if amx else [], why)
 
 
-def kv_bytes(tokens: int, dtype: str, slack: float = 1.2) -> int:
-    """Bytes of SmolLM2 KV for `tokens` tokens in `dtype`, with room for pages and the rest."""
+@dataclass(frozen=True, slots=True)
+class PeerModel:
+    """The model every server of a peers.py run serves (`peer_model`)."""
+
+    given: str  # as named on the command line: a built-in name or a path (kvrelay's --model)
+    served: str  # the name kvrelay serves it under (ModelRef.name): every request's "model"
+    gguf: Path | None  # its GGUF (llama-server's -m), None when it is not one
+    dir: Path  # the converted Hugging Face directory (vLLM's --model)
+    chat_template: bool  # whether its tokenizer files carry a chat template
+
+    @property
+    def is_default(self) -> bool:
+        from kvrelay.core.modelref import DEFAULT_MODEL
+
+        return self.served == DEFAULT_MODEL
+
+
+def has_chat_template(directory: Path) -> bool:
+    """Whether a model directory's tokenizer files carry a chat template (where kvrelay's
+    Tokenizer looks: chat_template.jinja, chat_template.json, tokenizer_config.json)."""
+    if (directory / "chat_template.jinja").is_file():
+        return True
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads((directory / name).read_text()).get("chat_template"):
+                return True
+    return False
+
+
+def peer_model(name: str | None = None) -> PeerModel:
+    """Resolve `name` (None: kvrelay's default model) and convert it if needed (kvrelay's
+    cache, $KVRELAY_CACHE_DIR): its served name, GGUF and converted directory."""
+    from kvrelay.core.modelref import DEFAULT_MODEL, resolve_model
+    from kvrelay.workers.model.loader import prepare_model
+
+    given = name or DEFAULT_MODEL
+    ref = resolve_model(given)
+    directory = Path(prepare_model(given))
+    gguf = ref.source if ref.kind == "gguf" else None
+    return PeerModel(given, ref.name, gguf, directory, has_chat_template(directory))
+
+
+def kv_bytes(tokens: int, dtype: str, slack: float = 1.2, model_dir: Path | None = None) -> int:
+    """Bytes of KV (every layer's K and V, kvrelay's layout) for `tokens` tokens in `dtype` of
+    the model converted in `model_dir` (None: SmolLM2's), with room for pages and the rest.
+
+    An upper bound for models with sliding-window layers (Gemma 3: 15 of 18 layers keep only
+    512 positions in vLLM's and llama-server's caches, all positions in kvrelay's)."""
     from kvrelay.core.modelref import converted_dir, read_model_info, resolve_model
 
-    info = read_model_info(converted_dir(resolve_model("smollm2-135m-instruct")))
+    directory = model_dir or converted_dir(resolve_model("smollm2-135m-instruct"))
+    info = read_model_info(directory)
     return int(tokens * info.kv_bytes_per_token(dtype) * slack)
 
 
@@ -255,11 +303,13 @@ class Server:
         raise RuntimeError(f"{self.name} did not become ready ({' '.join(cmd)}):\n{tail}")
 
     def stop(self, grace_s: float = 60) -> None:
-        """SIGTERM, wait up to grace_s, then SIGKILL whatever is left of its process group."""
+        """SIGTERM, wait up to grace_s, then SIGKILL whatever is left of its process group;
+        removes its temporary directory (also for a server never started: --print-config)."""
         import signal
         import subprocess
 
         if self.proc is None:
+            shutil.rmtree(self.dir, ignore_errors=True)
             return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -281,7 +331,7 @@ class KvrelayServer(Server):
         extra = self.args.kvrelay_extra
         if not self.kv_tokens or flag_value(extra, "--kv-cache-bytes") is not None:
             return None
-        need = kv_bytes(self.kv_tokens, kvrelay_kv_dtype(extra))
+        need = kv_bytes(self.kv_tokens, kvrelay_kv_dtype(extra), model_dir=model_dir(self.args))
         return need if need > 1 << 30 else None
 
     def settings(self) -> tuple[list[str], dict[str, str]]:
@@ -298,6 +348,9 @@ class KvrelayServer(Server):
         cmd = [sys.executable, "-m", "kvrelay.cli.main", "up", "--run-dir",
                str(self.dir / "run"), "--port", str(self.port), "--timeout", "900",
                "--request-timeout", "900"]  # fmt: skip
+        model = getattr(self.args, "model", None)
+        if model:
+            cmd += ["--model", str(model.given)]
         flags, env = self.settings()
         return cmd + flags, env
 
@@ -312,6 +365,28 @@ def smollm2_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def model_dir(args) -> Path | None:
+    """The converted directory of the run's model (`args.model`, a PeerModel), None: SmolLM2's."""
+    model = getattr(args, "model", None)
+    return model.dir if model is not None else None
+
+
+def llama_gguf(args) -> Path:
+    """llama-server's -m: --llama-model, else the run's model when it is a GGUF (SmolLM2's by
+    default); SystemExit when there is none."""
+    if args.llama_model:
+        return Path(args.llama_model)
+    model = getattr(args, "model", None)
+    if model is None:
+        return smollm2_gguf()
+    if model.gguf is None:
+        raise SystemExit(
+            f"llama-server needs a GGUF and model {model.given!r} is not one: pass "
+            "--llama-model PATH.gguf (the same weights) or leave llama out of --servers"
+        )
+    return model.gguf
+
+
 class LlamaServer(Server):
     name = "llama"
 
@@ -324,9 +399,11 @@ class LlamaServer(Server):
     def command(self) -> tuple[list[str], dict[str, str]]:
         if not Path(self.args.llama_server).is_file():
             raise RuntimeError(f"no llama-server at {self.args.llama_server} (--llama-server)")
-        model = self.args.llama_model or str(smollm2_gguf())
-        cmd = [self.args.llama_server, "-m", model, "--host", "127.0.0.1", "--port",
-               str(self.port)]  # fmt: skip
+        cmd = [self.args.llama_server, "-m", str(llama_gguf(self.args)), "--host", "127.0.0.1",
+               "--port", str(self.port)]  # fmt: skip
+        model = getattr(self.args, "model", None)
+        if model is not None:  # /v1/models lists the name kvrelay serves
+            cmd += ["--alias", model.served]
         flags, env = self.settings()
         return cmd + flags, env
 
@@ -339,11 +416,20 @@ class VllmServer(Server):
         """--vllm-kv-gib, or (None) enough for `kv_tokens` in its KV dtype, at least 4."""
         if self.args.vllm_kv_gib:
             return int(self.args.vllm_kv_gib)
-        return max(4, -(-kv_bytes(self.kv_tokens, self.peer.vllm_dtype) // (1 << 30)))
+        need = kv_bytes(self.kv_tokens, self.peer.vllm_dtype, model_dir=model_dir(self.args))
+        return max(4, -(-need // (1 << 30)))
+
+    def max_model_len(self) -> int:
+        """The longest request, at least 4,096 tokens where the model holds that many."""
+        directory = model_dir(self.args)
+        if directory is None:
+            return max(4096, self.ctx_per_slot)
+        from kvrelay.core.modelref import context_length, read_config
+
+        return max(min(4096, context_length(read_config(directory))), self.ctx_per_slot)
 
     def settings(self) -> tuple[list[str], dict[str, str]]:
-        flags = ["--dtype", self.peer.vllm_dtype, "--max-model-len",
-                 str(max(4096, self.ctx_per_slot))]  # fmt: skip
+        flags = ["--dtype", self.peer.vllm_dtype, "--max-model-len", str(self.max_model_len())]
         env = {"OMP_NUM_THREADS": str(self.args.threads),
                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_gib())}  # fmt: skip
         return flags + self.args.vllm_extra, env
@@ -351,12 +437,17 @@ class VllmServer(Server):
     def command(self) -> tuple[list[str], dict[str, str]]:
         from kvrelay.core.modelref import converted_dir, resolve_model
 
-        model_dir = converted_dir(resolve_model("smollm2-135m-instruct"))
+        model = getattr(self.args, "model", None)
+        if model is not None:
+            directory, served = model.dir, model.served
+        else:
+            directory = converted_dir(resolve_model("smollm2-135m-instruct"))
+            served = "smollm2-135m-instruct"
         if not Path(self.args.vllm_python).is_file():
             raise RuntimeError(f"no vLLM python at {self.args.vllm_python} (--vllm-python)")
         cmd = [self.args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-               str(model_dir), "--served-model-name", "smollm2-135m-instruct", "--host",
-               "127.0.0.1", "--port", str(self.port)]  # fmt: skip
+               str(directory), "--served-model-name", served, "--host", "127.0.0.1",
+               "--port", str(self.port)]  # fmt: skip
         flags, env = self.settings()
         return cmd + flags, env
 
@@ -387,7 +478,10 @@ def precision(name: str, args, peer: PeerConfig | None = None) -> str:
         kv = short[kvrelay_kv_dtype(getattr(args, "kvrelay_extra", []))]
         return f"{WEIGHTS[q]}{how}, {kv} KV"
     if name == "llama":
-        model = args.llama_model or "SmolLM2-135M-Instruct.Q4_1.gguf"
-        return f"weights as stored in {Path(model).name} (Q4_1 by default), f16 KV (default)"
+        model = getattr(args, "model", None)
+        if args.llama_model or model is None or model.gguf is not None:
+            gguf = args.llama_model or (model.gguf if model else "SmolLM2-135M-Instruct.Q4_1.gguf")
+            return f"weights as stored in {Path(gguf).name}, f16 KV (default)"
+        return "no GGUF for this model (llama-server not run)"
     dtype = (peer or PeerConfig()).vllm_dtype
     return f"{dtype} weights and KV (--dtype {dtype})"

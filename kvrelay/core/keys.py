@@ -4,6 +4,13 @@ The queue plane is cut into `shards` pipeline shards, each with its own hash tag
 for shard 0, from the prefix; `{kvrelay.k}` for shard k), so Lua scripts may touch several keys
 of one shard on Redis Cluster. A request lives on the shard of its id (`shard_of`); the keys
 every shard shares (models, model files, store nodes, the page directory) are shard 0's.
+
+Several models on one stack: each model's requests go through its own *pipeline*, a pair of
+work streams (and the consumers hash their leases live in) named after it, so a model's
+entries never reach another model's workers. The unnamed pipeline (`pipeline=""`) has the keys
+of a single-model stack (`{kvrelay}:stream:prefill`); pipeline `b` has
+`{kvrelay}:stream:prefill:b`, `{kvrelay}:stream:decode:b` and `{kvrelay}:consumers:b`. Every
+other key (requests, output, progress, feeds, fences) is shared: request ids are unique.
 """
 
 from __future__ import annotations
@@ -21,6 +28,25 @@ MESSAGE_FIELD = b"m"  # each stream entry is one field holding a MessagePack map
 # a Responses API id (`resp_<x>`) and its request's (`resp-<x>`) share a shard
 _RESPONSE_PREFIXES = ("resp_", "resp-")
 _CHOICE_SUFFIXES = re.compile(r"(\.[0-9]+)+$")  # choice k of request r is `r.k`
+_PIPELINE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+
+
+def check_pipeline(name: str) -> str:
+    """`name` when it can name a pipeline ("" or 1-64 of [a-z0-9._-], starting with a letter or
+    digit), else ValueError."""
+    if name and _PIPELINE.fullmatch(name) is None:
+        raise ValueError(
+            f"invalid pipeline name {name!r}: 1-64 lower-case letters, digits and ._- "
+            "(starting with a letter or digit)"
+        )
+    return name
+
+
+def pipeline_name(model: str) -> str:
+    """The pipeline name a served model name maps to: lower case, runs of other characters as
+    `-` (`SmolLM2 135M` -> `smollm2-135m`); `model` when nothing is left."""
+    slug = re.sub(r"[^a-z0-9._-]+", "-", model.lower()).strip("-._")[:64].strip("-._")
+    return slug or "model"
 
 
 def base_id(request_id: str) -> str:
@@ -46,17 +72,21 @@ class Keys:
     """Key names under a prefix; `Keys("kvrelay:")` gives `{kvrelay}:stream:prefill` and so on.
 
     `shard` picks the pipeline shard whose keys these are (its hash tag), `shards` is how many
-    there are: `of(request_id)` gives the Keys of a request's shard, `all()` every shard's."""
+    there are: `of(request_id)` gives the Keys of a request's shard, `all()` every shard's.
+    `pipeline` names the model pipeline whose work streams these are ("" the unnamed one);
+    `for_pipeline(name)` gives another's, with the same shards."""
 
     prefix: str = DEFAULT_KEY_PREFIX
     shard: int = 0
     shards: int = 1
+    pipeline: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.shards <= MAX_SHARDS:
             raise ValueError(f"shards must be 1-{MAX_SHARDS}, got {self.shards}")
         if not 0 <= self.shard < self.shards:
             raise ValueError(f"shard {self.shard} is not one of the {self.shards} shards")
+        check_pipeline(self.pipeline)
 
     @property
     def tag(self) -> str:
@@ -77,7 +107,18 @@ class Keys:
         """The keys of shard `shard`."""
         if shard == self.shard:
             return self
-        return Keys(self.prefix, shard, self.shards)
+        return Keys(self.prefix, shard, self.shards, self.pipeline)
+
+    def for_pipeline(self, pipeline: str) -> Keys:
+        """These keys with the work streams of model pipeline `pipeline` ("" the unnamed one)."""
+        if pipeline == self.pipeline:
+            return self
+        return Keys(self.prefix, self.shard, self.shards, pipeline)
+
+    @property
+    def _s(self) -> str:
+        """The suffix of this pipeline's work streams and consumers hash ("" unnamed)."""
+        return f":{self.pipeline}" if self.pipeline else ""
 
     def of(self, request_id: str) -> Keys:
         """The keys of the shard that holds `request_id` (a choice's and a response's too)."""
@@ -100,11 +141,31 @@ class Keys:
 
     @property
     def prefill_stream(self) -> str:
-        return self._p + "stream:prefill"
+        return self._p + "stream:prefill" + self._s
 
     @property
     def decode_stream(self) -> str:
-        return self._p + "stream:decode"
+        return self._p + "stream:decode" + self._s
+
+    @property
+    def stream_pattern(self) -> str:
+        """SCAN pattern of this shard's work streams of every pipeline."""
+        return self._p + "stream:*"
+
+    def stream_pipeline(self, stream: str) -> tuple[str, str] | None:
+        """(stage, pipeline) of a work stream name of this shard, None for another key."""
+        rest = stream.removeprefix(self._p)
+        if rest == stream:
+            return None
+        for stage in (PREFILL_GROUP, DECODE_GROUP):
+            base = f"stream:{stage}"
+            if rest == base:
+                return stage, ""
+            if rest.startswith(base + ":"):
+                name = rest[len(base) + 1 :]
+                if name and _PIPELINE.fullmatch(name):
+                    return stage, name
+        return None
 
     @property
     def dlq(self) -> str:
@@ -125,8 +186,9 @@ class Keys:
     @property
     def consumers(self) -> str:
         """Hash: stream consumer name -> unix time of its worker's last heartbeat (the lease:
-        the entries of a consumer silent for a lease are claimed)."""
-        return self._p + "consumers"
+        the entries of a consumer silent for a lease are claimed). One per pipeline: a
+        pipeline's claims read its own consumers only."""
+        return self._p + "consumers" + self._s
 
     def fence(self, consumer: str) -> str:
         """String: the number of a stream consumer's last step, "f" once a claim fenced it (its

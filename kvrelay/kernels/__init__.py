@@ -1,11 +1,12 @@
-"""Paged-KV kernels: KV write (optionally fused with RoPE), paged attention, page gather/scatter
-(C++ on CPU fp32 when built, torch otherwise on CPU, Triton on CUDA; Triton is imported lazily,
-only when a CUDA tensor or impl="triton" is used), and the decoder's row-wise ops (RMSNorm with
-the residual add, SiLU * up, int8 row quantization: C++ on CPU fp32, Triton for RMSNorm on
-CUDA, torch elsewhere), the dense linear layer (a row-invariant Triton GEMM on CUDA, F.linear
-elsewhere), the int8-weight linear layer, the Q8_0 x Q8_0 linear layer and the int8-weight x
-bf16 linear on AMX tiles (C++ only). The C++ kernels come in ISA variants (avx2, avx512, amx),
-chosen at load time: `loaded_isa()` says which one runs."""
+"""Paged-KV kernels: KV write (optionally fused with RoPE), paged attention (full or with a
+sliding window), page gather/scatter (C++ on CPU fp32 when built, torch otherwise on CPU, Triton
+on CUDA; Triton is imported lazily, only when a CUDA tensor or impl="triton" is used), and the
+decoder's row-wise ops (RMSNorm with the residual add, SiLU * up, GELU-tanh * up, int8 row
+quantization: C++ on CPU fp32, Triton for RMSNorm on CUDA, torch elsewhere), the dense linear
+layer (a row-invariant Triton GEMM on CUDA, F.linear elsewhere), the int8-weight linear layer,
+the Q8_0 x Q8_0 linear layer and the int8-weight x bf16 linear on AMX tiles (C++ only). The C++
+kernels come in ISA variants (avx2, avx512, amx), chosen at load time: `loaded_isa()` says
+which one runs."""
 
 from kvrelay.kernels.cpu_build import loaded_isa
 from kvrelay.kernels.errors import KernelError
@@ -18,6 +19,7 @@ from kvrelay.kernels.ops import (
     bf16_attention_available,
     gate_up_order,
     gather_pages,
+    gelu_tanh_mul,
     int8_linear,
     int8_linear_available,
     linear,
@@ -51,6 +53,7 @@ __all__ = [
     "add_rms_norm",
     "bf16_attention_available",
     "gather_pages",
+    "gelu_tanh_mul",
     "int8_linear",
     "int8_linear_available",
     "linear",

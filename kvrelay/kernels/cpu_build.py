@@ -13,6 +13,7 @@ torch path. Every variant gives the same bits (docs/internals.md, Kernels).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -226,15 +227,23 @@ def build(verbose: bool = False, variant: str = BASE_VARIANT) -> ModuleType:
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("building the C++ CPU kernels (%s) into %s", variant, build_dir)
     t0 = time.perf_counter()
-    module = cpp_extension.load(
-        name=name,
-        sources=[str(SOURCE_DIR / s) for s in SOURCES],
-        extra_cflags=list(variant_cflags(variant)),
-        extra_ldflags=list(LDFLAGS),
-        build_directory=str(build_dir),
-        verbose=verbose,
-    )
-    done.write_text(f"{time.perf_counter() - t0:.1f} s\n")
+    # torch's own build lock (`lock`, created with O_EXCL) outlives a builder killed mid-build,
+    # and every later build of the variant would wait on it forever; an flock dies with its
+    # holder, so builders take one first and its holder clears a lock file left behind.
+    with open(build_dir / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if done.exists() and so_path.exists():  # built by another process while we waited
+            return _import(name, so_path)
+        (build_dir / "lock").unlink(missing_ok=True)
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE_DIR / s) for s in SOURCES],
+            extra_cflags=list(variant_cflags(variant)),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
+        done.write_text(f"{time.perf_counter() - t0:.1f} s\n")
     logger.info("built the C++ CPU kernels (%s) in %.1f s", variant, time.perf_counter() - t0)
     return module
 

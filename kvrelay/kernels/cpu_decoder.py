@@ -9,10 +9,16 @@ same kernel calls, in the same order, from C++ (bindings.cpp): the same bits, th
 checks done once per step. It runs where every linear is a C++ one (w8a16, int8-weight-only,
 q8_0) and attention is the C++ path's; elsewhere (`run` returns False) the model loops in
 Python as before.
+
+Gemma 3's layers add (LayerSpec): a sliding attention window per layer (one attention plan per
+window in a step), a RoPE table pair per layer (`run` takes sequences of cos/sin tables),
+RMSNorms of the o and down projections' outputs before their residual adds, and GeGLU
+(`gelu_tanh_mul` after a plain gate/up linear).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -22,7 +28,7 @@ import torch
 from kvrelay.kernels import cpu_build, cpu_paged
 from kvrelay.kernels.errors import KernelError
 from kvrelay.kernels.metadata import AttentionMetadata
-from kvrelay.kernels.ops import check_rope_rows
+from kvrelay.kernels.ops import MAX_WINDOW, check_rope_rows
 
 
 class LinearKind(IntEnum):
@@ -49,10 +55,17 @@ class LinearSpec:
         return (int(self.kind), self.packed, self.scales, self.comp, self.bias, self.out_features)
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # bindings.cpp `Activation`, in order
+
+
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
     """One decoder layer: its two RMSNorm weights and four linears; a family's q and k head
-    norms (Qwen3: both or neither) and whether RoPE rotates q and k (SmolLM3's NoPE layers)."""
+    norms (Qwen3: both or neither) and whether RoPE rotates q and k (SmolLM3's NoPE layers);
+    Gemma 3's attention window (0: full), RoPE table pair (an index into `run`'s cos/sin
+    sequences), RMSNorms of the o projection's and the down projection's outputs (before
+    their residual adds) and activation ("silu", or "gelu_tanh": `gelu_tanh_mul` after a
+    plain gate/up linear)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -63,6 +76,11 @@ class LayerSpec:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     rope: bool = True
+    window: int = 0
+    rope_table: int = 0
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    activation: str = "silu"
 
 
 class CpuDecoder:
@@ -72,6 +90,13 @@ class CpuDecoder:
         ext = cpu_build.load()
         if ext is None:
             raise KernelError("the C++ CPU kernels are not loaded")
+        for s in specs:
+            if s.activation not in ACTIVATIONS:
+                raise KernelError(f"activation must be one of {ACTIVATIONS}, got {s.activation!r}")
+            if s.activation == "gelu_tanh" and s.gate_up.kind == LinearKind.W8A16_GATE_UP_SILU:
+                raise KernelError("a gelu_tanh layer needs a plain (unfused) gate/up linear")
+            if s.window < 0 or s.rope_table < 0:
+                raise KernelError("a layer's window and rope_table must be >= 0")
         layers = [
             (
                 s.input_norm.contiguous(),
@@ -86,20 +111,33 @@ class CpuDecoder:
             )
             for s in specs
         ]
+        extras = [
+            (
+                min(int(s.window), MAX_WINDOW),
+                int(s.rope_table),
+                None if s.attn_out_norm is None else s.attn_out_norm.contiguous(),
+                None if s.mlp_out_norm is None else s.mlp_out_norm.contiguous(),
+                ACTIVATIONS.index(s.activation),
+            )
+            for s in specs
+        ]
         if any((s.q_norm is None) != (s.k_norm is None) for s in specs):
             raise KernelError("a layer's q and k head norms come together")
-        self._impl: Any = ext.CpuDecoder(layers, float(eps), int(num_heads))
+        self._impl: Any = ext.CpuDecoder(layers, float(eps), int(num_heads), extras)
         self.num_layers = len(specs)
         self.num_heads = int(num_heads)
         self._qkv_width = {s.qkv.out_features for s in specs}
+        self._windows = sorted({min(int(s.window), MAX_WINDOW) for s in specs})
+        # the RoPE tables `run` needs: one more than the largest index a rotating layer takes
+        self._rope_tables = 1 + max((s.rope_table for s in specs if s.rope), default=0)
 
     def run(
         self,
         hidden: torch.Tensor,
         x: torch.Tensor,
         positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | Sequence[torch.Tensor],
+        sin: torch.Tensor | Sequence[torch.Tensor],
         kv_pool: torch.Tensor,
         slot_mapping: torch.Tensor,
         meta: AttentionMetadata,
@@ -108,23 +146,35 @@ class CpuDecoder:
         """Every layer on x (the first layer's normed input) with the residual stream `hidden`
         [T, hidden] updated in place, as the Python loop would; False (nothing done) where
         this step is not one the C++ path takes, and the caller loops in Python (whose checks
-        then say what is wrong)."""
+        then say what is wrong). cos/sin: one RoPE table pair [N, D/2], or sequences of them
+        (a layer takes the pair at its `rope_table`)."""
         num_tokens = int(slot_mapping.shape[0])
-        if not self._takes(hidden, x, cos, sin, kv_pool, slot_mapping, positions, meta):
+        cos_tables = [cos] if isinstance(cos, torch.Tensor) else list(cos)
+        sin_tables = [sin] if isinstance(sin, torch.Tensor) else list(sin)
+        if not self._takes(
+            hidden, x, cos_tables, sin_tables, kv_pool, slot_mapping, positions, meta
+        ):
             return False
         if num_tokens == 0:
             return False
-        check_rope_rows(positions, slot_mapping, cos.shape[0], kv_pool)  # once, not per layer
-        plan = cpu_paged.get_plan(meta, kv_pool.shape[3], kv_pool.shape[0], num_tokens)
+        rows = min(c.shape[0] for c in cos_tables[: self._rope_tables])
+        check_rope_rows(positions, slot_mapping, rows, kv_pool)  # once, not per layer
+        page_size, num_blocks = kv_pool.shape[3], kv_pool.shape[0]
+        plans = []
+        for window in self._windows:
+            plan = cpu_paged.get_plan(meta, page_size, num_blocks, num_tokens, window)
+            plans.append((window, plan.items, plan.entries, plan.positions, plan.chunk_offsets))
         self._impl.forward(
             hidden,
             x,
             positions.to(torch.int64).contiguous(),
-            cos.contiguous(),
-            sin.contiguous(),
+            [c.contiguous() for c in cos_tables],
+            [s.contiguous() for s in sin_tables],
             kv_pool,
             slot_mapping.contiguous(),
-            *plan.args(),
+            plan.block_tables,
+            plans,
+            plan.chunk_pages,
             float(scale),
             meta.precision == "bf16",
         )
@@ -134,8 +184,8 @@ class CpuDecoder:
         self,
         hidden: torch.Tensor,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos_tables: list[torch.Tensor],
+        sin_tables: list[torch.Tensor],
         kv_pool: torch.Tensor,
         slot_mapping: torch.Tensor,
         positions: torch.Tensor,
@@ -145,11 +195,9 @@ class CpuDecoder:
         (shapes as the model makes them; anything else goes to the loop)."""
         num_tokens = int(slot_mapping.shape[0])
         if not (
-            hidden.dtype == x.dtype == cos.dtype == sin.dtype == torch.float32
+            hidden.dtype == x.dtype == torch.float32
             and hidden.is_cpu
             and x.is_cpu
-            and cos.is_cpu
-            and sin.is_cpu
             and hidden.is_contiguous()
             and x.is_contiguous()
             and hidden.dim() == x.dim() == 2
@@ -159,13 +207,22 @@ class CpuDecoder:
             and kv_pool.dim() == 6
             and kv_pool.shape[2] == 2
             and kv_pool.shape[1] >= self.num_layers
-            and cos.shape == sin.shape
-            and cos.dim() == 2
-            and cos.shape[1] == kv_pool.shape[5] // 2
             and self.num_heads % kv_pool.shape[4] == 0
             and self._qkv_width == {(self.num_heads + 2 * kv_pool.shape[4]) * kv_pool.shape[5]}
         ):
             return False
+        if len(cos_tables) != len(sin_tables) or len(cos_tables) < self._rope_tables:
+            return False
+        for cos, sin in zip(cos_tables, sin_tables, strict=True):
+            if not (
+                cos.dtype == sin.dtype == torch.float32
+                and cos.is_cpu
+                and sin.is_cpu
+                and cos.shape == sin.shape
+                and cos.dim() == 2
+                and cos.shape[1] == kv_pool.shape[5] // 2
+            ):
+                return False
         num_seqs = meta.context_lens.shape[0]
         if meta.query_start_loc.shape[0] != num_seqs + 1 or meta.block_tables.shape[0] != num_seqs:
             return False

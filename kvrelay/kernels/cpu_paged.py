@@ -28,8 +28,8 @@ __all__ = [
 ]
 
 CHUNK_KEYS = 256  # keys per chunk: the unit of parallel work and of the final merge
-HEAD_DIMS = (8, 16, 32, 64, 128)
-BF16_HEAD_DIMS = (32, 64, 128)  # bf16 attention: whole 32-dim tiles, up to 4 of them
+HEAD_DIMS = (8, 16, 32, 64, 128, 256)
+BF16_HEAD_DIMS = (32, 64, 128, 256)  # bf16 attention: whole 32-dim tiles, up to 8 of them
 MAX_PAGE_SIZE = 256
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -44,6 +44,7 @@ class CppPlan:
     positions: torch.Tensor  # int32 [T]
     chunk_offsets: torch.Tensor  # int32 [T + 1]: first partial of each token
     chunk_pages: int
+    window: int = 0  # the attention window the plan is for (0: full attention)
 
     def args(self) -> tuple:
         """The plan as the extension's attention calls take it, in their order."""
@@ -132,17 +133,22 @@ def supports(query: torch.Tensor, kv_pool: torch.Tensor) -> bool:
     )
 
 
-def get_plan(meta: AttentionMetadata, page_size: int, num_blocks: int, num_tokens: int):
-    """The cached plan for this metadata (built on the first layer's call)."""
-    key = ("cpp", page_size, num_blocks, num_tokens)
+def get_plan(
+    meta: AttentionMetadata, page_size: int, num_blocks: int, num_tokens: int, window: int = 0
+) -> CppPlan:
+    """The cached plan for this metadata and attention window (built on the first call of a
+    layer with that window)."""
+    key = ("cpp", page_size, num_blocks, num_tokens, window)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = _build_plan(meta, page_size, num_blocks, num_tokens)
+        plan = _build_plan(meta, page_size, num_blocks, num_tokens, window)
         meta.plans[key] = plan
     return plan
 
 
-def _build_plan(meta: AttentionMetadata, page_size: int, num_blocks: int, num_tokens: int):
+def _build_plan(
+    meta: AttentionMetadata, page_size: int, num_blocks: int, num_tokens: int, window: int
+) -> CppPlan:
     ext = cpu_build.load()
     if ext is None:  # paged_attention plans only when the extension loaded
         raise KernelError("the C++ CPU kernels are not loaded")
@@ -159,10 +165,11 @@ def _build_plan(meta: AttentionMetadata, page_size: int, num_blocks: int, num_to
             page_size,
             chunk_pages,
             num_blocks,
+            window,
         )
     except ValueError as exc:
         raise KernelError(str(exc)) from None
-    return CppPlan(tables, items, entries, positions, offsets, chunk_pages)
+    return CppPlan(tables, items, entries, positions, offsets, chunk_pages, window)
 
 
 def bf16_attention_available() -> bool:
@@ -179,10 +186,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     precision: str = "fp32",
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention, bitwise independent of batch, chunking and thread count.
     `precision="bf16"`: q.k and p.v on AMX-BF16 tiles (docs/internals.md), a bf16 pool only;
-    a KernelError where it cannot run (no other path gives its bits)."""
+    a KernelError where it cannot run (no other path gives its bits). window > 0: sliding-window
+    attention (keys p - window < k <= p; pages wholly before a row block's window not read)."""
     ext = cpu_build.load()
     bf16 = precision == "bf16"
     if bf16:
@@ -199,13 +208,15 @@ def paged_attention(
         ):
             raise KernelError(
                 "bf16 attention needs fp32 queries on CPU, a bfloat16 KV pool, a page size "
-                "that is a multiple of 16 and head_dim 32, 64 or 128 (got "
+                "that is a multiple of 16 and head_dim 32, 64, 128 or 256 (got "
                 f"{query.dtype} queries on {query.device}, a {kv_pool.dtype} pool, page size "
                 f"{kv_pool.shape[3]}, head_dim {query.shape[2]})"
             )
     elif ext is None or not supports(query, kv_pool):
-        return torch_paged.paged_attention(query, kv_pool, layer, meta, scale)
+        return torch_paged.paged_attention(query, kv_pool, layer, meta, scale, window)
     assert ext is not None
     shape = kv_pool.shape
-    plan = get_plan(meta, shape[3], shape[0], query.shape[0])
-    return ext.paged_attention(query.contiguous(), kv_pool, layer, *plan.args(), scale, bf16)
+    plan = get_plan(meta, shape[3], shape[0], query.shape[0], window)
+    return ext.paged_attention(
+        query.contiguous(), kv_pool, layer, *plan.args(), scale, bf16, window
+    )

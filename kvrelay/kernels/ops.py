@@ -7,6 +7,7 @@ runs the C++ kernels on an fp32, bf16 or fp16 pool alike.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -22,6 +23,7 @@ _IMPLS = ("auto", "torch", "triton", "cpp")
 # attention dot products: fp32, or q and p rounded to bf16 on AMX tiles
 PRECISIONS = ("fp32", "bf16")
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_WINDOW = 2**31 - 1  # larger attention windows act as this one (int32 in the kernels)
 
 
 def _backend(impl: str, tensor: torch.Tensor) -> ModuleType:
@@ -144,12 +146,24 @@ def paged_attention(
     scale: float,
     impl: str = "auto",
     precision: str | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention for query [T, heads, head_dim]; returns [T, heads, head_dim].
     `precision` (None: `meta.precision`): "fp32" (every path) or "bf16" (q and p rounded to
     bf16 for the dot products, on AMX tiles: the C++ amx build only,
-    `bf16_attention_available()`; a KernelError elsewhere)."""
+    `bf16_attention_available()`; a KernelError elsewhere). `window` W > 0: sliding-window
+    attention, the query at position p sees the keys at positions p - W < k <= p (W keys with
+    its own; transformers' `kv_idx > q_idx - sliding_window`), and the C++ path does not read
+    the pages wholly before that; 0: full causal attention. A window covering the whole context
+    gives bitwise the full attention's rows."""
     precision = precision or meta.precision
+    try:
+        window = operator.index(window)
+    except TypeError:
+        raise KernelError(f"window must be an int, got {window!r}") from None
+    if window < 0:
+        raise KernelError(f"window must be >= 0 (0: full attention), got {window}")
+    window = min(window, MAX_WINDOW)  # any window over the context is full attention
     if precision not in PRECISIONS:
         raise KernelError(f"attention precision must be one of {PRECISIONS}, got {precision!r}")
     _check_pool(kv_pool, layer)
@@ -167,8 +181,8 @@ def paged_attention(
     if precision == "bf16":
         from kvrelay.kernels import cpu_paged
 
-        return cpu_paged.paged_attention(query, kv_pool, layer, meta, scale, "bf16")
-    return _backend(impl, query).paged_attention(query, kv_pool, layer, meta, scale)
+        return cpu_paged.paged_attention(query, kv_pool, layer, meta, scale, "bf16", window)
+    return _backend(impl, query).paged_attention(query, kv_pool, layer, meta, scale, window=window)
 
 
 def bf16_attention_available() -> bool:
@@ -276,6 +290,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         half = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :half]) * gate_up[:, half:]
     return ext.silu_mul(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up for rows [gate | up] of gate_up [T, 2I]; returns
+    [T, I] (GeGLU: Gemma). gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))),
+    `F.gelu(x, approximate="tanh")`; the C++ path (CPU fp32) computes each element on its own,
+    the same bits in any batch, thread count and ISA variant, within a few ulp of torch's."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise KernelError(f"gate_up must be [T, 2I], got {tuple(gate_up.shape)}")
+    ext = _cpp_rows(gate_up)
+    if ext is None:
+        half = gate_up.shape[-1] // 2
+        return F.gelu(gate_up[:, :half], approximate="tanh") * gate_up[:, half:]
+    return ext.gelu_tanh_mul(gate_up)
 
 
 def linear(

@@ -84,21 +84,34 @@ class AttentionPlan:
 
 
 def get_plan(
-    meta: AttentionMetadata, page_size: int, group: int, num_blocks: int, num_tokens: int
+    meta: AttentionMetadata,
+    page_size: int,
+    group: int,
+    num_blocks: int,
+    num_tokens: int,
+    window: int = 0,
 ) -> AttentionPlan:
-    """The cached plan for this metadata (built on first use, shared by all layers)."""
-    key = ("torch", page_size, group, num_blocks, num_tokens)
+    """The cached plan for this metadata and attention window (built on first use, shared by
+    all layers with that window)."""
+    key = ("torch", page_size, group, num_blocks, num_tokens, window)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = build_plan(meta, page_size, group, num_blocks, num_tokens)
+        plan = build_plan(meta, page_size, group, num_blocks, num_tokens, window)
         meta.plans[key] = plan
     return plan
 
 
 def build_plan(
-    meta: AttentionMetadata, page_size: int, group: int, num_blocks: int, num_tokens: int
+    meta: AttentionMetadata,
+    page_size: int,
+    group: int,
+    num_blocks: int,
+    num_tokens: int,
+    window: int = 0,
 ) -> AttentionPlan:
-    """Cut every sequence's query rows into units and list their key tiles."""
+    """Cut every sequence's query rows into units and list their key tiles. window > 0 also
+    masks the keys at or before p - window for the row at position p (the tiles stay those of
+    full attention: a fully masked tile adds exact zeros)."""
     ctx = meta.context_lens.tolist()
     qsl = meta.query_start_loc.tolist()
     tables = meta.block_tables.tolist()
@@ -128,7 +141,7 @@ def build_plan(
             else:
                 big.setdefault(i, []).append(unit)
     pages_per_tile = tile // page_size
-    args = (tables, num_tokens, group, tile, page_size, pages_per_tile)
+    args = (tables, num_tokens, group, tile, page_size, pages_per_tile, window)
     return AttentionPlan(
         num_tokens=num_tokens,
         group=group,
@@ -156,7 +169,15 @@ def _row_positions(p0: int, npos: int, rows: int, group: int) -> torch.Tensor:
     return p0 + j
 
 
-def _small_group(rows, units, tables, num_tokens, group, tile, page_size, ppt) -> SmallGroup:
+def _hidden(kpos: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Keys a row at `pos` does not see (broadcast): later ones, and those out of its window."""
+    hidden = kpos > pos
+    return hidden | (kpos <= pos - window) if window > 0 else hidden
+
+
+def _small_group(
+    rows, units, tables, num_tokens, group, tile, page_size, ppt, window
+) -> SmallGroup:
     blocks: list[int] = []
     unit_of_item: list[int] = []
     item_tile: list[int] = []
@@ -178,7 +199,7 @@ def _small_group(rows, units, tables, num_tokens, group, tile, page_size, ppt) -
         src_rows += range(u * rows, u * rows + npos * group)
     uoi = torch.tensor(unit_of_item, dtype=torch.long)
     kpos = torch.tensor(item_tile)[:, None] * tile + torch.arange(tile)  # [items, tile]
-    mask = kpos[:, None, :] > torch.stack(row_pos)[uoi][:, :, None]
+    mask = _hidden(kpos[:, None, :], torch.stack(row_pos)[uoi][:, :, None], window)
     vzero = kpos >= torch.tensor(item_len)[:, None]
     return SmallGroup(
         rows=rows,
@@ -194,20 +215,20 @@ def _small_group(rows, units, tables, num_tokens, group, tile, page_size, ppt) -
     )
 
 
-def _big_seq(units, tables, num_tokens, group, tile, page_size, ppt) -> BigSeq:
+def _big_seq(units, tables, num_tokens, group, tile, page_size, ppt, window) -> BigSeq:
     i, length = units[0][0], units[0][4]
     big_units = []
     for _, t0, p0, npos, _ in units:
         rows = _align(npos * group)
         num_tiles = (p0 + npos - 1) // tile + 1
-        start = (p0 + 1) // tile * tile
+        start = 0 if window > 0 else (p0 + 1) // tile * tile
         kpos = torch.arange(start, num_tiles * tile)
         big_units.append(
             BigUnit(
                 q_rows=torch.tensor(_unit_rows(t0, npos, rows, group, num_tokens)),
                 num_tiles=num_tiles,
                 mask_start=start,
-                mask=kpos[None, :] > _row_positions(p0, npos, rows, group)[:, None],
+                mask=_hidden(kpos[None, :], _row_positions(p0, npos, rows, group)[:, None], window),
                 out_rows=torch.arange(t0 * group, (t0 + npos) * group),
             )
         )

@@ -79,12 +79,14 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal paged attention, bitwise independent of batch composition and chunking."""
+    """Causal paged attention, bitwise independent of batch composition and chunking; window
+    > 0: each row sees only its last `window` positions (masked, plan.py)."""
     num_tokens, num_heads, head_dim = query.shape
     kv_heads = kv_pool.shape[4]
     group = num_heads // kv_heads
-    plan = get_plan(meta, kv_pool.shape[3], group, kv_pool.shape[0], num_tokens)
+    plan = get_plan(meta, kv_pool.shape[3], group, kv_pool.shape[0], num_tokens, window)
     # Per kv head, a table of query rows (token * group + g), plus one zero row for padding.
     qtab = query.new_zeros((kv_heads, num_tokens * group + 1, head_dim), dtype=torch.float32)
     q = query.reshape(num_tokens, kv_heads, group, head_dim).transpose(0, 1).float() * scale

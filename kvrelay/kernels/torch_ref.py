@@ -32,8 +32,10 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's last query rows over its paged context (naive)."""
+    """Causal attention of each sequence's last query rows over its paged context (naive);
+    window > 0: only the keys at positions p - window < k <= p."""
     num_heads = query.shape[1]
     page_size, num_kv_heads, head_dim = kv_pool.shape[3:]
     group = num_heads // num_kv_heads
@@ -55,7 +57,10 @@ def paged_attention(
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
         k_pos = torch.arange(ctx).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if window > 0:
+            hidden = hidden | (k_pos <= q_pos - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

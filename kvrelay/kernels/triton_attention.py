@@ -35,6 +35,7 @@ def _paged_attention_kernel(
     qsl_ptr,
     layer,
     scale,
+    window,
     sq_t,
     sq_h,
     so_t,
@@ -76,11 +77,14 @@ def _paged_attention_kernel(
 
     last_tok = tl.minimum(n, (qblock + 1) * BM) - 1
     num_tiles = tl.where(qblock * BM < n, (ctx - n + last_tok) // BN + 1, 0)
+    # window > 0: the block's first row sees keys from its position - window + 1 on; tiles
+    # before that are masked for every row of the block (they would leave m, l, acc unchanged)
+    first_tile = tl.where(window > 0, tl.maximum(ctx - n + qblock * BM - window + 1, 0) // BN, 0)
     m = tl.full([BM * GPAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([BM * GPAD], tl.float32)
     acc = tl.zeros([BM * GPAD, DPAD], tl.float32)
     cols = tl.arange(0, BN)
-    for t in range(0, num_tiles):
+    for t in range(first_tile, num_tiles):
         kpos = t * BN + cols
         k_ok = kpos < ctx
         block = tl.load(tables_ptr + seq * st_s + kpos // PAGE, mask=k_ok, other=0)
@@ -90,6 +94,7 @@ def _paged_attention_kernel(
         v = tl.load(pool_ptr + sp_kv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         visible = (kpos[None, :] <= pos[:, None]) & k_ok[None, :]
+        visible = visible & ((window <= 0) | (kpos[None, :] > pos[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -115,8 +120,11 @@ def paged_attention(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     block_n: int = BLOCK_N,
+    window: int = 0,
 ) -> torch.Tensor:
     """Launch the paged attention kernel; one program per (sequence, query block, KV head).
+    window > 0: sliding-window attention (keys p - window < k <= p; the tiles wholly before a
+    block's window are not read).
 
     num_warps, num_stages and block_n (keys per tile) are for benchmarks/gpu.py's sweep; a
     block_n other than BLOCK_N changes the softmax's tiles, so results in the last bits."""
@@ -137,6 +145,7 @@ def paged_attention(
         meta.query_start_loc,
         layer,
         scale,
+        window,
         query.stride(0),
         query.stride(1),
         out.stride(0),

@@ -78,6 +78,20 @@ def model_not_found(model: str, served: list[str]) -> RequestError:
     )
 
 
+def model_unavailable(model: str, retry_after_s: int) -> RequestError:
+    """503: the model is served here, but none of its workers is live while others are."""
+    return RequestError(
+        f"The model `{model}` has no live worker: every worker serving it is stopped, "
+        f"draining or restarting. Retry after {retry_after_s} s, or start one "
+        f"(`kvrelay worker decode --model {model}`).",
+        503,
+        type="service_unavailable",
+        param="model",
+        code="model_unavailable",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def overloaded(reason: str, retry_after_s: int) -> RequestError:
     return RequestError(
         f"The server is overloaded ({reason}); retry after {retry_after_s} s.",

@@ -8,6 +8,11 @@ Numbers published by workers in the `models` hash win (their fingerprint depends
 they run in), and so do the generation defaults they publish (the model's own under the
 workers' override); this registry's `override` (the ingress's --override-generation-config,
 the client's argument) goes on top of them.
+
+Several models: each model's requests go to its own pipeline's streams (`kvrelay.core.keys`),
+the one its workers publish with the model; until one has, the pipeline the configured list
+gives it (`model_pipelines`: the first model the unnamed one, as a single-model stack, each
+other one the pipeline named after it, which is what `kvrelay up` gives its workers).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from redis.exceptions import RedisError
 
 from kvrelay.core import modelref
 from kvrelay.core.config import cache_root
+from kvrelay.core.keys import pipeline_name
 from kvrelay.core.model_bundle import ModelBundle
 from kvrelay.core.page_keys import DEFAULT_PAGE_SIZE
 from kvrelay.core.published_model import PublishedModel
@@ -45,6 +51,38 @@ class ModelEntry:
     page_size: int = DEFAULT_PAGE_SIZE
     # for the fields a request leaves out: override > published (or the model's own)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    pipeline: str = ""  # the model pipeline whose streams its requests go to ("" unnamed)
+    served_name: str = ""  # the name its workers publish (a path's directory name); "": name
+
+    @property
+    def worker_model(self) -> str:
+        """The model name the heartbeats of this model's workers carry."""
+        return self.served_name or self.name
+
+
+def served_name(name: str) -> str:
+    """The name a model's workers publish it under (`ModelRef.name`: a path's directory or
+    file stem, a built-in's own), or `name` when it does not resolve on this host."""
+    try:
+        return modelref.resolve_model(name).name
+    except (modelref.ModelNotFoundError, OSError, ValueError):
+        return name
+
+
+def model_pipelines(names: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """Served model name -> its pipeline for a stack serving `names` in this order: the first
+    keeps the unnamed pipeline (a single-model stack's keys), each other one gets the pipeline
+    named after it (`core.keys.pipeline_name`). ValueError when two share a pipeline."""
+    out: dict[str, str] = {}
+    for i, name in enumerate(names):
+        served = served_name(name)
+        if served in out:
+            continue  # the same model twice (a path and its name)
+        pipeline = pipeline_name(served) if i else ""
+        if pipeline and pipeline in out.values():
+            raise ValueError(f"models {name!r} and another one would share pipeline {pipeline!r}")
+        out[served] = pipeline
+    return out
 
 
 @dataclass(slots=True)
@@ -137,6 +175,9 @@ class ModelRegistry:
         override: GenerationDefaults | None = None,
     ):
         self.names = list(names)
+        self._served = {name: served_name(name) for name in self.names}
+        # before a model's workers publish its pipeline: the configured order's
+        self.pipelines = model_pipelines(self.names)
         self.cluster = cluster
         self.override = override or GenerationDefaults()
         self._local: dict[str, _Files] = {}  # name -> from this host's directory (or injected)
@@ -218,6 +259,8 @@ class ModelRegistry:
         if name not in self.names and published is None:
             raise model_not_found(name, await self.served())
         files = await self._files_for(name, published)
+        served = self.served_as(name)  # a path's entry is under its workers' name
+        by_workers = published if served == name else await self._published(served)
         entry = published or PublishedModel()
         max_len = entry.max_model_len or files.max_model_len or 0
         if max_len <= 0:
@@ -230,7 +273,37 @@ class ModelRegistry:
             fingerprint=entry.fingerprint or files.fingerprint,
             page_size=entry.page_size or DEFAULT_PAGE_SIZE,
             generation_defaults=self._defaults(name, published, files),
+            pipeline=self.pipeline_of(name, by_workers),
+            served_name=served,
         )
+
+    def served_as(self, name: str) -> str:
+        """The name `name`'s workers publish (resolved once per name)."""
+        served = self._served.get(name)
+        if served is None:
+            served = self._served[name] = served_name(name)
+        return served
+
+    def known_pipeline(self, name: str) -> str | None:
+        """The pipeline of model `name` as known now, without a Redis call (backpressure's
+        early check): what its workers last published, else the configured one; None for a
+        name neither configured nor published (its request will be refused anyway)."""
+        published = self.cluster.published_now() if self.cluster is not None else {}
+        served = self.served_as(name) if name in self._served or name in published else None
+        entry = published.get(name) or (published.get(served) if served else None)
+        if entry is not None:
+            return entry.pipeline or ""
+        if served is None:
+            return None
+        return self.pipelines.get(served)
+
+    def pipeline_of(self, name: str, published: PublishedModel | None = None) -> str:
+        """The pipeline of model `name`: what its workers publish (`published`: its entry,
+        under its served name), else the configured one (the unnamed pipeline for a model not
+        configured here)."""
+        if published is not None:
+            return published.pipeline or ""
+        return self.pipelines.get(self.served_as(name), "")
 
     async def describe(self, name: str) -> dict[str, Any]:
         """`max_model_len` (None: not known yet) and the effective `generation_defaults` of a

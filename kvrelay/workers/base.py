@@ -81,7 +81,8 @@ class Worker:
         self.config = config
         self.store_node = store_node
         self.engine = engine
-        self.keys = Keys(config.key_prefix, shards=config.shards)
+        # the work streams of this worker's model pipeline ("" the unnamed one)
+        self.keys = Keys(config.key_prefix, shards=config.shards, pipeline=config.pipeline)
         self.name = config.worker_name(self.role)
         self.r = client or sync_redis(config.redis_url, health_check_interval=10)
         self.admissions: queue.Queue[Admission] = queue.Queue()
@@ -106,6 +107,7 @@ class Worker:
                 page_size=self.page_size,
                 max_model_len=engine.max_model_len,
                 vocab_size=engine.vocab_size,
+                pipeline=config.pipeline or None,  # where producers queue its requests
             ),
             config.generation_override,
         )

@@ -15,6 +15,7 @@ from kvrelay.core.config import (
     nested,
     read_config_file,
 )
+from kvrelay.core.keys import check_pipeline
 from kvrelay.core.modelref import (
     normalize_attention_precision,
     normalize_kv_cache_dtype,
@@ -54,6 +55,10 @@ class WorkerConfig(RedisSettings):
     # Only decode steps speculate; a prefill worker stops after the first token.
     engine: EngineConfig = nested(worker_engine, ENGINE_NAMES)
     store_run_dir: str | None = None  # the local store node's run dir; None: no store
+    # the model pipeline whose streams this worker reads (`kvrelay.core.keys`): "" the unnamed
+    # one (a single-model stack's keys), else `stream:prefill:<pipeline>`; `kvrelay up` names
+    # one per model after the first. Every worker of a model, and only those, set the same.
+    pipeline: str = ""
     # the pipeline shards this worker serves, comma-separated ("1,2"); None: every shard
     serve_shards: str | None = None
     lease_ms: int = 10000  # a worker silent (no heartbeat) this long loses its entries
@@ -112,6 +117,10 @@ class WorkerConfig(RedisSettings):
         generation_override(self.override_generation_config)
         check_shards(self.shards)
         self.shard_list()
+        try:
+            check_pipeline(self.pipeline)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return self
 
     def shard_list(self) -> list[int]:

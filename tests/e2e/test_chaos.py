@@ -84,11 +84,13 @@ def chat_body(i: int, salt: str = "") -> dict:
     return body
 
 
-def run_all(stack: Stack, tag: str, indices: list[int]) -> dict[int, StreamResult]:
-    """Requests `indices`, 8 at a time."""
+def run_all(
+    stack: Stack, tag: str, indices: list[int], body: Callable[[int, str], dict] = chat_body
+) -> dict[int, StreamResult]:
+    """Requests `indices` (`body(i, salt)` each), 8 at a time."""
     with httpx.Client() as client, ThreadPoolExecutor(CONCURRENCY) as pool:
         futures = {
-            i: pool.submit(stream_chat, client, stack.url, chat_body(i, tag), f"{tag}-{SEED}-{i}")
+            i: pool.submit(stream_chat, client, stack.url, body(i, tag), f"{tag}-{SEED}-{i}")
             for i in indices
         }
         return {i: f.result() for i, f in futures.items()}
@@ -100,6 +102,7 @@ def run_for(
     seconds: float,
     min_requests: int,
     done: Callable[[], bool] = lambda: True,
+    body: Callable[[int, str], dict] = chat_body,
 ) -> dict[int, StreamResult]:
     """A closed loop of 8 streams sending requests 0, 1, 2, ... until `seconds` have passed,
     at least `min_requests` were sent and `done()` says so; waits for every request to end."""
@@ -113,7 +116,7 @@ def run_for(
                     i = next(counter)
                     if time.monotonic() - t0 > seconds and i >= min_requests and done():
                         return
-                results[i] = stream_chat(client, stack.url, chat_body(i, tag), f"{tag}-{SEED}-{i}")
+                results[i] = stream_chat(client, stack.url, body(i, tag), f"{tag}-{SEED}-{i}")
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         for f in [pool.submit(stream) for _ in range(CONCURRENCY)]:
@@ -123,26 +126,35 @@ def run_for(
 
 class Chaos:
     """Kills a random running victim every ~1.5 s and Valkey at random times, from one seed,
-    for at least `min_kills` kills (Valkey among them) however slowly victims restart."""
+    for at least `min_kills` kills (Valkey among them) however slowly victims restart; new
+    requests start for `chaos_s` seconds, the churn stops `CHAOS_MAX_S - CHAOS_S` after."""
 
-    def __init__(self, stack: Stack, seed: int, min_kills: int):
+    def __init__(
+        self,
+        stack: Stack,
+        seed: int,
+        min_kills: int,
+        victims: tuple[str, ...] = VICTIMS,
+        chaos_s: float = CHAOS_S,
+    ):
         self.stack, self.rng, self.min_kills = stack, random.Random(seed), min_kills
+        self.victims, self.max_s = victims, chaos_s + CHAOS_MAX_S - CHAOS_S
         self.valkeys = stack.valkeys  # a cluster: one of its nodes each time
         self.kills: list[tuple[float, str]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         # one Valkey restart per ~40 s of churn, the first early on
         self.valkey_at = sorted(self.rng.uniform(2, 5) + 40 * k
-                                for k in range(max(1, int(CHAOS_S // 40))))  # fmt: skip
+                                for k in range(max(1, int(chaos_s // 40))))  # fmt: skip
 
     def _run(self) -> None:
         t0 = time.monotonic()
         while not self.stop.wait(self.rng.uniform(*KILL_EVERY_S)):
             now = time.monotonic() - t0
-            if now > CHAOS_MAX_S:
+            if now > self.max_s:
                 return
             states = self.stack.sup.status()
-            victim = self.rng.choice(VICTIMS)
+            victim = self.rng.choice(self.victims)
             if self.valkey_at and now >= self.valkey_at[0]:
                 self.valkey_at.pop(0)
                 victim = self.rng.choice(self.valkeys)
@@ -170,18 +182,25 @@ def test_no_request_lost_under_churn(stack):
     churn_and_compare(stack)
 
 
-def churn_and_compare(stack: Stack) -> None:
-    """Requests under churn (workers, store, Valkey killed) end exactly as undisturbed."""
-    print(f"\nchaos seed {SEED} (replay: KVRELAY_CHAOS_SEED={SEED}), {CHAOS_S:.0f} s of churn")
+def churn_and_compare(
+    stack: Stack,
+    victims: tuple[str, ...] = VICTIMS,
+    body: Callable[[int, str], dict] = chat_body,
+    chaos_s: float = CHAOS_S,
+    chaos: type[Chaos] = Chaos,
+) -> tuple[dict[int, StreamResult], list[tuple[float, str]]]:
+    """Requests (`body(i, salt)`) under churn (`victims` and Valkey killed by `chaos`) end
+    exactly as undisturbed; returns them and the kills (seconds into the churn, program)."""
+    print(f"\nchaos seed {SEED} (replay: KVRELAY_CHAOS_SEED={SEED}), {chaos_s:.0f} s of churn")
     t0 = time.monotonic()
-    with Chaos(stack, SEED, min_kills=int(CHAOS_S / 4)) as chaos:
-        got = run_for(stack, "chaos", CHAOS_S, MIN_REQUESTS, chaos.enough)
+    with chaos(stack, SEED, int(chaos_s / 4), victims, chaos_s) as churn:
+        got = run_for(stack, "chaos", chaos_s, MIN_REQUESTS, churn.enough, body)
     t_chaos = time.monotonic() - t0
-    ref = run_all(stack, "ref", sorted(got))  # undisturbed: nothing is killed any more
+    ref = run_all(stack, "ref", sorted(got), body)  # undisturbed: nothing is killed any more
     t_ref = time.monotonic() - t0 - t_chaos
     for i, r in ref.items():
         assert r.error is None and r.finish_reason and not r.index_errors, (i, r, stack.logs())
-    kills = chaos.kills
+    kills = churn.kills
     identical = sum(
         (g.text, g.finish_reason, g.num_tokens) == (ref[i].text, ref[i].finish_reason,
                                                     ref[i].num_tokens)
@@ -195,13 +214,14 @@ def churn_and_compare(stack: Stack) -> None:
     )
     # the churn ran its course (new requests kept coming until it had): at least one kill per
     # 4 s of the window, Valkey among them; only a churn cut off at CHAOS_MAX_S falls short
-    assert any(v.startswith("valkey") for _, v in kills) and len(kills) >= chaos.min_kills, kills
+    assert any(v.startswith("valkey") for _, v in kills) and len(kills) >= churn.min_kills, kills
     for i, g in got.items():
         assert not g.index_errors, (i, g.index_errors)
         assert g.error is None, (i, g.error)
         assert (g.text, g.finish_reason) == (ref[i].text, ref[i].finish_reason), i
     assert identical == len(got)
     assert sum(stack.redis.xlen(keys.dlq) for keys in stack.keys.all()) == 0
+    return got, kills
 
 
 def _kill_every_holder(stack: Stack, request_id: str, stop: threading.Event) -> list[str]:

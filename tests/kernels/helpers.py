@@ -136,12 +136,13 @@ def attend_batch(
     device="cpu",
     kv_dtype=None,
     precision="fp32",
+    window=0,
 ):
     """Attention for a batch of (SeqData, context_len, num_query_rows); outputs per sequence.
 
     The pool places pages in random blocks (seeded), so layouts differ between calls. Its dtype
     is `kv_dtype` (default: the keys' dtype); queries keep the keys' dtype. `precision`: the
-    dot products' (ops.paged_attention).
+    dot products' (ops.paged_attention); `window`: its sliding window (0: full attention).
     """
     from kvrelay.kernels import paged_attention
 
@@ -164,5 +165,7 @@ def attend_batch(
     write_kv(pool, 0, keys, values, full.slot_mapping)
     meta = build_meta(tables, [c for _, c, _ in specs], [n for _, _, n in specs], page_size, device)
     query = torch.cat([s.queries[c - n : c] for s, c, n in specs]).to(device)
-    out = paged_attention(query, pool, 0, meta, scale, impl=impl, precision=precision)
+    out = paged_attention(
+        query, pool, 0, meta, scale, impl=impl, precision=precision, window=window
+    )
     return list(out.cpu().split([n for _, _, n in specs]))

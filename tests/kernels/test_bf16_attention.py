@@ -149,8 +149,8 @@ def test_shared_prefix_rows_equal_rows_alone(shape) -> None:
     [
         (torch.float32, 16, 64, "bfloat16 KV pool"),
         (torch.bfloat16, 8, 64, "multiple of 16"),
-        (torch.bfloat16, 16, 16, "head_dim 32, 64 or 128"),
-        (torch.bfloat16, 16, 96, "head_dim 32, 64 or 128"),
+        (torch.bfloat16, 16, 16, "head_dim 32, 64, 128 or 256"),
+        (torch.bfloat16, 16, 96, "head_dim 32, 64, 128 or 256"),
     ],
 )
 def test_shapes_it_cannot_run_are_refused(pool_dtype, page_size, head_dim, says) -> None:

@@ -67,11 +67,23 @@ ATTENTION = {
 }
 
 
-def check_attention(ctx, qlen, kw) -> tuple[bool, str]:
+# sliding windows (case, windows): under a page, tiles of 64 keys skipped before a window,
+# Gemma 3's MQA at head_dim 256, a window over the whole context
+WINDOWED = {
+    "window_small_pages": (([150, 33, 2], [20, 1, 2]), {"page_size": 8}, (1, 3, 70)),
+    "window_mqa_d256": (([90, 5], [3, 1]), {"heads": 4, "kv_heads": 1, "head_dim": 256}, (2, 70)),
+    "window_over_context": (([40, 9], [40, 1]), {}, (40, 1000)),
+}
+
+
+def check_attention(ctx, qlen, kw, windows=(0,), scale=0.3) -> tuple[bool, str]:
     case = make_case(ctx, qlen, **kw)
-    got = paged_attention(case.query, case.kv_pool, 1, case.meta, 0.3, impl="triton")
-    ref = paged_attention(case.query, case.kv_pool, 1, case.meta, 0.3, impl="torch")
-    err = (got - ref).abs().max().item()
+    err = 0.0
+    for w in windows:
+        args = (case.query, case.kv_pool, 1, case.meta, scale)
+        got = paged_attention(*args, impl="triton", window=w)
+        ref = paged_attention(*args, impl="torch", window=w)
+        err = max(err, (got - ref).abs().max().item())
     return err < 2e-6, f"max abs err {err:.3g}"
 
 
@@ -185,6 +197,9 @@ def main() -> None:
     results = {}
     for name, ((ctx, qlen), kw) in ATTENTION.items():
         results[name] = check_attention(ctx, qlen, kw)
+    for name, ((ctx, qlen), kw, windows) in WINDOWED.items():
+        scale = kw.get("head_dim", 16) ** -0.5  # the model's
+        results[name] = check_attention(ctx, qlen, kw, windows, scale)
     results["decode_and_chunks"] = check_decode_and_chunks()
     results["write_kv"] = check_write_kv()
     results["pages"] = check_pages()

@@ -54,7 +54,7 @@ def test_auto_is_bf16_only_where_every_condition_holds():
         ({"kv_dtype": "float32"}, "bf16 KV pages"),
         ({"device_type": "cuda"}, "an fp32 model on CPU"),
         ({"page_size": 24}, "multiple of 16"),
-        ({"head_dim": 96}, "head_dim 32, 64 or 128"),
+        ({"head_dim": 96}, "head_dim 32, 64, 128 or 256"),
     ],
 )
 def test_bf16_where_it_cannot_run_says_why(change, says):

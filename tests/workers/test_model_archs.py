@@ -1,5 +1,5 @@
-"""Tiny random Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 checkpoints: our forward vs
-transformers, and loading."""
+"""Tiny random Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 / Gemma 3 checkpoints: our
+forward vs transformers, and loading."""
 
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ ARCHS = {
              bos_token_id=1, eos_token_id=2, pad_token_id=2),
     ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=32)),
+    # a window of 16 on every layer: the 70 tokens reach far past it
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
+    # local (window 8, base 10,000) and global (base 1e6) layers, MQA, QK-norm, (1 + w) norms,
+    # sandwich norms, GeGLU, scaled embeddings, query_pre_attn_scalar, a logit soft cap
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(head_dim=32, num_key_value_heads=1, sliding_window=8, query_pre_attn_scalar=24,
+             layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0),
+    ),
     "llama3-rope": (
         "LlamaConfig",
         "LlamaForCausalLM",
@@ -63,6 +73,15 @@ ARCHS = {
         dict(attention_bias=True, mlp_bias=True, num_key_value_heads=4),
     ),
 }  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_from_the_default_cache():
+    """Load the C++ kernels before the tests point KVRELAY_CACHE_DIR at a temporary directory
+    (the build is cached there: a fresh directory would compile them again, ~1 min)."""
+    from kvrelay.kernels import cpu_build
+
+    cpu_build.load()
 
 
 def _tiny_checkpoint(arch: str, path, model_dir):
@@ -132,10 +151,13 @@ def test_config_reads_architecture_features(tmp_path, model_dir):
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8-weight-only"])
-@pytest.mark.parametrize("arch", ["qwen3", "smollm3"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3", "smollm3", "gemma3", "phi3", "mistral-window", "qwen2-bias"]
+)
 def test_family_rows_alone_equal_rows_in_a_batch(arch, quantization, tmp_path, monkeypatch,
                                                  model_dir):  # fmt: skip
-    """QK-norm runs per head row, NoPE layers write K/V as projected: a sequence's logits are
+    """QK-norm runs per head row, NoPE layers write K/V as projected, windows and Gemma's
+    norms and GeGLU are row-local: a sequence's logits are
     the same alone and beside another, in fp32 (the Python loop) and with C++ linears (the C++
     decoder, whose logits are the Python loop's to the bit)."""
     from kvrelay.kernels import int8_linear_available
@@ -148,7 +170,7 @@ def test_family_rows_alone_equal_rows_in_a_batch(arch, quantization, tmp_path, m
     loaded = load_model(tmp_path / arch, dtype="float32", device="cpu", progress=False,
                         quantization=quantization)  # fmt: skip
     model = loaded.model
-    assert type(model) is model_class(arch) and type(model).__name__.lower().startswith(arch)
+    assert type(model) is model_class(model.config.model_type)
     assert (model.cpu_decoder is None) == (quantization == "none")
     ran: list[bool] = []
     if model.cpu_decoder is not None:  # count the steps the C++ decoder took
@@ -168,18 +190,27 @@ def test_family_rows_alone_equal_rows_in_a_batch(arch, quantization, tmp_path, m
         assert all(torch.equal(alone[(0, p)], loop[(0, p)]) for p in range(21))
 
 
-def test_an_active_sliding_window_caps_the_context():
-    """Until windows reach the KV cache, a model with one is served within it (where its
-    attention is exactly full attention); an unused window (Qwen's flag off) changes nothing."""
+def test_sliding_windows_are_applied_where_implemented_else_cap_the_context():
+    """Mistral's window and Gemma 3's local layers are applied by the decoder (the context is
+    the model's whole length); Qwen2/3's windows are not, so a model using one is served within
+    it (where its attention is exactly full attention); an unused window changes nothing."""
     from kvrelay.core.modelref import context_length
 
     mistral = {**COMMON, "model_type": "mistral", "sliding_window": 64}
-    assert ModelConfig.from_hf(mistral).max_position_embeddings == 64 == context_length(mistral)
-    assert context_length({**mistral, "sliding_window": None}) == 256
-    assert context_length({**mistral, "sliding_window": 4096}) == 256
+    assert ModelConfig.from_hf(mistral).max_position_embeddings == 256 == context_length(mistral)
+    assert ModelConfig.from_hf(mistral).layer_windows == (64, 64)
+    assert ModelConfig.from_hf({**mistral, "sliding_window": None}).layer_windows == ()
     qwen = {**COMMON, "model_type": "qwen2", "sliding_window": 32, "use_sliding_window": False}
     assert ModelConfig.from_hf(qwen).max_position_embeddings == 256
+    assert ModelConfig.from_hf(qwen).layer_windows == ()
     assert context_length({**qwen, "use_sliding_window": True}) == 32
+    gemma = {**COMMON, "model_type": "gemma3_text", "num_hidden_layers": 7,
+             "sliding_window": 512, "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
+    cfg = ModelConfig.from_hf(gemma)  # no layer_types: every 6th layer global, as transformers
+    assert cfg.layer_windows == (512, 512, 512, 512, 512, 0, 512)
+    assert [cfg.rope_set(i) for i in range(7)] == [1, 1, 1, 1, 1, 0, 1]
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.activation) == (1e6, 1e4, "gelu_tanh")
+    assert cfg.max_position_embeddings == 256 == context_length(gemma)
 
 
 PHI3 = dict(
@@ -236,3 +267,48 @@ def test_phi3_partial_rotary_and_longrope_match_transformers(
     else:  # int8 weights: close to fp32's logits, and the same greedy tokens
         assert (ours - ref).abs().max().item() < 0.05
         assert ours.argmax(-1).tolist() == ref.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_engine_greedy_equals_transformers_and_resumes_exactly(arch, tmp_path, monkeypatch,
+                                                               model_dir):  # fmt: skip
+    """Through the engine (paged pool, chunked prefill of 16 tokens, prefix cache): 64 greedy
+    tokens equal transformers' `generate`; a sampled request given its first 30 tokens on a
+    fresh engine (as a decode worker resumes one) continues with exactly the rest; a prompt
+    sharing a cached prefix gets the tokens it gets alone (Mistral's and Gemma 3's windows
+    reach back past the cached pages)."""
+    from kvrelay.core.sampling import SamplingParams
+    from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
+
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    hf = _tiny_checkpoint(arch, tmp_path / arch, model_dir)
+    loaded = load_model(tmp_path / arch, dtype="float32", device="cpu", progress=False)
+
+    def engine() -> Engine:
+        config = EngineConfig(num_blocks=64, max_num_batched_tokens=16, speculation="off",
+                              kv_cache_dtype="fp32")  # fmt: skip
+        return Engine(config, loaded=loaded)
+
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, COMMON["vocab_size"], (40,), generator=g).tolist()
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    ours = engine().generate([prompt], [greedy])[0].new_token_ids
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
+                          min_new_tokens=64)[0, 40:].tolist()  # fmt: skip
+    assert ours == ref
+    sp = SamplingParams(max_tokens=48, temperature=1.0, seed=1234, ignore_eos=True)
+    first = engine()
+    full = first.generate([prompt], [sp], ["s"])[0].new_token_ids
+    fresh = engine()
+    fresh.add_request("s2", prompt, sp, output_token_ids=full[:30])
+    rest: list[int] = []
+    while fresh.has_unfinished_requests():
+        for out in fresh.step():
+            rest.extend(out.new_token_ids)
+    assert full[:30] + rest == full
+    # a longer prompt over `first`'s cached pages: as it is alone on a fresh engine
+    longer = prompt + full[:20]
+    cached = first.generate([longer], [greedy])[0]
+    assert cached.num_cached_tokens >= 48
+    assert cached.new_token_ids == engine().generate([longer], [greedy])[0].new_token_ids

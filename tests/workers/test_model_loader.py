@@ -232,7 +232,7 @@ def test_conversion_note_estimates_from_the_file_size():
 
     ref = resolve_model(None)  # the bundled 98,362,432-byte GGUF
     assert conversion_note(ref) == (
-        f"converting {ref.source} (98 MB) to safetensors, once: about 20-59 s on 2 cores at "
+        f"converting {ref.source} (98 MB) to safetensors, once: about 3-10 s on 2 cores at "
         "this size, longer on a busy host"
     )
 
@@ -261,13 +261,13 @@ def test_an_unsupported_gguf_is_refused_from_its_header_before_converting(
     from kvrelay.workers.model.gguf_header import check_gguf_architecture, header_value
 
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
-    gemma = _gguf_with_header(tmp_path / "gemma-3-270m.gguf", "gemma3", vocab=300)
+    gemma = _gguf_with_header(tmp_path / "gemma-2-2b.gguf", "gemma2", vocab=300)
     assert header_value(gemma, "zz.after") == "found"  # past the token arrays
-    assert header_value(gemma, "gemma3.context_length") == 512
+    assert header_value(gemma, "gemma2.context_length") == 512
     assert header_value(gemma, "no.such.key") is None
     message = (
-        "gemma-3-270m.gguf: GGUF architecture 'gemma3' (model_type 'gemma3_text') is not "
-        "supported; supported: ('llama', 'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3')"
+        "gemma-2-2b.gguf: GGUF architecture 'gemma2' (model_type 'gemma2') is not supported; "
+        "supported: ('gemma3_text', 'llama', 'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3')"
     )
     with pytest.raises(UnsupportedModelError) as refused:
         prepare_model(gemma, progress=False)
@@ -285,6 +285,6 @@ def test_an_unsupported_config_is_refused_before_linking(tmp_path, monkeypatch, 
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
     src = _tiny(tmp_path / "phi", model_dir)
     cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "gemma3_text"}))
-    with pytest.raises(UnsupportedModelError, match="model_type 'gemma3_text' is not supported"):
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "gemma2"}))
+    with pytest.raises(UnsupportedModelError, match="model_type 'gemma2' is not supported"):
         prepare_model(src, progress=False)

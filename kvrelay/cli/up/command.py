@@ -4,7 +4,9 @@ Programs: valkey (embedded, append-only, unless --redis-url; N cluster nodes wit
 `kvrelay.cli.up.valkey`), one store node, the ingress, N
 prefill and M decode workers (chosen for the host unless given: `kvrelay.cli.up.topology`).
 The model is prepared (converted) once before any worker starts, and the host's cores are
-divided between the workers so they do not oversubscribe the CPU.
+divided between the workers so they do not oversubscribe the CPU. With several models
+(`--model A --model B`), each gets its own store node and N + M workers on its own pipeline
+(`kvrelay.cli.up.models`), and the cores are divided between all of them.
 """
 
 from __future__ import annotations
@@ -19,14 +21,22 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.cli.errors import EXIT_FAILURE, EXIT_UNAVAILABLE, CommandError
 from kvrelay.cli.serve import SERVE_FLAGS
 from kvrelay.cli.up.launch import Program, Supervisor, check_port_free, read_state
+from kvrelay.cli.up.models import ServedModel, plan_models, state_stores
 from kvrelay.cli.up.progress import UpProgress
 from kvrelay.cli.up.ready import CrashLoopError, check_redis, wait_ready
 from kvrelay.cli.up.topology import Topology, choose, default_weights
 from kvrelay.cli.up.valkey import check_ports_free, check_shards, embedded_valkey, start_cluster
 from kvrelay.cli.up.valkey_cluster import MAX_SHARDS, ClusterError
 from kvrelay.cli.worker import KV_DTYPE_CHOICES, SPECULATION_CHOICES
-from kvrelay.core.config import DEFAULT_KEY_PREFIX, check_redis_url, env_name, setting
-from kvrelay.core.enums import Quantization, Speculation, Stage
+from kvrelay.core.config import (
+    DEFAULT_KEY_PREFIX,
+    ConfigError,
+    check_redis_url,
+    env_name,
+    read_config_file,
+    setting,
+)
+from kvrelay.core.enums import Quantization, Speculation
 from kvrelay.core.modelref import (
     ATTENTION_PRECISIONS,
     DEFAULT_MODEL,
@@ -76,12 +86,31 @@ def _env_item(text: str) -> str:
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
     count, size = _number(int, 0, what="count"), _number(int, 1, what="size")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or path")
     p.add_argument(
-        "--prefill", type=count, default=None, help="prefill workers (default: chosen for the host)"
+        "--model",
+        action="append",
+        default=None,
+        help="model name or path (repeatable: each model gets its own workers, store node and "
+        "streams; default: the --config file's [ingress] models, else smollm2-135m-instruct)",
     )
     p.add_argument(
-        "--decode", type=count, default=None, help="decode workers (default: chosen for the host)"
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="TOML settings file for every program (`kvrelay serve|worker|store --config`); "
+        "its [ingress] models are the models to serve when no --model is given",
+    )
+    p.add_argument(
+        "--prefill",
+        type=count,
+        default=None,
+        help="prefill workers per model (default: chosen for the host)",
+    )
+    p.add_argument(
+        "--decode",
+        type=count,
+        default=None,
+        help="decode workers per model (default: chosen for the host)",
     )
     p.add_argument("--host", default="127.0.0.1", help="ingress bind address")
     p.add_argument(
@@ -181,6 +210,43 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     )
     for flag, dest, kind, help_text in INGRESS_FLAGS:
         limits.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
+
+
+def resolve_models(args: argparse.Namespace) -> list[str]:
+    """The models to serve, in order (once): `--model` (repeatable), else the `--config`
+    file's `models` (its `[ingress]` table or top level), else the default model. Sets
+    `args.models` and `args.model` (the first)."""
+    models = getattr(args, "models", None)
+    if models:
+        return models
+    given = args.model
+    if isinstance(given, str):
+        given = [given]
+    if not given:
+        try:
+            values = read_config_file(getattr(args, "config", None), INGRESS_SECTION)
+        except ConfigError as exc:
+            raise CommandError(str(exc)) from None
+        listed = values.get("models") or [DEFAULT_MODEL]
+        if isinstance(listed, str):
+            listed = [listed]
+        if not isinstance(listed, list) or not all(isinstance(m, str) and m for m in listed):
+            raise CommandError(
+                f"models in {args.config} must be a list of model names or paths, got {listed!r}"
+            )
+        given = listed
+    args.models, args.model = list(given), given[0]
+    return args.models
+
+
+def served_models(args: argparse.Namespace, run_dir: Path, store_node: str) -> list[ServedModel]:
+    """Each model's pipeline, store node and worker names (CommandError, exit 2, for two
+    names of one model or two models whose pipelines would clash)."""
+    topo = resolve_topology(args)
+    try:
+        return plan_models(resolve_models(args), run_dir, store_node, topo.prefill, topo.decode)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def extra_env(args: argparse.Namespace) -> dict[str, str]:
@@ -312,6 +378,7 @@ def resolve_topology(args: argparse.Namespace) -> Topology:
         args.prefill,
         args.decode,
         wants_prefill=asked in (RouteMode.AUTO, RouteMode.DISAGGREGATED),
+        models=len(resolve_models(args)),
     )
     args.prefill, args.decode, args.topology = topo.prefill, topo.decode, topo
     return topo
@@ -358,7 +425,12 @@ def resolve_kv_cache_dtype(
 
 
 def resolve_attention(
-    args: argparse.Namespace, env: dict[str, str], kv_dtype: str, model_dtype: str, device: str
+    args: argparse.Namespace,
+    env: dict[str, str],
+    kv_dtype: str,
+    model_dtype: str,
+    device: str,
+    model: str | None = None,
 ) -> str:
     """The workers' attention precision ("fp32" or "bf16") for --attention-precision (or,
     given `auto`, KVRELAY_WORKER_ATTENTION_PRECISION), `auto` resolved by the workers' own rule
@@ -376,7 +448,7 @@ def resolve_attention(
         )
     page_size = setting(WorkerConfig, "page_size", SECTION, seen, deprecated=DEPRECATED_SECTIONS)
     try:
-        model_dir = converted_dir(resolve_model(args.model))
+        model_dir = converted_dir(resolve_model(model or resolve_models(args)[0]))
         head_dim: int | None = config_head_dim(read_config(model_dir))
     except (OSError, ValueError, KeyError):  # not prepared here: the workers check it
         head_dim = None
@@ -397,8 +469,10 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     valkey_state: dict[str, Any] = {}
     if redis_url is None:
         programs, redis_url, valkey_state = embedded_valkey(args, run_dir)
+    models = resolve_models(args)
+    config = getattr(args, "config", None)
+    config_flags = ["--config", str(Path(config).resolve())] if config else []
     store_dir = run_dir / "store"
-    (store_dir / "disk").mkdir(parents=True, exist_ok=True)
     env = {
         "KVRELAY_REDIS_URL": redis_url,
         "KVRELAY_KEY_PREFIX": args.key_prefix,
@@ -410,7 +484,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "KVRELAY_STORE_DISK_DIR": str(store_dir / "disk"),
         "KVRELAY_STORE_ARENA_BYTES": str(args.arena_bytes),
         "KVRELAY_STORE_DISK_BYTES": str(args.disk_bytes),
-        "KVRELAY_INGRESS_MODELS": args.model,
+        "KVRELAY_INGRESS_MODELS": ",".join(models),
         "KVRELAY_WORKER_MODEL": args.model,
         "PYTHONUNBUFFERED": "1",
     }
@@ -433,39 +507,77 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     env["KVRELAY_WORKER_KV_CACHE_DTYPE"] = SHORT_DTYPE_NAMES[kv_dtype]
     env.setdefault("KVRELAY_STORE_DTYPE", kv_dtype)
     device = "cuda" if gpus else "cpu"
-    attention = resolve_attention(args, env, kv_dtype, model_dtype, device)
-    env["KVRELAY_WORKER_ATTENTION_PRECISION"] = attention
-    env.setdefault("KVRELAY_STORE_ATTENTION_PRECISION", attention)
     env.setdefault("KVRELAY_STORE_MODEL_DTYPE", model_dtype)
-    programs.append(Program("store", [*py, "store"], env=env, priority=20))
+    store_node = setting(StoreConfig, "node_id", STORE_SECTION, env)
+    served = served_models(args, run_dir, store_node)
+    # Each model has a store node of its own (an arena holds pages of one size and model);
+    # the host's store budget is divided between them.
+    num_models = len(served)
+    arena_bytes, disk_bytes = args.arena_bytes // num_models, args.disk_bytes // num_models
+    attention: dict[str, str] = {}
+    model_envs: list[dict[str, str]] = []
+    for m in served:
+        (Path(m.store_run_dir) / "disk").mkdir(parents=True, exist_ok=True)
+        attention[m.served] = resolve_attention(args, env, kv_dtype, model_dtype, device, m.given)
+        menv = dict(env)
+        menv.setdefault("KVRELAY_STORE_ATTENTION_PRECISION", attention[m.served])
+        menv["KVRELAY_WORKER_ATTENTION_PRECISION"] = attention[m.served]
+        if num_models > 1:
+            menv.update(
+                {
+                    "KVRELAY_STORE_RUN_DIR": m.store_run_dir,
+                    "KVRELAY_STORE_MODEL": m.given,
+                    "KVRELAY_STORE_DISK_DIR": str(Path(m.store_run_dir) / "disk"),
+                    "KVRELAY_STORE_NODE_ID": m.store_node,
+                    "KVRELAY_STORE_ARENA_BYTES": str(arena_bytes),
+                    "KVRELAY_STORE_DISK_BYTES": str(disk_bytes),
+                    "KVRELAY_WORKER_MODEL": m.given,
+                    "KVRELAY_WORKER_PIPELINE": m.pipeline,
+                }
+            )
+        model_envs.append(menv)
+    for m, menv in zip(served, model_envs, strict=True):
+        programs.append(Program(m.store, [*py, "store", *config_flags], env=menv, priority=20))
+    first_env = model_envs[0]
     programs.append(
         Program(
             "ingress",
-            [*py, "serve", "--host", args.host, "--port", str(args.port), *ingress_flags(args)],
-            env=dict(env, **{MODE_ENV: mode}),
+            [
+                *py,
+                "serve",
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+                *ingress_flags(args),
+                *config_flags,
+            ],  # fmt: skip
+            env=dict(first_env, **{MODE_ENV: mode}),
             priority=30,
         )
     )
     threads = topo.threads
-    roles = [(Stage.PREFILL, i) for i in range(args.prefill)]
-    roles += [(Stage.DECODE, i) for i in range(args.decode)]
     # the workers publish the defaults with the model: producers elsewhere apply them too
     override = getattr(args, "override_generation_config", None)
     worker_flags = ["--override-generation-config", override] if override is not None else []
-    for n, (role, i) in enumerate(roles):
-        wenv = dict(env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        if gpus:
-            wenv["CUDA_VISIBLE_DEVICES"] = str(n % gpus)  # one GPU per worker, round robin
-        programs.append(
-            Program(
-                f"{role}-{i}",
-                [*py, "worker", role, "--name", f"{role}-{i}", "--threads", str(threads)]
-                + worker_flags,
-                env=wenv,
-                priority=40,
-                startsecs=2,
+    n = 0
+    for m, menv in zip(served, model_envs, strict=True):
+        for role, name in m.roles():
+            wenv = dict(menv, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+            if gpus:
+                wenv["CUDA_VISIBLE_DEVICES"] = str(n % gpus)  # one GPU per worker, round robin
+            n += 1
+            programs.append(
+                Program(
+                    name,
+                    [*py, "worker", role, "--name", name, "--threads", str(threads)]
+                    + worker_flags
+                    + config_flags,
+                    env=wenv,
+                    priority=40,
+                    startsecs=2,
+                )
             )
-        )
     state = {
         "redis_url": redis_url,
         "key_prefix": args.key_prefix,
@@ -478,16 +590,22 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "store_run_dir": str(store_dir),
         "threads_per_worker": threads,
         "programs": [p.name for p in programs],
-        "store_node": setting(StoreConfig, "node_id", STORE_SECTION, env),
-        "prefill": args.prefill,
-        "decode": args.decode,
+        "store_node": store_node,
+        "prefill": args.prefill * num_models,  # all models' workers (what /health counts)
+        "decode": args.decode * num_models,
         "topology": topo.to_dict(),
         "quantization": quantization,
         "kv_cache_dtype": SHORT_DTYPE_NAMES[kv_dtype],  # resolved: what the workers hold
-        "attention_precision": attention,  # resolved
+        "attention_precision": attention[served[0].served],  # resolved (the first model's)
         "speculation": speculation_mode(check_worker_config(args)),  # resolved
         **valkey_state,
     }
+    if num_models > 1:
+        state["models"] = [
+            dict(m.to_dict(), attention_precision=attention[m.served]) for m in served
+        ]
+    if config:
+        state["config"] = str(Path(config).resolve())
     if "cluster" in valkey_state:  # started by start_cluster once the cluster is ok
         for prog in programs[args.shards :]:
             prog.autostart = False
@@ -498,9 +616,19 @@ def _preflight(args: argparse.Namespace, run_dir: Path) -> None:
     """Refuse, before launching anything, what would make the stack fail or join another one."""
     if args.redis_url is not None:
         check_redis_url(args.redis_url, "--redis-url")  # bad usage: exit 2
+    config = getattr(args, "config", None)
+    if config is not None and not Path(config).is_file():
+        raise CommandError(f"--config: no such file {config}")
+    served_models(args, run_dir, "node0")  # two names of one model: bad usage
     check_shards(args, run_dir)
     check_ingress_config(args, ingress_mode(args))
-    check_worker_config(args)
+    workers = check_worker_config(args)
+    if speculation_mode(workers) == Speculation.DRAFT and len(resolve_models(args)) > 1:
+        # one draft model for every worker: it must share each model's tokenizer
+        raise CommandError(
+            "a draft model (--draft-model, speculation draft) needs one model per stack; "
+            "with several models use --speculation ngram or off"
+        )
     if Supervisor(run_dir).pid() is not None:
         raise CommandError(f"a stack is already running in {run_dir}", EXIT_UNAVAILABLE)
     check_port_free(args.host, args.port)
@@ -520,7 +648,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     workers = check_worker_config(args)
     # convert once here so workers never race to do it; the draft model too, when they load one
-    models = [("", args.model)]
+    models: list[tuple[str, str | None]] = [("", name) for name in resolve_models(args)]
     if speculation_mode(workers) == Speculation.DRAFT:
         models.append(("draft model: ", workers.engine.draft_model))
     for what, name in models:
@@ -574,7 +702,8 @@ def run_up(args: argparse.Namespace) -> int:
             sup.stop()
             raise CommandError(f"not ready; stopping. Logs in {logs}", EXIT_FAILURE) from None
         if reason is None:
-            print(f"kvrelay: serving {args.model} at {where} (Ctrl-C stops)", file=sys.stderr)
+            names = ", ".join(resolve_models(args))
+            print(f"kvrelay: serving {names} at {where} (Ctrl-C stops)", file=sys.stderr)
         elif proc.poll() is None:
             print(f"kvrelay up: not ready after {args.timeout:g}s ({reason})", file=sys.stderr)
         return sup.wait()
@@ -607,12 +736,13 @@ def run_down(args: argparse.Namespace) -> int:
 
 
 def _remove_arena(state: dict) -> None:
-    """Give the store's shared-memory arena back (RAM); the disk tier stays for the next `up`."""
-    store_dir = state.get("store_run_dir")
-    if not store_dir:
+    """Give the store nodes' shared-memory arenas back (RAM); the disk tiers stay for the next
+    `up`."""
+    stores = state_stores(state)
+    if not stores:
         return
     from kvrelay.kvstore.config import StoreConfig
     from kvrelay.kvstore.server import arena_path
 
-    path = arena_path(StoreConfig(run_dir=store_dir))
-    path.unlink(missing_ok=True)
+    for _node, store_dir in stores.values():
+        arena_path(StoreConfig(run_dir=store_dir)).unlink(missing_ok=True)

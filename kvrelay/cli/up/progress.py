@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvrelay.cli.up.launch import listens
+from kvrelay.cli.up.models import state_stores
 from kvrelay.cli.up.valkey import cluster_mode, valkey_ports
 from kvrelay.core.enums import WorkerField
 from kvrelay.core.worker_record import WorkerRecord
@@ -82,7 +83,7 @@ class UpProgress:
                 what = "starting" if listens(pid, self._port(name)) is False else "up"
             elif registered.get(name) == pid:
                 what = "up"
-            elif name == "store":
+            elif name in self._stores:
                 what = "starting"
             else:
                 what = self._worker_phase(name, pid)
@@ -111,6 +112,14 @@ class UpProgress:
             self._redis = None
 
     @property
+    def _stores(self) -> dict[str, str]:
+        """Store program -> its node id (one per model)."""
+        stores = state_stores(self.state)
+        return {name: node for name, (node, _dir) in stores.items()} or {
+            "store": self.state.get("store_node", "node0")
+        }
+
+    @property
     def _valkeys(self) -> dict[str, int]:
         return valkey_ports(self.state)
 
@@ -125,7 +134,8 @@ class UpProgress:
         from kvrelay.core.redis_client import sync_redis
 
         keys = Keys(self.state["key_prefix"])
-        names = ["store", *self.workers]
+        stores = self._stores
+        names = [*stores, *self.workers]
         if self._redis is None:
             try:
                 self._redis = sync_redis(
@@ -138,14 +148,16 @@ class UpProgress:
                 return {}
         try:
             pipe = self._redis.pipeline(transaction=False)
-            pipe.hget(keys.store_node(self.state.get("store_node", "node0")), "pid")
+            for node in stores.values():
+                pipe.hget(keys.store_node(node), "pid")
             for name in self.workers:
                 pipe.hget(keys.worker(name), WorkerField.PID)
-            store_pid, *worker_pids = pipe.execute()
+            replies = pipe.execute()
         except redis.RedisError:  # valkey still starting: nothing registered yet
             return {}
+        store_pids, worker_pids = replies[: len(stores)], replies[len(stores) :]
         pids = [
-            None if store_pid is None else int(store_pid),
+            *(None if p is None else int(p) for p in store_pids),
             *(WorkerRecord.partial(WorkerField.PID, p).pid for p in worker_pids),
         ]
         return {n: p for n, p in zip(names, pids, strict=True) if p is not None}

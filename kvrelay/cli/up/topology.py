@@ -23,7 +23,7 @@ GPUS_PER_PREFILL = 4  # with 2+ GPUs: one prefill GPU per this many GPUs, the re
 
 @dataclass(slots=True)
 class Topology:
-    """Worker counts and compute threads for one `kvrelay up`."""
+    """Worker counts (per model) and compute threads for one `kvrelay up`."""
 
     prefill: int
     decode: int
@@ -32,6 +32,7 @@ class Topology:
     gpus: int
     auto: bool  # chosen for the host (no --prefill/--decode), else given
     reason: str
+    models: int = 1  # each model runs `prefill` + `decode` workers of its own
 
     @property
     def layout(self) -> str:
@@ -44,7 +45,10 @@ class Topology:
             parts.append(f"{self.prefill} prefill")
         parts.append(f"{self.decode} decode worker{'s' if self.decode + self.prefill > 1 else ''}")
         unit = "GPU each" if self.gpus else f"thread{'s' if self.threads > 1 else ''} each"
-        text = " + ".join(parts) + (f", 1 {unit}" if self.gpus else f", {self.threads} {unit}")
+        text = " + ".join(parts)
+        if self.models > 1:
+            text = f"{self.models} models x ({text})"
+        text += f", 1 {unit}" if self.gpus else f", {self.threads} {unit}"
         if not self.prefill:
             text += ", decode prefills locally"
         how = "auto" if self.auto else "given"
@@ -72,11 +76,24 @@ def auto_counts(cores: int, gpus: int) -> tuple[int, int, str]:
 
 
 def choose(
-    cores: int, gpus: int, prefill: int | None, decode: int | None, wants_prefill: bool = False
+    cores: int,
+    gpus: int,
+    prefill: int | None,
+    decode: int | None,
+    wants_prefill: bool = False,
+    models: int = 1,
 ) -> Topology:
-    """The topology for these counts (None = pick for the host); `wants_prefill`: the routing
-    mode was asked for explicitly and needs a prefill worker."""
-    auto_p, auto_d, why = auto_counts(cores, gpus)
+    """The topology for these counts per model (None = pick for the host); `wants_prefill`:
+    the routing mode was asked for explicitly and needs a prefill worker. With several
+    `models`, each model's counts are picked for its even share of the cores (and GPUs), and
+    the cores are divided evenly between all the workers of all models."""
+    models = max(1, models)
+    share_cores, share_gpus = max(1, cores // models), gpus // models if gpus else 0
+    if gpus and not share_gpus:
+        share_gpus = 1  # fewer GPUs than models: they share, round robin
+    auto_p, auto_d, why = auto_counts(share_cores, share_gpus)
+    if models > 1:
+        why = f"per model, {models} models: {why}"
     given = prefill is not None or decode is not None
     if prefill is None:
         prefill = max(auto_p, 1) if wants_prefill else auto_p
@@ -86,8 +103,8 @@ def choose(
         decode = auto_d
     if given:
         why = f"--prefill {prefill} --decode {decode}"
-    threads = threads_per_worker(cores, prefill + decode)
-    return Topology(prefill, decode, threads, cores, gpus, not given, why)
+    threads = threads_per_worker(cores, models * (prefill + decode))
+    return Topology(prefill, decode, threads, cores, gpus, not given, why, models)
 
 
 def default_weights(

@@ -20,11 +20,23 @@
 // tiles of up to 3 rows (rows_page; 4 = 2 + 2, single rows use row_page): each K and V vector
 // is loaded once and feeds every row of the tile, while each row keeps row_page's operations
 // in the same order (same FMA chains per key, reduce8's tree, masking, softmax update and P.V
-// order), so tiles change no bit. (Tiles of several query tokens, up to 6 rows sharing each
-// load, measured no faster on Zen 4 at a 2,048-token prefill: the tile is FMA-bound, not
-// load-bound.) Decode reads a page once per layer and step from memory: a page is prefetched
-// into L2 during the page before it (across items too: a thread claims its next item before
-// running the current one), and each head's K/V rows into L1 while the previous head computes.
+// order), so tiles change no bit. AVX-512 builds at head_dim 128 and 256 run tiles of up to 4
+// rows in 16-lane vectors instead (rows_page16: two rows per zmm in q.k, 16 dims per zmm in
+// P.V, each lane the same chain: the same bits; Gemma 3's 4 rows on 1 KV head share each load),
+// and the AVX2 build's single rows there take rows_page<ND, 1> (row_page's q[ND] and acc[ND]
+// spilled out of 16 registers; the same operations). (Tiles of several query tokens, up to 6
+// rows sharing each load, measured no faster on Zen 4 at a 2,048-token prefill: the tile is
+// FMA-bound, not load-bound.) Decode reads a page once per layer and step from memory: a page
+// is prefetched into L2 during the page before it (across items too: a thread claims its next
+// item before running the current one), and each head's K/V rows into L1 while the previous
+// head computes.
+//
+// Sliding window (window W > 0, plan.cpp): the row at position p sees keys [lo, p], lo =
+// max(0, p - W + 1). Its chunks run from lo's chunk to p's, and within them only the pages it
+// sees: a page it meets from key j_lo on is read from there (row_page on the keys [j_lo, ...],
+// whose 8-key groups then start at j_lo); all of this depends only on p and W, so rows stay
+// bitwise invariant, and W >= p + 1 is bitwise full attention. An item starts at the page of
+// its first row's lo (`item_first_page`): pages wholly before every row's window are not read.
 #include <algorithm>
 #include <atomic>
 #include <limits>
@@ -43,6 +55,7 @@ namespace kvr {
 namespace {
 
 constexpr int kMaxPage = 256;
+constexpr int kMaxHeadDim = 256;
 // 16-bit pages: a page a head's rows meet at least this often is widened once (run_item).
 constexpr int kWidenUsers = 8;
 constexpr int kSplitWork = 16;  // fewest pages x query rows for cutting items by KV heads
@@ -61,7 +74,36 @@ struct Args {
   int64_t width, layer_stride, block_stride, kv_stride;
   int num_heads, kv_heads, group, head_dim, page_size, chunk_pages;
   float scale;
+  int window;  // 0: full causal attention
 };
+
+// The chunk of the first key the row at `pos` sees.
+template <class T>
+inline int first_chunk(const Args<T>& a, int pos) {
+  return window_lo(pos, a.window) / (a.page_size * a.chunk_pages);
+}
+
+// The partial (index into a.partial's rows of num_heads states) of token t's chunk `chunk`.
+template <class T>
+inline int64_t partial_of(const Args<T>& a, int t, int chunk) {
+  return (int64_t)a.chunk_off[t] + chunk - first_chunk(a, a.tokpos[t]);
+}
+
+// The first page an item reads: its chunk's first, or the page of its rows' first key (all its
+// entries have the same one: plan.cpp's item key holds it).
+template <class T>
+inline int item_first_page(const Args<T>& a, int index) {
+  const int* item = a.items + 3 * index;
+  return std::max(item[0] * a.chunk_pages,
+                  window_lo(a.entries[4 * item[1] + 3], a.window) / a.page_size);
+}
+
+// Whether token t (at pos) has a partial in chunk c: its keys [lo, pos] meet the chunk.
+template <class T>
+inline bool meets_chunk(const Args<T>& a, int pos, int chunk) {
+  const int ck = a.page_size * a.chunk_pages;
+  return pos >= chunk * ck && window_lo(pos, a.window) < (chunk + 1) * ck;
+}
 
 // Scores of keys [j0, j0 + 8) (only j < nvalid are read; others are -inf) for one row.
 template <int ND, class T>
@@ -262,11 +304,182 @@ inline void rows_page(const float* qrow, __m256 scale, const T* k, const T* v,
   }
 }
 
-// The G query rows of one KV head, in tiles of up to 3 rows (4 = 2 + 2).
+#if defined(__AVX512F__)
+// ---- AVX-512 forms of rows_page (avx512 and amx builds): the same bits in 16-lane vectors ----
+//
+// q.k: a zmm holds two rows' 8-lane accumulators of one key (row 2p in the low half, 2p + 1 in
+// the high half), K's 8 values broadcast to both halves: each lane takes exactly scores8's
+// chain (mul, then FMAs over d in order), then each half goes through reduce8's tree and
+// scores8_rows' masking. P.V: 16 consecutive dims per zmm, each lane row_page's FMA chain over
+// the keys in order. So every row gets row_page's bits, with twice the lanes per instruction
+// and up to 4 rows sharing each K/V load (head_dim 256: 16 zmm accumulators per pass).
+
+// 8 elements of a key as fp32, in both 256-bit halves.
+inline __m512 load8x2(const float* p) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(p)); }
+inline __m512 load8x2(const bf16* p) {
+  const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load8x2(const fp16* p) {
+  return _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p)));
+}
+
+// 16 consecutive elements as fp32 (the same values as two load8).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256((const __m256i*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const fp16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
+// Scores of keys [j0, j0 + 8) for P row pairs (qp: per pair ND zmm of its two rows' scaled q),
+// out[2p + half] = row 2p + half's scores: scores8_rows' bits for every row.
+template <int ND, int P, class T>
+inline void scores8_pairs(const float* qp, const T* k, int64_t stride, int j0, int nvalid,
+                          __m256* out) {
+  const T* kp[8];
+  const T* zero = reinterpret_cast<const T*>(kZeroKey);
+  for (int jj = 0; jj < 8; ++jj) kp[jj] = j0 + jj < nvalid ? k + (j0 + jj) * stride : zero;
+  __m512 acc[P][8];
+  {
+    __m512 kv[8];
+    for (int jj = 0; jj < 8; ++jj) kv[jj] = load8x2(kp[jj]);
+    for (int p = 0; p < P; ++p) {
+      const __m512 qv = _mm512_load_ps(qp + p * 16 * ND);
+      for (int jj = 0; jj < 8; ++jj) acc[p][jj] = _mm512_mul_ps(qv, kv[jj]);
+    }
+  }
+  for (int d = 1; d < ND; ++d) {
+    __m512 kv[8];
+    for (int jj = 0; jj < 8; ++jj) kv[jj] = load8x2(kp[jj] + 8 * d);
+    for (int p = 0; p < P; ++p) {
+      const __m512 qv = _mm512_load_ps(qp + p * 16 * ND + 16 * d);
+      for (int jj = 0; jj < 8; ++jj) acc[p][jj] = _mm512_fmadd_ps(qv, kv[jj], acc[p][jj]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    __m256 lo[8], hi[8];
+    for (int jj = 0; jj < 8; ++jj) {
+      lo[jj] = _mm512_castps512_ps256(acc[p][jj]);
+      hi[jj] = _mm512_extractf32x8_ps(acc[p][jj], 1);
+    }
+    out[2 * p] = reduce8(lo);
+    out[2 * p + 1] = reduce8(hi);
+  }
+  if (j0 + 8 <= nvalid) return;
+  alignas(32) float valid[8];
+  alignas(32) int invalid[8];
+  for (int jj = 0; jj < 8; ++jj) {
+    valid[jj] = j0 + jj < nvalid ? 0.0f : kNegInf;
+    invalid[jj] = j0 + jj < nvalid ? 0 : -1;
+  }
+  const __m256 vadd = _mm256_load_ps(valid);
+  const __m256 mask = _mm256_castsi256_ps(_mm256_load_si256((const __m256i*)invalid));
+  for (int r = 0; r < 2 * P; ++r)
+    out[r] = _mm256_add_ps(_mm256_blendv_ps(out[r], _mm256_setzero_ps(), mask), vadd);
+}
+
+// rows_page for R <= 4 rows (ND even): row_page's bits per row.
+template <int ND, int R, class T>
+inline void rows_page16(const float* qrow, __m256 scale, const T* k, const T* v,
+                        int64_t stride, int nvalid, float* st0) {
+  constexpr int kD = 8 * ND, kState = 2 + kD, P = (R + 1) / 2;
+  alignas(64) float qp[P * 2 * kD];
+  for (int p = 0; p < P; ++p)
+    for (int d = 0; d < ND; ++d) {
+      float* dst = qp + p * 2 * kD + 16 * d;
+      _mm256_store_ps(dst, _mm256_mul_ps(_mm256_loadu_ps(qrow + 2 * p * kD + 8 * d), scale));
+      _mm256_store_ps(dst + 8, 2 * p + 1 < R ? _mm256_mul_ps(_mm256_loadu_ps(
+                                                   qrow + (2 * p + 1) * kD + 8 * d), scale)
+                                             : _mm256_setzero_ps());
+    }
+  alignas(32) float s[R][kMaxPage];
+  __m256 mx[R];
+  for (int r = 0; r < R; ++r) mx[r] = _mm256_set1_ps(kNegInf);
+  for (int j0 = 0; j0 < nvalid; j0 += 8) {
+    __m256 sv[2 * P];
+    scores8_pairs<ND, P>(qp, k, stride, j0, nvalid, sv);
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(s[r] + j0, sv[r]);
+      mx[r] = _mm256_max_ps(mx[r], sv[r]);
+    }
+  }
+  float corr[R];
+  bool rescale[R];
+  for (int r = 0; r < R; ++r) {
+    float* st = st0 + r * kState;
+    const float m_old = st[0];
+    const float m_new = std::max(m_old, hmax8(mx[r]));
+    float l = st[1];
+    rescale[r] = m_new > m_old;
+    if (rescale[r]) {
+      corr[r] = exp1(m_old - m_new);
+      l = l * corr[r];
+    }
+    const __m256 m = _mm256_set1_ps(m_new);
+    __m256 lsum = _mm256_setzero_ps();
+    for (int j0 = 0; j0 < nvalid; j0 += 8) {
+      __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s[r] + j0), m));
+      _mm256_store_ps(s[r] + j0, p);
+      lsum = _mm256_add_ps(lsum, p);
+    }
+    st[0] = m_new;
+    st[1] = l + hsum8(lsum);
+  }
+  constexpr int NZ = ND / 2, kB = NZ < 4 ? NZ : 4;  // 16-dim vectors per pass
+  for (int d0 = 0; d0 < NZ; d0 += kB) {
+    __m512 acc[R][kB];
+    for (int r = 0; r < R; ++r) {
+      const float* st = st0 + r * kState + 2 + 16 * d0;
+      for (int i = 0; i < kB; ++i) acc[r][i] = _mm512_loadu_ps(st + 16 * i);
+      if (rescale[r]) {
+        const __m512 c = _mm512_set1_ps(corr[r]);
+        for (int i = 0; i < kB; ++i) acc[r][i] = _mm512_mul_ps(acc[r][i], c);
+      }
+    }
+    for (int j = 0; j < nvalid; ++j) {
+      const T* vj = v + j * stride + 16 * d0;
+      __m512 pj[R];
+      for (int r = 0; r < R; ++r) pj[r] = _mm512_set1_ps(s[r][j]);
+      for (int i = 0; i < kB; ++i) {
+        const __m512 vv = load16(vj + 16 * i);
+        for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(pj[r], vv, acc[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < kB; ++i)
+        _mm512_storeu_ps(st0 + r * kState + 2 + 16 * (d0 + i), acc[r][i]);
+  }
+}
+#endif
+
+// The G query rows of one KV head, in tiles of up to 3 rows (4 = 2 + 2); AVX-512 builds at
+// head_dim 128 and 256: tiles of up to 4 rows (rows_page16).
 template <int ND, class T>
 inline void group_page(const float* qrow, int group, __m256 scale, const T* k, const T* v,
                        int64_t stride, int nvalid, float* st) {
   constexpr int kD = 8 * ND, kState = 2 + kD;
+#if defined(__AVX512F__)
+  if constexpr (ND >= 16) {  // head_dim 128, 256 (at 64 and below: no faster, measured)
+    for (int g = 0; g < group;) {
+      const int r = std::min(4, group - g);
+      const float* q = qrow + g * kD;
+      float* s = st + g * kState;
+      if (r == 4)
+        rows_page16<ND, 4>(q, scale, k, v, stride, nvalid, s);
+      else if (r == 3)
+        rows_page16<ND, 3>(q, scale, k, v, stride, nvalid, s);
+      else if (r == 2)
+        rows_page16<ND, 2>(q, scale, k, v, stride, nvalid, s);
+      else
+        rows_page16<ND, 1>(q, scale, k, v, stride, nvalid, s);
+      g += r;
+    }
+    return;
+  }
+#endif
   for (int g = 0; g < group;) {
     const int left = group - g, r = left == 4 ? 2 : std::min(3, left);
     const float* q = qrow + g * kD;
@@ -275,6 +488,8 @@ inline void group_page(const float* qrow, int group, __m256 scale, const T* k, c
       rows_page<ND, 3>(q, scale, k, v, stride, nvalid, s);
     else if (r == 2)
       rows_page<ND, 2>(q, scale, k, v, stride, nvalid, s);
+    else if constexpr (ND >= 16)  // row_page's q[ND] and acc[ND] do not fit in 16 registers
+      rows_page<ND, 1>(q, scale, k, v, stride, nvalid, s);
     else
       row_page<ND>(q, scale, k, v, stride, nvalid, s);
     g += r;
@@ -327,9 +542,9 @@ inline ChunkPages chunk_pages_of(const Args<T>& a, int index) {
   int pmax = 0;
   for (int e = item[1]; e < item[2]; ++e)
     pmax = std::max(pmax, a.entries[4 * e + 3] + a.entries[4 * e + 2] - 1);
-  const int first = item[0] * a.chunk_pages;
+  const int first = item_first_page(a, index);
   return ChunkPages{a.tables + a.width * a.entries[4 * item[1]], first,
-                    std::min(pmax / a.page_size, first + a.chunk_pages - 1), pmax};
+                    std::min(pmax / a.page_size, (item[0] + 1) * a.chunk_pages - 1), pmax};
 }
 
 // The first page's K and V of a unit's item.
@@ -349,11 +564,15 @@ inline void rows_of_page(const Args<T>& a, int e0, int e1, int chunk, int h, int
     for (int j = 0; j < en[2]; ++j) {
       const int pos = en[3] + j, t = en[1] + j;
       if (pos < kstart) continue;
+      // the row's keys on this page: [j_lo, nvalid) (j_lo > 0 only for its window's first page)
+      const int j_lo = std::max(0, window_lo(pos, a.window) - kstart);
+      if (j_lo >= a.page_size) continue;
       const int nvalid = std::min(a.page_size, pos - kstart + 1);
-      const int64_t row0 = (int64_t)(a.chunk_off[t] + chunk) * a.num_heads + h * a.group;
+      const int64_t row0 = partial_of(a, t, chunk) * a.num_heads + h * a.group;
       float* st = a.partial + row0 * state;
       const float* qrow = a.query + ((int64_t)t * a.num_heads + h * a.group) * a.head_dim;
-      group_page<ND>(qrow, a.group, scale, k, v, stride, nvalid, st);
+      group_page<ND>(qrow, a.group, scale, k + j_lo * stride, v + j_lo * stride, stride,
+                     nvalid - j_lo, st);
     }
   }
 }
@@ -376,9 +595,10 @@ void run_item(const Args<T>& a, Unit un, bool prefetched, const Unit* after) {
     const int* en = a.entries + 4 * e;
     pmax = std::max(pmax, en[3] + en[2] - 1);
     for (int t = en[1]; t < en[1] + en[2]; ++t) {
-      // A row block may start before this chunk: its earlier rows have no partial here.
-      if (a.tokpos[t] < chunk * a.chunk_pages * a.page_size) continue;
-      const int64_t row0 = (int64_t)(a.chunk_off[t] + chunk) * a.num_heads + h0 * a.group;
+      // A row block may start before this chunk (its earlier rows have no partial here), or a
+      // window may end before it ends (its later rows' windows start after it).
+      if (!meets_chunk(a, a.tokpos[t], chunk)) continue;
+      const int64_t row0 = partial_of(a, t, chunk) * a.num_heads + h0 * a.group;
       float* st = a.partial + row0 * state;
       for (int hq = h0 * a.group; hq < h1 * a.group; ++hq, st += state) {
         st[0] = kNegInf;
@@ -386,8 +606,8 @@ void run_item(const Args<T>& a, Unit un, bool prefetched, const Unit* after) {
       }
     }
   }
-  const int first = chunk * a.chunk_pages;
-  const int last = std::min(pmax / a.page_size, first + a.chunk_pages - 1);
+  const int first = item_first_page(a, un.item);
+  const int last = std::min(pmax / a.page_size, (chunk + 1) * a.chunk_pages - 1);
   const __m256 scale = _mm256_set1_ps(a.scale);
   const int64_t stride = (int64_t)a.kv_heads * a.head_dim;
   const int64_t span = 2 * a.kv_stride * (int64_t)sizeof(T);  // bytes of a page's K and V
@@ -427,7 +647,7 @@ void run_item(const Args<T>& a, Unit un, bool prefetched, const Unit* after) {
           users += std::max(0, std::min(en[2], en[3] + en[2] - kstart));
         }
         if (users >= kWidenUsers) {
-          alignas(64) thread_local float kw[kMaxPage * 128], vw[kMaxPage * 128];
+          alignas(64) thread_local float kw[kMaxPage * kMaxHeadDim], vw[kMaxPage * kMaxHeadDim];
           for (int j = 0; j < a.page_size; ++j)
             for (int d = 0; d < ND; ++d) {
               _mm256_storeu_ps(kw + j * a.head_dim + 8 * d, load8(kh + j * stride + 8 * d));
@@ -446,7 +666,8 @@ void run_item(const Args<T>& a, Unit un, bool prefetched, const Unit* after) {
 template <int ND, class T>
 void merge_row(const Args<T>& a, int t, float* out) {
   const int state = 2 + a.head_dim;
-  const int chunks = a.tokpos[t] / (a.page_size * a.chunk_pages) + 1;
+  // the token's partials: chunks first_chunk .. its position's
+  const int chunks = a.tokpos[t] / (a.page_size * a.chunk_pages) - first_chunk(a, a.tokpos[t]) + 1;
   for (int hq = 0; hq < a.num_heads; ++hq) {
     const float* base = a.partial + ((int64_t)a.chunk_off[t] * a.num_heads + hq) * state;
     const int64_t step = (int64_t)a.num_heads * state;
@@ -781,21 +1002,32 @@ inline void pv_store(Bf16Work<D>& w) {
   if constexpr (N > 3) _tile_stored(7, &w.acc[0][16 * (C0 + 3)], ld);
 }
 
-// One KV head's V pairs for keys [0, nkeys) of the chunk (pairs past nkeys are zero).
+// head_dim over 64: the P.V sums of dim tiles [C0, C0 + 4), then the next four, ... (each pass
+// over every half, 4 sums on tiles 4..7).
+template <int D, int C0>
+inline void pv_passes(Bf16Work<D>& w, int nh) {
+  pv_zero<4>();
+  for (int kh = 0; kh < nh; ++kh) pv_half<D, C0, 4>(w, kh);
+  pv_store<D, C0, 4>(w);
+  if constexpr (C0 + 4 < D / 16) pv_passes<D, C0 + 4>(w, nh);
+}
+
+// One KV head's V pairs for keys [key0, key0 + nkeys) (pairs past nkeys, and the `skip` keys
+// before the item's first page, are zero: their p is 0 for every row, and 0 * a finite V is 0).
 template <int D>
 void build_v_pairs(Bf16Work<D>& w, PageStream& next, const Args<bf16>& a, const int* table,
-                   int first, int h, int nkeys) {
+                   int key0, int skip, int h, int nkeys) {
   const __m512i interleave = interleave_halves();
   const int64_t stride = (int64_t)a.kv_heads * D;
   const int halves = (nkeys + 31) / 32;
   for (int kh = 0; kh < halves; ++kh)
     for (int j = 0; j < 16; ++j) {
       const int key = 32 * kh + 2 * j;
-      if (key >= nkeys) {
+      if (key >= nkeys || key < skip) {
         for (int c = 0; c < D / 16; ++c) _mm512_store_si512(w.vp[kh][c][j], _mm512_setzero_si512());
         continue;
       }
-      const int page = first + key / a.page_size, off = key % a.page_size;
+      const int page = (key0 + key) / a.page_size, off = (key0 + key) % a.page_size;
       const bf16* v = (const bf16*)page_span(a, table, page) + a.kv_stride + off * stride + h * D;
       const bool second = key + 1 < nkeys;  // keys come in pairs within a page (page % 16 == 0)
       for (int c = 0; c < D / 16; ++c) {
@@ -809,15 +1041,18 @@ void build_v_pairs(Bf16Work<D>& w, PageStream& next, const Args<bf16>& a, const 
     }
 }
 
-// Up to 16 rows of KV head h through the item's chunk; their states into the partials.
+// Up to 16 rows of KV head h through the item's keys of chunk `chunk` from key0 (the item's
+// first page, or 16 keys before it: 32-key halves stay aligned to the chunk) up to page last;
+// their states into the partials.
 template <int D>
 void bf16_rows(Bf16Work<D>& w, PageStream& next, const Args<bf16>& a, const int* table,
-               int first, int last, int h, const int* tok, const int* grp, int nr) {
-  const int chunk_start = first * a.page_size;
+               int chunk, int key0, int skip, int last, int h, const int* tok, const int* grp,
+               int nr) {
+  const int chunk_start = key0;  // keys below are relative to key0
   const int64_t stride = (int64_t)a.kv_heads * D, row_bytes = stride * sizeof(bf16);
   const __m512 scale = _mm512_set1_ps(a.scale * 1.44269504088896341f);  // log2 units
-  alignas(64) int pos[kLanes];
-  int maxpos = 0, minpos = std::numeric_limits<int>::max();
+  alignas(64) int pos[kLanes], lo[kLanes];
+  int maxpos = 0, minpos = std::numeric_limits<int>::max(), maxlo = 0;
   // q^T: each row's scaled q as bf16 pairs, transposed per 32-dim tile
   for (int t = 0; t < D / 32; ++t) {
     __m512i r[16];
@@ -834,32 +1069,40 @@ void bf16_rows(Bf16Work<D>& w, PageStream& next, const Args<bf16>& a, const int*
   }
   for (int n = 0; n < kLanes; ++n) {
     pos[n] = n < nr ? a.tokpos[tok[n]] : -1;
+    lo[n] = n < nr ? window_lo(pos[n], a.window) : 0;
     if (n < nr) {
       maxpos = std::max(maxpos, pos[n]);
       minpos = std::min(minpos, pos[n]);
+      maxlo = std::max(maxlo, lo[n]);
     }
   }
   if constexpr (D <= 64) {
     _tile_loadd(2, w.qt[0], 64);
     if constexpr (D == 64) _tile_loadd(3, w.qt[1], 64);
   }
-  const __m512i posv = _mm512_load_si512(pos);
+  const __m512i posv = _mm512_load_si512(pos), lov = _mm512_load_si512(lo);
   const __m512 ninf = _mm512_set1_ps(kNegInf);
-  // every key tile a row of the tile sees: the chunk's, up to the last row's position
-  const int keys_end = std::min((last + 1) * a.page_size, chunk_start + kChunkKeys);
+  // every key tile a row of the tile sees: the item's, up to the last row's position
+  const int keys_end = std::min((last + 1) * a.page_size, (chunk + 1) * a.chunk_pages * a.page_size);
   const int ntiles = std::min((maxpos - chunk_start) / kTileKeys + 1,
                               (keys_end - chunk_start) / kTileKeys);
   const int nkeys = kTileKeys * ntiles, nh = (nkeys + 31) / 32;
-  // the chunk's max; keys up to the earliest row's position are visible to every row: no mask.
-  // A tile's keys are taken two tiles after it is issued, so the vector work runs beside the
-  // later tiles' dot products instead of waiting for the last store (max is exact in any
-  // order).
+  // the chunk's max; keys [open_lo, open) (from the latest row's window start up to the
+  // earliest row's position) are visible to every row: no mask. A tile's keys are taken two
+  // tiles after it is issued, so the vector work runs beside the later tiles' dot products
+  // instead of waiting for the last store (max is exact in any order).
   __m512 m = ninf;
   const int open = std::min(nkeys, minpos - chunk_start + 1);
+  const int open_lo = std::max(0, maxlo - chunk_start);
   auto take_max = [&](int j0, int j1) {
-    for (int j = j0; j < std::min(j1, open); ++j) m = _mm512_max_ps(m, _mm512_load_ps(w.s[j]));
-    for (int j = std::max(j0, open); j < j1; ++j) {
-      const __mmask16 sees = _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(chunk_start + j));
+    for (int j = j0; j < j1; ++j) {
+      if (j >= open_lo && j < open) {
+        m = _mm512_max_ps(m, _mm512_load_ps(w.s[j]));
+        continue;
+      }
+      const __m512i key = _mm512_set1_epi32(chunk_start + j);
+      const __mmask16 sees =
+          _mm512_cmpge_epi32_mask(posv, key) & _mm512_cmple_epi32_mask(lov, key);
       const __m512 sj = _mm512_mask_mov_ps(ninf, sees, _mm512_load_ps(w.s[j]));
       _mm512_store_ps(w.s[j], sj);
       m = _mm512_max_ps(m, sj);
@@ -867,16 +1110,20 @@ void bf16_rows(Bf16Work<D>& w, PageStream& next, const Args<bf16>& a, const int*
   };
   constexpr int kMaxLag = 2;  // tiles between a tile's issue and its keys' max
   for (int kt = 0; kt < ntiles; ++kt) {
-    const int key = kTileKeys * kt;
-    const int page = first + key / a.page_size, off = key % a.page_size;
-    const bf16* k = (const bf16*)page_span(a, table, page) + off * stride + h * D;
-    switch (kt % 4) {
-      case 0: score_tile<D, 4>(w, k, row_bytes, kt, w.s); break;
-      case 1: score_tile<D, 5>(w, k, row_bytes, kt, w.s); break;
-      case 2: score_tile<D, 6>(w, k, row_bytes, kt, w.s); break;
-      default: score_tile<D, 7>(w, k, row_bytes, kt, w.s); break;
+    const int key = chunk_start + kTileKeys * kt;
+    if (kTileKeys * kt < skip) {  // before the item's first page, not read: no row sees them
+      for (int j = kTileKeys * kt; j < kTileKeys * (kt + 1); ++j) _mm512_store_ps(w.s[j], ninf);
+    } else {
+      const int page = key / a.page_size, off = key % a.page_size;
+      const bf16* k = (const bf16*)page_span(a, table, page) + off * stride + h * D;
+      switch (kt % 4) {
+        case 0: score_tile<D, 4>(w, k, row_bytes, kt, w.s); break;
+        case 1: score_tile<D, 5>(w, k, row_bytes, kt, w.s); break;
+        case 2: score_tile<D, 6>(w, k, row_bytes, kt, w.s); break;
+        default: score_tile<D, 7>(w, k, row_bytes, kt, w.s); break;
+      }
+      next.step(kLinesPerScoreTile);
     }
-    next.step(kLinesPerScoreTile);
     if (kt >= kMaxLag) take_max(kTileKeys * (kt - kMaxLag), kTileKeys * (kt - kMaxLag + 1));
   }
   take_max(kTileKeys * std::max(ntiles - kMaxLag, 0), nkeys);
@@ -895,7 +1142,7 @@ void bf16_rows(Bf16Work<D>& w, PageStream& next, const Args<bf16>& a, const int*
       }
       const __m512 x0 = _mm512_sub_ps(_mm512_load_ps(w.s[k0]), m);
       const __m512 x1 = _mm512_sub_ps(_mm512_load_ps(w.s[k0 + 1]), m);
-      const bool seen = k0 + 1 < open;  // both keys visible to every row: finite
+      const bool seen = k0 >= open_lo && k0 + 1 < open;  // both keys seen by every row: finite
       const __m512 p0 = seen ? exp2_p16<false>(x0) : exp2_p16<true>(x0);
       const __m512 p1 = seen ? exp2_p16<false>(x1) : exp2_p16<true>(x1);
       l = _mm512_add_ps(_mm512_add_ps(l, p0), p1);
@@ -910,20 +1157,15 @@ void bf16_rows(Bf16Work<D>& w, PageStream& next, const Args<bf16>& a, const int*
   if constexpr (D <= 64) {
     if (nh >= 1) pv_half<D, 0, D / 16>(w, nh - 1);
     pv_store<D, 0, D / 16>(w);
-  } else {  // 8 dim tiles: two passes over the halves, 4 sums each
-    pv_zero<4>();
-    for (int kh = 0; kh < nh; ++kh) pv_half<D, 0, 4>(w, kh);
-    pv_store<D, 0, 4>(w);
-    pv_zero<4>();
-    for (int kh = 0; kh < nh; ++kh) pv_half<D, 4, 4>(w, kh);
-    pv_store<D, 4, 4>(w);
+  } else {  // 8 or 16 dim tiles: passes over the halves, 4 sums each
+    pv_passes<D, 0>(w, nh);
   }
   alignas(64) float ms[kLanes], ls[kLanes];
   _mm512_store_ps(ms, m);
   _mm512_store_ps(ls, l);
-  const int state = 2 + D, chunk = first / a.chunk_pages;
+  const int state = 2 + D;
   for (int n = 0; n < nr; ++n) {
-    const int64_t row = (int64_t)(a.chunk_off[tok[n]] + chunk) * a.num_heads + h * a.group + grp[n];
+    const int64_t row = partial_of(a, tok[n], chunk) * a.num_heads + h * a.group + grp[n];
     float* st = a.partial + row * state;
     st[0] = ms[n] * 0.693147180559945309f;  // the chunk's max in natural units, for the merge
     st[1] = ls[n];
@@ -943,8 +1185,12 @@ void run_item_bf16(const Args<bf16>& a, Unit un, const Unit* after) {
   const int e0 = item[1], e1 = item[2];
   const ChunkPages cp = chunk_pages_of(a, un.item);
   const int* table = cp.table;
-  const int first = cp.first, last = cp.last, chunk_start = first * a.page_size;
-  const int nkeys = std::min(cp.pmax + 1, (last + 1) * a.page_size) - chunk_start;
+  const int chunk = item[0], last = cp.last, chunk_start = chunk * a.chunk_pages * a.page_size;
+  // the item's first key, rounded down to a 32-key half of the chunk (a window's first page
+  // may start at an odd 16 keys): a row's halves are the same whichever item it is in
+  const int key0 = chunk_start + (cp.first * a.page_size - chunk_start) / 32 * 32;
+  const int skip = cp.first * a.page_size - key0;  // 0, or 16 keys of a page not read
+  const int nkeys = std::min(cp.pmax + 1, (last + 1) * a.page_size) - key0;
   ChunkPages np{};
   if (after) np = chunk_pages_of(a, after->item);
   const int64_t span = 2 * a.kv_stride * (int64_t)sizeof(bf16);  // a page's K and V bytes
@@ -956,23 +1202,23 @@ void run_item_bf16(const Args<bf16>& a, Unit un, const Unit* after) {
   PageStream next{spans, nspans, 0, 0, span};  // the next unit's pages
   int tok[kLanes], grp[kLanes];
   for (int h = un.h0; h < un.h1; ++h) {
-    build_v_pairs<D>(w, next, a, table, first, h, nkeys);
+    build_v_pairs<D>(w, next, a, table, key0, skip, h, nkeys);
     int nr = 0;
     for (int e = e0; e < e1; ++e) {
       const int* en = a.entries + 4 * e;
       for (int t = en[1]; t < en[1] + en[2]; ++t) {
-        if (a.tokpos[t] < chunk_start) continue;
+        if (!meets_chunk(a, a.tokpos[t], chunk)) continue;
         for (int g = 0; g < a.group; ++g) {
           tok[nr] = t;
           grp[nr] = g;
           if (++nr == kLanes) {
-            bf16_rows<D>(w, next, a, table, first, last, h, tok, grp, nr);
+            bf16_rows<D>(w, next, a, table, chunk, key0, skip, last, h, tok, grp, nr);
             nr = 0;
           }
         }
       }
     }
-    if (nr) bf16_rows<D>(w, next, a, table, first, last, h, tok, grp, nr);
+    if (nr) bf16_rows<D>(w, next, a, table, chunk, key0, skip, last, h, tok, grp, nr);
   }
   next.finish();  // what the unit's work did not pace out (a short chunk)
 }
@@ -1001,7 +1247,7 @@ void run_typed(const AttentionArgs& x, int num_threads) {
   Args<T> a{x.query, static_cast<const T*>(x.pool), x.block_tables, x.items, x.entries,
             x.positions, x.chunk_off, partial_buffer.data(), x.width, x.layer * 2 * kv_stride,
             x.num_layers * 2 * kv_stride, kv_stride, x.num_heads, x.kv_heads,
-            x.num_heads / x.kv_heads, x.head_dim, x.page_size, x.chunk_pages, x.scale};
+            x.num_heads / x.kv_heads, x.head_dim, x.page_size, x.chunk_pages, x.scale, x.window};
   if (x.bf16_dots) {
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, bf16>) {
@@ -1009,7 +1255,9 @@ void run_typed(const AttentionArgs& x, int num_threads) {
         case 32: run_bf16<32>(a, x.num_items, x.num_tokens, num_threads, x.out); return;
         case 64: run_bf16<64>(a, x.num_items, x.num_tokens, num_threads, x.out); return;
         case 128: run_bf16<128>(a, x.num_items, x.num_tokens, num_threads, x.out); return;
-        default: throw std::invalid_argument("bf16 attention: head_dim must be 32, 64 or 128");
+        case 256: run_bf16<256>(a, x.num_items, x.num_tokens, num_threads, x.out); return;
+        default:
+          throw std::invalid_argument("bf16 attention: head_dim must be 32, 64, 128 or 256");
       }
     }
 #endif
@@ -1021,7 +1269,8 @@ void run_typed(const AttentionArgs& x, int num_threads) {
     case 4: run<4>(a, x.num_items, x.num_tokens, num_threads, x.out); break;
     case 8: run<8>(a, x.num_items, x.num_tokens, num_threads, x.out); break;
     case 16: run<16>(a, x.num_items, x.num_tokens, num_threads, x.out); break;
-    default: throw std::invalid_argument("head_dim must be 8, 16, 32, 64 or 128");
+    case 32: run<32>(a, x.num_items, x.num_tokens, num_threads, x.out); break;
+    default: throw std::invalid_argument("head_dim must be 8, 16, 32, 64, 128 or 256");
   }
 }
 
@@ -1036,8 +1285,9 @@ bool bf16_attention_available() {
 }
 
 void paged_attention(const AttentionArgs& x, int num_threads) {
-  if (x.page_size > kMaxPage || x.head_dim % 8 || x.head_dim > 128)
+  if (x.page_size > kMaxPage || x.head_dim % 8 || x.head_dim > kMaxHeadDim)
     throw std::invalid_argument("unsupported page_size or head_dim");
+  if (x.window < 0) throw std::invalid_argument("window must be >= 0");
   if (x.bf16_dots && (!bf16_attention_available() || x.page_size % 16))
     throw std::invalid_argument(
         "bf16 attention needs AMX-BF16 tiles (the amx build, granted by the OS) and a page "

@@ -25,10 +25,10 @@ torch::Tensor to_tensor(const std::vector<int>& v, int64_t cols) {
 
 std::vector<torch::Tensor> plan(const torch::Tensor& tables, const torch::Tensor& ctx,
                                 const torch::Tensor& qsl, int64_t num_tokens, int64_t page_size,
-                                int64_t chunk_pages, int64_t num_blocks) {
+                                int64_t chunk_pages, int64_t num_blocks, int64_t window) {
   PlanOut p = build_plan(tables.data_ptr<int>(), ctx.size(0), tables.size(1),
                          ctx.data_ptr<int>(), qsl.data_ptr<int>(), num_tokens, page_size,
-                         chunk_pages, num_blocks);
+                         chunk_pages, num_blocks, (int)window);
   return {to_tensor(p.items, 3), to_tensor(p.entries, 4), to_tensor(p.positions, 1),
           to_tensor(p.chunk_off, 1)};
 }
@@ -46,14 +46,14 @@ torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& pool, i
                         const torch::Tensor& tables, const torch::Tensor& items,
                         const torch::Tensor& entries, const torch::Tensor& positions,
                         const torch::Tensor& chunk_off, int64_t chunk_pages, double scale,
-                        bool bf16_dots) {
+                        bool bf16_dots, int64_t window) {
   auto out = torch::empty_like(query);
   AttentionArgs a{query.data_ptr<float>(), pool.data_ptr(), out.data_ptr<float>(),
                   tables.data_ptr<int>(), items.data_ptr<int>(), entries.data_ptr<int>(),
                   positions.data_ptr<int>(), chunk_off.data_ptr<int>(), tables.size(1), layer,
                   (int)items.size(0), (int)query.size(0), (int)pool.size(1), (int)query.size(1),
                   (int)pool.size(4), (int)query.size(2), (int)pool.size(3), (int)chunk_pages,
-                  (float)scale, kv_type(pool), bf16_dots};
+                  (float)scale, kv_type(pool), bf16_dots, (int)window};
   paged_attention(a, at::get_num_threads());
   return out;
 }
@@ -112,6 +112,13 @@ torch::Tensor swiglu(const torch::Tensor& gate_up) {
   const int64_t dim = gate_up.size(1) / 2;
   auto out = torch::empty({gate_up.size(0), dim}, gate_up.options());
   silu_mul(rows_of(gate_up, dim, out));
+  return out;
+}
+
+torch::Tensor geglu(const torch::Tensor& gate_up) {
+  const int64_t dim = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), dim}, gate_up.options());
+  gelu_tanh_mul(rows_of(gate_up, dim, out));
   return out;
 }
 
@@ -192,6 +199,15 @@ using LinearSpec = std::tuple<int64_t, torch::Tensor, torch::Tensor, c10::option
 using LayerSpec =
     std::tuple<torch::Tensor, torch::Tensor, LinearSpec, LinearSpec, LinearSpec, LinearSpec,
                c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, bool>;
+// A layer's Gemma 3 fields (optional, all layers or none): the attention window (0: full), the
+// RoPE table pair, RMSNorms of the o and down projections' outputs, the MLP's activation.
+using LayerExtra = std::tuple<int64_t, int64_t, c10::optional<torch::Tensor>,
+                              c10::optional<torch::Tensor>, int64_t>;
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+// One attention plan of the step (cpu_paged.CppPlan) for the layers of one window: window,
+// items, entries, positions, chunk offsets.
+using PlanSpec =
+    std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>;
 
 torch::Tensor run_linear(const LinearSpec& l, const torch::Tensor& x) {
   const auto& [kind, packed, scales, comp, bias, n] = l;
@@ -206,26 +222,50 @@ torch::Tensor run_linear(const LinearSpec& l, const torch::Tensor& x) {
 
 class CpuDecoder {
  public:
-  CpuDecoder(std::vector<LayerSpec> layers, double eps, int64_t heads)
-      : layers_(std::move(layers)), eps_(eps), heads_(heads) {
-    for (const auto& layer : layers_)
+  CpuDecoder(std::vector<LayerSpec> layers, double eps, int64_t heads,
+             std::vector<LayerExtra> extras)
+      : layers_(std::move(layers)), extras_(std::move(extras)), eps_(eps), heads_(heads) {
+    if (extras_.empty())
+      extras_.assign(layers_.size(), LayerExtra{0, 0, c10::nullopt, c10::nullopt, kSilu});
+    if (extras_.size() != layers_.size())
+      throw std::invalid_argument("one LayerExtra per layer, or none");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const auto& layer = layers_[i];
       for (const LinearSpec* l : {&std::get<2>(layer), &std::get<3>(layer), &std::get<5>(layer)})
         if (std::get<0>(*l) == kW8A16GateUpSilu)
           throw std::invalid_argument("only a gate/up projection may fuse its activation");
+      const auto& [window, rope_table, attn_out_norm, mlp_out_norm, act] = extras_[i];
+      if (act != kSilu && act != kGeluTanh)
+        throw std::invalid_argument("unknown activation " + std::to_string(act));
+      if (act == kGeluTanh && std::get<0>(std::get<4>(layer)) == kW8A16GateUpSilu)
+        throw std::invalid_argument("a gelu_tanh layer's gate/up cannot fuse SiLU");
+      if (window < 0 || rope_table < 0)
+        throw std::invalid_argument("a layer's window and RoPE table must be >= 0");
+    }
   }
 
   // Every layer on x (the first layer's normed input); hidden (the residual stream) is
   // updated in place, as the Python loop does.
+  // cos/sin: the RoPE table pairs (a layer takes its rope_table's); plans: one per window the
+  // layers use.
   void forward(torch::Tensor& hidden, torch::Tensor x, const torch::Tensor& positions,
-               const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& pool,
-               const torch::Tensor& slots, const torch::Tensor& tables,
-               const torch::Tensor& items, const torch::Tensor& entries,
-               const torch::Tensor& qpos, const torch::Tensor& chunk_off, int64_t chunk_pages,
-               double scale, bool bf16_dots) const {
+               const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+               torch::Tensor& pool, const torch::Tensor& slots, const torch::Tensor& tables,
+               const std::vector<PlanSpec>& plans, int64_t chunk_pages, double scale,
+               bool bf16_dots) const {
     const int64_t n = static_cast<int64_t>(layers_.size());
     for (int64_t i = 0; i < n; ++i) {
       const auto& [input_norm, post_norm, qkv, o, gate_up, down, q_norm, k_norm, rope] =
           layers_[i];
+      const auto& [window, rope_table, attn_out_norm, mlp_out_norm, activation] = extras_[i];
+      const PlanSpec* plan = nullptr;
+      for (const auto& p : plans)
+        if (std::get<0>(p) == window) plan = &p;
+      if (plan == nullptr)
+        throw std::invalid_argument("no attention plan for window " + std::to_string(window));
+      if (rope && (rope_table >= (int64_t)cos.size() || rope_table >= (int64_t)sin.size()))
+        throw std::invalid_argument("no RoPE table " + std::to_string(rope_table));
+      const auto& [plan_window, items, entries, qpos, chunk_off] = *plan;
       auto proj = run_linear(qkv, x);
       const int64_t kv_heads = pool.size(4), head_dim = pool.size(5);
       if (q_norm.has_value()) {  // the Python loop's project_qkv: each head row normed in place
@@ -238,7 +278,8 @@ class CpuDecoder {
       }
       torch::Tensor q;
       if (rope) {
-        q = rope_kv_write(proj, positions, cos, sin, pool, i, slots, heads_);
+        q = rope_kv_write(proj, positions, cos[rope_table], sin[rope_table], pool, i, slots,
+                          heads_);
       } else {  // NoPE: k and v written as projected, q as is (the loop's write_kv)
         const int64_t tokens = proj.size(0), qw = heads_ * head_dim, kw = kv_heads * head_dim;
         kv_write(pool, i, proj.narrow(1, qw, kw).view({tokens, kv_heads, head_dim}),
@@ -246,11 +287,17 @@ class CpuDecoder {
         q = proj.narrow(1, 0, qw).reshape({tokens, heads_, head_dim}).contiguous();
       }
       auto attn = attention(q, pool, i, tables, items, entries, qpos, chunk_off, chunk_pages,
-                            scale, bf16_dots);
-      x = add_norm(hidden, run_linear(o, attn.view({attn.size(0), -1})), post_norm, eps_);
+                            scale, bf16_dots, plan_window);
+      auto o_out = run_linear(o, attn.view({attn.size(0), -1}));
+      if (attn_out_norm.has_value()) o_out = norm(o_out, *attn_out_norm, eps_);
+      x = add_norm(hidden, o_out, post_norm, eps_);
       auto act = run_linear(gate_up, x);
-      if (std::get<0>(gate_up) != kW8A16GateUpSilu) act = swiglu(act);
+      if (activation == kGeluTanh)
+        act = geglu(act);
+      else if (std::get<0>(gate_up) != kW8A16GateUpSilu)
+        act = swiglu(act);
       auto out = run_linear(down, act);
+      if (mlp_out_norm.has_value()) out = norm(out, *mlp_out_norm, eps_);
       if (i + 1 < n) {
         x = add_norm(hidden, out, std::get<0>(layers_[i + 1]), eps_);
       } else {
@@ -263,6 +310,7 @@ class CpuDecoder {
 
  private:
   std::vector<LayerSpec> layers_;
+  std::vector<LayerExtra> extras_;
   double eps_;
   int64_t heads_;
 };
@@ -274,13 +322,20 @@ class CpuDecoder {
 // The compute ops release the GIL, like torch's own ops: the engine's IO threads keep running.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("build_plan", &kvr::plan, "Work items of a step's paged attention");
-  m.def("paged_attention", &kvr::attention, release(), "Causal paged attention, pages in place");
+  m.def("build_plan", &kvr::plan, "Work items of a step's paged attention", py::arg("tables"),
+        py::arg("context_lens"), py::arg("query_start_loc"), py::arg("num_tokens"),
+        py::arg("page_size"), py::arg("chunk_pages"), py::arg("num_blocks"),
+        py::arg("window") = 0);
+  m.def("paged_attention", &kvr::attention, release(), "Causal paged attention, pages in place",
+        py::arg("query"), py::arg("pool"), py::arg("layer"), py::arg("tables"), py::arg("items"),
+        py::arg("entries"), py::arg("positions"), py::arg("chunk_off"), py::arg("chunk_pages"),
+        py::arg("scale"), py::arg("bf16_dots"), py::arg("window") = 0);
   m.def("write_kv", &kvr::kv_write, release(), "Write K/V rows into the pool at their slots");
   m.def("rope_write_kv", &kvr::rope_kv_write, release(), "RoPE on q and k, k and v to the pool");
   m.def("rms_norm", &kvr::norm, release(), "RMSNorm of each row");
   m.def("add_rms_norm", &kvr::add_norm, release(), "residual += delta, then RMSNorm of each row");
   m.def("silu_mul", &kvr::swiglu, release(), "SiLU(gate) * up of rows [gate | up]");
+  m.def("gelu_tanh_mul", &kvr::geglu, release(), "GELU-tanh(gate) * up of rows [gate | up]");
   m.def("int8_linear", &kvr::scaled_int8_linear<kvr::wint8_linear>, release(),
         "x . (W * scales)^T (+ bias), W packed int8");
   m.def("q8_linear", &kvr::q8_linear_op, release(), "Q8_0 x Q8_0 linear (int8 x and W, scales)");
@@ -296,7 +351,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_attention_available", &kvr::bf16_attention_available,
         "Whether paged_attention can take bf16 dots on AMX tiles here");
   py::class_<kvr::CpuDecoder>(m, "CpuDecoder", "A decoder's layers run in one call")
-      .def(py::init<std::vector<kvr::LayerSpec>, double, int64_t>())
+      .def(py::init<std::vector<kvr::LayerSpec>, double, int64_t, std::vector<kvr::LayerExtra>>(),
+           py::arg("layers"), py::arg("eps"), py::arg("heads"),
+           py::arg("extras") = std::vector<kvr::LayerExtra>{})
       .def("forward", &kvr::CpuDecoder::forward, release())
       .def("__len__", &kvr::CpuDecoder::size);
   m.def("simd_width", &kvr::simd_width, "Floats per vector of this build (8 AVX2, 16 AVX-512)");

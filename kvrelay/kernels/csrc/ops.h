@@ -16,10 +16,16 @@ struct PlanOut {
   std::vector<int> chunk_off;  // [T + 1]: first partial of each token
 };
 
-// Throws std::invalid_argument (a Python ValueError) on inconsistent metadata.
+// The first key position the row at `pos` sees with attention window `window` (0: none).
+inline int window_lo(int pos, int window) {
+  return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+// Throws std::invalid_argument (a Python ValueError) on inconsistent metadata. window > 0: the
+// plan of sliding-window attention (plan.cpp).
 PlanOut build_plan(const int* block_tables, int num_seqs, int width, const int* context_lens,
                    const int* query_start_loc, int num_tokens, int page_size, int chunk_pages,
-                   int64_t num_blocks);
+                   int64_t num_blocks, int window);
 
 struct AttentionArgs {
   const float* query;  // [T, heads, head_dim] contiguous
@@ -35,6 +41,7 @@ struct AttentionArgs {
   float scale;
   KVType pool_type;
   bool bf16_dots = false;  // q.k and p.v on AMX-BF16 tiles (bf16 pool only; attention.cpp)
+  int window = 0;          // sliding window (keys pos - window < k <= pos); the plan's own
 };
 
 void paged_attention(const AttentionArgs& args, int num_threads);
@@ -84,6 +91,9 @@ void rms_norm(const RowArgs& args, const float* weight, float eps);
 void head_rms_norm(float* x, int64_t tokens, int64_t stride, int64_t heads, int64_t dim,
                    const float* weight, float eps);
 void silu_mul(const RowArgs& args);  // x rows [gate | up], each dim wide
+// GELU (tanh approximation) of gate times up, x rows [gate | up]: x * sigmoid(2u) with
+// u = sqrt(2 / pi) (x + 0.044715 x^3), which is 0.5 x (1 + tanh(u)).
+void gelu_tanh_mul(const RowArgs& args);
 void quantize_rows(const RowArgs& args, uint8_t* q, float* scales, float qmax, int zero_point);
 
 // y [m, n] = x [m, k] . (q * scale)^T (+ bias): q packed as [ceil(n / 64)][k][64] int8, one

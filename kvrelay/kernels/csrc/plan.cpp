@@ -3,7 +3,16 @@
 // Keys are cut into chunks of `chunk_pages` pages from position 0. A sequence's query rows are
 // cut into row blocks of at most kRowBlock positions. An item is one chunk for one or more row
 // blocks whose pages in that chunk are the same block ids (a shared prefix): its thread reads
-// those pages once for all of them. Items are built once per step and reused by every layer.
+// those pages once for all of them. Items are built once per step and reused by every layer
+// (one plan per attention window).
+//
+// A window W > 0 (sliding-window attention: the row at position p sees keys p - W < k <= p)
+// starts a row block's keys at lo = max(0, p0 - W + 1) of its first row: its items begin with
+// the chunk holding lo, and an item's pages with the page holding lo (`item_first_page` in
+// attention.cpp; the key of an item carries that page, so entries sharing an item share it),
+// so pages wholly before the window are never read. A token has partials only for the chunks
+// from its own lo's chunk to its position's: chunk_off[t] is the partial of chunk
+// first_chunk(t).
 #include <algorithm>
 #include <array>
 #include <map>
@@ -36,7 +45,9 @@ void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 }  // namespace
 
 PlanOut build_plan(const int* tables, int num_seqs, int width, const int* ctx, const int* qsl,
-                   int num_tokens, int page_size, int chunk_pages, int64_t num_blocks) {
+                   int num_tokens, int page_size, int chunk_pages, int64_t num_blocks,
+                   int window) {
+  if (window < 0) fail("window must be >= 0");
   if (qsl[0] != 0 || qsl[num_seqs] != num_tokens)
     fail("query_start_loc must run from 0 to " + std::to_string(num_tokens));
   const int chunk_keys = page_size * chunk_pages;
@@ -67,14 +78,16 @@ PlanOut build_plan(const int* tables, int num_seqs, int width, const int* ctx, c
       const int npos = std::min(kRowBlock, n - j0), t0 = qsl[i] + j0, p0 = len - n + j0;
       const int plast = p0 + npos - 1;
       for (int j = 0; j < npos; ++j) {
-        pos_of[t0 + j] = p0 + j;
+        const int pos = p0 + j;
+        pos_of[t0 + j] = pos;
         off_of[t0 + j] = total;
-        total += (p0 + j) / chunk_keys + 1;
+        total += pos / chunk_keys - window_lo(pos, window) / chunk_keys + 1;
       }
-      for (int c = 0; c <= plast / chunk_keys; ++c) {
-        const int first = c * chunk_pages;
-        const int last = std::min<int>(plast / page_size, first + chunk_pages - 1);
-        key.assign(1, c);
+      const int lo = window_lo(p0, window);
+      for (int c = lo / chunk_keys; c <= plast / chunk_keys; ++c) {
+        const int first = std::max(c * chunk_pages, lo / page_size);
+        const int last = std::min<int>(plast / page_size, c * chunk_pages + chunk_pages - 1);
+        key.assign({c, first});
         key.insert(key.end(), table + first, table + last + 1);
         auto it = open.find(key);
         if (it == open.end() || items[it->second].positions + npos > kItemPositions) {
@@ -84,7 +97,7 @@ PlanOut build_plan(const int* tables, int num_seqs, int width, const int* ctx, c
         }
         Item& item = items[it->second];
         item.positions += npos;
-        item.pages = last - first + 1;
+        item.pages = last - first + 1;  // the same for every entry (the key holds them)
         item.entries.push_back({i, t0, npos, p0});
       }
     }

@@ -44,13 +44,16 @@ class Backpressure:
         self._queued_since = 0
         self._snapshot_age = -1.0
 
-    async def waiting(self) -> int:
-        """Undelivered entries in both work streams, as best known now."""
+    async def waiting(self, pipeline: str | None = None) -> int:
+        """Undelivered entries in both work streams, as best known now: of one model's
+        `pipeline` (the bound the submit script applies is per model), or of every model."""
         load = await self.cluster.load()
         age = self.cluster.load_age_s
         if age < self._snapshot_age:  # a fresh snapshot already counts what we queued
             self._queued_since = 0
         self._snapshot_age = age
+        if pipeline is not None and len(self.cluster.pipeline_loads) > 1:
+            load = self.cluster.pipeline_loads.get(pipeline, load)
         return sum(s.waiting for s in load.values()) + self._queued_since
 
     def slot(self, count: int = 1) -> Slot:
@@ -59,14 +62,15 @@ class Backpressure:
         self.inflight += count
         return Slot(self, count)
 
-    async def admit(self, count: int = 1) -> Slot:
-        """Take in-flight slots for a new request of `count` choices, or raise a 429."""
+    async def admit(self, count: int = 1, pipeline: str | None = None) -> Slot:
+        """Take in-flight slots for a new request of `count` choices, or raise a 429 (the
+        waiting bound counted on its model's `pipeline`; None: every model's)."""
         if _over(self.inflight, count, self.max_inflight):
             raise overloaded(f"{self.inflight} requests in flight", self.retry_after_s)
         # taken before the first await: the check and the count are one step
         slot = self.slot(count)
         try:
-            waiting = await self.waiting()
+            waiting = await self.waiting(pipeline)
         except RedisConnectionError:
             return slot  # restarting: the submit script checks the bound once Redis is back
         except BaseException:

@@ -53,6 +53,13 @@ class StreamLoad:
     pending: int = 0
 
 
+def _serves(workers: list[WorkerInfo], model: str) -> bool:
+    """Whether a live, non-draining worker serves `model` (one not saying which counts), or
+    no worker takes new entries at all (then every model waits alike, as with one model)."""
+    live = [w for w in workers if not w.record.stopped]
+    return not live or any(not w.model or w.model == model for w in live)
+
+
 class _Cached(Generic[T]):
     """A value refreshed by `fetch` when older than `ttl_s`; callers share one fetch in flight."""
 
@@ -117,6 +124,10 @@ class _Cached(Generic[T]):
         if self._task is not None:
             self._task.cancel()
 
+    def peek(self) -> T | None:
+        """The value held now, however old (None before the first fetch)."""
+        return self._value
+
     @property
     def age_s(self) -> float:
         return time.monotonic() - self._at
@@ -125,8 +136,19 @@ class _Cached(Generic[T]):
 class ClusterState:
     """Models, workers and stream load as last seen in Redis."""
 
-    def __init__(self, redis: AsyncRedis, keys: Keys, refresh_s: float = 0.25):
+    def __init__(
+        self,
+        redis: AsyncRedis,
+        keys: Keys,
+        refresh_s: float = 0.25,
+        pipelines: tuple[str, ...] | list[str] = ("",),
+    ):
         self.redis, self.keys = redis, keys
+        self.refresh_s = refresh_s
+        # the model pipelines whose streams the load sums (`core.keys`; "" the unnamed one)
+        self.pipelines = list(dict.fromkeys(pipelines)) or [""]
+        # each pipeline's stream load summed over the shards, as of the last load snapshot
+        self.pipeline_loads: dict[str, dict[str, StreamLoad]] = {}
         self._models = _Cached(self._fetch_models, refresh_s)
         # SCANning for heartbeats walks the whole keyspace (page directory included), which
         # takes milliseconds: refresh less often, and behind the requests rather than before
@@ -177,6 +199,22 @@ class ClusterState:
                 counts[w.role] = counts.get(w.role, 0) + 1
         return counts
 
+    def published_now(self) -> dict[str, PublishedModel]:
+        """The last models snapshot, without fetching ({} before the first)."""
+        return self._models.peek() or {}
+
+    async def serving(self, model: str) -> bool:
+        """False when live workers run but none of them serves `model` (all of its own are
+        stopped, draining or gone): its requests would wait for a worker that may never come.
+        True when one does, or when no worker is live at all (a stack starting or restarting
+        as a whole queues its requests, as a single-model stack always did)."""
+        workers = await self.workers()
+        if _serves(workers, model):
+            return True
+        if self._workers.age_s > self.refresh_s:  # a snapshot served stale: look again
+            workers = await self.workers(fresh=True)
+        return _serves(workers, model)
+
     async def _fetch_models(self) -> dict[str, PublishedModel]:
         out: dict[str, PublishedModel] = {}
         now = time.time()
@@ -222,11 +260,35 @@ class ClusterState:
         return out
 
     async def shard_load(self) -> list[dict[str, StreamLoad]]:
-        """`prefill` and `decode` stream load of every shard, shard 0 first."""
+        """`prefill` and `decode` stream load of every shard, shard 0 first (each summed over
+        the model pipelines; `pipeline_load` has them one by one)."""
+        out: list[dict[str, StreamLoad]] = []
+        published = [m.pipeline or "" for m in (await self.models()).values()]
+        by_pipeline: dict[str, dict[str, StreamLoad]] = {}
+        for pipeline in dict.fromkeys([*self.pipelines, *published]):
+            loads = await self.pipeline_load(pipeline)
+            own = by_pipeline[pipeline] = {}
+            for shard in loads:
+                for name, one in shard.items():
+                    summed = own.setdefault(name, StreamLoad())
+                    summed.waiting += one.waiting
+                    summed.pending += one.pending
+            if not out:
+                out = loads
+                continue
+            for total, load in zip(out, loads, strict=True):
+                for name, one in load.items():
+                    total[name].waiting += one.waiting
+                    total[name].pending += one.pending
+        self.pipeline_loads = by_pipeline
+        return out
+
+    async def pipeline_load(self, pipeline: str = "") -> list[dict[str, StreamLoad]]:
+        """`prefill` and `decode` stream load of one model pipeline on every shard."""
         # one round trip for every stream; a stream that does not exist yet answers an error
         pipe = self.redis.pipeline(transaction=False)
         stages = ((Stage.PREFILL, PREFILL_GROUP), (Stage.DECODE, DECODE_GROUP))
-        shards = self.keys.all()
+        shards = [keys.for_pipeline(pipeline) for keys in self.keys.all()]
         for keys in shards:
             for stream in (keys.prefill_stream, keys.decode_stream):
                 pipe.xinfo_groups(stream)

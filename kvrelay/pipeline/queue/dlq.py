@@ -15,7 +15,7 @@ import redis
 from kvrelay.core.dead_letter import DeadLetter
 from kvrelay.core.enums import RequestStatus
 from kvrelay.core.errors import KvrelayError
-from kvrelay.core.keys import MESSAGE_FIELD, Keys
+from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, Keys
 from kvrelay.core.messages import DecodeTask, MessageError, PrefillTask
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.pipeline.queue.field_ttl import field_ttl_sync, set_progress_args
@@ -60,7 +60,8 @@ class Replayed:
 
 
 def _task(payload: bytes, stream: str, keys: Keys) -> PrefillTask | DecodeTask | None:
-    cls = DecodeTask if stream == keys.decode_stream else PrefillTask
+    where = keys.stream_pipeline(stream)  # a model pipeline's streams too
+    cls = DecodeTask if where is not None and where[0] == DECODE_GROUP else PrefillTask
     try:
         return cls.decode(payload)
     except MessageError:
@@ -157,7 +158,7 @@ def replay(r: redis.Redis, keys: Keys, dlq_id: str, force: bool = False) -> Repl
         return None
     letter, keys = found  # its shard: the request's keys and streams are there
     stream = letter.stream or keys.prefill_stream
-    if stream not in (keys.prefill_stream, keys.decode_stream):
+    if keys.stream_pipeline(stream) is None:  # any model pipeline's work stream
         raise NotReplayable(f"DLQ entry {dlq_id} names an unknown stream {stream!r}")
     payload, reason = letter.payload, letter.reason
     if not payload:  # the entry arrived without `m`: nothing to run again

@@ -90,7 +90,7 @@ class Router:
             # Decode workers compute any prompt themselves: with no live prefill worker a long
             # prompt goes to them, also while no worker at all is live (starting, restarting);
             # on stream:prefill it would wait for a prefill worker that may never come.
-            roles = await self.cluster.roles(model.name)
+            roles = await self.cluster.roles(model.worker_model)
             if not roles.get(PREFILL, 0):
                 return Route(DECODE, reason="no prefill worker")
         pages = await self.cached_pages(model, prompt_ids, salt)

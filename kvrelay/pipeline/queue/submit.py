@@ -31,7 +31,7 @@ from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
-from kvrelay.pipeline.errors import RequestError, bad_request, overloaded
+from kvrelay.pipeline.errors import RequestError, bad_request, model_unavailable, overloaded
 from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.openai.protocol import GenerationRequest
 from kvrelay.pipeline.queue import scripts
@@ -157,6 +157,7 @@ class Producer:
         fill the others (None: none are applied).
         """
         entry = await self.ride_out(request_id, lambda: self.registry.get(model))
+        await self._refuse_unserved(request_id, entry)
         defaults = entry.generation_defaults
         if fields_set is not None:
             sampling = defaults.apply(sampling, fields_set)
@@ -199,6 +200,19 @@ class Producer:
             detokenize=detokenize,
         )
         return task, entry
+
+    async def _refuse_unserved(self, request_id: str, entry: ModelEntry) -> None:
+        """503 model_unavailable when workers are live but none serves the model: on a stack
+        of several models, one whose workers are all stopped (its requests would wait for
+        a worker that may never come). With no worker live at all, requests queue as they
+        always did (a stack starting or restarting)."""
+        cluster = self.router.cluster
+        if cluster is None:
+            return
+        model = entry.worker_model
+        if not await self.ride_out(request_id, lambda: cluster.serving(model)):
+            logger.warning("request %s refused: no live worker serves %s", request_id, model)
+            raise model_unavailable(entry.name, self.retry_after_s)
 
     async def _refuse_hopeless(self, entry: ModelEntry, chars: int, param: str) -> None:
         """400 context_length_exceeded, before tokenizing, for text no allowed prompt can hold.
@@ -294,7 +308,8 @@ class Producer:
     ) -> tuple[Route, Any]:
         """One try: route, then the submit script; (route, the script's reply)."""
         route = await self.router.route(entry, task.prompt_token_ids, task.cache_salt)
-        keys = self.keys.of(task.request_id)  # the request's shard: its keys, its streams
+        # the request's shard: its keys; its model's pipeline: its streams
+        keys = self.keys.of(task.request_id).for_pipeline(entry.pipeline)
         stream = keys.decode_stream if route.stage == DECODE else keys.prefill_stream
         flat = _record_items(task, route.stage, len(task.prompt_token_ids), route.cached_tokens)
         flat += _items(record or {})
@@ -415,7 +430,8 @@ class Producer:
             ]
             stage = "d" if route.stage == DECODE else "p"
             args += [stage, task.request_id, routed(task, route).encode(), len(items), *items]
-        keys = self.keys.of(request_id)  # the choices `{id}.{k}` share the parent's shard
+        # the choices `{id}.{k}` share the parent's shard, and the model's pipeline
+        keys = self.keys.of(request_id).for_pipeline(entry.pipeline)
         reply = await self._submit_choices(
             keys=[
                 keys.request(request_id),

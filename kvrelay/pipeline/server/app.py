@@ -79,10 +79,14 @@ class Ingress:
         )
         # the one reader of every output this process delivers (started on first use too)
         self.feed = output_feed(self.redis, self.keys, block_ms=config.read_block_ms)
-        self.cluster = ClusterState(self.redis, self.keys, config.state_refresh_s)
-        self.registry = ModelRegistry(
-            config.models, self.cluster, tokenizers, config.generation_override
+        self.registry = ModelRegistry(config.models, None, tokenizers, config.generation_override)
+        self.cluster = ClusterState(
+            self.redis,
+            self.keys,
+            config.state_refresh_s,
+            pipelines=list(self.registry.pipelines.values()),
         )
+        self.registry.cluster = self.cluster
         self.router = Router(
             self.redis, self.keys, config.mode, config.route_threshold, self.cluster
         )

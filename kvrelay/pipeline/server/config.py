@@ -13,6 +13,7 @@ from kvrelay.core.config import (
 )
 from kvrelay.core.modelref import DEFAULT_MODEL
 from kvrelay.core.sampling import GenerationDefaults, generation_override
+from kvrelay.pipeline.model_registry import model_pipelines
 from kvrelay.pipeline.openai.tool_parsers import DETECT, PARSER_SETTINGS
 from kvrelay.pipeline.queue.feed import BLOCK_MS
 from kvrelay.pipeline.queue.route import ROUTE_THRESHOLD, RouteMode
@@ -72,6 +73,10 @@ class IngressConfig(RedisSettings):
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not self.models:
             raise ConfigError("at least one model name is required")
+        try:
+            model_pipelines(self.models)  # each model after the first: a pipeline of its own
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         for name in (
             "max_body_bytes",
             "max_prompt_tokens",

@@ -53,8 +53,13 @@ class InfoApi:
         try:
             await ing.redis.ping()
             workers = await ing.cluster.workers(fresh=True)
+            fleets: dict[str, dict[str, int]] = {}
             for w in workers:
                 body["workers"][w.role] = body["workers"].get(w.role, 0) + 1
+                fleet = fleets.setdefault(w.model or "?", {})
+                fleet[w.role] = fleet.get(w.role, 0) + 1
+            if len(fleets) > 1:  # several models: each one's live workers by role
+                body["models"] = fleets
             load = await ing.cluster.load()
             body["waiting"] = {name: s.waiting for name, s in load.items()}
         except RedisError as exc:

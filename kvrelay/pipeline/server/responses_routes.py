@@ -122,7 +122,8 @@ class ResponsesApi:
                 if rec is not None:
                     check_same(rec, request_id, prepared.digest, key_id)
                     return await self._reattach(request, request_id, rec, prepared, key_id)
-            slot = await ing.backpressure.admit()
+            pipeline = ing.registry.known_pipeline(call.generation.model)
+            slot = await ing.backpressure.admit(pipeline=pipeline)
             task, entry = await ing.producer.prepare_parsed(call.generation, request_id=request_id)
             created = int(time.time())
             options = {

@@ -114,7 +114,8 @@ class GenerationApi:
                     return await reattach(
                         request, ing, request_id, rec, parsed.stream, parsed.include_usage
                     )
-            slot = await ing.backpressure.admit(parsed.num_choices)
+            pipeline = ing.registry.known_pipeline(parsed.model)  # the bound is per model
+            slot = await ing.backpressure.admit(parsed.num_choices, pipeline)
             if parsed.num_choices > 1:  # n, best_of, several prompts: choices.py
                 return await generate_choices(
                     ing,

@@ -1,5 +1,5 @@
 """Architecture numbers of a Llama-family model (Llama, Mistral, Qwen2, Qwen3, SmolLM2,
-SmolLM3, Phi-3) from config.json."""
+SmolLM3, Phi-3, Gemma 3) from config.json."""
 
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ from typing import Any
 from kvrelay.core.modelref import context_length, longrope_length, rope_parameters
 from kvrelay.workers.errors import UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+SUPPORTED_MODEL_TYPES = (
+    "gemma3_text",
+    "llama",
+    "mistral",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "smollm3",
+)
+# activations of the gate projection (GLU MLPs): SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 PARTIAL_ROTARY = ("phi3",)  # the families whose partial rotary embeddings are implemented
 
@@ -37,6 +47,25 @@ class ModelConfig:
     mlp_bias: bool = False
     rope_layers: tuple[bool, ...] = ()  # per layer: RoPE or not (SmolLM3's NoPE); () all RoPE
     rotary_dim: int = 0  # dims of each head RoPE rotates (Phi-4-mini: 3/4); 0: all
+    activation: str = "silu"  # of the gate projection: "silu" or "gelu_tanh"
+    # per layer: its attention window in tokens (0: the whole context); () every layer full
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 3's local (sliding-window) layers rotate with their own base, unscaled; 0: none
+    local_rope_theta: float = 0.0
+    query_pre_attn_scalar: float = 0.0  # attention scale is its -1/2 power; 0: head_dim's
+    final_logit_softcapping: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s attention window (0: it attends to the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def rope_set(self, layer: int) -> int:
+        """Which RoPE table layer `layer` reads: 0 the model's, 1 the local layers' own."""
+        return int(bool(self.local_rope_theta) and self.window(layer) > 0)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates q and k."""
@@ -52,15 +81,21 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
             )
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"hidden_act {act!r} is not supported; supported: {sorted(ACTIVATIONS)}"
+            )
+        if cfg.get("attn_logit_softcapping"):
+            raise UnsupportedModelError("attn_logit_softcapping is not supported")
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("bidirectional attention is not supported (decoders only)")
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
             head_dim = int(cfg.get("head_dim") or hidden // heads)
-            theta, scaling = _rope(cfg)
+            theta, scaling, local_theta = _rope(cfg, model_type)
             rotary = _rotary_dim(cfg, model_type, head_dim)
             attention_bias = bool(cfg.get("attention_bias", False))
             config = cls(
@@ -85,6 +120,11 @@ class ModelConfig:
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 rope_layers=_rope_layers(cfg, model_type),
                 rotary_dim=rotary,
+                activation=ACTIVATIONS[act],
+                layer_windows=_layer_windows(cfg, model_type),
+                local_rope_theta=local_theta,
+                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 0.0),
+                final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),
             )
         except KeyError as exc:
             raise UnsupportedModelError(f"config.json lacks {exc.args[0]!r}") from exc
@@ -107,11 +147,14 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def inv_freq(self) -> list[float]:
+    def inv_freq(self, rope_set: int = 0) -> list[float]:
         """RoPE inverse frequencies (float64 math), with Llama-3 / linear / LongRoPE scaling
         applied: head_dim / 2 of them, the last (head_dim - rotary_dim) / 2 zero (those pairs
-        of dims are not rotated: see Phi3ForCausalLM for the pairing)."""
+        of dims are not rotated: see Phi3ForCausalLM for the pairing). `rope_set` 1: the
+        local layers' own (`local_rope_theta`, unscaled)."""
         dim = self.rotary_dim or self.head_dim
+        if rope_set:
+            return [1.0 / (self.local_rope_theta ** (i / dim)) for i in range(0, dim, 2)]
         inv = [1.0 / (self.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
         kind = self.rope_scaling.get("rope_type", "default")
         if kind == "linear":
@@ -125,9 +168,11 @@ class ModelConfig:
             ]
         return inv + [0.0] * ((self.head_dim - dim) // 2)
 
-    def rope_scales(self) -> list[float]:
+    def rope_scales(self, rope_set: int = 0) -> list[float]:
         """What each of the inv_freq() entries' cos and sin are multiplied by: LongRoPE's
         attention factor on the rotated pairs, 1 elsewhere (unrotated dims stay as they are)."""
+        if rope_set:
+            return [1.0] * (self.head_dim // 2)
         rotated = (self.rotary_dim or self.head_dim) // 2
         factor = float(self.rope_scaling.get("attention_factor", 1.0))
         return [factor] * rotated + [1.0] * (self.head_dim // 2 - rotated)
@@ -186,8 +231,65 @@ def _longrope(cfg: dict[str, Any], params: dict[str, Any], original: int | None)
     }
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    params = rope_parameters(cfg)
+def _layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int, ...]:
+    """Each layer's attention window: Gemma 3's `layer_types` (sliding_attention layers see
+    `sliding_window` tokens, full_attention ones all), Mistral's `sliding_window` on every
+    layer; () where every layer attends to the whole context (Qwen2/3's windows, which
+    `core.modelref.context_length` keeps out of reach, included)."""
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        window = 0
+    layers = int(cfg["num_hidden_layers"])
+    if model_type == "mistral":
+        return (window,) * layers if window else ()
+    if model_type != "gemma3_text":
+        return ()
+    kinds = cfg.get("layer_types")
+    if kinds is None:  # the pattern older configs carry: every n-th layer global
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        kinds = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    if not isinstance(kinds, list) or len(kinds) != layers:
+        raise UnsupportedModelError(f"layer_types must list {layers} layers, got {kinds!r}")
+    unknown = set(kinds) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
+    if "sliding_attention" in kinds and not window:
+        raise UnsupportedModelError("sliding_attention layers need a sliding_window")
+    return tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+
+
+def _rope(cfg: dict[str, Any], model_type: str = "") -> tuple[float, dict[str, Any], float]:
+    """The model's RoPE base and scaling, and the local layers' own base (Gemma 3; else 0)."""
+    if model_type == "gemma3_text":
+        return _gemma3_rope(cfg)
+    theta, scaling = _rope_of(rope_parameters(cfg), cfg)
+    return theta, scaling, 0.0
+
+
+def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any], float]:
+    """Gemma 3: full_attention layers' RoPE (base 1e6, maybe scaled) and sliding ones' base
+    (10,000, unscaled), from transformers 5's per-kind `rope_parameters` or the older flat
+    `rope_theta` / `rope_scaling` / `rope_local_base_freq`."""
+    params = cfg.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):
+        full = dict(params["full_attention"])
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(cfg.get("rope_scaling") or {})
+        full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    local_kind = local.get("rope_type") or local.get("type") or "default"
+    if local_kind != "default":
+        raise UnsupportedModelError(f"sliding layers' rope type {local_kind!r} is not supported")
+    full.setdefault("rope_theta", 1_000_000.0)
+    theta, scaling = _rope_of(full, cfg)
+    return theta, scaling, float(local.get("rope_theta", 10_000.0))
+
+
+def _rope_of(params: dict[str, Any], cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    params = dict(params)
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)

@@ -1,4 +1,10 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over the page-major paged KV pool.
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM, and the families that subclass it:
+Qwen3, SmolLM3, Phi-3, Gemma 3) over the page-major paged KV pool.
+
+What families share is here, driven by the config: a layer's attention window (Mistral's, Gemma
+3's local layers), the RoPE table it reads (Gemma 3's local base), norms on the attention's and
+the MLP's outputs (Gemma's sandwich norms), the GLU activation (SiLU or tanh GELU) and a final
+logit soft cap; what a family does differently in a layer is its subclass's hook.
 
 Batch invariance (a token's logits are bitwise identical whatever else is in the batch, however
 prefill is chunked, decode or prefill) comes from giving every row the same arithmetic:
@@ -36,6 +42,7 @@ from kvrelay.kernels import (
     AttentionMetadata,
     KernelError,
     add_rms_norm,
+    gelu_tanh_mul,
     linear,
     paged_attention,
     rms_norm,
@@ -104,6 +111,13 @@ def swiglu(gate_up: Any, x: torch.Tensor) -> torch.Tensor:
     return fused(x) if fused is not None else silu_mul(gate_up(x))
 
 
+def glu(activation: str, gate_up: Any, x: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up of x's [gate; up] projection, act SiLU ("silu") or tanh GELU."""
+    if activation == "gelu_tanh":
+        return gelu_tanh_mul(gate_up(x))
+    return swiglu(gate_up, x)
+
+
 class Linear:
     """y = x W^T + b; on CPU fp32 the weight is pre-packed once for oneDNN's GEMM."""
 
@@ -149,13 +163,17 @@ class Linear:
 
 
 class DecoderLayer:
-    """One pre-norm attention + SwiGLU MLP block with fused QKV and gate/up weights."""
+    """One pre-norm attention + GLU MLP block with fused QKV and gate/up weights; a family
+    with norms on the attention's and the MLP's outputs (Gemma) sets `attn_out_norm` and
+    `mlp_out_norm`."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         c = self.config = config
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.input_norm = torch.ones(c.hidden_size, **kw)
         self.post_norm = torch.ones(c.hidden_size, **kw)
+        self.attn_out_norm: torch.Tensor | None = None
+        self.mlp_out_norm: torch.Tensor | None = None
         self.qkv = Linear.empty(c.q_size + 2 * c.kv_size, c.hidden_size, c.qkv_bias, **kw)
         self.o = Linear.empty(c.hidden_size, c.q_size, c.o_bias, **kw)
         self.gate_up = Linear.empty(2 * c.intermediate_size, c.hidden_size, c.mlp_bias, **kw)
@@ -212,13 +230,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(self.embed)
         else:
             self.lm_head = Linear.empty(config.vocab_size, config.hidden_size, False, **kw)
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.row_align = ROW_ALIGN  # 1 once every linear is row-invariant at any row count
         # every layer in one C++ call where all its linears are C++ ones (`quantize` builds it)
         self.cpu_decoder: CpuDecoder | None = None
-        self._inv_freq = torch.tensor(config.inv_freq(), dtype=torch.float64)
-        self._rope_cos = torch.empty(0, config.head_dim // 2, dtype=dtype, device=self.device)
-        self._rope_sin = self._rope_cos
+        # one RoPE table per set (the model's; Gemma 3's local layers' own): [cos, sin] each
+        sets = 2 if config.local_rope_theta else 1
+        self._inv_freq = [
+            torch.tensor(config.inv_freq(s), dtype=torch.float64) for s in range(sets)
+        ]
+        empty = torch.empty(0, config.head_dim // 2, dtype=dtype, device=self.device)
+        self._rope: list[tuple[torch.Tensor, torch.Tensor]] = [(empty, empty)] * sets
 
     def can_pack(self) -> bool:
         """True when linear weights can be pre-packed for oneDNN (CPU fp32)."""
@@ -258,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
         def convert(slot: tuple[object, str]) -> None:
             owner, name = slot
             lin = getattr(owner, name)
-            gate_up = name == "gate_up"
+            gate_up = name == "gate_up" and self.config.activation == "silu"  # SiLU fused
             setattr(owner, name, quantized_linear(method, lin.dense_weight(), lin.bias, gate_up))
 
         with ThreadPoolExecutor(2) as pool:  # the torch ops release the GIL: ~2x on 2 cores
@@ -284,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.input_norm,
                 layer.post_norm,
                 *(lin.cpp_spec() for lin in layer.linears()),  # type: ignore[attr-defined]
-                **self.layer_spec_extras(index, layer),
+                **self._layer_spec_fields(index, layer),
             )
             for index, layer in enumerate(layers)
         ]
@@ -303,14 +325,23 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def rope_table(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's RoPE cos and sin tables [>= max_position + 1, head_dim / 2]."""
+        return self.rope_tables(max_position)[0]
+
+    def rope_tables(self, max_position: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every RoPE set's (cos, sin) tables (`ModelConfig.rope_set` picks a layer's)."""
         # Grown by doubling; every row depends only on its position, so growth changes nothing.
-        if max_position >= self._rope_cos.shape[0]:
+        if max_position >= self._rope[0][0].shape[0]:
             n = max(1024, 1 << max_position.bit_length())
-            angles = torch.arange(n, dtype=torch.float64)[:, None] * self._inv_freq[None, :]
-            scales = torch.tensor(self.config.rope_scales(), dtype=torch.float64)
-            self._rope_cos = (angles.cos() * scales).to(self.dtype).to(self.device)
-            self._rope_sin = (angles.sin() * scales).to(self.dtype).to(self.device)
-        return self._rope_cos, self._rope_sin
+            positions = torch.arange(n, dtype=torch.float64)[:, None]
+            tables = []
+            for rope_set, inv_freq in enumerate(self._inv_freq):
+                angles = positions * inv_freq[None, :]
+                scales = torch.tensor(self.config.rope_scales(rope_set), dtype=torch.float64)
+                cos = (angles.cos() * scales).to(self.dtype).to(self.device)
+                tables.append((cos, (angles.sin() * scales).to(self.dtype).to(self.device)))
+            self._rope = tables
+        return self._rope
 
     @torch.inference_mode()
     def forward(
@@ -346,30 +377,38 @@ class LlamaForCausalLM(nn.Module):
             max_pos = int(meta.max_context_len)
         else:
             max_pos = int(pos.max()) if num_tokens else 0
-        cos_table, sin_table = self.rope_table(max_pos)
-        hidden = F.embedding(ids, self.embed)
+        tables = self.rope_tables(max_pos)
+        hidden = self.embed_tokens(ids)
         slots = meta.slot_mapping.to(self.device)
         token_pos = pos[:num_tokens]
         attn_rows = hidden.new_zeros(rows, c.q_size) if rows != num_tokens else None
         x = rms_norm(hidden, self.layers[0].input_norm, c.rms_norm_eps) if self.layers else hidden
         decoder = self.cpu_decoder
+        cos = [table[0] for table in tables]
+        sin = [table[1] for table in tables]
         if decoder is not None and decoder.run(
-            hidden, x, token_pos, cos_table, sin_table, kv_pool, slots, meta, self.scale
+            hidden, x, token_pos, cos, sin, kv_pool, slots, meta, self.scale
         ):
             return self.compute_logits(hidden, logits_indices)
+        eps = c.rms_norm_eps
         for index, layer in enumerate(self.layers):
             qkv = self.project_qkv(layer, x)
-            q = self.write_kv(index, qkv[:num_tokens], token_pos, (cos_table, sin_table),
-                              kv_pool, slots)  # fmt: skip
-            attn = paged_attention(q, kv_pool, index, meta, self.scale)
+            rope = tables[c.rope_set(index)]
+            q = self.write_kv(index, qkv[:num_tokens], token_pos, rope, kv_pool, slots)
+            attn = paged_attention(q, kv_pool, index, meta, self.scale, window=c.window(index))
             if attn_rows is None:
                 attn_in = attn.reshape(rows, c.q_size)
             else:
                 attn_rows[:num_tokens] = attn.reshape(num_tokens, c.q_size)
                 attn_in = attn_rows
+            out = layer.o(attn_in)
+            if layer.attn_out_norm is not None:
+                out = rms_norm(out, layer.attn_out_norm, eps)
             # The residual adds run in place, fused with the next norm (one op each).
-            x = add_rms_norm(hidden, layer.o(attn_in), layer.post_norm, c.rms_norm_eps)
-            down = layer.down(swiglu(layer.gate_up, x))
+            x = add_rms_norm(hidden, out, layer.post_norm, eps)
+            down = layer.down(glu(c.activation, layer.gate_up, x))
+            if layer.mlp_out_norm is not None:
+                down = rms_norm(down, layer.mlp_out_norm, eps)
             if index + 1 < len(self.layers):
                 x = add_rms_norm(hidden, down, self.layers[index + 1].input_norm, c.rms_norm_eps)
             else:
@@ -390,6 +429,19 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope
         return rope_write_kv(qkv, positions, cos, sin, kv_pool, index, slots, self.config.num_heads)
 
+    def _layer_spec_fields(self, index: int, layer: DecoderLayer) -> dict[str, Any]:
+        """Layer `index`'s `LayerSpec` fields beyond its norms and linears: the config's (its
+        window, RoPE table, output norms, activation), then the family's own."""
+        c = self.config
+        return {
+            "window": c.window(index),
+            "rope_table": c.rope_set(index),
+            "attn_out_norm": layer.attn_out_norm,
+            "mlp_out_norm": layer.mlp_out_norm,
+            "activation": c.activation,
+            **self.layer_spec_extras(index, layer),
+        }
+
     def layer_spec_extras(self, index: int, layer: DecoderLayer) -> dict[str, Any]:
         """A family's own fields of layer `index`'s `LayerSpec` (q/k norms, no RoPE): what its
         `project_qkv` and `write_kv` do, for the C++ decoder to do the same."""
@@ -402,6 +454,10 @@ class LlamaForCausalLM(nn.Module):
         """The layer's [q | k | v] rows for normed input rows x (before RoPE)."""
         return layer.qkv(x)
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's first rows: the tokens' embeddings (a family may scale them)."""
+        return F.embedding(ids, self.embed)
+
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows (padded for invariance); fp32 [S, vocab]."""
         num = int(logits_indices.shape[0])
@@ -410,4 +466,8 @@ class LlamaForCausalLM(nn.Module):
         if rows != num:
             selected = F.pad(selected, (0, 0, 0, rows - num))
         x = rms_norm(selected, self.norm, self.config.rms_norm_eps)
-        return self.lm_head(x)[:num].float()
+        logits = self.lm_head(x)[:num].float()
+        cap = self.config.final_logit_softcapping
+        if cap:  # elementwise: every row as alone
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -110,7 +110,7 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
                 _link_checkpoint(ref, tmp)
             else:
                 _say(progress, conversion_note(ref))
-                _convert_with_transformers(ref, tmp, progress)
+                _convert(ref, tmp, progress)
             _say(progress, "hashing weights for the model fingerprint")
             meta = {
                 "format": META_FORMAT,
@@ -144,12 +144,18 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
 
 def model_class(model_type: str) -> type[LlamaForCausalLM]:
     """The decoder class of a family: its own where its layers differ from Llama's."""
+    from kvrelay.workers.model.gemma3 import Gemma3ForCausalLM
     from kvrelay.workers.model.llama import LlamaForCausalLM
     from kvrelay.workers.model.phi3 import Phi3ForCausalLM
     from kvrelay.workers.model.qwen3 import Qwen3ForCausalLM
     from kvrelay.workers.model.smollm3 import SmolLM3ForCausalLM
 
-    families = {"phi3": Phi3ForCausalLM, "qwen3": Qwen3ForCausalLM, "smollm3": SmolLM3ForCausalLM}
+    families: dict[str, type[LlamaForCausalLM]] = {
+        "gemma3_text": Gemma3ForCausalLM,
+        "phi3": Phi3ForCausalLM,
+        "qwen3": Qwen3ForCausalLM,
+        "smollm3": SmolLM3ForCausalLM,
+    }
     return families.get(model_type, LlamaForCausalLM)
 
 
@@ -170,16 +176,16 @@ def check_architecture(ref: ModelRef) -> None:
 def gguf_sampling(path: Path) -> dict[str, float | int]:
     """The sampling defaults a GGUF file carries (`GGUF_SAMPLING_KEYS`, llama.cpp's
     `general.sampling.*` metadata), key -> value; {} when it has none."""
-    from gguf import GGUFReader
+    from kvrelay.workers.model.gguf_convert import read_gguf
 
-    reader = GGUFReader(str(path))  # parses the header and tensor index (~2 s for 100 MB)
+    # the metadata alone (gguf.GGUFReader indexes every vocabulary string: 14 s for Gemma 3's
+    # 262k on a busy 2-core host)
+    metadata = read_gguf(path, tensors=False).metadata
     found: dict[str, float | int] = {}
     for key in GGUF_SAMPLING_KEYS:
-        entry = reader.fields.get(key)
-        if entry is not None:
-            value = entry.contents()
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                found[key] = value
+        value = metadata.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            found[key] = value
     return found
 
 
@@ -198,10 +204,15 @@ def _record_gguf_sampling(ref: ModelRef, directory: Path) -> None:
         logger.warning("cannot record the GGUF sampling defaults in %s: %s", directory, exc)
 
 
-# Seconds per MB of source a conversion takes on 2 cores (measured 2026-12-03, Xeon, 2 cores,
-# quiet: SmolLM2-135M's 98 MB GGUF in 21.4 s; issue 46: 54 s for it on a busy 2-core host, 336 s
-# for a 0.5B GGUF): an estimate to print, never a promise.
+# Seconds per MB of source a conversion takes on 2 cores: an estimate to print, never a promise.
+# transformers' (for a .bin checkpoint or a GGUF architecture gguf_convert does not map;
+# measured 2026-12-03, Xeon, 2 cores, quiet: SmolLM2-135M's 98 MB GGUF in 21.4 s; issue 46: 54 s
+# for it on a busy 2-core host, 336 s for a 0.5B GGUF), and kvrelay's own GGUF converter
+# (gguf_convert, measured 2026-12-03 on that Xeon shared with other jobs, load 4-8: SmolLM2's
+# 98 MB in 2.6-8.7 s, Gemma 3 270M's 253 MB Q4_K_M in 11-17 s, where transformers took 36 s and
+# 93 s at the same load; its time follows the fp32 bytes written more than the file's size).
 CONVERT_S_PER_MB = (0.2, 0.6)
+GGUF_CONVERT_S_PER_MB = (0.03, 0.1)
 
 
 def _source_bytes(ref: ModelRef) -> int:
@@ -211,10 +222,19 @@ def _source_bytes(ref: ModelRef) -> int:
     return sum(p.stat().st_size for p in ref.source.glob("*.bin") if p.is_file())
 
 
+def _fast_gguf(ref: ModelRef) -> bool:
+    """Whether kvrelay's own converter (gguf_convert) takes this model."""
+    from kvrelay.workers.model.gguf_convert import ARCHITECTURES
+    from kvrelay.workers.model.gguf_header import header_value
+
+    return ref.kind == "gguf" and header_value(ref.source, "general.architecture") in ARCHITECTURES
+
+
 def conversion_note(ref: ModelRef) -> str:
     """The line announcing a conversion: its size and a time range estimated from it."""
     mb = _source_bytes(ref) / 1e6
-    low, high = (round(mb * rate) for rate in CONVERT_S_PER_MB)
+    rates = GGUF_CONVERT_S_PER_MB if _fast_gguf(ref) else CONVERT_S_PER_MB
+    low, high = (max(1, round(mb * rate)) for rate in rates)
     return (
         f"converting {ref.source} ({mb:.0f} MB) to safetensors, once: about {low}-{high} s "
         "on 2 cores at this size, longer on a busy host"
@@ -253,6 +273,24 @@ def _link_checkpoint(ref: ModelRef, out: Path) -> None:
     for path in [src_dir / n for n in _SIDE_FILES] + weights + [index]:
         if path.is_file():
             os.symlink(path.resolve(), out / path.name)
+
+
+def _convert(ref: ModelRef, out: Path, progress: bool) -> None:
+    """Convert a GGUF with kvrelay's own converter where it maps the architecture (the same
+    files transformers writes, in seconds), anything else with transformers."""
+    if ref.kind == "gguf" and _fast_gguf(ref):
+        from kvrelay.workers.model.gguf_convert import UnsupportedGGUFError, convert_gguf, describe
+
+        try:
+            times = convert_gguf(ref.source, out, say=lambda msg: _say(progress, msg))
+        except UnsupportedGGUFError as exc:  # e.g. a tensor type gguf cannot dequantize
+            logger.info("converting %s with transformers: %s", ref.source, exc)
+            for path in out.iterdir():
+                path.unlink()
+        else:
+            logger.info("converted %s: %s", ref.source, describe(times))
+            return
+    _convert_with_transformers(ref, out, progress)
 
 
 def _convert_with_transformers(ref: ModelRef, out: Path, progress: bool) -> None:
@@ -373,7 +411,11 @@ def resolve_attention_precision(
             from kvrelay.kernels.cpu_paged import BF16_HEAD_DIMS
 
             if head_dim not in BF16_HEAD_DIMS:
-                why = "head_dim 32, 64 or 128"
+                why = (
+                    "head_dim "
+                    + ", ".join(map(str, BF16_HEAD_DIMS[:-1]))
+                    + f" or {BF16_HEAD_DIMS[-1]}"
+                )
     if not why:
         return "bf16"
     if name == "bf16":

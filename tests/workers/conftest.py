@@ -12,7 +12,7 @@ from kvrelay.kernels import AttentionMetadata
 
 @pytest.fixture(scope="session")
 def model_dir():
-    """The converted default model directory (converts the GGUF on first use, ~20 s)."""
+    """The converted default model directory (converts the GGUF on first use, ~5 s)."""
     from kvrelay.workers.model.loader import prepare_model
 
     return prepare_model(progress=False)

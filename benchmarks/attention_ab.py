@@ -52,13 +52,16 @@ CASES = (  # name, context lengths, query lengths, layers in the pool
 )
 
 
-def kernel_path(where: str) -> str:
-    """The extension file for `where`: a built .so, or a tree whose kernels a child builds."""
+def kernel_path(where: str, isa: str | None = None) -> str:
+    """The extension file for `where`: a built .so, or a tree whose kernels a child builds
+    (the variant `isa` where given: KVRELAY_KERNELS_ISA, else this host's)."""
     if where.endswith(".so"):
         return where
     tree = str(Path(where).resolve())
     code = "from kvrelay.kernels import cpu_build; print(cpu_build.load().__file__)"
     env = dict(os.environ, PYTHONPATH=tree)
+    if isa:
+        env["KVRELAY_KERNELS_ISA"] = isa
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True
     )
@@ -73,11 +76,20 @@ def load(path: str):
     return cpu_build._import(Path(path).name.split(".")[0], Path(path))
 
 
-def make_case(lens: list[int], qlens: list[int], layers: int, dtype: torch.dtype):
+def make_case(
+    lens: list[int],
+    qlens: list[int],
+    layers: int,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
+):
+    """(query, pool, metadata) of sequences with context `lens` and `qlens` new rows each, for
+    `shape` = (heads, kv heads, head_dim); random values (seed 0)."""
+    heads, kv_heads, head_dim = shape
     g = torch.Generator().manual_seed(0)
     pages = [(n + PAGE - 1) // PAGE for n in lens]
-    shape = (sum(pages), layers, 2, PAGE, KV_HEADS, HEAD_DIM)
-    pool = torch.randn(shape, generator=g).to(dtype)
+    pool_shape = (sum(pages), layers, 2, PAGE, kv_heads, head_dim)
+    pool = torch.randn(pool_shape, generator=g).to(dtype)
     tables = torch.zeros(len(lens), max(pages), dtype=torch.int32)
     start = 0
     for i, n in enumerate(pages):
@@ -94,7 +106,7 @@ def make_case(lens: list[int], qlens: list[int], layers: int, dtype: torch.dtype
         max_query_len=max(qlens),
         max_context_len=max(lens),
     )
-    return torch.randn(qsl[-1], HEADS, HEAD_DIM, generator=g), pool, meta
+    return torch.randn(qsl[-1], heads, head_dim, generator=g), pool, meta
 
 
 def run(ext, q, pool, meta, layer: int, bf16: bool) -> torch.Tensor:

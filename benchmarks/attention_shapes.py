@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,10 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from kvrelay.kernels import AttentionMetadata, cpu_build
+from benchmarks.attention_ab import kernel_path, load, make_case
 from kvrelay.kernels.cpu_paged import get_plan
 
-PAGE = 16
 SHAPES = {  # name: heads, kv heads, head_dim
     "gemma3": (4, 1, 256),
     "mqa128": (4, 1, 128),
@@ -48,51 +46,6 @@ CASES = (  # name, context lengths, query lengths, window
     ("prefill chunk 512 at 4,096", [4096], [512], 0),
     ("prefill chunk 512 at 4,096, window 512", [4096], [512], 512),
 )
-
-
-def kernel_path(where: str, isa: str) -> str:
-    """The extension file for `where`: a built .so, or a tree whose kernels a child builds."""
-    if where.endswith(".so"):
-        return where
-    tree = str(Path(where).resolve())
-    code = "from kvrelay.kernels import cpu_build; print(cpu_build.load().__file__)"
-    env = dict(os.environ, PYTHONPATH=tree, KVRELAY_KERNELS_ISA=isa)
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True
-    )
-    lines = out.stdout.strip().splitlines()
-    if out.returncode or not lines or not lines[-1].endswith(".so"):
-        raise SystemExit(f"no kernel build for {tree}: {out.stderr.strip()[-800:]}")
-    return lines[-1]
-
-
-def load(path: str):
-    """The extension at `path` under its own module name (the names differ by build)."""
-    return cpu_build._import(Path(path).name.split(".")[0], Path(path))
-
-
-def make_case(shape, lens: list[int], qlens: list[int], dtype: torch.dtype):
-    heads, kv_heads, head_dim = shape
-    g = torch.Generator().manual_seed(0)
-    pages = [(n + PAGE - 1) // PAGE for n in lens]
-    pool = torch.randn((sum(pages), 1, 2, PAGE, kv_heads, head_dim), generator=g).to(dtype)
-    tables = torch.zeros(len(lens), max(pages), dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(pages):
-        tables[i, :n] = torch.arange(start, start + n)
-        start += n
-    qsl = [0]
-    for q in qlens:
-        qsl.append(qsl[-1] + q)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((qsl[-1],), -1, dtype=torch.int64),
-        block_tables=tables,
-        context_lens=torch.tensor(lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        max_query_len=max(qlens),
-        max_context_len=max(lens),
-    )
-    return torch.randn(qsl[-1], heads, head_dim, generator=g), pool, meta
 
 
 def run(ext, q, pool, meta, bf16: bool, window: int) -> torch.Tensor:
@@ -139,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, lens, qlens, window in CASES:
                 if args.cases not in name:
                     continue
-                q, pool, meta = make_case(SHAPES[shape], lens, qlens, dtype)
+                q, pool, meta = make_case(lens, qlens, 1, dtype, SHAPES[shape])
                 outs = [run(e, q, pool, meta, bf16, window) for e in exts]
                 same = all(torch.equal(outs[0], o) for o in outs[1:])
                 for threads in args.threads:

@@ -235,6 +235,34 @@ inline void scores8_rows(const float* qs, const T* k, int64_t stride, int j0, in
     out[r] = _mm256_add_ps(_mm256_blendv_ps(out[r], _mm256_setzero_ps(), mask), vadd);
 }
 
+// The online-softmax step of R rows (states st0 + r * state: [max, sum, acc]) meeting their
+// scores s[r][0, nvalid) with running maxima mx[r]: row_page's arithmetic per row. s[r] becomes
+// p = exp(s - max); where the max rose, rescale[r] is set and corr[r] scales the old acc.
+template <int R>
+inline void softmax_rows(float (*s)[kMaxPage], const __m256* mx, int nvalid, float* st0,
+                         int state, float* corr, bool* rescale) {
+  for (int r = 0; r < R; ++r) {
+    float* st = st0 + r * state;
+    const float m_old = st[0];
+    const float m_new = std::max(m_old, hmax8(mx[r]));
+    float l = st[1];
+    rescale[r] = m_new > m_old;
+    if (rescale[r]) {
+      corr[r] = exp1(m_old - m_new);
+      l = l * corr[r];
+    }
+    const __m256 m = _mm256_set1_ps(m_new);
+    __m256 lsum = _mm256_setzero_ps();
+    for (int j0 = 0; j0 < nvalid; j0 += 8) {
+      __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s[r] + j0), m));
+      _mm256_store_ps(s[r] + j0, p);
+      lsum = _mm256_add_ps(lsum, p);
+    }
+    st[0] = m_new;
+    st[1] = l + hsum8(lsum);
+  }
+}
+
 // row_page for R rows of one KV head (consecutive query rows and states) on the same keys: the
 // rows share every K and V load; each row's arithmetic is row_page's, in the same order.
 template <int ND, int R, class T>
@@ -259,26 +287,7 @@ inline void rows_page(const float* qrow, __m256 scale, const T* k, const T* v,
   }
   float corr[R];
   bool rescale[R];
-  for (int r = 0; r < R; ++r) {
-    float* st = st0 + r * kState;
-    const float m_old = st[0];
-    const float m_new = std::max(m_old, hmax8(mx[r]));
-    float l = st[1];
-    rescale[r] = m_new > m_old;
-    if (rescale[r]) {
-      corr[r] = exp1(m_old - m_new);
-      l = l * corr[r];
-    }
-    const __m256 m = _mm256_set1_ps(m_new);
-    __m256 lsum = _mm256_setzero_ps();
-    for (int j0 = 0; j0 < nvalid; j0 += 8) {
-      __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s[r] + j0), m));
-      _mm256_store_ps(s[r] + j0, p);
-      lsum = _mm256_add_ps(lsum, p);
-    }
-    st[0] = m_new;
-    st[1] = l + hsum8(lsum);
-  }
+  softmax_rows<R>(s, mx, nvalid, st0, kState, corr, rescale);
   constexpr int kB = ND < 4 ? ND : 4;  // d-vectors per pass: R * kB accumulators in registers
   for (int d0 = 0; d0 < ND; d0 += kB) {
     __m256 acc[R][kB];
@@ -408,26 +417,7 @@ inline void rows_page16(const float* qrow, __m256 scale, const T* k, const T* v,
   }
   float corr[R];
   bool rescale[R];
-  for (int r = 0; r < R; ++r) {
-    float* st = st0 + r * kState;
-    const float m_old = st[0];
-    const float m_new = std::max(m_old, hmax8(mx[r]));
-    float l = st[1];
-    rescale[r] = m_new > m_old;
-    if (rescale[r]) {
-      corr[r] = exp1(m_old - m_new);
-      l = l * corr[r];
-    }
-    const __m256 m = _mm256_set1_ps(m_new);
-    __m256 lsum = _mm256_setzero_ps();
-    for (int j0 = 0; j0 < nvalid; j0 += 8) {
-      __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s[r] + j0), m));
-      _mm256_store_ps(s[r] + j0, p);
-      lsum = _mm256_add_ps(lsum, p);
-    }
-    st[0] = m_new;
-    st[1] = l + hsum8(lsum);
-  }
+  softmax_rows<R>(s, mx, nvalid, st0, kState, corr, rescale);
   constexpr int NZ = ND / 2, kB = NZ < 4 ? NZ : 4;  // 16-dim vectors per pass
   for (int d0 = 0; d0 < NZ; d0 += kB) {
     __m512 acc[R][kB];

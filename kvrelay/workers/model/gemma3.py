@@ -64,7 +64,7 @@ class Gemma3ForCausalLM(Qwen3ForCausalLM):
         super().__init__(config, dtype, device)
         # transformers: a float32 buffer of sqrt(hidden), cast to the embedding's dtype
         scale = torch.tensor(math.sqrt(config.hidden_size), dtype=torch.float32)
-        self.embed_scale = scale.to(dtype)
+        self.embed_scale = scale.to(dtype=dtype, device=self.device)
 
     def after_load(self) -> None:
         super().after_load()
@@ -76,4 +76,4 @@ class Gemma3ForCausalLM(Qwen3ForCausalLM):
             weight.copy_((1.0 + weight.float()).to(weight.dtype))
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed) * self.embed_scale.to(self.embed.device)
+        return F.embedding(ids, self.embed) * self.embed_scale

@@ -19,6 +19,7 @@ from pathlib import Path
 from kvrelay.core.config import cache_root
 from kvrelay.core.enums import Quantization
 from kvrelay.core.errors import KvrelayError
+from kvrelay.core.kv_layout import KVLayout
 from kvrelay.core.sampling import GenerationDefaults, InvalidSamplingParams
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ class ModelInfo:
     max_position_embeddings: int
     dtype: str
     fingerprint: str
+    # layers of one KV group (core.kv_layout): a page holds theirs; 0: every layer
+    kv_group_size: int = 0
 
     def kv_bytes_per_token(self, dtype: str | None = None) -> int:
         """K and V bytes of one token over all layers."""
@@ -106,8 +109,10 @@ class ModelInfo:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
 
     def page_bytes(self, dtype: str | None = None, page_size: int = 16) -> int:
-        """Bytes of one KV page `[layers, 2, page_size, kv_heads, head_dim]`."""
-        return self.kv_bytes_per_token(dtype) * page_size
+        """Bytes of one KV page `[group layers, 2, page_size, kv_heads, head_dim]` (a page
+        holds one KV group's layers: every layer, unless some attend to a sliding window)."""
+        layers = self.kv_group_size or self.num_layers
+        return self.kv_bytes_per_token(dtype) * page_size * layers // self.num_layers
 
 
 def normalize_dtype(dtype: str) -> str:
@@ -387,6 +392,7 @@ def read_model_info(
         max_position_embeddings=context_length(cfg),
         dtype=normalize_dtype(dtype),
         fingerprint=model_fingerprint(directory, dtype, quantization, kv_dtype, attention),
+        kv_group_size=KVLayout.from_config(cfg).group_size,
     )
 
 

@@ -7,6 +7,7 @@ engine's block pool at scrape time), KV store traffic (`CountingConnector`) and 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -94,6 +95,19 @@ class WorkerMetrics:
         stats = getattr(engine, "stats", None)
         if stats is not None:  # count_engine counts from here (not what ran before)
             self._engine_counts = _spec_counts(stats)
+        kv = getattr(engine, "kv", None)
+        if kv is not None and hasattr(kv, "held_blocks"):
+            held = Gauge(
+                PREFIX + "kv_group_blocks",
+                "KV blocks the running sequences hold per KV group (window 0: full attention; "
+                "a sliding-window group's are bounded by its window).",
+                ["model_name", "group", "window"],
+                registry=self.base.registry,
+            )
+            for g, group in enumerate(kv.groups):
+                held.labels(self.model, str(g), str(group.window)).set_function(
+                    functools.partial(_held_blocks, kv, g)
+                )
         page_size = getattr(getattr(engine, "config", None), "page_size", "")
         Gauge(
             PREFIX + "cache_config_info",
@@ -183,6 +197,10 @@ def _spec_counts(stats: EngineStats) -> tuple[int, int, int]:
 def kv_cache_usage(pool: BlockPool) -> float:
     """Fraction of a BlockPool's blocks in use: 1 - free / total (vLLM's kv_cache_usage_perc)."""
     return 1.0 - pool.num_free_blocks / pool.num_blocks if pool.num_blocks else 0.0
+
+
+def _held_blocks(kv: Any, group: int) -> float:
+    return float(kv.held_blocks[group])
 
 
 def _block_bytes(kv_pool: Any) -> int:

@@ -199,15 +199,18 @@ using LinearSpec = std::tuple<int64_t, torch::Tensor, torch::Tensor, c10::option
 using LayerSpec =
     std::tuple<torch::Tensor, torch::Tensor, LinearSpec, LinearSpec, LinearSpec, LinearSpec,
                c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, bool>;
-// A layer's Gemma 3 fields (optional, all layers or none): the attention window (0: full), the
-// RoPE table pair, RMSNorms of the o and down projections' outputs, the MLP's activation.
+// A layer's Gemma 3 fields and KV place (optional, all layers or none): the attention window
+// (0: full), the RoPE table pair, RMSNorms of the o and down projections' outputs, the MLP's
+// activation, its KV group (an index into forward's groups) and its slot in the pool's dim 1.
 using LayerExtra = std::tuple<int64_t, int64_t, c10::optional<torch::Tensor>,
-                              c10::optional<torch::Tensor>, int64_t>;
+                              c10::optional<torch::Tensor>, int64_t, int64_t, int64_t>;
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
-// One attention plan of the step (cpu_paged.CppPlan) for the layers of one window: window,
-// items, entries, positions, chunk offsets.
-using PlanSpec =
-    std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>;
+// One attention plan of the step for the layers of one KV group (kvrelay.core.kv_layout) and
+// window: group, window, the group's block tables and slot mapping, then the plan
+// (cpu_paged.CppPlan for the group's metadata and that window: items, entries, positions, chunk
+// offsets, chunk pages). A model of one group may mix windows: one plan per window.
+using GroupPlan = std::tuple<int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
+                             torch::Tensor, torch::Tensor, torch::Tensor, int64_t>;
 
 torch::Tensor run_linear(const LinearSpec& l, const torch::Tensor& x) {
   const auto& [kind, packed, scales, comp, bias, n] = l;
@@ -226,7 +229,8 @@ class CpuDecoder {
              std::vector<LayerExtra> extras)
       : layers_(std::move(layers)), extras_(std::move(extras)), eps_(eps), heads_(heads) {
     if (extras_.empty())
-      extras_.assign(layers_.size(), LayerExtra{0, 0, c10::nullopt, c10::nullopt, kSilu});
+      for (size_t i = 0; i < layers_.size(); ++i)
+        extras_.emplace_back(0, 0, c10::nullopt, c10::nullopt, kSilu, 0, (int64_t)i);
     if (extras_.size() != layers_.size())
       throw std::invalid_argument("one LayerExtra per layer, or none");
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -234,38 +238,53 @@ class CpuDecoder {
       for (const LinearSpec* l : {&std::get<2>(layer), &std::get<3>(layer), &std::get<5>(layer)})
         if (std::get<0>(*l) == kW8A16GateUpSilu)
           throw std::invalid_argument("only a gate/up projection may fuse its activation");
-      const auto& [window, rope_table, attn_out_norm, mlp_out_norm, act] = extras_[i];
+      const auto& [window, rope_table, attn_out_norm, mlp_out_norm, act, group, slot] =
+          extras_[i];
       if (act != kSilu && act != kGeluTanh)
         throw std::invalid_argument("unknown activation " + std::to_string(act));
       if (act == kGeluTanh && std::get<0>(std::get<4>(layer)) == kW8A16GateUpSilu)
         throw std::invalid_argument("a gelu_tanh layer's gate/up cannot fuse SiLU");
       if (window < 0 || rope_table < 0)
         throw std::invalid_argument("a layer's window and RoPE table must be >= 0");
+      if (group < 0 || slot < 0)
+        throw std::invalid_argument("a layer's KV group and slot must be >= 0");
     }
   }
 
   // Every layer on x (the first layer's normed input); hidden (the residual stream) is
   // updated in place, as the Python loop does.
-  // cos/sin: the RoPE table pairs (a layer takes its rope_table's); plans: one per window the
-  // layers use.
+  // cos/sin: the RoPE table pairs (a layer takes its rope_table's); plans: one per KV group and
+  // window its layers use (a layer writes its K/V at its group's slots into its pool slot and
+  // attends with its group's tables and the plan for its window).
   void forward(torch::Tensor& hidden, torch::Tensor x, const torch::Tensor& positions,
                const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
-               torch::Tensor& pool, const torch::Tensor& slots, const torch::Tensor& tables,
-               const std::vector<PlanSpec>& plans, int64_t chunk_pages, double scale,
+               torch::Tensor& pool, const std::vector<GroupPlan>& plans, double scale,
                bool bf16_dots) const {
     const int64_t n = static_cast<int64_t>(layers_.size());
+    std::vector<const GroupPlan*> plan_of(n, nullptr);
+    for (int64_t i = 0; i < n; ++i) {  // every check before the first layer runs
+      const auto& [window, rope_table, attn_out_norm, mlp_out_norm, activation, group, slot] =
+          extras_[i];
+      for (const auto& p : plans)
+        if (std::get<0>(p) == group && std::get<1>(p) == window) plan_of[i] = &p;
+      if (plan_of[i] == nullptr)
+        throw std::invalid_argument("no attention plan for KV group " + std::to_string(group) +
+                                    " and window " + std::to_string(window));
+      if (std::get<3>(*plan_of[i]).size(0) != positions.size(0))
+        throw std::invalid_argument("a slot mapping per KV group, one slot per token");
+      if (slot >= pool.size(1))
+        throw std::invalid_argument("KV slot " + std::to_string(slot) + " outside the pool");
+      if (std::get<8>(layers_[i]) &&
+          (rope_table >= (int64_t)cos.size() || rope_table >= (int64_t)sin.size()))
+        throw std::invalid_argument("no RoPE table " + std::to_string(rope_table));
+    }
     for (int64_t i = 0; i < n; ++i) {
       const auto& [input_norm, post_norm, qkv, o, gate_up, down, q_norm, k_norm, rope] =
           layers_[i];
-      const auto& [window, rope_table, attn_out_norm, mlp_out_norm, activation] = extras_[i];
-      const PlanSpec* plan = nullptr;
-      for (const auto& p : plans)
-        if (std::get<0>(p) == window) plan = &p;
-      if (plan == nullptr)
-        throw std::invalid_argument("no attention plan for window " + std::to_string(window));
-      if (rope && (rope_table >= (int64_t)cos.size() || rope_table >= (int64_t)sin.size()))
-        throw std::invalid_argument("no RoPE table " + std::to_string(rope_table));
-      const auto& [plan_window, items, entries, qpos, chunk_off] = *plan;
+      const auto& [window, rope_table, attn_out_norm, mlp_out_norm, activation, group, slot] =
+          extras_[i];
+      const auto& [plan_group, plan_window, tables, slots, items, entries, qpos, chunk_off,
+                   chunk_pages] = *plan_of[i];
       auto proj = run_linear(qkv, x);
       const int64_t kv_heads = pool.size(4), head_dim = pool.size(5);
       if (q_norm.has_value()) {  // the Python loop's project_qkv: each head row normed in place
@@ -278,15 +297,15 @@ class CpuDecoder {
       }
       torch::Tensor q;
       if (rope) {
-        q = rope_kv_write(proj, positions, cos[rope_table], sin[rope_table], pool, i, slots,
+        q = rope_kv_write(proj, positions, cos[rope_table], sin[rope_table], pool, slot, slots,
                           heads_);
       } else {  // NoPE: k and v written as projected, q as is (the loop's write_kv)
         const int64_t tokens = proj.size(0), qw = heads_ * head_dim, kw = kv_heads * head_dim;
-        kv_write(pool, i, proj.narrow(1, qw, kw).view({tokens, kv_heads, head_dim}),
+        kv_write(pool, slot, proj.narrow(1, qw, kw).view({tokens, kv_heads, head_dim}),
                  proj.narrow(1, qw + kw, kw).view({tokens, kv_heads, head_dim}), slots);
         q = proj.narrow(1, 0, qw).reshape({tokens, heads_, head_dim}).contiguous();
       }
-      auto attn = attention(q, pool, i, tables, items, entries, qpos, chunk_off, chunk_pages,
+      auto attn = attention(q, pool, slot, tables, items, entries, qpos, chunk_off, chunk_pages,
                             scale, bf16_dots, plan_window);
       auto o_out = run_linear(o, attn.view({attn.size(0), -1}));
       if (attn_out_norm.has_value()) o_out = norm(o_out, *attn_out_norm, eps_);

@@ -89,6 +89,12 @@ class BlockPool:
             hits.append(block_id)
         return hits
 
+    def cached(self, key: bytes) -> int | None:
+        """The block holding `key`, or None (refs unchanged)."""
+        if not self.enable_prefix_caching:
+            return None
+        return self._cached.get(key)
+
     def acquire(self, block_ids: Sequence[int]) -> None:
         """Take one more reference on each block (a cache hit); free ones leave the queue."""
         for block_id in block_ids:

@@ -106,6 +106,13 @@ class DraftModelDrafter:
 
     def __init__(self, engine: TargetEngine, name: str):
         target = engine.loaded
+        if target.config.kv_layout.groups[0].local:
+            # the draft's K/V lives in group 0's block ids, whose pages behind the window
+            # are released
+            raise ConfigError(
+                f"a draft model needs a target with full-attention layers; every layer of "
+                f"{target.name} is sliding-window: use --speculation ngram"
+            )
         draft = load_model(
             name,
             dtype=str(target.dtype).removeprefix("torch."),

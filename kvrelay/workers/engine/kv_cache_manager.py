@@ -7,6 +7,15 @@ Store hits are fetched beside the compute loop (`KVLoader`): `ready(seq)` starts
 load into blocks reserved for it, and says True once the prefix is settled (loaded, absent,
 failed or timed out: then the rest is recomputed); until then the scheduler leaves that request
 waiting and keeps stepping the others.
+
+KV groups (core.kv_layout): each group of layers has its own block table per sequence, all
+drawing from the one pool. A full group's table holds every page; a local (sliding-window)
+group's releases the blocks its window has left behind (`RELEASED` entries), so a sequence's
+blocks in local groups are bounded by the window plus one step's tokens. A prefix of L blocks
+is a hit when every full group holds blocks 0..L-1 and every local group the blocks its window
+reads from position L*P on; a local page is saved to the store only while a resume at the
+sequence's last full block still reads it. With one group (every full-attention model) all of
+this is what it was before groups.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvrelay.core.kv_layout import KVGroup, KVLayout, group_key
 from kvrelay.core.page_keys import page_key
 from kvrelay.workers.engine.block_pool import BlockPool
 from kvrelay.workers.engine.kv_connector import KVConnector
@@ -24,6 +34,9 @@ from kvrelay.workers.engine.kv_loader import Fetch, KVLoader
 from kvrelay.workers.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+RELEASED = -1  # a local group's table entry for a block its window has left behind
+MAX_STORE_ROUNDS = 8  # store lookups per admission while the candidate prefix keeps shrinking
 
 
 class KVCacheManager:
@@ -37,8 +50,13 @@ class KVCacheManager:
         connector: KVConnector | None = None,
         kv_pool: Callable[[], torch.Tensor] | None = None,
         save_to_store: bool = True,
+        layout: KVLayout | None = None,
     ):
         self.pool = pool
+        self.layout = layout or KVLayout.from_windows(1)
+        self.groups: tuple[KVGroup, ...] = self.layout.groups
+        # blocks the sequences' tables hold, per group (a local group's: about its window's)
+        self.held_blocks = [0] * len(self.groups)
         self.page_size = page_size
         self.fingerprint = fingerprint
         self._kv_pool = kv_pool
@@ -110,18 +128,17 @@ class KVCacheManager:
 
     def ready(self, seq: Sequence) -> bool:
         """Whether the store part of `seq`'s prefix is settled, so it can be admitted now;
-        starts or advances its fetch (lookup, then a load into reserved blocks)."""
+        starts or advances its fetch (lookups, then a load into reserved blocks)."""
         while True:
             if self.loader is None or seq.store_checked:
                 return True
             f: Fetch | None = seq.fetch
             if f is None:
-                keys = self._prefix_keys(seq)
-                rest = keys[len(self.pool.lookup(keys)) :]
-                if not rest:
+                f = self._lookup(seq, len(self._prefix_keys(seq)))
+                if f is None:
                     seq.store_checked = True
                     return True
-                f = seq.fetch = self._submit(Fetch(rest))
+                seq.fetch = f
             if not f.done:
                 left = self._wait_until - time.monotonic()
                 if f.submitted >= self._wait_until - self.admit_wait_s and left > 0:
@@ -142,11 +159,53 @@ class KVCacheManager:
             if f.is_load:
                 self._landed(seq, f)
                 return True
-            n = min(f.result, self.pool.num_free_blocks)
+            keys, blocks = f.keys, f.blocks
+            if f.result < len(keys):  # the candidate prefix ends before its first missing page
+                present = set(keys[: f.result])
+                keys, blocks = self._items(seq, f.blocks[f.result])
+                if not set(keys) <= present:  # a window further back: ask about its pages
+                    nxt = None
+                    if f.round + 1 < MAX_STORE_ROUNDS and keys:
+                        nxt = self._lookup(seq, f.blocks[f.result], f.started, f.round + 1)
+                    seq.fetch = nxt
+                    if nxt is None:
+                        seq.store_checked = True
+                        return True
+                    continue
+            n = min(len(keys), self.pool.num_free_blocks)
             if n <= 0:
                 seq.fetch, seq.store_checked = None, True
                 return True
-            seq.fetch = self._submit(Fetch(f.keys[:n], self.pool.allocate(n), started=f.started))
+            load = Fetch(keys[:n], self.pool.allocate(n), blocks[:n], started=f.started)
+            seq.fetch = self._submit(load)
+
+    def _items(self, seq: Sequence, num_blocks: int) -> tuple[list[bytes], list[int]]:
+        """The pages (group keys, each with its token block) a prefix of `num_blocks` blocks
+        needs that the device cache does not hold, block by block."""
+        keys = self._keys(seq, num_blocks)
+        P = self.page_size
+        out_keys, out_blocks = [], []
+        starts = [g.first_block(num_blocks * P, P) for g in self.groups]
+        for i in range(num_blocks):
+            for g, first in enumerate(starts):
+                if i >= first:
+                    key = group_key(keys[i], g)
+                    if self.pool.cached(key) is None:
+                        out_keys.append(key)
+                        out_blocks.append(i)
+        return out_keys, out_blocks
+
+    def _lookup(
+        self, seq: Sequence, num_blocks: int, started: float | None = None, rounds: int = 0
+    ) -> Fetch | None:
+        """A store lookup of the pages a `num_blocks`-block prefix lacks (None: none lacks)."""
+        keys, blocks = self._items(seq, num_blocks)
+        if not keys:
+            return None
+        f = Fetch(keys, blocks=blocks, round=rounds)
+        if started is not None:
+            f.started = started
+        return self._submit(f)
 
     def _submit(self, f: Fetch) -> Fetch:
         assert self.loader is not None  # only `ready` submits, once it saw a loader
@@ -172,33 +231,86 @@ class KVCacheManager:
         if f.is_load:
             self._abandoned.append(f)
 
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """`seq`'s block table of each KV group (group 0's is `seq.block_table`)."""
+        if len(seq.group_tables) != len(self.groups) - 1:
+            seq.group_tables = [[] for _ in self.groups[1:]]
+        return [seq.block_table, *seq.group_tables]
+
+    def _device_hit(self, keys: list[bytes]) -> int:
+        """The longest prefix (in blocks) of `keys` every group holds in the device cache."""
+        n = len(keys)
+        for g, group in enumerate(self.groups):
+            if not group.local:
+                n = min(n, len(self.pool.lookup([group_key(k, g) for k in keys[:n]])))
+        local = [(g, group) for g, group in enumerate(self.groups) if group.local]
+        P = self.page_size
+        while n > 0 and local:  # the window of a prefix of n blocks, in every local group
+            missing = None
+            for g, group in local:
+                for i in range(n - 1, group.first_block(n * P, P) - 1, -1):
+                    if self.pool.cached(group_key(keys[i], g)) is None:
+                        missing = i if missing is None else max(missing, i)
+                        break
+            if missing is None:
+                break
+            n = missing  # a shorter prefix's window ends before the missing page
+        return n
+
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks for the longest known prefix; returns the tokens now computed.
 
         Call once `ready(seq)`: pages it loaded from the store are in the device cache then."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         keys = self._prefix_keys(seq)
-        hits = self.pool.lookup(keys)
-        self.pool.acquire(hits)
+        n_blocks = self._device_hit(keys)
+        P = self.page_size
+        tables = self.tables(seq)
         loaded = set(seq.loaded_blocks)
+        from_store: set[int] = set()
+        for g, group in enumerate(self.groups):
+            first = group.first_block(n_blocks * P, P)
+            hits = [self.pool.cached(group_key(keys[i], g)) for i in range(first, n_blocks)]
+            ids = [b for b in hits if b is not None]
+            assert len(ids) == len(hits)  # _device_hit found each of them
+            self.pool.acquire(ids)
+            tables[g][:] = [RELEASED] * first + ids
+            self.held_blocks[g] += len(ids)
+            from_store.update(first + j for j, b in enumerate(ids) if b in loaded)
         self.pool.release(seq.loaded_blocks)  # hits now hold them; the rest stay cached
         seq.loaded_blocks = []
-        seq.block_table = list(hits)
-        num_store = sum(b in loaded for b in hits)
-        num_device = len(hits) - num_store
-        n_blocks = len(hits)
-        seq.num_computed_tokens = n_blocks * self.page_size
+        num_store = len(from_store)
+        num_device = n_blocks - num_store
+        seq.num_computed_tokens = n_blocks * P
         seq.num_registered_blocks = n_blocks
         seq.num_saved_blocks = n_blocks  # hits came from the store or were saved when computed
         if not seq.admitted:
-            seq.num_device_cached_tokens = num_device * self.page_size
-            seq.num_store_cached_tokens = num_store * self.page_size
+            seq.num_device_cached_tokens = num_device * P
+            seq.num_store_cached_tokens = num_store * P
             seq.num_cached_tokens = seq.num_computed_tokens
         return seq.num_computed_tokens
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New blocks (all groups) `num_new_tokens` more tokens take."""
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.page_size) - len(seq.block_table))
+        return len(self.groups) * max(0, -(-total // self.page_size) - len(seq.block_table))
+
+    def max_blocks(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks (all groups) a sequence of `num_tokens` tokens holds at once, at
+        most `step_tokens` computed in one step: a local group holds its window's blocks and
+        one step's."""
+        P = self.page_size
+        total = 0
+        for group in self.groups:
+            blocks = -(-num_tokens // P)
+            if group.local:
+                blocks = min(blocks, -(-(group.window - 1 + step_tokens) // P) + 1)
+            total += blocks
+        return total
+
+    def num_held_blocks(self, seq: Sequence) -> list[int]:
+        """Blocks `seq` holds in each KV group (a local group's released ones not counted)."""
+        return [sum(b != RELEASED for b in t) for t in self.tables(seq)]
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens; False (nothing changed) if no blocks."""
@@ -206,7 +318,10 @@ class KVCacheManager:
         if need > self.pool.num_free_blocks:
             return False
         if need:
-            seq.block_table.extend(self.pool.allocate(need))
+            per_group = need // len(self.groups)
+            for g, table in enumerate(self.tables(seq)):
+                table.extend(self.pool.allocate(per_group))
+                self.held_blocks[g] += per_group
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -214,27 +329,44 @@ class KVCacheManager:
         self._abandon(seq)
         self.pool.release(seq.loaded_blocks)
         seq.loaded_blocks = []
-        self.pool.release(seq.block_table)
+        tables = self.tables(seq)
+        for g in reversed(range(len(tables))):  # group 0's last: evicted last
+            held = [b for b in tables[g] if b != RELEASED]
+            self.pool.release(held)
+            self.held_blocks[g] -= len(held)
         seq.block_table = []
+        seq.group_tables = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.spec.draft_computed = 0  # a draft model's K/V lives in the same block ids
 
     def commit(self, seq: Sequence) -> None:
-        """After a step: key newly full computed blocks, register them and save each page once."""
+        """After a step: key newly full computed blocks, register them and save each page once
+        (a local group's only while a resume at the last full block reads it); release the
+        blocks local windows have left behind."""
         num_full = seq.num_computed_tokens // self.page_size
         start = seq.num_registered_blocks
-        if num_full <= start:
-            return
+        tables = self.tables(seq)
+        if num_full > start:
+            self._register(seq, tables, start, num_full)
+        if self.layout.has_local:
+            self._release_behind_windows(seq, tables)
+
+    def _register(self, seq: Sequence, tables: list[list[int]], start: int, num_full: int) -> None:
         keys = self._keys(seq, num_full)
+        P = self.page_size
+        keep = [g.first_block(num_full * P, P) for g in self.groups]
         new_keys, new_blocks = [], []
         for i in range(start, num_full):
-            block_id = seq.block_table[i]
-            # False with caching on: another block already holds this page, and it was saved
-            # (or loaded from the store) when it was cached, so it is not saved again.
-            if self.pool.cache_block(block_id, keys[i]) or not self.pool.enable_prefix_caching:
-                new_keys.append(keys[i])
-                new_blocks.append(block_id)
+            for g, table in enumerate(tables):
+                block_id = table[i]
+                key = group_key(keys[i], g)
+                # False with caching on: another block already holds this page, and it was
+                # saved (or loaded from the store) when it was cached, so it is not saved again.
+                cached = self.pool.cache_block(block_id, key)
+                if (cached or not self.pool.enable_prefix_caching) and i >= keep[g]:
+                    new_keys.append(key)
+                    new_blocks.append(block_id)
         seq.num_registered_blocks = seq.num_saved_blocks = num_full
         if not self.save_to_store or not new_keys:
             return
@@ -245,3 +377,17 @@ class KVCacheManager:
         except Exception:  # the store is a cache: a failed save loses nothing
             logger.exception("kv connector save failed for request %s", seq.request_id)
             self.num_store_errors += 1
+
+    def _release_behind_windows(self, seq: Sequence, tables: list[list[int]]) -> None:
+        """Release each local group's blocks no query of `seq` reads any more."""
+        for g, (group, table) in enumerate(zip(self.groups, tables, strict=True)):
+            if not group.local:
+                continue
+            first = min(group.first_block(seq.num_computed_tokens, self.page_size), len(table))
+            i = first
+            while i > 0 and table[i - 1] != RELEASED:
+                i -= 1
+            if i < first:
+                self.pool.release(table[i:first])
+                table[i:first] = [RELEASED] * (first - i)
+                self.held_blocks[g] -= first - i

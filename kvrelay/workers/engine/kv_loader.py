@@ -26,6 +26,8 @@ class Fetch:
 
     keys: list[bytes]
     block_ids: list[int] = field(default_factory=list)  # empty: a lookup; else a load into them
+    blocks: list[int] = field(default_factory=list)  # each key's token block (KV groups)
+    round: int = 0  # lookups before this one for the same admission (a shrinking prefix)
     started: float = field(default_factory=time.monotonic)  # the first phase (timeout)
     submitted: float = field(default_factory=time.monotonic)  # this phase
     result: int = 0  # lookup: keys available; load: leading pages copied and verified

@@ -142,12 +142,17 @@ class Engine:
             * mc.head_dim
             * torch.empty((), dtype=kv_dtype).element_size()
         )
-        block_bytes = self.kv_bytes_per_token * P
+        # KV groups (core.kv_layout): a block holds one page of `group_size` layers
+        self.kv_layout = layout = mc.kv_layout
+        block_bytes = self.kv_bytes_per_token * P * layout.group_size // mc.num_layers
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
-        kv_pool = allocate_kv_pool(mc, num_blocks, P, kv_dtype, loaded.device)
-        self.runner = ModelRunner(loaded.model, kv_pool, P, attention)
+        kv_pool = allocate_kv_pool(mc, num_blocks, P, kv_dtype, loaded.device, layout)
+        self.runner = ModelRunner(loaded.model, kv_pool, P, attention, layout)
         if loaded.device.type == "cuda" and config.cuda_graphs:
-            self.runner.use_cuda_graphs(config.max_num_seqs, self.max_model_len)
+            if layout.num_groups == 1:
+                self.runner.use_cuda_graphs(config.max_num_seqs, self.max_model_len)
+            else:  # one block table per group: the graphs capture one
+                logger.info("CUDA graphs off: %s", layout.describe())
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(
             self.pool,
@@ -156,6 +161,7 @@ class Engine:
             kv_connector,
             lambda: self.runner.kv_pool,
             save_to_store=config.save_to_store,
+            layout=layout,
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.speculator = self._speculator(config)
@@ -168,12 +174,13 @@ class Engine:
         # Which C++ CPU kernel build runs ("avx2", "avx512"), "" when none does (GPU, torch).
         self.kernel_isa = (loaded_isa() or "") if loaded.device.type == "cpu" else ""
         logger.info(
-            "engine ready: model %s, %d blocks of %d tokens (%s KV), max_model_len %d, "
+            "engine ready: model %s, %d blocks of %d tokens (%s KV, %s), max_model_len %d, "
             "CPU kernels %s, %s attention",
             self.model_name,
             num_blocks,
             P,
             _dtype_name(kv_dtype),
+            layout.describe(),
             self.max_model_len,
             self.kernel_isa or "none",
             attention,
@@ -268,7 +275,9 @@ class Engine:
         if handoff_after is not None and handoff_after < 1:
             raise InvalidRequestError("handoff_after must be >= 1", param="handoff_after")
         final_len = len(prompt) + (max_tokens if max_tokens is not None else self.max_model_len)
-        need = -(-min(final_len, self.max_model_len) // self.config.page_size)
+        need = self.kv.max_blocks(
+            min(final_len, self.max_model_len), self.config.max_num_batched_tokens
+        )
         if need > self.pool.num_blocks:
             raise InvalidRequestError(
                 f"request needs up to {need} KV blocks but the engine has {self.pool.num_blocks}",

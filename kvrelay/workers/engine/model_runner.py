@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from kvrelay.core.kv_layout import KVLayout
 from kvrelay.kernels import AttentionMetadata
 from kvrelay.workers.engine.cuda_graphs import DecodeGraphs
 from kvrelay.workers.engine.scheduler import ScheduledSeq
@@ -40,7 +41,8 @@ class StepLogits:
 
 
 class ModelRunner:
-    """Owns the model and the KV pool `[num_blocks, layers, 2, page_size, kv_heads, head_dim]`."""
+    """Owns the model and the KV pool `[num_blocks, layers, 2, page_size, kv_heads, head_dim]`
+    (with a `layout` of KV groups, `layers` is its group size: one metadata per group)."""
 
     def __init__(
         self,
@@ -48,8 +50,10 @@ class ModelRunner:
         kv_pool: torch.Tensor,
         page_size: int,
         attention_precision: str = "fp32",
+        layout: KVLayout | None = None,
     ):
         self.model = model
+        self.num_groups = 1 if layout is None else layout.num_groups
         self.kv_pool = kv_pool
         self.page_size = page_size
         self.attention_precision = attention_precision  # every step's metadata says it
@@ -64,21 +68,30 @@ class ModelRunner:
 
     def prepare(
         self, scheduled: list[ScheduledSeq]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[PromptRows]]:
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        AttentionMetadata | list[AttentionMetadata],
+        torch.Tensor,
+        list[PromptRows],
+    ]:
         """(input_ids, positions, metadata, logits_indices, prompt rows) for one step: a
         sequence collecting prompt logprobs adds the rows of its prompt positions not yet
         collected (once each, even when recomputed after a preemption) before its sampling
         row; a sequence with a draft has a sampling row for its last token and one per draft
-        token; the indices are sorted, sampling rows are the others."""
+        token; the indices are sorted, sampling rows are the others. With KV groups the
+        metadata is a list, one per group (a local group's released entries read as block 0:
+        the kernels read no page wholly behind a window)."""
         P = self.page_size
         num_seqs = len(scheduled)
+        G = self.num_groups
         ids: list[int] = []
         pos_parts: list[np.ndarray] = []
-        slot_parts: list[np.ndarray] = []
+        slot_parts: list[list[np.ndarray]] = [[] for _ in range(G)]
         context_lens = np.empty(num_seqs, dtype=np.int32)
         query_start = np.zeros(num_seqs + 1, dtype=np.int32)
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        block_tables = [np.zeros((num_seqs, max_blocks), dtype=np.int32) for _ in range(G)]
         logits_indices: list[int] = []
         prompt_rows: list[PromptRows] = []
         for i, s in enumerate(scheduled):
@@ -87,11 +100,14 @@ class ModelRunner:
             end = start + n
             ids.extend(seq.token_ids[start : end - len(draft)])
             ids.extend(draft)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            block_tables[i, : table.shape[0]] = table
             pos = np.arange(start, end, dtype=np.int64)
             pos_parts.append(pos)
-            slot_parts.append(table[pos // P] * P + pos % P)
+            for g, group_table in enumerate(
+                [seq.block_table, *seq.group_tables] if G > 1 else [seq.block_table]
+            ):
+                table = np.maximum(np.asarray(group_table, dtype=np.int64), 0)  # released: 0
+                block_tables[g][i, : table.shape[0]] = table
+                slot_parts[g].append(table[pos // P] * P + pos % P)
             context_lens[i] = end
             query_start[i + 1] = query_start[i] + n
             if seq.wants_prompt_logprobs:
@@ -108,15 +124,21 @@ class ModelRunner:
                 last = int(query_start[i + 1])
                 logits_indices.extend(range(last - 1 - len(draft), last))
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            context_lens=torch.from_numpy(context_lens).to(dev),
-            query_start_loc=torch.from_numpy(query_start).to(dev),
-            max_query_len=int(np.diff(query_start).max()),
-            max_context_len=int(context_lens.max()),
-            precision=self.attention_precision,
-        )
+        lens = torch.from_numpy(context_lens).to(dev)
+        starts = torch.from_numpy(query_start).to(dev)
+        metas = [
+            AttentionMetadata(
+                slot_mapping=torch.from_numpy(np.concatenate(slot_parts[g])).to(dev),
+                block_tables=torch.from_numpy(block_tables[g]).to(dev),
+                context_lens=lens,
+                query_start_loc=starts,
+                max_query_len=int(np.diff(query_start).max()),
+                max_context_len=int(context_lens.max()),
+                precision=self.attention_precision,
+            )
+            for g in range(G)
+        ]
+        meta = metas[0] if G == 1 else metas
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
         return (
@@ -134,6 +156,7 @@ class ModelRunner:
         num = len(scheduled)
         if (
             self.graphs is not None
+            and isinstance(meta, AttentionMetadata)
             and meta.max_query_len == 1
             and not prompt_rows
             and logits_indices.shape[0] == num  # every sequence samples its one row

@@ -70,7 +70,9 @@ class Sequence:
     handoff_after: int | None = None
     num_resumed_tokens: int = 0  # outputs given at add_request (already emitted elsewhere)
     status: SequenceStatus = SequenceStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # KV group 0's (core.kv_layout)
+    # the other KV groups' tables; a local group's entries behind its window are released (-1)
+    group_tables: list[list[int]] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # keys of the leading full blocks
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from device cache or store (first admit)

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.core.kv_layout import KVLayout, layer_windows
 from kvrelay.core.modelref import context_length, longrope_length, rope_parameters
 from kvrelay.workers.errors import UnsupportedModelError
 
@@ -54,6 +55,11 @@ class ModelConfig:
     local_rope_theta: float = 0.0
     query_pre_attn_scalar: float = 0.0  # attention scale is its -1/2 power; 0: head_dim's
     final_logit_softcapping: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """How the layers share the KV pool: KV groups by attention window (core.kv_layout)."""
+        return KVLayout.from_windows(self.num_layers, self.layer_windows)
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s attention window (0: it attends to the whole context)."""
@@ -121,7 +127,7 @@ class ModelConfig:
                 rope_layers=_rope_layers(cfg, model_type),
                 rotary_dim=rotary,
                 activation=ACTIVATIONS[act],
-                layer_windows=_layer_windows(cfg, model_type),
+                layer_windows=_layer_windows(cfg),
                 local_rope_theta=local_theta,
                 query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 0.0),
                 final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),
@@ -231,33 +237,13 @@ def _longrope(cfg: dict[str, Any], params: dict[str, Any], original: int | None)
     }
 
 
-def _layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int, ...]:
-    """Each layer's attention window: Gemma 3's `layer_types` (sliding_attention layers see
-    `sliding_window` tokens, full_attention ones all), Mistral's `sliding_window` on every
-    layer; () where every layer attends to the whole context (Qwen2/3's windows, which
-    `core.modelref.context_length` keeps out of reach, included)."""
-    window = cfg.get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        window = 0
-    layers = int(cfg["num_hidden_layers"])
-    if model_type == "mistral":
-        return (window,) * layers if window else ()
-    if model_type != "gemma3_text":
-        return ()
-    kinds = cfg.get("layer_types")
-    if kinds is None:  # the pattern older configs carry: every n-th layer global
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
-        kinds = [
-            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-        ]
-    if not isinstance(kinds, list) or len(kinds) != layers:
-        raise UnsupportedModelError(f"layer_types must list {layers} layers, got {kinds!r}")
-    unknown = set(kinds) - {"sliding_attention", "full_attention"}
-    if unknown:
-        raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
-    if "sliding_attention" in kinds and not window:
-        raise UnsupportedModelError("sliding_attention layers need a sliding_window")
-    return tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+def _layer_windows(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's attention window (`core.kv_layout.layer_windows`), refused as unsupported
+    where the config cannot say it."""
+    try:
+        return layer_windows(cfg)
+    except ValueError as exc:
+        raise UnsupportedModelError(str(exc)) from None
 
 
 def _rope(cfg: dict[str, Any], model_type: str = "") -> tuple[float, dict[str, Any], float]:

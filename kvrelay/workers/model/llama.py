@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.core.enums import Quantization
+from kvrelay.core.kv_layout import KVLayout
 from kvrelay.core.modelref import QUANTIZATIONS
 from kvrelay.kernels import (
     AttentionMetadata,
@@ -68,8 +70,10 @@ def allocate_kv_pool(
     page_size: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    layout: KVLayout | None = None,
 ) -> torch.Tensor:
-    """Zeroed pool `[num_blocks, layers, 2, page_size, kv_heads, head_dim]`.
+    """Zeroed pool `[num_blocks, layers, 2, page_size, kv_heads, head_dim]`; with a `layout`
+    of KV groups, `layers` is its group size (a block is one page of one group's layers).
 
     On CPU the pool is private anonymous memory advised for transparent huge pages: a layer's
     K/V of a page is a 12 KB span (SmolLM2, bf16) every layers x that apart, so with 4 KB pages
@@ -78,7 +82,8 @@ def allocate_kv_pool(
     step moved within that day's noise (docs/benchmarks.md). Where the kernel's THP setting is
     `never` the advice does nothing; a refused mapping falls back to torch's allocator.
     """
-    shape = (num_blocks, config.num_layers, 2, page_size, config.num_kv_heads, config.head_dim)
+    layers = config.num_layers if layout is None else layout.group_size
+    shape = (num_blocks, layers, 2, page_size, config.num_kv_heads, config.head_dim)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -231,9 +236,16 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = Linear.empty(config.vocab_size, config.hidden_size, False, **kw)
         self.scale = config.attention_scale
+        # KV groups (core.kv_layout): each layer's (group, slot) in a grouped pool, and in a
+        # pool of every layer
+        self.kv_layout = layout = config.kv_layout
+        self._slots = list(zip(layout.layer_group, layout.layer_slot, strict=True))
+        self._ungrouped = [(0, i) for i in range(config.num_layers)]
         self.row_align = ROW_ALIGN  # 1 once every linear is row-invariant at any row count
         # every layer in one C++ call where all its linears are C++ ones (`quantize` builds it)
         self.cpu_decoder: CpuDecoder | None = None
+        # ... and its twin for a pool of KV groups (a model with several; `forward`)
+        self.grouped_cpu_decoder: CpuDecoder | None = None
         # one RoPE table per set (the model's; Gemma 3's local layers' own): [cos, sin] each
         sets = 2 if config.local_rope_theta else 1
         self._inv_freq = [
@@ -291,10 +303,13 @@ class LlamaForCausalLM(nn.Module):
         for lin in linears:  # fp16 on AVX2: fbgemm's whole row blocks (quant.fp16_row_block)
             self.row_align = math.lcm(self.row_align, getattr(lin, "row_block", 1))
         self.cpu_decoder = self._build_cpu_decoder()
+        if self.cpu_decoder is not None and self.kv_layout.num_groups > 1:
+            self.grouped_cpu_decoder = self._build_cpu_decoder(grouped=True)
 
-    def _build_cpu_decoder(self) -> CpuDecoder | None:
+    def _build_cpu_decoder(self, grouped: bool = False) -> CpuDecoder | None:
         """The layers as one `CpuDecoder` call where every layer linear is a C++ one on CPU
-        (w8a16, int8-weight-only, q8_0), else None (the Python loop runs them)."""
+        (w8a16, int8-weight-only, q8_0), else None (the Python loop runs them); for a pool of
+        every layer, or (`grouped`) of the model's KV groups (the same weights)."""
         layers = self.layers
         linears = [lin for layer in layers for lin in layer.linears()]
         if self.device.type != "cpu" or not layers or self.row_align != 1:
@@ -306,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.input_norm,
                 layer.post_norm,
                 *(lin.cpp_spec() for lin in layer.linears()),  # type: ignore[attr-defined]
-                **self._layer_spec_fields(index, layer),
+                **self._layer_spec_fields(index, layer, grouped),
             )
             for index, layer in enumerate(layers)
         ]
@@ -317,11 +332,18 @@ class LlamaForCausalLM(nn.Module):
             return None
 
     def allocate_kv_pool(
-        self, num_blocks: int, page_size: int, dtype: torch.dtype | None = None
+        self,
+        num_blocks: int,
+        page_size: int,
+        dtype: torch.dtype | None = None,
+        grouped: bool = False,
     ) -> torch.Tensor:
-        """A zeroed KV pool for this model on its device."""
+        """A zeroed KV pool for this model on its device: every layer in each block, or
+        (`grouped`) one KV group's layers per block (`forward` then takes one metadata per
+        group)."""
+        layout = self.kv_layout if grouped else None
         return allocate_kv_pool(
-            self.config, num_blocks, page_size, dtype or self.dtype, self.device
+            self.config, num_blocks, page_size, dtype or self.dtype, self.device, layout
         )
 
     def rope_table(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,12 +371,17 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_pool: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """fp32 logits [S, vocab] of the rows `logits_indices` of this step's T tokens."""
+        """fp32 logits [S, vocab] of the rows `logits_indices` of this step's T tokens.
+
+        `kv_pool` holds every layer per block (one `meta`), or one KV group's layers per block
+        (`allocate_kv_pool(grouped=True)`: one `meta` per group, in `kv_layout`'s order)."""
         c = self.config
         num_tokens = int(input_ids.shape[0])
+        metas, slots_of = self._kv_groups(kv_pool, meta)
+        meta = metas[0]
         if positions.shape != input_ids.shape or meta.slot_mapping.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)} and "
@@ -379,23 +406,26 @@ class LlamaForCausalLM(nn.Module):
             max_pos = int(pos.max()) if num_tokens else 0
         tables = self.rope_tables(max_pos)
         hidden = self.embed_tokens(ids)
-        slots = meta.slot_mapping.to(self.device)
+        slots = [m.slot_mapping.to(self.device) for m in metas]
         token_pos = pos[:num_tokens]
         attn_rows = hidden.new_zeros(rows, c.q_size) if rows != num_tokens else None
         x = rms_norm(hidden, self.layers[0].input_norm, c.rms_norm_eps) if self.layers else hidden
-        decoder = self.cpu_decoder
+        decoder = self.cpu_decoder if slots_of is not self._slots else self._decoder()
         cos = [table[0] for table in tables]
         sin = [table[1] for table in tables]
         if decoder is not None and decoder.run(
-            hidden, x, token_pos, cos, sin, kv_pool, slots, meta, self.scale
+            hidden, x, token_pos, cos, sin, kv_pool, slots, metas, self.scale
         ):
             return self.compute_logits(hidden, logits_indices)
         eps = c.rms_norm_eps
         for index, layer in enumerate(self.layers):
             qkv = self.project_qkv(layer, x)
             rope = tables[c.rope_set(index)]
-            q = self.write_kv(index, qkv[:num_tokens], token_pos, rope, kv_pool, slots)
-            attn = paged_attention(q, kv_pool, index, meta, self.scale, window=c.window(index))
+            group, slot = slots_of[index]
+            q = self.write_kv(slot, qkv[:num_tokens], token_pos, rope, kv_pool, slots[group])
+            attn = paged_attention(
+                q, kv_pool, slot, metas[group], self.scale, window=c.window(index)
+            )
             if attn_rows is None:
                 attn_in = attn.reshape(rows, c.q_size)
             else:
@@ -415,6 +445,31 @@ class LlamaForCausalLM(nn.Module):
                 hidden.add_(down)
         return self.compute_logits(hidden, logits_indices)
 
+    def _decoder(self) -> CpuDecoder | None:
+        """The C++ decoder for a grouped pool (one group: the pool of every layer's)."""
+        return self.grouped_cpu_decoder if self.kv_layout.num_groups > 1 else self.cpu_decoder
+
+    def _kv_groups(
+        self, kv_pool: torch.Tensor, meta: AttentionMetadata | Sequence[AttentionMetadata]
+    ) -> tuple[list[AttentionMetadata], list[tuple[int, int]]]:
+        """This step's metadata per KV group and each layer's (group, pool slot): a pool of
+        every layer takes one metadata (a layer's slot is its index), a grouped pool one per
+        group."""
+        metas = [meta] if isinstance(meta, AttentionMetadata) else list(meta)
+        layout = self.kv_layout
+        if kv_pool.dim() == 6 and kv_pool.shape[1] == len(self.layers) and len(metas) == 1:
+            return metas, (self._slots if layout.num_groups == 1 else self._ungrouped)
+        if kv_pool.dim() != 6 or kv_pool.shape[1] != layout.group_size:
+            raise ValueError(
+                f"kv_pool {tuple(kv_pool.shape)} holds neither every layer "
+                f"({len(self.layers)}) nor one KV group's ({layout.group_size}) per block"
+            )
+        if len(metas) != layout.num_groups:
+            raise ValueError(
+                f"{layout.describe()}: one AttentionMetadata per group, got {len(metas)}"
+            )
+        return metas, self._slots
+
     def write_kv(
         self,
         index: int,
@@ -429,12 +484,18 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope
         return rope_write_kv(qkv, positions, cos, sin, kv_pool, index, slots, self.config.num_heads)
 
-    def _layer_spec_fields(self, index: int, layer: DecoderLayer) -> dict[str, Any]:
+    def _layer_spec_fields(
+        self, index: int, layer: DecoderLayer, grouped: bool = False
+    ) -> dict[str, Any]:
         """Layer `index`'s `LayerSpec` fields beyond its norms and linears: the config's (its
-        window, RoPE table, output norms, activation), then the family's own."""
+        window, KV group and pool slot where `grouped`, RoPE table, output norms,
+        activation), then the family's own."""
         c = self.config
+        group, slot = self._slots[index] if grouped else (0, -1)
         return {
             "window": c.window(index),
+            "kv_group": group,
+            "kv_slot": slot,
             "rope_table": c.rope_set(index),
             "attn_out_norm": layer.attn_out_norm,
             "mlp_out_norm": layer.mlp_out_norm,

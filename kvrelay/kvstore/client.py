@@ -33,6 +33,7 @@ from kvrelay.kvstore.messages import (
     CommitReply,
     Contains,
     CountReply,
+    Demote,
     Evict,
     Get,
     Hello,
@@ -282,6 +283,15 @@ class StoreClient:
     def evict(self, tier: str = "host") -> int:
         """Drop the unpinned pages of `tier`; returns how many."""
         return self.request(Evict(tier=tier), CountReply).n
+
+    def demote(self, keys: list[bytes], wait: bool = False) -> int | None:
+        """Make these pages the arena's first to evict; fire-and-forget unless `wait` (then
+        how many the arena held)."""
+        msg = Demote(keys=list(keys))
+        if not wait:
+            self.send(msg)
+            return None
+        return self.request(msg, CountReply).n
 
     def close(self) -> None:
         if self._sock is not None:

@@ -104,6 +104,13 @@ class StoreConnector:
             logger.warning("store load failed, recomputing: %r", exc)
             return 0
 
+    def demote(self, keys: list[bytes]) -> None:
+        """Tell the node no window reads these pages any more (evicted first); one-way."""
+        try:
+            self.client.demote(list(keys))
+        except Exception as exc:  # a hint: losing it costs nothing
+            logger.debug("store demote of %d pages failed: %r", len(keys), exc)
+
     def save(self, keys: list[bytes], block_ids: list[int], kv_pool) -> None:
         """Write the blocks as pages (existing keys are skipped); copied before returning."""
         import torch

@@ -118,11 +118,16 @@ class Evict(Request, tag="evict", kw_only=True):
     tier: str = "host"
 
 
+class Demote(Paged, tag="demote", kw_only=True):
+    """Make these pages the arena's first to evict (no sequence's window reads them any more:
+    a sliding-window layer group's pages behind its window)."""
+
+
 class Fetch(Paged, tag="fetch", kw_only=True):
     """A peer's fetch (store-to-store session, not the local socket)."""
 
 
-NodeRequest = Hello | Put | Commit | Abort | Get | Release | Contains | Stats | Ls | Evict
+NodeRequest = Hello | Put | Commit | Abort | Get | Release | Contains | Stats | Ls | Evict | Demote
 OPS = sorted(str(c.__struct_config__.tag) for c in get_args(NodeRequest))
 
 

@@ -14,6 +14,7 @@ from kvrelay.kvstore.messages import (
     CommitReply,
     Contains,
     CountReply,
+    Demote,
     Evict,
     Get,
     Hello,
@@ -134,6 +135,10 @@ def op_evict(node, req: Evict) -> Reply:
     return CountReply(n=node.store.evict(req.tier))
 
 
+def op_demote(node, req: Demote) -> Reply:
+    return CountReply(n=node.store.demote(_keys(node, req)))
+
+
 HANDLERS: dict[type, Callable[[Any, Any], Reply | Later]] = {
     Hello: op_hello,
     Put: op_put,
@@ -145,6 +150,7 @@ HANDLERS: dict[type, Callable[[Any, Any], Reply | Later]] = {
     Stats: op_stats,
     Ls: op_ls,
     Evict: op_evict,
+    Demote: op_demote,
 }
 
 

@@ -258,6 +258,17 @@ class NodeStore(StoreAdmin):
                 if e is not None and e.slot == slot and e.pins:
                     e.pins.pop(0)
 
+    def demote(self, keys: list[bytes]) -> int:
+        """Move the arena pages among `keys` to the front of the LRU (evicted first, to the
+        disk tier where there is one); returns how many were there."""
+        with self.lock:
+            n = 0
+            for key in reversed(keys):  # the first key ends up first
+                if key in self._lru:
+                    self._lru.move_to_end(key, last=False)
+                    n += 1
+            return n
+
     def contains_prefix(self, keys: list[bytes]) -> int:
         """How many leading keys this node holds (arena or disk), without loading them."""
         with self.lock:

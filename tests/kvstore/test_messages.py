@@ -12,6 +12,7 @@ from kvrelay.kvstore.messages import (
     BadRequest,
     Commit,
     Contains,
+    Demote,
     Evict,
     Fetch,
     Get,
@@ -45,6 +46,7 @@ KEY = b"k" * 16
         Stats(id=8),
         Ls(id=9, limit=3),
         Evict(id=10, tier="all"),
+        Demote(id=11, keys=[b"\x01" * 16]),
     ],
 )
 def test_every_request_round_trips_with_its_op_name(msg):
@@ -67,6 +69,7 @@ def test_op_names_are_the_wire_names():
                 "stats",
                 "ls",
                 "evict",
+                "demote",
             ]
         )
         == OPS

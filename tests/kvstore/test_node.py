@@ -40,6 +40,23 @@ def wait_for(cond, timeout: float = 5.0) -> None:
         time.sleep(0.02)
 
 
+def test_demoted_pages_are_evicted_first(valkey, start_node, tmp_path):
+    """Demote (a sliding-window group's pages behind the window) moves pages to the front of
+    the arena's LRU: the next puts push them to disk before older pages."""
+    node = start_node(arena_bytes=arena_for(4), disk_dir=str(tmp_path / "disk"),
+                      disk_bytes=4 * FILE, redis_url=valkey.url)  # fmt: skip
+    keys = keys_for(6)
+    with StoreClient(node.config.run_dir, SMALL) as client:
+        assert client.put(keys[:4], [payload(SMALL, i) for i in range(4)]) == 4
+        assert client.demote([keys[2], keys[3], keys[5]], wait=True) == 2  # 5 is not there
+        assert client.ls()["host"] == hexes([keys[2], keys[3], keys[0], keys[1]])
+        client.demote([keys[1]])  # fire-and-forget, as the engine sends it
+        wait_for(lambda: client.ls()["host"][0] == keys[1].hex())
+        assert client.put(keys[4:5], [payload(SMALL, 4)]) == 1
+        assert client.ls()["disk"] == hexes([keys[1]])
+        assert client.get(keys[2:3]) == [payload(SMALL, 2).tobytes()]  # demoted, still there
+
+
 def test_put_3n_demotes_then_drops_lru_in_order(valkey, start_node, tmp_path):
     node = start_node(
         arena_bytes=arena_for(4),

@@ -261,6 +261,14 @@ def test_gemma3_window_memory_store_and_resume(tiny_gemma, quantization, tmp_pat
         local = [k for k in saved if k not in set(keys)]
         print("saved local pages", len(local), "of", 3 * len(keys))
         assert len(local) < 3 * len(keys)
+        # the local pages behind the last window were demoted: the arena evicts them first
+        first = first_engine_window = (300 + 120 - 1 - 24 + 1) // PAGE  # block 24 on: in it
+        assert first_engine_window == 24
+        behind = {group_key(keys[i], g).hex() for i in range(first) for g in (1, 2, 3)}
+        behind &= {k.hex() for k in local}
+        lru = clients[0].ls()["host"]
+        assert len(lru) == len(saved) and len(behind) > 30
+        assert set(lru[: len(behind)]) == behind
         # a fresh engine, given 40 of the outputs, resumes from the store: same tokens
         fresh = Engine(config, loaded=loaded)
         fresh.set_kv_connector(StoreConnector(clients[1]))

@@ -379,7 +379,9 @@ class KVCacheManager:
             self.num_store_errors += 1
 
     def _release_behind_windows(self, seq: Sequence, tables: list[list[int]]) -> None:
-        """Release each local group's blocks no query of `seq` reads any more."""
+        """Release each local group's blocks no query of `seq` reads any more; their saved
+        pages are demoted in the store (its first to evict)."""
+        behind: list[bytes] = []
         for g, (group, table) in enumerate(zip(self.groups, tables, strict=True)):
             if not group.local:
                 continue
@@ -391,3 +393,11 @@ class KVCacheManager:
                 self.pool.release(table[i:first])
                 table[i:first] = [RELEASED] * (first - i)
                 self.held_blocks[g] -= first - i
+                full = min(first, len(seq.block_keys))
+                behind.extend(group_key(k, g) for k in seq.block_keys[i:full])
+        demote = getattr(self.connector, "demote", None)
+        if behind and self.save_to_store and demote is not None:
+            try:
+                demote(behind)
+            except Exception:  # a hint to the store: losing it loses nothing
+                logger.debug("store demote failed for request %s", seq.request_id)

@@ -172,9 +172,14 @@ def chunk_text(event: dict) -> str:
     return text if isinstance(text, str) else ""
 
 
-async def one(client, url: str, payload: dict, tokens: int) -> dict:
-    """One streamed request of `payload` (`payloads`: model + messages or prompt), greedy and
-    exactly `tokens` long (max_tokens = min_tokens, ignore_eos)."""
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # --sampling sampled (seeded per request)
+
+
+async def one(client, url: str, payload: dict, tokens: int, seed: int | None = None) -> dict:
+    """One streamed request of `payload` (`payloads`: model + messages or prompt), exactly
+    `tokens` long (max_tokens = min_tokens, ignore_eos): greedy, or with `seed` sampled
+    (SAMPLED: a small model's greedy answers loop under ignore_eos, which flatters n-gram
+    drafting)."""
     body = {
         **payload,
         "max_tokens": tokens,
@@ -184,6 +189,8 @@ async def one(client, url: str, payload: dict, tokens: int) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if seed is not None:
+        body.update(SAMPLED, seed=seed)
     path = "/v1/chat/completions" if "messages" in payload else "/v1/completions"
     res = {"ttft": None, "latency": None, "tokens": 0, "chunks": 0, "gaps": [],
            "prompt_tokens": None, "error": None}  # fmt: skip
@@ -223,9 +230,10 @@ async def one(client, url: str, payload: dict, tokens: int) -> dict:
     return res
 
 
-async def closed_loop(url: str, convs: list[dict], tokens: int, streams: int
-                      ) -> tuple[list[dict], float]:  # fmt: skip
-    """`streams` users sending `convs` (`payloads`) one after another until none is left."""
+async def closed_loop(url: str, convs: list[dict], tokens: int, streams: int,
+                      sampled: bool = False) -> tuple[list[dict], float]:  # fmt: skip
+    """`streams` users sending `convs` (`payloads`) one after another until none is left
+    (`sampled`: request i seeded with i)."""
     import httpx
 
     queue = list(convs)
@@ -235,7 +243,8 @@ async def closed_loop(url: str, convs: list[dict], tokens: int, streams: int
 
         async def user() -> None:
             while queue:
-                results.append(await one(client, url, queue.pop(0), tokens))
+                seed = len(convs) - len(queue) if sampled else None
+                results.append(await one(client, url, queue.pop(0), tokens, seed))
 
         start = time.monotonic()
         await asyncio.gather(*(user() for _ in range(streams)))
@@ -379,7 +388,11 @@ def run(args: argparse.Namespace) -> dict:
                         args.requests_per_stream,
                     )
                     convs = payloads(convs, model.served, api)
-                    res, wall = asyncio.run(closed_loop(server.url, convs, args.tokens, streams))
+                    res, wall = asyncio.run(
+                        closed_loop(
+                            server.url, convs, args.tokens, streams, args.sampling == "sampled"
+                        )
+                    )
                     key = (name, workload, streams)
                     old = raw.get(key, ([], 0.0))
                     raw[key] = (old[0] + res, old[1] + wall)
@@ -558,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="alternating rounds")
+    p.add_argument("--sampling", choices=("greedy", "sampled"), default="greedy",
+                   help="greedy, or sampled (temperature 0.8, top_p 0.95, seeded per request); "
+                   "sampled results get their own docs section")  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--quantization",
@@ -657,10 +673,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs:
         # the default model keeps the `peers` section; another gets its own (and its own plot)
         section = "peers" if args.model.is_default else f"peers-{args.model.served}"
+        if args.sampling == "sampled":
+            section += "-sampled"
         plot(res, args.docs.parent / "img" / f"{section}.png")
         cmd = "python benchmarks/peers.py " + " ".join(argv or sys.argv[1:])
         prec = "; ".join(f"{k}: {v}" for k, v in res["precision"].items())
         title = "" if args.model.is_default else f" on {args.model.served}"
+        title += ", sampled" if args.sampling == "sampled" else ""
         api = "chat" if args.api == "chat" else "completions (messages as plain text)"
         write_section(section, "\n".join([
             f"## Peers: kvrelay vs llama.cpp server vs vLLM (CPU){title}", "",
@@ -670,7 +689,10 @@ def main(argv: list[str] | None = None) -> int:
             f"Precision: {prec}  ", f"Peer settings ({res['peer_rule']}): "
             + "; ".join(f"{k}: `{v}`" for k, v in res["configs"].items()) + "  ",
             f"{args.threads} threads each, one server at a time, {args.repeats} alternating "
-            f"round(s); streamed {args.api}, greedy, {args.tokens} output tokens per request "
+            f"round(s); streamed {args.api}, "
+            + ("greedy" if args.sampling == "greedy" else
+               f"sampled ({SAMPLED}, seed = request index)")
+            + f", {args.tokens} output tokens per request "
             f"(ignore_eos + min_tokens), closed loop with "
             f"{args.requests_per_stream} request(s) per stream (at least 4)"
             f"{workload_notes(args, res)}. ITL = gaps between content chunks (pooled); "

@@ -87,7 +87,6 @@ class ModelRunner:
         G = self.num_groups
         ids: list[int] = []
         pos_parts: list[np.ndarray] = []
-        slot_parts: list[list[np.ndarray]] = [[] for _ in range(G)]
         context_lens = np.empty(num_seqs, dtype=np.int32)
         query_start = np.zeros(num_seqs + 1, dtype=np.int32)
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
@@ -100,14 +99,11 @@ class ModelRunner:
             end = start + n
             ids.extend(seq.token_ids[start : end - len(draft)])
             ids.extend(draft)
-            pos = np.arange(start, end, dtype=np.int64)
-            pos_parts.append(pos)
-            for g, group_table in enumerate(
-                [seq.block_table, *seq.group_tables] if G > 1 else [seq.block_table]
-            ):
-                table = np.maximum(np.asarray(group_table, dtype=np.int64), 0)  # released: 0
-                block_tables[g][i, : table.shape[0]] = table
-                slot_parts[g].append(table[pos // P] * P + pos % P)
+            pos_parts.append(np.arange(start, end, dtype=np.int64))
+            block_tables[0][i, : len(seq.block_table)] = seq.block_table
+            for g in range(1, G):
+                table = seq.group_tables[g - 1]
+                block_tables[g][i, : len(table)] = table
             context_lens[i] = end
             query_start[i + 1] = query_start[i] + n
             if seq.wants_prompt_logprobs:
@@ -123,12 +119,19 @@ class ModelRunner:
             if end - len(draft) == seq.num_tokens:  # the last token's row, then the draft's
                 last = int(query_start[i + 1])
                 logits_indices.extend(range(last - 1 - len(draft), last))
+        positions = np.concatenate(pos_parts)
+        rows = np.repeat(np.arange(num_seqs), np.diff(query_start))  # each token's sequence
+        page, offset = positions // P, positions % P
+        slot_mappings = []
+        for tables in block_tables:
+            np.maximum(tables, 0, out=tables)  # a released entry (-1) reads block 0
+            slot_mappings.append(tables[rows, page].astype(np.int64) * P + offset)
         dev = self.device
         lens = torch.from_numpy(context_lens).to(dev)
         starts = torch.from_numpy(query_start).to(dev)
         metas = [
             AttentionMetadata(
-                slot_mapping=torch.from_numpy(np.concatenate(slot_parts[g])).to(dev),
+                slot_mapping=torch.from_numpy(slot_mappings[g]).to(dev),
                 block_tables=torch.from_numpy(block_tables[g]).to(dev),
                 context_lens=lens,
                 query_start_loc=starts,
@@ -140,10 +143,9 @@ class ModelRunner:
         ]
         meta = metas[0] if G == 1 else metas
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
         return (
             input_ids,
-            positions,
+            torch.from_numpy(positions).to(dev),
             meta,
             torch.tensor(logits_indices, dtype=torch.long, device=dev),
             prompt_rows,

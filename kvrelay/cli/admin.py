@@ -200,8 +200,11 @@ def model_lines(models: list[dict[str, Any]]) -> list[str]:
     for m in models:
         waiting = m["prefill_waiting"] + m["decode_waiting"]
         pending = m["prefill_pending"] + m["decode_pending"]
+        shown = m["model"] or "?"
+        if m.get("aliases"):  # --served-model-name's other names
+            shown += f" ({', '.join(m['aliases'])})"
         lines.append(
-            f"{m['model'] or '?':<32}{m['pipeline'] or '-':<20}{len(m['prefill_workers']):>8}"
+            f"{shown:<32}{m['pipeline'] or '-':<20}{len(m['prefill_workers']):>8}"
             f"{len(m['decode_workers']):>7}{waiting:>9}{pending:>9}"
         )
     return lines

@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--model", default=None, help="model name or path (default smollm2)")
     p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="chat template instead of the model's own (a Jinja file or the template text), "
+        "as `kvrelay up --chat-template`",
+    )
+    p.add_argument(
         "--max-tokens",
         type=int,
         default=None,
@@ -166,6 +173,18 @@ def _prompt_ids(tokenizer, req: dict[str, Any], chat: bool) -> list[int]:
         raise CLIInputError(f"{where}: {exc}") from exc
 
 
+def _chat_template(value: str | None) -> str | None:
+    """The text of --chat-template (None: the model's own); CLIInputError naming the file."""
+    from kvrelay.core.tokenizer import ChatTemplateError, read_chat_template
+
+    if value is None:
+        return None
+    try:
+        return read_chat_template(value)
+    except ChatTemplateError as exc:
+        raise CLIInputError(f"--chat-template: {exc}") from exc
+
+
 def _sampling(req: dict[str, Any], model_defaults: dict[str, Any]):
     """The request's SamplingParams: its own fields (flags, batch line) over the model's
     defaults over SamplingParams' (OpenAI's), as the ingress applies them."""
@@ -233,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         ]
     for req in requests:  # checked before torch and the model load, so a bad flag fails at once
         _sampling(req, {})
+    template = _chat_template(args.chat_template)
     from kvrelay.core.config import ConfigError, from_env
     from kvrelay.core.modelref import ModelNotFoundError, model_generation_defaults
     from kvrelay.workers.config import (
@@ -271,9 +291,12 @@ def run(args: argparse.Namespace) -> int:
     except (ModelNotFoundError, ConfigError, EngineError) as exc:
         raise CLIInputError(" ".join(str(exc).split()) or "model not found") from exc
     model_defaults = model_generation_defaults(engine.loaded.dir, engine.model_name).to_dict()
+    tokenizer = engine.tokenizer
+    if template is not None:
+        tokenizer = tokenizer.with_chat_template(template)
     started = time.perf_counter()
     for req in requests:
-        ids = _prompt_ids(engine.tokenizer, req, args.chat)
+        ids = _prompt_ids(tokenizer, req, args.chat)
         try:
             engine.add_request(req["id"], ids, _sampling(req, model_defaults))
         except InvalidRequestError as exc:

@@ -216,7 +216,9 @@ def status(r: Any, keys: Any, store_run_dir: str | None = None) -> dict[str, Any
     from kvrelay.pipeline.queue.admin import requests_in_flight, stream_info, workers
 
     inflight = requests_in_flight(r, keys)
-    published = published_pipelines(r, keys)
+    entries = published_models(r, keys)
+    published = {name: entry.pipeline or "" for name, entry in entries.items()}
+    aliases = {name: list(entry.aliases or ()) for name, entry in entries.items()}
     # each shard's streams, shard 0 first (the load per shard): the unnamed pipeline's two
     # (always), then those of every other model pipeline found on the shard or published
     streams = []
@@ -236,7 +238,7 @@ def status(r: Any, keys: Any, store_run_dir: str | None = None) -> dict[str, Any
     return {
         "workers": live,
         "streams": streams,
-        "models": model_fleets(live, streams, published),
+        "models": model_fleets(live, streams, published, aliases),
         "shards": keys.shards,
         "dlq": sum(r.xlen(shard.dlq) for shard in keys.all()),
         "requests": inflight,
@@ -257,8 +259,8 @@ def shard_streams(r: Any, shard: Any) -> set[tuple[str, str]]:
     return found
 
 
-def published_pipelines(r: Any, keys: Any) -> dict[str, str]:
-    """Model name -> the pipeline its workers publish ("" the unnamed one)."""
+def published_models(r: Any, keys: Any) -> dict[str, Any]:
+    """Model name -> what its workers publish (`PublishedModel`: pipeline, aliases, ...)."""
     from kvrelay.core.published_model import PublishedModel
     from kvrelay.core.record import as_str
 
@@ -266,7 +268,7 @@ def published_pipelines(r: Any, keys: Any) -> dict[str, str]:
     for name, raw in r.hgetall(keys.models).items():
         entry = PublishedModel.decode(raw, as_str(name))
         if entry is not None:
-            out[as_str(name)] = entry.pipeline or ""
+            out[as_str(name)] = entry
     return out
 
 
@@ -278,25 +280,33 @@ def _waiting(stream: dict[str, Any]) -> int:
 
 
 def several_models(data: dict[str, Any]) -> bool:
-    """Whether the snapshot shows more than one model or a named pipeline: `status` then
-    lists each model's fleet."""
+    """Whether the snapshot shows more than one model, a named pipeline or a model served
+    under aliases: `status` then lists each model's fleet."""
     models = data.get("models") or []
-    return len(models) > 1 or any(m["pipeline"] for m in models)
+    return len(models) > 1 or any(m["pipeline"] or m.get("aliases") for m in models)
 
 
 def model_fleets(
-    workers: list[dict[str, Any]], streams: list[dict[str, Any]], published: dict[str, str]
+    workers: list[dict[str, Any]],
+    streams: list[dict[str, Any]],
+    published: dict[str, str],
+    aliases: dict[str, list[str]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per model (those live workers serve, then those only published): its pipeline, live
-    workers per role (names, and how many are draining) and its streams' load summed over
-    the shards (waiting = lag, pending)."""
+    """Per model (those live workers serve, then those only published): its pipeline, the
+    other names it is served under (`aliases`, --served-model-name), live workers per role
+    (names, and how many are draining) and its streams' load summed over the shards
+    (waiting = lag, pending)."""
     records = [worker_record(w) for w in workers]
     names = [r.model for r in records]
     order = list(dict.fromkeys([n for n in names if n] + sorted(published)))
     out = []
     for model in order:
         pipeline = published.get(model, "")
-        fleet: dict[str, Any] = {"model": model, "pipeline": pipeline}
+        fleet: dict[str, Any] = {
+            "model": model,
+            "pipeline": pipeline,
+            "aliases": (aliases or {}).get(model, []),
+        }
         mine = [r for r in records if r.model == model]
         for stage in Stage:
             role = [r for r in mine if r.role == stage]

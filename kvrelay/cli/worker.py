@@ -100,6 +100,16 @@ _HELP: list[tuple[str, ...]] = [
         "model's own, published for every producer (temperature, top_p, top_k, min_p, "
         "repetition_penalty, max_tokens)",
     ),
+    (
+        "chat_template",
+        "the model's chat template instead of its own: a Jinja file, or the template text; "
+        "published with the model for every producer",
+    ),
+    (
+        "served_model_name",
+        "the names the API serves the model under, comma-separated: the first in responses "
+        "and /v1/models, the others aliases",
+    ),
 ]
 
 
@@ -182,7 +192,7 @@ def serve(role: str, config: WorkerConfig, engine: Engine) -> int:
     from kvrelay.workers.metrics import WorkerMetrics
     from kvrelay.workers.prefill import PrefillWorker
 
-    metrics = WorkerMetrics(engine.model_name, engine)
+    metrics = WorkerMetrics((config.served_names or (engine.model_name,))[0], engine)
     node = attach_store(engine, config.store_run_dir, metrics) if config.store_run_dir else ""
     cls = PrefillWorker if role == Stage.PREFILL else DecodeWorker
     worker = cls(config, engine, store_node=node, metrics=metrics)

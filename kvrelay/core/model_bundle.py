@@ -68,6 +68,11 @@ class ModelBundle:
             raise ValueError(f"model files {digest} do not match their digest ({bundle.digest})")
         return bundle
 
+    def with_chat_template(self, chat_template: str) -> ModelBundle:
+        """This bundle with `chat_template` as the model's (chat_template.jinja wins over a
+        template in the other files, as `Tokenizer.from_files` reads them)."""
+        return ModelBundle.of({**self.files, "chat_template.jinja": chat_template.encode()})
+
     def json_file(self, name: str) -> dict:
         """One of the JSON files (config.json, generation_config.json, ...); {} when absent."""
         raw = self.files.get(name)

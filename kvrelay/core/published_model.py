@@ -27,7 +27,9 @@ class PublishedModel:
     `generation_defaults` the model's own defaults under the worker's override (None: none
     published, the files' own stand in); `published` the unix time of the last heartbeat
     that wrote it (None: a worker from before the stamp); `pipeline` the model pipeline whose
-    streams its workers read (`kvrelay.core.keys`; None: the unnamed one).
+    streams its workers read (`kvrelay.core.keys`; None: the unnamed one); `aliases` the
+    other names the model is served under (`--served-model-name`: requests naming one are the
+    model's, answered under the entry's name).
     """
 
     fingerprint: str | None = None
@@ -38,6 +40,7 @@ class PublishedModel:
     generation_defaults: GenerationDefaults | None = None
     published: float | None = None
     pipeline: str | None = None
+    aliases: tuple[str, ...] | None = None
 
     @classmethod
     def decode(cls, raw: str | bytes, name: str = "") -> PublishedModel | None:
@@ -64,6 +67,7 @@ class PublishedModel:
             generation_defaults=defaults,
             published=_time(data, "published"),
             pipeline=_text(data, "pipeline"),
+            aliases=_names(data, "aliases"),
         )
 
     def encode(self) -> str:
@@ -73,7 +77,9 @@ class PublishedModel:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            out[f.name] = value.to_dict() if isinstance(value, GenerationDefaults) else value
+            if isinstance(value, GenerationDefaults):
+                value = value.to_dict()
+            out[f.name] = list(value) if isinstance(value, tuple) else value
         return json.dumps(out)
 
     def stamped(self, now: float) -> PublishedModel:
@@ -88,6 +94,13 @@ class PublishedModel:
 def _text(data: dict[str, Any], name: str) -> str | None:
     value = data.get(name)
     return value if isinstance(value, str) and value else None
+
+
+def _names(data: dict[str, Any], name: str) -> tuple[str, ...] | None:
+    value = data.get(name)
+    if not isinstance(value, list):
+        return None
+    return tuple(v for v in value if isinstance(v, str) and v) or None
 
 
 def _count(data: dict[str, Any], name: str) -> int | None:

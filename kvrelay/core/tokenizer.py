@@ -73,6 +73,38 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return _ENV.from_string(source)
 
 
+def is_file(path: Path) -> bool:
+    """`path.is_file()`, False for a name no file can have (template text: too long, ...)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def read_chat_template(value: str) -> str:
+    """The chat template `value` gives (vLLM's --chat-template): a file's text when it names a
+    file, else the template text itself. ChatTemplateError, naming the file, when there is no
+    such file or the template does not compile."""
+    path = Path(value).expanduser()
+    if is_file(path):
+        where = f"chat template {str(path)!r}"
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ChatTemplateError(f"{where}: cannot read it: {exc}") from None
+    elif any(c in value for c in "{}\n"):  # no file: template text (as vLLM tells them apart)
+        where, text = "chat template text", value
+    else:
+        raise ChatTemplateError(f"chat template {value!r}: no such file")
+    try:
+        compile_chat_template(text)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ChatTemplateError(
+            f"{where} does not compile: line {exc.lineno}: {exc.message}"
+        ) from None
+    return text
+
+
 def _token_content(value: Any) -> str | None:
     if isinstance(value, Mapping):
         return value.get("content")
@@ -143,6 +175,10 @@ class Tokenizer:
         )
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer rendering chats with `chat_template` instead of the model's own."""
+        return Tokenizer(self._tok, self.special_tokens, chat_template, self.eos_token_ids)
+
     @classmethod
     def from_dir(cls, directory: str | os.PathLike) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json, the chat template and generation eos ids."""
@@ -209,7 +245,10 @@ class Tokenizer:
     ) -> str:
         """The prompt text the chat template renders for `messages`."""
         if self._template is None:
-            raise ChatTemplateError("this model has no chat template; send a plain prompt")
+            raise ChatTemplateError(
+                "this model has no chat template; send a plain prompt, or give the model one "
+                "(kvrelay up --chat-template FILE)"
+            )
         if not messages:
             raise ChatTemplateError("cannot apply the chat template to an empty conversation")
         for m in messages:

@@ -94,6 +94,7 @@ class _Files:
     max_model_len: int
     fingerprint: str | None
     defaults: GenerationDefaults
+    digest: str | None = None  # of the files as a bundle (None: injected, never replaced)
 
 
 def not_ready(name: str) -> RequestError:
@@ -110,8 +111,6 @@ def not_ready(name: str) -> RequestError:
 
 def _load_local(name: str) -> _Files | None:
     """Tokenizer and numbers from the converted directory on this host (None: not here)."""
-    from kvrelay.core.tokenizer import Tokenizer
-
     try:
         ref = modelref.resolve_model(name)
     except modelref.ModelNotFoundError:
@@ -119,7 +118,8 @@ def _load_local(name: str) -> _Files | None:
     if not modelref.is_prepared(ref):
         return None
     directory = modelref.converted_dir(ref)
-    tokenizer = Tokenizer.from_dir(directory)
+    bundle = ModelBundle.from_dir(directory)
+    tokenizer = bundle.tokenizer()
     cfg = modelref.read_config(directory)
     # Only a digest cached at conversion is used: hashing 500 MB of weights here would stall.
     digest = modelref.read_meta(directory).get("weights_digest")
@@ -127,7 +127,7 @@ def _load_local(name: str) -> _Files | None:
     vocab = max(int(cfg.get("vocab_size", 0)), tokenizer.vocab_size)
     max_len = modelref.context_length(cfg)
     defaults = modelref.model_generation_defaults(directory, ref.name)
-    return _Files(tokenizer, vocab, max_len, fingerprint, defaults)
+    return _Files(tokenizer, vocab, max_len, fingerprint, defaults, bundle.digest)
 
 
 def _bundle_files(bundle: ModelBundle, name: str) -> _Files:
@@ -139,7 +139,15 @@ def _bundle_files(bundle: ModelBundle, name: str) -> _Files:
     gen = bundle.json_file("generation_config.json")
     # workers publish their defaults with the entry; these only stand in when it has none
     defaults = modelref.generation_defaults_of(gen, {}, name, f"published files of {name}")
-    return _Files(tokenizer, vocab, max_len, None, defaults)
+    return _Files(tokenizer, vocab, max_len, None, defaults, bundle.digest)
+
+
+def _alias_of(published: dict[str, PublishedModel], name: str) -> str | None:
+    """The model whose workers publish `name` as an alias (`--served-model-name`), if any."""
+    for model, entry in published.items():
+        if entry.aliases and name in entry.aliases:
+            return model
+    return None
 
 
 def _read_cached(digest: str) -> ModelBundle | None:
@@ -189,14 +197,44 @@ class ModelRegistry:
             self._local[name] = _Files(tok, tok.vocab_size, 0, None, defaults)
 
     async def served(self) -> list[str]:
-        """Configured names plus any model a worker publishes."""
-        published = list(await self.cluster.models()) if self.cluster else []
-        return list(dict.fromkeys([*self.names, *published]))
+        """Configured names plus any model a worker publishes, and its aliases."""
+        published = await self.cluster.models() if self.cluster else {}
+        names = [*self.names]
+        for model, entry in published.items():
+            names += [model, *(entry.aliases or ())]
+        return list(dict.fromkeys(names))
+
+    async def canonical(self, name: str) -> str:
+        """The name model `name` is served under: `name`, or the model that publishes it as
+        an alias (`--served-model-name`; responses carry the first name)."""
+        if name in self.names or self.cluster is None:
+            return name
+        published = await self.cluster.models()
+        if name in published:
+            return name
+        return _alias_of(published, name) or name
 
     async def _published(self, name: str) -> PublishedModel | None:
         return (await self.cluster.models()).get(name) if self.cluster else None
 
     async def _files_for(self, name: str, published: PublishedModel | None) -> _Files:
+        """The files on this host, unless the workers publish others (a --chat-template of
+        theirs): every producer then renders and tokenizes as the published files say."""
+        digest = published.files if published else None
+        local = await self._local_files(name)
+        if local is not None and (digest is None or local.digest in (None, digest)):
+            return local
+        if digest is None or self.cluster is None:
+            raise not_ready(name)
+        files = self._published_files.get(digest)
+        if files is None:
+            files = await self._fetch(name, digest)
+        if local is None:
+            self._not_local.add(name)
+        return files
+
+    async def _local_files(self, name: str) -> _Files | None:
+        """The model's files on this host (None: not prepared here), loaded once."""
         local = self._local.get(name)
         if local is not None:
             return local
@@ -208,16 +246,7 @@ class ModelRegistry:
                     if local is not None:
                         self._local[name] = local
                         logger.info("loaded tokenizer for model %s", name)
-            if local is not None:
-                return local
-        digest = published.files if published else None
-        if digest is None or self.cluster is None:
-            raise not_ready(name)
-        files = self._published_files.get(digest)
-        if files is None:
-            files = await self._fetch(name, digest)
-        self._not_local.add(name)
-        return files
+        return local
 
     async def _fetch(self, name: str, digest: str) -> _Files:
         """The published files of `digest`: from disk when kept there, else from Redis."""
@@ -257,10 +286,14 @@ class ModelRegistry:
         """The entry for `name`; 404 for an unknown model, 503 while no files are available."""
         published = await self._published(name)
         if name not in self.names and published is None:
+            model = await self.canonical(name)
+            if model != name:  # an alias: the model's own entry
+                return await self.get(model)
             raise model_not_found(name, await self.served())
-        files = await self._files_for(name, published)
         served = self.served_as(name)  # a path's entry is under its workers' name
         by_workers = published if served == name else await self._published(served)
+        # the files its workers publish (a path renders chats as the model's name does)
+        files = await self._files_for(name, published or by_workers)
         entry = published or PublishedModel()
         max_len = entry.max_model_len or files.max_model_len or 0
         if max_len <= 0:
@@ -289,6 +322,8 @@ class ModelRegistry:
         early check): what its workers last published, else the configured one; None for a
         name neither configured nor published (its request will be refused anyway)."""
         published = self.cluster.published_now() if self.cluster is not None else {}
+        if name not in self._served and name not in published:
+            name = _alias_of(published, name) or name
         served = self.served_as(name) if name in self._served or name in published else None
         entry = published.get(name) or (published.get(served) if served else None)
         if entry is not None:
@@ -309,6 +344,7 @@ class ModelRegistry:
         """`max_model_len` (None: not known yet) and the effective `generation_defaults` of a
         served model, from what is already loaded or published (no file is read)."""
         try:
+            name = await self.canonical(name)
             published = await self._published(name)
         except RedisError:  # what this process knows is still worth showing
             published = None

@@ -94,13 +94,15 @@ class Worker:
         # a suspect is exposed to churn for its own run only (docs/reliability.md).
         self._waiting: deque[Admission] = deque()
         self._alone: tuple[str, int] | None = None  # the suspect running alone, its next_index
-        self.metrics = metrics or WorkerMetrics(engine.model_name, engine)
+        # the name the API serves the model under (--served-model-name), else the model's own
+        model_name = (config.served_names or (engine.model_name,))[0]
+        self.metrics = metrics or WorkerMetrics(model_name, engine)
         self.stop_event = threading.Event()
         # set once the worker's groups exist and its heartbeat announced it (start())
         self.ready = threading.Event()
         self.page_size = engine.config.page_size
         publication = ModelPublication.from_dir(
-            engine.model_name,
+            model_name,
             engine.loaded.dir,
             PublishedModel(
                 fingerprint=engine.fingerprint,
@@ -108,11 +110,14 @@ class Worker:
                 max_model_len=engine.max_model_len,
                 vocab_size=engine.vocab_size,
                 pipeline=config.pipeline or None,  # where producers queue its requests
+                aliases=config.served_names[1:] or None,
             ),
             config.generation_override,
+            config.chat_template_text(),
+            own_name=engine.model_name,
         )
         info = WorkerRecord(
-            model=engine.model_name,
+            model=model_name,
             fingerprint=engine.fingerprint,
             max_num_seqs=config.engine.max_num_seqs,
             kernel_isa=engine.kernel_isa,

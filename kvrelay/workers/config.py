@@ -83,6 +83,12 @@ class WorkerConfig(RedisSettings):
     # producer (ingress, client) applies them. Give every worker of a model the same value.
     # A config file may give a table.
     override_generation_config: str | None = None
+    # the model's chat template instead of its own (vLLM's --chat-template): a file, or the
+    # template text; published with the model's files, so every producer renders chats with it
+    chat_template: str | None = None
+    # the names the API serves the model under, comma-separated (vLLM's --served-model-name):
+    # the first is published (the `models` hash, heartbeats, responses), the others as aliases
+    served_model_name: str | None = None
 
     def validate(self) -> WorkerConfig:
         """Raise ConfigError for values a worker cannot run with; return self."""
@@ -115,6 +121,16 @@ class WorkerConfig(RedisSettings):
         if self.name is not None and (not self.name or any(c in self.name for c in " {}:")):
             raise ConfigError(f"invalid worker name {self.name!r} (no spaces, braces or ':')")
         generation_override(self.override_generation_config)
+        if self.chat_template is not None:
+            self.chat_template_text()
+        if self.served_model_name is not None:
+            names = self.served_names
+            bad = [n for n in names if any(c in n for c in " {}")]
+            if not names or bad or len(set(names)) < len(names):
+                raise ConfigError(
+                    "served_model_name must be distinct names separated by commas (no spaces "
+                    f"or braces), got {self.served_model_name!r}"
+                )
         check_shards(self.shards)
         self.shard_list()
         try:
@@ -140,6 +156,23 @@ class WorkerConfig(RedisSettings):
     @property
     def generation_override(self) -> GenerationDefaults:
         return generation_override(self.override_generation_config)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """`served_model_name`'s names, in order (empty: the model's own name)."""
+        return tuple(n.strip() for n in (self.served_model_name or "").split(",") if n.strip())
+
+    def chat_template_text(self) -> str | None:
+        """The template `chat_template` gives (None: the model's own); ConfigError when it
+        names no file or does not compile."""
+        from kvrelay.core.tokenizer import ChatTemplateError, read_chat_template
+
+        if self.chat_template is None:
+            return None
+        try:
+            return read_chat_template(self.chat_template)
+        except ChatTemplateError as exc:
+            raise ConfigError(str(exc)) from None
 
     def worker_name(self, role: str) -> str:
         return self.name or f"{role}-{socket.gethostname()}-{os.getpid()}"

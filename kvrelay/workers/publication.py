@@ -44,19 +44,25 @@ class ModelPublication:
         directory: str | Path | None,
         numbers: PublishedModel,
         override: GenerationDefaults | None = None,
+        chat_template: str | None = None,
+        own_name: str | None = None,
     ) -> ModelPublication:
         """The publication of model `name` converted in `directory` (None: numbers only).
 
         `numbers`: fingerprint, page_size, max_model_len, vocab_size. The generation defaults
         are the model's own under the operator's `override` (the worker's
-        --override-generation-config), so every producer applies the same ones.
+        --override-generation-config), so every producer applies the same ones; a
+        `chat_template` (its --chat-template) replaces the model's own in the files.
+        `own_name`: the model's own name when it is served under another (`name`).
         """
         override = override or GenerationDefaults()
         if directory is None:
             bundle, model_defaults = None, GenerationDefaults()
         else:
             bundle = ModelBundle.from_dir(directory)
-            model_defaults = model_generation_defaults(directory, name)
+            if chat_template is not None:
+                bundle = bundle.with_chat_template(chat_template)
+            model_defaults = model_generation_defaults(directory, own_name or name)
         entry = replace(
             numbers,
             files=bundle.digest if bundle else None,

@@ -130,3 +130,126 @@ def test_models_come_from_the_config_file_when_not_given(tmp_path):
 def test_bad_model_lists_are_refused_before_launching(tmp_path, capsys, argv, message):
     code, line = _main(capsys, "up", "--run-dir", str(tmp_path / "run"), *argv)
     assert code == 2 and line.startswith(f"kvrelay up: error: {message}")
+
+
+TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+def test_served_names_and_chat_template_of_one_model(tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    programs, state = programs_of(
+        tmp_path, "--served-model-name", "smol", "smol-2", "--chat-template", str(template)
+    )
+    by_name = {p.name: p for p in programs}
+    worker = by_name["decode-0"].env
+    assert worker["KVRELAY_WORKER_SERVED_MODEL_NAME"] == "smol,smol-2"
+    # a copy in the run dir: a restarted worker publishes the template `up` checked
+    copy = tmp_path / "run" / "chat-template.jinja"
+    assert worker["KVRELAY_WORKER_CHAT_TEMPLATE"] == str(copy)
+    assert copy.read_text() == TEMPLATE
+    assert by_name["ingress"].env["KVRELAY_INGRESS_MODELS"] == "smol"  # the first name
+    assert state["served_model_name"] == ["smol", "smol-2"] and "models" not in state
+    # the template text itself works as well (vLLM takes both)
+    programs, _ = programs_of(tmp_path, "--chat-template", TEMPLATE)
+    assert (tmp_path / "run" / "chat-template.jinja").read_text() == TEMPLATE
+
+
+def test_served_names_and_chat_templates_per_model(tmp_path):
+    tiny = model_dir(tmp_path, "tiny")
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    programs, state = programs_of(
+        tmp_path, "--model", DEFAULT_MODEL, "--model", str(tiny),
+        "--served-model-name", "tiny=t1,t2", "--served-model-name", f"{DEFAULT_MODEL}=smol",
+        "--chat-template", f"{tiny}={template}",
+    )  # fmt: skip
+    by_name = {p.name: p for p in programs}
+    # the second model's pipeline and programs are named after its first served name
+    assert [p.name for p in programs][-1] == "decode-t1-0"
+    first, second = by_name["decode-0"].env, by_name["decode-t1-0"].env
+    assert first["KVRELAY_WORKER_SERVED_MODEL_NAME"] == "smol"
+    assert "KVRELAY_WORKER_CHAT_TEMPLATE" not in first
+    assert (second["KVRELAY_WORKER_SERVED_MODEL_NAME"], second["KVRELAY_WORKER_PIPELINE"]) == (
+        "t1,t2",
+        "t1",
+    )
+    assert second["KVRELAY_WORKER_CHAT_TEMPLATE"] == str(tmp_path / "run/chat-template-t1.jinja")
+    assert by_name["ingress"].env["KVRELAY_INGRESS_MODELS"] == "smol,t1"
+    assert [(m["served"], m["names"]) for m in state["models"]] == [
+        ("smol", ["smol"]),
+        ("t1", ["t1", "t2"]),
+    ]
+
+
+def test_the_config_file_gives_them_per_model(tmp_path):
+    tiny = model_dir(tmp_path, "tiny")
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    config = tmp_path / "kvrelay.toml"
+    config.write_text(
+        f'[ingress]\nmodels = ["{DEFAULT_MODEL}", "{tiny}"]\n\n'
+        '[model.tiny]\nchat_template = "chat.jinja"\nserved_model_name = ["t1", "t2"]\n\n'
+        f'[model."{DEFAULT_MODEL}"]\nserved_model_name = "smol"\n'
+    )
+    programs, _ = programs_of(tmp_path, "--config", str(config))
+    by_name = {p.name: p for p in programs}
+    assert by_name["ingress"].env["KVRELAY_INGRESS_MODELS"] == "smol,t1"
+    # a relative template is the config file's neighbour
+    assert (tmp_path / "run/chat-template-t1.jinja").read_text() == TEMPLATE
+    # a flag wins over the file
+    programs, _ = programs_of(tmp_path, "--config", str(config), "--served-model-name", "tiny=t3")
+    assert {p.name: p for p in programs}["ingress"].env["KVRELAY_INGRESS_MODELS"] == "smol,t3"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--model", DEFAULT_MODEL, "--model", "MODEL2", "--chat-template", "t.jinja"],
+            "--chat-template 't.jinja': 2 models are served, say which one (--chat-template "
+            f"MODEL=..., MODEL one of {DEFAULT_MODEL}, MODEL2)",
+        ),
+        (
+            ["--model", DEFAULT_MODEL, "--model", "MODEL2", "--served-model-name", "a"],
+            "--served-model-name 'a': 2 models are served, say which one",
+        ),
+        (
+            ["--model", DEFAULT_MODEL, "--model", "MODEL2", "--served-model-name", "MODEL2=x",
+             "--served-model-name", f"{DEFAULT_MODEL}=y,x"],
+            f"served model name 'x' is given to two models ('{DEFAULT_MODEL}' and 'MODEL2')",
+        ),
+        (
+            ["--model", DEFAULT_MODEL, "--model", "MODEL2", "--served-model-name",
+             f"MODEL2={DEFAULT_MODEL}"],
+            f"served model name '{DEFAULT_MODEL}' is given to two models",
+        ),
+        (["--chat-template", "/nonexistent/chat.jinja"],
+         "--chat-template: chat template '/nonexistent/chat.jinja': no such file"),
+        (["--chat-template", "BAD.jinja"],
+         "--chat-template: chat template 'BAD.jinja' does not compile: line 1: "),
+    ],
+)  # fmt: skip
+def test_bad_served_names_and_templates_are_refused_before_launching(
+    tmp_path, capsys, monkeypatch, argv, message
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "BAD.jinja").write_text("{% for m in messages %}{{ m.content }")
+    code, line = _main(capsys, "up", "--run-dir", str(tmp_path / "run"), *argv)
+    assert code == 2 and line.startswith(f"kvrelay up: error: {message}"), line
+
+
+def test_a_worker_refuses_a_bad_template_or_served_name_before_loading(tmp_path, capsys):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ messages")
+    code, line = _main(capsys, "worker", "decode", "--chat-template", str(bad))
+    assert code == 2
+    assert line.startswith(f"kvrelay worker: error: chat template '{bad}' does not compile: ")
+    code, line = _main(capsys, "generate", "hi", "--chat", "--chat-template", str(bad))
+    assert code == 2
+    assert line.startswith(f"kvrelay generate: error: --chat-template: chat template '{bad}' ")
+    code, line = _main(capsys, "worker", "decode", "--served-model-name", "a,a")
+    assert (code, line) == (
+        2,
+        "kvrelay worker: error: served_model_name must be distinct names separated by commas "
+        "(no spaces or braces), got 'a,a'",
+    )

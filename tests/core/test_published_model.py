@@ -37,6 +37,12 @@ def test_published_model_round_trips_and_types_its_fields():
     assert json.loads(PublishedModel(page_size=16).encode()) == {"page_size": 16}
     assert entry.stale(1700000000.123 + 11, 10) and not entry.stale(1700000000.123 + 9, 10)
     assert not PublishedModel().stale(1e12, 10)  # unstamped: a worker from before the stamp
+    # --served-model-name's other names: a JSON list, only strings kept
+    aliased = PublishedModel(page_size=16, aliases=("a", "b"))
+    assert json.loads(aliased.encode()) == {"page_size": 16, "aliases": ["a", "b"]}
+    assert PublishedModel.decode(aliased.encode()) == aliased
+    assert PublishedModel.decode('{"aliases": ["a", 3, ""]}') == PublishedModel(aliases=("a",))
+    assert PublishedModel.decode('{"aliases": "a"}') == PublishedModel()
 
 
 def test_dead_letter_decodes_xrange_entries_and_encodes_as_the_script_writes():

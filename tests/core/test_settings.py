@@ -162,7 +162,7 @@ def test_flags_are_generated_from_the_settings_fields():
         "--prompt-lookup-min", "--prompt-lookup-max", "--draft-model", "--kv-cache-bytes",
         "--max-num-seqs", "--max-num-batched-tokens",
         "--store-run-dir", "--lease-ms", "--stream-interval-ms", "--metrics-port",
-        "--override-generation-config",
+        "--override-generation-config", "--chat-template", "--served-model-name",
     ]  # fmt: skip
     parser = build_parser()
     args = parser.parse_args(["store", "--keep-arena", "off", "--arena-bytes", "4096"])

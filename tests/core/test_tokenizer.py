@@ -164,3 +164,26 @@ def test_import_is_torch_free():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_chat_template_is_read_from_a_file_or_taken_as_text(tmp_path, tokenizer):
+    from kvrelay.core.tokenizer import read_chat_template
+
+    text = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(text)
+    assert read_chat_template(str(path)) == read_chat_template(text) == text
+    long = text * 20  # longer than any file name
+    assert read_chat_template(long) == long
+    with pytest.raises(ChatTemplateError, match=r"^chat template 'no-such\.jinja': no such file$"):
+        read_chat_template("no-such.jinja")
+    path.write_text("{% if messages %}")
+    with pytest.raises(ChatTemplateError) as err:
+        read_chat_template(str(path))
+    assert str(err.value).startswith(f"chat template {str(path)!r} does not compile: line 1: ")
+    # the model's tokenizer rendering with it instead of its own
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    other = tokenizer.with_chat_template(text)
+    assert other.render_chat(chat) == "[a][b]"
+    assert other.apply_chat_template(chat) == tokenizer.encode("[a][b]")
+    assert not other.template_reads_tools and tokenizer.render_chat(chat) != "[a][b]"

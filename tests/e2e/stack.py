@@ -40,6 +40,7 @@ class Stack:
         shards: int | None = None,
         model: str | None = None,
         models: list[str] | None = None,
+        extra: list[str] | None = None,
     ):
         self.run_dir = run_dir
         self.model = model  # None: `up`'s default (MODEL)
@@ -58,6 +59,7 @@ class Stack:
             **(env or {}),
         }
         self.state: dict = {}
+        self.extra = extra or []  # more `up` flags
 
     @property
     def url(self) -> str:
@@ -82,6 +84,7 @@ class Stack:
             extra += ["--model", model]
         for key, value in self.env.items():
             extra += ["--env", f"{key}={value}"]
+        extra += self.extra
         done = kvrelay_up(self.run_dir, self.port, *extra, timeout=timeout + 60)
         if done.returncode != 0:
             raise RuntimeError(
@@ -157,6 +160,7 @@ def generate_reference(
     quantization: str = "none",
     attention: str = "fp32",
     model: str = MODEL,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, dict]:
     """`kvrelay generate --json` (the in-process engine, with the stack's weights and attention
     precision, plain decoding) for JSONL requests (greedy unless a line says otherwise);
@@ -186,6 +190,7 @@ def generate_reference(
             "off",
             "--model",
             model,
+            *extra,
         ],
         capture_output=True,
         text=True,

@@ -65,7 +65,10 @@ def test_chat_without_a_chat_template_is_refused_clearly(client):
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
         )
-    assert "this model has no chat template; send a plain prompt" in str(err.value)
+    assert (
+        "this model has no chat template; send a plain prompt, or give the model one "
+        "(kvrelay up --chat-template FILE)"
+    ) in str(err.value)
 
 
 def _stream(client, request_id: str, on_token=None) -> list[str]:

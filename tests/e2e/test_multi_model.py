@@ -1,6 +1,7 @@
 """Two models from one `kvrelay up --model A --model B`: each answers from its own workers,
 concurrently; /v1/models lists both; stopping B's workers gives 503 for B while A still
-answers; `kvrelay status` shows each model's fleet.
+answers; `kvrelay status` shows each model's fleet. Per model flags: A is also served as
+`smol` (`--served-model-name A=A,smol`), B renders chats with its own `--chat-template B=FILE`.
 
 A is the bundled SmolLM2-135M. B is a tiny random-weight Llama (2 layers, hidden 128) built
 here from transformers' own classes with SmolLM2's tokenizer: it loads in well under a second
@@ -22,7 +23,9 @@ import httpx
 import pytest
 import redis
 
+from kvrelay.core import modelref
 from kvrelay.core.keys import Keys
+from kvrelay.core.tokenizer import Tokenizer
 from tests.conftest import free_port
 from tests.e2e.stack import MODEL, kvrelay_up
 
@@ -31,6 +34,8 @@ TINY = "tiny-llama"  # the directory's name: the model's served name
 PIPELINE = TINY  # `up` names the second model's pipeline after it
 TINY_WORKER = f"decode-{PIPELINE}-0"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+ALIAS = "smol"  # A's second served name
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
 
 
 def tiny_checkpoint(root):
@@ -74,9 +79,12 @@ def kvrelay(*argv: str) -> subprocess.CompletedProcess:
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("multi")
     tiny = tiny_checkpoint(root)
+    template = root / "tiny.jinja"
+    template.write_text(TEMPLATE)
     run_dir, port = root / "run", free_port()
     done = kvrelay_up(
         run_dir, port, "--model", MODEL, "--model", str(tiny),
+        "--served-model-name", f"{MODEL}={MODEL},{ALIAS}", "--chat-template", f"{TINY}={template}",
         "--decode", "1", "--kv-cache-bytes", str(64 << 20), "--arena-bytes", str(128 << 20),
         "--env", "KVRELAY_WORKER_HEARTBEAT_S=0.5", "--timeout", "240",
         *(["--shards", str(SHARDS)] if SHARDS > 1 else []),
@@ -132,7 +140,7 @@ def test_two_models_answer_from_their_own_workers_and_fail_alone(stack):
         *valkeys, "store", f"store-{PIPELINE}", "ingress", "decode-0", TINY_WORKER,
     ]  # fmt: skip
     listed = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
-    assert {MODEL, TINY, tiny} <= set(listed)
+    assert {MODEL, ALIAS, TINY, tiny} <= set(listed)
 
     a, b, b_path = asyncio.run(_both(url, tiny))
     for resp in (a, b, b_path):
@@ -142,18 +150,27 @@ def test_two_models_answer_from_their_own_workers_and_fail_alone(stack):
     assert b_path.json()["choices"][0]["message"]["content"] == text_b  # greedy: the same
     assert text_a != text_b  # random weights: not SmolLM2's answer
     assert b.json()["usage"]["completion_tokens"] == 8  # random weights never say eos
+    # B's chats are rendered with its --chat-template (the ingress has B's own files too)
+    source = modelref.converted_dir(modelref.resolve_model(MODEL))  # B's tokenizer is A's
+    rendered = Tokenizer.from_dir(source).with_chat_template(TEMPLATE)
+    ids = rendered.apply_chat_template(chat(TINY)["messages"])
+    assert b.json()["usage"]["prompt_tokens"] == len(ids)
+    assert a.json()["usage"]["prompt_tokens"] != len(ids)  # A keeps its own template
+    # A's alias is A, answered under its first name
+    aliased = httpx.post(f"{url}/v1/chat/completions", json=chat(ALIAS), timeout=120).json()
+    assert (aliased["model"], aliased["choices"][0]["message"]["content"]) == (MODEL, text_a)
 
     # each model's requests went through its own pipeline's stream only
     keys = Keys(state["key_prefix"], shards=SHARDS)
     client = redis.RedisCluster if SHARDS > 1 else redis.Redis
     r = client.from_url(state["redis_url"])
-    assert entries_read(r, keys) == 1  # (acked entries may be trimmed)
+    assert entries_read(r, keys) == 2  # A's chat and its alias's (acked ones may be trimmed)
     assert entries_read(r, keys.for_pipeline(PIPELINE)) == 2
     assert r.hget(keys.worker(TINY_WORKER), "model") == TINY.encode()
 
     status = json.loads(kvrelay("status", "--json", "--run-dir", state["run_dir"]).stdout)
     fleets = {m["model"]: m for m in status["models"]}
-    assert fleets[MODEL]["decode_workers"] == ["decode-0"]
+    assert (fleets[MODEL]["decode_workers"], fleets[MODEL]["aliases"]) == (["decode-0"], [ALIAS])
     assert (fleets[TINY]["pipeline"], fleets[TINY]["decode_workers"]) == (PIPELINE, [TINY_WORKER])
     stream_names = {s["stream"] for s in status["streams"]}
     assert keys.for_pipeline(PIPELINE).decode_stream in stream_names

@@ -244,3 +244,39 @@ async def test_a_model_no_worker_published_for_a_week_is_not_listed(valkey_sessi
     finally:
         cluster.close()
         await r.aclose()
+
+
+# what `kvrelay up --chat-template` gives the workers: tools and documents unread
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+
+@pytest.mark.anyio
+async def test_workers_template_and_aliases_win_over_the_files_on_this_host(
+    valkey_session, smollm_tokenizer, model_dir
+):
+    prefix = unique_prefix()
+    publication = ModelPublication.from_dir(
+        MODEL,
+        model_dir,
+        PublishedModel(**MODEL_INFO, aliases=("smol", "smol-chat")),
+        chat_template=TEMPLATE,
+    )
+    assert publication.entry.files != ModelBundle.from_dir(model_dir).digest
+    r = redis.Redis.from_url(valkey_session.url)
+    try:
+        publication.publish(r, Keys(prefix))
+    finally:
+        r.close()
+    role = await WorkerRole(valkey_session.url, Keys(prefix)).setup()
+    # the model is prepared on this host, but its files lack the workers' --chat-template
+    client = AsyncClient(valkey_session.url, key_prefix=prefix)
+    try:
+        await client.submit(messages=CHAT, request_id="tpl-1", model="smol-chat")
+        task = (await role.take()).task
+        assert await client.registry.served() == [MODEL, "smol", "smol-chat"]
+    finally:
+        await client.aclose()
+        await role.aclose()
+    rendered = "<system>Réponds brièvement.<user>Grüße 👋, 世界! What is 2+2?<assistant>"
+    assert task.prompt_token_ids == smollm_tokenizer.encode(rendered)
+    assert task.model == MODEL  # queued under the model's first name

@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.cli.errors import EXIT_FAILURE, EXIT_UNAVAILABLE, CommandError
 from kvrelay.cli.serve import SERVE_FLAGS
 from kvrelay.cli.up.launch import Program, Supervisor, check_port_free, read_state
-from kvrelay.cli.up.models import ServedModel, plan_models, state_stores
+from kvrelay.cli.up.models import (
+    ServedModel,
+    per_model,
+    plan_models,
+    served_name_items,
+    state_stores,
+)
 from kvrelay.cli.up.progress import UpProgress
 from kvrelay.cli.up.ready import CrashLoopError, check_redis, wait_ready
 from kvrelay.cli.up.topology import Topology, choose, default_weights
@@ -99,6 +105,24 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="TOML settings file for every program (`kvrelay serve|worker|store --config`); "
         "its [ingress] models are the models to serve when no --model is given",
+    )
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names the API serves the model under (vLLM's flag): the first in responses "
+        "and /v1/models, requests naming any route to it; with several models "
+        "MODEL=NAME[,NAME] (repeatable)",
+    )
+    p.add_argument(
+        "--chat-template",
+        action="append",
+        default=None,
+        metavar="[MODEL=]FILE",
+        help="the model's chat template instead of its own (vLLM's flag): a Jinja file or the "
+        "template text; with several models MODEL=FILE (repeatable)",
     )
     p.add_argument(
         "--prefill",
@@ -239,14 +263,105 @@ def resolve_models(args: argparse.Namespace) -> list[str]:
     return args.models
 
 
-def served_models(args: argparse.Namespace, run_dir: Path, store_node: str) -> list[ServedModel]:
-    """Each model's pipeline, store node and worker names (CommandError, exit 2, for two
-    names of one model or two models whose pipelines would clash)."""
-    topo = resolve_topology(args)
+MODEL_TABLE = "model"  # the --config file's [model."MODEL"] tables
+MODEL_TABLE_KEYS = ("chat_template", "served_model_name")
+
+
+def model_settings(args: argparse.Namespace) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Per given model: its served names and chat template, flags over the `--config` file's
+    `[model."MODEL"]` tables (CommandError, exit 2, for an ambiguous or unknown model)."""
+    models = resolve_models(args)
+    names, templates = _file_model_settings(getattr(args, "config", None), models)
     try:
-        return plan_models(resolve_models(args), run_dir, store_node, topo.prefill, topo.decode)
+        names.update(served_name_items(getattr(args, "served_model_name", None) or [], models))
+        templates.update(
+            per_model(getattr(args, "chat_template", None) or [], models, "--chat-template")
+        )
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    return names, templates
+
+
+def _file_model_settings(
+    config: str | None, models: list[str]
+) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """`chat_template` and `served_model_name` of the config file's `[model."MODEL"]` tables
+    (a relative template path is the file's neighbour)."""
+    import tomllib
+
+    from kvrelay.core.tokenizer import is_file
+
+    if config is None:
+        return {}, {}
+    try:
+        with open(config, "rb") as fh:
+            tables = tomllib.load(fh).get(MODEL_TABLE, {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}, {}  # read_config_file says why (resolve_models, the programs)
+    names: dict[str, list[str]] = {}
+    templates: dict[str, str] = {}
+    where = f"--config {config}"
+    if not isinstance(tables, dict):
+        raise CommandError(f'{where}: [{MODEL_TABLE}."MODEL"] must be tables')
+    for key, table in tables.items():
+        try:
+            model = next(iter(per_model([f"{key}=-"], models, f"[{MODEL_TABLE}.{key!r}]")))
+        except ValueError:
+            raise CommandError(
+                f"{where}: [{MODEL_TABLE}.{key!r}] names no served model ({', '.join(models)})"
+            ) from None
+        if not isinstance(table, dict) or set(table) - set(MODEL_TABLE_KEYS):
+            raise CommandError(
+                f"{where}: [{MODEL_TABLE}.{key!r}] takes only {', '.join(MODEL_TABLE_KEYS)}"
+            )
+        served = table.get("served_model_name")
+        if isinstance(served, str):
+            served = [served]
+        if served is not None:
+            if not isinstance(served, list) or not all(isinstance(n, str) and n for n in served):
+                raise CommandError(
+                    f"{where}: [{MODEL_TABLE}.{key!r}] served_model_name must be a name or a "
+                    "list of names"
+                )
+            names[model] = served
+        template = table.get("chat_template")
+        if template is not None:
+            if not isinstance(template, str) or not template:
+                raise CommandError(
+                    f"{where}: [{MODEL_TABLE}.{key!r}] chat_template must be a file or the text"
+                )
+            beside = Path(config).resolve().parent / template
+            templates[model] = str(beside) if is_file(beside) else template
+    return names, templates
+
+
+def served_models(args: argparse.Namespace, run_dir: Path, store_node: str) -> list[ServedModel]:
+    """Each model's pipeline, store node, worker names, served names and chat template
+    (CommandError, exit 2, for two names of one model, two models whose pipelines would clash
+    or a served name given twice)."""
+    topo = resolve_topology(args)
+    names, templates = model_settings(args)
+    try:
+        return plan_models(
+            resolve_models(args), run_dir, store_node, topo.prefill, topo.decode, names, templates
+        )
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def check_chat_templates(served: list[ServedModel]) -> dict[str, str]:
+    """Served name -> the text of each model's --chat-template; CommandError naming the file
+    when one is missing or does not compile."""
+    from kvrelay.core.tokenizer import ChatTemplateError, read_chat_template
+
+    out = {}
+    for m in served:
+        if m.chat_template:
+            try:
+                out[m.served] = read_chat_template(m.chat_template)
+            except ChatTemplateError as exc:
+                raise CommandError(f"--chat-template: {exc}") from None
+    return out
 
 
 def extra_env(args: argparse.Namespace) -> dict[str, str]:
@@ -469,7 +584,7 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     valkey_state: dict[str, Any] = {}
     if redis_url is None:
         programs, redis_url, valkey_state = embedded_valkey(args, run_dir)
-    models = resolve_models(args)
+    resolve_models(args)  # sets args.model, the first
     config = getattr(args, "config", None)
     config_flags = ["--config", str(Path(config).resolve())] if config else []
     store_dir = run_dir / "store"
@@ -484,7 +599,6 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "KVRELAY_STORE_DISK_DIR": str(store_dir / "disk"),
         "KVRELAY_STORE_ARENA_BYTES": str(args.arena_bytes),
         "KVRELAY_STORE_DISK_BYTES": str(args.disk_bytes),
-        "KVRELAY_INGRESS_MODELS": ",".join(models),
         "KVRELAY_WORKER_MODEL": args.model,
         "PYTHONUNBUFFERED": "1",
     }
@@ -510,6 +624,9 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     env.setdefault("KVRELAY_STORE_MODEL_DTYPE", model_dtype)
     store_node = setting(StoreConfig, "node_id", STORE_SECTION, env)
     served = served_models(args, run_dir, store_node)
+    # the names the API serves: a model's first --served-model-name, else as given
+    env["KVRELAY_INGRESS_MODELS"] = ",".join(m.api_name for m in served)
+    templates = check_chat_templates(served)
     # Each model has a store node of its own (an arena holds pages of one size and model);
     # the host's store budget is divided between them.
     num_models = len(served)
@@ -522,6 +639,13 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         menv = dict(env)
         menv.setdefault("KVRELAY_STORE_ATTENTION_PRECISION", attention[m.served])
         menv["KVRELAY_WORKER_ATTENTION_PRECISION"] = attention[m.served]
+        if m.names:
+            menv["KVRELAY_WORKER_SERVED_MODEL_NAME"] = ",".join(m.names)
+        if m.served in templates:
+            # a copy in the run dir: restarted workers publish what `up` checked
+            copy = run_dir / f"chat-template{'-' + m.pipeline if m.pipeline else ''}.jinja"
+            copy.write_text(templates[m.served])
+            menv["KVRELAY_WORKER_CHAT_TEMPLATE"] = str(copy)
         if num_models > 1:
             menv.update(
                 {
@@ -600,6 +724,8 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "speculation": speculation_mode(check_worker_config(args)),  # resolved
         **valkey_state,
     }
+    if served[0].names:
+        state["served_model_name"] = served[0].names
     if num_models > 1:
         state["models"] = [
             dict(m.to_dict(), attention_precision=attention[m.served]) for m in served
@@ -619,7 +745,8 @@ def _preflight(args: argparse.Namespace, run_dir: Path) -> None:
     config = getattr(args, "config", None)
     if config is not None and not Path(config).is_file():
         raise CommandError(f"--config: no such file {config}")
-    served_models(args, run_dir, "node0")  # two names of one model: bad usage
+    # two names of one model, a served name twice, a bad chat template: bad usage
+    check_chat_templates(served_models(args, run_dir, "node0"))
     check_shards(args, run_dir)
     check_ingress_config(args, ingress_mode(args))
     workers = check_worker_config(args)
@@ -702,7 +829,7 @@ def run_up(args: argparse.Namespace) -> int:
             sup.stop()
             raise CommandError(f"not ready; stopping. Logs in {logs}", EXIT_FAILURE) from None
         if reason is None:
-            names = ", ".join(resolve_models(args))
+            names = ", ".join(m.api_name for m in served_models(args, run_dir, "node0"))
             print(f"kvrelay: serving {names} at {where} (Ctrl-C stops)", file=sys.stderr)
         elif proc.poll() is None:
             print(f"kvrelay up: not ready after {args.timeout:g}s ({reason})", file=sys.stderr)

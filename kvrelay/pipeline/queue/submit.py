@@ -157,6 +157,7 @@ class Producer:
         fill the others (None: none are applied).
         """
         entry = await self.ride_out(request_id, lambda: self.registry.get(model))
+        model = entry.name  # an alias (--served-model-name) is queued under the model's name
         await self._refuse_unserved(request_id, entry)
         defaults = entry.generation_defaults
         if fields_set is not None:

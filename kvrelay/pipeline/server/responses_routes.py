@@ -115,6 +115,8 @@ class ResponsesApi:
                 call = await asyncio.to_thread(parse_responses, body)
             else:
                 call = parse_responses(body)
+            # an alias (--served-model-name) is the model's: answered under its first name
+            call.generation.model = await ing.registry.canonical(call.generation.model)
             prepared = await self._prepare(call, request_id, key_id)
             tool_options = await tool_choice_options(ing, call.generation)
             if header_id is not None:

@@ -104,6 +104,8 @@ class GenerationApi:
                 parsed, digest = await asyncio.to_thread(_parse, body, api)
             else:
                 parsed, digest = _parse(body, api)
+            # an alias (--served-model-name) is the model's: answered under its first name
+            parsed.model = await ing.registry.canonical(parsed.model)
             tool_options = await tool_choice_options(ing, parsed)
             check_choices(parsed, request_id, ing.config.max_choices)
             if header_id is not None:

@@ -131,6 +131,9 @@ def run_status(args: argparse.Namespace) -> int:
 
     def snapshot() -> dict[str, Any]:
         data = status_data.collect(r, keys, store_dir, sampler)
+        stores = status_data.model_stores(state)
+        if stores:  # several models: each one's store node (`store` is the first's)
+            data["stores"] = stores
         data["topology"] = topology_of(data["workers"], state)
         cluster = status_data.cluster_nodes(r, state)
         if cluster is not None:  # only a cluster's status has the key
@@ -184,7 +187,10 @@ def run_status(args: argparse.Namespace) -> int:
         f"\nDLQ entries: {data['dlq']}   requests in flight: {data['requests_in_flight']}   "
         f"by status: {json.dumps(data['requests'])}   tokens/s: {data['tokens_per_s']:.1f}"
     )
-    if data["store"] is not None:
+    if data.get("stores"):
+        for s in data["stores"]:
+            print(f"{s['model']}: " + store_line(s["stats"] or {"error": "no run dir"}))
+    elif data["store"] is not None:
         print(store_line(data["store"]))
     print(f"topology: {data['topology']['summary']}")
     if "cluster" in data:

@@ -209,6 +209,23 @@ def store_stats(store_run_dir: str | None) -> dict[str, Any] | None:
         return {"error": str(exc)}
 
 
+def model_stores(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each model's store node on a stack of several models (`kvrelay up --model A --model B`
+    gives each its own): served name, program, node id and the node's stats (or an error
+    note); [] for a stack of one model, whose node is `store`."""
+    models = state.get("models") or []
+    if len(models) < 2:
+        return []
+    return [
+        {
+            "model": m.get("served") or m.get("model"),
+            "program": m.get("store"),
+            "stats": store_stats(m.get("store_run_dir")),
+        }
+        for m in models
+    ]
+
+
 def status(r: Any, keys: Any, store_run_dir: str | None = None) -> dict[str, Any]:
     """Everything `kvrelay status` shows, as one JSON-able dict."""
     from kvrelay.core.enums import OPEN_STATUSES

@@ -174,8 +174,13 @@ def test_two_models_answer_from_their_own_workers_and_fail_alone(stack):
     assert (fleets[TINY]["pipeline"], fleets[TINY]["decode_workers"]) == (PIPELINE, [TINY_WORKER])
     stream_names = {s["stream"] for s in status["streams"]}
     assert keys.for_pipeline(PIPELINE).decode_stream in stream_names
+    # each model's store node, with its pages
+    stores = {s["model"]: s for s in status["stores"]}
+    assert [stores[m]["program"] for m in (MODEL, TINY)] == ["store", f"store-{PIPELINE}"]
+    assert all(s["stats"]["pages"]["host"] > 0 for s in stores.values()), stores
     human = kvrelay("status", "--run-dir", state["run_dir"]).stdout
     assert f"{TINY:<32}{PIPELINE:<20}{0:>8}{1:>7}" in human
+    assert f"{TINY}: store " in human and f"{MODEL}: store " in human
 
     # B's workers stopped: B answers 503 at once, A still answers
     ctl = [sys.executable, "-m", "supervisor.supervisorctl", "-c"]

@@ -179,7 +179,7 @@ def test_a_run_starts_each_variant_in_turn(monkeypatch, capsys):
 
         return Fake
 
-    async def closed_loop(url, convs, tokens, streams):
+    async def closed_loop(url, convs, tokens, streams, sampled=False):
         argv = started[-1]
         tok_s = 40.0 * (1.5 if "ngram" in " ".join(argv) else 1.0)
         tok_s *= 1.25 if argv[0] == "kvrelay" else 1.0

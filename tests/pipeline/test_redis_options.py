@@ -111,3 +111,30 @@ def test_cluster_outage_errors_and_redis_internal_failures_become_connection_err
     assert redis_options._raised_in_redis(torn.__cause__) and not redis_options._raised_in_redis(
         ours
     )
+
+
+def test_a_cluster_pipeline_torn_down_under_it_is_a_connection_error(monkeypatch):
+    """A pipeline's execute does not go through execute_command: the same AttributeError from
+    redis-py's connection code (seen in the sharded chaos test, a node killed under the
+    ingress's stream-load pipeline) is a ClusterUnavailable there too."""
+    from redis.asyncio.cluster import ClusterPipeline
+
+    inside: dict = {"__name__": "redis.asyncio.connection"}
+    exec("def send(writer):\n    writer.writelines([])", inside)  # noqa: S102 - a redis-py frame
+
+    async def execute(self, raise_on_error=True, allow_redirections=True):
+        inside["send"](None)
+
+    monkeypatch.setattr(ClusterPipeline, "execute", execute)
+    client = ResilientCluster(host="127.0.0.1", port=1)
+
+    async def run():
+        pipe = client.pipeline(transaction=False)
+        pipe.xlen("s")
+        try:
+            await pipe.execute(raise_on_error=False)
+        except Exception as exc:  # noqa: BLE001 - the test looks at what it is
+            return exc
+
+    torn = asyncio.run(run())
+    assert type(torn) is ClusterUnavailable and "writelines" in str(torn)

@@ -81,6 +81,24 @@ class ResilientCluster(aiocluster.RedisCluster):
         with cluster_failures_unavailable():
             return await super().execute_command(*args, **kwargs)
 
+    def pipeline(
+        self, transaction: Any | None = None, shard_hint: Any | None = None
+    ) -> aiocluster.ClusterPipeline:
+        """A pipeline whose `execute` fails as `execute_command` does (its commands do not
+        go through it: a node torn down under a pipeline raised redis-py's AttributeError)."""
+        pipe = super().pipeline(transaction, shard_hint)
+        return ResilientClusterPipeline(pipe.cluster_client, transaction)  # type: ignore[abstract]
+
+
+class ResilientClusterPipeline(aiocluster.ClusterPipeline):
+    """`ResilientCluster`'s pipeline: the same failures raised as `ClusterUnavailable`."""
+
+    __slots__ = ()
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
+        with cluster_failures_unavailable():
+            return await super().execute(raise_on_error, allow_redirections)
+
 
 @contextmanager
 def cluster_failures_unavailable() -> Iterator[None]:

@@ -380,7 +380,7 @@ class LlamaForCausalLM(nn.Module):
         (`allocate_kv_pool(grouped=True)`: one `meta` per group, in `kv_layout`'s order)."""
         c = self.config
         num_tokens = int(input_ids.shape[0])
-        metas, slots_of = self._kv_groups(kv_pool, meta)
+        metas, slots_of, decoder = self._kv_groups(kv_pool, meta)
         meta = metas[0]
         if positions.shape != input_ids.shape or meta.slot_mapping.shape != input_ids.shape:
             raise ValueError(
@@ -410,7 +410,6 @@ class LlamaForCausalLM(nn.Module):
         token_pos = pos[:num_tokens]
         attn_rows = hidden.new_zeros(rows, c.q_size) if rows != num_tokens else None
         x = rms_norm(hidden, self.layers[0].input_norm, c.rms_norm_eps) if self.layers else hidden
-        decoder = self.cpu_decoder if slots_of is not self._slots else self._decoder()
         cos = [table[0] for table in tables]
         sin = [table[1] for table in tables]
         if decoder is not None and decoder.run(
@@ -445,20 +444,16 @@ class LlamaForCausalLM(nn.Module):
                 hidden.add_(down)
         return self.compute_logits(hidden, logits_indices)
 
-    def _decoder(self) -> CpuDecoder | None:
-        """The C++ decoder for a grouped pool (one group: the pool of every layer's)."""
-        return self.grouped_cpu_decoder if self.kv_layout.num_groups > 1 else self.cpu_decoder
-
     def _kv_groups(
         self, kv_pool: torch.Tensor, meta: AttentionMetadata | Sequence[AttentionMetadata]
-    ) -> tuple[list[AttentionMetadata], list[tuple[int, int]]]:
-        """This step's metadata per KV group and each layer's (group, pool slot): a pool of
-        every layer takes one metadata (a layer's slot is its index), a grouped pool one per
-        group."""
+    ) -> tuple[list[AttentionMetadata], list[tuple[int, int]], CpuDecoder | None]:
+        """This step's metadata per KV group, each layer's (group, pool slot) and the C++
+        decoder for this pool: a pool of every layer takes one metadata (a layer's slot is its
+        index), a grouped pool one per group."""
         metas = [meta] if isinstance(meta, AttentionMetadata) else list(meta)
         layout = self.kv_layout
         if kv_pool.dim() == 6 and kv_pool.shape[1] == len(self.layers) and len(metas) == 1:
-            return metas, (self._slots if layout.num_groups == 1 else self._ungrouped)
+            return metas, self._ungrouped, self.cpu_decoder
         if kv_pool.dim() != 6 or kv_pool.shape[1] != layout.group_size:
             raise ValueError(
                 f"kv_pool {tuple(kv_pool.shape)} holds neither every layer "
@@ -468,7 +463,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"{layout.describe()}: one AttentionMetadata per group, got {len(metas)}"
             )
-        return metas, self._slots
+        return metas, self._slots, self.grouped_cpu_decoder  # several groups (one: above)
 
     def write_kv(
         self,

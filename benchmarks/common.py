@@ -165,7 +165,7 @@ class PeerModel:
     given: str  # as named on the command line: a built-in name or a path (kvrelay's --model)
     served: str  # the name kvrelay serves it under (ModelRef.name): every request's "model"
     gguf: Path | None  # its GGUF (llama-server's -m), None when it is not one
-    dir: Path  # the converted Hugging Face directory (vLLM's --model)
+    dir: Path  # its Hugging Face directory with fp32 safetensors (vLLM's --model)
     chat_template: bool  # whether its tokenizer files carry a chat template
 
     @property
@@ -191,11 +191,11 @@ def peer_model(name: str | None = None) -> PeerModel:
     """Resolve `name` (None: kvrelay's default model) and convert it if needed (kvrelay's
     cache, $KVRELAY_CACHE_DIR): its served name, GGUF and converted directory."""
     from kvrelay.core.modelref import DEFAULT_MODEL, resolve_model
-    from kvrelay.workers.model.loader import prepare_model
+    from kvrelay.workers.model.loader import prepare_hf_checkpoint
 
     given = name or DEFAULT_MODEL
     ref = resolve_model(given)
-    directory = Path(prepare_model(given))
+    directory = Path(prepare_hf_checkpoint(given))  # vLLM reads safetensors, not the GGUF
     gguf = ref.source if ref.kind == "gguf" else None
     return PeerModel(given, ref.name, gguf, directory, has_chat_template(directory))
 
@@ -435,13 +435,13 @@ class VllmServer(Server):
         return flags + self.args.vllm_extra, env
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        from kvrelay.core.modelref import converted_dir, resolve_model
+        from kvrelay.workers.model.loader import prepare_hf_checkpoint
 
         model = getattr(self.args, "model", None)
         if model is not None:
             directory, served = model.dir, model.served
         else:
-            directory = converted_dir(resolve_model("smollm2-135m-instruct"))
+            directory = prepare_hf_checkpoint("smollm2-135m-instruct", progress=False)
             served = "smollm2-135m-instruct"
         if not Path(self.args.vllm_python).is_file():
             raise RuntimeError(f"no vLLM python at {self.args.vllm_python} (--vllm-python)")

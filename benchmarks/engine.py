@@ -266,7 +266,10 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     # CPU: fp32 (the baseline, whatever the engine's quantization); CUDA: the engine's dtype
     hf_dtype = engine.loaded.dtype if device.type == "cuda" else torch.float32
-    hf = AutoModelForCausalLM.from_pretrained(engine.loaded.dir, dtype=hf_dtype).to(device).eval()
+    from kvrelay.workers.model.loader import prepare_hf_checkpoint
+
+    hf_dir = prepare_hf_checkpoint(args.model, progress=False)  # a GGUF's fp32 safetensors
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=hf_dtype).to(device).eval()
     decoders = hf_decoders(args, hf, device)
     print(
         f"engine on {engine.loaded.device} ({engine.loaded.dtype}); transformers on {device} "

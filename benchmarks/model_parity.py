@@ -1,10 +1,11 @@
 """A model through kvrelay against transformers on the same weights: perplexity and greedy tokens.
 
-Both read the same converted checkpoint (kvrelay's cache directory of `--model`: a GGUF is
-dequantized once into fp32 safetensors), in fp32. The text (benchmarks/data, as quality.py)
-is tokenized whole; non-overlapping chunks of `--ctx` tokens each run from an empty cache, and
-the second half of each chunk is scored (llama-perplexity's rule, as quality.py). With a ctx
-past a model's sliding window (Gemma 3: 512) the local layers' windows decide the score.
+Both read the same weights in fp32 (kvrelay dequantizes a GGUF at load; transformers reads the
+fp32 safetensors `prepare_hf_checkpoint` writes from it once). The text (benchmarks/data, as
+quality.py) is tokenized whole; non-overlapping chunks of `--ctx` tokens each run from an
+empty cache, and the second half of each chunk is scored (llama-perplexity's rule, as
+quality.py). With a ctx past a model's sliding window (Gemma 3: 512) the local layers' windows
+decide the score.
 
     python benchmarks/model_parity.py --model /path/gemma-3-270m-q4_k_m.gguf --ctx 1024
 """
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.quality import TEXT, perplexity  # noqa: E402
-from kvrelay.workers.model.loader import load_model  # noqa: E402
+from kvrelay.workers.model.loader import load_model, prepare_hf_checkpoint  # noqa: E402
 
 
 @torch.inference_mode()
@@ -62,7 +63,7 @@ def main() -> int:
     ours, scored = perplexity(loaded, ids, args.ctx)
     ours_s = time.monotonic() - start
     start = time.monotonic()
-    ref = transformers_perplexity(loaded.dir, ids, args.ctx)
+    ref = transformers_perplexity(prepare_hf_checkpoint(args.model), ids, args.ctx)
     ref_s = time.monotonic() - start
     result = {
         "model": loaded.name,

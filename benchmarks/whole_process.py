@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--quantization", default="none", choices=["none", "int8", "fp16"])
     args = p.parse_args(argv)
-    from kvrelay.core.modelref import converted_dir, resolve_model
+    from kvrelay.workers.model.loader import prepare_hf_checkpoint
 
-    model_dir = str(converted_dir(resolve_model(MODEL)))
+    model_dir = str(prepare_hf_checkpoint(MODEL, progress=False))  # transformers': safetensors
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp) / "batch.jsonl"

@@ -60,7 +60,8 @@ def test_images_have_healthchecks_and_the_cpu_image_no_cuda() -> None:
     for stage in (worker, ingress):
         assert "HEALTHCHECK --interval=" in stage and '"kvrelay-healthcheck", "http"' in stage
     assert "torch" not in ingress and "engine" not in ingress  # base dependencies only
-    assert 'find /var/cache/kvrelay/models -name "*.safetensors" -delete' in stages[2]
+    weights = r'\( -name "*.safetensors" -o -name "*.gguf" \) -delete'
+    assert f"find /var/cache/kvrelay/models {weights}" in stages[2]
     assert "COPY --from=model-files" in ingress  # its tokenizer, without the weights
     assert '--extra-index-url "$TORCH_INDEX_URL" "torch==2.13.0+cpu"' in worker
     assert "ucx" not in code.lower() and "cuda" not in code.lower()  # UCX pulls CUDA libraries

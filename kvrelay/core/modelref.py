@@ -57,7 +57,7 @@ GGUF_SAMPLING_KEYS = {
 GGUF_SAMPLING_META = "gguf_sampling"  # kvrelay.json: those keys' values, read at conversion
 
 META_FILE = "kvrelay.json"
-META_FORMAT = 1
+META_FORMAT = 2  # 2: a GGUF's directory links the file (1 held its fp32 safetensors)
 KINDS = ("gguf", "hf_dir", "safetensors")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The short names of the `--kv-cache-dtype` flag and `kvrelay status`.
@@ -263,13 +263,15 @@ def converted_dir(ref: ModelRef) -> Path:
 
 
 def is_prepared(ref: ModelRef) -> bool:
-    """True when the converted directory is complete (written last, so its presence is enough)."""
-    return (converted_dir(ref) / META_FILE).is_file()
+    """True when the converted directory is complete (kvrelay.json is written last) and of this
+    version's format."""
+    return read_meta(converted_dir(ref)).get("format") == META_FORMAT
 
 
 def weight_files(directory: Path) -> list[Path]:
-    """The safetensors weight files of a model directory, in a stable order."""
-    return sorted(directory.glob("*.safetensors"))
+    """The weight files of a model directory, in a stable order: its safetensors, or the GGUF
+    file it links (`model.gguf`)."""
+    return sorted(directory.glob("*.safetensors")) + sorted(directory.glob("*.gguf"))
 
 
 def weights_digest(directory: Path) -> str:

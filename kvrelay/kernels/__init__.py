@@ -12,11 +12,13 @@ from kvrelay.kernels.cpu_build import loaded_isa
 from kvrelay.kernels.errors import KernelError
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.ops import (
+    GGUF_DEQUANT_TYPES,
     Int8Weight,
     Q8Weight,
     W8A16Weight,
     add_rms_norm,
     bf16_attention_available,
+    dequantize_gguf,
     gate_up_order,
     gather_pages,
     gelu_tanh_mul,
@@ -46,12 +48,14 @@ from kvrelay.kernels.ops import (
 
 __all__ = [
     "AttentionMetadata",
+    "GGUF_DEQUANT_TYPES",
     "Int8Weight",
     "Q8Weight",
     "W8A16Weight",
     "KernelError",
     "add_rms_norm",
     "bf16_attention_available",
+    "dequantize_gguf",
     "gather_pages",
     "gelu_tanh_mul",
     "int8_linear",

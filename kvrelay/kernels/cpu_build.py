@@ -44,6 +44,7 @@ SOURCES = (
     "q8.cpp",
     "w8a16.cpp",
     "sampling.cpp",
+    "gguf_dequant.cpp",
     "bindings.cpp",
 )
 HEADERS = ("ops.h", "parallel.h", "vec.h", "kv_types.h", "amx.h")

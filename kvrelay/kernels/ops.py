@@ -587,3 +587,54 @@ def sample_rows(
     return ext.sample_rows(
         logits, settings.float().contiguous(), top_k.to(torch.int64).contiguous()
     )
+
+
+# ggml type id -> (elements, bytes) per block, for the types `dequantize_gguf` covers: F16,
+# BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (gguf.GGML_QUANT_SIZES).
+_GGUF_BLOCKS: dict[int, tuple[int, int]] = {
+    1: (1, 2),
+    30: (1, 2),
+    2: (32, 18),
+    3: (32, 20),
+    6: (32, 22),
+    7: (32, 24),
+    8: (32, 34),
+    10: (256, 84),
+    11: (256, 110),
+    12: (256, 144),
+    13: (256, 176),
+    14: (256, 210),
+}
+GGUF_DEQUANT_TYPES: frozenset[int] = frozenset(_GGUF_BLOCKS)
+
+
+def dequantize_gguf(raw: torch.Tensor, ggml_type: int, out: torch.Tensor) -> bool:
+    """Write the fp32 values of GGUF rows raw (uint8 [R, bytes per row], each row's blocks as
+    stored in the file) into out (fp32 [R, C]) in C++, the same bits as gguf-py's numpy
+    `dequantize`. False (out untouched) where the type is not in `GGUF_DEQUANT_TYPES` or the
+    C++ kernels are not built: the caller dequantizes with numpy."""
+    block = _GGUF_BLOCKS.get(ggml_type)
+    if block is None:
+        return False
+    size, nbytes = block
+    if raw.dtype != torch.uint8 or out.dtype != torch.float32 or raw.dim() != 2 or out.dim() != 2:
+        raise KernelError(
+            f"need raw uint8 [R, B] and out float32 [R, C], got {raw.dtype} "
+            f"{tuple(raw.shape)} and {out.dtype} {tuple(out.shape)}"
+        )
+    rows, cols = out.shape
+    if cols % size != 0 or tuple(raw.shape) != (rows, cols // size * nbytes):
+        raise KernelError(
+            f"ggml type {ggml_type} rows of {cols} values take {cols // size * nbytes} bytes "
+            f"({nbytes} per {size}) and must be whole blocks: raw {tuple(raw.shape)} does not "
+            f"fit out {tuple(out.shape)}"
+        )
+    if not (raw.is_cpu and out.is_cpu and raw.is_contiguous() and out.is_contiguous()):
+        raise KernelError("raw and out must be contiguous CPU tensors")
+    from kvrelay.kernels import cpu_build
+
+    ext = cpu_build.load()
+    if ext is None:
+        return False
+    ext.dequantize_gguf(raw, ggml_type, out)
+    return True

@@ -28,10 +28,13 @@ def loaded_model(model_dir):
 
 @pytest.fixture(scope="session")
 def hf_model(model_dir):
-    """transformers' LlamaForCausalLM on the same fp32 safetensors (the reference)."""
+    """transformers' LlamaForCausalLM on the GGUF's fp32 safetensors (the reference)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    from kvrelay.workers.model.loader import prepare_hf_checkpoint
+
+    directory = prepare_hf_checkpoint(progress=False)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return model.eval()
 
 

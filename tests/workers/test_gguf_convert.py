@@ -21,6 +21,7 @@ from kvrelay.workers.model.gguf_convert import (
     convert_gguf,
     read_gguf,
 )
+from tests.workers.gguf_files import tiny_gguf
 
 # a few thousand characters of mixed text: prose, code, numbers, whitespace runs, accents, CJK,
 # emoji, and the chat markers each vocabulary holds as special tokens
@@ -180,8 +181,9 @@ def test_unsupported_architecture_writes_nothing(tmp_path):
     assert list(out.iterdir()) == []
 
 
-def test_loader_uses_it_and_says_so(tmp_path, monkeypatch, capsys):
-    """prepare_model converts a GGUF with gguf_convert: stage lines, one each, on a non-TTY."""
+def test_loader_links_it_and_says_so(tmp_path, monkeypatch, capsys):
+    """prepare_model writes the config and tokenizer of a GGUF beside a link to it (no weights):
+    stage lines, one each, on a non-TTY, each a phase `kvrelay up` shows."""
     from kvrelay.workers.model.loader import conversion_note, prepare_model
 
     source = resolve_model(None).source
@@ -190,30 +192,25 @@ def test_loader_uses_it_and_says_so(tmp_path, monkeypatch, capsys):
     assert directory.parent == tmp_path / "cache" / "models"
     err = capsys.readouterr().err.splitlines()
     note = conversion_note(ModelRef(name=source.stem, kind="gguf", source=source))
-    assert note.endswith("(98 MB) to safetensors, once: about 3-10 s on 2 cores at this size, "
-                         "longer on a busy host")  # fmt: skip
-    threads = gguf_convert._threads()
-    assert err[:4] == [
+    assert err[:3] == [
         f"kvrelay: {note}",
-        f"kvrelay: loading and dequantizing 272 tensors (135 M weights) to fp32 on {threads} "
-        "threads, building the config and tokenizer meanwhile",
-        "kvrelay: writing safetensors (538 MB)",
+        f"kvrelay: reading the tokenizer and config of {source.name} (272 tensors, read from the "
+        "file at every load: no weights are written)",
         "kvrelay: hashing weights for the model fingerprint",
     ]
-    assert err[4].startswith(f"kvrelay: model ready in {directory} (") and len(err) == 5
+    assert err[3].startswith(f"kvrelay: model ready in {directory} (") and len(err) == 4
     from kvrelay.cli.up.progress import WORKER_PHASES  # `kvrelay up` reads these off the log
 
     logged = [line.replace("kvrelay: ", "model.loader: ", 1) for line in err]
     assert [[p for text, p in WORKER_PHASES if text in line] for line in logged] == [
-        ["loading model (converting weights)"],
-        ["loading model (converting weights: dequantizing)"],
-        ["loading model (converting weights: writing)"],
+        ["loading model (preparing)"],
+        ["loading model (preparing: tokenizer)"],
         ["loading model (hashing weights)"],
         [],
     ]
     assert sorted(p.name for p in directory.iterdir()) == [
         "chat_template.jinja", "config.json", "generation_config.json", "kvrelay.json",
-        "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "model.gguf", "tokenizer.json", "tokenizer_config.json",
     ]  # fmt: skip
 
 
@@ -323,106 +320,13 @@ def test_progress_redraws_a_percentage_on_a_terminal_only(monkeypatch):
     assert sys.stderr.text == ""  # type: ignore[attr-defined]
 
 
-def _tiny_gguf(path: Path, arch: str, name: str = "", head_dim: int = 0) -> Path:
-    """A two-layer GGUF of `arch` laid out as llama.cpp's converter writes one (Q8_0/Q4_0
-    matrices, F32 norms), with a small sentencepiece or byte-level vocabulary."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quantize
-
-    rng = np.random.default_rng(1)
-    hidden, heads, kv_heads, inter, layers, vocab = 64, 4, 2, 128, 2, 64
-    if arch == "qwen3" and not head_dim:  # transformers maps no GGUF key to Qwen3's head_dim
-        head_dim = 128  # its default
-    head_dim = head_dim or 16
-    writer = GGUFWriter(str(path), arch)
-    writer.add_name(name or f"tiny {arch}")
-    writer.add_context_length(256)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    if arch == "gemma3":
-        writer.add_sliding_window(8)
-    if arch in ("qwen2", "qwen3"):  # byte-level BPE
-        letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-        tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġ", *letters, "Ġa", "ab", "Ġab"]
-        tokens += [f"q{i}" for i in range(vocab - len(tokens))]
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("qwen2")
-        writer.add_token_merges(["Ġ a", "a b", "Ġa b"])
-        types = [3, 3, 3] + [1] * (vocab - 3)
-        writer.add_bos_token_id(0)
-        writer.add_eos_token_id(2)
-    else:  # sentencepiece
-        letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-        tokens = ["<unk>", "<s>", "</s>", "▁", *letters, "▁a", "ab", "▁ab", "ba"]
-        tokens += [f"x{i}" for i in range(vocab - len(tokens))]
-        writer.add_tokenizer_model("llama")
-        writer.add_token_scores([-float(i) for i in range(vocab)])
-        types = [2, 3, 3] + [1] * (vocab - 3)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_unk_token_id(0)
-        writer.add_pad_token_id(2)  # Phi-3's config would default to 32000, past this vocabulary
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-
-    def matrix(name: str, rows: int, cols: int, kind=GGMLQuantizationType.Q8_0) -> None:
-        data = rng.standard_normal((rows, cols), dtype=np.float32) * 0.05
-        writer.add_tensor(name, quantize(data, kind), raw_dtype=kind)
-
-    def vector(name: str, size: int, offset: float = 0.0) -> None:
-        writer.add_tensor(name, offset + rng.standard_normal(size, dtype=np.float32) * 0.1)
-
-    one = 1.0 if arch == "gemma3" else 0.0  # llama.cpp stores Gemma's norms as 1 + w
-    matrix("token_embd.weight", vocab, hidden)
-    vector("output_norm.weight", hidden, one)
-    if arch in ("llama", "phi3"):  # untied: an lm_head of its own
-        matrix("output.weight", vocab, hidden, GGMLQuantizationType.Q4_0)
-    q, kv = heads * head_dim, kv_heads * head_dim
-    for i in range(layers):
-        vector(f"blk.{i}.attn_norm.weight", hidden, one)
-        vector(f"blk.{i}.ffn_norm.weight", hidden, one)
-        if arch == "phi3":  # fused q/k/v and gate/up
-            matrix(f"blk.{i}.attn_qkv.weight", q + 2 * kv, hidden)
-            matrix(f"blk.{i}.ffn_up.weight", 2 * inter, hidden)
-        else:
-            matrix(f"blk.{i}.attn_q.weight", q, hidden)
-            matrix(f"blk.{i}.attn_k.weight", kv, hidden)
-            matrix(f"blk.{i}.attn_v.weight", kv, hidden)
-            matrix(f"blk.{i}.ffn_gate.weight", inter, hidden, GGMLQuantizationType.Q4_0)
-            matrix(f"blk.{i}.ffn_up.weight", inter, hidden)
-        matrix(f"blk.{i}.attn_output.weight", hidden, q)
-        matrix(f"blk.{i}.ffn_down.weight", hidden, inter, GGMLQuantizationType.Q4_0)
-        if arch == "qwen2":
-            vector(f"blk.{i}.attn_q.bias", q)
-            vector(f"blk.{i}.attn_k.bias", kv)
-            vector(f"blk.{i}.attn_v.bias", kv)
-        if arch in ("qwen3", "gemma3"):
-            vector(f"blk.{i}.attn_q_norm.weight", head_dim, one)
-            vector(f"blk.{i}.attn_k_norm.weight", head_dim, one)
-        if arch == "gemma3":
-            vector(f"blk.{i}.post_attention_norm.weight", hidden, one)
-            vector(f"blk.{i}.post_ffw_norm.weight", hidden, one)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.mark.parametrize("arch", gguf_convert.ARCHITECTURES)
 def test_each_architecture_same_files_as_transformers(tmp_path, arch):
     """Per family: transformers' names (fused Phi-3 tensors, Qwen2 biases, QK norms), its tensor
     processors (Llama's q/k un-permutation, Gemma's 1 + w norms), tied or untied heads."""
     from kvrelay.workers.model.loader import _convert_with_transformers
 
-    source = _tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
+    source = tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
     ours, theirs = tmp_path / "ours", tmp_path / "transformers"
     ours.mkdir()
     theirs.mkdir()
@@ -445,8 +349,8 @@ def test_a_mistral_file_converts_as_mistral_with_llama_tensors(tmp_path):
     llama, mistral = tmp_path / "llama", tmp_path / "mistral"
     llama.mkdir()
     mistral.mkdir()
-    convert_gguf(_tiny_gguf(tmp_path / "llama.gguf", "llama"), llama)
-    convert_gguf(_tiny_gguf(tmp_path / "mistral.gguf", "llama", name="mistral"), mistral)
+    convert_gguf(tiny_gguf(tmp_path / "llama.gguf", "llama"), llama)
+    convert_gguf(tiny_gguf(tmp_path / "mistral.gguf", "llama", name="mistral"), mistral)
     config = json.loads((mistral / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == ("mistral", ["MistralForCausalLM"])
     assert (llama / "model.safetensors").read_bytes() == (
@@ -455,7 +359,7 @@ def test_a_mistral_file_converts_as_mistral_with_llama_tensors(tmp_path):
 
 
 def test_a_tensor_of_the_wrong_shape_is_refused(tmp_path):
-    source = _tiny_gguf(tmp_path / "qwen3.gguf", "qwen3", head_dim=16)  # the config says 128
+    source = tiny_gguf(tmp_path / "qwen3.gguf", "qwen3", head_dim=16)  # the config says 128
     with pytest.raises(ValueError) as refused:
         convert_gguf(source, tmp_path)
     assert str(refused.value) == (
@@ -472,14 +376,14 @@ def test_loader_falls_back_to_transformers_for_what_it_does_not_convert(
 ):
     from kvrelay.workers.model import loader
 
-    source = _tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    source = tiny_gguf(tmp_path / "tiny.gguf", "llama")
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path / "cache"))
 
-    def refuse(path, out, say=None, threads=None):
+    def refuse(path, out, say=None):
         (Path(out) / "config.json").write_text("{}")  # a partial write, removed before the retry
         raise UnsupportedGGUFError("no dequantization for ggml type 99")
 
-    monkeypatch.setattr(gguf_convert, "convert_gguf", refuse)
+    monkeypatch.setattr(gguf_convert, "link_gguf", refuse)
     with caplog.at_level("INFO", logger=loader.__name__):
         directory = loader.prepare_model(source, progress=False)
     assert f"converting {source} with transformers: no dequantization for ggml type 99" in (

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from kvrelay.core.modelref import META_FILE, model_fingerprint, resolve_model
+from kvrelay.core.modelref import META_FILE, ModelRef, model_fingerprint, resolve_model
 from kvrelay.workers.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from kvrelay.workers.model.config import ModelConfig
 from kvrelay.workers.model.loader import load_model, prepare_model
@@ -56,8 +56,9 @@ def test_loaded_default_model(loaded_model, model_dir):
     assert meta["kind"] == "gguf" and meta["source"] == str(resolve_model(None).source)
     assert sorted(p.name for p in model_dir.iterdir()) == [
         "chat_template.jinja", "config.json", "generation_config.json", "kvrelay.json",
-        "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "model.gguf", "tokenizer.json", "tokenizer_config.json",
     ]  # fmt: skip
+    assert (model_dir / "model.gguf").resolve() == resolve_model(None).source.resolve()
     assert prepare_model(progress=False) == model_dir  # already converted: no work
 
 
@@ -230,10 +231,15 @@ def test_progress_bars_are_off_when_stderr_is_no_terminal(capfd):
 def test_conversion_note_estimates_from_the_file_size():
     from kvrelay.workers.model.loader import conversion_note
 
-    ref = resolve_model(None)  # the bundled 98,362,432-byte GGUF
+    ref = resolve_model(None)  # the bundled 98,362,432-byte GGUF: linked, not converted
     assert conversion_note(ref) == (
-        f"converting {ref.source} (98 MB) to safetensors, once: about 3-10 s on 2 cores at "
-        "this size, longer on a busy host"
+        f"preparing {ref.source} (98 MB), once: its config and tokenizer files (seconds; its "
+        "weights are read from the file at every load)"
+    )
+    bin_dir = ModelRef("ckpt", "hf_dir", ref.source.parent)  # no .bin there: 0 MB
+    assert conversion_note(bin_dir) == (
+        f"converting {ref.source.parent} (0 MB) to safetensors, once: about 1-1 s on 2 cores "
+        "at this size, longer on a busy host"
     )
 
 

@@ -29,6 +29,8 @@ REMIND_S = 30.0  # an unchanged line is repeated this often, so a long wait stil
 # (text in a worker's log line, the phase it starts); the latest matching line wins
 WORKER_PHASES: tuple[tuple[str, str], ...] = (
     ("model.loader: converting ", "loading model (converting weights)"),
+    ("model.loader: preparing ", "loading model (preparing)"),
+    ("model.loader: reading the tokenizer and config", "loading model (preparing: tokenizer)"),
     ("model.loader: loading tokenizer", "loading model (converting weights: tokenizer)"),
     ("model.loader: loading and dequantizing", "loading model (converting weights: dequantizing)"),
     ("model.loader: writing safetensors", "loading model (converting weights: writing)"),

@@ -147,6 +147,12 @@ torch::Tensor sample(const torch::Tensor& logits, const torch::Tensor& settings,
   return out;
 }
 
+// raw uint8 [rows, bytes per row] (a GGUF tensor's blocks) into out fp32 [rows, cols].
+void gguf_dequant_op(const torch::Tensor& raw, int64_t ggml_type, torch::Tensor& out) {
+  dequantize_gguf(raw.data_ptr<uint8_t>(), raw.stride(0), (int)ggml_type, out.data_ptr<float>(),
+                  out.stride(0), out.size(0), out.size(1));
+}
+
 // y = x . W^T for the kernels taking WInt8Args (int8 weights and fp32 scales, each its layout).
 template <void (*Kernel)(const WInt8Args&)>
 torch::Tensor scaled_int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
@@ -365,6 +371,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "SiLU(gate) * up of x's gate/up projection packed by pack_w8a16_gate_up");
   m.def("w8a16_available", &kvr::w8a16_available, "Whether w8a16_linear runs here");
   m.def("quantize_rows", &kvr::quantize, release(), "Symmetric int8 per row: (uint8 q, scale)");
+  m.def("dequantize_gguf", &kvr::gguf_dequant_op, release(),
+        "fp32 values of GGUF block rows, gguf-py's numpy bits", py::arg("raw"),
+        py::arg("ggml_type"), py::arg("out"));
   m.def("sample_rows", &kvr::sample, release(),
         "The token drawn for each row (temperature, min-p, top-k, top-p, inverse CDF of u)");
   m.def("bf16_attention_available", &kvr::bf16_attention_available,

@@ -152,6 +152,13 @@ struct SampleParams {
 void sample_rows(const float* logits, int64_t rows, int64_t vocab, int64_t stride,
                  const SampleParams* params, int64_t* out);
 
+// fp32 values of GGUF rows (gguf_dequant.cpp): `rows` rows of `cols` elements of ggml type
+// `ggml_type`, each row's blocks as stored in the file (`raw_stride` bytes apart), written
+// `out_stride` floats apart; the same bits as gguf-py's numpy dequantization. Types: F16, BF16,
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K; others throw std::invalid_argument.
+void dequantize_gguf(const uint8_t* raw, int64_t raw_stride, int ggml_type, float* out,
+                     int64_t out_stride, int64_t rows, int64_t cols);
+
 // Floats per vector of this build (8: AVX2, 16: AVX-512), to tell the ISA variants apart.
 int simd_width();
 

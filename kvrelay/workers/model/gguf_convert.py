@@ -34,6 +34,7 @@ import numpy as np
 
 from kvrelay.workers.errors import ModelLoadError
 
+GGUF_FILE = "model.gguf"  # in the directory `link_gguf` writes: a link to the file
 # GGUF `general.architecture` values converted here: the decoder families kvrelay serves that
 # transformers' GGUF loader knows (llama.cpp files Mistral's dense models under "llama";
 # transformers has no GGUF config mapping for smollm3, so neither way converts those).
@@ -294,7 +295,8 @@ class _Dequantizer:
     while the caller's thread does other work (numpy releases the GIL in its loops)."""
 
     def __init__(self, gguf: GGUFFile, infos: list[TensorInfo], threads: int):
-        blob = np.memmap(gguf.path, dtype=np.uint8, mode="r")
+        # copy-on-write: torch.from_numpy wants a writable array (nothing writes to it)
+        blob = np.memmap(gguf.path, dtype=np.uint8, mode="c")
         self.arrays = {t.name: np.empty(t.shape, dtype=np.float32) for t in infos}
         self.elements = sum(a.size for a in self.arrays.values())
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gguf-dequant")
@@ -325,7 +327,16 @@ class _Dequantizer:
 
 
 def _dequantize_into(raw: np.ndarray, ggml_type: int, dst: np.ndarray) -> int:
-    dst[...] = _dequantize_rows(raw, ggml_type).reshape(dst.shape)
+    """`raw` rows dequantized into `dst`: the C++ kernel where it covers the type, gguf's
+    numpy functions otherwise (the same bits)."""
+    import torch
+
+    from kvrelay.kernels import dequantize_gguf
+
+    rows = dst.reshape(raw.shape[0], -1)
+    done = rows.size and dequantize_gguf(torch.from_numpy(raw), ggml_type, torch.from_numpy(rows))
+    if not done:
+        dst[...] = _dequantize_rows(raw, ggml_type).reshape(dst.shape)
     return dst.size
 
 
@@ -412,7 +423,8 @@ def convert_gguf(
     )
     try:
         t0 = time.monotonic()
-        hf_config, tokenizer, model, names = _config_and_tokenizer(path, gguf, config)
+        hf_config, tokenizer = _config_and_tokenizer(path, gguf, config)
+        model, names = _model_and_names(hf_config)
         times["config_tokenizer"] = time.monotonic() - t0
         progress.total = dequantizer.elements
         arrays = dequantizer.wait(progress.advance)
@@ -478,20 +490,62 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
 
 
 def _config_and_tokenizer(path: Path, gguf: GGUFFile, config: dict[str, Any]):
-    """(config object, tokenizer, meta-device model, GGUF -> HF tensor names), as transformers
-    builds them from the file."""
+    """(config object, tokenizer), as transformers builds them from the file."""
     from transformers import AutoConfig, AutoTokenizer
 
     with _known_config(path, config):
         hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return hf_config, tokenizer
+
+
+def _model_and_names(hf_config):
+    """(meta-device model, GGUF -> HF tensor names) of `hf_config`, as transformers maps them."""
     model = _meta_model(hf_config)
     # transformers looks the table up under its model_type (Gemma 3's text model aside); "mistral"
     # has none in gguf (transformers' loader fails there), llama.cpp writes it as "llama"
     gguf_arch = {"gemma3_text": "gemma3", "mistral": "llama"}.get(
         hf_config.model_type, hf_config.model_type
     )
-    return hf_config, tokenizer, model, _name_map(model, gguf_arch, hf_config.num_hidden_layers)
+    return model, _name_map(model, gguf_arch, hf_config.num_hidden_layers)
+
+
+def _causal_lm_class(hf_config) -> str:
+    """The name of transformers' causal-LM class for `hf_config` (config.json's architecture)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type])
+
+
+def link_gguf(
+    path: str | os.PathLike, out: str | os.PathLike, say: Callable[[str], None] | None = None
+) -> dict[str, float]:
+    """Write the directory kvrelay serves a GGUF file from into the existing directory `out`:
+    config.json, generation_config.json and the tokenizer files, as `convert_gguf` writes them,
+    and `GGUF_FILE`, a link to the file, whose tensors every load reads from there
+    (`gguf_weights`). Returns seconds: header, config_tokenizer, total. UnsupportedGGUFError
+    (nothing written) for a file this module does not convert."""
+    path, out = Path(path).resolve(), Path(out)
+    times: dict[str, float] = {}
+    t0 = start = time.monotonic()
+    gguf = read_gguf(path)
+    config = config_dict(gguf)  # UnsupportedGGUFError before anything is written
+    for info in gguf.tensors:  # the same, for a type gguf cannot dequantize
+        _block_kind(info.ggml_type)
+    times["header"] = time.monotonic() - t0
+    if say is not None:  # `kvrelay up` reads its phases off this line
+        say(
+            f"reading the tokenizer and config of {path.name} ({len(gguf.tensors)} tensors, read "
+            "from the file at every load: no weights are written)"
+        )
+    t0 = time.monotonic()
+    hf_config, tokenizer = _config_and_tokenizer(path, gguf, config)
+    _save_config(hf_config, _causal_lm_class(hf_config), out)
+    tokenizer.save_pretrained(out)
+    os.symlink(path, out / GGUF_FILE)
+    times["config_tokenizer"] = time.monotonic() - t0
+    times["total"] = time.monotonic() - start
+    return times
 
 
 def _save_config(hf_config, architecture: str, out: Path) -> None:

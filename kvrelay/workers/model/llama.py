@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -269,10 +269,17 @@ class LlamaForCausalLM(nn.Module):
         with ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(Linear.pack, linears))
 
-    def quantize(self, method: str, lm_head: bool = True) -> None:
+    def quantize(
+        self,
+        method: str,
+        lm_head: bool = True,
+        blocks: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+    ) -> None:
         """Replace linears by `method`'s (see `kvrelay.workers.model.quant`); "none" keeps fp32.
         int8: QKV, O, gate/up and the LM head (unless `lm_head` is False); fp16 and
-        int8-weight-only and q8_0: every linear and the LM head. Call once after loading."""
+        int8-weight-only and q8_0: every linear and the LM head. `blocks(weight)`: the int8
+        values and scales the checkpoint holds for a dense weight, or None (`quantized_linear`).
+        Call once after loading."""
         from kvrelay.workers.model.quant import WEIGHT_ONLY, quantized_linear
 
         if method not in QUANTIZATIONS:
@@ -293,7 +300,9 @@ class LlamaForCausalLM(nn.Module):
             owner, name = slot
             lin = getattr(owner, name)
             gate_up = name == "gate_up" and self.config.activation == "silu"  # SiLU fused
-            setattr(owner, name, quantized_linear(method, lin.dense_weight(), lin.bias, gate_up))
+            weight = lin.dense_weight()
+            given = blocks(weight) if blocks is not None else None
+            setattr(owner, name, quantized_linear(method, weight, lin.bias, gate_up, given))
 
         with ThreadPoolExecutor(2) as pool:  # the torch ops release the GIL: ~2x on 2 cores
             list(pool.map(convert, slots))

@@ -1,10 +1,14 @@
 """Prepare (convert once, cache) and load models.
 
-A GGUF file or a `.bin` checkpoint is converted once by `transformers` into an HF-format
-directory (config.json, tokenizer files, fp32 `model.safetensors`) under the kvrelay cache;
-safetensors checkpoints are linked in as they are. Conversion writes a temp directory and
-renames it into place under an exclusive file lock, so concurrent processes wait for one
-conversion and nobody ever sees a half-written directory. Later loads read safetensors only.
+Every model is prepared once into an HF-format directory under the kvrelay cache: a GGUF file
+of an architecture `gguf_convert` maps gets its config and tokenizer files and a link to the
+file, whose tensors every load dequantizes straight into the model (`gguf_weights`: no fp32
+copy is written); safetensors checkpoints are linked in as they are; anything else (a `.bin`
+checkpoint, a GGUF that only transformers converts) is converted by `transformers` into fp32
+`model.safetensors`. Preparing writes a temp directory and renames it into place under an
+exclusive file lock, so concurrent processes wait for one conversion and nobody ever sees a
+half-written directory. `prepare_hf_checkpoint` writes the fp32 safetensors of a GGUF for
+tools that need them (transformers, vLLM).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from kvrelay.core.modelref import (
     write_meta,
 )
 from kvrelay.core.tokenizer import Tokenizer
-from kvrelay.workers.errors import EngineError, ModelLoadError
+from kvrelay.workers.errors import EngineError, ModelLoadError, UnsupportedModelError
 from kvrelay.workers.model.config import ModelConfig
 from kvrelay.workers.model.gguf_header import check_gguf_architecture
 
@@ -97,20 +101,57 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
         _record_gguf_sampling(ref, target)
         return target
     check_architecture(ref)  # refused in milliseconds, not after a conversion
+
+    def convert(tmp: Path) -> None:
+        if ref.kind == "safetensors":
+            _link_checkpoint(ref, tmp)
+        else:
+            _say(progress, conversion_note(ref))
+            _convert(ref, tmp, progress)
+            _check_weights(tmp)
+
+    _prepare(ref, target, convert, progress)
+    return target
+
+
+def prepare_hf_checkpoint(name: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """A Hugging Face directory with fp32 `model.safetensors` of the model `name`, for
+    transformers and vLLM: a GGUF's tensors dequantized into it once (cached beside the
+    directory kvrelay serves from); any other model's prepared directory."""
+    ref = resolve_model(name)
+    if ref.kind != "gguf":
+        return prepare_model(name, progress)
+    target = converted_dir(ref).with_name(converted_dir(ref).name + "-safetensors")
+    if (target / META_FILE).is_file() and read_meta(target).get("format") == META_FORMAT:
+        return target
+    check_architecture(ref)
+
+    def convert(tmp: Path) -> None:
+        _say(progress, f"writing the fp32 safetensors of {ref.source}, once")
+        if _fast_gguf(ref):
+            from kvrelay.workers.model.gguf_convert import convert_gguf
+
+            convert_gguf(ref.source, tmp, say=lambda msg: _say(progress, msg))
+        else:
+            _convert_with_transformers(ref, tmp, progress)
+
+    _prepare(ref, target, convert, progress)
+    return target
+
+
+def _prepare(ref: ModelRef, target: Path, convert, progress: bool) -> None:
+    """Run `convert(tmp)` into a temp directory, add kvrelay.json, and rename it to `target`,
+    under a file lock (a second process waits, then finds it done)."""
     with _file_lock(target.with_name(target.name + ".lock")):
-        if is_prepared(ref):  # another process converted it while we waited
-            _record_gguf_sampling(ref, target)
-            return target
+        if (target / META_FILE).is_file() and read_meta(target).get("format") == META_FORMAT:
+            _record_gguf_sampling(ref, target)  # another process converted it meanwhile
+            return
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         start = time.monotonic()
         try:
-            if ref.kind == "safetensors":
-                _link_checkpoint(ref, tmp)
-            else:
-                _say(progress, conversion_note(ref))
-                _convert(ref, tmp, progress)
+            convert(tmp)
             _say(progress, "hashing weights for the model fingerprint")
             meta = {
                 "format": META_FORMAT,
@@ -125,7 +166,7 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
             for path in tmp.iterdir():  # the cache is shared between users of the host
                 if not path.is_symlink():
                     path.chmod(0o644)
-            shutil.rmtree(target, ignore_errors=True)  # a stale dir without kvrelay.json
+            shutil.rmtree(target, ignore_errors=True)  # stale: another format, no kvrelay.json
             os.rename(tmp, target)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -139,7 +180,30 @@ def prepare_model(name: str | os.PathLike | None = None, progress: bool = True) 
             raise
         _say(progress, f"model ready in {target} ({time.monotonic() - start:.1f} s)")
     assert (target / META_FILE).is_file()
-    return target
+
+
+def _check_weights(directory: Path) -> None:
+    """UnsupportedModelError now, not at every load, when the GGUF `directory` links lacks a
+    tensor its config needs or holds one of another shape (the header alone is read)."""
+    import torch
+
+    from kvrelay.workers.model.gguf_convert import GGUF_FILE
+    from kvrelay.workers.model.gguf_weights import GGUFWeights
+    from kvrelay.workers.model.weights import checkpoint_tensors
+
+    if not (directory / GGUF_FILE).exists():
+        return
+    config = ModelConfig.from_hf(read_config(directory))
+    weights = GGUFWeights(directory / GGUF_FILE, config.num_layers, config.num_heads,
+                          config.num_kv_heads)  # fmt: skip
+    model = model_class(config.model_type)(config, torch.float32, torch.device("meta"))
+    for tensors in checkpoint_tensors(model):
+        for name, tensor in tensors.items():
+            if weights.shape(name) != tuple(tensor.shape):
+                raise UnsupportedModelError(
+                    f"{weights.path.resolve()}: tensor {name} has shape {weights.shape(name)}, "
+                    f"its config needs {tuple(tensor.shape)}"
+                )
 
 
 def model_class(model_type: str) -> type[LlamaForCausalLM]:
@@ -207,12 +271,8 @@ def _record_gguf_sampling(ref: ModelRef, directory: Path) -> None:
 # Seconds per MB of source a conversion takes on 2 cores: an estimate to print, never a promise.
 # transformers' (for a .bin checkpoint or a GGUF architecture gguf_convert does not map;
 # measured 2026-12-03, Xeon, 2 cores, quiet: SmolLM2-135M's 98 MB GGUF in 21.4 s; issue 46: 54 s
-# for it on a busy 2-core host, 336 s for a 0.5B GGUF), and kvrelay's own GGUF converter
-# (gguf_convert, measured 2026-12-03 on that Xeon shared with other jobs, load 4-8: SmolLM2's
-# 98 MB in 2.6-8.7 s, Gemma 3 270M's 253 MB Q4_K_M in 11-17 s, where transformers took 36 s and
-# 93 s at the same load; its time follows the fp32 bytes written more than the file's size).
+# for it on a busy 2-core host, 336 s for a 0.5B GGUF).
 CONVERT_S_PER_MB = (0.2, 0.6)
-GGUF_CONVERT_S_PER_MB = (0.03, 0.1)
 
 
 def _source_bytes(ref: ModelRef) -> int:
@@ -231,10 +291,14 @@ def _fast_gguf(ref: ModelRef) -> bool:
 
 
 def conversion_note(ref: ModelRef) -> str:
-    """The line announcing a conversion: its size and a time range estimated from it."""
+    """The line announcing a conversion: what it writes, and how long it takes."""
     mb = _source_bytes(ref) / 1e6
-    rates = GGUF_CONVERT_S_PER_MB if _fast_gguf(ref) else CONVERT_S_PER_MB
-    low, high = (max(1, round(mb * rate)) for rate in rates)
+    if _fast_gguf(ref):
+        return (
+            f"preparing {ref.source} ({mb:.0f} MB), once: its config and tokenizer files "
+            "(seconds; its weights are read from the file at every load)"
+        )
+    low, high = (max(1, round(mb * rate)) for rate in CONVERT_S_PER_MB)
     return (
         f"converting {ref.source} ({mb:.0f} MB) to safetensors, once: about {low}-{high} s "
         "on 2 cores at this size, longer on a busy host"
@@ -276,19 +340,20 @@ def _link_checkpoint(ref: ModelRef, out: Path) -> None:
 
 
 def _convert(ref: ModelRef, out: Path, progress: bool) -> None:
-    """Convert a GGUF with kvrelay's own converter where it maps the architecture (the same
-    files transformers writes, in seconds), anything else with transformers."""
+    """A GGUF whose architecture kvrelay's converter maps: its config and tokenizer files and a
+    link to the file (`gguf_convert.link_gguf`, seconds); anything else converted to fp32
+    safetensors by transformers."""
     if ref.kind == "gguf" and _fast_gguf(ref):
-        from kvrelay.workers.model.gguf_convert import UnsupportedGGUFError, convert_gguf, describe
+        from kvrelay.workers.model.gguf_convert import UnsupportedGGUFError, describe, link_gguf
 
         try:
-            times = convert_gguf(ref.source, out, say=lambda msg: _say(progress, msg))
+            times = link_gguf(ref.source, out, say=lambda msg: _say(progress, msg))
         except UnsupportedGGUFError as exc:  # e.g. a tensor type gguf cannot dequantize
             logger.info("converting %s with transformers: %s", ref.source, exc)
             for path in out.iterdir():
                 path.unlink()
         else:
-            logger.info("converted %s: %s", ref.source, describe(times))
+            logger.info("prepared %s: %s", ref.source, describe(times))
             return
     _convert_with_transformers(ref, out, progress)
 
@@ -431,6 +496,22 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype, device="cpu"):
     return getattr(torch, name)
 
 
+def _checkpoint_blocks(model, directory: Path, quantization: str):
+    """The GGUF's own Q8_0 blocks for the int8 formats with a scale per 32 inputs (its int8
+    values kept as they are), None otherwise (`LlamaForCausalLM.quantize`'s `blocks`)."""
+    from kvrelay.workers.model.gguf_convert import GGUF_FILE
+    from kvrelay.workers.model.gguf_weights import GGUFWeights, q8_weights
+    from kvrelay.workers.model.weights import checkpoint_tensors
+
+    if quantization not in (Quantization.INT8_WEIGHT_ONLY, Quantization.Q8_0):
+        return None
+    if not (directory / GGUF_FILE).exists():
+        return None
+    c = model.config
+    weights = GGUFWeights(directory / GGUF_FILE, c.num_layers, c.num_heads, c.num_kv_heads)
+    return q8_weights(weights, checkpoint_tensors(model))
+
+
 def load_model(
     name: str | os.PathLike | None = None,
     dtype: str = "auto",
@@ -472,7 +553,7 @@ def load_model(
             load_weights(model, directory)
         else:  # quantize from the dense fp32 weights, then pack what stays fp32
             load_weights(model, directory, pack=False)
-            model.quantize(quantization)
+            model.quantize(quantization, blocks=_checkpoint_blocks(model, directory, quantization))
             model.pack_weights()
     model.eval()
     try:

@@ -207,13 +207,20 @@ class Int8WeightLinear:
     any_row_count = True
     method: str = WEIGHT_ONLY
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        """`blocks`: the weight's int8 values and scales as they are (a GGUF's Q8_0 blocks),
+        taken instead of quantizing `weight` again (int8-weight-only and q8_0)."""
         if not can_quantize(weight, self.method):
             raise ValueError(
                 f"{self.method} needs CPU float32 weights (got {weight.dtype} on "
                 f"{weight.device.type}) and {NEEDS[Quantization(self.method)]}"
             )
-        self.weight = self.pack(*self.quantize(weight))
+        self.weight = self.pack(*(blocks or self.quantize(weight)))
         self.out_features, self.in_features = self.weight.out_features, self.weight.in_features
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
@@ -314,18 +321,24 @@ class W8A16GateUp(W8A16Linear):
 
 
 def quantized_linear(
-    method: str, weight: torch.Tensor, bias: torch.Tensor | None, gate_up: bool = False
+    method: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gate_up: bool = False,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """`method`'s linear layer for a dense fp32 weight; `gate_up`: a SwiGLU [gate; up]
-    projection, which w8a16 fuses with its activation where the shape allows."""
+    projection, which w8a16 fuses with its activation where the shape allows; `blocks`: the
+    weight's int8 values with a scale per 32 inputs as the checkpoint holds them (Q8_0), which
+    int8-weight-only and q8_0 take as they are."""
     if method == Quantization.W8A16:
         if gate_up and W8A16GateUp.fits(weight):
             return W8A16GateUp(weight, bias)
         return W8A16Linear(weight, bias)
     if method == Quantization.Q8_0:
-        return Q8Linear(weight, bias)
+        return Q8Linear(weight, bias, blocks)
     if method == Quantization.FP16:
         return Fp16Linear(weight, bias)
     if method == WEIGHT_ONLY:
-        return Int8WeightLinear(weight, bias)
+        return Int8WeightLinear(weight, bias, blocks)
     return Int8Linear(weight, bias)

@@ -52,12 +52,48 @@ def _read_into(f, target: torch.Tensor, info: dict, base: int, name: str) -> Non
         target.copy_(buffer)  # dtype conversion and/or host-to-device copy
 
 
+def checkpoint_tensors(model: LlamaForCausalLM) -> list[dict[str, torch.Tensor]]:
+    """The model's tensors (or slices of its fused ones) by their checkpoint names: those
+    outside the layers, then each layer's."""
+    top = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
+    if not model.config.tie_word_embeddings:
+        top["lm_head.weight"] = model.lm_head.dense_weight()  # not packed yet: the tensor
+    layers = [
+        layer.checkpoint_weights(f"model.layers.{i}.") for i, layer in enumerate(model.layers)
+    ]
+    return [top, *layers]
+
+
 def load_weights(model: LlamaForCausalLM, directory: Path, pack: bool | None = None) -> None:
-    """Fill `model` from the safetensors of `directory`; pack linears (default: when possible)."""
-    files = sorted(Path(directory).glob("*.safetensors"))
+    """Fill `model` from the safetensors of `directory`, or from the GGUF file it links
+    (`gguf_convert.GGUF_FILE`); pack linears (default: when possible)."""
+    from kvrelay.workers.model.gguf_convert import GGUF_FILE
+
+    pack = model.can_pack() if pack is None else pack
+    dests = checkpoint_tensors(model)
+    if (Path(directory) / GGUF_FILE).exists():
+        _load_gguf(Path(directory) / GGUF_FILE, model, dests)
+    else:
+        _load_safetensors(Path(directory), dests[0], dests[1:])
+    model.after_load()
+    if pack:
+        model.pack_weights()
+
+
+def _load_gguf(path: Path, model: LlamaForCausalLM, dests: list[dict]) -> None:
+    from kvrelay.workers.model.gguf_weights import GGUFWeights
+
+    c = model.config
+    weights = GGUFWeights(path, c.num_layers, c.num_heads, c.num_kv_heads)
+    for dest in dests:
+        for name, target in dest.items():
+            weights.read_into(name, target)
+
+
+def _load_safetensors(directory: Path, top: dict, layers: list[dict]) -> None:
+    files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{directory} has no .safetensors weights")
-    pack = model.can_pack() if pack is None else pack
     groups: dict[int, list] = {}  # layer index (-1 = not in a layer) -> (path, base, name, info)
     for path in files:
         base, header = read_safetensors_header(path)
@@ -68,20 +104,14 @@ def load_weights(model: LlamaForCausalLM, directory: Path, pack: bool | None = N
             )
     handles: dict[Path, BinaryIO] = {}
     try:
-        top = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
-        if not model.config.tie_word_embeddings:
-            top["lm_head.weight"] = model.lm_head.dense_weight()  # not packed yet: the tensor
         _fill(groups.pop(-1, []), top, handles)
-        for i, layer in enumerate(model.layers):
-            _fill(groups.pop(i, []), layer.checkpoint_weights(f"model.layers.{i}."), handles)
+        for i, dest in enumerate(layers):
+            _fill(groups.pop(i, []), dest, handles)
     finally:
         for f in handles.values():
             f.close()
     if groups:
         logger.debug("ignoring weights of layers %s", sorted(groups))
-    model.after_load()
-    if pack:
-        model.pack_weights()
 
 
 def _fill(entries: list, dest: dict, handles: dict) -> None:

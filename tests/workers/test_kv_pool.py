@@ -54,3 +54,20 @@ def test_pool_is_eligible_for_huge_pages():
     if not eligible:
         pytest.skip("this kernel's smaps has no THPeligible field")
     assert eligible[0].split()[1] == "1", vma
+
+
+def test_pool_pages_are_faulted_in_behind_the_caller_keeping_what_it_wrote():
+    """The pool's pages are mapped by a thread (no pass of zeros at start), without touching
+    what the worker wrote meanwhile."""
+    import threading
+
+    pool = allocate_kv_pool(CONFIG, 64, 16, torch.bfloat16)  # 23.6 MB
+    pool[0, 0, 0, 0, 0, 0] = 2.0
+    pool[63, 29, 1, 15, 2, 63] = -3.0
+    for thread in threading.enumerate():
+        if thread.name == "kv-pool-populate":
+            thread.join()
+    rss = [line for line in _vma_of(pool.data_ptr()) if line.startswith("Rss:")]
+    assert int(rss[0].split()[1]) * 1024 >= pool.numel() * pool.element_size()
+    assert int(torch.count_nonzero(pool)) == 2
+    assert (pool[0, 0, 0, 0, 0, 0].item(), pool[63, 29, 1, 15, 2, 63].item()) == (2.0, -3.0)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -97,7 +98,30 @@ def allocate_kv_pool(
         except OSError as exc:  # a kernel without THP: 4 KB pages as before
             logger.debug("MADV_HUGEPAGE on the KV pool refused: %s", exc)
     pool = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-    return pool.zero_()  # touched now, as torch.zeros did: no page faults inside a step
+    # Anonymous memory reads as zeros already. Its pages are faulted in on a thread, without
+    # writing (MADV_POPULATE_WRITE), while the worker starts serving: a step finds them mapped,
+    # and a restart does not wait ~1 s per GB for a pass of zeros (which a kernel without the
+    # advice still gets).
+    try:
+        memory.madvise(MADV_POPULATE_WRITE, 0, 0)  # a zero-length probe: EINVAL if unknown
+    except OSError:
+        return pool.zero_()  # touched now, as torch.zeros did: no page faults inside a step
+    threading.Thread(target=_populate, args=(memory,), name="kv-pool-populate", daemon=True).start()
+    return pool
+
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.13 names it
+
+
+def _populate(memory: mmap.mmap) -> None:
+    """Fault in `memory`'s pages for writing (contents unchanged), 64 MB at a time."""
+    step = 64 << 20
+    for start in range(0, len(memory), step):
+        try:
+            memory.madvise(MADV_POPULATE_WRITE, start, min(step, len(memory) - start))
+        except (OSError, ValueError) as exc:  # out of memory, or the pool is gone: faults later
+            logger.debug("populating the KV pool stopped at %d bytes: %s", start, exc)
+            return
 
 
 def _can_pack(weight: torch.Tensor) -> bool:

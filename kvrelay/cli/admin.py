@@ -159,7 +159,7 @@ def run_status(args: argparse.Namespace) -> int:
         print_json(data)
         return 0
     print(
-        f"{'WORKER':<24}{'ROLE':<9}{'PID':>8}{'LOAD':>6}{'TOK/S':>8}{'AGE':>7}  "
+        f"{'WORKER':<24}{'ROLE':<9}{'PID':>8}{'LOAD':>6}{'TOK/S':>8}{'AGE':>7}{'START':>8}  "
         f"{'KERNELS':<9}{'KV':<6}{'ATTN':<6}{'SPEC':<7}STATE"
     )
     for w in data["workers"]:
@@ -173,9 +173,10 @@ def run_status(args: argparse.Namespace) -> int:
         attn = status_data.worker_attention(w)
         spec = status_data.worker_speculation(w)
         name, role = (str(v) if v else "?" for v in (record.name, record.role))
+        start = status_data.worker_startup(w)
         print(
-            f"{name:<24}{role:<9}{pid:>8}"
-            f"{load:>6}{rate:>8}{w['age_s']:>6.1f}s  {kernels:<9}{kv:<6}{attn:<6}{spec:<7}{shown}"
+            f"{name:<24}{role:<9}{pid:>8}{load:>6}{rate:>8}{w['age_s']:>6.1f}s{start:>8}  "
+            f"{kernels:<9}{kv:<6}{attn:<6}{spec:<7}{shown}"
         )
     if status_data.several_models(data):
         print(*model_lines(data["models"]), sep="\n")

@@ -42,6 +42,13 @@ def worker_speculation(w: dict[str, Any]) -> str:
     return worker_record(w).speculation or "-"
 
 
+def worker_startup(w: dict[str, Any]) -> str:
+    """The START column: seconds from the worker's process start to its engine ready ("7.9s";
+    "-" when not reported)."""
+    seconds = worker_record(w).startup_s
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
 # Worker series read from its /metrics (summed over labels), as status keys
 WORKER_SERIES = {
     "kvrelay:generation_tokens_total": "generation_tokens",

@@ -18,6 +18,7 @@ from kvrelay.cli.status_data import (
     worker_compute,
     worker_record,
     worker_speculation,
+    worker_startup,
 )
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,8 @@ def worker_state(w: dict[str, Any]) -> str:
 def workers_table(workers: list[dict[str, Any]]) -> Table:
     t = Table(title="Workers", title_justify="left", expand=False)
     left = ("NAME", "STAGE", "STATE", "KERNELS", "KV", "ATTN", "SPEC")
-    for col in ("NAME", "STAGE", "STATE", "BATCH", "WAITING", "KV USE", "TOK/S", "HEARTBEAT",
-                "KERNELS", "KV", "ATTN", "SPEC"):  # fmt: skip
+    for col in ("NAME", "STAGE", "STATE", "BATCH", "WAITING", "KV USE", "TOK/S", "BEAT",
+                "START", "KERNELS", "KV", "ATTN", "SPEC"):  # fmt: skip
         t.add_column(col, justify="left" if col in left else "right")
     for w in workers:
         record = worker_record(w)
@@ -60,12 +61,13 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
             _pct(usage),
             _num(record.tokens_per_s, "{:.1f}"),
             f"{w['age_s']:.1f}s ago",
+            worker_startup(w),
             *worker_compute(w),
             worker_attention(w),
             worker_speculation(w),
         )
     if not workers:
-        t.add_row("(no live workers)", "", "", "", "", "", "", "", "", "", "", "")
+        t.add_row("(no live workers)", *[""] * 12)
     return t
 
 

@@ -82,3 +82,4 @@ class WorkerField(enum.StrEnum):
     RUNNING = "running"  # requests in its batch
     WAITING = "waiting"  # admitted, not yet in the batch
     TOKENS_PER_S = "tokens_per_s"
+    STARTUP_S = "startup_s"  # seconds from the process's start to its engine ready

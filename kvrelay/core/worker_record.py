@@ -47,6 +47,7 @@ class WorkerRecord:
     running: int | None = None  # requests in its batch
     waiting: int | None = None  # admitted, not yet in the batch
     tokens_per_s: float | None = None
+    startup_s: float | None = None  # seconds from its process's start to its engine ready
     # what decode() found, in the hash's order (known and unknown names), and the values of
     # the fields this version does not know (a newer worker's): status shows them as stored
     present: tuple[str, ...] = field(default=(), compare=False, repr=False)

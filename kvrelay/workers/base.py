@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 import redis
@@ -48,6 +50,18 @@ from kvrelay.workers.publication import ModelPublication
 from kvrelay.workers.reader import Admission
 
 logger = logging.getLogger(__name__)
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (the interpreter's start, imports included), from
+    /proc; None where there is none."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        started = int(stat.rsplit(")", 1)[1].split()[19])  # starttime: clock ticks after boot
+        now = time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return round(now - started / os.sysconf("SC_CLK_TCK"), 2)
 
 
 @dataclass(slots=True)
@@ -126,6 +140,7 @@ class Worker:
             attention=engine.attention_precision,  # fp32 or bf16 (AMX tiles), resolved
             # speculative decoding, resolved: off, ngram or draft
             speculation=str(engine.speculation),
+            startup_s=process_age(),  # the engine is ready (a restart's cost, in status)
         )
         self._tokens = 0
         self._rate = (time.monotonic(), 0, 0.0)

@@ -44,7 +44,7 @@ def seed(r) -> Streams:
         mapping={"name": "decode-0", "role": "decode", "pid": 7, "updated": time.time(), "load": 2,
                  "draining": 1, "tokens_per_s": "3.5", "metrics_port": "", "model": "m",
                  "kernel_isa": "avx512", "kv_dtype": "bfloat16", "attention": "bf16",
-                 "speculation": "ngram"},
+                 "speculation": "ngram", "startup_s": "7.94"},
     )  # fmt: skip
     r.expire(KEYS.worker("decode-0"), 30)
     r.hset(KEYS.request("q0"), mapping={"status": "decoding", "prompt_tokens": 2})
@@ -92,14 +92,14 @@ def test_status_json(r, valkey_session, capsys):
     code, out, _ = cli(capsys, valkey_session, "status")
     assert code == 0 and "DLQ entries: 0" in out and out.count("tokens/s: 3.5\n") == 1
     header, row = out.splitlines()[:2]
-    assert header.endswith("AGE  KERNELS  KV    ATTN  SPEC   STATE")
+    assert header.endswith("AGE   START  KERNELS  KV    ATTN  SPEC   STATE")
     assert row.startswith(f"{'decode-0':<24}{'decode':<9}{7:>8}{2:>6}{'3.5':>8}")
-    assert row.endswith("s  avx512   bf16  bf16  ngram  draining")
+    assert row.endswith("s    7.9s  avx512   bf16  bf16  ngram  draining")
     # a worker that reports neither (GPU, torch path, older version): "-"
     r.hset(KEYS.worker("prefill-0"), mapping={"name": "prefill-0", "pid": "", "updated": 0})
     code, out, _ = cli(capsys, valkey_session, "status")
     assert code == 0 and out.splitlines()[2].startswith(f"{'prefill-0':<24}{'?':<9}{'':>22}")
-    assert out.splitlines()[2].endswith("s  -        -     -     -      ok")
+    assert out.splitlines()[2].endswith("s       -  -        -     -     -      ok")
 
 
 def test_status_counts_a_request_of_several_choices_once_as_its_choices_combine(

@@ -80,7 +80,7 @@ def stack(valkey_session, tmp_path):
             "name": "decode-0", "role": "decode", "host": socket.gethostname(), "updated": now,
             "draining": 1, "load": 0, "running": 0, "waiting": 0, "tokens_per_s": "3.5",
             "metrics_port": port, "kernel_isa": "avx2", "kv_dtype": "bfloat16",
-            "attention": "fp32", "speculation": "ngram",
+            "attention": "fp32", "speculation": "ngram", "startup_s": "2.46",
         })  # fmt: skip
         r.hset(KEYS.worker("prefill-0"), mapping={
             "name": "prefill-0", "role": "prefill", "updated": now, "draining": 0,
@@ -159,9 +159,11 @@ def test_watch_renders_in_a_terminal_and_ctrl_c_exits_0(stack):
         rows = [
             _row("decode-0", "decode", "drained", "0", "0", "25%", "3.5"),
             _row("prefill-0", "prefill", "ok", "2", "1", "-", "1.5"),
-            # KERNELS, KV, ATTN, SPEC
-            re.compile(r"decode-0.*s ago\s*│\s*avx2\s*│\s*bf16\s*│\s*fp32\s*│\s*ngram\s*│"),
-            re.compile(r"prefill-0.*s ago\s*│\s*-\s*│\s*-\s*│\s*-\s*│\s*-\s*│"),  # not reported
+            # START, KERNELS, KV, ATTN, SPEC
+            re.compile(
+                r"decode-0.*s ago\s*│\s*2\.5s\s*│\s*avx2\s*│\s*bf16\s*│\s*fp32\s*│\s*ngram\s*│"
+            ),
+            re.compile(r"prefill-0.*s ago\s*│\s*-\s*│\s*-\s*│\s*-\s*│\s*-\s*│\s*-\s*│"),
             _row("prefill", "3", "1", "2", "1"),  # stage, length, lag, pending, consumers
             _row("decode", "0", "-", "0", "0"),
             _row("device (worker pools)", "2/8", "25%", "16/32", "50%"),

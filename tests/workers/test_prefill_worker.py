@@ -104,6 +104,11 @@ def test_handoff_emits_first_token_and_decode_task(stack, capsys):
     isa, kv = worker.engine.kernel_isa, str(worker.engine.kv_dtype).removeprefix("torch.")
     assert (info[b"kernel_isa"].decode(), info[b"kv_dtype"].decode()) == (isa, kv)
     assert info[b"attention"].decode() == worker.engine.attention_precision
+    # its start-up (`kvrelay status` START): this process's age when the worker was built
+    from kvrelay.workers.base import process_age
+
+    age = process_age()
+    assert age is not None and 0 < float(info[b"startup_s"]) <= age
     # auto: an fp32 model on CPU pages bf16 where the C++ kernels run; on CUDA, the model's bf16
     on_cpu = worker.engine.loaded.device.type == "cpu"
     assert kv == ("bfloat16" if isa or not on_cpu else "float32")

@@ -1,0 +1,153 @@
+"""How long a SIGKILLed worker takes to serve again: from the kill to the next token of the
+stream it was decoding, as the client sees it (issue 48: "a killed decode worker serves again
+within 2 s on an idle host, within 4 s while two others restart beside it").
+
+Starts `kvrelay up --detach` (the host's defaults; `--decode N` decode workers, prefill in
+them), streams one greedy request of `--tokens` tokens (ignore_eos), and when its 10th token
+has arrived SIGKILLs the worker that owns it, plus `--beside K` other workers at once. Per
+round it prints the gap in the stream (the longest wait for a token after the kill) and the
+killed worker's start-up as it reports it (`startup_s`: process start to engine ready), as
+JSON lines; then the median gap over `--rounds`.
+
+    python benchmarks/restart.py --rounds 5
+    python benchmarks/restart.py --decode 3 --beside 2 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+MODEL = "smollm2-135m-instruct"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _kvrelay(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kvrelay.cli.main", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
+
+
+def _owner(redis_url: str, prefix: str, request_id: str) -> str:
+    import redis
+
+    from kvrelay.core.keys import Keys
+
+    r = redis.Redis.from_url(redis_url)
+    owner = r.hget(Keys(prefix).request(request_id), "owner")
+    return owner.decode() if owner else ""
+
+
+def _startup(redis_url: str, prefix: str, worker: str) -> float | None:
+    import redis
+
+    from kvrelay.core.keys import Keys
+
+    value = redis.Redis.from_url(redis_url).hget(Keys(prefix).worker(worker), "startup_s")
+    return float(value) if value else None
+
+
+def one_round(state: dict, url: str, sup, tokens: int, beside: int, round_no: int) -> dict:
+    """Stream a request, kill its owner (and `beside` others) at its 10th token; the gap."""
+    body = {"model": MODEL, "prompt": f"Round {round_no}: count from one to a thousand.",
+            "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    request_id = f"restart-{round_no}-{time.time_ns()}"
+    arrivals: list[float] = []
+    killed: dict[str, int] = {}
+    kill_at = 0.0
+    with (
+        httpx.Client(timeout=300) as client,
+        client.stream(
+            "POST", f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}
+        ) as resp,
+    ):
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            arrivals.append(time.monotonic())
+            if len(arrivals) == 10:
+                owner = _owner(state["redis_url"], state["key_prefix"], request_id)
+                status = sup.status()
+                victims = [owner] + [
+                    name for name, (st, _pid) in sorted(status.items())
+                    if name != owner and name.startswith(("decode-", "prefill-"))
+                    and st == "RUNNING"
+                ][:beside]  # fmt: skip
+                kill_at = time.monotonic()
+                for name in victims:
+                    pid = status[name][1]
+                    if pid:
+                        os.kill(pid, signal.SIGKILL)
+                        killed[name] = pid
+    # the stall: the longest wait for a token after the kill (events already on their way when
+    # it struck arrive first)
+    after = [kill_at] + [t for t in arrivals if t > kill_at]
+    stall = max((b - a for a, b in zip(after, after[1:], strict=False)), default=None)
+    owner = next(iter(killed))
+    # wait until the owner's new process has published its heartbeat (its startup_s)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        st, pid = sup.status().get(owner, ("", None))
+        if st == "RUNNING" and pid != killed[owner]:
+            break
+        time.sleep(0.2)
+    time.sleep(2)  # its first heartbeat
+    return {
+        "round": round_no,
+        "killed": sorted(killed),
+        "events": len(arrivals),
+        "gap_s": None if stall is None else round(stall, 2),
+        "owner_startup_s": _startup(state["redis_url"], state["key_prefix"], owner),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--decode", type=int, default=1, help="decode workers (kvrelay up --decode)")
+    p.add_argument("--beside", type=int, default=0, help="other workers killed at once")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=200, help="tokens of each streamed request")
+    args = p.parse_args(argv)
+    from kvrelay.cli.up.launch import Supervisor
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        port = _free_port()
+        done = _kvrelay("up", "--detach", "--run-dir", str(run_dir), "--port", str(port),
+                        "--prefill", "0", "--decode", str(args.decode))  # fmt: skip
+        state = json.loads(done.stdout.strip().splitlines()[-1])
+        try:
+            sup = Supervisor(run_dir)
+            url = f"http://127.0.0.1:{port}"
+            gaps = []
+            for i in range(args.rounds):
+                result = one_round(state, url, sup, args.tokens, args.beside, i)
+                print(json.dumps(result), flush=True)
+                if result["gap_s"] is not None:
+                    gaps.append(result["gap_s"])
+            print(json.dumps({"median_gap_s": statistics.median(gaps) if gaps else None,
+                              "rounds": len(gaps), "decode": args.decode,
+                              "beside": args.beside}))  # fmt: skip
+        finally:
+            _kvrelay("down", "--run-dir", str(run_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -26,6 +26,7 @@ prefill is chunked, decode or prefill) comes from giving every row the same arit
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import mmap
@@ -114,13 +115,23 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Py
 
 
 def _populate(memory: mmap.mmap) -> None:
-    """Fault in `memory`'s pages for writing (contents unchanged), 64 MB at a time."""
+    """Fault in `memory`'s pages for writing (contents unchanged), 64 MB at a time, through
+    libc's madvise: ctypes lets go of the GIL during the call, `mmap.madvise` does not (a
+    start-up's Python would wait on the kernel's page clearing)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    except (OSError, TypeError, ValueError) as exc:  # no libc symbols, a closed map
+        logger.debug("cannot populate the KV pool: %s", exc)
+        return
     step = 64 << 20
     for start in range(0, len(memory), step):
-        try:
-            memory.madvise(MADV_POPULATE_WRITE, start, min(step, len(memory) - start))
-        except (OSError, ValueError) as exc:  # out of memory, or the pool is gone: faults later
-            logger.debug("populating the KV pool stopped at %d bytes: %s", start, exc)
+        length = min(step, len(memory) - start)
+        if libc.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(length),
+                        MADV_POPULATE_WRITE) != 0:  # fmt: skip
+            # out of memory, or the advice refused: the rest faults in on first use
+            logger.debug("populating the KV pool stopped at %d bytes: errno %d", start,
+                         ctypes.get_errno())  # fmt: skip
             return
 
 

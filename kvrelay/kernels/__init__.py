@@ -83,3 +83,24 @@ __all__ = [
     "w8a16_silu_linear",
     "write_kv",
 ]
+
+
+def _settle_vml() -> None:
+    """torch's float elementwise math on CPU (exp, log, sqrt, tanh, erf, ...) is MKL VML's,
+    which picks each function's kernel on its first call in the process; when that first call
+    is split across threads, one thread can run a low-accuracy kernel on its whole part
+    (measured: 1 fresh 2-thread process in ~10, a relative error of 1.5e-4 on one thread's
+    half of the torch attention path's first exp_, later calls right; oneMKL 2024.2,
+    pytorch/pytorch#188792). One call on one element (no parallel region) per function and
+    dtype settles the choice before anything here runs threaded."""
+    import torch
+
+    names = ("exp", "expm1", "log", "log1p", "log2", "log10", "sqrt", "rsqrt", "tanh", "erf",
+             "erfc", "sin", "cos", "tan", "sinh", "cosh", "asin", "acos", "atan")  # fmt: skip
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)
+        for name in names:
+            getattr(torch, name)(one)
+
+
+_settle_vml()

@@ -5,7 +5,8 @@ Every query row gets the same floating-point operations whatever else is in the 
   (measured: MKL then computes each row the same way for any row count, column count, batch
   size or thread count 1-8; 1-3 and 5-7 rows take other kernels);
 - softmax max: exact, so its grouping does not matter; exp is elementwise (measured: the same
-  bits for any slice, layout or thread count);
+  bits for any slice, layout or thread count, once MKL has picked its exp kernel, which
+  importing kvrelay.kernels settles);
 - per key tile of fixed length: row sums over the tile and P@V with a fixed contraction;
 - tiles are accumulated in tile order by index_add_ (sequential, starting from zero), so tiles
   that are fully masked for a row add exact zeros and change nothing.

@@ -45,6 +45,7 @@ SOURCES = (
     "w8a16.cpp",
     "sampling.cpp",
     "gguf_dequant.cpp",
+    "weight_quant.cpp",
     "bindings.cpp",
 )
 HEADERS = ("ops.h", "parallel.h", "vec.h", "kv_types.h", "amx.h")

@@ -350,9 +350,31 @@ class Int8Weight:
     in_features: int
 
 
+def _weight_quant_ext(w: torch.Tensor) -> ModuleType | None:
+    """The C++ extension for quantizing the fp32 weight w (on the CPU, 2-D, not empty), else
+    None (the torch code runs)."""
+    if not w.is_cpu or w.dim() != 2 or w.numel() == 0:
+        return None
+    from kvrelay.kernels import cpu_build
+
+    return cpu_build.load()
+
+
 def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 q [N, K], fp32 scales [N, ceil(K / 32)]): symmetric, one scale per 32 inputs of
-    each output, q = round(w / scale) in [-127, 127]."""
+    each output, scale = max(max |w|, 1e-12) / 127, q = round(w / scale) in [-127, 127] (half to
+    even). The C++ kernel (CPU weights, the extension loaded) gives the torch code's bits; a
+    block holding inf gets the scale inf, one holding NaN a NaN scale, their q are all 0."""
+    w = weight.detach().float()
+    ext = _weight_quant_ext(w)
+    if ext is not None:
+        q, scales = ext.quantize_int8_weight(w.contiguous())
+        return q, scales
+    return _quantize_int8_weight_torch(w)
+
+
+def _quantize_int8_weight_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_int8_weight` in torch (the reference of the C++ kernel)."""
     w = weight.detach().float()
     n, k = w.shape
     blocks = -(-k // INT8_SCALE_BLOCK)
@@ -457,7 +479,22 @@ def quantize_channel_weight(
     weight: torch.Tensor, qmax: int = 127
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 q [N, K], fp32 scales [N]): symmetric, one scale per output (its largest
-    |w| / qmax), q = round(w / scale) in [-qmax, qmax]."""
+    |w| / qmax, at least 1e-12 / qmax), q = round(w / scale) in [-qmax, qmax] (half to even).
+    The C++ kernel (CPU weights, qmax in [1, 127], the extension loaded) gives the torch
+    code's bits; a row holding inf gets the scale inf, one holding NaN a NaN scale, their q
+    are all 0."""
+    w = weight.detach().float()
+    ext = _weight_quant_ext(w)
+    if ext is not None and isinstance(qmax, int) and 1 <= qmax <= 127:
+        q, scales = ext.quantize_channel_weight(w.contiguous(), qmax)
+        return q, scales
+    return _quantize_channel_weight_torch(w, qmax)
+
+
+def _quantize_channel_weight_torch(
+    weight: torch.Tensor, qmax: int = 127
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_channel_weight` in torch (the reference of the C++ kernel)."""
     w = weight.detach().float()
     scales = w.abs().amax(dim=1).clamp_min(1e-12) / qmax
     return torch.round(w / scales[:, None]).clamp_(-qmax, qmax).to(torch.int8), scales

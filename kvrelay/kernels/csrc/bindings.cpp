@@ -153,6 +153,31 @@ void gguf_dequant_op(const torch::Tensor& raw, int64_t ggml_type, torch::Tensor&
                   out.stride(0), out.size(0), out.size(1));
 }
 
+// fp32 weight [n, k] (contiguous) -> (int8 q [n, k], fp32 scales [n, ceil(k / 32)]).
+std::vector<torch::Tensor> int8_blocks_op(const torch::Tensor& w) {
+  if (w.dim() != 2 || w.scalar_type() != torch::kFloat32 || !w.is_contiguous())
+    throw std::invalid_argument("need a contiguous 2-D float32 weight");
+  const int64_t n = w.size(0), k = w.size(1);
+  auto q = torch::empty({n, k}, w.options().dtype(torch::kInt8));
+  auto scales = torch::empty({n, (k + 31) / 32}, w.options());
+  quantize_int8_blocks(w.data_ptr<float>(), n, k, q.data_ptr<int8_t>(), scales.data_ptr<float>());
+  return {q, scales};
+}
+
+// fp32 weight [n, k] (contiguous) -> (int8 q [n, k], fp32 scales [n]).
+std::vector<torch::Tensor> int8_channels_op(const torch::Tensor& w, int64_t qmax) {
+  if (w.dim() != 2 || w.scalar_type() != torch::kFloat32 || !w.is_contiguous())
+    throw std::invalid_argument("need a contiguous 2-D float32 weight");
+  if (qmax < 1 || qmax > 127)
+    throw std::invalid_argument("qmax must lie in [1, 127], got " + std::to_string(qmax));
+  const int64_t n = w.size(0), k = w.size(1);
+  auto q = torch::empty({n, k}, w.options().dtype(torch::kInt8));
+  auto scales = torch::empty({n}, w.options());
+  quantize_int8_channels(w.data_ptr<float>(), n, k, (int)qmax, q.data_ptr<int8_t>(),
+                         scales.data_ptr<float>());
+  return {q, scales};
+}
+
 // y = x . W^T for the kernels taking WInt8Args (int8 weights and fp32 scales, each its layout).
 template <void (*Kernel)(const WInt8Args&)>
 torch::Tensor scaled_int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
@@ -374,6 +399,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_gguf", &kvr::gguf_dequant_op, release(),
         "fp32 values of GGUF block rows, gguf-py's numpy bits", py::arg("raw"),
         py::arg("ggml_type"), py::arg("out"));
+  m.def("quantize_int8_weight", &kvr::int8_blocks_op, release(),
+        "Symmetric int8 weight, one scale per 32 inputs of each row: (int8 q, fp32 scales)",
+        py::arg("weight"));
+  m.def("quantize_channel_weight", &kvr::int8_channels_op, release(),
+        "Symmetric int8 weight, one scale per row: (int8 q, fp32 scales)", py::arg("weight"),
+        py::arg("qmax"));
   m.def("sample_rows", &kvr::sample, release(),
         "The token drawn for each row (temperature, min-p, top-k, top-p, inverse CDF of u)");
   m.def("bf16_attention_available", &kvr::bf16_attention_available,

@@ -159,6 +159,15 @@ void sample_rows(const float* logits, int64_t rows, int64_t vocab, int64_t strid
 void dequantize_gguf(const uint8_t* raw, int64_t raw_stride, int ggml_type, float* out,
                      int64_t out_stride, int64_t rows, int64_t cols);
 
+// Symmetric int8 quantization of fp32 weights w [rows, cols] (contiguous; weight_quant.cpp),
+// the same bits as ops.py's torch code: q [rows, cols] int8 and scales, scale = max(amax,
+// 1e-12) / qmax, q = clamp(round_half_even(w / scale), -qmax, qmax). quantize_int8_blocks: one
+// scale per 32 inputs of each row (qmax 127), scales [rows, ceil(cols / 32)];
+// quantize_int8_channels: one per row, scales [rows], qmax in [1, 127].
+void quantize_int8_blocks(const float* w, int64_t rows, int64_t cols, int8_t* q, float* scales);
+void quantize_int8_channels(const float* w, int64_t rows, int64_t cols, int qmax, int8_t* q,
+                            float* scales);
+
 // Floats per vector of this build (8: AVX2, 16: AVX-512), to tell the ISA variants apart.
 int simd_width();
 

@@ -2,6 +2,10 @@
 
 Requests go over the node's ZeroMQ IPC socket (`<run_dir>/kvstore.sock`); page bytes are copied
 straight between the caller's memory and the shared arena the node names in its hello reply.
+Whether the node is there at all comes from its socket (`liveness.NodeLiveness`), not from
+timeouts: a request to a node that went away fails at once until it is back, one waiting for
+its reply fails as soon as the node is lost (StoreNodeDownError), and `timeout_s` bounds only a
+live node (or one not seen up yet: it may be starting).
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,9 +30,11 @@ from kvrelay.kvstore.errors import (
     IncompatiblePageError,
     PageFormatError,
     StoreError,
+    StoreNodeDownError,
     StoreUnavailableError,
     TransferError,
 )
+from kvrelay.kvstore.liveness import NodeLiveness
 from kvrelay.kvstore.messages import (
     Abort,
     Commit,
@@ -74,6 +82,8 @@ _KINDS = {
     )
 }
 Fill = Callable[[list[tuple[int, memoryview]]], None]
+LOSS_CHECK_MS = 20  # a request waiting for its reply looks at the node's liveness this often
+_ACQUIRE = threading.Lock()
 
 
 class StoreClient:
@@ -88,7 +98,21 @@ class StoreClient:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._sock = None
+        self._liveness: NodeLiveness | None = None
+        self._release: weakref.finalize | None = None
         self.num_corrupt = 0
+
+    @property
+    def liveness(self) -> NodeLiveness:
+        """The node's liveness (the process's one watcher of this socket, started on first use)."""
+        live = self._liveness
+        if live is None:
+            with _ACQUIRE:  # the compute thread and a loader thread may ask first together
+                live = self._liveness
+                if live is None:
+                    live = self._liveness = NodeLiveness.acquire(self.url)
+                    self._release = weakref.finalize(self, live.release)
+        return live
 
     # -- plumbing ---------------------------------------------------------------------------
     def _socket(self):
@@ -111,20 +135,37 @@ class StoreClient:
         return encode(msg)
 
     def request(self, msg: Request, reply: type[R]) -> R:
-        """One request/reply; raises the node's error as a StoreError subclass."""
+        """One request/reply; raises the node's error as a StoreError subclass, and
+        StoreNodeDownError at once when the node is down or goes away meanwhile."""
         op = msg.__struct_config__.tag
+        live = self.liveness
         with self._lock:
+            # A node seen to go away is down until it is back; one never seen up may still be
+            # starting (workers and node start together), so it is waited for as before.
+            if live.down and live.losses and not live.listening():
+                raise StoreNodeDownError(f"store node at {self.url} is down; {op!r} not sent")
+            losses = live.losses
             sock = self._socket()
             body = self._stamp(msg)
             sock.send_multipart([b"", body])
+            deadline = time.monotonic() + self.timeout_ms / 1000
             while True:
-                if not sock.poll(self.timeout_ms):
+                left_ms = (deadline - time.monotonic()) * 1000
+                if left_ms <= 0:
                     self._sock = None  # drop it so a late reply cannot answer the next request
                     sock.close()
                     raise StoreUnavailableError(
                         f"store node at {self.url} did not answer {op!r} within "
                         f"{self.timeout_ms / 1000:.1f}s (is `kvrelay store` running?)"
                     )
+                if not sock.poll(max(1, int(min(left_ms, LOSS_CHECK_MS)))):
+                    if live.losses != losses:  # the node that had the request is gone
+                        self._sock = None  # and what is still queued must not reach the next
+                        sock.close()
+                        raise StoreNodeDownError(
+                            f"store node at {self.url} went away while answering {op!r}"
+                        )
+                    continue
                 got = decode_reply(sock.recv_multipart()[-1], reply)
                 if got.id == msg.id:
                     break
@@ -136,6 +177,9 @@ class StoreClient:
         """Fire-and-forget request (`noreply`): saves a round trip; the node answers nothing."""
         import zmq
 
+        live = self.liveness
+        if live.down and not live.listening():  # what it releases or demotes went with it
+            return
         with self._lock:
             msg.noreply = True
             body = self._stamp(msg)
@@ -300,6 +344,9 @@ class StoreClient:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        if self._release is not None:
+            self._release()  # a finalizer runs at most once
+            self._release = self._liveness = None
 
     def __enter__(self) -> StoreClient:
         return self

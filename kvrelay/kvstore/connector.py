@@ -7,7 +7,9 @@ on a side stream of their own: a load (on the engine's loader thread) overlaps t
 passes on the compute stream, and waits for its own copies only. Store failures are
 logged and reported as misses: the engine recomputes instead of failing the request. That
 includes a node killed or restarting mid-call (zmq errors, a vanished arena file, a reply cut
-short), not only the errors the node reports: churn must never fail a request.
+short), not only the errors the node reports: churn must never fail a request. A node that is
+down (`liveness`: its socket closed, not a slow reply) fails a call at once, and is logged
+once when it goes and once when it is back, not at every call.
 """
 
 from __future__ import annotations
@@ -17,14 +19,21 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvrelay.kvstore.client import StoreClient
-from kvrelay.kvstore.errors import StoreError
+from kvrelay.kvstore.errors import StoreError, StoreNodeDownError
 
 if TYPE_CHECKING:
     import torch
 
     from kvrelay.kvstore.arena import HostArena
+    from kvrelay.kvstore.liveness import NodeLiveness
 
 logger = logging.getLogger(__name__)
+
+
+def _failed(what: str, exc: Exception) -> None:
+    """Log a failed call: a warning, or debug for a node that is down (logged once, there)."""
+    level = logging.DEBUG if isinstance(exc, StoreNodeDownError) else logging.WARNING
+    logger.log(level, "%s failed, recomputing: %r", what, exc)
 
 
 def _on(stream):
@@ -43,6 +52,11 @@ class StoreConnector:
         self.client = client
         self._registered: HostArena | None = None  # the arena mapping registered with CUDA
         self._stream: torch.cuda.Stream | None = None  # the CUDA side stream of the copies
+
+    @property
+    def liveness(self) -> NodeLiveness:
+        """Whether the node is up, from its socket (the engine skips the store while down)."""
+        return self.client.liveness
 
     def _side_stream(self, kv_pool) -> torch.cuda.Stream:
         import torch
@@ -79,7 +93,7 @@ class StoreConnector:
         try:
             return self.client.lookup(keys)
         except Exception as exc:  # any store failure is a miss (see the module docstring)
-            logger.warning("store lookup failed, recomputing: %r", exc)
+            _failed("store lookup", exc)
             return 0
 
     def load(self, keys: list[bytes], block_ids: list[int], kv_pool) -> int:
@@ -101,7 +115,7 @@ class StoreConnector:
                     side.synchronize()  # before unpinning
                 return len(views)
         except Exception as exc:
-            logger.warning("store load failed, recomputing: %r", exc)
+            _failed("store load", exc)
             return 0
 
     def demote(self, keys: list[bytes]) -> None:
@@ -135,4 +149,4 @@ class StoreConnector:
         try:
             self.client.put_with(list(keys), fill)
         except Exception as exc:  # a page not saved is recomputed by whoever needs it
-            logger.warning("store save of %d pages failed: %r", len(keys), exc)
+            _failed(f"store save of {len(keys)} pages", exc)

@@ -29,5 +29,9 @@ class StoreUnavailableError(StoreError):
     """The local store node did not answer within the timeout."""
 
 
+class StoreNodeDownError(StoreUnavailableError):
+    """The local store node is down (its socket closed or refuses connections): not a slow node."""
+
+
 class TransferTimeoutError(TransferError):
     """A remote transfer did not finish within its time bound."""

@@ -6,7 +6,9 @@ blocks for them, so the scheduler never touches block ids or the KV pool.
 Store hits are fetched beside the compute loop (`KVLoader`): `ready(seq)` starts a lookup, then a
 load into blocks reserved for it, and says True once the prefix is settled (loaded, absent,
 failed or timed out: then the rest is recomputed); until then the scheduler leaves that request
-waiting and keeps stepping the others.
+waiting and keeps stepping the others. Whether the store node is there at all comes from the
+connectors' `liveness` (its socket), not from `fetch_timeout_s`: a fetch whose node is lost is
+given up at once, and while the node is down no admission asks it and no page is saved to it.
 
 KV groups (core.kv_layout): each group of layers has its own block table per sequence, all
 drawing from the one pool. A full group's table holds every page; a local (sliding-window)
@@ -29,7 +31,7 @@ import torch
 from kvrelay.core.kv_layout import KVGroup, KVLayout, group_key
 from kvrelay.core.page_keys import page_key
 from kvrelay.workers.engine.block_pool import BlockPool
-from kvrelay.workers.engine.kv_connector import KVConnector
+from kvrelay.workers.engine.kv_connector import KVConnector, StoreLiveness
 from kvrelay.workers.engine.kv_loader import Fetch, KVLoader
 from kvrelay.workers.engine.sequence import Sequence
 
@@ -61,7 +63,11 @@ class KVCacheManager:
         self.fingerprint = fingerprint
         self._kv_pool = kv_pool
         self.num_store_errors = 0
+        self.num_fetch_timeouts = 0  # fetches abandoned after fetch_timeout_s (a slow node)
+        self.num_fetches_lost = 0  # fetches given up because their store node went away
+        self.num_store_skips = 0  # admissions that did not ask the store: its node was down
         self.fetch_timeout_s = 5.0  # a store fetch taking longer is abandoned: recompute
+        self._liveness: list[StoreLiveness] = []  # of the connectors' store nodes
         self.admit_wait_s = 0.005  # per step, for fetches started in it (a local fetch lands)
         self._wait_until = 0.0
         self._abandoned: list[Fetch] = []  # loads given up on; blocks held until done
@@ -83,6 +89,11 @@ class KVCacheManager:
         self.connector = connector
         self.save_to_store = save_to_store and connector is not None
         loads = load_connectors or ([connector] if connector is not None else [])
+        self._liveness = []
+        for conn in [connector, *loads]:
+            live = getattr(conn, "liveness", None)
+            if live is not None and all(live is not known for known in self._liveness):
+                self._liveness.append(live)
         if loads:
             assert self._kv_pool is not None, "a store connector needs the KV pool"
             self.loader = KVLoader(list(loads), self._kv_pool)
@@ -102,6 +113,21 @@ class KVCacheManager:
                 )
             )
         return keys[:num_full]
+
+    def store_down(self) -> bool:
+        """Whether a store node of the connectors is down (not slow: gone)."""
+        return any(live.down for live in self._liveness)
+
+    def _store_losses(self) -> int:
+        return sum(live.losses for live in self._liveness)
+
+    def _lost(self, f: Fetch) -> bool:
+        """Whether `f`'s store node went away since `f` was submitted (or is down now)."""
+        return self.store_down() or self._store_losses() != f.losses
+
+    def _given_up(self, seq: Sequence) -> None:
+        self.num_fetches_lost += 1
+        logger.debug("store node lost during request %s's fetch; recomputing", seq.request_id)
 
     def _prefix_keys(self, seq: Sequence) -> list[bytes]:
         if seq.wants_prompt_logprobs:  # every prompt position is computed (as vLLM does)
@@ -134,6 +160,10 @@ class KVCacheManager:
                 return True
             f: Fetch | None = seq.fetch
             if f is None:
+                if self.store_down():  # no request waits on a node that is gone
+                    self.num_store_skips += 1
+                    seq.store_checked = True
+                    return True
                 f = self._lookup(seq, len(self._prefix_keys(seq)))
                 if f is None:
                     seq.store_checked = True
@@ -144,7 +174,12 @@ class KVCacheManager:
                 if f.submitted >= self._wait_until - self.admit_wait_s and left > 0:
                     self.loader.wait([f], left)  # started in this schedule: a local one lands
                 if not f.done:
+                    if self._lost(f):
+                        self._given_up(seq)
+                        self._abandon(seq)
+                        return True
                     if time.monotonic() - f.started > self.fetch_timeout_s:
+                        self.num_fetch_timeouts += 1
                         logger.warning(
                             "store fetch for request %s took over %.1fs; recomputing",
                             seq.request_id,
@@ -154,10 +189,17 @@ class KVCacheManager:
                         return True
                     return False
             self._pending.discard(f)
-            if f.failed:
+            lost = self._lost(f)
+            if f.failed and not lost:
                 self.num_store_errors += 1
             if f.is_load:
-                self._landed(seq, f)
+                self._landed(seq, f)  # the pages that verified are good, whatever came after
+                if lost and f.result < len(f.block_ids):
+                    self._given_up(seq)
+                return True
+            if lost:  # nothing to load from
+                self._given_up(seq)
+                seq.fetch, seq.store_checked = None, True
                 return True
             keys, blocks = f.keys, f.blocks
             if f.result < len(keys):  # the candidate prefix ends before its first missing page
@@ -210,6 +252,7 @@ class KVCacheManager:
     def _submit(self, f: Fetch) -> Fetch:
         assert self.loader is not None  # only `ready` submits, once it saw a loader
         self._pending.add(f)
+        f.losses = self._store_losses()
         return self.loader.submit(f)
 
     def _landed(self, seq: Sequence, f: Fetch) -> None:
@@ -368,8 +411,8 @@ class KVCacheManager:
                     new_keys.append(key)
                     new_blocks.append(block_id)
         seq.num_registered_blocks = seq.num_saved_blocks = num_full
-        if not self.save_to_store or not new_keys:
-            return
+        if not self.save_to_store or not new_keys or self.store_down():
+            return  # a page not saved is recomputed by whoever needs it
         # save_to_store needs a connector, and a connector the KV pool (set_connector)
         assert self.connector is not None and self._kv_pool is not None
         try:

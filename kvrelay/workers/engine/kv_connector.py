@@ -7,6 +7,18 @@ from typing import Protocol, runtime_checkable
 import torch
 
 
+class StoreLiveness(Protocol):
+    """What a connector may expose as `liveness` (optional): whether its store node is down now
+    (its process gone, told by its socket: not a slow reply) and how many times it was lost
+    (up -> down). The engine asks no down node, and gives up on a fetch once its node is lost."""
+
+    @property
+    def down(self) -> bool: ...
+
+    @property
+    def losses(self) -> int: ...
+
+
 @runtime_checkable
 class KVConnector(Protocol):
     """Pages keyed by chained page keys; a worker block is byte-identical to a store page."""

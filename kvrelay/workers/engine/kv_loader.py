@@ -3,8 +3,8 @@
 The compute thread submits a `Fetch` (lookup: how many of these keys does the store hold; load:
 copy them into blocks it reserved) and polls `done`; the loader thread only calls the connector
 and writes into the reserved blocks, which no running sequence references. A fetch that takes
-too long is abandoned by the compute thread: its request is recomputed, and its blocks are
-released once the loader is finished with them.
+too long, or whose store node is lost meanwhile, is abandoned by the compute thread: its request
+is recomputed, and its blocks are released once the loader is finished with them.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Fetch:
     round: int = 0  # lookups before this one for the same admission (a shrinking prefix)
     started: float = field(default_factory=time.monotonic)  # the first phase (timeout)
     submitted: float = field(default_factory=time.monotonic)  # this phase
+    losses: int = 0  # the store node's losses (StoreLiveness) when this phase was submitted
     result: int = 0  # lookup: keys available; load: leading pages copied and verified
     done: bool = False
     failed: bool = False

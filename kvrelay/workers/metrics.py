@@ -108,6 +108,8 @@ class WorkerMetrics:
                 held.labels(self.model, str(g), str(group.window)).set_function(
                     functools.partial(_held_blocks, kv, g)
                 )
+        if kv is not None and hasattr(kv, "num_fetches_lost"):
+            self.base.registry.register(_StoreFetchOutcomes(self.model, kv))
         page_size = getattr(getattr(engine, "config", None), "page_size", "")
         Gauge(
             PREFIX + "cache_config_info",
@@ -197,6 +199,35 @@ def _spec_counts(stats: EngineStats) -> tuple[int, int, int]:
 def kv_cache_usage(pool: BlockPool) -> float:
     """Fraction of a BlockPool's blocks in use: 1 - free / total (vLLM's kv_cache_usage_perc)."""
     return 1.0 - pool.num_free_blocks / pool.num_blocks if pool.num_blocks else 0.0
+
+
+class _StoreFetchOutcomes:
+    """`kvrelay:kv_store_fetch_failures_total{model_name,reason}`, read from the KV cache
+    manager's counters at each scrape: `lost` (the node went away during the fetch), `timeout`
+    (abandoned after fetch_timeout_s: a slow node), `error` (the call failed), `skipped`
+    (admissions that did not ask the store: its node was down). Each one's prefix was computed
+    instead."""
+
+    REASONS = (("lost", "num_fetches_lost"), ("timeout", "num_fetch_timeouts"),
+               ("error", "num_store_errors"), ("skipped", "num_store_skips"))  # fmt: skip
+
+    def __init__(self, model: str, kv: Any):
+        self.model, self.kv = model, kv
+
+    def describe(self) -> list:
+        return []  # no checks against other collectors' names: the name is ours alone
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(
+            PREFIX + "kv_store_fetch_failures",
+            "Store lookups and fetches given up, by reason; their prefixes were computed.",
+            labels=["model_name", "reason"],
+        )
+        for reason, attr in self.REASONS:
+            family.add_metric([self.model, reason], float(getattr(self.kv, attr, 0)))
+        yield family
 
 
 def _held_blocks(kv: Any, group: int) -> float:

@@ -42,3 +42,21 @@ def test_worker_without_its_engine_reports_no_kv_usage():
 
     wm = WorkerMetrics("m")
     assert b"kvrelay:kv_cache_usage_perc{" not in wm.base.render()  # absent, not a false 0
+
+
+def test_store_fetch_failures_are_read_from_the_kv_cache_manager_by_reason():
+    from types import SimpleNamespace
+
+    from kvrelay.workers.engine.block_pool import BlockPool
+    from kvrelay.workers.metrics import WorkerMetrics
+
+    kv = SimpleNamespace(num_fetches_lost=1, num_fetch_timeouts=0, num_store_errors=2,
+                         num_store_skips=0)  # fmt: skip
+    engine = SimpleNamespace(pool=BlockPool(8), config=SimpleNamespace(page_size=16), kv=kv)
+    wm = WorkerMetrics("m", engine)
+    name = "kvrelay:kv_store_fetch_failures_total"
+    assert _value(wm.base, name, model_name="m", reason="lost") == 1.0
+    kv.num_store_skips += 3  # read at each scrape
+    assert _value(wm.base, name, model_name="m", reason="skipped") == 3.0
+    assert _value(wm.base, name, model_name="m", reason="error") == 2.0
+    assert _value(wm.base, name, model_name="m", reason="timeout") == 0.0

@@ -77,16 +77,21 @@ class NodeProcess:
             ],
             env=env,
         )
-        self.client = StoreClient(self.config.run_dir, SMALL, timeout_s=0.5)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.client.connect()
-                break
-            except Exception:
-                assert self.proc.poll() is None, "store node exited"
-                assert time.monotonic() < deadline, "store node did not start"
-                time.sleep(0.05)
+        # A short timeout only to probe the starting node; requests then wait as a worker's do
+        # (the default, above the node's own bound on a remote fetch, transfer_timeout_s): a
+        # `get` that goes to a peer takes its UCX connect and handshake, which a loaded host
+        # stretched past the probe's 0.5 s (StoreUnavailableError in test_netns).
+        with StoreClient(self.config.run_dir, SMALL, timeout_s=0.5) as probe:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    probe.connect()
+                    break
+                except Exception:
+                    assert self.proc.poll() is None, "store node exited"
+                    assert time.monotonic() < deadline, "store node did not start"
+                    time.sleep(0.05)
+        self.client = StoreClient(self.config.run_dir, SMALL)
 
     def stop(self) -> None:
         self.client.close()

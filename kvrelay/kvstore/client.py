@@ -159,7 +159,13 @@ class StoreClient:
                         f"{self.timeout_ms / 1000:.1f}s (is `kvrelay store` running?)"
                     )
                 if not sock.poll(max(1, int(min(left_ms, LOSS_CHECK_MS)))):
-                    if live.losses != losses:  # the node that had the request is gone
+                    if live.losses != losses:  # a node went away since the request was sent
+                        if live.listening():
+                            # another listens there already: the loss the watcher saw may be
+                            # the one before it (a restart just before the send), so the reply
+                            # is waited for (a request the lost node took times out as before)
+                            losses = live.losses
+                            continue
                         self._sock = None  # and what is still queued must not reach the next
                         sock.close()
                         raise StoreNodeDownError(

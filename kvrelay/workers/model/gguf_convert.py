@@ -406,12 +406,9 @@ def convert_gguf(
     path, out = Path(path).resolve(), Path(out)
     progress = _Progress(say)
     times: dict[str, float] = {}
-    t0 = start = time.monotonic()
-    gguf = read_gguf(path)
-    config = config_dict(gguf)  # UnsupportedGGUFError before anything is written
-    for info in gguf.tensors:  # the same, for a type gguf cannot dequantize
-        _block_kind(info.ggml_type)
-    times["header"] = time.monotonic() - t0
+    start = time.monotonic()
+    gguf, config = _checked(path)
+    times["header"] = time.monotonic() - start
 
     threads = threads or _threads()
     dequantizer = _Dequantizer(gguf, gguf.tensors, threads)
@@ -517,6 +514,16 @@ def _causal_lm_class(hf_config) -> str:
     return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type])
 
 
+def _checked(path: Path) -> tuple[GGUFFile, dict[str, Any]]:
+    """The file's header and transformers' config dict; UnsupportedGGUFError, before anything
+    is written, for an architecture or a tensor type this module does not convert."""
+    gguf = read_gguf(path)
+    config = config_dict(gguf)
+    for info in gguf.tensors:
+        _block_kind(info.ggml_type)
+    return gguf, config
+
+
 def link_gguf(
     path: str | os.PathLike, out: str | os.PathLike, say: Callable[[str], None] | None = None
 ) -> dict[str, float]:
@@ -527,12 +534,9 @@ def link_gguf(
     (nothing written) for a file this module does not convert."""
     path, out = Path(path).resolve(), Path(out)
     times: dict[str, float] = {}
-    t0 = start = time.monotonic()
-    gguf = read_gguf(path)
-    config = config_dict(gguf)  # UnsupportedGGUFError before anything is written
-    for info in gguf.tensors:  # the same, for a type gguf cannot dequantize
-        _block_kind(info.ggml_type)
-    times["header"] = time.monotonic() - t0
+    start = time.monotonic()
+    gguf, config = _checked(path)
+    times["header"] = time.monotonic() - start
     if say is not None:  # `kvrelay up` reads its phases off this line
         say(
             f"reading the tokenizer and config of {path.name} ({len(gguf.tensors)} tensors, read "

@@ -265,7 +265,12 @@ def converted_dir(ref: ModelRef) -> Path:
 def is_prepared(ref: ModelRef) -> bool:
     """True when the converted directory is complete (kvrelay.json is written last) and of this
     version's format."""
-    return read_meta(converted_dir(ref)).get("format") == META_FORMAT
+    return is_prepared_dir(converted_dir(ref))
+
+
+def is_prepared_dir(directory: Path) -> bool:
+    """True when `directory` holds a kvrelay.json of this version's format."""
+    return read_meta(directory).get("format") == META_FORMAT
 
 
 def weight_files(directory: Path) -> list[Path]:

@@ -68,9 +68,8 @@ class GGUFWeights:
         self._table = get_tensor_name_map(arch, num_layers)
         self._heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
         self._by_name = {t.name: t for t in self.file.tensors}
-        self._blob = np.memmap(
-            self.path, dtype=np.uint8, mode="c"
-        )  # copy-on-write: torch wants it writable
+        # copy-on-write: torch.from_numpy wants a writable array (nothing writes to it)
+        self._blob = np.memmap(self.path, dtype=np.uint8, mode="c")
 
     def gguf_name(self, hf_name: str) -> str | None:
         """The file's name for the Hugging Face tensor `hf_name` (None: no such tensor)."""

@@ -36,6 +36,7 @@ from kvrelay.core.modelref import (
     ModelRef,
     converted_dir,
     is_prepared,
+    is_prepared_dir,
     model_fingerprint,
     normalize_attention_precision,
     normalize_dtype,
@@ -122,7 +123,7 @@ def prepare_hf_checkpoint(name: str | os.PathLike | None = None, progress: bool 
     if ref.kind != "gguf":
         return prepare_model(name, progress)
     target = converted_dir(ref).with_name(converted_dir(ref).name + "-safetensors")
-    if (target / META_FILE).is_file() and read_meta(target).get("format") == META_FORMAT:
+    if is_prepared_dir(target):
         return target
     check_architecture(ref)
 
@@ -143,7 +144,7 @@ def _prepare(ref: ModelRef, target: Path, convert, progress: bool) -> None:
     """Run `convert(tmp)` into a temp directory, add kvrelay.json, and rename it to `target`,
     under a file lock (a second process waits, then finds it done)."""
     with _file_lock(target.with_name(target.name + ".lock")):
-        if (target / META_FILE).is_file() and read_meta(target).get("format") == META_FORMAT:
+        if is_prepared_dir(target):
             _record_gguf_sampling(ref, target)  # another process converted it meanwhile
             return
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -496,20 +497,16 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype, device="cpu"):
     return getattr(torch, name)
 
 
-def _checkpoint_blocks(model, directory: Path, quantization: str):
-    """The GGUF's own Q8_0 blocks for the int8 formats with a scale per 32 inputs (its int8
-    values kept as they are), None otherwise (`LlamaForCausalLM.quantize`'s `blocks`)."""
-    from kvrelay.workers.model.gguf_convert import GGUF_FILE
-    from kvrelay.workers.model.gguf_weights import GGUFWeights, q8_weights
+def _checkpoint_blocks(model, gguf, quantization: str):
+    """The Q8_0 blocks of the GGUF the model was loaded from (`gguf`, a GGUFWeights; None for
+    safetensors) for the int8 formats with a scale per 32 inputs (its int8 values kept as they
+    are), None otherwise (`LlamaForCausalLM.quantize`'s `blocks`)."""
+    from kvrelay.workers.model.gguf_weights import q8_weights
     from kvrelay.workers.model.weights import checkpoint_tensors
 
-    if quantization not in (Quantization.INT8_WEIGHT_ONLY, Quantization.Q8_0):
+    if gguf is None or quantization not in (Quantization.INT8_WEIGHT_ONLY, Quantization.Q8_0):
         return None
-    if not (directory / GGUF_FILE).exists():
-        return None
-    c = model.config
-    weights = GGUFWeights(directory / GGUF_FILE, c.num_layers, c.num_heads, c.num_kv_heads)
-    return q8_weights(weights, checkpoint_tensors(model))
+    return q8_weights(gguf, checkpoint_tensors(model))
 
 
 def load_model(
@@ -552,8 +549,8 @@ def load_model(
         if quantization == Quantization.NONE:
             load_weights(model, directory)
         else:  # quantize from the dense fp32 weights, then pack what stays fp32
-            load_weights(model, directory, pack=False)
-            model.quantize(quantization, blocks=_checkpoint_blocks(model, directory, quantization))
+            gguf = load_weights(model, directory, pack=False)
+            model.quantize(quantization, blocks=_checkpoint_blocks(model, gguf, quantization))
             model.pack_weights()
     model.eval()
     try:

@@ -11,13 +11,16 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
 from kvrelay.core.modelref import ModelNotFoundError
 from kvrelay.workers.errors import UnsupportedModelError
 from kvrelay.workers.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from kvrelay.workers.model.gguf_weights import GGUFWeights
 
 logger = logging.getLogger(__name__)
 
@@ -64,23 +67,28 @@ def checkpoint_tensors(model: LlamaForCausalLM) -> list[dict[str, torch.Tensor]]
     return [top, *layers]
 
 
-def load_weights(model: LlamaForCausalLM, directory: Path, pack: bool | None = None) -> None:
+def load_weights(
+    model: LlamaForCausalLM, directory: Path, pack: bool | None = None
+) -> GGUFWeights | None:
     """Fill `model` from the safetensors of `directory`, or from the GGUF file it links
-    (`gguf_convert.GGUF_FILE`); pack linears (default: when possible)."""
+    (`gguf_convert.GGUF_FILE`); pack linears (default: when possible). Returns the GGUF's
+    reader (None for safetensors), whose Q8_0 blocks quantization can take."""
     from kvrelay.workers.model.gguf_convert import GGUF_FILE
 
     pack = model.can_pack() if pack is None else pack
     dests = checkpoint_tensors(model)
+    gguf = None
     if (Path(directory) / GGUF_FILE).exists():
-        _load_gguf(Path(directory) / GGUF_FILE, model, dests)
+        gguf = _load_gguf(Path(directory) / GGUF_FILE, model, dests)
     else:
         _load_safetensors(Path(directory), dests[0], dests[1:])
     model.after_load()
     if pack:
         model.pack_weights()
+    return gguf
 
 
-def _load_gguf(path: Path, model: LlamaForCausalLM, dests: list[dict]) -> None:
+def _load_gguf(path: Path, model: LlamaForCausalLM, dests: list[dict]) -> GGUFWeights:
     from kvrelay.workers.model.gguf_weights import GGUFWeights
 
     c = model.config
@@ -88,6 +96,7 @@ def _load_gguf(path: Path, model: LlamaForCausalLM, dests: list[dict]) -> None:
     for dest in dests:
         for name, target in dest.items():
             weights.read_into(name, target)
+    return weights
 
 
 def _load_safetensors(directory: Path, top: dict, layers: list[dict]) -> None:

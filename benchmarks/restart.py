@@ -54,16 +54,29 @@ def _owner(redis_url: str, prefix: str, request_id: str) -> str:
     return owner.decode() if owner else ""
 
 
-def _startup(redis_url: str, prefix: str, worker: str) -> float | None:
+def _worker_field(redis_url: str, prefix: str, worker: str, name: str) -> str | None:
     import redis
 
     from kvrelay.core.keys import Keys
 
-    value = redis.Redis.from_url(redis_url).hget(Keys(prefix).worker(worker), "startup_s")
+    value = redis.Redis.from_url(redis_url).hget(Keys(prefix).worker(worker), name)
+    return value.decode() if value else None
+
+
+def _startup(redis_url: str, prefix: str, worker: str) -> float | None:
+    value = _worker_field(redis_url, prefix, worker, "startup_s")
     return float(value) if value else None
 
 
-def one_round(state: dict, url: str, sup, tokens: int, beside: int, round_no: int) -> dict:
+def _serving_pid(redis_url: str, prefix: str, worker: str) -> int | None:
+    """The pid serving worker name `worker` (with --standby, either of its two programs)."""
+    value = _worker_field(redis_url, prefix, worker, "pid")
+    return int(value) if value else None
+
+
+def one_round(
+    state: dict, url: str, sup, tokens: int, beside: int, round_no: int, standby: bool
+) -> dict:
     """Stream a request, kill its owner (and `beside` others) at its 10th token; the gap."""
     body = {"model": MODEL, "prompt": f"Round {round_no}: count from one to a thousand.",
             "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
@@ -84,15 +97,14 @@ def one_round(state: dict, url: str, sup, tokens: int, beside: int, round_no: in
             arrivals.append(time.monotonic())
             if len(arrivals) == 10:
                 owner = _owner(state["redis_url"], state["key_prefix"], request_id)
-                status = sup.status()
-                victims = [owner] + [
-                    name for name, (st, _pid) in sorted(status.items())
-                    if name != owner and name.startswith(("decode-", "prefill-"))
-                    and st == "RUNNING"
-                ][:beside]  # fmt: skip
+                # the worker names' serving processes (with --standby: either program)
+                names = sorted({name.removesuffix("-standby") for name in sup.status()
+                                if name.startswith(("decode-", "prefill-"))})  # fmt: skip
+                victims = [owner] + [name for name in names if name != owner][:beside]
+                pids = {name: _serving_pid(state["redis_url"], state["key_prefix"], name)
+                        for name in victims}  # fmt: skip
                 kill_at = time.monotonic()
-                for name in victims:
-                    pid = status[name][1]
+                for name, pid in pids.items():
                     if pid:
                         os.kill(pid, signal.SIGKILL)
                         killed[name] = pid
@@ -101,14 +113,20 @@ def one_round(state: dict, url: str, sup, tokens: int, beside: int, round_no: in
     after = [kill_at] + [t for t in arrivals if t > kill_at]
     stall = max((b - a for a, b in zip(after, after[1:], strict=False)), default=None)
     owner = next(iter(killed))
-    # wait until the owner's new process has published its heartbeat (its startup_s)
+    # wait until every killed name is served again and, with --standby, each killed program is
+    # back (as the standby); the serving process's startup_s is in its heartbeat
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        st, pid = sup.status().get(owner, ("", None))
-        if st == "RUNNING" and pid != killed[owner]:
+        serving = {n: _serving_pid(state["redis_url"], state["key_prefix"], n) for n in killed}
+        running = {pid for st, pid in sup.status().values() if st == "RUNNING"}
+        if (
+            all(pid and pid != killed[n] for n, pid in serving.items())
+            and not (set(killed.values()) & running)
+            and len(running) == len(sup.status())
+        ):
             break
         time.sleep(0.2)
-    time.sleep(2)  # its first heartbeat
+    time.sleep(2 if not standby else 8)  # its first heartbeat; a standby loaded again
     return {
         "round": round_no,
         "killed": sorted(killed),
@@ -123,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers (kvrelay up --decode)")
     p.add_argument("--beside", type=int, default=0, help="other workers killed at once")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--standby", action="store_true", help="kvrelay up --standby")
     p.add_argument("--tokens", type=int, default=200, help="tokens of each streamed request")
     args = p.parse_args(argv)
     from kvrelay.cli.up.launch import Supervisor
@@ -131,20 +150,21 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = Path(tmp) / "run"
         port = _free_port()
         done = _kvrelay("up", "--detach", "--run-dir", str(run_dir), "--port", str(port),
-                        "--prefill", "0", "--decode", str(args.decode))  # fmt: skip
+                        "--prefill", "0", "--decode", str(args.decode),
+                        *(["--standby"] if args.standby else []))  # fmt: skip
         state = json.loads(done.stdout.strip().splitlines()[-1])
         try:
             sup = Supervisor(run_dir)
             url = f"http://127.0.0.1:{port}"
             gaps = []
             for i in range(args.rounds):
-                result = one_round(state, url, sup, args.tokens, args.beside, i)
+                result = one_round(state, url, sup, args.tokens, args.beside, i, args.standby)
                 print(json.dumps(result), flush=True)
                 if result["gap_s"] is not None:
                     gaps.append(result["gap_s"])
             print(json.dumps({"median_gap_s": statistics.median(gaps) if gaps else None,
                               "rounds": len(gaps), "decode": args.decode,
-                              "beside": args.beside}))  # fmt: skip
+                              "beside": args.beside, "standby": args.standby}))  # fmt: skip
         finally:
             _kvrelay("down", "--run-dir", str(run_dir))
 

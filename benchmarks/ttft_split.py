@@ -60,7 +60,9 @@ def main() -> int:
     state = json.loads((Path(args.run_dir) / "stack.json").read_text())
     url = f"http://127.0.0.1:{state['port']}/v1/completions"
     prefix = "{" + state.get("key_prefix", "kvrelay:").rstrip(":") + "}:"
-    r = redis.Redis.from_url(state["redis_url"])
+    from kvrelay.core.redis_client import sync_redis  # a Sentinel URL too (--valkey-replicas)
+
+    r = sync_redis(state["redis_url"])
     with httpx.Client(timeout=60) as client:  # one client: its setup is not request latency
         rows = [probe(client, url, r, prefix, i) for i in range(args.requests)][2:]  # 2 warm-ups
     rows = [row for row in rows if row is not None]

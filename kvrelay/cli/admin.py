@@ -120,6 +120,8 @@ def run_status(args: argparse.Namespace) -> int:
     from redis import RedisError
 
     from kvrelay.cli import status_data
+    from kvrelay.cli.up.ready import ingress_status
+    from kvrelay.cli.up.sentinel_status import replication_lines, replication_status
 
     if not 0.05 <= args.interval <= 3600:
         raise CommandError(f"--interval must be 0.05-3600 s, got {args.interval:g}")
@@ -138,6 +140,12 @@ def run_status(args: argparse.Namespace) -> int:
         cluster = status_data.cluster_nodes(r, state)
         if cluster is not None:  # only a cluster's status has the key
             data["cluster"] = cluster
+        replication = replication_status(state)
+        if replication is not None:  # only a stack with --valkey-replicas has the key
+            data["replication"] = replication
+        ingresses = ingress_status(state)
+        if ingresses:  # only a stack of several ingresses (`up --ingresses N`) has the key
+            data["ingresses"] = ingresses
         return data
 
     if args.watch:
@@ -194,6 +202,16 @@ def run_status(args: argparse.Namespace) -> int:
     elif data["store"] is not None:
         print(store_line(data["store"]))
     print(f"topology: {data['topology']['summary']}")
+    if "replication" in data:
+        print(*replication_lines(data["replication"]), sep="\n")
+    if "ingresses" in data:
+        ingresses = (
+            f"{i['program']} {i['state'].lower()}"
+            + (f" pid {i['pid']}" if i["pid"] else "")
+            + ("" if i["listening"] or i["state"] != "RUNNING" else " (not listening yet)")
+            for i in data["ingresses"]
+        )
+        print(f"ingresses on port {state['port']} (shared): {', '.join(ingresses)}")
     if "cluster" in data:
         print(*cluster_lines(data["cluster"]), sep="\n")
     return 0

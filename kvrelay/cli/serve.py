@@ -2,13 +2,21 @@
 
 Flags mirror IngressConfig; unset flags fall back to `KVRELAY_INGRESS_*` (and the shared
 `KVRELAY_REDIS_URL`, `KVRELAY_KEY_PREFIX`, `KVRELAY_API_KEYS`), then to the defaults.
+
+`--reuse-port`: several ingresses share one address (`kvrelay up --ingresses N`). Each binds
+its own socket with SO_REUSEPORT and the kernel spreads new connections over the listening
+ones, so the clients of a killed ingress reconnect to a live one at the same address. The
+socket listens only once the app has started (uvicorn calls listen() after its lifespan), so
+a restarting ingress takes no connection it cannot serve yet.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
+import socket
 import sys
 
 from kvrelay.core.config import config_file_help, setting_flags
@@ -91,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", default=None, metavar="FILE", help=config_file_help("ingress")["help"]
     )
+    parser.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="share the address with other ingresses (SO_REUSEPORT: the kernel spreads "
+        "connections over them); `kvrelay up --ingresses N` sets it",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -115,17 +129,53 @@ def check_listen(host: str, port: int) -> None:
     check_port_free(host, port)
 
 
+def bind_shared(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` with SO_REUSEPORT (and SO_REUSEADDR), not listening
+    yet: other sockets bound the same way share the port, any other holder refuses it
+    (CommandError, one line, exit 2)."""
+    from kvrelay.cli.errors import CommandError
+
+    if not 0 <= port <= 65535:
+        raise CommandError(f"port must be 0-65535 (0: any free port), got {port}")
+    try:
+        family, kind, proto, _name, addr = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise CommandError(f"cannot listen on {host}: {exc}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise CommandError(
+                f"port {port} on {host} is in use by a listener that does not share it "
+                "(SO_REUSEPORT)"
+            ) from None
+        raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
 
     from kvrelay.pipeline.server.app import create_app
 
     config = config_from_args(args)  # a ConfigError is one line, exit 2 (kvrelay.cli.main)
-    check_listen(config.host, config.port)
+    shared = getattr(args, "reuse_port", False)
+    # a port its sibling ingresses hold with SO_REUSEPORT is not taken: the real bind tells
+    sock = bind_shared(config.host, config.port) if shared else None
+    if sock is None:
+        check_listen(config.host, config.port)
     logger.info(
-        "ingress on http://%s:%d (redis %s, mode %s, models %s, api keys %s)",
+        "ingress on http://%s:%d (%sredis %s, mode %s, models %s, api keys %s)",
         config.host,
         config.port,
+        "port shared with other ingresses: SO_REUSEPORT; " if shared else "",
         config.redis_url,
         config.mode,
         ", ".join(config.models),
@@ -134,11 +184,29 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn stops gracefully on SIGTERM and then re-raises it to the handler it found; without
     # this one the process dies by the signal (supervisord warns on every stop) instead of 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        log_level=str(getattr(args, "log_level", None) or "info").lower(),  # its own lines
-        timeout_graceful_shutdown=10,
+    log_level = str(getattr(args, "log_level", None) or "info").lower()  # uvicorn's own lines
+    if sock is None:
+        uvicorn.run(
+            create_app(config),
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            timeout_graceful_shutdown=10,
+        )
+        return 0
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            timeout_graceful_shutdown=10,
+        )
     )
-    return 0
+    try:
+        server.run(sockets=[sock])  # listen() once the app has started
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+    return 0 if server.started else STARTUP_FAILURE  # as uvicorn.run exits

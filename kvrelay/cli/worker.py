@@ -17,9 +17,11 @@ if TYPE_CHECKING:  # (loaded when a worker runs: `kvrelay --help` needs no torch
     from kvrelay.workers.config import WorkerConfig
     from kvrelay.workers.engine.llm_engine import Engine
     from kvrelay.workers.metrics import WorkerMetrics
+    from kvrelay.workers.slot import WorkerSlot
 
 logger = logging.getLogger(__name__)
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 LOADER_THREADS = 4  # concurrent store fetches of one worker (the node fetches 4 remotely too)
 
 
@@ -94,6 +96,7 @@ _HELP: list[tuple[str, ...]] = [
         "in one queue-plane call (first tokens and ends at once; 0: every step)",
     ),
     ("metrics_port", "0: any free port; -1: none"),
+    ("slot_dir", "where this host's worker-name slots live (none: <temp dir>/kvrelay-slots)"),
     (
         "override_generation_config",
         "JSON object of defaults for the sampling fields a request leaves out, over the "
@@ -186,6 +189,45 @@ def run(args: argparse.Namespace) -> int:
     return serve(args.role, config, Engine(config.engine))
 
 
+def take_slot(config: WorkerConfig, role: str) -> WorkerSlot | None:
+    """The worker name's slot on this host (`workers.slot`): at once when it is free, else
+    after its holder dies, this process waiting loaded (a warm standby, announced under
+    `standby:{name}` for `kvrelay up` and `status`); None when stopped (SIGTERM/SIGINT) while
+    waiting."""
+    import threading
+    import time
+
+    from kvrelay.workers.slot import WorkerSlot, announce_standby, slot_path
+
+    name = config.worker_name(role)
+    path = slot_path(config.redis_url, config.key_prefix, config.pipeline, name, config.slot_dir)
+    slot = WorkerSlot(path)
+    if slot.try_acquire():
+        slot.acquired_at = None  # serving since the process started: `startup_s` says so
+        return slot
+    logger.info(
+        "%s worker %s: standby, loaded (pid %s serves the name on this host)",
+        role, name, slot.holder(),
+    )  # fmt: skip
+    stop, taken = threading.Event(), threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+    announcer = threading.Thread(
+        target=announce_standby, args=(config, name, stop, taken), name="standby", daemon=True
+    )
+    announcer.start()
+    try:
+        if not slot.wait(stop):
+            logger.info("%s worker %s: standby stopped", role, name)
+            return None
+    finally:
+        taken.set()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    slot.acquired_at = time.monotonic()
+    logger.info("%s worker %s: the name's process is gone; taking over", role, name)
+    return slot
+
+
 def serve(role: str, config: WorkerConfig, engine: Engine) -> int:
     """Run a worker of `role` over `engine` until SIGTERM/SIGINT (then drain and release)."""
     from kvrelay.workers.decode import DecodeWorker
@@ -195,15 +237,19 @@ def serve(role: str, config: WorkerConfig, engine: Engine) -> int:
     metrics = WorkerMetrics((config.served_names or (engine.model_name,))[0], engine)
     node = attach_store(engine, config.store_run_dir, metrics) if config.store_run_dir else ""
     cls = PrefillWorker if role == Stage.PREFILL else DecodeWorker
-    worker = cls(config, engine, store_node=node, metrics=metrics)
+    slot = take_slot(config, role)
+    if slot is None:
+        return 0  # stopped while a standby
+    worker = cls(config, engine, store_node=node, metrics=metrics, started=slot.acquired_at)
+    worker.slot_held = True
     metrics.serve(config.metrics_port)
 
     def on_signal(signum, _frame):
         logger.info("signal %d: stopping %s", signum, worker.name)
         worker.stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
     # The model, tokenizer and store client are loaded: move every object allocated so far out
     # of the collector's sight, so a full collection on the compute thread scans only what the
     # requests allocate (a collection during a step shows as a late token).

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from kvrelay.core.errors import KvrelayError
+from kvrelay.core.sentinel_url import is_sentinel_url, sentinel_url_problem
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -116,7 +117,10 @@ def redact_url(url: str) -> str:
 
 def redis_url_problem(url: str) -> str | None:
     """What makes `url` unusable as a Redis URL, or None: a scheme redis-py knows (redis,
-    rediss, unix), a port of 1-65535 and a database number (path `/N` or `?db=N`)."""
+    rediss, unix), a port of 1-65535 and a database number (path `/N` or `?db=N`); or a
+    `redis+sentinel://` URL (`core.sentinel_url`)."""
+    if is_sentinel_url(url):
+        return sentinel_url_problem(url)
     parts = urlsplit(url)
     if parts.scheme not in REDIS_SCHEMES or not url.startswith(parts.scheme + "://"):
         return (

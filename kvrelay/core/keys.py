@@ -218,6 +218,11 @@ class Keys:
         """Hash: a stored Responses API answer (`pipeline/server/response_store.py`)."""
         return self._p + f"resp:{response_id}"
 
+    def standby(self, worker_id: str) -> str:
+        """String with TTL: the pid of a process waiting, loaded, to serve worker `worker_id`
+        when the one serving it dies (`workers.slot`; `kvrelay up --standby`)."""
+        return self._p + f"standby:{worker_id}"
+
     def worker(self, worker_id: str) -> str:
         """Hash: a worker's heartbeat record on this shard (each shard a worker serves has one:
         `lua/beat.lua` writes it with the consumer's lease, one slot per script)."""

@@ -8,6 +8,12 @@ valid for both (`--redis-url redis://any-node:6379` of an existing cluster just 
 `cluster=True/False` skips the probe. A server that does not answer the probe counts as plain
 and is asked again by the next client (its plain client then fails as it always did).
 
+A `redis+sentinel://` URL (`kvrelay.core.sentinel_url`) gives a client of the primary the
+Sentinels name, on redis-py's Sentinel pool: every new connection asks the Sentinels where the
+primary is, so after a failover the next connection reaches the promoted replica, and a
+READONLY reply (a demoted primary) is raised as a ConnectionError, which callers retry like a
+lost connection. Such a URL is never a cluster (no probe).
+
 Here in core, not beside the asyncio pools of `pipeline/queue/redis_options.py`, because the
 store's directory (kvstore), the workers and the CLI connect too, and kvstore and pipeline may
 not import each other.
@@ -20,19 +26,24 @@ from typing import Any
 
 import redis
 import redis.cluster
+import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, RedisClusterException
 from redis.retry import Retry
 
 from kvrelay.core.config import redact_url
+from kvrelay.core.sentinel_url import is_sentinel_url, parse_sentinel_url
 
 logger = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 2.0
+SENTINEL_TIMEOUT_S = 1.0  # one question to one Sentinel: a dead one is skipped after this
 _cluster_urls: dict[str, bool] = {}  # url -> cluster mode, for the urls that answered
 
 
 def is_cluster(url: str) -> bool:
     """Whether the server at `url` runs in cluster mode (INFO cluster), once per URL."""
+    if is_sentinel_url(url):
+        return False
     known = _cluster_urls.get(url)
     if known is not None:
         return known
@@ -62,7 +73,12 @@ def sync_redis(
 
     The sync cluster client reads the slot map at once; when it cannot, redis-py raises
     RedisClusterException, not a RedisError: it is raised as a ConnectionError here, so callers
-    that handle an unreachable Redis handle an unreachable cluster too."""
+    that handle an unreachable Redis handle an unreachable cluster too.
+
+    A `redis+sentinel://` URL gives the primary's client on a Sentinel pool (`cluster` unused).
+    """
+    if is_sentinel_url(url):
+        return sentinel_master(url, **options)
     if cluster if cluster is not None else is_cluster(url):
         options.setdefault("socket_timeout", None)  # the cluster client's default is 5 s
         try:
@@ -70,3 +86,28 @@ def sync_redis(
         except RedisClusterException as exc:
             raise ConnectionError(f"Redis Cluster at {redact_url(url)}: {exc}") from exc
     return redis.Redis.from_url(url, **options)
+
+
+def sentinel_options() -> dict[str, Any]:
+    """Connection options for the Sentinels themselves: short timeouts and no retry, so a dead
+    Sentinel costs one refused connect (or one timeout) before the next one is asked."""
+    return {
+        "socket_timeout": SENTINEL_TIMEOUT_S,
+        "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+        "retry": Retry(NoBackoff(), 0),
+    }
+
+
+def master_options(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
+    """(Sentinel addresses, master name, the data connections' db and credentials) of a
+    `redis+sentinel://` URL."""
+    parsed = parse_sentinel_url(url)
+    auth = {"db": parsed.db, "username": parsed.username, "password": parsed.password}
+    return list(parsed.sentinels), parsed.master, auth
+
+
+def sentinel_master(url: str, **options: Any) -> redis.Redis:
+    """A sync client of the primary that the Sentinels of `url` name, following failovers."""
+    sentinels, master, auth = master_options(url)
+    manager = redis.sentinel.Sentinel(sentinels, sentinel_kwargs=sentinel_options())
+    return manager.master_for(master, **auth, **options)

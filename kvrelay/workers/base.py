@@ -48,6 +48,7 @@ from kvrelay.workers.lane import ShardLane
 from kvrelay.workers.metrics import WorkerMetrics
 from kvrelay.workers.publication import ModelPublication
 from kvrelay.workers.reader import Admission
+from kvrelay.workers.slot import dead_predecessors
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,10 @@ class Worker:
         client: redis.Redis | None = None,
         store_node: str = "",
         metrics: WorkerMetrics | None = None,
+        started: float | None = None,
     ):
+        """`started`: time.monotonic() when this process began to serve (a standby: when it
+        took the name's slot), for `startup_s`; None: the process's start."""
         self.config = config
         self.store_node = store_node
         self.engine = engine
@@ -112,6 +116,9 @@ class Worker:
         model_name = (config.served_names or (engine.model_name,))[0]
         self.metrics = metrics or WorkerMetrics(model_name, engine)
         self.stop_event = threading.Event()
+        # this process holds the name's slot on the host (`workers.slot`; `kvrelay worker` takes
+        # it before building the worker): earlier processes of the name here are all gone
+        self.slot_held = False
         # set once the worker's groups exist and its heartbeat announced it (start())
         self.ready = threading.Event()
         self.page_size = engine.config.page_size
@@ -140,7 +147,8 @@ class Worker:
             attention=engine.attention_precision,  # fp32 or bf16 (AMX tiles), resolved
             # speculative decoding, resolved: off, ngram or draft
             speculation=str(engine.speculation),
-            startup_s=process_age(),  # the engine is ready (a restart's cost, in status)
+            # the engine is ready (a restart's cost, in status)
+            startup_s=process_age() if started is None else time.monotonic() - started,
         )
         self._tokens = 0
         self._rate = (time.monotonic(), 0, 0.0)
@@ -200,6 +208,15 @@ class Worker:
                 check_shard_count_sync(self.r, self.keys)  # refuse another shard count
                 for lane in self.lanes.values():
                     lane.ensure_groups()
+                    # before the first beat overwrites the name's record
+                    lane.dead = dead_predecessors(
+                        self.r, lane.keys, self.name, lane.consumer, self.slot_held
+                    )
+                    if lane.dead:
+                        logger.info(
+                            "%s worker %s: taking over %s at once (their process is gone)",
+                            self.role, self.name, ", ".join(lane.dead),
+                        )  # fmt: skip
                     lane.heartbeat.beat()
                 break
             except redis.ConnectionError as exc:

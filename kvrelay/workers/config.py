@@ -78,6 +78,9 @@ class WorkerConfig(RedisSettings):
     req_ttl_s: int = 86400  # req:{id} lifetime after the final chunk
     stop_grace_s: float = 5.0  # on SIGTERM, finish in-flight work this long, then release it
     metrics_port: int = 0  # 0: any free port (published in the heartbeat); -1: none
+    # where the host's worker-name slots live (`workers.slot`: one process serves a name, the
+    # others wait as standbys); "": <temp dir>/kvrelay-slots
+    slot_dir: str = ""
     # JSON object of defaults for fields a request leaves out (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_tokens), over the model's own; published with the model, so every
     # producer (ingress, client) applies them. Give every worker of a model the same value.

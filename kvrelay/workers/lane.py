@@ -80,6 +80,9 @@ class ShardLane:
             req_ttl_s=config.req_ttl_s,
         )
         self.inflight = Inflight()
+        # the consumers of earlier processes of this worker's name, known gone: claimed at
+        # once, not after a lease (`workers.slot.dead_predecessors`, set by `Worker.start`)
+        self.dead: list[str] = []
         self.emitter = Emitter(
             self.streams,
             self.stream,

@@ -89,6 +89,9 @@ class ReaderHost(Protocol):
     def emitter(self) -> Emitter: ...  # dead letters, the feeds of admitted requests
 
     @property
+    def dead(self) -> list[str]: ...  # consumers of its own name known gone (`workers.slot`)
+
+    @property
     def metrics(self) -> WorkerMetrics: ...
 
     @property
@@ -114,7 +117,7 @@ def read_loop(w: ReaderHost) -> None:
             if now - last_claim >= claim_every:
                 last_claim = now
                 with w.streams.lock:
-                    claimed = w.streams.claim(w.stream, w.group, w.config.lease_ms, room)
+                    claimed = w.streams.claim(w.stream, w.group, w.config.lease_ms, room, w.dead)
                     if claimed:
                         receive(w, claimed, claimed=True)
                 room = w.room()

@@ -29,6 +29,9 @@ class StreamResult:
     retries: int = 0  # submissions refused before a stream started
     reattaches: int = 0  # streams cut before their ending, resumed with Last-Event-ID
     done: bool = False
+    # the client-side port of each response's connection, the latest last (which ingress of
+    # several behind one address serves it: tests/e2e/test_ingress_failover.py)
+    client_ports: list[int] = field(default_factory=list)
 
 
 def _events(resp: httpx.Response):
@@ -65,11 +68,22 @@ def _consume(resp: httpx.Response, res: StreamResult) -> None:
         res.finish_reason = choice.get("finish_reason") or res.finish_reason
 
 
+def _client_port(resp: httpx.Response) -> int:
+    stream = resp.extensions["network_stream"]  # httpcore's: the connection's socket
+    return int(stream.get_extra_info("client_addr")[1])
+
+
 def stream_chat(
-    client: httpx.Client, url: str, body: dict, request_id: str, give_up_s: float = 600
+    client: httpx.Client,
+    url: str,
+    body: dict,
+    request_id: str,
+    give_up_s: float = 600,
+    res: StreamResult | None = None,
 ) -> StreamResult:
-    """Stream one chat completion to its end (retrying refusals, reattaching cut streams)."""
-    res = StreamResult(request_id)
+    """Stream one chat completion to its end (retrying refusals, reattaching cut streams);
+    `res`: the result to fill (another thread may watch it fill), else a new one."""
+    res = res or StreamResult(request_id)
     give_up = time.monotonic() + give_up_s
     body = {**body, "stream": True, "logprobs": True}
     while time.monotonic() < give_up:
@@ -88,6 +102,7 @@ def stream_chat(
                     resp.read()
                     res.error = {"status": resp.status_code, "body": resp.text}
                     return res
+                res.client_ports.append(_client_port(resp))
                 _consume(resp, res)
         except httpx.HTTPError:  # refused, cut, or silent for `timeout` s: try again by id
             if not res.num_tokens and res.error is None:

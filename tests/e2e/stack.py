@@ -10,10 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import redis
-
 from kvrelay.cli.up.launch import Supervisor
 from kvrelay.core.keys import Keys
+from kvrelay.core.redis_client import sync_redis
 from tests.conftest import free_port
 from tests.queue_state import emitted_chunks
 
@@ -93,9 +92,8 @@ class Stack:
         self.state = json.loads(done.stdout.strip().splitlines()[-1])
         self.keys = Keys(self.state["key_prefix"], shards=self.shards)
         url = self.state["redis_url"]
-        self.redis = (
-            redis.RedisCluster.from_url(url) if self.shards > 1 else redis.Redis.from_url(url)
-        )
+        # the one factory: a cluster's client, or a Sentinel URL's primary (--valkey-replicas)
+        self.redis = sync_redis(url, cluster=self.shards > 1)
         self.sup = Supervisor(self.run_dir)
 
     @property

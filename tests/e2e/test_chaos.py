@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from kvrelay.cli.up.topology import ingress_programs
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP
 from kvrelay.pipeline.client.producer import AsyncClient
 from tests.e2e.chaos_client import StreamResult, stream_chat
@@ -59,9 +60,21 @@ BRIEF = ("You write for a children's magazine that likes gentle rhymes, simple w
          "makes a small child smile before going to sleep on a quiet evening. ")  # fmt: skip
 
 
+# Ingresses behind the stack's one address (`kvrelay up --ingresses`): with 2 or more, every
+# one but the first is among the victims too; its clients reconnect to the same URL (another
+# ingress takes the connection) and resume with Last-Event-ID (docs/reliability.md).
+INGRESSES = int(os.environ.get("KVRELAY_CHAOS_INGRESSES", "2"))
+
+
+def ingress_victims(stack: Stack) -> tuple[str, ...]:
+    """The stack's ingresses that may be killed: all but the first (none with one ingress)."""
+    return tuple(ingress_programs(stack.state)[1:])
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("chaos"), prefill=2, decode=2, env=CHAOS_ENV)
+    s = Stack(tmp_path_factory.mktemp("chaos"), prefill=2, decode=2, env=CHAOS_ENV,
+              extra=["--ingresses", str(INGRESSES)])  # fmt: skip
     s.up(timeout=300)
     yield s
     s.down()
@@ -179,7 +192,7 @@ class Chaos:
 
 
 def test_no_request_lost_under_churn(stack):
-    churn_and_compare(stack)
+    churn_and_compare(stack, VICTIMS + ingress_victims(stack))
 
 
 def churn_and_compare(

@@ -30,9 +30,17 @@ from kvrelay.cli.up.models import (
 )
 from kvrelay.cli.up.progress import UpProgress
 from kvrelay.cli.up.ready import CrashLoopError, check_redis, wait_ready
-from kvrelay.cli.up.topology import Topology, choose, default_weights
+from kvrelay.cli.up.topology import (
+    MAX_INGRESSES,
+    STANDBY_SUFFIX,
+    Topology,
+    choose,
+    default_weights,
+    ingress_names,
+)
 from kvrelay.cli.up.valkey import check_ports_free, check_shards, embedded_valkey, start_cluster
 from kvrelay.cli.up.valkey_cluster import MAX_SHARDS, ClusterError
+from kvrelay.cli.up.valkey_sentinel import add_replica_arguments
 from kvrelay.cli.worker import KV_DTYPE_CHOICES, SPECULATION_CHOICES
 from kvrelay.core.config import (
     DEFAULT_KEY_PREFIX,
@@ -136,7 +144,20 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="decode workers per model (default: chosen for the host)",
     )
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="a warm standby per worker: a second process of the same name, loaded, that "
+        "serves within milliseconds of the first's death (twice the workers' memory)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="ingress bind address")
+    p.add_argument(
+        "--ingresses",
+        type=_number(int, 1, MAX_INGRESSES, "number of ingresses"),
+        default=1,
+        help="ingress processes sharing --host:--port (SO_REUSEPORT: the kernel spreads the "
+        "connections; a killed one's clients reconnect to another); default 1",
+    )
     p.add_argument(
         "--port", type=_number(int, 1, 65535, "port"), default=8000, help="ingress port (8000)"
     )
@@ -163,6 +184,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         help="pipeline shards: 1 (default) a plain Valkey, 2-16 a local Valkey Cluster of that "
         "many primaries, one shard's keys on each; with --redis-url, the shards on that server",
     )
+    add_replica_arguments(p, _number(int, 0, 16, "replica count"), _number(int, 100, 600000))
     p.add_argument("--key-prefix", default=DEFAULT_KEY_PREFIX, help="Redis key prefix")
     p.add_argument("--threads", type=size, default=None, help="cores to divide (default: all)")
     p.add_argument("--arena-bytes", type=size, default=1 << 30, help="store host-tier bytes")
@@ -663,23 +685,27 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     for m, menv in zip(served, model_envs, strict=True):
         programs.append(Program(m.store, [*py, "store", *config_flags], env=menv, priority=20))
     first_env = model_envs[0]
-    programs.append(
-        Program(
-            "ingress",
-            [
-                *py,
-                "serve",
-                "--host",
-                args.host,
-                "--port",
-                str(args.port),
-                *ingress_flags(args),
-                *config_flags,
-            ],  # fmt: skip
-            env=dict(first_env, **{MODE_ENV: mode}),
-            priority=30,
+    num_ingresses = getattr(args, "ingresses", 1)
+    shared = ["--reuse-port"] if num_ingresses > 1 else []  # one address for all of them
+    for ingress in ingress_names(num_ingresses):
+        programs.append(
+            Program(
+                ingress,
+                [
+                    *py,
+                    "serve",
+                    "--host",
+                    args.host,
+                    "--port",
+                    str(args.port),
+                    *shared,
+                    *ingress_flags(args),
+                    *config_flags,
+                ],  # fmt: skip
+                env=dict(first_env, **{MODE_ENV: mode}),
+                priority=30,
+            )
         )
-    )
     threads = topo.threads
     # the workers publish the defaults with the model: producers elsewhere apply them too
     override = getattr(args, "override_generation_config", None)
@@ -691,17 +717,20 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
             if gpus:
                 wenv["CUDA_VISIBLE_DEVICES"] = str(n % gpus)  # one GPU per worker, round robin
             n += 1
-            programs.append(
-                Program(
-                    name,
-                    [*py, "worker", role, "--name", name, "--threads", str(threads)]
-                    + worker_flags
-                    + config_flags,
-                    env=wenv,
-                    priority=40,
-                    startsecs=2,
+            command = [*py, "worker", role, "--name", name, "--threads", str(threads)]
+            # a standby: the same worker name; it waits, loaded, for the first one's slot on the
+            # host (`workers.slot`) and takes the dead one's entries at once
+            standby = getattr(args, "standby", False)
+            for program in [name, f"{name}{STANDBY_SUFFIX}"] if standby else [name]:
+                programs.append(
+                    Program(
+                        program,
+                        command + worker_flags + config_flags,
+                        env=wenv,
+                        priority=40,
+                        startsecs=2,
+                    )
                 )
-            )
     state = {
         "redis_url": redis_url,
         "key_prefix": args.key_prefix,
@@ -724,6 +753,10 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
         "speculation": speculation_mode(check_worker_config(args)),  # resolved
         **valkey_state,
     }
+    if getattr(args, "standby", False):  # a `-standby` program beside each worker
+        state["standby"] = True
+    if num_ingresses > 1:  # their programs: topology.ingress_names
+        state["ingresses"] = num_ingresses
     if served[0].names:
         state["served_model_name"] = served[0].names
     if num_models > 1:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvrelay.cli.up.launch import listens
 from kvrelay.cli.up.models import state_stores
+from kvrelay.cli.up.topology import is_ingress, worker_of
 from kvrelay.cli.up.valkey import cluster_mode, valkey_ports
 from kvrelay.core.enums import WorkerField
 from kvrelay.core.worker_record import WorkerRecord
@@ -81,9 +82,9 @@ class UpProgress:
             program_state, pid = status.get(name, ("MISSING", None))
             if program_state != "RUNNING" or pid is None:
                 what = program_state.lower()
-            elif name == "ingress" or name in self._valkeys:
+            elif is_ingress(name) or name in self._valkeys:
                 what = "starting" if listens(pid, self._port(name)) is False else "up"
-            elif registered.get(name) == pid:
+            elif pid in registered.get(name, ()):
                 what = "up"
             elif name in self._stores:
                 what = "starting"
@@ -126,10 +127,11 @@ class UpProgress:
         return valkey_ports(self.state)
 
     def _port(self, name: str) -> int:
-        return int(self.state["port"]) if name == "ingress" else self._valkeys[name]
+        return int(self.state["port"]) if is_ingress(name) else self._valkeys[name]
 
-    def _registered_pids(self, status: dict) -> dict[str, int]:
-        """Pid in the store node's registration and in each worker's heartbeat (when present)."""
+    def _registered_pids(self, status: dict) -> dict[str, set[int]]:
+        """Pids in the store node's registration and in each worker's heartbeat or standby
+        announcement (when present)."""
         import redis
 
         from kvrelay.core.keys import Keys
@@ -152,17 +154,18 @@ class UpProgress:
             pipe = self._redis.pipeline(transaction=False)
             for node in stores.values():
                 pipe.hget(keys.store_node(node), "pid")
-            for name in self.workers:
-                pipe.hget(keys.worker(name), WorkerField.PID)
+            for name in self.workers:  # its heartbeat, or a standby's announcement
+                pipe.hget(keys.worker(worker_of(name)), WorkerField.PID)
+                pipe.get(keys.standby(worker_of(name)))
             replies = pipe.execute()
         except redis.RedisError:  # valkey still starting: nothing registered yet
             return {}
         store_pids, worker_pids = replies[: len(stores)], replies[len(stores) :]
-        pids = [
-            *(None if p is None else int(p) for p in store_pids),
-            *(WorkerRecord.partial(WorkerField.PID, p).pid for p in worker_pids),
-        ]
-        return {n: p for n, p in zip(names, pids, strict=True) if p is not None}
+        pids: list[set[int]] = [{int(p)} if p is not None else set() for p in store_pids]
+        for beat, standby in zip(worker_pids[::2], worker_pids[1::2], strict=True):
+            found = {WorkerRecord.partial(WorkerField.PID, x).pid for x in (beat, standby)}
+            pids.append({p for p in found if p is not None})
+        return dict(zip(names, pids, strict=True))
 
     def _worker_phase(self, name: str, pid: int) -> str:
         """The phase the worker's log shows since `up` started (or since its last restart)."""

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from kvrelay.cli.errors import EXIT_UNAVAILABLE, CommandError, redact_url
 from kvrelay.cli.up.launch import Supervisor, listens
+from kvrelay.cli.up.sentinel_status import not_ready_reason as sentinel_not_ready
+from kvrelay.cli.up.topology import ingress_programs, worker_of
 from kvrelay.cli.up.valkey import cluster_mode, valkey_ports
 from kvrelay.core.enums import Stage, WorkerField
 from kvrelay.core.errors import KvrelayError
@@ -19,9 +21,11 @@ def check_redis(url: str) -> None:
     """PING the Redis at `url` (2 s); CommandError (exit 1) when it does not answer."""
     import redis
 
+    from kvrelay.core.redis_client import sync_redis
+
     shown = redact_url(url)
-    try:
-        client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    try:  # cluster=False: PING one node (a Sentinel URL: the primary its Sentinels name)
+        client = sync_redis(url, cluster=False, socket_timeout=2, socket_connect_timeout=2)
     except ValueError as exc:
         raise CommandError(f"bad --redis-url {shown}: {exc}") from None
     try:
@@ -46,8 +50,9 @@ def _worker_names(state: dict) -> list[str]:
     return [n for n in state["programs"] if n.startswith(("prefill-", "decode-"))]
 
 
-def _heartbeat_pids(state: dict, names: list[str]) -> list[int | None]:
-    """The pid each named worker's heartbeat carries (None: no heartbeat)."""
+def _heartbeat_pids(state: dict, names: list[str]) -> list[set[int]]:
+    """Per worker program, the pids that announce its worker name: its heartbeat's and, with
+    `up --standby`, the waiting standby's (either program may serve the name)."""
     import redis
 
     from kvrelay.core.keys import Keys
@@ -61,18 +66,26 @@ def _heartbeat_pids(state: dict, names: list[str]) -> list[int | None]:
         try:
             pipe = client.pipeline(transaction=False)
             for name in names:
-                pipe.hget(keys.worker(name), WorkerField.PID)
-            return [WorkerRecord.partial(WorkerField.PID, p).pid for p in pipe.execute()]
+                pipe.hget(keys.worker(worker_of(name)), WorkerField.PID)
+                pipe.get(keys.standby(worker_of(name)))
+            replies = pipe.execute()
         finally:
             client.close()
     except redis.RedisError:
-        return [None] * len(names)
+        return [set() for _ in names]
+    out = []
+    for beat, standby in zip(replies[::2], replies[1::2], strict=True):
+        pids = {WorkerRecord.partial(WorkerField.PID, beat).pid}
+        pids.add(WorkerRecord.partial(WorkerField.PID, standby).pid)
+        out.append({p for p in pids if p is not None})
+    return out
 
 
 def not_ready_reason(state: dict, status: dict, previous: dict) -> str | None:
     """Why this stack is not ready yet (None when it is): every program RUNNING with the pid
-    of the previous poll, listening where it should, /health 200 counting this stack's workers,
-    and each worker's heartbeat coming from the pid supervisord runs under its name."""
+    of the previous poll, listening where it should (each of several ingresses on the shared
+    port: one listens only once its app has started), /health 200 counting this stack's
+    workers, and each worker's heartbeat coming from the pid supervisord runs under its name."""
     if not status:
         return "supervisord does not answer"
     for name in state["programs"]:
@@ -81,10 +94,14 @@ def not_ready_reason(state: dict, status: dict, previous: dict) -> str | None:
             return f"{name} is {program_state}"
         if previous.get(name, (None, pid))[1] != pid:
             return f"{name} restarted"
-    ports = {"ingress": state["port"], **valkey_ports(state)}
+    # every ingress listens on the one port (SO_REUSEPORT with several): each pid is checked
+    ports = {**dict.fromkeys(ingress_programs(state), state["port"]), **valkey_ports(state)}
     for name, port in ports.items():
         if listens(status[name][1], port) is False:  # None: no /proc to tell, trust RUNNING
             return f"{name} (pid {status[name][1]}) is not listening on port {port}"
+    replicated = sentinel_not_ready(state)  # None without --valkey-replicas
+    if replicated is not None:
+        return replicated
     body = _health(state["host"], state["port"])
     if body is None:
         return f"/health on port {state['port']} does not answer 200"
@@ -93,10 +110,26 @@ def not_ready_reason(state: dict, status: dict, previous: dict) -> str | None:
         if workers.get(role, 0) < state[role]:
             return f"/health counts {workers.get(role, 0)} {role} workers, want {state[role]}"
     names = _worker_names(state)
-    for name, pid in zip(names, _heartbeat_pids(state, names), strict=True):
-        if pid is None or pid != status[name][1]:
+    for name, pids in zip(names, _heartbeat_pids(state, names), strict=True):
+        if status[name][1] not in pids:
             return f"no heartbeat from {name} (pid {status[name][1]})"
     return None
+
+
+def ingress_status(state: dict) -> list[dict]:
+    """Each ingress program of a stack running several (`kvrelay up --ingresses N`; [] for
+    one): its supervisord state, pid, and whether it listens on the shared port (`kvrelay
+    status`)."""
+    if int(state.get("ingresses") or 1) < 2:
+        return []
+    status = Supervisor(state["run_dir"]).status()
+    out = []
+    for name in ingress_programs(state):
+        program_state, pid = status.get(name, ("STOPPED", None))
+        # listens None: no /proc to tell; a running pid is trusted, as readiness does
+        listening = pid is not None and listens(pid, state["port"]) is not False
+        out.append({"program": name, "state": program_state, "pid": pid, "listening": listening})
+    return out
 
 
 class CrashLoopError(KvrelayError, RuntimeError):

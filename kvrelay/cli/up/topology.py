@@ -19,6 +19,33 @@ from kvrelay.core.enums import Quantization
 # rows, a Python step loop); beyond it another decode worker (its own batch) uses cores better.
 CPU_CORES_PER_WORKER = 16
 GPUS_PER_PREFILL = 4  # with 2+ GPUs: one prefill GPU per this many GPUs, the rest decode
+INGRESS = "ingress"  # the ingress program; with `--ingresses N` also ingress-1 ... ingress-<N-1>
+MAX_INGRESSES = 64
+
+
+STANDBY_SUFFIX = "-standby"  # a worker's standby program (`up --standby`): decode-0-standby
+
+
+def worker_of(program: str) -> str:
+    """The worker name a worker program serves (a standby program serves its first's)."""
+    return program.removesuffix(STANDBY_SUFFIX)
+
+
+def ingress_names(count: int) -> list[str]:
+    """The supervisord programs of `count` ingresses sharing one address: `ingress` (the one of
+    a one-ingress stack), then `ingress-1`, `ingress-2`, ..."""
+    return [INGRESS, *(f"{INGRESS}-{i}" for i in range(1, count))]
+
+
+def is_ingress(program: str) -> bool:
+    """Whether a stack's program is one of its ingresses (ingress_names)."""
+    number = program.removeprefix(f"{INGRESS}-")
+    return program == INGRESS or (number != program and number.isdigit())
+
+
+def ingress_programs(state: dict) -> list[str]:
+    """The ingress programs of a stack (its stack.json state), in order."""
+    return [name for name in state["programs"] if is_ingress(name)]
 
 
 @dataclass(slots=True)

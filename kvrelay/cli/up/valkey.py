@@ -1,5 +1,6 @@
-"""The embedded Valkey of `kvrelay up`: one plain node (`--shards 1`, the default) or a local
-cluster of N primaries (`--shards N`), each a supervisord program.
+"""The embedded Valkey of `kvrelay up`: one plain node (`--shards 1`, the default), a local
+cluster of N primaries (`--shards N`), or a primary with N replicas and 3 Sentinels
+(`--valkey-replicas N`, `valkey_sentinel.py`), each a supervisord program.
 
 A cluster's programs start first; every other program is written with autostart off and
 started only once the slots are assigned and every node is ok (`start_cluster`), so no worker
@@ -25,6 +26,7 @@ from kvrelay.cli.up.valkey_cluster import (
     make_nodes,
     valkey_command,
 )
+from kvrelay.cli.up.valkey_sentinel import replicated_valkey, sentinel_ports
 
 SINGLE = "valkey"  # the program name of the one plain node
 CLUSTER_DIR = "valkey-cluster"  # <run-dir>/valkey-cluster/node-<i>: each node's AOF, nodes.conf
@@ -66,6 +68,14 @@ def check_shards(args: argparse.Namespace, run_dir: Path) -> None:
                 f"{run_dir / CLUSTER_DIR} holds a {existing}-node Valkey cluster: pass "
                 f"--shards {existing}, or remove that directory for a fresh one"
             )
+    replicas = getattr(args, "valkey_replicas", 0)
+    if replicas and shards > 1:
+        raise CommandError(
+            "--valkey-replicas works with one shard only (a cluster with replicas is not "
+            "supported): drop --shards or --valkey-replicas"
+        )
+    if replicas and args.redis_url is not None:
+        raise CommandError("--valkey-replicas starts an embedded Valkey: drop --redis-url")
     if args.redis_port and args.redis_port + shards - 1 > 65535:
         raise CommandError(f"--redis-port {args.redis_port} leaves no room for {shards} nodes")
 
@@ -100,6 +110,11 @@ def _previous_ports(run_dir: Path, shards: int) -> tuple[list[int], list[int]] |
 def embedded_valkey(args: argparse.Namespace, run_dir: Path) -> tuple[list[Program], str, dict]:
     """(programs, redis url, stack.json additions) of the embedded Valkey for `args`."""
     shards = args.shards
+    replicas = getattr(args, "valkey_replicas", 0)
+    if replicas:
+        given = [args.redis_port] if args.redis_port else []
+        count = replicas + 1 + 3 - len(given)  # the data nodes, then 3 Sentinels
+        return replicated_valkey(args, run_dir, given + free_ports(count, {args.port, *given}))
     if shards == 1:
         port = args.redis_port or free_ports(1, {args.port})[0]
         (run_dir / SINGLE).mkdir(parents=True, exist_ok=True)
@@ -129,6 +144,8 @@ def valkey_ports(state: dict) -> dict[str, int]:
     nodes = (state.get("cluster") or {}).get("nodes")
     if nodes:
         return {n["name"]: int(n["port"]) for n in nodes}
+    if state.get("sentinel"):
+        return sentinel_ports(state)
     if SINGLE in state["programs"]:
         return {SINGLE: int(state["redis_url"].rsplit(":", 1)[1].split("/")[0])}
     return {}

@@ -10,6 +10,10 @@ queued. A command that fails to connect or finds its connection closed is retrie
 connection (with backoff), so a dead pooled connection costs one failed write, not a request.
 Idle connections are not pinged before use (redis-py's health check): that PING was a second
 command for most requests (~2 per request at 32 streams) and bought nothing the retry does not.
+A `redis+sentinel://` URL gives a client on a waiting Sentinel pool (`BlockingSentinelPool`):
+each new connection asks the Sentinels for the primary, so the retry above reaches a promoted
+replica after a failover, and a demoted primary's READONLY reply counts as a lost connection.
+
 A command that times out is not retried: a hung Redis (stopped, not dead) would otherwise hold
 each HTTP request for several timeouts instead of one.
 """
@@ -22,8 +26,9 @@ from typing import Any, TypeAlias
 
 import redis.asyncio as aioredis
 import redis.asyncio.cluster as aiocluster
+import redis.asyncio.sentinel as aiosentinel
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import (
     ClusterDownError,
     ConnectionError,
@@ -32,7 +37,8 @@ from redis.exceptions import (
 )
 
 from kvrelay.core.errors import KvrelayError
-from kvrelay.core.redis_client import is_cluster
+from kvrelay.core.redis_client import SENTINEL_TIMEOUT_S, is_cluster, master_options
+from kvrelay.core.sentinel_url import is_sentinel_url
 
 
 def resilient(
@@ -133,6 +139,8 @@ def async_redis(
     waiting pool, so past them a command raises MaxConnectionsError (`pool_timeout_s` unused).
     """
     options = dict(options or RESILIENT)
+    if is_sentinel_url(url):
+        return sentinel_master(url, max_connections, pool_timeout_s, options)
     if cluster if cluster is not None else is_cluster(url):
         # no timeout unless given, as for the plain pool (blocking reads bound their own wait)
         options.setdefault("socket_timeout", None)
@@ -142,3 +150,34 @@ def async_redis(
         url, max_connections=max_connections, timeout=pool_timeout_s, **options
     )
     return aioredis.Redis.from_pool(pool)
+
+
+class BlockingSentinelPool(aiosentinel.SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """redis-py's asyncio Sentinel pool (connections to the primary the Sentinels name) that
+    waits for a free connection as `BlockingConnectionPool` does."""
+
+
+def sentinel_master(
+    url: str, max_connections: int, pool_timeout_s: float | None, options: dict[str, Any]
+) -> aioredis.Redis:
+    """An asyncio client of the primary that the Sentinels of `url` name, following failovers."""
+    sentinels, master, auth = master_options(url)
+    asked = {  # the Sentinels: short timeouts, no retry (a dead one: ask the next)
+        "socket_timeout": SENTINEL_TIMEOUT_S,
+        "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    manager = aiosentinel.Sentinel(sentinels, sentinel_kwargs=asked)
+    return manager.master_for(
+        master,
+        connection_pool_class=BlockingSentinelPool,
+        max_connections=max_connections,
+        timeout=pool_timeout_s,
+        **auth,
+        **options,
+    )
+
+
+def replicated(client: Any) -> bool:
+    """Whether `client` is on a Sentinel pool (a replicated Valkey: submissions WAIT)."""
+    return isinstance(getattr(client, "connection_pool", None), aiosentinel.SentinelConnectionPool)

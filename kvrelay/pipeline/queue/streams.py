@@ -177,16 +177,19 @@ class Streams:
                 entries.append(Entry(as_str(entry_id), (fields or {}).get(MESSAGE_FIELD)))
         return entries
 
-    def claim(self, stream: str, group: str, lease_ms: int, count: int) -> list[Entry]:
-        """Take up to `count` entries of consumers whose worker has not beaten for a lease
-        (`lua/claim.lua`); nothing is read per entry while every worker lives."""
+    def claim(
+        self, stream: str, group: str, lease_ms: int, count: int, dead: Sequence[str] = ()
+    ) -> list[Entry]:
+        """Take up to `count` entries of consumers whose worker has not beaten for a lease, or
+        named in `dead` (known gone: see `workers.slot`) (`lua/claim.lua`); nothing is read
+        per entry while every worker lives."""
         prefill = stream == self.keys.prefill_stream
         other = self.keys.decode_stream if prefill else self.keys.prefill_stream
         reply = self._claim(
             keys=[stream, self.keys.consumers, other],
             args=[
                 group, self.consumer, lease_ms, count, self.keys.fence(""),
-                DECODE_GROUP if prefill else PREFILL_GROUP, self.keys.tail(""),
+                DECODE_GROUP if prefill else PREFILL_GROUP, self.keys.tail(""), *dead,
             ],
         )  # fmt: skip
         return [Entry(as_str(eid), payload or None, int(n)) for eid, payload, n in reply or []]

@@ -10,6 +10,15 @@ Redis unreachable (a Valkey restart) is waited out, up to `submit_wait_s` and th
 deadline (`outage.py`, as the output readers do): the caller gets a slower answer, not a 503.
 Retrying the script is safe: it recognises its own submission by the `submission_id` it
 wrote, so a retry whose first try ran (the reply was lost) queues nothing twice.
+
+On a replicated Valkey (a `redis+sentinel://` client) the script is followed, on the same
+connection, by a PUBLISH to a channel nobody reads and `WAIT 1 <replica_ack_timeout_ms>`: a
+request is acknowledged only once a replica holds it. WAIT counts the replicas that hold this
+connection's last propagated command; the PUBLISH (propagated, data untouched) makes that "now",
+so a retry that finds the request already queued (by an earlier try, its reply lost) waits for
+that earlier write too. When no replica holds it in time, the submission fails with a 503
+`not_replicated` (the request may still run on the primary); a retry with the same request id
+finds it (reattaches) and a failover that lost it lets the retry queue it again.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from kvrelay.pipeline.queue.choices_state import choice_id as choice_id  # where
 from kvrelay.pipeline.queue.field_ttl import field_ttl
 from kvrelay.pipeline.queue.outage import REDIS_RETRY_S, Outage
 from kvrelay.pipeline.queue.progress import new_progress
-from kvrelay.pipeline.queue.redis_options import AsyncRedis
+from kvrelay.pipeline.queue.redis_options import AsyncRedis, replicated
 from kvrelay.pipeline.queue.route import DECODE, Route, Router
 from kvrelay.pipeline.tokens import (
     check_lengths,
@@ -59,6 +68,7 @@ MAX_TOKENS_LIMIT = 4096  # largest max_tokens a request may ask for
 REQUEST_TIMEOUT_S = 600.0  # deadline given to workers
 _HOPELESS_MARGIN = 2  # normalizers (NFKC) may fold characters: never refuse one that fits
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+REPLICA_ACK_TIMEOUT_MS = 1000  # WAIT for one replica this long (a replicated Valkey only)
 
 # lua/submit.lua: create req:{id} and XADD the task in one step, refusing a duplicate id (but
 # not a retry of the same submission) and, at max_waiting unread entries, any new request
@@ -67,6 +77,18 @@ _SUBMIT_LUA = scripts.source("submit")
 # lua/submit_choices.lua: the same for a request fanned out into several choices (a parent
 # record, and a record and a task per choice), all or nothing
 _SUBMIT_CHOICES_LUA = scripts.source("submit_choices")
+
+
+def not_replicated(request_id: str, timeout_ms: int, retry_after_s: int) -> RequestError:
+    """503 not_replicated: queued on the primary, but no replica acknowledged it in time."""
+    return RequestError(
+        f"request {request_id} was not replicated: no Valkey replica acknowledged it within "
+        f"{timeout_ms} ms. Retry with the same X-Request-Id (it is queued once).",
+        503,
+        type="service_unavailable",
+        code="not_replicated",
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -119,6 +141,7 @@ class Producer:
         max_waiting: int = 0,
         retry_after_s: int = 1,
         submit_wait_s: float = REDIS_RETRY_S,
+        replica_ack_timeout_ms: int = REPLICA_ACK_TIMEOUT_MS,
     ):
         self.redis, self.keys, self.registry, self.router = redis, keys, registry, router
         self.max_prompt_tokens, self.max_tokens_limit = max_prompt_tokens, max_tokens_limit
@@ -126,6 +149,8 @@ class Producer:
         # 0: no bound (the producer client); the ingress refuses with 429 at this many
         self.max_waiting, self.retry_after_s = max_waiting, retry_after_s
         self.submit_wait_s = submit_wait_s  # how long a Redis outage is waited out
+        # 0: no WAIT (a Valkey without replicas, or disabled)
+        self.replica_ack_ms = replica_ack_timeout_ms if replicated(redis) else 0
         self._submit = redis.register_script(_SUBMIT_LUA)
         self._submit_choices = redis.register_script(_SUBMIT_CHOICES_LUA)
 
@@ -315,7 +340,7 @@ class Producer:
         flat = _record_items(task, route.stage, len(task.prompt_token_ids), route.cached_tokens)
         flat += _items(record or {})
         ttl_fields = await field_ttl(self.redis)
-        entry_id = await self._submit(
+        call = dict(
             keys=[
                 keys.request(task.request_id),
                 stream,
@@ -336,7 +361,29 @@ class Producer:
                 *flat,
             ],
         )
+        entry_id = await self._replicated(task.request_id, self._submit, call)
         return route, entry_id
+
+    async def _replicated(self, request_id: str, script: Any, call: dict[str, Any]) -> Any:
+        """The submit `script`'s reply; on a replicated Valkey run with `WAIT 1` on the same
+        connection (WAIT counts the replicas holding that connection's writes), and a 503
+        not_replicated when a queued request reached no replica in time."""
+        if not self.replica_ack_ms:
+            return await script(**call)
+        pipe = self.redis.pipeline(transaction=False)
+        await script(**call, client=pipe)
+        pipe.execute_command("PUBLISH", f"{self.keys.prefix}replicated", "")
+        pipe.execute_command("WAIT", 1, self.replica_ack_ms)
+        reply, _, acks = await pipe.execute()
+        # queued now or before (a retry; an existing id is reattached): a replica must hold it
+        if not isinstance(reply, int) and int(acks) < 1:
+            logger.warning(
+                "request %s queued but held by no replica after %d ms: 503",
+                request_id,
+                self.replica_ack_ms,
+            )
+            raise not_replicated(request_id, self.replica_ack_ms, self.retry_after_s)
+        return reply
 
     async def enqueue_choices(
         self,
@@ -433,7 +480,7 @@ class Producer:
             args += [stage, task.request_id, routed(task, route).encode(), len(items), *items]
         # the choices `{id}.{k}` share the parent's shard, and the model's pipeline
         keys = self.keys.of(request_id).for_pipeline(entry.pipeline)
-        reply = await self._submit_choices(
+        call = dict(
             keys=[
                 keys.request(request_id),
                 keys.prefill_stream,
@@ -443,6 +490,7 @@ class Producer:
             ],
             args=args,
         )
+        reply = await self._replicated(request_id, self._submit_choices, call)
         return routes, reply
 
 

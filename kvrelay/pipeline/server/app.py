@@ -102,6 +102,7 @@ class Ingress:
             max_waiting=config.max_waiting,
             retry_after_s=config.retry_after_s,
             submit_wait_s=config.submit_wait_s,
+            replica_ack_timeout_ms=config.replica_ack_timeout_ms,
         )
         self.metrics = Metrics()
         self.backpressure = Backpressure(

@@ -58,6 +58,9 @@ class IngressConfig(RedisSettings):
     # A new request waits this long for an unreachable Redis (a Valkey restart) before its
     # 503, never past its deadline: as long as the output readers wait (REDIS_RETRY_S)
     submit_wait_s: float = 30.0
+    # With a replicated Valkey (a redis+sentinel:// URL): a submission is answered only once a
+    # replica holds it (WAIT 1 this long; none: 503 not_replicated); 0 disables the wait
+    replica_ack_timeout_ms: int = 1000
     # JSON object of defaults for fields a request leaves out (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_tokens), over those the model's workers publish (its own, under
     # their override): vLLM's --override-generation-config. A config file may give a table.
@@ -96,6 +99,8 @@ class IngressConfig(RedisSettings):
             raise ConfigError("disconnect_grace_s must be >= 0")
         if self.submit_wait_s < 0:
             raise ConfigError("submit_wait_s must be >= 0")
+        if not 0 <= self.replica_ack_timeout_ms < self.redis_socket_timeout_s * 1000:
+            raise ConfigError("replica_ack_timeout_ms must be >= 0 and below the socket timeout")
         if self.route_threshold < 0 or self.request_timeout_s <= 0:
             raise ConfigError("route_threshold must be >= 0 and request_timeout_s > 0")
         generation_override(self.override_generation_config)

@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from kvrelay.cli.up.topology import ingress_programs
+from kvrelay.cli.up.sentinel_status import current_primary
+from kvrelay.cli.up.topology import STANDBY_SUFFIX, ingress_programs
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP
 from kvrelay.pipeline.client.producer import AsyncClient
 from tests.e2e.chaos_client import StreamResult, stream_chat
@@ -38,9 +39,18 @@ SEED = int(os.environ.get("KVRELAY_CHAOS_SEED") or random.SystemRandom().randran
 MIN_REQUESTS = int(os.environ.get("KVRELAY_CHAOS_REQUESTS", "16"))
 CHAOS_S = float(os.environ.get("KVRELAY_CHAOS_S", "40"))  # new requests start for this long
 CONCURRENCY = 8
-KILL_EVERY_S = (1.0, 2.0)  # uniform: ~1.5 s on average
+# uniform: ~1.5 s on average; KVRELAY_CHAOS_KILL_EVERY="0.5,1.0" for a harsher run
+KILL_EVERY = os.environ.get("KVRELAY_CHAOS_KILL_EVERY", "1.0,2.0").split(",")
+KILL_EVERY_S = (float(KILL_EVERY[0]), float(KILL_EVERY[-1]))
+VALKEY_EVERY_S = float(os.environ.get("KVRELAY_CHAOS_VALKEY_EVERY", "40"))  # one Valkey kill per
+# Manual runs of the other recovery paths: KVRELAY_CHAOS_STANDBY=1 (`up --standby`: a loaded
+# standby per worker, both processes among the victims), KVRELAY_CHAOS_REPLICAS=N (`up
+# --valkey-replicas N`: the Valkey victim is the current primary, a replica is promoted)
+STANDBY = os.environ.get("KVRELAY_CHAOS_STANDBY", "") == "1"
+REPLICAS = int(os.environ.get("KVRELAY_CHAOS_REPLICAS", "0"))
 CHAOS_MAX_S = CHAOS_S + 60  # then the churn stops, so the last requests can finish
-VICTIMS = ("prefill-0", "prefill-1", "decode-0", "decode-1", "store")
+WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+VICTIMS = (*WORKERS, *(f"{w}{STANDBY_SUFFIX}" for w in WORKERS if STANDBY), "store")
 # The churn here (a kill every ~1.5 s among 5 processes whose restart takes 3-10 s on a loaded
 # 2-core machine) is far above what the default strike limit (5) is set for, so the stacks run
 # with the raised limit docs/reliability.md advises for such failure rates; the poison test
@@ -73,8 +83,11 @@ def ingress_victims(stack: Stack) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
+    extra = ["--ingresses", str(INGRESSES), *(["--standby"] if STANDBY else [])]
+    if REPLICAS:
+        extra += ["--valkey-replicas", str(REPLICAS)]
     s = Stack(tmp_path_factory.mktemp("chaos"), prefill=2, decode=2, env=CHAOS_ENV,
-              extra=["--ingresses", str(INGRESSES)])  # fmt: skip
+              extra=extra)  # fmt: skip
     s.up(timeout=300)
     yield s
     s.down()
@@ -157,8 +170,8 @@ class Chaos:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         # one Valkey restart per ~40 s of churn, the first early on
-        self.valkey_at = sorted(self.rng.uniform(2, 5) + 40 * k
-                                for k in range(max(1, int(chaos_s // 40))))  # fmt: skip
+        self.valkey_at = sorted(self.rng.uniform(2, 5) + VALKEY_EVERY_S * k
+                                for k in range(max(1, int(chaos_s // VALKEY_EVERY_S))))  # fmt: skip
 
     def _run(self) -> None:
         t0 = time.monotonic()
@@ -171,6 +184,8 @@ class Chaos:
             if self.valkey_at and now >= self.valkey_at[0]:
                 self.valkey_at.pop(0)
                 victim = self.rng.choice(self.valkeys)
+                if "sentinel" in self.stack.state:  # the primary: a replica is promoted
+                    victim = current_primary(self.stack.state) or victim
             state, pid = states.get(victim, ("", None))
             if state == "RUNNING" and pid:  # one still starting is not killed again
                 os.kill(pid, 9)

@@ -143,6 +143,9 @@ def run_status(args: argparse.Namespace) -> int:
         replication = replication_status(state)
         if replication is not None:  # only a stack with --valkey-replicas has the key
             data["replication"] = replication
+        standbys = status_data.standbys(r, keys)
+        if standbys:  # only where a standby waits (`up --standby`) is the key there
+            data["standbys"] = standbys
         ingresses = ingress_status(state)
         if ingresses:  # only a stack of several ingresses (`up --ingresses N`) has the key
             data["ingresses"] = ingresses
@@ -204,6 +207,9 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"topology: {data['topology']['summary']}")
     if "replication" in data:
         print(*replication_lines(data["replication"]), sep="\n")
+    if "standbys" in data:
+        waiting = ", ".join(f"{s['name']} pid {s['pid']}" for s in data["standbys"])
+        print(f"standbys (loaded, waiting to serve): {waiting}")
     if "ingresses" in data:
         ingresses = (
             f"{i['program']} {i['state'].lower()}"

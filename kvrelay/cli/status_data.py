@@ -12,6 +12,7 @@ from typing import Any
 
 from kvrelay.core.enums import Stage, WorkerField
 from kvrelay.core.modelref import SHORT_DTYPE_NAMES
+from kvrelay.core.record import as_str
 from kvrelay.core.worker_record import WorkerRecord
 
 logger = logging.getLogger(__name__)
@@ -269,6 +270,19 @@ def status(r: Any, keys: Any, store_run_dir: str | None = None) -> dict[str, Any
         "requests_in_flight": sum(v for k, v in inflight.items() if k in OPEN_STATUSES),
         "store": store_stats(store_run_dir),
     }
+
+
+def standbys(r: Any, keys: Any) -> list[dict[str, Any]]:
+    """The processes waiting, loaded, to serve a worker name (`standby:{name}`, `kvrelay up
+    --standby`): name and pid, by name."""
+    prefix = keys.standby("")
+    out = []
+    for key in sorted(r.scan_iter(match=prefix + "*", count=1000)):
+        name = as_str(key)[len(prefix) :]
+        pid = r.get(key)
+        if pid is not None:
+            out.append({"name": name, "pid": int(pid)})
+    return out
 
 
 def shard_streams(r: Any, shard: Any) -> set[tuple[str, str]]:

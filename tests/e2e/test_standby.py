@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -86,6 +88,11 @@ def test_the_standby_serves_a_killed_workers_stream(stack):
     ref_tokens = stack.out_tokens("standby-ref")
     standby = _wait_standby(stack)
     serving = _serving_pid(stack)
+    status = subprocess.run(
+        [sys.executable, "-m", "kvrelay.cli.main", "status", "--json", "--run-dir",
+         str(stack.run_dir)], capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert json.loads(status.stdout)["standbys"] == [{"name": "decode-0", "pid": standby}]
     assert _stream(stack, "standby-victim", 5, lambda: [serving]) == ref
     assert stack.out_tokens("standby-victim") == ref_tokens
     assert _serving_pid(stack) == standby  # the standby took the name

@@ -24,7 +24,8 @@ from typing import cast
 import msgspec
 import redis
 
-from kvrelay.core.messages import TokenChunk, frame
+from kvrelay.core.keys import MESSAGE_FIELD
+from kvrelay.core.messages import TokenChunk, decode_chunks, frame
 from kvrelay.core.worker_record import HEARTBEAT_FIELDS, WorkerRecord
 from kvrelay.pipeline.queue.streams import StepStatus, StepWrite, Streams, WriteMode
 from kvrelay.workers.publication import ModelPublication
@@ -48,6 +49,12 @@ class OutgoingKind(enum.StrEnum):
 FLUSH_CHUNKS = 256
 FLUSH_BYTES = 16384
 
+# what a worker keeps of its writes to repair them after a failover (`Emitter.repair`): the
+# chunks it flushed to out:{id} and the final write (hand-off, end) of a request it let go,
+# for this long: a promoted replica lacks at most the writes of the replication lag before
+# the primary died, and the heartbeat notices the new primary within a beat
+RETAIN_S = 60.0
+
 # the heartbeat rewrites the model's entry (and refreshes its files' week-long expiry) this
 # often, not every beat: readers only skip an entry no worker has stamped for a week
 REPUBLISH_S = 30.0
@@ -70,6 +77,12 @@ class Outgoing:
     # the consumer generation of the worker that made it (`Streams.generation`): after a
     # rejoin the older generations' items are dropped, even for an entry claimed back since
     generation: int = 0
+    sent: bool = False  # a step with it was written (or found written): not sent again
+    repaired: bool = False  # a final write sent again by `Emitter.repair` (its write kept)
+
+
+class _Behind(Exception):
+    """The server lost steps this consumer had written (`StepStatus.BEHIND`)."""
 
 
 def merged(a: Outgoing, b: Outgoing) -> Outgoing | None:
@@ -170,7 +183,15 @@ class Emitter:
         self._tail_lock = threading.Lock()
         self._generation = -1  # the streams' generation the step numbers below belong to
         self._step_no = 0  # this consumer's last step number
+        self._last_ok = 0  # the last step number the server said it holds (0: not known)
         self._acked = 0  # control items the last step returned (the next one drops them)
+        # for `repair`: request id -> the chunks flushed to out:{id} (time, index, payload), and
+        # request id -> (time, its final write, its flushed chunks) once let go
+        self._sent: dict[str, list[tuple[float, int, bytes]]] = {}
+        self._done: dict[str, tuple[float, Outgoing, list[tuple[float, int, bytes]]]] = {}
+        self._force: set[str] = set()  # requests whose next write is a flush (a repair)
+        self._repair = threading.Event()
+        self.repairs = 0  # repairs run (a failover noticed)
         self.thread = threading.Thread(target=self._run, name="emitter", daemon=True)
 
     def put(self, item: Outgoing) -> None:
@@ -181,6 +202,11 @@ class Emitter:
         with self._tail_lock:
             self._feeds[request_id] = list(feeds)
 
+    def request_repair(self) -> None:
+        """The server reached is another one (a failover, a restart): compare what it holds
+        with what this worker wrote, on the emitter thread before its next write (`repair`)."""
+        self._repair.set()
+
     def drop_all(self) -> None:
         """Forget every tail and feed (the worker rejoined as a new consumer; the old one's
         tail hash stays for the admissions that move its requests' tails)."""
@@ -188,6 +214,9 @@ class Emitter:
             self._tail.clear()
             self._feeds.clear()
             self._tail_since.clear()
+            self._sent.clear()
+            self._done.clear()
+            self._force.clear()
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush everything queued, then stop the thread."""
@@ -199,6 +228,9 @@ class Emitter:
         checked = time.monotonic()  # the control list was last read with a step then
         wrote = float("-inf")  # the last write with chunks started then
         while not stopping:
+            if self._repair.is_set():
+                self._repair.clear()
+                self._repair_safely()
             try:
                 wait = max(0.0, checked + self.check_s - time.monotonic())
                 items = [self.queue.get(timeout=wait)]
@@ -234,6 +266,119 @@ class Emitter:
                 for item in batch:
                     self._forget(item)
                     self.lost.put(item.request_id)
+
+    def _repair_safely(self) -> None:
+        while True:
+            try:
+                self._write(self.repair())
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                logger.warning("emitter: redis unavailable during a repair (%s); retrying", exc)
+                time.sleep(0.5)
+            except Exception:  # the emitter must outlive a failed repair
+                logger.exception("emitter: repairing after a failover failed")
+                return
+
+    def repair(self) -> list[Outgoing]:
+        """After a failover (`request_repair`): what the promoted replica lacks of this
+        worker's writes (asynchronous replication loses the primary's last ones) is written
+        again from memory. A held request whose out:{id} stops before chunks flushed here gets
+        them back with its next write (a flush: the tail and them). An entry pending under
+        this consumer that it let go (its hand-off or end was lost with the primary: the write
+        is one script, lost whole) gets its final write again, with the chunks out:{id} lacks;
+        any other pending entry it does not hold is released, claimable at once. Returns the
+        final writes to send again (held again: `inflight`)."""
+        consumer, generation = self.streams.identity
+        r = self.streams.r
+        with self.streams.lock:  # (no entry is read and not yet held meanwhile)
+            pending = r.xpending_range(
+                self.stream, self.group, "-", "+", 10000, consumername=consumer
+            )
+            held = self.inflight.snapshot()
+        self.repairs += 1
+        self._last_ok = 0  # (what the server holds is known again once a step is written)
+        holding = {entry: rid for rid, entry in held.items()}
+        resend: list[Outgoing] = []
+        release: list[tuple[str, str]] = []
+        with self._tail_lock:
+            done = {item.entry_id: (item, sent) for _t, item, sent in self._done.values()}
+        for row in pending:
+            entry = as_text(cast("bytes | str", row["message_id"]))
+            if entry in holding:
+                continue
+            if entry in done:
+                item, sent = done[entry]
+                if item.write is None or item.generation != generation:
+                    continue
+                missing = _missing(sent, self._out_count(item.request_id))
+                history = b"".join(frame(p) for p in missing) or item.write.history
+                resend.append(
+                    replace(
+                        item,
+                        write=replace(item.write, history=history),
+                        step=None,
+                        sent=False,
+                        repaired=True,
+                    )
+                )
+            else:
+                rid = self._request_of(entry)
+                if rid is not None:
+                    release.append((entry, rid))
+        for rid in held:
+            with self._tail_lock:
+                sent = list(self._sent.get(rid, ()))
+            if not sent:
+                continue
+            missing = _missing(sent, self._out_count(rid), with_index=True)
+            if not missing:
+                continue
+            with self._tail_lock:
+                tail = self._tail.setdefault(rid, {})
+                merged_tail = dict(missing)
+                merged_tail.update(tail)
+                self._tail[rid] = dict(sorted(merged_tail.items()))
+                self._force.add(rid)
+            logger.warning(
+                "request %s: out:{id} lacks %d chunks after a failover; written again",
+                rid,
+                len(missing),
+            )
+        if release:
+            logger.warning("releasing %d pending entries this worker does not hold", len(release))
+            self.streams.release(self.stream, self.group, release)
+        if resend:
+            logger.warning("%d hand-offs or ends lost with the primary; written again", len(resend))
+            for item in resend:
+                self.inflight.add(item.request_id, item.entry_id)
+        return resend
+
+    def _out_count(self, rid: str) -> int:
+        """Tokens in out:{id} on the server (the index after its last chunk)."""
+        last = self.streams.r.xrevrange(self.streams.keys.out(rid), count=1)
+        if not last:
+            return 0
+        _eid, fields = last[0]
+        run = (fields or {}).get(MESSAGE_FIELD)
+        chunks = decode_chunks(cast(bytes, run)) if run else []
+        if not chunks:
+            return 0
+        return chunks[-1].index + len(chunks[-1].token_ids)
+
+    def _request_of(self, entry: str) -> str | None:
+        """The request id of a stream entry (None when it is gone or has none)."""
+        rows = self.streams.r.xrange(self.stream, entry, entry)
+        if not rows:
+            return None
+        fields = rows[0][1] or {}
+        payload = fields.get(MESSAGE_FIELD)
+        try:
+            rid = (
+                msgspec.msgpack.decode(cast(bytes, payload)).get("request_id") if payload else None
+            )
+        except (msgspec.DecodeError, AttributeError):
+            return None
+        return rid if isinstance(rid, str) else None
 
     def _check(self) -> None:
         """A step without writes (the control list: cancels, feeds) while chunks are held."""
@@ -271,6 +416,17 @@ class Emitter:
             try:
                 self._write_once(items)
                 return
+            except _Behind:
+                # the server lacks steps it had acknowledged: write again from memory what they
+                # held (`repair`), and build the writes not sent yet again after that (their
+                # flushes then carry the chunks out:{id} lacks)
+                logger.warning("emitter: the server lost this worker's last steps; repairing")
+                resend = self.repair()
+                for item in items:
+                    if not item.sent and not item.repaired:
+                        item.write, item.step = None, None
+                items[:0] = resend
+                self._last_ok = 0
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # Valkey restarting: retry; the writes are fenced, so a repeat cannot duplicate
                 logger.warning("emitter: redis unavailable (%s); retrying", exc)
@@ -315,13 +471,16 @@ class Emitter:
             consumer, generation = self.streams.identity  # read before what it holds
             if generation != self._generation:
                 self._generation, self._step_no, self._acked = generation, 0, 0
+                self._last_ok = 0
                 with self._tail_lock:
                     self._tail_steps.clear()  # the steps of the consumer's hash before
             held = self.inflight.snapshot()
             batch = [
                 item
                 for item in batch
-                if item.generation == generation and held.get(item.request_id) == item.entry_id
+                if item.generation == generation
+                and held.get(item.request_id) == item.entry_id
+                and not item.sent
             ]
             seen: set[str] = set()
             now: list[Outgoing] = []
@@ -353,7 +512,10 @@ class Emitter:
                 self._acked,
                 consumer=consumer,
                 drop_steps=drop,
+                after=self._last_ok,
             )
+            if res.status == StepStatus.BEHIND:
+                raise _Behind
             if res.status == StepStatus.FENCED and self.streams.consumer != consumer:
                 continue  # rejoined meanwhile: what is held now goes under the new name
             if res.status == StepStatus.FENCED:
@@ -367,6 +529,9 @@ class Emitter:
                 self.on_fenced(consumer)
                 return
             self._acked = res.num_control
+            self._last_ok = max(self._last_ok, step[1])
+            for item in now:
+                item.sent = True
             with self._tail_lock:
                 self._tail_steps = [s for s in self._tail_steps if s >= floor]
                 if any(w.mode == WriteMode.EMIT for w in writes) and (
@@ -381,6 +546,13 @@ class Emitter:
                     self.cancels.put(rid)
             for item in now:
                 if item.done:
+                    with self._tail_lock:
+                        sent = self._sent.get(item.request_id, [])
+                        at = time.monotonic()
+                        self._done.pop(item.request_id, None)
+                        self._done[item.request_id] = (at, item, sent)
+                        while (first := next(iter(self._done.values())))[0] < at - RETAIN_S:
+                            self._done.pop(first[1].request_id)
                     self._forget(item)
             batch = batch[len(now) :]
             if not batch:
@@ -403,7 +575,8 @@ class Emitter:
             elif item.done:
                 mode = WriteMode.DONE
             elif (
-                len(tail) + 1 >= FLUSH_CHUNKS
+                rid in self._force
+                or len(tail) + 1 >= FLUSH_CHUNKS
                 or size >= FLUSH_BYTES
                 or not chunk.token_ids  # (a chunk without tokens cannot be found in a tail)
                 or item.req_fields  # record fields are written with a flush
@@ -419,9 +592,20 @@ class Emitter:
                 tail[chunk.index] = payload
                 self._tail_since.setdefault(rid, step_no)
             else:
+                tail.pop(chunk.index, None)  # (a write built again after a repair)
                 write.history = b"".join(frame(p) for p in tail.values()) + frame(payload)
+                now = time.monotonic()
+                sent = [
+                    s
+                    for s in self._sent.get(rid, ())
+                    if now - s[0] <= RETAIN_S and s[1] not in tail
+                ]
+                sent += [(now, index, p) for index, p in tail.items()]
+                sent.append((now, chunk.index, payload))
+                self._sent[rid] = sent
                 tail.clear()
                 self._tail_since.pop(rid, None)
+                self._force.discard(rid)
         item.write = write
         return write
 
@@ -431,6 +615,19 @@ class Emitter:
             self._tail.pop(item.request_id, None)
             self._feeds.pop(item.request_id, None)
             self._tail_since.pop(item.request_id, None)
+            self._sent.pop(item.request_id, None)
+            self._force.discard(item.request_id)
+
+
+def _missing(sent: list[tuple[float, int, bytes]], count: int, with_index: bool = False) -> list:
+    """The flushed chunks (index >= `count`) a server whose out:{id} holds `count` tokens lacks,
+    in index order: payloads, or (index, payload) pairs."""
+    rows = sorted((index, p) for _t, index, p in sent if index >= count)
+    return rows if with_index else [p for _i, p in rows]
+
+
+def as_text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class Inflight:
@@ -493,8 +690,13 @@ class Heartbeat:
         publication: ModelPublication | None,
         stats: Callable[[WorkerRecord], WorkerRecord] = lambda record: record,
         on_fenced: Callable[[str], None] | None = None,
+        on_new_server: Callable[[], None] | None = None,
     ):
         self.streams, self.name, self.role = streams, name, role
+        # called when the server reached is another process than at the previous beat (its
+        # INFO run_id changed: a failover promoted a replica, or Valkey restarted)
+        self.on_new_server = on_new_server or (lambda: None)
+        self._run_id = ""
         self.stream, self.group, self.inflight = stream, group, inflight
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self.info, self.publication, self.stats = info, publication, stats
@@ -522,6 +724,7 @@ class Heartbeat:
         self.draining, fenced = self.streams.beat(key, fields, self.ttl_s)
         if fenced:  # silent past a lease (a stall): its entries are another's now
             self.on_fenced(record.consumer)
+        self._check_server()
         # the model's entry on the first beat, then every REPUBLISH_S, and at once after a
         # fence: a Valkey restarted without its data also reads as one (the fence key is gone)
         if self.publication is not None and (
@@ -533,6 +736,17 @@ class Heartbeat:
             self._last_trim = time.monotonic()
             self.streams.trim_acked(self.stream, self.group)
             self.streams.prune_consumers(self.stream, self.group)
+
+    def _check_server(self) -> None:
+        """Notice a different server process (`on_new_server`) by its INFO run_id: a promoted
+        replica lacks the lost primary's last writes, which the worker then repairs."""
+        if not isinstance(self.streams.r, redis.Redis):
+            return  # (a cluster: each shard's primary is its own; no Sentinel failover)
+        run_id = str(self.streams.r.info("server").get("run_id", ""))
+        if self._run_id and run_id and run_id != self._run_id:
+            logger.warning("a different Valkey server (run_id %s): repairing", run_id)
+            self.on_new_server()
+        self._run_id = run_id or self._run_id
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -107,6 +107,7 @@ class ShardLane:
             publication,  # the models hash is every shard's: one lane publishes it
             stats=worker.stats,
             on_fenced=self.rejoin,
+            on_new_server=self.emitter.request_repair,
         )
         self.reader = threading.Thread(
             target=read_loop, args=(self,), name=f"reader-{shard}", daemon=True

@@ -42,6 +42,9 @@ class StepStatus(enum.IntEnum):
     FENCED = 0  # the consumer was fenced (its entries claimed): nothing written
     OK = 1
     REPEATED = 2  # this step number was written before (a retry whose reply was lost)
+    # the server's fence is below the caller's last written step (`after`): it lost steps (a
+    # failover to a replica without them, a restart): nothing written
+    BEHIND = 3
 
 
 @dataclass(slots=True)
@@ -296,12 +299,15 @@ class Streams:
         consumer: str | None = None,
         max_control: int = 256,
         drop_steps: Sequence[int] = (),
+        after: int = 0,
     ) -> StepResult:
         """One worker step in one script call (`lua/step.lua`), fenced per worker: refused
         wholesale once `consumer` (default: this one) is fenced; a repeated `step_no` writes
         nothing again. `feeds`: request id -> the feeds following it (each feed gets one entry
         for all its requests' chunks); `acked`: the control items the previous step returned;
-        `drop_steps`: earlier steps whose tail field no request's tail needs any more.
+        `drop_steps`: earlier steps whose tail field no request's tail needs any more;
+        `after`: the last step number this consumer had written (BEHIND when the server's
+        fence is below it; 0: no check).
         A request id may appear once per call."""
         consumer = consumer or self.consumer
         tail: list[tuple[str, bytes]] = []  # (id, chunk) joining tails: the step's field
@@ -355,6 +361,7 @@ class Streams:
             len(by_feed),
             len(flushes),
             len(drop_steps),
+            after,
             *drop_steps,
         ]
         for feed, items in by_feed.items():

@@ -14,14 +14,17 @@
 -- whose reply was lost comes again.
 -- Returns {status, control items}: status 1 written, 2 a repeat of a written step (nothing
 -- written), 0 fenced (nothing written: the worker drops everything and comes back as a new
--- consumer).
+-- consumer), 3 behind (nothing written: the fence holds a step number below ARGV[14], the
+-- last step the worker had written: a promoted replica lacks the lost primary's last steps,
+-- or a restarted Valkey lost them; the worker writes again what they held, then steps on).
 -- KEYS: 1 work stream, 2 next stream (hand-offs), 3 prog hash, 4 the caller's fence key,
 --       5 the caller's control list, 6 the caller's tail hash, then per flush req:{id},
 --       out:{id}
 -- ARGV: 1 group, 2 feed channel prefix, 3 ttl_fields, 4 out ttl s, 5 req ttl s,
 --       6 consumer, 7 step number, 8 control items acked, 9 most control items to return,
 --       10 the step's tail field ('' when no chunk joins a tail), 11 F feeds, 12 N flushes,
---       13 S step fields to drop, then the S step numbers, then per feed: its id and its
+--       13 S step fields to drop, 14 the caller's last written step number (0: no check),
+--       then the S step numbers, then per feed: its id and its
 --       message (framed request id, framed chunk payload per request, `core.messages.frame`),
 --       then per flush: request id, entry id, mode ('f' flush, 'd' done, 'h' hand-off),
 --       tokens emitted after it, out:{id} payload (the framed tail and chunk), next task
@@ -37,9 +40,14 @@ if string.byte(seen, 1) == 102 then  -- 'f': fenced by a claim
   return {0, {}}
 end
 local pending = string.byte(seen, -1) == 33  -- '!': control items wait
-if tonumber(pending and string.sub(seen, 1, -2) or seen) >= tonumber(ARGV[7]) then
+local last = tonumber(pending and string.sub(seen, 1, -2) or seen)
+if last >= tonumber(ARGV[7]) then
   redis.call('SET', KEYS[4], seen, 'KEEPTTL')
   return {2, redis.call('LRANGE', KEYS[5], 0, most - 1)}
+end
+if last < tonumber(ARGV[14]) then
+  redis.call('SET', KEYS[4], seen, 'KEEPTTL')
+  return {3, {}}
 end
 local control = {}
 if tonumber(ARGV[8]) > 0 then redis.call('LTRIM', KEYS[5], tonumber(ARGV[8]), -1) end
@@ -47,7 +55,7 @@ if pending or tonumber(ARGV[8]) > 0 then control = redis.call('LRANGE', KEYS[5],
 local group, feed_prefix, ttl_fields = ARGV[1], ARGV[2], ARGV[3]
 local out_ttl, req_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
 local f, n, s = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
-local at = 14
+local at = 15
 if ARGV[10] ~= '' then
   redis.call('HSET', KEYS[6], ARGV[7], ARGV[10])
   -- the hash outlives a consumer that vanished (claims and prune set a day too)

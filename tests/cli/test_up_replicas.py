@@ -100,8 +100,9 @@ def test_a_new_up_keeps_the_primary_the_sentinels_named_last(tmp_path):
     [
         (
             ["--valkey-replicas", "1", "--shards", "2"],
-            "kvrelay up: error: --valkey-replicas works with one shard only (a cluster with "
-            "replicas is not supported): drop --shards or --valkey-replicas",
+            "kvrelay up: error: --valkey-replicas with --shards 2: a cluster promotes a replica "
+            "only with the votes of most primaries, and one of two is not most: use --shards 3 "
+            "or more",
         ),
         (
             ["--valkey-replicas", "1", "--redis-url", "redis://127.0.0.1:1/0"],

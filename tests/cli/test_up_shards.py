@@ -136,7 +136,8 @@ def test_a_supervised_cluster_forms_starts_the_rest_and_keeps_its_slots(tmp_path
         assert nodes == [
             {
                 "name": f"valkey-{i}", "host": "127.0.0.1", "port": ports[i], "up": True,
-                "slots": count, "keys": 0, "slot_ranges": [ranges], "cluster_state": "ok",
+                "role": "primary", "slots": count, "keys": 0, "slot_ranges": [ranges],
+                "cluster_state": "ok",
             }
             for i, (ranges, count) in enumerate([("8420-16383", 7964), ("0-8419", 8420)])
         ]  # fmt: skip

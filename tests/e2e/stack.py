@@ -98,15 +98,46 @@ class Stack:
 
     @property
     def valkeys(self) -> tuple[str, ...]:
-        """The supervisord programs of the stack's Valkey: one node, or each cluster node."""
+        """The supervisord programs of the stack's Valkey: one node, or each cluster primary
+        `up` started (`valkey-<i>`; replica nodes are in `cluster_nodes`)."""
         if self.shards == 1:
             return ("valkey",)
         return tuple(f"valkey-{i}" for i in range(self.shards))
 
+    @property
+    def cluster_nodes(self) -> dict[str, int]:
+        """Program name -> port of every cluster node, replicas included ({} without one)."""
+        nodes = (self.state.get("cluster") or {}).get("nodes", [])
+        return {n["name"]: int(n["port"]) for n in nodes}
+
     def valkey_of(self, request_id: str = "") -> str:
-        """The supervisord program of the Valkey holding a request's shard (node i holds shard
-        i's keys); the one Valkey of a plain stack."""
-        return self.valkeys[self.keys.of(request_id).shard] if request_id else self.valkeys[-1]
+        """The supervisord program of the Valkey holding a request's shard: the cluster node
+        serving the shard's slot now (a replica promoted at a failover serves it after), asked
+        of the nodes that answer; the one Valkey of a plain stack."""
+        if not request_id or self.shards == 1:
+            return self.valkeys[self.keys.of(request_id).shard] if request_id else self.valkeys[-1]
+        from kvrelay.cli.up.valkey_cluster import tag_slot
+
+        return self.serving(tag_slot(self.keys.of(request_id)))
+
+    def serving(self, slot: int) -> str:
+        """The program of the cluster node serving `slot` now, as the nodes that answer say."""
+        import redis
+
+        from kvrelay.cli.up.valkey_cluster import serving_port
+
+        by_port = {port: name for name, port in self.cluster_nodes.items()}
+        for port in by_port:
+            client = redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1)
+            try:
+                serving = serving_port(client, slot)
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+            if serving in by_port:
+                return by_port[serving]
+        raise RuntimeError(f"no cluster node serves slot {slot}")
 
     def down(self) -> None:
         subprocess.run(

@@ -1,8 +1,9 @@
 """`kvrelay up` / `kvrelay down`: the whole stack on one host under supervisord.
 
-Programs: valkey (embedded, append-only, unless --redis-url; N cluster nodes with --shards N:
-`kvrelay.cli.up.valkey`), one store node, the ingress, N
-prefill and M decode workers (chosen for the host unless given: `kvrelay.cli.up.topology`).
+Programs: valkey (embedded, append-only, unless --redis-url; N cluster nodes with --shards N,
+and R replica nodes per primary with --valkey-replicas R: `kvrelay.cli.up.valkey`), one store
+node, the ingress, N prefill and M decode workers (chosen for the host unless given:
+`kvrelay.cli.up.topology`).
 The model is prepared (converted) once before any worker starts, and the host's cores are
 divided between the workers so they do not oversubscribe the CPU. With several models
 (`--model A --model B`), each gets its own store node and N + M workers on its own pipeline
@@ -39,7 +40,7 @@ from kvrelay.cli.up.topology import (
     ingress_names,
 )
 from kvrelay.cli.up.valkey import check_ports_free, check_shards, embedded_valkey, start_cluster
-from kvrelay.cli.up.valkey_cluster import MAX_SHARDS, ClusterError
+from kvrelay.cli.up.valkey_cluster import MAX_SHARDS, NODE_TIMEOUT_MS, ClusterError
 from kvrelay.cli.up.valkey_sentinel import add_replica_arguments
 from kvrelay.cli.worker import KV_DTYPE_CHOICES, SPECULATION_CHOICES
 from kvrelay.core.config import (
@@ -185,6 +186,13 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "many primaries, one shard's keys on each; with --redis-url, the shards on that server",
     )
     add_replica_arguments(p, _number(int, 0, 16, "replica count"), _number(int, 100, 600000))
+    p.add_argument(
+        "--cluster-node-timeout-ms",
+        type=_number(int, 100, 600000),
+        default=NODE_TIMEOUT_MS,
+        help="with --shards 3+ and --valkey-replicas: the cluster's node timeout, after which a "
+        f"silent primary's replica is promoted ({NODE_TIMEOUT_MS})",
+    )
     p.add_argument("--key-prefix", default=DEFAULT_KEY_PREFIX, help="Redis key prefix")
     p.add_argument("--threads", type=size, default=None, help="cores to divide (default: all)")
     p.add_argument("--arena-bytes", type=size, default=1 << 30, help="store host-tier bytes")
@@ -766,7 +774,8 @@ def build_programs(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progra
     if config:
         state["config"] = str(Path(config).resolve())
     if "cluster" in valkey_state:  # started by start_cluster once the cluster is ok
-        for prog in programs[args.shards :]:
+        nodes = len(valkey_state["cluster"]["nodes"])  # replica nodes included
+        for prog in programs[nodes:]:
             prog.autostart = False
     return programs, state
 

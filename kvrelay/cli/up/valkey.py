@@ -1,5 +1,6 @@
 """The embedded Valkey of `kvrelay up`: one plain node (`--shards 1`, the default), a local
-cluster of N primaries (`--shards N`), or a primary with N replicas and 3 Sentinels
+cluster of N primaries (`--shards N`, with `--valkey-replicas R` R replica nodes per primary
+and the cluster's own failover), or a primary with N replicas and 3 Sentinels
 (`--valkey-replicas N`, `valkey_sentinel.py`), each a supervisord program.
 
 A cluster's programs start first; every other program is written with autostart off and
@@ -11,6 +12,8 @@ previous stack.json when they are free, so a restart finds its nodes where `node
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
 import socket
 import sys
 import time
@@ -20,7 +23,9 @@ from kvrelay.cli.errors import CommandError
 from kvrelay.cli.up.launch import Program, Supervisor, check_port_free, read_state
 from kvrelay.cli.up.valkey_cluster import (
     MAX_SHARDS,
+    NODE_TIMEOUT_MS,
     NODES_CONF,
+    STARTED,
     ClusterNode,
     form,
     make_nodes,
@@ -49,9 +54,19 @@ def free_ports(count: int, avoid: set[int]) -> list[int]:
     return ports
 
 
-def _existing_nodes(run_dir: Path) -> int:
-    """How many nodes of an earlier cluster left a nodes.conf in this run directory."""
-    return len(list((run_dir / CLUSTER_DIR).glob(f"node-*/{NODES_CONF}")))
+def _existing_nodes(run_dir: Path) -> tuple[int, int]:
+    """(primaries, replicas per primary) of an earlier cluster that left a nodes.conf in this
+    run directory (node-<i>, node-<i>-replica-<j>)."""
+    primaries, replicas = 0, 0
+    for conf in (run_dir / CLUSTER_DIR).glob(f"node-*/{NODES_CONF}"):
+        found = re.fullmatch(r"node-\d+(?:-replica-(\d+))?", conf.parent.name)
+        if found is None:
+            continue
+        if found.group(1) is None:
+            primaries += 1
+        else:
+            replicas = max(replicas, int(found.group(1)) + 1)
+    return primaries, replicas
 
 
 def check_shards(args: argparse.Namespace, run_dir: Path) -> None:
@@ -61,28 +76,42 @@ def check_shards(args: argparse.Namespace, run_dir: Path) -> None:
         raise CommandError(f"--shards must be 1-{MAX_SHARDS}, got {shards}")
     # with --redis-url, --shards is the pipeline shard count on that server (a cluster's node,
     # or one plain Valkey): no embedded node is started
+    replicas = getattr(args, "valkey_replicas", 0)
     if args.redis_url is None:
-        existing = _existing_nodes(run_dir)
+        existing, had = _existing_nodes(run_dir)
         if existing and existing != shards:
             raise CommandError(
                 f"{run_dir / CLUSTER_DIR} holds a {existing}-node Valkey cluster: pass "
                 f"--shards {existing}, or remove that directory for a fresh one"
             )
-    replicas = getattr(args, "valkey_replicas", 0)
-    if replicas and shards > 1:
+        if existing and shards > 1 and had != replicas:
+            raise CommandError(
+                f"{run_dir / CLUSTER_DIR} holds a cluster with {had} replica(s) per primary: "
+                f"pass --valkey-replicas {had}, or remove that directory for a fresh one"
+            )
+    if replicas and shards == 2:
         raise CommandError(
-            "--valkey-replicas works with one shard only (a cluster with replicas is not "
-            "supported): drop --shards or --valkey-replicas"
+            "--valkey-replicas with --shards 2: a cluster promotes a replica only with the "
+            "votes of most primaries, and one of two is not most: use --shards 3 or more"
         )
     if replicas and args.redis_url is not None:
         raise CommandError("--valkey-replicas starts an embedded Valkey: drop --redis-url")
-    if args.redis_port and args.redis_port + shards - 1 > 65535:
-        raise CommandError(f"--redis-port {args.redis_port} leaves no room for {shards} nodes")
+    count = _node_count(args)
+    if args.redis_port and args.redis_port + count - 1 > 65535:
+        raise CommandError(f"--redis-port {args.redis_port} leaves no room for {count} nodes")
+
+
+def _node_count(args: argparse.Namespace) -> int:
+    """The data nodes a cluster stack runs on consecutive `--redis-port`s (1 plain node)."""
+    if args.shards == 1:
+        return 1
+    return args.shards * (1 + getattr(args, "valkey_replicas", 0))
 
 
 def check_ports_free(args: argparse.Namespace) -> None:
     """Refuse given embedded ports that clash with the ingress or another listener."""
-    ports = [args.redis_port + i for i in range(args.shards)] if args.redis_port else []
+    count = _node_count(args)
+    ports = [args.redis_port + i for i in range(count)] if args.redis_port else []
     if args.port in ports:
         flag = "--redis-port" if args.shards == 1 else f"--redis-port + {ports.index(args.port)}"
         raise CommandError(f"--port and {flag} are both {args.port}")
@@ -90,13 +119,14 @@ def check_ports_free(args: argparse.Namespace) -> None:
         check_port_free("127.0.0.1", port)
 
 
-def _previous_ports(run_dir: Path, shards: int) -> tuple[list[int], list[int]] | None:
-    """The (ports, bus ports) of this run directory's last cluster when all are free again."""
+def _previous_ports(run_dir: Path, count: int) -> tuple[list[int], list[int]] | None:
+    """The (ports, bus ports) of this run directory's last cluster of `count` nodes (replicas
+    included) when all are free again."""
     try:
         nodes = read_state(run_dir).get("cluster", {}).get("nodes", [])
     except (OSError, ValueError):
         return None
-    if len(nodes) != shards:
+    if len(nodes) != count:
         return None
     ports = [n["port"] for n in nodes] + [n["bus_port"] for n in nodes]
     try:
@@ -104,14 +134,30 @@ def _previous_ports(run_dir: Path, shards: int) -> tuple[list[int], list[int]] |
             check_port_free("127.0.0.1", port)
     except CommandError:
         return None
-    return ports[:shards], ports[shards:]
+    return ports[:count], ports[count:]
+
+
+def restart_delay_s(node_timeout_ms: int) -> float:
+    """How long a restarted node of a cluster with replicas waits: long enough for the cluster
+    to fail it and promote its replica (twice the node timeout, plus a second)."""
+    return 2 * node_timeout_ms / 1000 + 1
+
+
+def delayed_command(cmd: list[str], data_dir: Path, delay_s: float) -> list[str]:
+    """`sh -c`: on a restart (the marker exists) wait `delay_s`, then exec `cmd`. A SIGKILLed
+    primary back within milliseconds would be failed by no node and keep its slots; after the
+    wait its replica serves them and the node rejoins as a replica (its nodes.conf's epoch is
+    older)."""
+    mark = shlex.quote(str(data_dir / STARTED))
+    script = f"if [ -e {mark} ]; then sleep {delay_s:g}; fi; : > {mark}; exec {shlex.join(cmd)}"
+    return ["/bin/sh", "-c", script]
 
 
 def embedded_valkey(args: argparse.Namespace, run_dir: Path) -> tuple[list[Program], str, dict]:
     """(programs, redis url, stack.json additions) of the embedded Valkey for `args`."""
     shards = args.shards
     replicas = getattr(args, "valkey_replicas", 0)
-    if replicas:
+    if replicas and shards == 1:
         given = [args.redis_port] if args.redis_port else []
         count = replicas + 1 + 3 - len(given)  # the data nodes, then 3 Sentinels
         return replicated_valkey(args, run_dir, given + free_ports(count, {args.port, *given}))
@@ -120,23 +166,31 @@ def embedded_valkey(args: argparse.Namespace, run_dir: Path) -> tuple[list[Progr
         (run_dir / SINGLE).mkdir(parents=True, exist_ok=True)
         cmd = valkey_command(port, run_dir / SINGLE)
         return [Program(SINGLE, cmd, priority=10)], f"redis://127.0.0.1:{port}/0", {"shards": 1}
-    previous = None if args.redis_port else _previous_ports(run_dir, shards)
+    count = _node_count(args)
+    previous = None if args.redis_port else _previous_ports(run_dir, count)
     if previous is not None:
         ports, bus_ports = previous
     else:
-        given = [args.redis_port + i for i in range(shards)] if args.redis_port else []
-        picked = free_ports(2 * shards - len(given), {args.port, *given})
-        ports = given or picked[:shards]
-        bus_ports = picked[len(picked) - shards :]
-    # each node holds one pipeline shard's keys (the workers and ingress run args.shards)
-    nodes = make_nodes(run_dir / CLUSTER_DIR, ports, bus_ports, args.key_prefix)
+        given = [args.redis_port + i for i in range(count)] if args.redis_port else []
+        picked = free_ports(2 * count - len(given), {args.port, *given})
+        ports = given or picked[:count]
+        bus_ports = picked[len(picked) - count :]
+    # each primary holds one pipeline shard's keys (the workers and ingress run args.shards)
+    nodes = make_nodes(run_dir / CLUSTER_DIR, ports, bus_ports, args.key_prefix, replicas)
+    timeout_ms = getattr(args, "cluster_node_timeout_ms", NODE_TIMEOUT_MS) if replicas else None
     programs = []
     for node in nodes:
-        Path(node.data_dir).mkdir(parents=True, exist_ok=True)
-        cmd = valkey_command(node.port, node.data_dir, node.bus_port)
+        data_dir = Path(node.data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = valkey_command(node.port, node.data_dir, node.bus_port, timeout_ms)
+        if timeout_ms is not None:
+            (data_dir / STARTED).unlink(missing_ok=True)  # the first start does not wait
+            cmd = delayed_command(cmd, data_dir, restart_delay_s(timeout_ms))
         programs.append(Program(node.name, cmd, priority=10))
-    state = {"shards": shards, "cluster": {"nodes": [n.to_dict() for n in nodes]}}
-    return programs, nodes[0].url, state
+    cluster: dict = {"nodes": [n.to_dict() for n in nodes]}
+    if timeout_ms is not None:
+        cluster.update(replicas=replicas, node_timeout_ms=timeout_ms)
+    return programs, nodes[0].url, {"shards": shards, "cluster": cluster}
 
 
 def valkey_ports(state: dict) -> dict[str, int]:
@@ -168,5 +222,9 @@ def start_cluster(sup: Supervisor, state: dict, timeout_s: float) -> None:
     sup.wait_running([n.name for n in nodes], timeout=timeout_s)
     assigned = form(nodes, timeout_s=max(1.0, timeout_s - (time.monotonic() - started)))
     how = "slots assigned" if assigned else "slots kept from nodes.conf"
-    print(f"kvrelay up: valkey cluster ok: {len(nodes)} nodes, {how}", file=sys.stderr)
+    primaries = sum(1 for n in nodes if not n.replica_of)
+    size = f"{len(nodes)} nodes"
+    if primaries != len(nodes):
+        size = f"{primaries} primaries, {len(nodes) - primaries} replicas"
+    print(f"kvrelay up: valkey cluster ok: {size}, {how}", file=sys.stderr)
     sup.start_all()

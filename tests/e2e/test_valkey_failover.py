@@ -19,6 +19,7 @@ import time
 import httpx
 import openai
 import pytest
+import redis
 
 from kvrelay.cli.up.sentinel_status import current_primary, node_role
 from kvrelay.cli.up.valkey_sentinel import sentinel_ports
@@ -185,11 +186,12 @@ def stream_events(stack: Stack, request_id: str, on_token) -> tuple[list[tuple[i
 
 
 def test_steps_only_the_lost_primary_held_are_neither_repeated_nor_skipped(stack, client):
-    """The replicas stopped (SIGSTOP) while the worker emits steps: those steps reach the
-    primary and the client, not the replicas. Then the primary dies, the replicas go on and one
-    is promoted without them. The worker's next steps are accepted there (its step numbers are
-    above the promoted copy's), the client keeps the tokens it had and gets the next ones, and
-    the final flush writes the whole tail from the worker's memory, so out:{id} is whole."""
+    """The replicas stopped (SIGSTOP) and their links closed while the worker emits steps:
+    those steps reach the primary and the client, not the replicas. Then the primary dies, the
+    replicas go on and one is promoted without them. The worker's next step is refused as
+    behind (the promoted copy's fence holds an older step number) and the worker writes again
+    what the server lacks; the client keeps the tokens it had and gets the next ones, and
+    out:{id} is whole."""
     ref_text, _ = stream_text(client, "lost-ref")
     primary = current_primary(stack.state)
     replicas = [n for n in NODES if n != primary]
@@ -204,6 +206,11 @@ def test_steps_only_the_lost_primary_held_are_neither_repeated_nor_skipped(stack
             seen["stopped"] = n
             for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
+            # and their links closed: a stopped replica's socket would still take in the
+            # primary's writes (the kernel buffers them) and apply them once resumed
+            link = redis.Redis(port=ports[primary])
+            assert link.client_kill_filter(_type="replica") == len(pids)
+            link.close()
         elif n >= seen.get("stopped", 99) + 6 and "killed" not in seen:
             seen["killed"] = n
             stack.kill(primary)

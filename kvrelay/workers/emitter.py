@@ -24,6 +24,7 @@ from typing import cast
 import msgspec
 import redis
 
+from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import MESSAGE_FIELD
 from kvrelay.core.messages import TokenChunk, decode_chunks, frame
 from kvrelay.core.worker_record import HEARTBEAT_FIELDS, WorkerRecord
@@ -81,8 +82,9 @@ class Outgoing:
     repaired: bool = False  # a final write sent again by `Emitter.repair` (its write kept)
 
 
-class _Behind(Exception):
-    """The server lost steps this consumer had written (`StepStatus.BEHIND`)."""
+class _Behind(KvrelayError):
+    """The server lost steps this consumer had written (`StepStatus.BEHIND`); caught by the
+    emitter loop, which repairs before its next write."""
 
 
 def merged(a: Outgoing, b: Outgoing) -> Outgoing | None:

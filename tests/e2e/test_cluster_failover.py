@@ -11,15 +11,17 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import openai
 import pytest
 import redis
 
 from kvrelay.cli.up.valkey_cluster import myself
-from tests.e2e.stack import MODEL, Stack
+from tests.e2e.chat_stream import openai_client
+from tests.e2e.chat_stream import stream_text as chat_stream_text
+from tests.e2e.stack import Stack
 
-MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 SAMPLING = {"max_tokens": 40, "temperature": 0}
 NODES = [
     "valkey-0",
@@ -47,27 +49,10 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=180)
+    return openai_client(stack)
 
 
-def stream_text(client, request_id: str, on_token=None) -> tuple[str, str | None]:
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        stream=True,
-        extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": request_id},
-        **SAMPLING,
-    )
-    text, reason, n = "", None, 0
-    for event in stream:
-        if event.choices:
-            text += event.choices[0].delta.content or ""
-            reason = event.choices[0].finish_reason or reason
-            n += 1
-            if on_token:
-                on_token(n)
-    return text, reason
+stream_text = partial(chat_stream_text, sampling=SAMPLING)
 
 
 def role(port: int) -> str | None:

@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 import threading
 import time
+from functools import partial
 
 import httpx
 import openai
 import pytest
 
+from tests.e2e.chat_stream import LIGHTHOUSE, openai_client
+from tests.e2e.chat_stream import stream_text as chat_stream_text
 from tests.e2e.stack import MODEL, Stack
 
-MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 SAMPLING = {"max_tokens": 40, "temperature": 0.8, "seed": 1234}
 
 
@@ -27,27 +29,10 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=180)
+    return openai_client(stack)
 
 
-def stream_text(client, request_id: str, on_token=None) -> tuple[str, str | None]:
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        stream=True,
-        extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": request_id},
-        **SAMPLING,
-    )
-    text, reason, n = "", None, 0
-    for event in stream:
-        if event.choices:
-            text += event.choices[0].delta.content or ""
-            reason = event.choices[0].finish_reason or reason
-            n += 1
-            if on_token:
-                on_token(n)
-    return text, reason
+stream_text = partial(chat_stream_text, sampling=SAMPLING)
 
 
 def test_sigkill_decode_worker_mid_request_same_tokens(stack, client):
@@ -156,7 +141,7 @@ FEATURES = {
 def stream_choices(stack: Stack, request_id: str, extra: dict, on_event=None) -> dict:
     """The streamed answer per choice index: content, tool calls (ids left out: they carry the
     request id), finish reason."""
-    body = {"model": MODEL, "messages": MESSAGES, "stream": True, **SAMPLING, **extra}
+    body = {"model": MODEL, "messages": LIGHTHOUSE, "stream": True, **SAMPLING, **extra}
     out: dict[int, dict] = {}
     n = 0
     with httpx.stream("POST", stack.url + "/v1/chat/completions", json=body, timeout=180,

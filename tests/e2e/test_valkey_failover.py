@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import httpx
 import openai
@@ -23,9 +24,10 @@ import redis
 
 from kvrelay.cli.up.sentinel_status import current_primary, node_role
 from kvrelay.cli.up.valkey_sentinel import sentinel_ports
+from tests.e2e.chat_stream import LIGHTHOUSE, openai_client
+from tests.e2e.chat_stream import stream_text as chat_stream_text
 from tests.e2e.stack import MODEL, Stack
 
-MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 SAMPLING = {"max_tokens": 48, "temperature": 0}
 
 
@@ -39,27 +41,10 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=180)
+    return openai_client(stack)
 
 
-def stream_text(client, request_id: str, on_token=None) -> tuple[str, str | None]:
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        stream=True,
-        extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": request_id},
-        **SAMPLING,
-    )
-    text, reason, n = "", None, 0
-    for event in stream:
-        if event.choices:
-            text += event.choices[0].delta.content or ""
-            reason = event.choices[0].finish_reason or reason
-            n += 1
-            if on_token:
-                on_token(n)
-    return text, reason
+stream_text = partial(chat_stream_text, sampling=SAMPLING)
 
 
 def wait_for(ok, what: str, stack: Stack, timeout: float = 60) -> None:
@@ -137,7 +122,7 @@ def test_a_submission_no_replica_holds_is_refused_and_a_retry_queues_it(stack):
     ports = sentinel_ports(stack.state)
     for replica in replicas:
         wait_for(lambda r=replica: node_role(ports[r]) == "slave", "a replica", stack, 90)
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    body = {"model": MODEL, "messages": LIGHTHOUSE, "max_tokens": 4, "temperature": 0}
     headers = {"X-Request-Id": "fo-unreplicated"}
     pids = [stack.pids()[r] for r in replicas]
     for pid in pids:
@@ -162,7 +147,7 @@ def test_a_submission_no_replica_holds_is_refused_and_a_retry_queues_it(stack):
 def stream_events(stack: Stack, request_id: str, on_token) -> tuple[list[tuple[int, int]], str]:
     """(SSE `id:` and token count of each event, text) of a streamed greedy request; logprobs
     give one entry per token, so the tokens each event covers are known."""
-    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "logprobs": True,
+    body = {"model": MODEL, "messages": LIGHTHOUSE, "stream": True, "logprobs": True,
             "ignore_eos": True, **SAMPLING}  # fmt: skip
     events, text, event_id, n = [], "", None, 0
     headers = {"X-Request-Id": request_id}
@@ -209,7 +194,7 @@ def test_steps_only_the_lost_primary_held_are_neither_repeated_nor_skipped(stack
             # and their links closed: a stopped replica's socket would still take in the
             # primary's writes (the kernel buffers them) and apply them once resumed
             link = redis.Redis(port=ports[primary])
-            assert link.client_kill_filter(_type="replica") == len(pids)
+            link.client_kill_filter(_type="replica")  # (one mid-resync may have none now)
             link.close()
         elif n >= seen.get("stopped", 99) + 6 and "killed" not in seen:
             seen["killed"] = n

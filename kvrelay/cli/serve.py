@@ -134,15 +134,11 @@ def bind_shared(host: str, port: int) -> socket.socket:
     yet: other sockets bound the same way share the port, any other holder refuses it
     (CommandError, one line, exit 2)."""
     from kvrelay.cli.errors import CommandError
+    from kvrelay.cli.up.launch import listen_address
 
     if not 0 <= port <= 65535:
         raise CommandError(f"port must be 0-65535 (0: any free port), got {port}")
-    try:
-        family, kind, proto, _name, addr = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except socket.gaierror as exc:
-        raise CommandError(f"cannot listen on {host}: {exc}") from None
+    family, kind, proto, _name, addr = listen_address(host, port)
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

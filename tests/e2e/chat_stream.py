@@ -3,6 +3,7 @@ text, the finish reason, and a callback at each token (to kill something mid-str
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import openai
@@ -44,3 +45,34 @@ def stream_text(
             if on_token:
                 on_token(n)
     return text, reason
+
+
+def stream_killing(
+    stream: Callable[..., tuple[str, str | None]],
+    client: openai.OpenAI,
+    stack: Stack,
+    request_id: str,
+    program: str,
+    at: int = 8,
+) -> tuple[list[tuple[str, str | None]], list[Exception], list[int]]:
+    """`stream(client, request_id, on_token)` on a thread, SIGKILLing `program` at its `at`-th
+    token: (the stream's result, if it ended; the API errors it raised; the killed pid)."""
+    killed: list[int] = []
+
+    def kill(n: int) -> None:
+        if n == at and not killed:
+            killed.append(stack.kill(program))
+
+    results: list[tuple[str, str | None]] = []
+    errors: list[Exception] = []
+
+    def victim() -> None:
+        try:
+            results.append(stream(client, request_id, kill))
+        except openai.APIError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=victim)
+    thread.start()
+    thread.join(180)
+    return results, errors, killed

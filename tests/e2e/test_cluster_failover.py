@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from functools import partial
 
-import openai
 import pytest
 import redis
 
 from kvrelay.cli.up.valkey_cluster import myself
-from tests.e2e.chat_stream import openai_client
+from tests.e2e.chat_stream import openai_client, stream_killing
 from tests.e2e.chat_stream import stream_text as chat_stream_text
 from tests.e2e.stack import Stack
 
@@ -95,24 +93,7 @@ def test_a_killed_primary_of_a_cluster_is_replaced_by_its_replica_mid_stream(sta
     assert ref_reason == "length"
     old = stack.valkey_of("cf-victim")
     assert old in NODES[:3]
-    killed: list[int] = []
-
-    def kill_primary(n: int) -> None:
-        if n == 8 and not killed:
-            killed.append(stack.kill(old))
-
-    results: list[tuple[str, str | None]] = []
-    errors: list[Exception] = []
-
-    def victim() -> None:
-        try:
-            results.append(stream_text(client, "cf-victim", kill_primary))
-        except openai.APIError as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=victim)
-    thread.start()
-    thread.join(180)
+    results, errors, killed = stream_killing(stream_text, client, stack, "cf-victim", old)
     assert killed, "the stream ended before its 8th token"
     assert not errors, f"{errors!r}{stack.logs()}"
     assert results == [(ref_text, "length")]

@@ -13,18 +13,16 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from functools import partial
 
 import httpx
-import openai
 import pytest
 import redis
 
 from kvrelay.cli.up.sentinel_status import current_primary, node_role
 from kvrelay.cli.up.valkey_sentinel import sentinel_ports
-from tests.e2e.chat_stream import LIGHTHOUSE, openai_client
+from tests.e2e.chat_stream import LIGHTHOUSE, openai_client, stream_killing
 from tests.e2e.chat_stream import stream_text as chat_stream_text
 from tests.e2e.stack import MODEL, Stack
 
@@ -85,24 +83,7 @@ def test_primary_sigkilled_mid_stream_the_stream_completes_identically(stack, cl
     ref_text, ref_reason = stream_text(client, "fo-ref")
     assert ref_reason == "length"
     old = current_primary(stack.state)
-    killed: list[int] = []
-
-    def kill_primary(n: int) -> None:
-        if n == 8 and not killed:
-            killed.append(stack.kill(old))
-
-    results: list[tuple[str, str | None]] = []
-    errors: list[Exception] = []
-
-    def victim() -> None:
-        try:
-            results.append(stream_text(client, "fo-victim", kill_primary))
-        except openai.APIError as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=victim)
-    thread.start()
-    thread.join(180)
+    results, errors, killed = stream_killing(stream_text, client, stack, "fo-victim", old)
     assert killed, "the stream ended before its 8th token"
     assert not errors, f"{errors!r}{stack.logs()}"
     assert results == [(ref_text, "length")]

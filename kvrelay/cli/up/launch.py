@@ -261,6 +261,21 @@ def listens(pid: int, port: int) -> bool | None:
     return False
 
 
+def listen_address(host: str, port: int) -> tuple[Any, ...]:
+    """(family, type, proto, canonname, sockaddr) a TCP listener on `host:port` binds;
+    CommandError (exit 2) for a host that does not resolve."""
+    import socket
+
+    from kvrelay.cli.errors import CommandError
+
+    try:
+        return socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise CommandError(f"cannot listen on {host}: {exc}") from None
+
+
 def check_port_free(host: str, port: int) -> None:
     """Raise CommandError (exit 2) unless a TCP listener could bind `host:port` now."""
     import errno
@@ -268,12 +283,7 @@ def check_port_free(host: str, port: int) -> None:
 
     from kvrelay.cli.errors import CommandError
 
-    try:
-        family, kind, proto, _name, addr = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except socket.gaierror as exc:
-        raise CommandError(f"cannot listen on {host}: {exc}") from None
+    family, kind, proto, _name, addr = listen_address(host, port)
     with socket.socket(family, kind, proto) as sock:
         # SO_REUSEADDR as uvicorn and valkey set it: a port in TIME_WAIT is free, a listener not
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

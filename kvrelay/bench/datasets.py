@@ -4,9 +4,13 @@ Every set is deterministic for a given seed and needs no tokenizer, so the same 
 any OpenAI-compatible server. Sizes in tokens are measured with the SmolLM2 tokenizer; other
 tokenizers give somewhat different counts. `long-context` documents are built from pieces that
 are one SmolLM2 token each, so their prompts are exactly LONG_CONTEXT_TOKENS long for that model
-(chat template included). `grounded` requests are tasks on a passage or a Python file given in
-the prompt (summarize, rewrite, edit the code; kvrelay.bench.grounded), whose answers copy long
-spans of the input, the case prompt-lookup (n-gram) speculative decoding speeds up.
+(chat template included); `doc-qa` documents are built the same way, DOC_QA_TOKENS each.
+`multi-turn` conversations start with the `shared-prefix` system prompt and pause a think
+time before each follow-up; `doc-qa` asks about each document in turn, then again, so each
+re-ask comes after the others (what a cache must keep). `grounded` requests are tasks on a
+passage or a Python file given in the prompt (summarize, rewrite, edit the code;
+kvrelay.bench.grounded), whose answers copy long spans of the input, the case prompt-lookup
+(n-gram) speculative decoding speeds up.
 
 JSONL files hold one request per line, either `{"messages": [{"role": ..., "content": ...}]}`
 (chat) or `{"prompt": "..."}` (text), each with an optional `"max_tokens"`.
@@ -23,7 +27,7 @@ from pathlib import Path
 from kvrelay.bench import grounded
 from kvrelay.core.errors import KvrelayError
 
-BUILTIN = ("short", "shared-prefix", "long", "long-context", "multi-turn", "grounded")
+BUILTIN = ("short", "shared-prefix", "long", "long-context", "multi-turn", "doc-qa", "grounded")
 TOPICS = [
     "the sea",
     "mountains",
@@ -59,6 +63,16 @@ WORDS = _WORD_TEXT.split()  # the vocabulary of synthetic sentences
 SHARED_PREFIX_RULES = 34  # about 1,500 SmolLM2 tokens
 LONG_WORDS = 1800  # about 2,000 SmolLM2 tokens
 MULTI_TURN_TURNS = 4
+DOC_QA_DOCUMENTS = 8  # `doc-qa`: distinct documents asked about in turn
+DOC_QA_TOKENS = 3000  # SmolLM2 tokens of one doc-qa document (its question adds a few)
+DOC_QA_QUESTIONS = [
+    "What is the text above about?",
+    "Name three things the text above mentions.",
+    "Which place appears most often in the text above?",
+    "Summarize the text above in one sentence.",
+    "Who are the people in the text above?",
+    "What happens last in the text above?",
+]
 LONG_CONTEXT_TOKENS = 4000  # SmolLM2 tokens of one long-context prompt, chat template included
 # SmolLM2 tokens of a grounded prompt, chat template included (checked for every combination of
 # source and task in tests/bench).
@@ -93,6 +107,28 @@ class DatasetError(KvrelayError, ValueError):
     """A prompt set that cannot be built (unknown name, unreadable or malformed file)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The conversation shape of `multi-turn` and `doc-qa` (`kvrelay bench` flags).
+
+    `turns`: requests per multi-turn conversation; `think_s`: the (low, high) bounds of the
+    uniform pause before each follow-up (a user reading, a tool running), seeded;
+    `documents`: how many doc-qa documents are asked about in turn.
+    """
+
+    turns: int = MULTI_TURN_TURNS
+    think_s: tuple[float, float] = (0.0, 0.0)
+    documents: int = DOC_QA_DOCUMENTS
+
+    def __post_init__(self) -> None:
+        lo, hi = self.think_s
+        if self.turns < 1 or self.documents < 1 or not 0 <= lo <= hi:
+            raise DatasetError(
+                "turns and documents must be >= 1 and think time 0 <= low <= high, got "
+                f"{self.turns} turns, {self.documents} documents, think {lo:g}-{hi:g} s"
+            )
+
+
 @dataclass(slots=True)
 class Session:
     """Requests sent one after another: the first with `messages`, then one per follow-up.
@@ -105,6 +141,10 @@ class Session:
     prompt: str | None = None  # a text prompt instead of messages (JSONL `prompt`)
     follow_ups: list[str] = field(default_factory=list)
     max_tokens: int | None = None  # per-request output budget from a JSONL file
+    think_s: list[float] = field(default_factory=list)  # pause before each follow-up
+    # the turn its first request counts as in reports (doc-qa: how often its document was
+    # asked before, so turn 0 is each document's cold prefill and later turns its re-asks)
+    first_turn: int = 0
 
     @property
     def num_requests(self) -> int:
@@ -129,6 +169,7 @@ class Dataset:
             s = self.session(len(out))
             if s.num_requests > left:
                 s.follow_ups = s.follow_ups[: left - 1]
+                s.think_s = s.think_s[: left - 1]
             out.append(s)
             left -= s.num_requests
         return out
@@ -238,9 +279,16 @@ def _question(rng: random.Random, index: int) -> str:
     return f"({index}) " + rng.choice(TASKS).format(rng.choice(TOPICS))
 
 
-def builtin(name: str, seed: int) -> Dataset:
+def doc_qa_document(seed: int, document: int) -> str:
+    """Document `document` of a doc-qa set: DOC_QA_TOKENS SmolLM2 tokens of plain prose."""
+    rng = random.Random(f"{seed}:doc-qa:{document}")
+    return "".join(long_context_document(rng, DOC_QA_TOKENS))
+
+
+def builtin(name: str, seed: int, shape: Shape | None = None) -> Dataset:
     """One of BUILTIN; `seed` varies the user turns (and long documents), not the shape."""
-    system = shared_system_prompt() if name == "shared-prefix" else None
+    shape = shape or Shape()
+    system = shared_system_prompt() if name in ("shared-prefix", "multi-turn") else None
 
     def make(index: int) -> Session:
         rng = random.Random(f"{seed}:{name}:{index}")
@@ -261,10 +309,24 @@ def builtin(name: str, seed: int) -> Dataset:
             doc = _text(rng, LONG_WORDS)
             ask = "Summarize the text above in one sentence."
             return Session(messages=[{"role": "user", "content": f"{doc}\n\n{ask}"}])
+        if name == "doc-qa":
+            document, visit = index % shape.documents, index // shape.documents
+            question = DOC_QA_QUESTIONS[visit % len(DOC_QA_QUESTIONS)]
+            text = f"{doc_qa_document(seed, document)}\n\n({visit}) {question}"
+            return Session(messages=[{"role": "user", "content": text}], first_turn=visit)
         topic = rng.choice(TOPICS)
         first = f"({index}) Let us talk about {topic}. What is it?"
-        follow = [f"Tell me more about {topic}, point {t}." for t in range(2, MULTI_TURN_TURNS + 1)]
-        return Session(messages=[{"role": "user", "content": first}], follow_ups=follow)
+        follow = [f"Tell me more about {topic}, point {t}." for t in range(2, shape.turns + 1)]
+        lo, hi = shape.think_s
+        think = [rng.uniform(lo, hi) if hi > 0 else 0.0 for _ in follow]
+        return Session(
+            messages=[
+                {"role": "system", "content": system or ""},
+                {"role": "user", "content": first},
+            ],
+            follow_ups=follow,
+            think_s=think,
+        )
 
     if name not in BUILTIN:
         raise DatasetError(f"unknown dataset {name!r} (one of {', '.join(BUILTIN)} or a .jsonl)")
@@ -320,10 +382,10 @@ def from_jsonl(path: str) -> Dataset:
     return Dataset(Path(path).name, make)
 
 
-def load(name: str, seed: int) -> Dataset:
+def load(name: str, seed: int, shape: Shape | None = None) -> Dataset:
     """A built-in set by name, or a JSONL file when `name` is not one."""
     if name in BUILTIN:
-        return builtin(name, seed)
+        return builtin(name, seed, shape)
     if name.endswith(".jsonl") or Path(name).exists():
         return from_jsonl(name)
-    return builtin(name, seed)  # raises with the list of names
+    return builtin(name, seed, shape)  # raises with the list of names

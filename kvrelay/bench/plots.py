@@ -82,11 +82,40 @@ def sweep_plot(path: Path, cfg: BenchConfig, result: BenchResult) -> None:
     _finish(plt, fig, (ax_t, ax_l), f"kvrelay bench: {cfg.dataset}, {cfg.mode} sweep", path)
 
 
+def turns_plot(path: Path, cfg: BenchConfig, result: BenchResult) -> None:
+    """TTFT p50/p90 and cached prompt % against the turn, one line per (server, point)."""
+    plt = _pyplot()
+    fig, (ax_l, ax_c) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for s in result.summaries:
+        if not s.by_turn:
+            continue
+        label = f"{s.server} {cfg.mode}={s.point:g}"
+        xs = [t.turn for t in s.by_turn]
+        for name in ("p50", "p90"):
+            pts = [(x, getattr(t.ttft_ms, name)) for x, t in zip(xs, s.by_turn, strict=True)]
+            pts = [(x, y) for x, y in pts if y is not None]
+            if pts:
+                ax_l.plot(*zip(*pts, strict=True), marker="o", label=f"{label} TTFT {name}")
+        cached = [(x, 100 * t.cached_ratio) for x, t in zip(xs, s.by_turn, strict=True)
+                  if t.cached_ratio is not None]  # fmt: skip
+        if cached:
+            ax_c.plot(*zip(*cached, strict=True), marker="o", label=label)
+    ax_l.set_ylabel("TTFT (ms)")
+    ax_c.set_ylabel("cached prompt tokens (%)")
+    for ax in (ax_l, ax_c):
+        ax.set_xlabel("turn" if cfg.dataset != "doc-qa" else "ask of a document")
+    _finish(plt, fig, (ax_l, ax_c), f"kvrelay bench: {cfg.dataset}, by turn", path)
+
+
 def write_plots(out_dir: Path, cfg: BenchConfig, result: BenchResult) -> list[Path]:
-    """latency_cdf.png always; sweep.png when there is more than one point. Returns the paths."""
+    """latency_cdf.png always; sweep.png when there is more than one point; turns.png when
+    requests have turns (multi-turn, doc-qa). Returns the paths."""
     paths = [out_dir / "latency_cdf.png"]
     latency_cdfs(paths[0], cfg, result)
     if len(cfg.points) > 1:
         paths.append(out_dir / "sweep.png")
-        sweep_plot(paths[1], cfg, result)
+        sweep_plot(paths[-1], cfg, result)
+    if any(s.by_turn for s in result.summaries):
+        paths.append(out_dir / "turns.png")
+        turns_plot(paths[-1], cfg, result)
     return paths

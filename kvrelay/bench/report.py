@@ -70,6 +70,27 @@ def _latency_table(cfg: BenchConfig, result: BenchResult) -> Table:
     return t
 
 
+def _turn_table(cfg: BenchConfig, result: BenchResult) -> Table:
+    t = Table(title="by turn (doc-qa: by ask of a document): TTFT ms p50 / p90, cached prompt %")
+    for col in ("server", cfg.mode, "turn", "requests", "prompt tokens", "TTFT", "cached %"):
+        t.add_column(col, justify="left" if col == "server" else "right")
+    for s in result.summaries:
+        for turn in s.by_turn:
+            ratio = turn.cached_ratio
+            t.add_row(
+                s.server,
+                _point(cfg, s),
+                str(turn.turn),
+                str(turn.num_ok),
+                f"{turn.prompt_tokens:,}",
+                "-"
+                if turn.ttft_ms.count == 0
+                else f"{_num(turn.ttft_ms.p50)} / {_num(turn.ttft_ms.p90)}",
+                "-" if ratio is None else f"{100 * ratio:.1f}",
+            )
+    return t
+
+
 def _compare_table(cfg: BenchConfig, result: BenchResult) -> Table:
     a, b = cfg.targets[0].url, cfg.targets[1].url
     t = Table(title=f"B / A: B = {b}, A = {a} (throughput > 1: B faster; latency > 1: B slower)")
@@ -94,6 +115,8 @@ def print_tables(cfg: BenchConfig, result: BenchResult, console: Console) -> Non
     """The human report: throughput, latency, B/A ratios and the first errors."""
     console.print(_throughput_table(cfg, result))
     console.print(_latency_table(cfg, result))
+    if any(s.by_turn for s in result.summaries):
+        console.print(_turn_table(cfg, result))
     if result.comparisons:
         console.print(_compare_table(cfg, result))
     console.print(

@@ -2,7 +2,8 @@
 Poisson arrivals, stopping after a number of requests or a duration.
 
 A session (one conversation) is the unit of work: its requests go one after another, each
-follow-up carrying the server's previous answer, whichever loop started the session.
+follow-up carrying the server's previous answer, after the session's think time (a user
+reading, a tool running), whichever loop started the session.
 """
 
 from __future__ import annotations
@@ -83,8 +84,18 @@ async def _session(
     messages = list(session.messages)
     answer = ""
     for turn in range(session.num_requests):
+        if turn and session.think_s and session.think_s[turn - 1] > 0:
+            # the user reads the answer (or a tool runs) before the next turn
+            await asyncio.sleep(
+                min(session.think_s[turn - 1], max(0.0, deadline - time.monotonic()))
+            )
         rec = RequestRecord(
-            base.server, base.point, base.round, base.session, turn, scheduled_s=base.scheduled_s
+            base.server,
+            base.point,
+            base.round,
+            base.session,
+            session.first_turn + turn,
+            scheduled_s=base.scheduled_s,
         )
         if turn and time.monotonic() >= deadline:
             return  # a duration run starts no request after its end

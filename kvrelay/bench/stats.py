@@ -43,6 +43,19 @@ class Dist:
 
 
 @dataclass(slots=True)
+class TurnSummary:
+    """The requests of one turn of every conversation (multi-turn: the n-th request of each;
+    doc-qa: the n-th ask of each document): what a session's pages buy its next turn."""
+
+    turn: int
+    num_ok: int
+    prompt_tokens: int
+    cached_tokens: int | None  # None: the server never reported prompt_tokens_details
+    cached_ratio: float | None
+    ttft_ms: Dist = field(default_factory=Dist)
+
+
+@dataclass(slots=True)
 class Summary:
     """One server at one sweep point, pooled over its rounds."""
 
@@ -68,6 +81,7 @@ class Summary:
     tpot_ms: Dist = field(default_factory=Dist)
     itl_ms: Dist = field(default_factory=Dist)
     e2e_ms: Dist = field(default_factory=Dist)
+    by_turn: list[TurnSummary] = field(default_factory=list)  # when requests have turns
     errors: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -118,12 +132,7 @@ def summarize(
     ok = [r for r in records if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
-    reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
-    cached = sum(r.cached_tokens or 0 for r in reported) if reported else None
-    cached_ratio = None
-    if reported:
-        assert cached is not None  # summed over `reported`
-        cached_ratio = round(cached / sum(r.prompt_tokens or 0 for r in reported), 4)
+    cached, cached_ratio = _cached(ok)
     num_good = sum(slo.met(r) for r in records) if slo.active else None
     errors: list[str] = []
     for r in records:
@@ -157,7 +166,40 @@ def summarize(
         itl_ms=dist_ms([g for r in ok for g in r.itl_s]),
         e2e_ms=dist_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
         errors=errors,
+        by_turn=by_turn(ok),
     )
+
+
+def _cached(ok: list[RequestRecord]) -> tuple[int | None, float | None]:
+    """Cached prompt tokens of `ok` and their share of the prompt tokens (of the requests
+    whose server reported them); (None, None) when none did."""
+    reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    if not reported:
+        return None, None
+    cached = sum(r.cached_tokens or 0 for r in reported)
+    return cached, round(cached / sum(r.prompt_tokens or 0 for r in reported), 4)
+
+
+def by_turn(ok: list[RequestRecord]) -> list[TurnSummary]:
+    """Per-turn summaries of the successful requests; empty when they all are turn 0."""
+    turns = sorted({r.turn for r in ok})
+    if turns in ([], [0]):
+        return []
+    out = []
+    for turn in turns:
+        recs = [r for r in ok if r.turn == turn]
+        cached, ratio = _cached(recs)
+        out.append(
+            TurnSummary(
+                turn=turn,
+                num_ok=len(recs),
+                prompt_tokens=sum(r.prompt_tokens or 0 for r in recs),
+                cached_tokens=cached,
+                cached_ratio=ratio,
+                ttft_ms=dist_ms([r.ttft_s for r in recs if r.ttft_s is not None]),
+            )
+        )
+    return out
 
 
 def _ratio(b: float | None, a: float | None) -> float | None:

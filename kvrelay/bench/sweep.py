@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvrelay.bench.datasets import Shape
 from kvrelay.bench.datasets import load as load_dataset
 from kvrelay.bench.request import RequestOptions, RequestRecord, Target
 from kvrelay.bench.runner import Load, run_load
@@ -38,6 +39,7 @@ class BenchConfig:
     slo: Slo = field(default_factory=Slo)
     timeout_s: float = 600.0
     progress: bool = False
+    shape: Shape = field(default_factory=Shape)
 
     def to_dict(self) -> dict:
         return {
@@ -55,6 +57,9 @@ class BenchConfig:
             "temperature": self.opts.temperature,
             "top_p": self.opts.top_p,
             "slo": {"ttft_ms": self.slo.ttft_ms, "itl_ms": self.slo.itl_ms},
+            "turns": self.shape.turns,
+            "think_s": list(self.shape.think_s),
+            "documents": self.shape.documents,
         }
 
 
@@ -97,7 +102,7 @@ async def _run_all(cfg: BenchConfig, progress: Progress | None) -> BenchResult:
         }
         for round_ in range(cfg.rounds):
             seed = derived_seed(cfg.seed, pi, round_)
-            dataset = load_dataset(cfg.dataset, seed)
+            dataset = load_dataset(cfg.dataset, seed, cfg.shape)
             for target in cfg.targets:
                 label = f"{target.label} {cfg.mode} {point:g} round {round_ + 1}/{cfg.rounds}"
                 task = progress.add_task(label, total=cfg.num_requests) if progress else None

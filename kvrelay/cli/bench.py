@@ -22,7 +22,9 @@ logger = logging.getLogger(__name__)
 DATASET_HELP = (
     "short | shared-prefix (a common ~1,500-token system prompt) | long (~2,000-token prompts) "
     "| long-context (4,000-token prompts, each its own document; --concurrency 8,32 by default) "
-    "| multi-turn (4-turn conversations) | grounded (summarize, rewrite or edit a passage or "
+    "| multi-turn (conversations of --turns turns after a shared ~1,500-token system prompt, "
+    "--think-time between turns) | doc-qa (--documents 3,000-token documents, each asked "
+    "again after the others) | grounded (summarize, rewrite or edit a passage or "
     "Python file given in the prompt: answers copy the input, as n-gram speculation needs) "
     '| FILE.jsonl with one {"messages": [...]} or '
     '{"prompt": "..."} per line, optional "max_tokens" (default short)'
@@ -51,6 +53,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="/v1/chat/completions (default) or /v1/completions",
     )
     p.add_argument("--dataset", default="short", help=DATASET_HELP)
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        help="multi-turn: requests per conversation (default 4)",
+    )
+    p.add_argument(
+        "--think-time",
+        default=None,
+        metavar="S|LOW,HIGH",
+        help="multi-turn: seconds before each follow-up, fixed or uniform in LOW..HIGH, seeded "
+        "(default 0)",
+    )
+    p.add_argument(
+        "--documents",
+        type=int,
+        default=None,
+        help="doc-qa: documents asked about in turn (default 8)",
+    )
     p.add_argument(
         "--concurrency",
         default=None,
@@ -143,6 +164,40 @@ def _check(args: argparse.Namespace) -> None:
         raise CommandError(f"--top-p must be in (0, 1], got {args.top_p:g}", 2)
     if args.compare_model and not args.compare:
         raise CommandError("--compare-model needs --compare URL", 2)
+    for value, flag, dataset in (
+        (args.turns, "--turns", "multi-turn"),
+        (args.think_time, "--think-time", "multi-turn"),
+        (args.documents, "--documents", "doc-qa"),
+    ):
+        if value is not None and args.dataset != dataset:
+            raise CommandError(f"{flag} shapes --dataset {dataset} only", 2)
+
+
+def _shape(args: argparse.Namespace):
+    """The conversation shape the flags give (`kvrelay.bench.datasets.Shape`)."""
+    from kvrelay.bench.datasets import DatasetError, Shape
+
+    think = (0.0, 0.0)
+    if args.think_time is not None:
+        parts = args.think_time.split(",")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            raise CommandError(
+                f"--think-time: {args.think_time!r} is not S or LOW,HIGH", 2
+            ) from None
+        if len(values) not in (1, 2) or not all(math.isfinite(v) for v in values):
+            raise CommandError(f"--think-time: {args.think_time!r} is not S or LOW,HIGH", 2)
+        think = (values[0], values[-1])
+    defaults = Shape()
+    try:
+        return Shape(
+            turns=defaults.turns if args.turns is None else args.turns,
+            think_s=think,
+            documents=defaults.documents if args.documents is None else args.documents,
+        )
+    except DatasetError as exc:
+        raise CommandError(f"--dataset {args.dataset}: {exc}", 2) from None
 
 
 def base_url(url: str) -> str:
@@ -188,8 +243,9 @@ def _config(args: argparse.Namespace):
     else:
         concurrency = args.concurrency or default_concurrency(args.dataset)
         mode, points = "concurrency", _points(concurrency, "--concurrency", int)
+    shape = _shape(args)
     try:
-        load_dataset(args.dataset, args.seed)  # fail on a bad file before touching a server
+        load_dataset(args.dataset, args.seed, shape)  # fail on a bad file before touching a server
     except DatasetError as exc:
         raise CommandError(f"--dataset: {exc}", 2) from None
     urls = [base_url(args.url)] + ([base_url(args.compare)] if args.compare else [])
@@ -216,6 +272,7 @@ def _config(args: argparse.Namespace):
         Slo(args.slo_ttft_ms, args.slo_itl_ms),
         args.timeout_s,
         progress,
+        shape,
     )
 
 

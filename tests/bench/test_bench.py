@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.bench.datasets import builtin, shared_system_prompt
+from kvrelay.bench.datasets import DOC_QA_QUESTIONS, Shape, builtin, shared_system_prompt
 from kvrelay.bench.request import RequestRecord
 from kvrelay.bench.runner import poisson_arrivals
-from kvrelay.bench.stats import Slo, percentile, summarize
+from kvrelay.bench.stats import Slo, by_turn, percentile, summarize
 from kvrelay.bench.sweep import derived_seed
 from tests.conftest import free_port
 from tests.e2e.stack import Stack
@@ -172,6 +172,27 @@ def test_multi_turn_follow_ups_carry_the_answer(stack, tmp_path):
     assert reqs[1]["cached_tokens"] >= 16 and reqs[2]["cached_tokens"] >= 16
 
 
+def test_doc_qa_reports_each_documents_re_ask_as_a_cached_turn(stack, tmp_path):
+    out = tmp_path / "out"
+    # one 3,000-token document (the stack's pool and arena hold one, not two), asked 3 times
+    done = bench(
+        f"--url {stack.url} --dataset doc-qa --documents 1 --concurrency 1 --num-requests 3 "
+        f"--max-tokens 2 --ignore-eos --out {out}"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.endswith("latency_cdf.png, turns.png\n")
+    assert "by turn (doc-qa: by ask of a document)" in done.stdout
+    reqs = sorted(results(out)["requests"], key=lambda r: r["turn"])
+    assert [(r["session"], r["turn"]) for r in reqs] == [(0, 0), (1, 1), (2, 2)]
+    # the document is prefilled once; its pages serve the later asks (all but the tail past
+    # the last full 16-token page)
+    assert reqs[0]["prompt_tokens"] > 3000
+    assert all(r["cached_tokens"] >= r["prompt_tokens"] - 32 for r in reqs[1:])
+    summary = results(out)["summaries"][0]
+    assert [t["turn"] for t in summary["by_turn"]] == [0, 1, 2]
+    assert summary["by_turn"][2]["cached_ratio"] > 0.98
+
+
 def test_jsonl_file_on_completions_endpoint(stack, tmp_path):
     data = tmp_path / "reqs.jsonl"
     data.write_text(
@@ -237,7 +258,25 @@ def test_failed_requests_exit_1_with_summary(stack, tmp_path):
         (
             ["--dataset", "nope"],
             "--dataset: unknown dataset 'nope' (one of short, shared-prefix,"
-            " long, long-context, multi-turn, grounded or a .jsonl)",
+            " long, long-context, multi-turn, doc-qa, grounded or a .jsonl)",
+        ),
+        (["--turns", "3"], "--turns shapes --dataset multi-turn only"),
+        (
+            ["--dataset", "doc-qa", "--think-time", "1"],
+            "--think-time shapes --dataset multi-turn only",
+        ),
+        (
+            ["--dataset", "multi-turn", "--documents", "2"],
+            "--documents shapes --dataset doc-qa only",
+        ),
+        (
+            ["--dataset", "multi-turn", "--think-time", "5,x"],
+            "--think-time: '5,x' is not S or LOW,HIGH",
+        ),
+        (
+            ["--dataset", "multi-turn", "--think-time", "9,2"],
+            "--dataset multi-turn: turns and documents must be >= 1 and think time 0 <= low <= "
+            "high, got 4 turns, 8 documents, think 9-2 s",
         ),
     ],
 )
@@ -304,11 +343,42 @@ def test_summary_percentiles_goodput_and_errors():
     assert s.itl_ms.count == 27 and s.errors == ["HTTP 500"] and s.cached_ratio is None
 
 
+def test_by_turn_groups_successful_requests_by_their_turn():
+    def rec(turn: int, ttft: float, prompt: int, cached: int | None, error=None) -> RequestRecord:
+        r = RequestRecord("A", 1.0, 0, 0, turn, ttft_s=ttft, prompt_tokens=prompt, error=error)
+        r.cached_tokens = cached
+        return r
+
+    recs = [
+        rec(0, 0.5, 100, 0),
+        rec(1, 0.1, 200, 180),
+        rec(1, 0.3, 200, 190),
+        rec(2, 0.2, 50, None),
+    ]
+    turns = by_turn([r for r in recs + [rec(2, 9.0, 10, 0, "HTTP 500")] if r.ok])
+    rows = [(t.turn, t.num_ok, t.prompt_tokens, t.cached_tokens, t.cached_ratio) for t in turns]
+    assert rows == [(0, 1, 100, 0, 0.0), (1, 2, 400, 370, 0.925), (2, 1, 50, None, None)]
+    assert (turns[1].ttft_ms.p50, turns[1].ttft_ms.p90) == (200.0, 280.0)
+    assert by_turn([rec(0, 0.5, 100, 0)]) == []
+
+
 def test_prompt_sets_are_deterministic():
     assert builtin("short", 3).session(5) == builtin("short", 3).session(5)
     assert builtin("short", 3).session(5) != builtin("short", 4).session(5)
     sessions = builtin("multi-turn", 0).sessions(6)  # 4 turns, then one cut to 2
     assert [s.num_requests for s in sessions] == [4, 2]
+    assert sessions[0].messages[0] == {"role": "system", "content": shared_system_prompt()}
+    assert sessions[0].think_s == [0.0, 0.0, 0.0] and sessions[1].think_s == [0.0]
+    shaped = builtin("multi-turn", 5, Shape(turns=6, think_s=(30.0, 120.0))).session(1)
+    assert shaped.num_requests == 6 and len(shaped.think_s) == 5
+    assert all(30.0 <= t <= 120.0 for t in shaped.think_s) and len(set(shaped.think_s)) == 5
+    assert shaped == builtin("multi-turn", 5, Shape(turns=6, think_s=(30.0, 120.0))).session(1)
+    docs = builtin("doc-qa", 2, Shape(documents=3))
+    asks = [docs.session(i) for i in range(7)]
+    assert [a.first_turn for a in asks] == [0, 0, 0, 1, 1, 1, 2]
+    text = [a.messages[0]["content"] for a in asks]
+    assert text[0].split("\n\n(0) ")[0] == text[3].split("\n\n(1) ")[0] != text[1].split("\n\n")[0]
+    assert text[3].endswith(f"(1) {DOC_QA_QUESTIONS[1]}")
     head = builtin("shared-prefix", 9).session(2).messages[0]
     assert head == {"role": "system", "content": shared_system_prompt()}
     assert len(shared_system_prompt().split()) == 1095

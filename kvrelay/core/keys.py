@@ -218,6 +218,12 @@ class Keys:
         """Hash: a stored Responses API answer (`pipeline/server/response_store.py`)."""
         return self._p + f"resp:{response_id}"
 
+    @property
+    def replicated(self) -> str:
+        """String with TTL: the marker a cluster submission writes under its shard's tag so
+        that `WAIT` on that node covers it (`pipeline/queue/submit.py`)."""
+        return self._p + "replicated"
+
     def standby(self, worker_id: str) -> str:
         """String with TTL: the pid of a process waiting, loaded, to serve worker `worker_id`
         when the one serving it dies (`workers.slot`; `kvrelay up --standby`)."""

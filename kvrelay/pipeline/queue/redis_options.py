@@ -30,8 +30,10 @@ import redis.asyncio.sentinel as aiosentinel
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import (
+    AskError,
     ClusterDownError,
     ConnectionError,
+    MovedError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -179,5 +181,78 @@ def sentinel_master(
 
 
 def replicated(client: Any) -> bool:
-    """Whether `client` is on a Sentinel pool (a replicated Valkey: submissions WAIT)."""
+    """Whether `client` is on a Sentinel pool (a replicated Valkey: submissions WAIT). A
+    cluster client's answer needs the cluster's topology: `cluster_has_replicas`."""
     return isinstance(getattr(client, "connection_pool", None), aiosentinel.SentinelConnectionPool)
+
+
+def is_cluster_client(client: Any) -> bool:
+    """Whether `client` is redis-py's asyncio RedisCluster (`async_redis` on a cluster URL)."""
+    return isinstance(client, aiocluster.RedisCluster)
+
+
+async def cluster_has_replicas(client: aiocluster.RedisCluster) -> bool:
+    """Whether any node of the cluster is a replica. CLUSTER NODES lists a failed or stopped
+    replica too (CLUSTER SLOTS, and redis-py's slot map, leave it out): a cluster whose
+    replicas are all down still counts as replicated, so its submissions keep waiting for
+    one (a 503 not_replicated) instead of being acknowledged unreplicated."""
+    with cluster_failures_unavailable():
+        nodes = await client.cluster_nodes()
+    flags = (str(node.get("flags", "")).split(",") for node in nodes.values())
+    return any("slave" in f or "replica" in f for f in flags)
+
+
+async def wait_on_slot_primary(
+    client: aiocluster.RedisCluster,
+    key: str,
+    commands: list[tuple[Any, ...]],
+    numreplicas: int,
+    timeout_ms: int,
+) -> list[Any]:
+    """The replies of `commands` (all on `key`'s hash slot) and then of `WAIT numreplicas
+    timeout_ms`, sent together on ONE connection of the primary that serves `key`'s slot.
+
+    WAIT counts the replicas holding the calling connection's last write, so it must follow a
+    write on the same connection of the same node. redis-py's cluster client cannot do that
+    by itself: it sends WAIT to its default node (a random primary); `target_nodes=` pins the
+    node but each `execute_command` takes any free connection of that node; and a
+    ClusterPipeline re-routes its commands when it retries (the `target_nodes` it popped on
+    the first try are gone, so WAIT goes to the default node) or follows a MOVED on its own.
+    Here the commands go through the node's `execute_pipeline`, which holds one connection
+    for all of them, without retries or redirections. A reply that is an error (a MOVED: the
+    slot map changed, a failover) has the client refresh its slot map and raises
+    `ClusterUnavailable`, as does a lost connection (a ConnectionError): the caller retries.
+    """
+    with cluster_failures_unavailable():
+        await client.initialize()  # no-op once initialized (the slot map is needed here)
+        node = client.get_node_from_key(key)
+        if node is None:
+            raise ClusterUnavailable(f"no node serves the slot of {key!r}")
+        queued = [*commands, ("WAIT", numreplicas, timeout_ms)]
+        sent = [aiocluster.PipelineCommand(i, *args) for i, args in enumerate(queued)]
+        failed: Exception | None = None
+        try:
+            await node.execute_pipeline(sent)
+        except ConnectionError as exc:  # sending failed (a reply lost is a command's result)
+            failed = exc
+    failed = failed or next((c.result for c in sent if isinstance(c.result, Exception)), None)
+    if failed is None:
+        return [c.result for c in sent]
+    if not isinstance(failed, _MOVED_OR_LOST):
+        raise failed  # the commands' own error, or a timeout (not retried: see above)
+    # a keyed read through the client follows a MOVED and updates its slot map
+    with cluster_failures_unavailable():
+        await client.exists(key)
+    raise ClusterUnavailable(f"{node.name} did not run WAIT's commands: {failed}") from failed
+
+
+# replies that say the node is not (or no longer) the slot's primary, or its connection was
+# lost: the caller retries (a timeout is not among them: a hung node is not waited out twice)
+_MOVED_OR_LOST = (
+    MovedError,
+    AskError,
+    TryAgainError,
+    ClusterDownError,
+    SlotNotCoveredError,
+    ConnectionError,
+)

@@ -19,6 +19,20 @@ so a retry that finds the request already queued (by an earlier try, its reply l
 that earlier write too. When no replica holds it in time, the submission fails with a 503
 `not_replicated` (the request may still run on the primary); a retry with the same request id
 finds it (reattaches) and a failover that lost it lets the retry queue it again.
+
+On a Valkey Cluster with replicas (CLUSTER NODES lists a replica, `kvrelay up --shards S
+--valkey-replicas N`) submissions wait the same way, with the same setting and the same 503.
+There PUBLISH is not propagated to replicas (the cluster bus carries it) and the client routes
+WAIT to a node of its own choosing, so after the submit script the primary serving the
+request's hash slot gets, on one connection (`redis_options.wait_on_slot_primary`): EXISTS
+req:{id}, a write under the request's hash tag (`{tag}:replicated`, a key that expires), and
+WAIT. An acknowledgment means a replica holds everything that primary held when the record
+was there: the record and its stream entry (one script). A cluster without replicas does not
+wait.
+
+A client that retries after a `not_replicated` 503 reattaches to the queued request without
+submitting again: `confirm_replicated` is that retry's wait (the same EXISTS, propagated write
+and WAIT, also on Sentinel), so it too is answered only once a replica holds the request.
 """
 
 from __future__ import annotations
@@ -30,9 +44,10 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
+from redis.asyncio.cluster import RedisCluster
 
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus
@@ -48,7 +63,13 @@ from kvrelay.pipeline.queue.choices_state import choice_id as choice_id  # where
 from kvrelay.pipeline.queue.field_ttl import field_ttl
 from kvrelay.pipeline.queue.outage import REDIS_RETRY_S, Outage
 from kvrelay.pipeline.queue.progress import new_progress
-from kvrelay.pipeline.queue.redis_options import AsyncRedis, replicated
+from kvrelay.pipeline.queue.redis_options import (
+    AsyncRedis,
+    cluster_has_replicas,
+    is_cluster_client,
+    replicated,
+    wait_on_slot_primary,
+)
 from kvrelay.pipeline.queue.route import DECODE, Route, Router
 from kvrelay.pipeline.tokens import (
     check_lengths,
@@ -69,6 +90,8 @@ REQUEST_TIMEOUT_S = 600.0  # deadline given to workers
 _HOPELESS_MARGIN = 2  # normalizers (NFKC) may fold characters: never refuse one that fits
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 REPLICA_ACK_TIMEOUT_MS = 1000  # WAIT for one replica this long (a replicated Valkey only)
+REPLICAS_RECHECK_S = 10.0  # a cluster's topology (has it replicas?) is read again this often
+MARKER_TTL_MS = 60000  # the `{tag}:replicated` key a cluster WAIT writes before it expires
 
 # lua/submit.lua: create req:{id} and XADD the task in one step, refusing a duplicate id (but
 # not a retry of the same submission) and, at max_waiting unread entries, any new request
@@ -149,8 +172,12 @@ class Producer:
         # 0: no bound (the producer client); the ingress refuses with 429 at this many
         self.max_waiting, self.retry_after_s = max_waiting, retry_after_s
         self.submit_wait_s = submit_wait_s  # how long a Redis outage is waited out
-        # 0: no WAIT (a Valkey without replicas, or disabled)
+        # 0: no WAIT (a Valkey without replicas, or disabled); a cluster: see _ack_ms()
         self.replica_ack_ms = replica_ack_timeout_ms if replicated(redis) else 0
+        self._cluster_ack_ms = replica_ack_timeout_ms if is_cluster_client(redis) else 0
+        self._cluster_replicas = False  # as of the last look, REPLICAS_RECHECK_S at most ago
+        self._replicas_seen_at: float | None = None
+        self._replicas_lock = asyncio.Lock()  # one look at a time; the others wait for it
         self._submit = redis.register_script(_SUBMIT_LUA)
         self._submit_choices = redis.register_script(_SUBMIT_CHOICES_LUA)
 
@@ -364,12 +391,37 @@ class Producer:
         entry_id = await self._replicated(task.request_id, self._submit, call)
         return route, entry_id
 
+    async def _ack_ms(self) -> int:
+        """How long a submission WAITs for a replica (0: it does not): the setting on a
+        Sentinel-replicated Valkey, and on a cluster that has a replica (looked up at most
+        every REPLICAS_RECHECK_S; a stopped or failed replica still counts)."""
+        if self.replica_ack_ms or not self._cluster_ack_ms:
+            return self.replica_ack_ms
+
+        def stale() -> bool:
+            seen = self._replicas_seen_at
+            return seen is None or time.monotonic() - seen > REPLICAS_RECHECK_S
+
+        if stale():
+            async with self._replicas_lock:
+                if stale():  # not looked at while this one waited for the lock
+                    cluster = cast(RedisCluster, self.redis)
+                    self._cluster_replicas = await cluster_has_replicas(cluster)
+                    self._replicas_seen_at = time.monotonic()
+        return self._cluster_ack_ms if self._cluster_replicas else 0
+
     async def _replicated(self, request_id: str, script: Any, call: dict[str, Any]) -> Any:
         """The submit `script`'s reply; on a replicated Valkey run with `WAIT 1` on the same
         connection (WAIT counts the replicas holding that connection's writes), and a 503
         not_replicated when a queued request reached no replica in time."""
-        if not self.replica_ack_ms:
+        ack_ms = await self._ack_ms()
+        if not ack_ms:
             return await script(**call)
+        if not self.replica_ack_ms:  # a cluster: WAIT on the request's slot's primary
+            reply = await script(**call)
+            if not isinstance(reply, int):  # queued now or before (as below)
+                await self._wait_on_slot(request_id, call["keys"][0], ack_ms)
+            return reply
         pipe = self.redis.pipeline(transaction=False)
         await script(**call, client=pipe)
         pipe.execute_command("PUBLISH", f"{self.keys.prefix}replicated", "")
@@ -384,6 +436,58 @@ class Producer:
             )
             raise not_replicated(request_id, self.replica_ack_ms, self.retry_after_s)
         return reply
+
+    async def _wait_on_slot(self, request_id: str, record_key: str, ack_ms: int) -> None:
+        """On a cluster: EXISTS `record_key`, a propagated write under its hash tag and
+        `WAIT 1 ack_ms`, on one connection of the primary serving its slot; a 503
+        not_replicated unless the record was there and a replica acknowledged."""
+        marker = self.keys.of(request_id).replicated
+        write = ("SET", marker, "1", "PX", MARKER_TTL_MS)
+        exists, _, acks = await wait_on_slot_primary(
+            cast(RedisCluster, self.redis),
+            record_key,
+            [("EXISTS", record_key), write],
+            1,
+            ack_ms,
+        )
+        self._check_held(request_id, int(exists), int(acks), ack_ms)
+
+    def _check_held(self, request_id: str, exists: int, acks: int, ack_ms: int) -> None:
+        if not exists:  # a failover lost it since: the retry queues it again
+            logger.warning("request %s: its record is gone from the primary: 503", request_id)
+            raise not_replicated(request_id, ack_ms, self.retry_after_s)
+        if acks < 1:
+            logger.warning(
+                "request %s queued but held by no replica after %d ms: 503", request_id, ack_ms
+            )
+            raise not_replicated(request_id, ack_ms, self.retry_after_s)
+
+    async def confirm_replicated(self, request_id: str) -> None:
+        """For a client reattaching to a queued request with a POST (a retry after a 503
+        not_replicated, which submits nothing): return once a replica holds req:{id}, else
+        raise the same 503 not_replicated. On a Valkey without replicas, at once.
+
+        The primary gets EXISTS req:{id}, a propagated write (Sentinel: the PUBLISH a
+        submission sends; a cluster: `{tag}:replicated`) and `WAIT 1`, on one connection:
+        the write makes WAIT cover whatever wrote the request, on whichever connection. A
+        Redis outage is ridden out as a submission's is."""
+        record_key = self.keys.of(request_id).request(request_id)
+
+        async def attempt() -> None:
+            ack_ms = await self._ack_ms()
+            if not ack_ms:
+                return
+            if not self.replica_ack_ms:
+                await self._wait_on_slot(request_id, record_key, ack_ms)
+                return
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.exists(record_key)
+            pipe.execute_command("PUBLISH", f"{self.keys.prefix}replicated", "")
+            pipe.execute_command("WAIT", 1, ack_ms)
+            exists, _, acks = await pipe.execute()
+            self._check_held(request_id, int(exists), int(acks), ack_ms)
+
+        await self.ride_out(request_id, attempt)
 
     async def enqueue_choices(
         self,

@@ -58,8 +58,11 @@ class IngressConfig(RedisSettings):
     # A new request waits this long for an unreachable Redis (a Valkey restart) before its
     # 503, never past its deadline: as long as the output readers wait (REDIS_RETRY_S)
     submit_wait_s: float = 30.0
-    # With a replicated Valkey (a redis+sentinel:// URL): a submission is answered only once a
-    # replica holds it (WAIT 1 this long; none: 503 not_replicated); 0 disables the wait
+    # With a replicated Valkey (a redis+sentinel:// URL, or a Valkey Cluster with replicas:
+    # `kvrelay up --shards S --valkey-replicas N`): a submission is answered only once a
+    # replica holds it (WAIT 1 this long, on a cluster on the primary of the request's slot;
+    # none: 503 not_replicated), and so is a retry with its X-Request-Id that reattaches to
+    # it; 0 disables the wait
     replica_ack_timeout_ms: int = 1000
     # JSON object of defaults for fields a request leaves out (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_tokens), over those the model's workers publish (its own, under

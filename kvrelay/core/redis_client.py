@@ -22,6 +22,7 @@ not import each other.
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 import redis
@@ -86,6 +87,25 @@ def sync_redis(
         except RedisClusterException as exc:
             raise ConnectionError(f"Redis Cluster at {redact_url(url)}: {exc}") from exc
     return redis.Redis.from_url(url, **options)
+
+
+def worker_options(socket_timeout_s: float, keepalive_idle_s: int) -> dict[str, Any]:
+    """Connection options of a worker's sync client: every call bounded by `socket_timeout_s`
+    (connects too), and TCP keepalive probes after `keepalive_idle_s` idle seconds, one a
+    second, 3 unanswered ones ending the connection. A partitioned worker's call then fails
+    in seconds instead of waiting out TCP's retransmissions, and its caller retries."""
+    keepalive: dict[int, int] = {}
+    for name, value in (("TCP_KEEPIDLE", keepalive_idle_s), ("TCP_KEEPINTVL", 1)):
+        if hasattr(socket, name):  # (Linux; other systems keep their defaults)
+            keepalive[getattr(socket, name)] = value
+    if hasattr(socket, "TCP_KEEPCNT"):
+        keepalive[socket.TCP_KEEPCNT] = 3
+    return {
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": socket_timeout_s,
+        "socket_keepalive": True,
+        "socket_keepalive_options": keepalive,
+    }
 
 
 def sentinel_options() -> dict[str, Any]:

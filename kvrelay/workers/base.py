@@ -35,7 +35,7 @@ from kvrelay.core.keys import Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, Task, TokenChunk
 from kvrelay.core.published_model import PublishedModel
 from kvrelay.core.record import RequestRecord
-from kvrelay.core.redis_client import sync_redis
+from kvrelay.core.redis_client import sync_redis, worker_options
 from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue.output import DEADLINE_PASSED
 from kvrelay.pipeline.queue.shard_count import check_shard_count_sync
@@ -102,7 +102,11 @@ class Worker:
         # the work streams of this worker's model pipeline ("" the unnamed one)
         self.keys = Keys(config.key_prefix, shards=config.shards, pipeline=config.pipeline)
         self.name = config.worker_name(self.role)
-        self.r = client or sync_redis(config.redis_url, health_check_interval=10)
+        self.r = client or sync_redis(
+            config.redis_url,
+            health_check_interval=10,
+            **worker_options(config.redis_socket_timeout_s, config.redis_keepalive_s),
+        )
         self.admissions: queue.Queue[Admission] = queue.Queue()
         self.cancels: queue.Queue[str] = queue.Queue()
         self.active: dict[str, Active] = {}
@@ -365,6 +369,8 @@ class Worker:
         task, rid = adm.task, adm.task.request_id
         if adm.generation < self._generation[adm.shard]:
             return  # admitted by a consumer since fenced: its claimant has it
+        if self.lanes[adm.shard].inflight.get(rid) != adm.entry_id:
+            return  # dropped before it started (a repair found the server lost its delivery)
         self._follow_generation(adm.shard, adm.generation)
         first = len(adm.emitted)
         act = Active(task, adm.entry_id, first, time.time(), adm.generation, adm.shard, first)

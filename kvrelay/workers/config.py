@@ -66,6 +66,13 @@ class WorkerConfig(RedisSettings):
     max_deliveries: int = 5
     read_batch: int = 16  # entries per XREADGROUP
     block_ms: int = 500  # XREADGROUP BLOCK slice (stop/drain checks happen between slices)
+    # a Redis call with no reply this long fails (the caller retries on a new connection): a
+    # partitioned worker notices in seconds, not after TCP's retransmissions (up to ~2 min);
+    # above block_ms, which a blocking read waits for by design
+    redis_socket_timeout_s: float = 5.0
+    # TCP keepalive of its Redis connections: probes after this many idle seconds, one a
+    # second, 3 unanswered ones close the connection (a dead link found while idle too)
+    redis_keepalive_s: int = 5
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: int = 10
     # a cancel is seen at the next step; a worker writing nothing this long steps anyway
@@ -108,6 +115,13 @@ class WorkerConfig(RedisSettings):
             normalize_attention_precision(engine.attention_precision)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        if not self.block_ms < self.redis_socket_timeout_s * 1000:
+            raise ConfigError(
+                f"block_ms ({self.block_ms}) must be below redis_socket_timeout_s "
+                f"({self.redis_socket_timeout_s} s): a blocking read would time out"
+            )
+        if self.redis_keepalive_s < 1:
+            raise ConfigError("redis_keepalive_s must be at least 1")
         if self.stream_interval_ms < 0:
             raise ConfigError(
                 f"stream_interval_ms must be 0 or more, got {self.stream_interval_ms}"

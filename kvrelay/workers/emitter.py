@@ -28,6 +28,7 @@ from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import MESSAGE_FIELD
 from kvrelay.core.messages import TokenChunk, decode_chunks, frame
 from kvrelay.core.worker_record import HEARTBEAT_FIELDS, WorkerRecord
+from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.queue.streams import StepStatus, StepWrite, Streams, WriteMode
 from kvrelay.workers.publication import ModelPublication
 
@@ -285,11 +286,18 @@ class Emitter:
         """After a failover (`request_repair`): what the promoted replica lacks of this
         worker's writes (asynchronous replication loses the primary's last ones) is written
         again from memory. A held request whose out:{id} stops before chunks flushed here gets
-        them back with its next write (a flush: the tail and them). An entry pending under
+        them back with its next write (a flush: the tail and them), and so does one with a
+        tail (its steps may be lost: the next write flushes it whole). An entry pending under
         this consumer that it let go (its hand-off or end was lost with the primary: the write
         is one script, lost whole) gets its final write again, with the chunks out:{id} lacks;
-        any other pending entry it does not hold is released, claimable at once. Returns the
-        final writes to send again (held again: `inflight`)."""
+        any other pending entry it does not hold is released, claimable at once.
+        A held request the server does not give this consumer is dropped (put on `lost`: the
+        compute loop ends it without a word): its entry is not pending under it (the server
+        lost its delivery, so another worker may read it now), or its progress names another
+        owner (the server lost its admission: cancels and readers would go elsewhere), then its
+        entry is released too. Running it on would make two writers of its tokens, whose
+        chunks readers get split differently over the same indices. Returns the final writes
+        to send again (held again: `inflight`)."""
         consumer, generation = self.streams.identity
         r = self.streams.r
         with self.streams.lock:  # (no entry is read and not yet held meanwhile)
@@ -297,9 +305,40 @@ class Emitter:
                 self.stream, self.group, "-", "+", 10000, consumername=consumer
             )
             held = self.inflight.snapshot()
+            # what the server counts of this consumer's admissions: the steps' check from now
+            self.streams.admitted = self.streams.admitted_on_server()
+            rids = list(held)
+            owners = r.hmget(self.streams.keys.progress, rids) if rids else []
         self.repairs += 1
+        pending_ids = {as_text(cast("bytes | str", row["message_id"])) for row in pending}
+        lost_admission: list[tuple[str, str]] = []
+        for request_id, raw in zip(rids, owners, strict=True):
+            entry = held[request_id]
+            progress = Progress.parse(cast("bytes | None", raw))
+            if entry not in pending_ids:
+                logger.warning(
+                    "request %s: entry %s is not pending under %s on this server (its "
+                    "delivery was lost): dropped here",
+                    request_id,
+                    entry,
+                    consumer,
+                )
+            elif progress is not None and progress.owner != f"{consumer}/{entry}":
+                logger.warning(
+                    "request %s: this server lost its admission by %s: released",
+                    request_id,
+                    consumer,
+                )
+                lost_admission.append((entry, request_id))
+            else:
+                continue
+            self._drop(request_id, entry)
+            del held[request_id]
+        if lost_admission:
+            self.streams.release(self.stream, self.group, lost_admission)
         self._last_ok = 0  # (what the server holds is known again once a step is written)
         holding = {entry: rid for rid, entry in held.items()}
+        holding.update(lost_admission)  # (released already)
         resend: list[Outgoing] = []
         release: list[tuple[str, str]] = []
         with self._tail_lock:
@@ -330,6 +369,11 @@ class Emitter:
         for rid in held:
             with self._tail_lock:
                 sent = list(self._sent.get(rid, ()))
+                if self._tail.get(rid):
+                    # the server may lack the steps that put its tail's chunks in the tail
+                    # hash (a reader then finds the tail up to the first lost one, and the
+                    # live chunks after a hole): its next write flushes the tail whole
+                    self._force.add(rid)
             if not sent:
                 continue
             missing = _missing(sent, self._out_count(rid), with_index=True)
@@ -347,13 +391,36 @@ class Emitter:
                 len(missing),
             )
         if release:
-            logger.warning("releasing %d pending entries this worker does not hold", len(release))
-            self.streams.release(self.stream, self.group, release)
+            with self.streams.lock:  # (an entry the reader took back since is held: kept)
+                now_held = set(self.inflight.snapshot().values())
+                release = [(entry, rid) for entry, rid in release if entry not in now_held]
+                logger.warning(
+                    "releasing %d pending entries this worker does not hold", len(release)
+                )
+                self.streams.release(self.stream, self.group, release)
         if resend:
             logger.warning("%d hand-offs or ends lost with the primary; written again", len(resend))
             for item in resend:
                 self.inflight.add(item.request_id, item.entry_id)
         return resend
+
+    def _drop(self, rid: str, entry: str) -> None:
+        """Stop running a held request (its entry is not this consumer's on the server): no
+        write of it goes from here on; the compute loop ends it without a word (`lost`)."""
+        self.inflight.remove(rid, entry)
+        with self._tail_lock:
+            self._tail.pop(rid, None)
+            self._feeds.pop(rid, None)
+            self._tail_since.pop(rid, None)
+            self._sent.pop(rid, None)
+            self._force.discard(rid)
+        self.lost.put(rid)
+
+    def retained(self) -> set[str]:
+        """Entries this worker let go whose final write it keeps for a repair: not taken
+        back by the reader (a repair sends their final write again)."""
+        with self._tail_lock:
+            return {item.entry_id for _t, item, _sent in self._done.values()}
 
     def _out_count(self, rid: str) -> int:
         """Tokens in out:{id} on the server (the index after its last chunk)."""
@@ -515,6 +582,7 @@ class Emitter:
                 consumer=consumer,
                 drop_steps=drop,
                 after=self._last_ok,
+                admitted=self.streams.admitted if consumer == self.streams.consumer else 0,
             )
             if res.status == StepStatus.BEHIND:
                 raise _Behind

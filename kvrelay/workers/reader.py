@@ -102,14 +102,22 @@ class ReaderHost(Protocol):
 
 
 def read_loop(w: ReaderHost) -> None:
-    """The reader thread: new entries and claims of dead consumers' ones -> admissions."""
+    """The reader thread: new entries and claims of dead consumers' ones -> admissions.
+
+    After any error (a lost XREADGROUP, claim or admission reply leaves entries pending under
+    this live consumer, which nobody claims) it first takes back the entries pending under its
+    own consumer that it does not hold (`take_back`), then reads new ones again."""
     last_claim = 0.0
     claim_every = max(0.2, w.config.lease_ms / 4000)
+    recover: str | None = None  # after an error: the entry id to take back entries after
     while not w.stop_event.is_set():
         try:
             room = w.room()
             if w.heartbeat.draining or room <= 0:
                 time.sleep(w.config.block_ms / 1000)
+                continue
+            if recover is not None:
+                recover = take_back(w, recover, room)
                 continue
             now = time.monotonic()
             # under the streams' lock: an entry read under one consumer name is admitted
@@ -130,33 +138,61 @@ def read_loop(w: ReaderHost) -> None:
                     receive(w, entries)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             logger.warning("reader: redis unavailable (%s); retrying", exc)
+            recover = "-"
             time.sleep(0.5)
         except Exception:  # never let one bad entry or reply stop the reader
             logger.exception("reader loop error")
+            recover = "-"
             time.sleep(0.1)
+
+
+def take_back(w: ReaderHost, after: str, room: int) -> str | None:
+    """Admit up to `room` entries pending under this worker's consumer, with ids after
+    `after`, that it does not hold (delivered or claimed by a call whose reply was lost, or
+    read and not admitted); where to go on from, None when all were seen. Entries it holds, or
+    whose final write it keeps for a failover's repair (`Emitter.retained`), are skipped."""
+    with w.streams.lock:
+        # what it holds, read before the pending list: an entry let go after this is acked
+        skip = set(w.inflight.snapshot().values()) | w.emitter.retained()
+        batch = max(room, w.config.read_batch)
+        found = w.streams.own(w.stream, w.group, after, batch)
+        unheld = [e for e in found if e.entry_id not in skip]
+        mine = unheld[:room]
+        if mine:
+            logger.warning(
+                "reader: consumer %s takes back %d pending entries it did not hold",
+                w.streams.consumer,
+                len(mine),
+            )
+            receive(w, mine)
+    if len(mine) < len(unheld):  # no room for the others yet
+        return mine[-1].entry_id
+    return found[-1].entry_id if len(found) == batch else None
 
 
 def receive(w: ReaderHost, entries: list[Entry], claimed: bool = False) -> None:
     """Validate entries (poison -> DLQ), admit the rest in one script call (this worker
     becomes their owner), learn what was emitted, queue them for the compute loop."""
     taken: list[tuple[Entry, Task, int]] = []
-    for entry in entries:
-        valid = _validate(w, entry)
-        if valid is not None:
-            taken.append((entry, *valid))
-    if not taken:
-        return
+    queued = 0
     try:
+        for entry in entries:
+            valid = _validate(w, entry)
+            if valid is not None:
+                taken.append((entry, *valid))
+        if not taken:
+            return
         found = w.streams.admit([_admit_args(w, e, task, claimed) for e, task, _ in taken])
+        for (entry, task, strikes), admitted in zip(taken, found, strict=True):
+            admission = _admission(w, entry, task, claimed, admitted, strikes)
+            if admission is not None:
+                w.admissions.put(admission)
+            queued += 1
     except BaseException:
-        # not queued for admission: forget them so the entries are claimed again
-        for entry, task, _ in taken:
+        # not queued for admission: forget them, so that the reader takes them back
+        for entry, task, _ in taken[queued:]:
             w.inflight.remove(task.request_id, entry.entry_id)
         raise
-    for (entry, task, strikes), admitted in zip(taken, found, strict=True):
-        admission = _admission(w, entry, task, claimed, admitted, strikes)
-        if admission is not None:
-            w.admissions.put(admission)
 
 
 def _validate(w: ReaderHost, entry: Entry) -> tuple[Task, int] | None:

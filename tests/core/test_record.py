@@ -30,7 +30,7 @@ def _raw_scripts() -> dict[str, str]:
 
 
 def test_every_script_loads_filled_in():
-    expected = "admit attach beat cancel claim dead_letter field_ttl live owner progress prune"
+    expected = "admit attach beat cancel claim dead_letter field_ttl live own owner progress prune"
     expected += " ran release response_delete response_save"
     expected += " step strikes submit submit_choices"
     assert scripts.names() == expected.split()

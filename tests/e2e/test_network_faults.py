@@ -1,26 +1,19 @@
 """Network faults between a worker and Valkey (issue 48 item 3): a delayed, lossy link and a cut.
 
 Decode worker A runs in its own network namespace, joined to ours by a point-to-point link
-whose packets this test relays (`Link`: a user-space netem over two TUN devices, both
-directions); Valkey listens on our end, so every byte between A and Valkey crosses it. Decode
-worker B runs here, draining (it reads and claims nothing) until the partition test lets it
-claim. Requests go through the producer client (Redis only, not across the link); greedy
-decoding makes every run's text comparable with an undisturbed one. Real components only:
-valkey-server, `kvrelay worker` processes, the SmolLM2 model. Skipped (with the reason) where
-network namespaces or TUN devices are unavailable, as tests/kvstore/test_netns.py is.
+whose packets this test relays (`tests.netlink.Link`: a user-space netem over two TUN
+devices, both directions); Valkey listens on our end, so every byte between A and Valkey
+crosses it. Decode worker B runs here, draining (it reads and claims nothing) until the
+partition test lets it claim. Requests go through the producer client (Redis only, not across
+the link); greedy decoding makes every run's text comparable with an undisturbed one. Real
+components only: valkey-server, `kvrelay worker` processes, the SmolLM2 model. Skipped (with
+the reason) where network namespaces or TUN devices are unavailable, as
+tests/kvstore/test_netns.py is. The store links' faults: tests/e2e/test_store_network_faults.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import heapq
-import os
-import random
 import re
-import select
-import shutil
-import struct
 import subprocess
 import sys
 import threading
@@ -34,6 +27,7 @@ import redis
 from kvrelay.core.keys import Keys
 from kvrelay.pipeline.client.producer import Client
 from tests.conftest import ValkeyServer
+from tests.netlink import Link, add_netns, del_netns, require_netns
 from tests.queue_state import emitted_chunks
 
 MODEL = "smollm2-135m-instruct"
@@ -44,94 +38,8 @@ PROMPTS = [
     "Three reasons to learn to play the piano are",
     "Once upon a time, in a village by the sea,",
 ]
-TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454CA, 0x0001, 0x1000
 LONG = 96  # the partition test's request: still running when its link is cut
 CUT_AT = 4  # tokens the client has seen when the partition test cuts the link
-
-
-def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), capture_output=True, text=True, check=check)
-
-
-class Link:
-    """A point-to-point link from our namespace to a new one, made of two TUN devices whose
-    packets this process relays: a user-space `netem` (delay, random loss, a cut), because
-    `tc netem` needs the kernel's sch_netem, which kernels built without it (this project's
-    VMs) lack. Each packet, either way, waits `delay_s` and is dropped with probability `loss`
-    (1.0: the link is cut; packets already waiting still go)."""
-
-    def __init__(self) -> None:
-        tag = f"{os.getpid() % 100000}"
-        self.ns, self.here, self.there = f"kvf{tag}", f"kvfh{tag}", f"kvft{tag}"
-        octet = os.getpid() % 200 + 20
-        self.ours, self.theirs = f"10.232.{octet}.1", f"10.232.{octet}.2"
-        self.delay_s, self.loss = 0.0, 0.0
-        self.rng = random.Random(59)  # its first drops: the 4th, 8th and 24th packet
-        self.dropped = self.relayed = 0
-        self.fds: dict[int, int] = {}  # fd -> the fd its packets are written to
-        self._wake_r, self._wake_w = os.pipe()
-        self._stop = False
-        self.thread = threading.Thread(target=self._relay, name="link", daemon=True)
-
-    @staticmethod
-    def _tun(name: str) -> int:
-        fd = os.open("/dev/net/tun", os.O_RDWR)
-        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
-        return fd
-
-    def create(self) -> None:
-        here, there = self._tun(self.here), self._tun(self.there)
-        self.fds = {here: there, there: here}
-        # the device moves; this process's descriptor stays attached to it
-        _run("ip", "link", "set", self.there, "netns", self.ns)
-        _run("ip", "addr", "add", f"{self.ours}/24", "dev", self.here)
-        _run("ip", "link", "set", self.here, "up")
-        _run("ip", "-n", self.ns, "addr", "add", f"{self.theirs}/24", "dev", self.there)
-        _run("ip", "-n", self.ns, "link", "set", self.there, "up")
-        _run("ip", "-n", self.ns, "link", "set", "lo", "up")
-        self.thread.start()
-
-    def netem(self, delay_s: float = 0.0, loss: float = 0.0) -> None:
-        self.delay_s, self.loss = delay_s, loss
-
-    def clear(self) -> None:
-        self.netem()
-
-    def _relay(self) -> None:
-        waiting: list[tuple[float, int, int, bytes]] = []  # (due, seq, fd, packet)
-        seq = 0
-        while not self._stop:
-            timeout = max(0.0, waiting[0][0] - time.monotonic()) if waiting else None
-            ready, _, _ = select.select([*self.fds, self._wake_r], [], [], timeout)
-            for fd in ready:
-                if fd == self._wake_r:
-                    continue
-                try:
-                    packet = os.read(fd, 65536)
-                except OSError:
-                    continue
-                if self.loss and self.rng.random() < self.loss:
-                    self.dropped += 1
-                    continue
-                seq += 1
-                self.relayed += 1
-                heapq.heappush(waiting, (time.monotonic() + self.delay_s, seq, fd, packet))
-            now = time.monotonic()
-            while waiting and waiting[0][0] <= now:
-                _, _, fd, packet = heapq.heappop(waiting)
-                with contextlib.suppress(OSError):
-                    os.write(self.fds[fd], packet)
-
-    def destroy(self) -> None:
-        self._stop = True
-        os.write(self._wake_w, b"x")
-        if self.thread.is_alive():
-            self.thread.join(5)
-        _run("ip", "netns", "del", self.ns, check=False)
-        for fd in self.fds:
-            os.close(fd)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
 
 class WorkerProcess:
@@ -217,13 +125,9 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> Iterator[Fleet]:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    if not os.access("/dev/net/tun", os.R_OK | os.W_OK):
-        pytest.skip("no /dev/net/tun: the link is made of TUN devices")
+    require_netns()
     link = Link()
-    if _run("ip", "netns", "add", link.ns, check=False).returncode != 0:
-        pytest.skip("cannot create a network namespace here")
+    add_netns(link.ns)
     fleet = None
     try:
         try:
@@ -236,6 +140,7 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
         if fleet is not None:
             fleet.close()
         link.destroy()
+        del_netns(link.ns)
 
 
 def _stream(fleet: Fleet, request_id: str, on_tokens=None) -> tuple[str, list[int], str | None]:

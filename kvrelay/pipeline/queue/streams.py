@@ -127,6 +127,9 @@ class Streams:
         # drops what an older generation admitted)
         self.identity = (consumer, 0)
         self.lock = threading.RLock()
+        # the consumer's admission count as the server last returned it (`lua/admit.lua`):
+        # its steps pass it, and a server whose count is lower lost an admission (BEHIND)
+        self.admitted = 0
         self._registered = ""  # the consumer whose first beat registered its fence key
         self.out_ttl_s = out_ttl_s
         self.req_ttl_s = req_ttl_s
@@ -141,6 +144,7 @@ class Streams:
         self._release = client.register_script(scripts.fenced("release"))
         self._prune = client.register_script(scripts.source("prune"))
         self._read = client.register_script(scripts.with_progress("attach"))
+        self._own = client.register_script(scripts.source("own"))
 
     @property
     def consumer(self) -> str:
@@ -180,6 +184,21 @@ class Streams:
                 entries.append(Entry(as_str(entry_id), (fields or {}).get(MESSAGE_FIELD)))
         return entries
 
+    def own(self, stream: str, group: str, after: str, count: int) -> list[Entry]:
+        """Up to `count` entries pending under this consumer with ids after `after` ('-': from
+        the first), with their delivery counts, read without counting a delivery
+        (`lua/own.lua`): after a Redis error its worker takes back what it does not hold."""
+        reply = self._own(keys=[stream], args=[group, self.consumer, after, count])
+        return [Entry(as_str(eid), payload or None, int(n)) for eid, payload, n in reply or []]
+
+    def admitted_key(self, consumer: str | None = None) -> str:
+        """String: a consumer's admission count (`admitted_key` in `lua/progress.lua`)."""
+        return self.keys.progress.removesuffix("prog") + f"admitted:{consumer or self.consumer}"
+
+    def admitted_on_server(self) -> int:
+        """The server's admission count of this consumer (a repair's new baseline)."""
+        return int(cast("bytes | None", self.r.get(self.admitted_key())) or 0)
+
     def claim(
         self, stream: str, group: str, lease_ms: int, count: int, dead: Sequence[str] = ()
     ) -> list[Entry]:
@@ -217,6 +236,7 @@ class Streams:
             if self.consumer != fenced:
                 return False
             self.identity = (consumer, self.generation + 1)
+            self.admitted = 0  # the new consumer's count starts at 0
             return True
 
     def strikes(
@@ -278,8 +298,12 @@ class Streams:
             keys += [self.keys.request(request_id), self.keys.out(request_id)]
             flat = _flat(fields)
             args += [entry_id, request_id, queued, len(flat), *flat]
+        consumer = self.consumer
         out = []
-        for row in self._admit(keys=keys, args=args):
+        *rows, admitted = self._admit(keys=keys, args=args)
+        if self.consumer == consumer:  # (a rejoin meanwhile: the new consumer's starts at 0)
+            self.admitted = max(self.admitted, int(admitted))
+        for row in rows:
             if int(row[0]) < 0:
                 out.append(Admitted(ended=as_str(row[1])))
             else:
@@ -300,6 +324,7 @@ class Streams:
         max_control: int = 256,
         drop_steps: Sequence[int] = (),
         after: int = 0,
+        admitted: int = 0,
     ) -> StepResult:
         """One worker step in one script call (`lua/step.lua`), fenced per worker: refused
         wholesale once `consumer` (default: this one) is fenced; a repeated `step_no` writes
@@ -307,7 +332,8 @@ class Streams:
         for all its requests' chunks); `acked`: the control items the previous step returned;
         `drop_steps`: earlier steps whose tail field no request's tail needs any more;
         `after`: the last step number this consumer had written (BEHIND when the server's
-        fence is below it; 0: no check).
+        fence is below it; 0: no check); `admitted`: the consumer's admission count it knows
+        (`Streams.admitted`; BEHIND when the server's is lower; 0: no check).
         A request id may appear once per call."""
         consumer = consumer or self.consumer
         tail: list[tuple[str, bytes]] = []  # (id, chunk) joining tails: the step's field
@@ -362,6 +388,7 @@ class Streams:
             len(flushes),
             len(drop_steps),
             after,
+            admitted,
             *drop_steps,
         ]
         for feed, items in by_feed.items():
@@ -490,6 +517,7 @@ class Streams:
                 continue  # entries of a dead consumer are claimed after the lease; prune later
             if info["idle"] > (idle_ms if name in live else min(idle_ms, dead_idle_ms)):
                 keys = [stream, self.keys.fence(name), self.keys.tail(name)]
+                keys.append(self.admitted_key(name))
                 pruned = self._prune(keys=keys, args=[group, name])
                 removed += int(pruned == 0)
         return removed

@@ -136,8 +136,22 @@ class Subscription:
                     chunk = item
                     if chunk.index > cursor.next_index:  # the feed lost chunks: refill
                         logger.info("request %s: feed gap at %d", self.request_id, chunk.index)
-                        pending.extend((await self._ride(outage, self.attach))[0])
-                        pending.append(chunk)
+                        history = (await self._ride(outage, self.attach))[0]
+                        pending.extend(history)
+                        if _reach(history, cursor.next_index) >= chunk.index:
+                            pending.append(chunk)
+                        else:
+                            # the history stops short of it: a failover lost steps its worker
+                            # has not written again yet (`Emitter.repair`; its next write
+                            # carries them). Taking the chunk now would skip the tokens
+                            # between: it comes again with that history.
+                            logger.warning(
+                                "request %s: history ends at %d, before the chunk at %d: "
+                                "waiting for the rest",
+                                self.request_id,
+                                _reach(history, cursor.next_index),
+                                chunk.index,
+                            )
                         continue
                 out = cursor.accept(chunk)
                 if out is not None:
@@ -205,6 +219,17 @@ class Subscription:
                 continue
             outage.over()
             return result
+
+
+def _reach(history: list[TokenChunk], start: int) -> int:
+    """Where `history` (complete and in order, from token 0) ends: the tokens it covers from
+    `start` on without a hole."""
+    end = start
+    for chunk in history:
+        if chunk.index > end:
+            break
+        end = max(end, chunk.index + len(chunk.token_ids))
+    return end
 
 
 class _Cursor:

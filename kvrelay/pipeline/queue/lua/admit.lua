@@ -7,8 +7,10 @@
 -- KEYS: 1 prog hash, then per entry req:{id}, out:{id}
 -- ARGV: 1 consumer, 2 ttl_fields, 3 N entries, then per entry: entry id, request id, tokens
 --       the task carries, number F of record field/value items, the F items
+-- Each call adds one to the consumer's admission count (`admitted_key`), which its steps
+-- check: a server that lost an admission (a failover) refuses them until the worker repaired.
 -- Returns per entry {emitted at its last flush, cancel flag (0/1), the feeds following it},
--- or {-1, status} when it ended.
+-- or {-1, status} when it ended; then the consumer's admission count.
 local consumer, ttl_fields, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local entries, ids, at = {}, {}, 4
 for i = 1, n do
@@ -44,4 +46,7 @@ for i = 1, n do
   end
 end
 prog_store(KEYS[1], stores, ttl_fields)
+local admitted = admitted_key(KEYS[1], consumer)
+out[n + 1] = redis.call('INCR', admitted)
+redis.call('EXPIRE', admitted, 86400)  -- like the fence and the tail hash
 return out

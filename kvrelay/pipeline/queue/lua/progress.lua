@@ -139,6 +139,14 @@ local function control_key(prog, consumer)
   return string.sub(prog, 1, #prog - 4) .. 'control:' .. consumer
 end
 
+-- The count of a consumer's admissions (`admitted:{consumer}` next to the prog hash,
+-- `Streams.admitted_key`): each admission call adds one (`admit.lua`), and a step whose caller
+-- knows of more than the server holds is refused as behind (`step.lua`): a promoted replica
+-- that lacks an admission lacks its delivery too, and another worker may read the entry.
+local function admitted_key(prog, consumer)
+  return string.sub(prog, 1, #prog - 4) .. 'admitted:' .. consumer
+end
+
 -- Tell the owner (`consumer/entry id`, '' = none) of a request something (`cancel <id>`,
 -- `feeds <id> <f1,f2>`); the list expires when no live owner reads it. A '!' on the owner's
 -- fence key (`fence:{consumer}`, Keys.fence) makes its next step read the list.

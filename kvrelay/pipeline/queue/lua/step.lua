@@ -16,7 +16,8 @@
 -- written), 0 fenced (nothing written: the worker drops everything and comes back as a new
 -- consumer), 3 behind (nothing written: the fence holds a step number below ARGV[14], the
 -- last step the worker had written: a promoted replica lacks the lost primary's last steps,
--- or a restarted Valkey lost them; the worker writes again what they held, then steps on).
+-- or a restarted Valkey lost them, or the server's admission count is below ARGV[15]: it lost
+-- an admission of the caller; the worker repairs what they held, then steps on).
 -- KEYS: 1 work stream, 2 next stream (hand-offs), 3 prog hash, 4 the caller's fence key,
 --       5 the caller's control list, 6 the caller's tail hash, then per flush req:{id},
 --       out:{id}
@@ -24,6 +25,8 @@
 --       6 consumer, 7 step number, 8 control items acked, 9 most control items to return,
 --       10 the step's tail field ('' when no chunk joins a tail), 11 F feeds, 12 N flushes,
 --       13 S step fields to drop, 14 the caller's last written step number (0: no check),
+--       15 the caller's admission count (`admit.lua`; 0: no check: behind when the server's
+--       count is lower, it lost an admission and with it the entry's delivery),
 --       then the S step numbers, then per feed: its id and its
 --       message (framed request id, framed chunk payload per request, `core.messages.frame`),
 --       then per flush: request id, entry id, mode ('f' flush, 'd' done, 'h' hand-off),
@@ -49,13 +52,20 @@ if last < tonumber(ARGV[14]) then
   redis.call('SET', KEYS[4], seen, 'KEEPTTL')
   return {3, {}}
 end
+if tonumber(ARGV[15]) > 0 then
+  local admitted = redis.call('GET', admitted_key(KEYS[3], ARGV[6]))
+  if (tonumber(admitted) or 0) < tonumber(ARGV[15]) then
+    redis.call('SET', KEYS[4], seen, 'KEEPTTL')
+    return {3, {}}
+  end
+end
 local control = {}
 if tonumber(ARGV[8]) > 0 then redis.call('LTRIM', KEYS[5], tonumber(ARGV[8]), -1) end
 if pending or tonumber(ARGV[8]) > 0 then control = redis.call('LRANGE', KEYS[5], 0, most - 1) end
 local group, feed_prefix, ttl_fields = ARGV[1], ARGV[2], ARGV[3]
 local out_ttl, req_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
 local f, n, s = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
-local at = 15
+local at = 16
 if ARGV[10] ~= '' then
   redis.call('HSET', KEYS[6], ARGV[7], ARGV[10])
   -- the hash outlives a consumer that vanished (claims and prune set a day too)

@@ -42,6 +42,7 @@ _HELP: list[tuple[str, ...]] = [
     ("transport", "remote fetch transport: auto, ucx or tcp"),
     ("secret", "shared secret of the store nodes (HMAC challenge)"),
     ("transfer_timeout_s", "bound on one remote transfer in seconds"),
+    ("peer_retry_s", "seconds a peer whose transfer failed is skipped (0: never)"),
     ("metrics_port", "serve Prometheus metrics on this port (none: off)"),
     ("keep_arena", "keep the arena file on stop for a fast restart"),
 ]

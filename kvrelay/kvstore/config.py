@@ -50,6 +50,9 @@ class StoreConfig:
     ucx_same_host: bool = True  # same-host peers: UCX over exchanged worker addresses (shm)
     secret: str | None = None  # shared secret for store-to-store transfers
     transfer_timeout_s: float = 5.0
+    # a peer a fetch could not reach (timeout, refused connection, broken session) is skipped
+    # this long: a cut or hopeless link costs one transfer timeout, not one per request
+    peer_retry_s: float = 5.0
     heartbeat_s: float = 2.0
     node_ttl_s: float = 10.0
     keep_arena: bool = True  # leave the arena file for the next start (False: remove it)
@@ -67,6 +70,8 @@ class StoreConfig:
             raise ConfigError(f"transport must be auto, ucx or tcp, got {self.transport!r}")
         if self.transfer_timeout_s <= 0:
             raise ConfigError("transfer_timeout_s must be positive")
+        if self.peer_retry_s < 0:
+            raise ConfigError("peer_retry_s must not be negative")
 
     @property
     def socket_path(self) -> Path:

@@ -2,6 +2,11 @@
 (page key hex -> the node ids holding it). Writes are batched by a background thread, one
 script call per flush however many pages (`lua/pages.lua`), so the request path never waits on
 Redis; reads (`locate`, one HMGET) happen only on a local miss.
+
+A new entry wakes the thread at once (what queues while a flush is in flight goes in the next
+one): a prefill worker hands a request off right after its pages are committed, and a decode
+worker on another host finds them only through this hash. Waiting for a timer here let the
+hand-off overtake the entries, and the decode worker recomputed the whole prompt.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import cast
 from kvrelay.core.keys import Keys
 from kvrelay.core.page_keys import holders
 
-FLUSH_S = 0.25  # page entries are written this often (one call each time)
+FLUSH_S = 0.25  # the thread's idle tick (heartbeat check), and its pause after a failed flush
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,7 @@ class Directory:
         # one flush at a time: a caller waits for the flush in flight (which may hold its ops)
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by add()/remove() and stop()
         self._nodes: dict[str, tuple[float, dict[str, str] | None]] = {}
         self._thread = threading.Thread(target=self._run, name="kv-directory", daemon=True)
 
@@ -60,6 +66,7 @@ class Directory:
     def stop(self) -> None:
         """Flush pending entries and unregister (page entries stay; peers skip dead nodes)."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         try:
@@ -72,10 +79,12 @@ class Directory:
     def add(self, keys: list[bytes]) -> None:
         if keys:
             self._ops.put(("add", keys))
+            self._wake.set()
 
     def remove(self, keys: list[bytes], node_id: str | None = None) -> None:
         if keys:
             self._ops.put(("rem", keys, node_id or self.node_id))
+            self._wake.set()
 
     def _heartbeat(self) -> None:
         name = self.keys.store_node(self.node_id)
@@ -119,6 +128,7 @@ class Directory:
     def _run(self) -> None:
         next_beat = time.monotonic() + self.heartbeat_s
         while not self._stop.is_set():
+            self._wake.clear()  # before the flush: an entry queued during it wakes the next
             try:
                 self._flush()
                 if time.monotonic() >= next_beat:
@@ -126,7 +136,9 @@ class Directory:
                     next_beat = time.monotonic() + self.heartbeat_s
             except Exception as exc:  # noqa: BLE001 - keep serving locally while Redis is down
                 logger.warning("page directory update failed: %s", exc)
-            self._stop.wait(FLUSH_S)
+                self._stop.wait(FLUSH_S)  # a retry pace, not one warning per new entry
+                continue
+            self._wake.wait(FLUSH_S)
 
     def locate(self, keys: list[bytes]) -> list[list[str]]:
         """Node ids (other than this one, alive) holding each key."""

@@ -16,6 +16,10 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "evictions": ("pages evicted from a tier (host: demoted or dropped; disk: dropped)", ("tier",)),
     "puts": ("pages written (new keys only)", ("tier",)),
     "transfer_failures": ("remote fetches that failed or timed out", ("transport",)),
+    "transfer_skips": (
+        "remote fetches not tried: the peer was unreachable moments ago",
+        ("node",),
+    ),
 }
 
 

@@ -2,6 +2,12 @@
 peers' fetches. Transfers run UCX (ucxx) when both sides have it, plain TCP otherwise; every
 failure is logged, counted and reported as a miss so the caller recomputes instead of hanging.
 
+A peer that a fetch could not reach (a timeout: a cut or hopeless link; a refused connection; a
+broken session) is skipped for `retry_s`: fetches and lookups treat its pages as absent, so a
+partition costs the workers one transfer timeout, not one per request (and does not fill the
+node's fetch threads with fetches bound to wait it out). The first fetch after `retry_s` tries
+it again; one that arrives clears the mark.
+
 Sessions are `Peer`s (`transport/peer.py`) opened through the transport registry and used
 from the node's fetch pool threads (blocking calls; UCX ones wait on the process's UCX loop).
 """
@@ -45,6 +51,7 @@ class Remote:
         timeout_s: float,
         loop: asyncio.AbstractEventLoop | None,
         ucx_ok: bool,
+        retry_s: float = 5.0,
     ):
         self.store, self.arena, self.directory, self.metrics = store, arena, directory, metrics
         self.secret, self.transport, self.timeout_s = secret, transport, timeout_s
@@ -58,6 +65,9 @@ class Remote:
         self.host_id: str | None = None
         self.same_host = True
         self._tls = threading.local()  # the current fetch's deadline, per pool thread
+        self.retry_s = retry_s
+        self._unreachable: dict[str, float] = {}  # node id -> when a fetch may try it again
+        self.num_in_flight = 0  # fetches under way (`stats`: remote_fetches/in_flight)
 
     def _take(self, kind: Transport, address: str) -> Peer | None:
         with self._peers_lock:
@@ -67,6 +77,29 @@ class Remote:
     def _give(self, kind: Transport, address: str, peer: Peer) -> None:
         with self._peers_lock:
             self._peers.setdefault((kind, address), []).append(peer)
+
+    def reachable(self, node_id: str) -> bool:
+        """False while `node_id` is skipped after a failed fetch (for `retry_s`)."""
+        until = self._unreachable.get(node_id)
+        return until is None or time.monotonic() >= until
+
+    def _failed(self, node_id: str, exc: BaseException) -> None:
+        if self.retry_s <= 0:
+            return
+        first = node_id not in self._unreachable
+        self._unreachable[node_id] = time.monotonic() + self.retry_s
+        if first:
+            logger.warning(
+                "store node %s unreachable (%s); fetches skip it for %.1fs at a time until one "
+                "gets through",
+                node_id,
+                exc,
+                self.retry_s,
+            )
+
+    def _reached(self, node_id: str) -> None:
+        if self._unreachable.pop(node_id, None) is not None:
+            logger.warning("store node %s is reachable again", node_id)
 
     # -- server side (runs in the node's asyncio thread) -----------------------------------
     def serve(self, req: dict) -> tuple[dict, list[memoryview], Callable[[], None]]:
@@ -87,7 +120,9 @@ class Remote:
         """How many leading keys some live peer holds, per the directory."""
         n = 0
         for nodes in self.directory.locate(keys):
-            if not nodes:
+            if not any(self.reachable(node_id) for node_id in nodes):
+                for node_id in nodes:  # held, but only where we cannot fetch it now
+                    self.metrics.inc("transfer_skips", node_id)
                 break
             n += 1
         return n
@@ -100,11 +135,16 @@ class Remote:
             logger.warning("page directory lookup failed: %s", exc)
             return []
         pinned: list[int] = []
+        with self._peers_lock:
+            self.num_in_flight += 1
         try:
             i = self._fetch_prefix(keys, locs, pinned)
         except Exception:  # noqa: BLE001 - keep what arrived; the caller recomputes the rest
             logger.exception("remote fetch failed unexpectedly")
             return pinned
+        finally:
+            with self._peers_lock:
+                self.num_in_flight -= 1
         if i < len(keys):
             self.metrics.inc("misses", "remote")
         return pinned
@@ -118,6 +158,9 @@ class Remote:
             for node_id in locs[i]:
                 if self._left() <= 0.05:
                     break
+                if not self.reachable(node_id):
+                    self.metrics.inc("transfer_skips", node_id)
+                    continue
                 j = i
                 while j < len(keys) and node_id in locs[j]:
                     j += 1
@@ -126,7 +169,9 @@ class Remote:
                 if got:
                     break
             i += got
-            if got < wanted:  # a failure or a short answer: stop at the first missing page
+            # a failure, a short answer, no peer tried (all skipped, or out of time): stop at
+            # the first missing page (without `not got` an untried page would loop forever)
+            if not got or got < wanted:
                 break
         return i
 
@@ -216,8 +261,10 @@ class Remote:
                 "fetch of %d pages from store node %s failed: %s", len(keys), node_id, exc
             )
             self.metrics.inc("transfer_failures", kind)
+            self._failed(node_id, exc)
             self.store.abort(keys, slots)
             return 0
+        self._reached(node_id)
         errors = self.store.commit(
             keys[:found], slots[:found], pin=True, verify=True, kind=f"fetch_{via}"
         )

@@ -172,8 +172,13 @@ class StoreNode:
             cfg.transfer_timeout_s,
             self._loop,
             ucx_ok,
+            cfg.peer_retry_s,
         )
         remote.same_host = cfg.ucx_same_host
+        # in `stats` only while fetches are under way
+        self.metrics.sources["remote_fetches"] = lambda: (
+            {"in_flight": n} if (n := remote.num_in_flight) else {}
+        )
         host = cfg.advertise_host or cfg.listen_host
 
         async def listen() -> None:

@@ -214,7 +214,8 @@ def test_frozen_or_killed_peer_fails_cleanly_within_the_timeout(
     keys = keys_for(4)
     node_a.client.put(keys, [payload(SMALL, i) for i in range(4)])
     wait_published(valkey.url, keys[-1])
-    b = start_b(start_node, valkey.url, transport, transfer_timeout_s=1.0)
+    # peer_retry_s 0: the killed A is tried again at once (not skipped after the timeout)
+    b = start_b(start_node, valkey.url, transport, transfer_timeout_s=1.0, peer_retry_s=0.0)
     assert b.node.remote.timeout_s == 1.0  # the bound of one whole fetch
     with StoreClient(b.config.run_dir, SMALL) as client:
         node_a.proc.send_signal(signal.SIGSTOP)  # accepts connections, never answers

@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 MAX_MSG = 1 << 20
 _LEN = struct.Struct("<I")
+# An idle session waits for the peer's next request without a bound; TCP keepalive ends it
+# (its thread and socket) once the peer is gone without a word: a host that died, or a link
+# cut while the peer closed its end. About KEEPIDLE + KEEPINTVL * KEEPCNT seconds.
+KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 30, 10, 3
 
 
 def _frame(raw: bytes) -> bytes:
@@ -71,6 +75,7 @@ class TcpServer:
     def _session(self, conn: socket.socket, peer) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(conn)
             conn.settimeout(self.timeout_s)
             nonce = os.urandom(NONCE)
             conn.sendall(_frame(nonce))
@@ -112,6 +117,17 @@ class TcpServer:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept/recv
         self.sock.close()
         self._thread.join(timeout=2)
+
+
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPIDLE_S),
+        ("TCP_KEEPINTVL", KEEPINTVL_S),
+        ("TCP_KEEPCNT", KEEPCNT),
+    ):
+        if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timing
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 # -- TCP client (blocking, called from the node's request thread) --------------------------------

@@ -2,6 +2,13 @@
 stream it was decoding, as the client sees it (issue 48: "a killed decode worker serves again
 within 2 s on an idle host, within 4 s while two others restart beside it").
 
+Per round it also prints the phases of the killed worker's return, in seconds after the kill,
+from the run dir's logs (supervisord's and the worker's, millisecond timestamps): `exited`
+(supervisord reaped it), `spawned` (the new process started), `imported` (its first log line:
+the kernels load after the imports), `engine` (engine ready: model loaded), `ready` (worker
+ready: groups, predecessor's entries claimable), `token` (the stream's first token after the
+kill).
+
 Starts `kvrelay up --detach` (the host's defaults; `--decode N` decode workers, prefill in
 them), streams one greedy request of `--tokens` tokens (ignore_eos), and when its 10th token
 has arrived SIGKILLs the worker that owns it, plus `--beside K` other workers at once. Per
@@ -74,6 +81,48 @@ def _serving_pid(redis_url: str, prefix: str, worker: str) -> int | None:
     return int(value) if value else None
 
 
+# (phase, log, text): the first line after the kill in the log (supervisord's, or the killed
+# worker's own) holding the text (`{name}`: the worker's name)
+PHASES = (
+    ("exited", "supervisord", "exited: {name} "),
+    ("spawned", "supervisord", "spawned: '{name}'"),
+    ("imported", "worker", " INFO "),
+    ("engine", "worker", "engine ready"),
+    ("ready", "worker", "worker {name} ready"),
+)
+
+
+def _log_time(line: str) -> float | None:
+    """The epoch time of a log line stamped `2026-12-04 03:11:20,123 ...` (local time)."""
+    from datetime import datetime
+
+    try:
+        return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return None
+
+
+def phases(run_dir: Path, name: str, killed_at: float) -> dict[str, float | None]:
+    """Seconds from the kill (epoch `killed_at`) to each of `PHASES` in the logs."""
+    logs = {"supervisord": run_dir / "logs" / "supervisord.log",
+            "worker": run_dir / "logs" / f"{name}.log"}  # fmt: skip
+    found: dict[str, float | None] = {}
+    for phase, log, text in PHASES:
+        found[phase] = None
+        try:
+            lines = logs[log].read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        needle = text.format(name=name)
+        for line in lines:
+            at = _log_time(line)
+            # the log's stamps are whole milliseconds: a line of the kill's millisecond counts
+            if at is not None and at >= killed_at - 0.001 and needle in line:
+                found[phase] = round(at - killed_at, 3)
+                break
+    return found
+
+
 def one_round(
     state: dict, url: str, sup, tokens: int, beside: int, round_no: int, standby: bool
 ) -> dict:
@@ -103,7 +152,7 @@ def one_round(
                 victims = [owner] + [name for name in names if name != owner][:beside]
                 pids = {name: _serving_pid(state["redis_url"], state["key_prefix"], name)
                         for name in victims}  # fmt: skip
-                kill_at = time.monotonic()
+                kill_at, killed_wall = time.monotonic(), time.time()
                 for name, pid in pids.items():
                     if pid:
                         os.kill(pid, signal.SIGKILL)
@@ -111,7 +160,10 @@ def one_round(
     # the stall: the longest wait for a token after the kill (events already on their way when
     # it struck arrive first)
     after = [kill_at] + [t for t in arrivals if t > kill_at]
-    stall = max((b - a for a, b in zip(after, after[1:], strict=False)), default=None)
+    waits = [b - a for a, b in zip(after, after[1:], strict=False)]
+    stall = max(waits, default=None)
+    # the token that ended the stall (the new process's first), seconds after the kill
+    first = after[waits.index(stall) + 1] - kill_at if stall is not None else None
     owner = next(iter(killed))
     # wait until every killed name is served again and, with --standby, each killed program is
     # back (as the standby); the serving process's startup_s is in its heartbeat
@@ -133,6 +185,10 @@ def one_round(
         "events": len(arrivals),
         "gap_s": None if stall is None else round(stall, 2),
         "owner_startup_s": _startup(state["redis_url"], state["key_prefix"], owner),
+        "phases_s": {
+            **phases(Path(state["run_dir"]), owner, killed_wall),
+            "token": None if first is None else round(first, 3),
+        },  # fmt: skip
     }
 
 

@@ -14,6 +14,9 @@ from kvrelay.core.enums import Speculation, Stage
 from kvrelay.core.modelref import ATTENTION_PRECISIONS, KV_CACHE_DTYPES, QUANTIZATIONS
 
 if TYPE_CHECKING:  # (loaded when a worker runs: `kvrelay --help` needs no torch)
+    from collections.abc import Callable
+
+    from kvrelay.workers.base import Worker
     from kvrelay.workers.config import WorkerConfig
     from kvrelay.workers.engine.llm_engine import Engine
     from kvrelay.workers.metrics import WorkerMetrics
@@ -23,6 +26,11 @@ logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 LOADER_THREADS = 4  # concurrent store fetches of one worker (the node fetches 4 remotely too)
+# The KV pool's pages are faulted in (~1 s of a core per GB) this long after the worker is
+# ready, not during its start: a restarted worker's resume (claim, fetch, recompute, first
+# token) takes well under this on 2 cores, and gets both of them. A standby faults them in
+# while it waits.
+KV_POPULATE_DELAY_S = 2.0
 
 
 QUANTIZATION_HELP = (
@@ -90,6 +98,11 @@ _HELP: list[tuple[str, ...]] = [
     ("max_num_batched_tokens", "most tokens per step"),
     ("store_run_dir", "local store node run dir (none: off; or KVRELAY_STORE_RUN_DIR)"),
     ("lease_ms", "claim entries idle this long"),
+    (
+        "redis_socket_timeout_s",
+        "a Redis call unanswered this long fails and is retried (above block_ms)",
+    ),
+    ("redis_keepalive_s", "idle seconds before the Redis connections' TCP keepalive probes"),
     (
         "stream_interval_ms",
         "write a streaming request's further tokens at most this often, several engine steps "
@@ -180,20 +193,25 @@ SPECULATION_FIELDS = (
 
 
 def run(args: argparse.Namespace) -> int:
+    # No collections while torch and the model load (~10% of the imports' CPU time: they
+    # allocate many objects and no garbage); serve() collects once and freezes what is left.
+    gc.disable()
     from kvrelay.workers.config import load_worker_config
     from kvrelay.workers.engine.llm_engine import Engine
 
     # a bad setting (ConfigError) is one line and exit 2 (kvrelay.cli.main.exit_code)
     overrides = {dest: getattr(args, dest) for _f, dest, _k, _h in worker_flags()}
     config = load_worker_config(config_file=args.config, **overrides)
-    return serve(args.role, config, Engine(config.engine))
+    return serve(args.role, config, Engine(config.engine, populate_kv=False))
 
 
-def take_slot(config: WorkerConfig, role: str) -> WorkerSlot | None:
+def take_slot(
+    config: WorkerConfig, role: str, on_standby: Callable[[], None] | None = None
+) -> WorkerSlot | None:
     """The worker name's slot on this host (`workers.slot`): at once when it is free, else
     after its holder dies, this process waiting loaded (a warm standby, announced under
-    `standby:{name}` for `kvrelay up` and `status`); None when stopped (SIGTERM/SIGINT) while
-    waiting."""
+    `standby:{name}` for `kvrelay up` and `status`; `on_standby` called as it starts to
+    wait); None when stopped (SIGTERM/SIGINT) while waiting."""
     import threading
     import time
 
@@ -209,6 +227,8 @@ def take_slot(config: WorkerConfig, role: str) -> WorkerSlot | None:
         "%s worker %s: standby, loaded (pid %s serves the name on this host)",
         role, name, slot.holder(),
     )  # fmt: skip
+    if on_standby is not None:
+        on_standby()
     stop, taken = threading.Event(), threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
     announcer = threading.Thread(
@@ -228,6 +248,19 @@ def take_slot(config: WorkerConfig, role: str) -> WorkerSlot | None:
     return slot
 
 
+def populate_when_settled(engine: Engine, worker: Worker) -> None:
+    """Fault in the engine's KV pool `KV_POPULATE_DELAY_S` after the worker is ready (on a
+    thread; not at all when it stops first)."""
+    import threading
+
+    def populate() -> None:
+        worker.ready.wait()
+        if not worker.stop_event.wait(KV_POPULATE_DELAY_S):
+            engine.populate_kv_pool()
+
+    threading.Thread(target=populate, name="kv-pool-settle", daemon=True).start()
+
+
 def serve(role: str, config: WorkerConfig, engine: Engine) -> int:
     """Run a worker of `role` over `engine` until SIGTERM/SIGINT (then drain and release)."""
     from kvrelay.workers.decode import DecodeWorker
@@ -237,12 +270,18 @@ def serve(role: str, config: WorkerConfig, engine: Engine) -> int:
     metrics = WorkerMetrics((config.served_names or (engine.model_name,))[0], engine)
     node = attach_store(engine, config.store_run_dir, metrics) if config.store_run_dir else ""
     cls = PrefillWorker if role == Stage.PREFILL else DecodeWorker
-    slot = take_slot(config, role)
+
+    def on_standby() -> None:  # waiting, perhaps for days: collect as usual meanwhile
+        gc.enable()
+        engine.populate_kv_pool()
+
+    slot = take_slot(config, role, on_standby=on_standby)
     if slot is None:
         return 0  # stopped while a standby
     worker = cls(config, engine, store_node=node, metrics=metrics, started=slot.acquired_at)
     worker.slot_held = True
     metrics.serve(config.metrics_port)
+    populate_when_settled(engine, worker)
 
     def on_signal(signum, _frame):
         logger.info("signal %d: stopping %s", signum, worker.name)
@@ -255,6 +294,7 @@ def serve(role: str, config: WorkerConfig, engine: Engine) -> int:
     # requests allocate (a collection during a step shows as a late token).
     gc.collect()
     gc.freeze()
+    gc.enable()  # (run() turned it off for the start)
     worker.run()
     # everything is released; skip interpreter teardown of the model (seconds under supervisord)
     logging.shutdown()

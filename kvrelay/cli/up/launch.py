@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "supervisord.conf"
 SOCKET_NAME = "supervisor.sock"
 STATE_NAME = "stack.json"
+PROMPT_SUPERVISORD = "kvrelay.cli.up.prompt_supervisord"
 
 
 @dataclass(slots=True)
@@ -133,7 +134,8 @@ class Supervisor:
         """Start supervisord: in the background (daemon) or as a child this process waits on."""
         if self.pid() is not None:
             raise RuntimeError(f"a stack is already running in {self.run_dir} (pid {self.pid()})")
-        cmd = [sys.executable, "-m", "supervisor.supervisord", "-c", str(self.config_path)]
+        # our entry point: supervisord restarting a dead program at once (prompt_supervisord)
+        cmd = [sys.executable, "-m", PROMPT_SUPERVISORD, "-c", str(self.config_path)]
         if detach:
             subprocess.run(cmd, check=True, cwd=self.run_dir)
         else:

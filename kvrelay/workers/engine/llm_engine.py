@@ -66,8 +66,11 @@ class Engine:
         kv_connector: KVConnector | None = None,
         *,
         loaded: LoadedModel | None = None,
+        populate_kv: bool = True,
     ):
-        """`loaded`: reuse an already loaded model (several engines sharing weights, tests)."""
+        """`loaded`: reuse an already loaded model (several engines sharing weights, tests);
+        `populate_kv` False: the KV pool's pages are faulted in when `populate_kv_pool` is
+        called (a worker: once it serves), not from now on."""
         from kvrelay.core.modelref import (
             model_fingerprint,
             normalize_attention_precision,
@@ -146,7 +149,9 @@ class Engine:
         self.kv_layout = layout = mc.kv_layout
         block_bytes = self.kv_bytes_per_token * P * layout.group_size // mc.num_layers
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // block_bytes)
-        kv_pool = allocate_kv_pool(mc, num_blocks, P, kv_dtype, loaded.device, layout)
+        kv_pool = allocate_kv_pool(
+            mc, num_blocks, P, kv_dtype, loaded.device, layout, populate=populate_kv
+        )
         self.runner = ModelRunner(loaded.model, kv_pool, P, attention, layout)
         if loaded.device.type == "cuda" and config.cuda_graphs:
             if layout.num_groups == 1:
@@ -185,6 +190,12 @@ class Engine:
             self.kernel_isa or "none",
             attention,
         )
+
+    def populate_kv_pool(self) -> None:
+        """Fault in the KV pool's pages on a thread (an engine made with `populate_kv` False)."""
+        from kvrelay.workers.model.llama import populate_kv_pool
+
+        populate_kv_pool(self.runner.kv_pool)
 
     def _speculator(self, config: EngineConfig) -> Speculator | None:
         try:

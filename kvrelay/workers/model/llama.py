@@ -73,9 +73,11 @@ def allocate_kv_pool(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     layout: KVLayout | None = None,
+    populate: bool = True,
 ) -> torch.Tensor:
     """Zeroed pool `[num_blocks, layers, 2, page_size, kv_heads, head_dim]`; with a `layout`
     of KV groups, `layers` is its group size (a block is one page of one group's layers).
+    `populate` False: its pages are faulted in by `populate_kv_pool`, when the caller says.
 
     On CPU the pool is private anonymous memory advised for transparent huge pages: a layer's
     K/V of a page is a 12 KB span (SmolLM2, bf16) every layers x that apart, so with 4 KB pages
@@ -100,37 +102,54 @@ def allocate_kv_pool(
             logger.debug("MADV_HUGEPAGE on the KV pool refused: %s", exc)
     pool = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
     # Anonymous memory reads as zeros already. Its pages are faulted in on a thread, without
-    # writing (MADV_POPULATE_WRITE), while the worker starts serving: a step finds them mapped,
-    # and a restart does not wait ~1 s per GB for a pass of zeros (which a kernel without the
-    # advice still gets).
+    # writing (MADV_POPULATE_WRITE), while the worker serves: a step finds them mapped, and a
+    # restart does not wait ~1 s per GB for a pass of zeros (which a kernel without the advice
+    # still gets).
     try:
         memory.madvise(MADV_POPULATE_WRITE, 0, 0)  # a zero-length probe: EINVAL if unknown
     except OSError:
         return pool.zero_()  # touched now, as torch.zeros did: no page faults inside a step
-    threading.Thread(target=_populate, args=(memory,), name="kv-pool-populate", daemon=True).start()
+    if populate:
+        populate_kv_pool(pool)
     return pool
 
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.13 names it
+# Bytes faulted in per madvise call. The call holds the process's memory map lock while the
+# kernel clears the pages, and whatever maps memory meanwhile (a thread's stack, a socket's
+# buffers, a large allocation) waits for it: with 64 MB calls a worker's start took ~1.8 s
+# longer on a 2-core host; a 2 MB call (one huge page) lets them in within a millisecond.
+POPULATE_STEP = 2 << 20
 
 
-def _populate(memory: mmap.mmap) -> None:
-    """Fault in `memory`'s pages for writing (contents unchanged), 64 MB at a time, through
-    libc's madvise: ctypes lets go of the GIL during the call, `mmap.madvise` does not (a
-    start-up's Python would wait on the kernel's page clearing)."""
+def populate_kv_pool(pool: torch.Tensor) -> threading.Thread | None:
+    """Fault in a CPU pool's pages for writing (contents unchanged) on a daemon thread; None
+    off the CPU. Several calls fault in the pages once (the others find them mapped)."""
+    if pool.device.type != "cpu" or pool.numel() == 0:
+        return None
+    thread = threading.Thread(target=_populate, args=(pool,), name="kv-pool-populate", daemon=True)
+    thread.start()
+    return thread
+
+
+def _populate(pool: torch.Tensor) -> None:
+    """Fault in `pool`'s pages through libc's madvise, `POPULATE_STEP` bytes a call: ctypes
+    lets go of the GIL during the call, `mmap.madvise` does not (Python would wait on the
+    kernel's page clearing)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(memory))
-    except (OSError, TypeError, ValueError) as exc:  # no libc symbols, a closed map
+    except OSError as exc:  # no libc symbols
         logger.debug("cannot populate the KV pool: %s", exc)
         return
-    step = 64 << 20
-    for start in range(0, len(memory), step):
-        length = min(step, len(memory) - start)
-        if libc.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(length),
+    base, size = pool.data_ptr(), pool.numel() * pool.element_size()
+    # page-aligned (a pool torch allocated may start inside a page: its memory is touched)
+    first = -(-base // mmap.PAGESIZE) * mmap.PAGESIZE
+    for start in range(first, base + size, POPULATE_STEP):
+        length = min(POPULATE_STEP, base + size - start)
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length),
                         MADV_POPULATE_WRITE) != 0:  # fmt: skip
             # out of memory, or the advice refused: the rest faults in on first use
-            logger.debug("populating the KV pool stopped at %d bytes: errno %d", start,
+            logger.debug("populating the KV pool stopped at %d bytes: errno %d", start - base,
                          ctypes.get_errno())  # fmt: skip
             return
 
@@ -346,7 +365,13 @@ class LlamaForCausalLM(nn.Module):
             self.row_align = 1
         for lin in linears:  # fp16 on AVX2: fbgemm's whole row blocks (quant.fp16_row_block)
             self.row_align = math.lcm(self.row_align, getattr(lin, "row_block", 1))
+        self.attach_cpu_decoders()
+
+    def attach_cpu_decoders(self) -> None:
+        """Build the C++ decoders over the (quantized) layers where they run: after
+        `quantize`, or after a load from the weight cache (`weight_cache`), which holds none."""
         self.cpu_decoder = self._build_cpu_decoder()
+        self.grouped_cpu_decoder = None
         if self.cpu_decoder is not None and self.kv_layout.num_groups > 1:
             self.grouped_cpu_decoder = self._build_cpu_decoder(grouped=True)
 

@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -396,6 +397,9 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     quantization: str = Quantization.NONE
+    # how the weights came: "built" (read and quantized), "mapped" (from the weight cache),
+    # "built, not cached" (the cache file could not be written)
+    weights: str = "built"
 
 
 def resolve_device_dtype(
@@ -515,9 +519,13 @@ def load_model(
     device: str = "auto",
     progress: bool = True,
     quantization: str = Quantization.NONE,
+    weight_cache: bool | Path = True,
 ) -> LoadedModel:
     """Prepare (convert once) and load a model with its tokenizer and fingerprint;
-    `quantization` "int8" replaces its linears by int8 ones (`kvrelay.workers.model.quant`)."""
+    `quantization` "int8" replaces its linears by int8 ones (`kvrelay.workers.model.quant`).
+    `weight_cache`: map the quantized weights from the file the first load of these settings
+    wrote (`weight_cache`; a Path: that directory instead of `weight_cache_dir`), False: build
+    them."""
     import torch
 
     from kvrelay.workers.model.config import ModelConfig
@@ -544,7 +552,10 @@ def load_model(
         if not can_quantize(torch.zeros(1, 1), quantization):
             raise ModelLoadError(f"--quantization {quantization} needs {NEEDS[quantization]}")
     config = ModelConfig.from_hf(read_config(directory))
-    with torch.inference_mode():
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    fingerprint = model_fingerprint(directory, dtype_name, quantization)
+
+    def build() -> LlamaForCausalLM:
         model = model_class(config.model_type)(config, torch_dtype, torch_device)
         if quantization == Quantization.NONE:
             load_weights(model, directory)
@@ -552,30 +563,64 @@ def load_model(
             gguf = load_weights(model, directory, pack=False)
             model.quantize(quantization, blocks=_checkpoint_blocks(model, gguf, quantization))
             model.pack_weights()
+        return model
+
+    with torch.inference_mode():
+        model, how = _build_or_map(
+            build, directory, fingerprint, quantization, torch_device, torch_dtype, weight_cache
+        )
     model.eval()
     try:
         tokenizer = Tokenizer.from_dir(directory)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer of {directory}: {exc}") from exc
-    dtype_name = str(torch_dtype).removeprefix("torch.")
     loaded = LoadedModel(
         name=resolve_model(name).name,
         dir=directory,
         model=model,
         config=config,
         tokenizer=tokenizer,
-        fingerprint=model_fingerprint(directory, dtype_name, quantization),
+        fingerprint=fingerprint,
         dtype=torch_dtype,
         device=torch_device,
         quantization=quantization,
+        weights=how,
     )
     logger.info(
-        "loaded %s (%s, %s, quantization %s) from %s in %.2f s",
+        "loaded %s (%s, %s, quantization %s, weights %s) from %s in %.2f s",
         loaded.name,
         dtype_name,
         torch_device,
         quantization,
+        how,
         directory,
         time.monotonic() - start,
     )
     return loaded
+
+
+def weight_cache_dir(directory: Path) -> Path:
+    """Where the weight cache files of the model prepared in `directory` live: beside it, like
+    its `-safetensors` copy (the prepared directory itself holds what preparing wrote)."""
+    return directory.with_name(directory.name + "-weights")
+
+
+def _build_or_map(
+    build: Callable[[], LlamaForCausalLM],
+    directory: Path,
+    fingerprint: str,
+    quantization: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    weight_cache: bool | Path,
+) -> tuple[LlamaForCausalLM, str]:
+    """(model, how): mapped from the weight cache (`weight_cache`, written by the first start
+    of these settings), else built; `weight_cache` False: built, a Path: the cache's directory
+    instead of the model's (`weight_cache_dir`)."""
+    from kvrelay.workers.model import weight_cache as cache
+
+    if weight_cache is False or not cache.cacheable(quantization, device, dtype):
+        return build(), "built"
+    where = weight_cache_dir(directory) if weight_cache is True else Path(weight_cache)
+    key = cache.cache_key(fingerprint, quantization)
+    return cache.load_or_build(cache.cache_path(where, quantization, key), key, build)

@@ -42,6 +42,7 @@ from kvrelay.core.record import RequestRecord  # noqa: E402
 from kvrelay.pipeline.queue import submit  # noqa: E402
 from kvrelay.pipeline.queue.streams import Streams  # noqa: E402
 from kvrelay.pipeline.server import routes as ingress_routes  # noqa: E402
+from kvrelay.pipeline.server import submission as ingress_submission  # noqa: E402
 from kvrelay.pipeline.server.app import create_app  # noqa: E402
 from kvrelay.pipeline.server.config import IngressConfig  # noqa: E402
 from kvrelay.workers.emitter import Emitter, Inflight, Outgoing, OutgoingKind  # noqa: E402
@@ -109,7 +110,7 @@ def instrument(app) -> None:
         return await gen(self, request, api)
 
     endpoints._generate = generate
-    timed_async(ingress_routes, "read_json", "read_json")
+    timed_async(ingress_submission, "read_json", "read_json")
     timed_sync(ingress_routes, "parse_chat", "parse")
     timed_async(ing.backpressure, "admit", "backpressure")
     timed_async(ing.registry, "get", "registry")

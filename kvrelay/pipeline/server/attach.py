@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from typing import Any
 
 from starlette.requests import Request
@@ -19,14 +18,14 @@ from starlette.responses import Response
 from kvrelay.core import record as fields
 from kvrelay.core.record import RequestRecord
 from kvrelay.pipeline.errors import RequestError, bad_request, unsupported
-from kvrelay.pipeline.openai.protocol import Api, GenerationRequest
-from kvrelay.pipeline.openai.responses import ResponseFormatter
-from kvrelay.pipeline.openai.tool_parsers import DETECT, NO_PARSER, detect_tool_parser, tool_stream
+from kvrelay.pipeline.openai.protocol import GenerationRequest
+from kvrelay.pipeline.openai.tool_parsers import DETECT, NO_PARSER, detect_tool_parser
 from kvrelay.pipeline.openai.tools import AUTO
 from kvrelay.pipeline.queue.output import ENDED, output_gone
 from kvrelay.pipeline.queue.records import read_record_fields
 from kvrelay.pipeline.server.choices_output import ChoicesJob, choices_job
 from kvrelay.pipeline.server.context import ModelHost, RecordHost, RequestHost
+from kvrelay.pipeline.server.ingress_options import IngressOptions
 from kvrelay.pipeline.server.output import OutputJob, output_expired
 
 logger = logging.getLogger(__name__)
@@ -138,17 +137,8 @@ async def owned_record(ing: RecordHost, request_id: str, key_id: str) -> dict[st
 
 def check_same(rec: dict[str, str], request_id: str, digest: str, key_id: str) -> None:
     """409 unless `rec` is the request being posted again (same endpoint, body and key)."""
-    opts = _options(rec)
-    if rec.get(fields.KEY_ID, "") != key_id or opts.get("digest") != digest:
+    if rec.get(fields.KEY_ID, "") != key_id or IngressOptions.of(rec).digest != digest:
         raise id_conflict(request_id)
-
-
-def _options(rec: dict[str, str]) -> dict[str, Any]:
-    try:
-        opts = json.loads(rec.get(fields.INGRESS) or "{}")
-    except ValueError:
-        return {}
-    return opts if isinstance(opts, dict) else {}
 
 
 async def reattach(
@@ -171,29 +161,17 @@ async def reattach(
         exists = bool(await ing.redis.exists(ing.keys.of(request_id).out(request_id)))
         if output_gone(status, record.emitted, exists):
             raise output_expired(request_id)
-    opts = _options(rec)
+    opts = IngressOptions.of(rec)
     count = record.num_choices or 0
-    if count and stream and int(opts.get("per_prompt") or 1) > int(opts.get("n") or 1):
+    if count and stream and opts.per_prompt > opts.n:
         # the best choices are known only at the end, as when it was posted
         raise unsupported("best_of", "streaming a request with best_of greater than n")
     if include_usage is None:
-        include_usage = bool(opts.get("include_usage"))
+        include_usage = opts.include_usage
     attach_seq = await ing.reattached(request_id)
     model = record.model or ""
     entry = await ing.registry.get(model)
-    created = int(opts.get("created") or record.created or time.time())
-    fmt = ResponseFormatter(
-        opts.get("api", Api.COMPLETION),
-        request_id,
-        model,
-        created,
-        record.prompt_tokens or 0,
-        logprobs=bool(opts.get("logprobs")),
-        include_usage=include_usage,
-        token_text=ing.token_text(entry),
-        echo=echo if isinstance(echo := opts.get("echo"), str) else "",
-        tool_calls=tool_stream(request_id, opts.get("tool_calls")),
-    )
+    created = opts.created_at(record.created)
     deadline = record.deadline
     job: ChoicesJob | OutputJob
     if count:  # several choices: their token indices are their own, so from the start
@@ -209,11 +187,20 @@ async def reattach(
             deadline=deadline,
             token_text=ing.token_text(entry),
             num_choices=count,
+            created=created,
         )
         job.attach_seq, job.slot = attach_seq, ing.backpressure.slot(count)
         return job.response()
     start = 0 if last is None or not stream else last + 1
     logger.info("request %s: client reattached from token %d", request_id, start)
+    fmt = opts.formatter(
+        request_id,
+        model,
+        record.prompt_tokens or 0,
+        token_text=ing.token_text(entry),
+        include_usage=include_usage,
+        created=created,
+    )
     job = OutputJob(
         ing,
         request_id,

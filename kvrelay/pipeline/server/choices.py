@@ -1,12 +1,13 @@
 """Requests answered by several choices: `n` > 1, `best_of` > n, a list of prompts.
 
-POST lifecycle (after routes.py has parsed the body, checked the limits and taken one in-flight
-slot per choice): each prompt tokenized and checked once -> one PrefillTask per choice, id
-`{id}.{k}` (k = prompt index * choices per prompt + choice), its seed `choice_seed(k)` (choice
-0: the request's own, so it is what n=1 gives) -> the parent record req:{id} and every choice's
-record and task, queued in one script (each prompt routed once: its choices go the same way,
-and share its pages through the store) -> ChoicesJob. Every choice is an ordinary request to
-the workers, reproducible and resumable on its own; the parent record is what GET, DELETE,
+POST lifecycle (on the one submission path, submission.py, after routes.py has parsed the
+body, checked the limits and taken one in-flight slot per choice): each prompt tokenized and
+checked once -> one PrefillTask per choice, id `{id}.{k}` (k = prompt index * choices per
+prompt + choice), its seed `choice_seed(k)` (choice 0: the request's own, so it is what n=1
+gives) -> the parent record req:{id} and every choice's record and task, queued in one script
+(each prompt routed once: its choices go the same way, and share its pages through the
+store) -> ChoicesJob. Every choice is an ordinary request to the workers, reproducible and
+resumable on its own; the parent record is what GET, DELETE,
 reattaching and the deadline act on.
 """
 
@@ -14,12 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from starlette.requests import Request
 from starlette.responses import Response
 
 from kvrelay.core import record as fields
@@ -27,15 +26,14 @@ from kvrelay.core.messages import PrefillTask
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.sampling import choice_seed
 from kvrelay.pipeline.errors import bad_request
-from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.model_registry import ModelEntry
 from kvrelay.pipeline.openai.protocol import GenerationRequest
-from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.choices_state import combined_status, public_view, read_choices
 from kvrelay.pipeline.queue.submit import choice_id
-from kvrelay.pipeline.server.attach import check_same, owned_record, reattach
 from kvrelay.pipeline.server.choices_output import choices_job
-from kvrelay.pipeline.server.context import RecordHost, RequestHost
+from kvrelay.pipeline.server.context import RecordHost
+from kvrelay.pipeline.server.ingress_options import IngressOptions
+from kvrelay.pipeline.server.submission import Reattach, Submission
 
 logger = logging.getLogger(__name__)
 
@@ -66,21 +64,19 @@ def check_choices(parsed: GenerationRequest, request_id: str, max_choices: int) 
 
 
 async def generate_choices(
-    ing: RequestHost,
-    request: Request,
+    sub: Submission,
     parsed: GenerationRequest,
-    request_id: str,
     digest: str,
-    key_id: str,
-    slot: Slot,
-    arrival: float,
     echo_text: Callable[[GenerationRequest, list[int], ModelEntry], str],
-    tool_options: dict[str, Any] | None = None,
+    tool_options: dict[str, Any] | None,
+    reattach: Reattach,
 ) -> Response:
-    """Queue every choice of `parsed` and answer them (or reattach when the id raced in).
+    """Queue every choice of `parsed` (admitted by `sub`) and answer them, or `reattach` when
+    the id raced in.
 
     `echo_text(parsed, prompt ids, entry)`: a prompt's text as `echo` returns it;
     `tool_options`: how to find the calls in each choice (None: plain text)."""
+    ing, request_id = sub.ing, sub.request_id
     per_prompt = parsed.per_prompt
     prompts: list[str | list[int] | None] = list(parsed.prompts) if parsed.prompts else [None]
     tasks: list[PrefillTask] = []
@@ -111,44 +107,21 @@ async def generate_choices(
                 )
             )
     assert entry is not None
-    created = int(time.time())
-    options: dict[str, Any] = {
-        "api": parsed.api,
-        "created": created,
-        "stream": parsed.stream,
-        "include_usage": parsed.include_usage,
-        "logprobs": parsed.logprobs,
-        "digest": digest,
-        "n": parsed.n,
-        "per_prompt": per_prompt,
-    }
-    if parsed.echo:
-        options["echoes"] = echoes
-    if tool_options:  # every choice's calls parsed, also for a reattached client
-        options["tool_calls"] = tool_options
-    record = RequestRecord(ingress=options, user=parsed.user or "", key_id=key_id).changes()
-    choice_record = RequestRecord(user=parsed.user or "", key_id=key_id).changes()
-    # subscribed first: the choices name this ingress's feed from their first chunk
-    subscriptions = [await ing.feed.subscribe(task.request_id) for task in tasks]
-    try:
-        routes = await ing.producer.enqueue_choices(
-            request_id, tasks, entry, record, choice_record, ing.feed.reader_id
-        )
-    except BaseException:
-        for subscription in subscriptions:
-            subscription.close()
-        raise
+    options = IngressOptions.posted(
+        parsed,
+        digest,
+        echoes=echoes if parsed.echo else [],
+        # every choice's calls parsed, also for a reattached client
+        tool_calls=tool_options or None,
+        n=parsed.n,
+        per_prompt=per_prompt,
+    )
+    record = sub.record(options, parsed.user)
+    choice_record = RequestRecord(user=parsed.user or "", key_id=sub.key_id).changes()
+    routes = await sub.enqueue(tasks, entry, record, choice_record)
     if routes is None:  # the same id raced in from another connection
-        for subscription in subscriptions:
-            subscription.close()
-        slot.release()
-        rec = await owned_record(ing, request_id, key_id)
-        check_same(rec, request_id, digest, key_id)
-        return await reattach(request, ing, request_id, rec, parsed.stream, parsed.include_usage)
-    ing.backpressure.queued(len(tasks))
-    ing.cluster.refresh_behind()
-    for route in routes:
-        ing.metrics.request_route.labels(entry.name, route.stage).inc()
+        return await sub.raced(digest, reattach)
+    timer = sub.queued(entry.name, routes)
     job = choices_job(
         ing,
         request_id,
@@ -161,8 +134,8 @@ async def generate_choices(
         token_text=ing.token_text(entry),
         num_choices=len(tasks),
     )
-    job.timer, job.slot = RequestTimer(ing.metrics, entry.name, arrival), slot
-    job.subscriptions = subscriptions
+    job.timer = timer
+    job.slot, job.subscriptions = sub.hand_over()
     return job.response()
 
 

@@ -29,13 +29,13 @@ from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter, usage_dict
-from kvrelay.pipeline.openai.tool_parsers import tool_stream
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.output import Completion, OutputTimeout
 from kvrelay.pipeline.queue.submit import choice_id
 from kvrelay.pipeline.queue.subscription import Subscription
 from kvrelay.pipeline.server.context import OutputHost
 from kvrelay.pipeline.server.http import send_json
+from kvrelay.pipeline.server.ingress_options import IngressOptions
 from kvrelay.pipeline.server.output import READ_FAILURES, Delivery, finish_failure, read_failure
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ def _cumulative_logprob(result: Completion) -> float:
 def choices_job(
     ing: OutputHost,
     request_id: str,
-    options: dict[str, Any],
+    options: IngressOptions,
     model: str,
     prompt_tokens: int,
     stream: bool,
@@ -251,33 +251,30 @@ def choices_job(
     deadline: float | None,
     token_text: Any,
     num_choices: int | None = None,
+    created: int | None = None,
 ) -> ChoicesJob:
     """The output job of a request of several choices, from its ingress options."""
-    per_prompt = int(options.get("per_prompt") or 1)
-    echoes = options.get("echoes") or []
-    count = num_choices or per_prompt * max(1, len(echoes))
+    per_prompt = options.per_prompt
+    count = num_choices or per_prompt * max(1, len(options.echoes))
     choices = []
     for i in range(count):
-        fmt = ResponseFormatter(
-            options.get("api", Api.COMPLETION),
+        fmt = options.formatter(
             request_id,
             model,
-            int(options.get("created") or time.time()),
             0,  # the usage is the request's, counted by the job
-            logprobs=bool(options.get("logprobs")),
-            include_usage=include_usage,
             token_text=token_text,
-            echo=echoes[i // per_prompt] if echoes else "",
+            include_usage=include_usage,
+            created=options.created_at(created),
             index=i,
             # each choice's own calls, their ids derived from its id (distinct, stable)
-            tool_calls=tool_stream(choice_id(request_id, i), options.get("tool_calls")),
+            calls_id=choice_id(request_id, i),
         )
         choices.append(Choice(choice_id(request_id, i), fmt, i // per_prompt))
     return ChoicesJob(
         ing,
         request_id,
         choices,
-        int(options.get("n") or 1),
+        options.n,
         stream,
         prompt_tokens,
         include_usage=include_usage,

@@ -5,33 +5,30 @@ suffix) -> body -> Responses fields -> the conversation of `previous_response_id
 store (400 when it is not there) -> each function_call_output answers a call of that
 conversation (else 400) -> chat messages -> tool choice (auto: the parser the model's chat
 template implies, or --tool-call-parser's) -> then the chat path's steps (same id already
-used? reattach or 409; admission; tokenize + limits; route; queue) -> the answer is stored in
-progress (`store: true`) -> ResponseJob delivers and stores the final object. DELETE leaves a
-tombstone that no later save overwrites (response_store.py).
+used? reattach or 409; admission; tokenize + limits; route; queue: the one submission path,
+submission.py) -> the answer is stored in progress (`store: true`) -> ResponseJob delivers
+and stores the final object. DELETE leaves a tombstone that no later save overwrites
+(response_store.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvrelay.core import record as fields
 from kvrelay.core.record import RequestRecord
 from kvrelay.pipeline.errors import (
     RequestError,
     bad_request,
-    client_closed_request,
     queue_unavailable,
 )
-from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.openai.response_builder import (
     REQUEST_PREFIX,
@@ -41,31 +38,25 @@ from kvrelay.pipeline.openai.response_builder import (
 )
 from kvrelay.pipeline.openai.responses_api import ResponsesCall, parse_responses
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
-from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.output import ENDED, output_gone
-from kvrelay.pipeline.queue.route import RouteMode
 from kvrelay.pipeline.queue.submit import new_request_id, valid_request_id
-from kvrelay.pipeline.queue.subscription import Subscription
 from kvrelay.pipeline.server.attach import (
-    check_same,
     last_event_id,
-    owned_record,
-    raw_record,
     request_digest,
     tool_choice_options,
 )
 from kvrelay.pipeline.server.context import RequestHost
 from kvrelay.pipeline.server.http import (
     REQUEST_ID_HEADER,
-    THREAD_PARSE_BYTES,
     check_api_key,
     error_response,
-    read_json,
 )
+from kvrelay.pipeline.server.ingress_options import IngressOptions
 from kvrelay.pipeline.server.middleware import omit_request_id
-from kvrelay.pipeline.server.output import abandon, output_expired
+from kvrelay.pipeline.server.output import output_expired
 from kvrelay.pipeline.server.response_output import ResponseJob
 from kvrelay.pipeline.server.response_store import ResponseStore
+from kvrelay.pipeline.server.submission import Submission
 
 logger = logging.getLogger(__name__)
 
@@ -97,96 +88,67 @@ class ResponsesApi:
 
     async def create(self, request: Request) -> Response:
         """POST /v1/responses."""
-        ing = self.ingress
-        arrival = time.monotonic()
-        header_id = request.headers.get(REQUEST_ID_HEADER)
-        if header_id is not None and not _valid_id(header_id):
-            omit_request_id(request.scope)  # no request was created: send no id back
-            return error_response(_bad_id(REQUEST_ID_HEADER))
-        request_id = header_id or new_request_id(REQUEST_PREFIX.rstrip("-"))
-        ing.cluster.prefetch(workers=ing.config.mode == RouteMode.AUTO)
-        slot: Slot | None = None
-        subscription: Subscription | None = None
-        try:
-            key_id = check_api_key(request, ing.config.api_keys)
-            body = await read_json(request, ing.config.max_body_bytes)
-            size = request.headers.get("content-length", "")
-            if size.isdigit() and int(size) > THREAD_PARSE_BYTES:
-                call = await asyncio.to_thread(parse_responses, body)
-            else:
-                call = parse_responses(body)
-            # an alias (--served-model-name) is the model's: answered under its first name
-            call.generation.model = await ing.registry.canonical(call.generation.model)
-            prepared = await self._prepare(call, request_id, key_id)
-            tool_options = await tool_choice_options(ing, call.generation)
-            if header_id is not None:
-                rec = await ing.producer.ride_out(request_id, lambda: raw_record(ing, request_id))
-                if rec is not None:
-                    check_same(rec, request_id, prepared.digest, key_id)
-                    return await self._reattach(request, request_id, rec, prepared, key_id)
-            pipeline = ing.registry.known_pipeline(call.generation.model)
-            slot = await ing.backpressure.admit(pipeline=pipeline)
-            task, entry = await ing.producer.prepare_parsed(call.generation, request_id=request_id)
-            created = int(time.time())
-            options = {
-                # GET /v1/requests/{id}/stream replays a response as chat.completion.chunks
-                "api": Api.CHAT,
-                "created": created,
-                "stream": call.generation.stream,
-                "include_usage": False,
-                "logprobs": False,
-                "digest": prepared.digest,
-                "temperature": task.sampling.temperature,
-                "top_p": task.sampling.top_p,
-            }
-            if tool_options:  # a reattached client parses the same calls
-                options["tool_calls"] = tool_options
-            record = RequestRecord(
-                ingress=options, user=call.generation.user or "", key_id=key_id
-            ).changes()
-            # subscribed first: the request names this ingress's feed from its first chunk
-            subscription = await ing.feed.subscribe(request_id)
-            route = await ing.producer.enqueue(task, entry, record, ing.feed.reader_id)
-            if route is None:  # the same id raced in from another connection
-                abandon(slot, subscription)
-                rec = await owned_record(ing, request_id, key_id)
-                check_same(rec, request_id, prepared.digest, key_id)
-                return await self._reattach(request, request_id, rec, prepared, key_id)
-        except RequestError as err:
-            abandon(slot, subscription)
-            return error_response(err, request_id)
-        except RedisError as exc:
-            abandon(slot, subscription)
-            return error_response(queue_unavailable(exc), request_id)
-        except ClientDisconnect:
-            abandon(slot, subscription)
-            logger.info("request %s: client disconnected while sending its body", request_id)
-            return error_response(client_closed_request(), request_id)
-        except BaseException:
-            abandon(slot, subscription)
-            raise
-        ing.backpressure.queued()
-        ing.cluster.refresh_behind()
-        ing.metrics.request_route.labels(task.model, route.stage).inc()
-        builder = _builder(prepared, request_id, created, len(task.prompt_token_ids), options)
+        return await Submission.post(
+            self.ingress,
+            request,
+            new_id=lambda: new_request_id(REQUEST_PREFIX.rstrip("-")),
+            bad_id=lambda header: None if _valid_id(header) else _bad_id(REQUEST_ID_HEADER),
+            handle=self._submit,
+        )
+
+    async def _submit(self, sub: Submission, body: Any) -> Response:
+        """A parsed Responses call queued and answered (submission.py has the steps)."""
+        ing, request_id = self.ingress, sub.request_id
+        call = await sub.parse(body, parse_responses)
+        generation = call.generation
+        # an alias (--served-model-name) is the model's: answered under its first name
+        generation.model = await ing.registry.canonical(generation.model)
+        prepared = await self._prepare(call, request_id, sub.key_id)
+        tool_options = await tool_choice_options(ing, generation)
+
+        def again(rec: dict[str, str]) -> Awaitable[Response]:
+            return self._reattach(sub.request, request_id, rec, prepared, sub.key_id)
+
+        if (answer := await sub.posted_before(prepared.digest, again)) is not None:
+            return answer
+        await sub.admit(generation.model)
+        task, entry = await ing.producer.prepare_parsed(generation, request_id=request_id)
+        options = IngressOptions(
+            # GET /v1/requests/{id}/stream replays a response as chat.completion.chunks
+            api=Api.CHAT,
+            created=int(time.time()),
+            stream=generation.stream,
+            digest=prepared.digest,
+            temperature=task.sampling.temperature,
+            top_p=task.sampling.top_p,
+            tool_calls=tool_options or None,  # a reattached client parses the same calls
+        )
+        record = sub.record(options, generation.user)
+        routes = await sub.enqueue([task], entry, record)
+        if routes is None:
+            return await sub.raced(prepared.digest, again)
+        timer = sub.queued(task.model, routes)
+        prompt_tokens = len(task.prompt_token_ids)
+        builder = _builder(prepared, request_id, options.created, prompt_tokens, options)
         if call.store:  # GET answers "in_progress" until the job stores the final object
             try:
                 await self.store.save(
-                    builder.response(), prepared.stored_messages, request_id, key_id
+                    builder.response(), prepared.stored_messages, request_id, sub.key_id
                 )
             except RedisError as exc:
                 logger.error("request %s: cannot store the response: %s", request_id, exc)
+        slot, subscriptions = sub.hand_over()
         job = ResponseJob(
             ing,
             builder,
-            call.generation.stream,
+            generation.stream,
             self.store if call.store else None,
             prepared.stored_messages,
-            key_id,
+            sub.key_id,
             deadline=task.deadline,
-            timer=RequestTimer(ing.metrics, task.model, arrival),
+            timer=timer,
             slot=slot,
-            subscriptions=[subscription],
+            subscriptions=subscriptions,
         )
         return job.response()
 
@@ -275,9 +237,9 @@ class ResponsesApi:
             exists = bool(await ing.redis.exists(ing.keys.of(request_id).out(request_id)))
             if output_gone(status, record.emitted, exists):
                 raise output_expired(request_id)
-        options = _options(rec)
+        options = IngressOptions.of(rec)
         attach_seq = await ing.reattached(request_id)
-        created = int(options.get("created") or record.created or time.time())
+        created = options.created_at(record.created)
         prompt_tokens = record.prompt_tokens or 0
         builder = _builder(prepared, request_id, created, prompt_tokens, options)
         stream = call.generation.stream
@@ -298,7 +260,11 @@ class ResponsesApi:
 
 
 def _builder(
-    prepared: _Prepared, request_id: str, created: int, prompt_tokens: int, options: dict
+    prepared: _Prepared,
+    request_id: str,
+    created: int,
+    prompt_tokens: int,
+    options: IngressOptions,
 ) -> ResponseBuilder:
     call = prepared.call
     return ResponseBuilder(
@@ -307,20 +273,12 @@ def _builder(
         created,
         prompt_tokens,
         call.repeated,
-        temperature=options.get("temperature"),
-        top_p=options.get("top_p"),
+        temperature=options.temperature,
+        top_p=options.top_p,
         previous_response_id=call.previous_response_id,
         store=call.store,
-        tool_calls=tool_stream(request_id, options.get("tool_calls")),
+        tool_calls=tool_stream(request_id, options.tool_calls),
     )
-
-
-def _options(rec: dict[str, str]) -> dict[str, Any]:
-    try:
-        opts = json.loads(rec.get(fields.INGRESS) or "{}")
-    except ValueError:
-        return {}
-    return opts if isinstance(opts, dict) else {}
 
 
 def _valid_id(request_id: str) -> bool:

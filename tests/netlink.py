@@ -22,6 +22,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +66,36 @@ def add_netns(name: str) -> None:
 
 def del_netns(name: str) -> None:
     run("ip", "netns", "del", name, check=False)
+
+
+class LoggedProcess:
+    """A child process (a `kvrelay` command, maybe inside a namespace), its output in `log`."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path):
+        self.name, self.log = name, log
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def wait_until(what: str, predicate: Callable[[], object], timeout: float,
+               logs: Callable[[], str] = lambda: "") -> None:  # fmt: skip
+    """Poll `predicate` every 0.1 s; fail with `what` and `logs()` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}{logs()}"
+        time.sleep(0.1)
 
 
 class Link:

@@ -14,7 +14,6 @@ tests/kvstore/test_netns.py is. The store links' faults: tests/e2e/test_store_ne
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -27,7 +26,14 @@ import redis
 from kvrelay.core.keys import Keys
 from kvrelay.pipeline.client.producer import Client
 from tests.conftest import ValkeyServer
-from tests.netlink import Link, add_netns, del_netns, require_netns
+from tests.netlink import (
+    Link,
+    LoggedProcess,
+    add_netns,
+    del_netns,
+    require_netns,
+    wait_until,
+)
 from tests.queue_state import emitted_chunks
 
 MODEL = "smollm2-135m-instruct"
@@ -42,38 +48,16 @@ LONG = 96  # the partition test's request: still running when its link is cut
 CUT_AT = 4  # tokens the client has seen when the partition test cuts the link
 
 
-class WorkerProcess:
+class WorkerProcess(LoggedProcess):
     """`kvrelay worker decode` as a child process (optionally inside a namespace)."""
 
     def __init__(self, name: str, redis_url: str, tmp: Path, prefix: tuple[str, ...] = (),
                  extra: tuple[str, ...] = ()):  # fmt: skip
-        self.name = name
-        self.log = tmp / f"{name}.log"
         cmd = [*prefix, sys.executable, "-m", "kvrelay.cli.main", "worker", "decode",
                "--name", name, "--redis-url", redis_url, "--model", MODEL, "--threads", "1",
                "--kv-cache-bytes", str(96 << 20), "--metrics-port", "-1",
                "--slot-dir", str(tmp / "slots"), "--speculation", "off", *extra]  # fmt: skip
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _wait(what: str, predicate, timeout: float, logs=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}{logs()}"
-        time.sleep(0.1)
+        super().__init__(name, cmd, tmp / f"{name}.log")
 
 
 class Fleet:
@@ -90,10 +74,10 @@ class Fleet:
                                prefix=("ip", "netns", "exec", link.ns))  # fmt: skip
         self.b = WorkerProcess("net-b", self.valkey.url, tmp, extra=("--lease-ms", "2000"))
         for w in (self.a, self.b):
-            _wait(f"worker {w.name} did not start",
+            wait_until(f"worker {w.name} did not start",
                   lambda w=w: self.r.hget(KEYS.worker(w.name), "consumer") is not None,
                   240, self.logs)  # fmt: skip
-        _wait(
+        wait_until(
             "worker net-b is not draining",
             lambda: self.r.hget(KEYS.worker("net-b"), "draining") == b"1",
             30,
@@ -268,7 +252,7 @@ def test_partitioned_worker_cannot_emit_after_its_entries_moved(fleet):
 
     def restore() -> None:  # once B has claimed the request, the link comes back
         try:
-            _wait("B never claimed the request", lambda: fleet.owner("cut") == b"net-b", 120,
+            wait_until("B never claimed the request", lambda: fleet.owner("cut") == b"net-b", 120,
                   fleet.logs)  # fmt: skip
         finally:
             fleet.link.clear()
@@ -283,7 +267,7 @@ def test_partitioned_worker_cannot_emit_after_its_entries_moved(fleet):
         assert restored.wait(120) and fleet.owner("cut") == b"net-b", fleet.logs()
         rejoined = f"consumer {consumer} was fenced on shard 0; 1 requests dropped, rejoined as"
         # A learns it was fenced only when its connections carry again (TCP's retransmissions)
-        _wait("the partitioned worker never learned it was fenced",
+        wait_until("the partitioned worker never learned it was fenced",
               lambda: rejoined in fleet.a.text(), 120, fleet.logs)  # fmt: skip
         time.sleep(1.0)  # whatever else A had in flight reaches Valkey and is refused
     finally:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -33,7 +32,15 @@ from kvrelay.core.keys import Keys
 from kvrelay.kvstore.client import StoreClient
 from kvrelay.pipeline.client.producer import Client
 from tests.conftest import ValkeyServer
-from tests.netlink import Link, add_netns, del_netns, on_port, require_netns
+from tests.netlink import (
+    Link,
+    LoggedProcess,
+    add_netns,
+    del_netns,
+    on_port,
+    require_netns,
+    wait_until,
+)
 
 MODEL = "smollm2-135m-instruct"
 KEYS = Keys("kvrelay:")
@@ -53,33 +60,12 @@ SECRET = "net-faults"
 STORE_LOG = re.compile(r"^(\S+ \S+) WARNING kvrelay\.kvstore\.remote: fetch of (\d+) pages")
 
 
-class Proc:
+class Proc(LoggedProcess):
     """A `kvrelay` child process inside a namespace, its output in a log file."""
 
     def __init__(self, name: str, ns: str, args: list[str], tmp: Path):
-        self.name, self.log = name, tmp / f"{name}.log"
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kvrelay.cli.main", *args]
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _wait(what: str, predicate, timeout: float, logs=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}{logs()}"
-        time.sleep(0.1)
+        super().__init__(name, cmd, tmp / f"{name}.log")
 
 
 class Hosts:
@@ -119,7 +105,7 @@ class Hosts:
                 "--store-run-dir", run_dir], tmp))  # fmt: skip
         self.stores = {h: StoreClient(self.tmp / f"store-{h}", timeout_s=30) for h in "pd"}
         for w in ("net-prefill", "net-decode"):
-            _wait(f"worker {w} did not start",
+            wait_until(f"worker {w} did not start",
                   lambda w=w: self.r.hget(KEYS.worker(w), "consumer") is not None,
                   240, self.logs)  # fmt: skip
         self.p_port = int(self.stats("p")["addresses"]["tcp"].rsplit(":", 1)[1])
@@ -279,7 +265,7 @@ def test_store_link_cut_mid_fetch_recomputes_then_fetches_again(hosts):
     ref = _reference(hosts)
     # a fetch the worker gave up on may still be under way on D's node (the lossy test's):
     # the cut must fall in this test's own fetch
-    _wait("D's node kept fetching", lambda: not hosts.counters("d").get("remote_fetches"),
+    wait_until("D's node kept fetching", lambda: not hosts.counters("d").get("remote_fetches"),
           30, hosts.logs)  # fmt: skip
     started = time.time()
     before = hosts.counters("d")

@@ -141,6 +141,17 @@ def add_task(r: redis.Redis, request_id: str) -> str:
 ADMIT_SHA = hashlib.sha1(scripts.with_progress("admit").encode()).hexdigest().encode()
 
 
+def _first_admission(host):
+    """Run the reader thread until it admits an entry; that admission."""
+    reader = threading.Thread(target=read_loop, args=(host,), daemon=True)
+    reader.start()
+    try:
+        return host.admissions.get(timeout=20)
+    finally:
+        host.stop_event.set()
+        reader.join(10)
+
+
 @pytest.mark.parametrize("lost", [b"XREADGROUP", ADMIT_SHA], ids=["read", "admission"])
 def test_a_lost_reply_leaves_no_entry_pending_unheld(proxy, valkey_session, lost):
     direct = redis.Redis.from_url(valkey_session.url)
@@ -157,13 +168,7 @@ def test_a_lost_reply_leaves_no_entry_pending_unheld(proxy, valkey_session, lost
     entry = add_task(direct, "r1")
     host = Host(streams, WorkerConfig(block_ms=50, lease_ms=60000))
     proxy.arm(lost)
-    reader = threading.Thread(target=read_loop, args=(host,), daemon=True)
-    reader.start()
-    try:
-        admission = host.admissions.get(timeout=20)
-    finally:
-        host.stop_event.set()
-        reader.join(10)
+    admission = _first_admission(host)
     assert len(proxy.dropped) == 1  # the server ran the call; its reply never came
     assert (admission.task.request_id, admission.entry_id, admission.delivery) == (
         "r1",
@@ -195,13 +200,7 @@ def test_a_lost_claim_reply_leaves_no_entry_pending_unheld(proxy, valkey_session
     claim = direct.script_load(scripts.source("claim"))
     proxy.arm(claim.encode() if isinstance(claim, str) else claim)
     host = Host(streams, WorkerConfig(block_ms=50, lease_ms=60000))
-    reader = threading.Thread(target=read_loop, args=(host,), daemon=True)
-    reader.start()
-    try:
-        admission = host.admissions.get(timeout=20)
-    finally:
-        host.stop_event.set()
-        reader.join(10)
+    admission = _first_admission(host)
     assert len(proxy.dropped) == 1
     assert (admission.entry_id, admission.delivery) == (entry, 2)
     [row] = direct.xpending_range(P, PREFILL_GROUP, "-", "+", 10)

@@ -193,19 +193,26 @@ def section_attention(args, result: dict, copy_gb_s: float | None) -> None:
     if args.quick:
         grid = [(1, 256), (4, 128), (8, 512)]
     else:
-        grid = [(1, 4096), (32, 2048), (32, 8192), (128, 4096), (256, 4096), (256, 8192),
-                (512, 8192), (16, 32768)]  # fmt: skip
+        grid = [(1, 4096), (1, 32768), (4, 8192), (32, 2048), (32, 8192), (128, 4096),
+                (256, 4096), (256, 8192), (512, 8192), (16, 32768)]  # fmt: skip
     reps = 3 if args.quick else 20
-    configs: list[tuple[int | None, int | None, int | None]] = [(None, None, None)]
+    # (name, launch keywords of triton_attention.paged_attention); None: ops.paged_attention
+    configs: list[tuple[str, dict | None]] = [("default", None)]
     triton_attention = None
     if cuda:
         from kvrelay.kernels import triton_attention
 
-        configs += [(0, 0, None)]  # 0: triton_attention.paged_attention, default launch
-        configs += [(w, s, None) for w in (4, 8) for s in (2, 3, 4)]
-        if not args.quick:  # 128 keys per tile: other tiles, so other last bits
-            configs += [(2, 2, None), (2, 3, None)]
-            configs += [(w, s, 128) for w in (4, 8) for s in (2, 3)]
+        configs += [("default_direct", {})]
+        # the two launches (same rows), then other splits and launch shapes (other last bits
+        # where the split or the tile differs)
+        configs += [("one_pass", {"split_k": False}), ("split_k", {"split_k": True})]
+        configs += [(f"split{k}", {"split_k": True, "split_keys": k}) for k in (128, 512, 1024)]
+        configs += [(f"w{w}_s{s}", {"num_warps": w, "num_stages": s})
+                    for w in (4, 8) for s in (2, 3, 4)]  # fmt: skip
+        if not args.quick:  # 128 keys per tile
+            configs += [("w2_s2", {"num_warps": 2, "num_stages": 2})]
+            configs += [(f"w{w}_s{s}_n128", {"num_warps": w, "num_stages": s, "block_n": 128})
+                        for w in (4, 8) for s in (2, 3)]  # fmt: skip
     else:
         import inspect
 
@@ -242,25 +249,17 @@ def section_attention(args, result: dict, copy_gb_s: float | None) -> None:
             # enough calls per sample that launch latency does not dominate tiny cases
             inner = 1 if args.quick else max(1, min(50, (64 << 20) // max(kv_bytes, 1)))
             ref = None
-            for nw, ns, bn in configs:
-                key = {None: "default", 0: "default_direct"}.get(nw, f"w{nw}_s{ns}")
-                if bn is not None:
-                    key += f"_n{bn}"
+            for key, kwargs in configs:
                 try:
-                    if nw is None:
+                    if kwargs is None:
 
                         def fn(q=q, pool=pool, meta=meta):
                             return paged_attention(q, pool, 0, meta, 0.125)
-                    elif nw == 0:
-
-                        def fn(q=q, pool=pool, meta=meta):
-                            return triton_attention.paged_attention(q, pool, 0, meta, 0.125)
                     else:
 
-                        def fn(q=q, pool=pool, meta=meta, nw=nw, ns=ns, bn=bn):
-                            extra = {"block_n": bn} if bn else {}
+                        def fn(q=q, pool=pool, meta=meta, kwargs=kwargs):
                             return triton_attention.paged_attention(
-                                q, pool, 0, meta, 0.125, num_warps=nw, num_stages=ns, **extra
+                                q, pool, 0, meta, 0.125, **kwargs
                             )
 
                     out = fn()

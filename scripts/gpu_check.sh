@@ -15,6 +15,10 @@
 #   bash scripts/gpu_check.sh bench    # then, same machine: bandwidth + decode benchmarks
 # Prepare here (pip and the network; .gpucarry/ is in .git/info/exclude):
 #   bash scripts/gpu_check.sh prepare
+# The kernels, the model families and the attention bandwidth alone, in one call of under 4 MiB
+# carried (the model does not travel: the families' tiny checkpoints take its tokenizer files):
+#   bash scripts/gpu_check.sh prepare_quick   # here: .gpucarry/q
+#   bash scripts/gpu_check.sh quick           # there, carry .gpucarry/q
 # Each step's log lands in $OUT with summary.txt; the suite's failures in failures.txt as they
 # happen (scripts/pytest_failures.py), so a run cut short still names them.
 set -u
@@ -91,7 +95,8 @@ install_wheels() { # install_wheels DIR: its wheels into the device's python, it
         local rc=$?
         echo "=== installed $(ls "$1"/*.whl | wc -l) wheels from $1: rc=$rc" >>"$OUT/summary.txt"
     fi
-    cp "$1"/model.* /tmp/
+    cp "$1"/model.* /tmp/ 2>/dev/null
+    return 0
 }
 
 stage1() {
@@ -156,6 +161,36 @@ print(prepare_model(progress=False))' 2>&1 | tail -n 1 >>"$OUT/summary.txt"
         >>"$OUT/summary.txt"
 }
 
+# What the GPU tests import beyond the image's torch, triton, transformers and pytest.
+WHEELS_Q="redis msgspec xxhash llguidance"
+GPU_TESTS="tests/kernels/test_triton_gpu.py tests/workers/test_model_gpu.py
+tests/workers/test_model_archs_gpu.py"
+
+prepare_quick() {
+    rm -rf .gpucarry/q
+    mkdir -p .gpucarry/q/tok
+    # shellcheck disable=SC2086
+    download .gpucarry/q $WHEELS_Q
+    local dir
+    dir=$(python3 -c 'from kvrelay.workers.model.loader import prepare_model
+print(prepare_model(progress=False))')
+    cp "$dir"/tokenizer.json "$dir"/tokenizer_config.json "$dir"/chat_template.jinja .gpucarry/q/tok/
+    du -sh .gpucarry/q
+}
+
+quick() {
+    stage1 # the environment's log
+    install_wheels .gpucarry/q
+    export KVRELAY_TEST_TOKENIZER_DIR=$PWD/.gpucarry/q/tok PYTHONPATH=$PWD
+    export PYTEST_FAILURES="$OUT/failures.txt"
+    # shellcheck disable=SC2086
+    step gpu_tests "${TESTS_S:-300}" python3 -m pytest -p no:cacheprovider \
+        -p scripts.pytest_failures -v -rfEs -m gpu --timeout 300 --durations=15 $GPU_TESTS
+    grep -E "(FAILED|ERROR) tests/" "$OUT/gpu_tests.log" | sort -u >>"$OUT/summary.txt"
+    step gpu_bench "${BENCH_S:-200}" python3 benchmarks/gpu.py --device cuda --sections \
+        copy,attention --json "$OUT/gpu.json"
+}
+
 bench() {
     step gpu_bench 100 python3 benchmarks/gpu.py --device cuda --json "$OUT/gpu.json"
     step engine_bench 100 python3 benchmarks/engine.py --device cuda --speculation off \
@@ -163,4 +198,4 @@ bench() {
 }
 
 "$@"
-[ "$1" = prepare ] || cat "$OUT/summary.txt"
+case $1 in prepare*) ;; *) cat "$OUT/summary.txt" ;; esac

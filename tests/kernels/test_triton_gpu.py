@@ -63,6 +63,43 @@ def test_triton_rows_are_path_invariant(dtype) -> None:
     assert torch.equal(mixed[1], full[200:250])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "ctx,qlen,window",
+    [
+        ([32768], [1], 0),  # one long context: 128 splits
+        ([8192, 8000, 300, 5], [1, 1, 1, 1], 0),  # ragged decode batch
+        ([4100, 1000], [4, 16], 0),  # verifying drafted tokens
+        ([5000, 700], [1, 9], 1000),  # a window that skips whole splits
+    ],
+)
+def test_split_k_launch_gives_the_one_pass_rows(dtype, ctx, qlen, window) -> None:
+    """Flash-decoding (split-K) and the one-pass launch compute the same rows, bitwise."""
+    from kvrelay.kernels.triton_attention import paged_attention as launch
+
+    case = make_case(ctx, qlen, heads=9, kv_heads=3, head_dim=64, page_size=16, dtype=dtype)
+    args = (case.query.cuda(), case.kv_pool.cuda(), 1, meta_on(case.meta, "cuda"), 0.125)
+    split = launch(*args, window=window, split_k=True)
+    assert torch.equal(split, launch(*args, window=window, split_k=False))
+    ref = paged_attention(case.query, case.kv_pool, 1, case.meta, 0.125, impl="torch",
+                          window=window)  # fmt: skip
+    assert (split.float().cpu() - ref.float()).abs().max().item() < TOL[dtype]
+
+
+def test_long_context_decode_rows_equal_prefill_rows() -> None:
+    """A decode row at 3,000 tokens (split-K at batch 1) equals its row of the prefill (one
+    pass), and a batch of 200 sequences (one pass on a GPU of up to 150 multiprocessors) gives
+    each row what it gets alone."""
+    seq = random_seq(3000, seed=2)
+    seq.keys, seq.values, seq.queries = (x.bfloat16() for x in (seq.keys, seq.values, seq.queries))
+    full = attend_batch([(seq, 3000, 3000)], device="cuda")[0]
+    for pos in (255, 256, 1000, 2999):
+        row = attend_batch([(seq, pos + 1, 1)], seed=pos, device="cuda")[0][0]
+        assert torch.equal(row, full[pos]), pos
+    many = attend_batch([(seq, 1000 + i, 1) for i in range(200)], device="cuda")
+    assert all(torch.equal(many[i][0], full[999 + i]) for i in (0, 1, 199))
+
+
 @pytest.mark.parametrize("kv", [torch.bfloat16, torch.float16])
 def test_fp32_queries_over_16bit_pool(kv) -> None:
     """--kv-cache-dtype bf16/fp16 with an fp32 model: 16-bit pages, fp32 queries and output."""

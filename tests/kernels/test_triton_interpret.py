@@ -25,6 +25,7 @@ CASES = [
     "window_mqa_d256",
     "window_over_context",
     "decode_and_chunks",
+    "split_k",
     "write_kv",
     "pages",
     "rope_write_kv",

@@ -87,6 +87,30 @@ def check_attention(ctx, qlen, kw, windows=(0,), scale=0.3) -> tuple[bool, str]:
     return err < 2e-6, f"max abs err {err:.3g}"
 
 
+# the split-K launch against the one-pass launch (bitwise) and torch: contexts over several
+# 256-key splits, query blocks of 1-20 rows, windows that skip whole splits, GQA and MQA
+SPLIT_K = [
+    (([600, 9, 300], [1, 1, 1]), {}, 0),
+    (([700, 260], [5, 3]), {"page_size": 8}, 0),
+    (([900, 520], [1, 20]), {"heads": 4, "kv_heads": 1, "head_dim": 24}, 300),
+]
+
+
+def check_split_k() -> tuple[bool, str]:
+    from kvrelay.kernels.triton_attention import paged_attention as launch
+
+    err, same = 0.0, True
+    for (ctx, qlen), kw, window in SPLIT_K:
+        case = make_case(ctx, qlen, **kw)
+        args = (case.query, case.kv_pool, 1, case.meta, 0.3)
+        one_pass = launch(*args, window=window, split_k=False)
+        split = launch(*args, window=window, split_k=True)
+        same = same and torch.equal(one_pass, split)
+        ref = paged_attention(*args, impl="torch", window=window)
+        err = max(err, (split - ref).abs().max().item())
+    return bool(same) and err < 2e-6, f"launches equal: {same}; max abs err vs torch {err:.3g}"
+
+
 def check_decode_and_chunks() -> tuple[bool, str]:
     # The interpreter's dot is numpy matmul, whose rows depend on their index in the tile, so
     # bitwise path invariance is checked on a GPU (tests/kernels/test_triton_gpu.py); here: close.
@@ -201,6 +225,7 @@ def main() -> None:
         scale = kw.get("head_dim", 16) ** -0.5  # the model's
         results[name] = check_attention(ctx, qlen, kw, windows, scale)
     results["decode_and_chunks"] = check_decode_and_chunks()
+    results["split_k"] = check_split_k()
     results["write_kv"] = check_write_kv()
     results["pages"] = check_pages()
     results["rope_write_kv"] = check_rope_write_kv()

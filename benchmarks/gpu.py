@@ -81,6 +81,21 @@ def timed(fn, device: str, reps: int, inner: int = 1, before=None) -> dict:
     return {"best_ms": min(samples), "median_ms": statistics.median(samples)}
 
 
+def graphed(fn, calls: int):
+    """A replay of `calls` back-to-back calls of fn captured as one CUDA graph: the kernels'
+    time without Python's launch cost (the decode step runs as a CUDA graph)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
 def wall(fn, device: str, reps: int) -> float:
     """Best wall-clock ms of fn() + synchronize (Python issue cost included), after a warm-up."""
     fn()
@@ -277,10 +292,20 @@ def section_attention(args, result: dict, copy_gb_s: float | None) -> None:
                         cold = timed(fn, dev, reps, before=flush_buf.zero_)
                         entry["cold_ms"] = round(cold["best_ms"], 5)
                         entry["cold_gb_s"] = gbps(nbytes, cold["best_ms"])
+                        # as the decode step runs them: in a CUDA graph (20 calls per replay
+                        # warm; one call after an L2 flush cold)
+                        ms = timed(graphed(fn, 20), dev, reps)["best_ms"] / 20
+                        entry["graph_ms"] = round(ms, 5)
+                        entry["graph_gb_s"] = gbps(nbytes, ms)
+                        ms = timed(graphed(fn, 1), dev, reps, before=flush_buf.zero_)["best_ms"]
+                        entry["graph_cold_gb_s"] = gbps(nbytes, ms)
                     if copy_gb_s:
                         entry["warm_frac_of_copy"] = round(entry["warm_gb_s"] / copy_gb_s, 3)
-                        if "cold_gb_s" in entry:
-                            entry["cold_frac_of_copy"] = round(entry["cold_gb_s"] / copy_gb_s, 3)
+                        for k in ("cold", "graph", "graph_cold"):
+                            if f"{k}_gb_s" in entry:
+                                entry[f"{k}_frac_of_copy"] = round(
+                                    entry[f"{k}_gb_s"] / copy_gb_s, 3
+                                )
                     row[key] = entry
                 except Exception as exc:  # noqa: BLE001
                     row[key] = {"error": repr(exc)[:500]}
@@ -570,14 +595,16 @@ def print_table(res: dict) -> None:
     a = res["sections"].get("attention", {})
     if a:
         print("attention (decode, bf16, default launch): batch x context")
-        print(f"  {'case':<16}{'ms':>10}{'GB/s':>10}{'of copy':>9}{'cold GB/s':>11}  best config")
+        print(f"  {'case':<16}{'ms':>10}{'GB/s':>10}{'of copy':>9}{'cold GB/s':>11}"
+              f"{'graph':>8}{'cold':>7}  best config")  # fmt: skip
         for r in a.get("rows", []):
             d = r.get("default", {})
             frac = d.get("warm_frac_of_copy")
             print(
                 f"  {r['batch']:>4} x {r['context']:<9}{d.get('warm_ms', '-')!s:>10}"
                 f"{d.get('warm_gb_s', '-')!s:>10}{frac if frac is not None else '-'!s:>9}"
-                f"{d.get('cold_gb_s', '-')!s:>11}  {r.get('best_config')}"
+                f"{d.get('cold_gb_s', '-')!s:>11}{d.get('graph_frac_of_copy', '-')!s:>8}"
+                f"{d.get('graph_cold_frac_of_copy', '-')!s:>7}  {r.get('best_config')}"
                 + (f"  ERROR {r['error'] or d.get('error')}" if "error" in r else "")
             )
         if "error" in a:

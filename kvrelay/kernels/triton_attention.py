@@ -23,6 +23,8 @@ rows equal the matching prefill rows on the same GPU. Multiply-adds are not fuse
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -54,38 +56,30 @@ def _merge(m, l_sum, acc, m_s, l_s, acc_s):
 
 
 @triton.jit
-def _split_partial(
-    q, pool_ptr, tables_ptr, seq, kvh, layer, window, pos, d, d_ok, t_lo, t_hi,
+def _tile(
+    m, l_sum, acc, t, cols, q, pool_ptr, tables_ptr, seq, kvh, layer, window, pos, d, d_ok,
     ctx, sp_b, sp_l, sp_kv, sp_p, sp_h, st_s,
-    ROWS: tl.constexpr, DPAD: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """(m, l, acc) of the online softmax over key tiles t_lo .. t_hi - 1, from scratch."""
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    l_sum = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, DPAD], tl.float32)
-    cols = tl.arange(0, BN)
-    for t in range(t_lo, t_hi):
-        kpos = t * BN + cols
-        k_ok = kpos < ctx
-        block = tl.load(tables_ptr + seq * st_s + kpos // PAGE, mask=k_ok, other=0)
-        base = block.to(tl.int64) * sp_b + layer * sp_l + (kpos % PAGE) * sp_p + kvh * sp_h
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(pool_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(pool_ptr + sp_kv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        visible = (kpos[None, :] <= pos[:, None]) & k_ok[None, :]
-        visible = visible & ((window <= 0) | (kpos[None, :] > pos[:, None] - window))
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
-    return m, l_sum, acc
+    """The online softmax (m, l_sum, acc) advanced over key tile t."""
+    kpos = t * BN + cols
+    k_ok = kpos < ctx
+    block = tl.load(tables_ptr + seq * st_s + kpos // PAGE, mask=k_ok, other=0)
+    base = block.to(tl.int64) * sp_b + layer * sp_l + (kpos % PAGE) * sp_p + kvh * sp_h
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    k = tl.load(pool_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(pool_ptr + sp_kv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    visible = (kpos[None, :] <= pos[:, None]) & k_ok[None, :]
+    visible = visible & ((window <= 0) | (kpos[None, :] > pos[:, None] - window))
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_sum, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -135,27 +129,41 @@ def _paged_attention_kernel(
         if SPLIT_K:
             t_lo = tl.maximum(split * SPLIT_TILES, first_tile)
             t_hi = tl.minimum((split + 1) * SPLIT_TILES, num_tiles)
-            m, l_sum, acc = _split_partial(
-                q, pool_ptr, tables_ptr, seq, kvh, layer, window, pos, d, d_ok, t_lo, t_hi,
-                ctx, sp_b, sp_l, sp_kv, sp_p, sp_h, st_s, BM * GPAD, DPAD, PAGE, BN, PRECISION,
-            )  # fmt: skip
+            m = tl.full([BM * GPAD], float("-inf"), tl.float32)
+            l_sum = tl.zeros([BM * GPAD], tl.float32)
+            acc = tl.zeros([BM * GPAD, DPAD], tl.float32)
+            cols = tl.arange(0, BN)
+            for t in range(t_lo, t_hi):
+                m, l_sum, acc = _tile(
+                    m, l_sum, acc, t, cols, q, pool_ptr, tables_ptr, seq, kvh, layer, window,
+                    pos, d, d_ok, ctx, sp_b, sp_l, sp_kv, sp_p, sp_h, st_s, PAGE, BN, PRECISION,
+                )  # fmt: skip
             cell = ((q_start + tok).to(tl.int64) * num_heads + head) * num_splits + split
             tl.store(part_ptr + cell[:, None] * DPAD + d[None, :], acc, mask=row_ok[:, None])
             tl.store(ml_ptr + cell * 2, m, mask=row_ok)
             tl.store(ml_ptr + cell * 2 + 1, l_sum, mask=row_ok)
         else:
+            # one pipelined loop over the tiles (a loop per split restarts the pipeline every
+            # SPLIT_TILES tiles); the split's partial (m, l_sum, acc) is merged into the total
+            # (m_t, l_t, acc_t) where the next split begins and after the last tile
+            m_t = tl.full([BM * GPAD], float("-inf"), tl.float32)
+            l_t = tl.zeros([BM * GPAD], tl.float32)
+            acc_t = tl.zeros([BM * GPAD, DPAD], tl.float32)
             m = tl.full([BM * GPAD], float("-inf"), tl.float32)
             l_sum = tl.zeros([BM * GPAD], tl.float32)
             acc = tl.zeros([BM * GPAD, DPAD], tl.float32)
-            for sp in range(first_tile // SPLIT_TILES, tl.cdiv(num_tiles, SPLIT_TILES)):
-                t_lo = tl.maximum(sp * SPLIT_TILES, first_tile)
-                t_hi = tl.minimum((sp + 1) * SPLIT_TILES, num_tiles)
-                m_s, l_s, acc_s = _split_partial(
-                    q, pool_ptr, tables_ptr, seq, kvh, layer, window, pos, d, d_ok, t_lo,
-                    t_hi, ctx, sp_b, sp_l, sp_kv, sp_p, sp_h, st_s, BM * GPAD, DPAD, PAGE, BN,
-                    PRECISION,
+            cols = tl.arange(0, BN)
+            for t in range(first_tile, num_tiles):
+                if (t % SPLIT_TILES == 0) and (t > first_tile):
+                    m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m, l_sum, acc)
+                    m = tl.full([BM * GPAD], float("-inf"), tl.float32)
+                    l_sum = tl.zeros([BM * GPAD], tl.float32)
+                    acc = tl.zeros([BM * GPAD, DPAD], tl.float32)
+                m, l_sum, acc = _tile(
+                    m, l_sum, acc, t, cols, q, pool_ptr, tables_ptr, seq, kvh, layer, window,
+                    pos, d, d_ok, ctx, sp_b, sp_l, sp_kv, sp_p, sp_h, st_s, PAGE, BN, PRECISION,
                 )  # fmt: skip
-                m, l_sum, acc = _merge(m, l_sum, acc, m_s, l_s, acc_s)
+            m, l_sum, acc = _merge(m_t, l_t, acc_t, m, l_sum, acc)
             out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
             o_off = (q_start + tok)[:, None] * so_t + head[:, None] * so_h + d[None, :]
             o_mask = row_ok[:, None] & d_ok[None, :]
@@ -199,8 +207,9 @@ def _merge_splits_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def use_split_k(query: torch.Tensor, meta: AttentionMetadata, kv_heads: int,
@@ -212,7 +221,7 @@ def use_split_k(query: torch.Tensor, meta: AttentionMetadata, kv_heads: int,
     if not query.is_cuda or meta.max_query_len > BLOCK_M or meta.max_context_len <= split_keys:
         return False
     programs = meta.num_seqs * triton.cdiv(max(meta.max_query_len, 1), BLOCK_M) * kv_heads
-    return programs < SPLIT_BELOW_PER_SM * _multiprocessors(query.device)
+    return programs < SPLIT_BELOW_PER_SM * _multiprocessors(query.device.index or 0)
 
 
 def paged_attention(

@@ -161,7 +161,8 @@ def test_flags_are_generated_from_the_settings_fields():
         "--num-speculative-tokens",
         "--prompt-lookup-min", "--prompt-lookup-max", "--draft-model", "--kv-cache-bytes",
         "--max-num-seqs", "--max-num-batched-tokens",
-        "--store-run-dir", "--lease-ms", "--stream-interval-ms", "--metrics-port", "--slot-dir",
+        "--store-run-dir", "--lease-ms", "--redis-socket-timeout-s", "--redis-keepalive-s",
+        "--stream-interval-ms", "--metrics-port", "--slot-dir",
         "--override-generation-config", "--chat-template", "--served-model-name",
     ]  # fmt: skip
     parser = build_parser()

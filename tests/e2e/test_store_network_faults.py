@@ -274,6 +274,11 @@ def test_store_link_cut_mid_fetch_recomputes_then_fetches_again(hosts):
     try:
         got = _run_all(hosts, "cut", PROMPTS[:1])
         assert hosts.lpd.cut_at is not None, "no fetch crossed the store link"
+        # the worker may have recomputed and finished before D's node gives the fetch up (at
+        # its transfer timeout): wait for that failure to be counted
+        wait_until("D's node counted the cut fetch",
+                   lambda: _delta(before, hosts.counters("d"), "transfer_failures", "tcp"),
+                   30, hosts.logs)  # fmt: skip
         after = hosts.counters("d")
         failures = _fetch_failures(hosts.proc("store-d"), started - 1)
         # still cut: another request is served (recomputed) too

@@ -26,6 +26,7 @@ from kvrelay.core.messages import PrefillTask
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.sampling import choice_seed
 from kvrelay.pipeline.errors import bad_request
+from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.model_registry import ModelEntry
 from kvrelay.pipeline.openai.protocol import GenerationRequest
 from kvrelay.pipeline.queue.choices_state import combined_status, public_view, read_choices
@@ -38,6 +39,8 @@ from kvrelay.pipeline.server.submission import Reattach, Submission
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_ID = 128
+# a prompt's text as `echo` returns it: (the request of that prompt, its token ids, the model)
+EchoText = Callable[[GenerationRequest, list[int], ModelEntry], str]
 
 
 def check_choices(parsed: GenerationRequest, request_id: str, max_choices: int) -> None:
@@ -67,7 +70,7 @@ async def generate_choices(
     sub: Submission,
     parsed: GenerationRequest,
     digest: str,
-    echo_text: Callable[[GenerationRequest, list[int], ModelEntry], str],
+    echo_text: EchoText,
     tool_options: dict[str, Any] | None,
     reattach: Reattach,
 ) -> Response:
@@ -77,7 +80,37 @@ async def generate_choices(
     `echo_text(parsed, prompt ids, entry)`: a prompt's text as `echo` returns it;
     `tool_options`: how to find the calls in each choice (None: plain text)."""
     ing, request_id = sub.ing, sub.request_id
-    per_prompt = parsed.per_prompt
+    tasks, echoes, prompt_tokens, entry = await _choice_tasks(sub, parsed, echo_text)
+    options = IngressOptions.posted(
+        parsed,
+        digest,
+        echoes=echoes if parsed.echo else [],
+        # every choice's calls parsed, also for a reattached client
+        tool_calls=tool_options or None,
+        n=parsed.n,
+        per_prompt=parsed.per_prompt,
+    )
+
+    async def respond(timer: RequestTimer) -> Response:
+        job = choices_job(ing, request_id, options, parsed.model, prompt_tokens, parsed.stream,
+                          parsed.include_usage, deadline=tasks[0].deadline,
+                          token_text=ing.token_text(entry), num_choices=len(tasks))  # fmt: skip
+        job.timer = timer
+        job.slot, job.subscriptions = sub.hand_over()
+        return job.response()
+
+    record = sub.record(options, parsed.user)
+    choice_record = RequestRecord(user=parsed.user or "", key_id=sub.key_id).changes()
+    return await sub.start(tasks, entry, record, digest, reattach, respond, choice_record)
+
+
+async def _choice_tasks(
+    sub: Submission, parsed: GenerationRequest, echo_text: EchoText
+) -> tuple[list[PrefillTask], list[str], int, ModelEntry]:
+    """The task of each choice (per_prompt choices of each prompt, each with its own seed, all
+    with the first's arrival and deadline), each prompt's echo, the prompts' tokens and the
+    model's entry."""
+    request_id, per_prompt = sub.request_id, parsed.per_prompt
     prompts: list[str | list[int] | None] = list(parsed.prompts) if parsed.prompts else [None]
     tasks: list[PrefillTask] = []
     echoes: list[str] = []
@@ -88,7 +121,7 @@ async def generate_choices(
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             one = dataclasses.replace(parsed, prompt=text, prompt_token_ids=ids, prompts=None)
         first = choice_id(request_id, p * per_prompt)
-        task, entry = await ing.producer.prepare_parsed(one, request_id=first)
+        task, entry = await sub.ing.producer.prepare_parsed(one, request_id=first)
         prompt_tokens += len(task.prompt_token_ids)
         echoes.append(echo_text(one, task.prompt_token_ids, entry) if parsed.echo else "")
         for k in range(per_prompt):
@@ -107,36 +140,7 @@ async def generate_choices(
                 )
             )
     assert entry is not None
-    options = IngressOptions.posted(
-        parsed,
-        digest,
-        echoes=echoes if parsed.echo else [],
-        # every choice's calls parsed, also for a reattached client
-        tool_calls=tool_options or None,
-        n=parsed.n,
-        per_prompt=per_prompt,
-    )
-    record = sub.record(options, parsed.user)
-    choice_record = RequestRecord(user=parsed.user or "", key_id=sub.key_id).changes()
-    routes = await sub.enqueue(tasks, entry, record, choice_record)
-    if routes is None:  # the same id raced in from another connection
-        return await sub.raced(digest, reattach)
-    timer = sub.queued(entry.name, routes)
-    job = choices_job(
-        ing,
-        request_id,
-        options,
-        parsed.model,
-        prompt_tokens,
-        parsed.stream,
-        parsed.include_usage,
-        deadline=tasks[0].deadline,
-        token_text=ing.token_text(entry),
-        num_choices=len(tasks),
-    )
-    job.timer = timer
-    job.slot, job.subscriptions = sub.hand_over()
-    return job.response()
+    return tasks, echoes, prompt_tokens, entry
 
 
 async def choices_state(ing: RecordHost, request_id: str, rec: dict[str, str]) -> dict[str, Any]:

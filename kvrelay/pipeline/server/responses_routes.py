@@ -29,6 +29,7 @@ from kvrelay.pipeline.errors import (
     bad_request,
     queue_unavailable,
 )
+from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.openai.protocol import Api
 from kvrelay.pipeline.openai.response_builder import (
     REQUEST_PREFIX,
@@ -123,34 +124,25 @@ class ResponsesApi:
             top_p=task.sampling.top_p,
             tool_calls=tool_options or None,  # a reattached client parses the same calls
         )
+
+        async def respond(timer: RequestTimer) -> Response:
+            prompt_tokens = len(task.prompt_token_ids)
+            builder = _builder(prepared, request_id, options.created, prompt_tokens, options)
+            if call.store:  # GET answers "in_progress" until the job stores the final object
+                try:
+                    await self.store.save(
+                        builder.response(), prepared.stored_messages, request_id, sub.key_id
+                    )
+                except RedisError as exc:
+                    logger.error("request %s: cannot store the response: %s", request_id, exc)
+            slot, subscriptions = sub.hand_over()
+            return ResponseJob(ing, builder, generation.stream,
+                               self.store if call.store else None, prepared.stored_messages,
+                               sub.key_id, deadline=task.deadline, timer=timer, slot=slot,
+                               subscriptions=subscriptions).response()  # fmt: skip
+
         record = sub.record(options, generation.user)
-        routes = await sub.enqueue([task], entry, record)
-        if routes is None:
-            return await sub.raced(prepared.digest, again)
-        timer = sub.queued(task.model, routes)
-        prompt_tokens = len(task.prompt_token_ids)
-        builder = _builder(prepared, request_id, options.created, prompt_tokens, options)
-        if call.store:  # GET answers "in_progress" until the job stores the final object
-            try:
-                await self.store.save(
-                    builder.response(), prepared.stored_messages, request_id, sub.key_id
-                )
-            except RedisError as exc:
-                logger.error("request %s: cannot store the response: %s", request_id, exc)
-        slot, subscriptions = sub.hand_over()
-        job = ResponseJob(
-            ing,
-            builder,
-            generation.stream,
-            self.store if call.store else None,
-            prepared.stored_messages,
-            sub.key_id,
-            deadline=task.deadline,
-            timer=timer,
-            slot=slot,
-            subscriptions=subscriptions,
-        )
-        return job.response()
+        return await sub.start([task], entry, record, prepared.digest, again, respond)
 
     async def retrieve(self, request: Request) -> Response:
         """GET /v1/responses/{response_id}: a stored response, as it was last written."""

@@ -22,6 +22,7 @@ from kvrelay.core import record as fields
 from kvrelay.core.enums import DONE_STATUSES
 from kvrelay.core.record import RequestRecord
 from kvrelay.pipeline.errors import RequestError, queue_unavailable
+from kvrelay.pipeline.metrics import RequestTimer
 from kvrelay.pipeline.model_registry import ModelEntry
 from kvrelay.pipeline.openai.protocol import (
     Api,
@@ -108,31 +109,18 @@ class GenerationApi:
             echo=echo_text(parsed, task.prompt_token_ids, entry) if parsed.echo else "",
             tool_calls=tool_options or None,
         )
+
+        async def respond(timer: RequestTimer) -> Response:
+            fmt = options.formatter(request_id, parsed.model, len(task.prompt_token_ids),
+                                    token_text=ing.token_text(entry),
+                                    include_usage=parsed.include_usage)  # fmt: skip
+            slot, subscriptions = sub.hand_over()
+            return OutputJob(ing, request_id, fmt, parsed.stream, deadline=task.deadline,
+                             timer=timer, slot=slot, subscriptions=subscriptions,
+                             retext=entry.tokenizer.decode).response()  # fmt: skip
+
         record = sub.record(options, parsed.user)
-        routes = await sub.enqueue([task], entry, record)
-        if routes is None:
-            return await sub.raced(digest, again)
-        timer = sub.queued(task.model, routes)
-        fmt = options.formatter(
-            request_id,
-            parsed.model,
-            len(task.prompt_token_ids),
-            token_text=ing.token_text(entry),
-            include_usage=parsed.include_usage,
-        )
-        slot, subscriptions = sub.hand_over()
-        job = OutputJob(
-            ing,
-            request_id,
-            fmt,
-            parsed.stream,
-            deadline=task.deadline,
-            timer=timer,
-            slot=slot,
-            subscriptions=subscriptions,
-            retext=entry.tokenizer.decode,
-        )
-        return job.response()
+        return await sub.start([task], entry, record, digest, again, respond)
 
     async def resume_stream(self, request: Request) -> Response:
         """GET /v1/requests/{id}/stream: SSE from Last-Event-ID (or from the start)."""

@@ -9,8 +9,8 @@ shares and maps every failure to its OpenAI error, in this one place:
     loop when big) -> `posted_before`: the id names an existing request? the same one is
     reattached (once a replica holds it, as a submission is acknowledged), another is a
     409 -> `admit`: in-flight slots (429) -> the endpoint builds its
-    tasks and record -> `enqueue`: subscribed to the output first, then queued (429 at
-    `max_waiting`); the same id raced in from another connection: reattach -> `queued` ->
+    tasks and record -> `start`: `enqueue` (subscribed to the output first, then queued; 429
+    at `max_waiting`; the same id raced in from another connection: reattach) -> `queued` ->
     the output job takes the slot and subscriptions (`hand_over`).
 
 A request error is its status and body; a Redis failure a 503 (queue_unavailable); a client
@@ -178,6 +178,23 @@ class Submission:
         check_same(rec, self.request_id, digest, self.key_id)
         await self.ing.producer.confirm_replicated(self.request_id)  # as posted_before
         return await reattach(rec)
+
+    async def start(
+        self,
+        tasks: list[PrefillTask],
+        entry: ModelEntry,
+        record: dict[str, Any],
+        digest: str,
+        reattach: Reattach,
+        respond: Callable[[RequestTimer], Awaitable[Response]],
+        choice_record: dict[str, Any] | None = None,
+    ) -> Response:
+        """Queue the tasks (`enqueue`) and answer with `respond(timer)`, which builds the
+        output job from `hand_over()`; when the same id raced in, the reattached reply."""
+        routes = await self.enqueue(tasks, entry, record, choice_record)
+        if routes is None:
+            return await self.raced(digest, reattach)
+        return await respond(self.queued(tasks[0].model, routes))
 
     def queued(self, model: str, routes: list[Route]) -> RequestTimer:
         """Count the queued request (its routes' stages, the ingress's queue counters); the

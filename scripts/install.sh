@@ -34,5 +34,7 @@ command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 # The C++ CPU kernels (paged attention, fused RoPE + KV write), compiled once with this machine's gcc
 # into $KVRELAY_CACHE_DIR (the avx2 build and this CPU's best, e.g. avx512); without them the engine
 # runs the (slower) torch path.
-"$PY" -m kvrelay.kernels.cpu_build || echo "C++ CPU kernels not built: the torch attention path will be used"
+# (a -c call, not -m: kvrelay.kernels imports cpu_build first, and runpy would warn of it)
+"$PY" -c "from kvrelay.kernels.cpu_build import main; main()" ||
+    echo "C++ CPU kernels not built: the torch attention path will be used"
 echo "kvrelay installed: $(command -v kvrelay || echo "$PY -m kvrelay.cli.main")"

@@ -7,8 +7,8 @@ import pytest
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.openai.completion_format import ResponseFormatter, sse, usage_dict
 from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
-from kvrelay.pipeline.openai.responses import ResponseFormatter, sse, usage_dict
 from kvrelay.pipeline.queue.output import Completion, trim_chunk
 
 

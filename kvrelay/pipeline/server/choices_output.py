@@ -27,8 +27,8 @@ from kvrelay.core.errors import KvrelayError
 from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import RequestTimer
+from kvrelay.pipeline.openai.completion_format import DONE, ResponseFormatter, usage_dict
 from kvrelay.pipeline.openai.protocol import Api
-from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter, usage_dict
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.output import Completion, OutputTimeout
 from kvrelay.pipeline.queue.submit import choice_id

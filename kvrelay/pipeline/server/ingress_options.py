@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 
 from kvrelay.core import record as fields
+from kvrelay.pipeline.openai.completion_format import ResponseFormatter
 from kvrelay.pipeline.openai.protocol import Api, GenerationRequest
-from kvrelay.pipeline.openai.responses import ResponseFormatter
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
 
 

@@ -21,8 +21,8 @@ from starlette.types import Send
 from kvrelay.core.enums import FinishReason
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.metrics import RequestTimer
+from kvrelay.pipeline.openai.completion_format import DONE, ResponseFormatter
 from kvrelay.pipeline.openai.protocol import Api
-from kvrelay.pipeline.openai.responses import DONE, ResponseFormatter
 from kvrelay.pipeline.queue.backpressure import Slot
 from kvrelay.pipeline.queue.output import (
     DEADLINE_PASSED,

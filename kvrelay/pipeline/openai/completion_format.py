@@ -1,4 +1,5 @@
-"""OpenAI response bodies and SSE events built from TokenChunks (chat and text completions)."""
+"""The chat and text completion bodies and SSE events (`ResponseFormatter`), built from
+TokenChunks; the Responses API has its own (`response_builder.py`)."""
 
 from __future__ import annotations
 

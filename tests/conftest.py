@@ -289,3 +289,52 @@ class FakeClock:
 def fake_clock(monkeypatch) -> FakeClock:
     """A FakeClock; `fake_clock.install(module)` makes it that module's clock for one test."""
     return FakeClock(monkeypatch)
+
+
+# ---- the ingress and client tests' fixtures (their helpers: tests/pipeline/ingress_support.py)
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer():
+    """The real SmolLM2 tokenizer from the converted model directory (converted once if needed)."""
+    from kvrelay.core import modelref
+    from kvrelay.core.modelref import DEFAULT_MODEL
+    from kvrelay.core.tokenizer import Tokenizer
+
+    ref = modelref.resolve_model(DEFAULT_MODEL)
+    if not modelref.is_prepared(ref):
+        from kvrelay.workers.model.loader import prepare_model
+
+        prepare_model(DEFAULT_MODEL, progress=False)
+    return Tokenizer.from_dir(modelref.converted_dir(ref))
+
+
+@pytest.fixture
+async def harness(valkey_session, smollm_tokenizer):
+    """(app factory, worker role): apps share the tokenizer; each test has its own prefix."""
+    from kvrelay.pipeline.server.app import create_app
+    from tests.pipeline.ingress_support import MODEL, WorkerRole, make_config
+
+    made = []
+
+    def factory(**overrides):
+        config = make_config(valkey_session.url, **overrides)
+        app = create_app(config, tokenizers={MODEL: smollm_tokenizer})
+        made.append(app)
+        return app
+
+    roles: list[WorkerRole] = []
+
+    async def worker(app) -> WorkerRole:
+        role = await WorkerRole(valkey_session.url, app.state.ingress.keys).setup()
+        roles.append(role)
+        return role
+
+    yield factory, worker
+    for app in made:
+        await app.state.ingress.aclose()
+    for role in roles:
+        await role.aclose()

@@ -1,7 +1,6 @@
 """Three pipeline shards on a 3-node loopback Valkey Cluster (real nodes, real ingress and
 decode worker, SmolLM2): each shard's keys on their own node, and a request set answered
 exactly as one shard on one plain Valkey answers it, GET and resume from a second ingress."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -10,15 +9,7 @@ import pytest
 from kvrelay.core.keys import Keys
 from kvrelay.pipeline.server.app import create_app
 from tests.conftest import ValkeyCluster
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    http,
-    make_config,
-    parse_sse,
-    running_worker,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http, make_config, parse_sse, running_worker
 from tests.queue_state import ids_on_every_shard
 
 pytestmark = pytest.mark.anyio

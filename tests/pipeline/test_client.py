@@ -1,5 +1,4 @@
 """The producer client (async and sync) against a real Valkey, next to the ingress."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -14,15 +13,7 @@ from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.client.producer import AsyncClient, Client
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.queue.progress import Progress, new_progress
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    WorkerRole,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-    unique_prefix,
-)
+from tests.pipeline.ingress_support import MODEL, WorkerRole, http, unique_prefix
 
 HI = [{"role": "user", "content": "Hi"}]
 

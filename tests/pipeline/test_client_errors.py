@@ -1,5 +1,4 @@
 """The producer client refuses bad input exactly as the HTTP API does, and queues nothing."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -12,15 +11,7 @@ from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.client.producer import AsyncClient, Client
 from kvrelay.pipeline.errors import RequestError
 from tests.conftest import free_port
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    WorkerRole,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-    unique_prefix,
-)
+from tests.pipeline.ingress_support import MODEL, WorkerRole, http, unique_prefix
 
 pytestmark = pytest.mark.anyio
 

@@ -1,7 +1,6 @@
 """The producer client's connections die mid-request (the server drops them: CLIENT KILL, as a
 proxy or a failover does): it reconnects by itself and goes on from the token it had reached,
 none twice and none skipped. It talks to Redis only (no ingress), so these are its connections."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -14,13 +13,7 @@ from kvrelay.core.keys import Keys
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.client.producer import AsyncClient
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    WorkerRole,
-    anyio_backend,
-    smollm_tokenizer,
-    unique_prefix,
-)
+from tests.pipeline.ingress_support import MODEL, WorkerRole, unique_prefix
 
 NAME = "kvrelay-client-under-test"  # CLIENT SETNAME of every connection the client opens
 

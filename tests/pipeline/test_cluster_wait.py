@@ -8,7 +8,6 @@ writes) it is a 503 not_replicated, and so is a reattaching retry (`confirm_repl
 the replica is back: then the retry is acknowledged and the request is queued once. A cluster
 without replicas does not wait. A Sentinel-replicated Valkey's reattaching retry waits too.
 """
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -42,12 +41,7 @@ from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.queue.choices_state import choice_id
 from kvrelay.pipeline.queue.redis_options import async_redis, cluster_has_replicas
 from kvrelay.pipeline.queue.submit import Producer
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    smollm_tokenizer,
-    unique_prefix,
-)
+from tests.pipeline.ingress_support import MODEL, unique_prefix
 from tests.sentinel_group import SentinelGroup
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]

@@ -1,6 +1,5 @@
 """Every interface reports a request ended by the system the same way: the SSE error event,
 a non-streaming reply, GET /v1/requests/{id} and the producer client (never "finished")."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -11,14 +10,7 @@ import pytest
 
 from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.client.producer import AsyncClient
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    parse_sse,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http, parse_sse
 
 pytestmark = pytest.mark.anyio
 

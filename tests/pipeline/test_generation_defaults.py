@@ -4,7 +4,6 @@ The same request gets the same parameters over HTTP (chat and completions) and t
 producer client; /v1/models shows the defaults (the commands' flag: tests/cli/
 test_generation_override.py).
 """
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -17,16 +16,7 @@ from kvrelay.core.keys import Keys
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.client.producer import AsyncClient
 from kvrelay.pipeline.errors import RequestError
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    MODEL_INFO,
-    WorkerRole,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-    unique_prefix,
-)
+from tests.pipeline.ingress_support import MODEL, MODEL_INFO, WorkerRole, http, unique_prefix
 
 HI = [{"role": "user", "content": "Hi"}]
 OVERRIDE = {"temperature": 0.5, "top_k": 40, "max_new_tokens": 32}

@@ -1,5 +1,4 @@
 """The ingress over ASGI with a real Valkey and tokenizer; a WorkerRole answers over the streams."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -10,15 +9,7 @@ import pytest
 
 from kvrelay.core.messages import DecodeTask, PrefillTask
 from kvrelay.core.sampling import SamplingParams
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    TEST_TIMEOUT_S,
-    anyio_backend,
-    harness,
-    http,
-    parse_sse,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, TEST_TIMEOUT_S, http, parse_sse
 
 pytestmark = pytest.mark.anyio
 

@@ -1,5 +1,4 @@
 """API keys: enforcement, configuration, and requests visible only to the key that made them."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -7,13 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http
 
 pytestmark = pytest.mark.anyio
 

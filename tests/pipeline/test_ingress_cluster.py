@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 
 from kvrelay.core.keys import DECODE_GROUP, Keys
 from kvrelay.pipeline.queue.cluster import ClusterState, StreamLoad
-from tests.pipeline.test_ingress_support import anyio_backend, unique_prefix  # noqa: F401
+from tests.pipeline.ingress_support import unique_prefix
 
 pytestmark = pytest.mark.anyio
 

@@ -6,7 +6,6 @@ At the deadline the ingress answers and sets the cancel flag. A worker whose eng
 still running then reads the flag before its own deadline check: it must still record a timeout.
 The engine's step is held until the flag has reached the worker, so that order is certain.
 """
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -18,15 +17,7 @@ import time
 import pytest
 
 from kvrelay.pipeline.server.app import create_app
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    http,
-    make_config,
-    parse_sse,
-    smollm_tokenizer,
-    unique_prefix,
-)
+from tests.pipeline.ingress_support import MODEL, http, make_config, parse_sse, unique_prefix
 
 pytestmark = pytest.mark.anyio
 

@@ -1,5 +1,4 @@
 """echo and logit_bias over the ingress (real Valkey and tokenizer; a WorkerRole answers)."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -9,14 +8,7 @@ import json
 import pytest
 
 from kvrelay.core.sampling import SamplingParams
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    parse_sse,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http, parse_sse
 
 pytestmark = pytest.mark.anyio
 

@@ -1,18 +1,10 @@
 """Requests the ingress refuses: OpenAI error shape, status codes, nothing queued."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
 import pytest
 
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    make_config,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http, make_config
 
 pytestmark = pytest.mark.anyio
 

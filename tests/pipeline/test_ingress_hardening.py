@@ -1,6 +1,5 @@
 """Ingress hardening (issue #10) without workers: exact admission under a burst, huge prompts
 off the event loop, unknown fields refused, deadlines met, the disconnect grace default."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -14,15 +13,8 @@ from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
 from kvrelay.pipeline.queue import submit as submit_module
 from kvrelay.pipeline.queue import subscription as subscription_module
 from kvrelay.pipeline.server.config import IngressConfig
+from tests.pipeline.ingress_support import MODEL, http, parse_sse
 from tests.pipeline.queue_sim import cancel_flags
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    parse_sse,
-    smollm_tokenizer,
-)
 
 pytestmark = pytest.mark.anyio
 

@@ -1,7 +1,6 @@
 """Ingress hardening (issue #10) with a real decode worker (SmolLM2 on CPU, real Valkey):
 /health per stage when the only worker drains, and resuming a cut stream within the
 disconnect grace (cancelled after it when the client never comes back)."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -19,14 +18,12 @@ from kvrelay.core.messages import decode_chunks
 from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.server.app import create_app
 from tests.conftest import free_port
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
+from tests.pipeline.ingress_support import (
     MODEL,
-    anyio_backend,
     http,
     make_config,
     parse_sse,
     running_worker,
-    smollm_tokenizer,
     unique_prefix,
 )
 

@@ -1,5 +1,4 @@
 """Request state, cancel, resumed streams (Last-Event-ID) and idempotent request ids."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -10,14 +9,7 @@ import pytest
 
 from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.queue.progress import Progress
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    parse_sse,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http, parse_sse
 
 pytestmark = pytest.mark.anyio
 

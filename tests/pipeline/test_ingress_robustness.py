@@ -1,6 +1,5 @@
 """Ingress robustness: request ids in paths and headers, admission bursts, id conflicts,
 X-Request-Id on every response, model retrieval, reattach delivery options, a hung Redis."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -14,15 +13,7 @@ import time
 
 import pytest
 
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    make_config,
-    parse_sse,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http, make_config, parse_sse
 
 pytestmark = pytest.mark.anyio
 

@@ -1,5 +1,4 @@
 """Conditional disaggregation: which stream a request goes to, from the real page directory."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -9,14 +8,7 @@ import pytest
 
 from kvrelay.core.messages import DecodeTask, PrefillTask
 from kvrelay.core.page_keys import page_keys
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    MODEL_INFO,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, MODEL_INFO, http
 
 pytestmark = pytest.mark.anyio
 

@@ -1,5 +1,4 @@
 """The ingress behind a real uvicorn server: the official openai client, and client disconnects."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -17,14 +16,8 @@ import uvicorn
 
 from kvrelay.pipeline.server.app import create_app
 from tests.conftest import free_port
+from tests.pipeline.ingress_support import MODEL, WorkerRole, make_config
 from tests.pipeline.queue_sim import cancel_flags
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    WorkerRole,
-    anyio_backend,
-    make_config,
-    smollm_tokenizer,
-)
 
 pytestmark = pytest.mark.anyio
 

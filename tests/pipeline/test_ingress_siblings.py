@@ -3,7 +3,6 @@ is resumed at the other, which holds nothing of it in memory: the Responses API 
 Last-Event-ID (numbered as the first reply, the answer stored), a chat stream after
 Last-Event-ID and a repeated X-Request-Id submission; a client gone from one ingress and back at
 the other within the disconnect grace keeps its request (the attach count is in Redis)."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -15,17 +14,9 @@ import pytest
 
 from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.server.app import create_app
+from tests.pipeline.ingress_support import MODEL, http, make_config, parse_sse
 from tests.pipeline.queue_sim import cancel_flags
 from tests.pipeline.test_ingress_server import serving
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    make_config,
-    parse_sse,
-    smollm_tokenizer,
-)
 
 pytestmark = pytest.mark.anyio
 

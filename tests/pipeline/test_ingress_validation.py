@@ -1,6 +1,5 @@
 """Field validation (parsers and over HTTP): huge integers, lone surrogates, content parts,
 names, tool messages."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -13,13 +12,7 @@ from kvrelay.core.messages import MessageError, PrefillTask
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http
 
 pytestmark = pytest.mark.anyio
 

@@ -1,7 +1,6 @@
 """Several models on one stack: each model's requests go to its own pipeline's streams (real
 Valkey), a model whose workers are all gone answers 503 while others serve, and one model
 keeps the keys of before."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -14,15 +13,7 @@ from kvrelay.core.keys import Keys, check_pipeline, pipeline_name
 from kvrelay.pipeline.model_registry import model_pipelines
 from kvrelay.pipeline.server.app import create_app
 from kvrelay.pipeline.server.config import IngressConfig
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    MODEL_INFO,
-    WorkerRole,
-    anyio_backend,
-    http,
-    make_config,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, MODEL_INFO, WorkerRole, http, make_config
 
 OTHER = "tiny-llama"
 

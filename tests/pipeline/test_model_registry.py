@@ -3,7 +3,6 @@
 Each test points KVRELAY_CACHE_DIR at an empty directory, as on another host: the model is
 not prepared there, so the only way to serve a request is the copy in Valkey.
 """
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -21,14 +20,12 @@ from kvrelay.pipeline.client.producer import AsyncClient, Client
 from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.server.app import create_app
 from kvrelay.workers.publication import ModelPublication
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
+from tests.pipeline.ingress_support import (
     MODEL,
     MODEL_INFO,
     WorkerRole,
-    anyio_backend,
     http,
     make_config,
-    smollm_tokenizer,
     unique_prefix,
 )
 

@@ -1,7 +1,6 @@
 """Several choices per request (n, best_of, a list of prompts) with a fake worker: the child
 tasks the ingress queues, the exact bodies and streamed chunk order, the parent record, cancel,
 limits and backpressure."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -15,16 +14,8 @@ from kvrelay.core.messages import TokenChunk
 from kvrelay.core.sampling import SamplingParams, choice_seed, derive_seed
 from kvrelay.pipeline.client.producer import AsyncClient
 from kvrelay.pipeline.openai.tool_calls import call_id
+from tests.pipeline.ingress_support import MODEL, Taken, http, parse_sse
 from tests.pipeline.queue_sim import cancel_flags, clear_cancel
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    Taken,
-    anyio_backend,
-    harness,
-    http,
-    parse_sse,
-    smollm_tokenizer,
-)
 
 pytestmark = pytest.mark.anyio
 

@@ -1,7 +1,6 @@
 """Several choices per request through a real decode worker (SmolLM2, real Valkey): choice 0 is
 the n=1 answer, choice k the answer of one request with choice k's seed, greedy choices agree,
 and a choice's task resumed by another worker (after a restart) continues exactly."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -17,14 +16,12 @@ from kvrelay.core.messages import DecodeTask, TokenChunk, decode_chunks, frame
 from kvrelay.core.sampling import SamplingParams, choice_seed, derive_seed
 from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.server.app import create_app
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
+from tests.pipeline.ingress_support import (
     MODEL,
     WorkerRole,
-    anyio_backend,
     http,
     make_config,
     running_worker,
-    smollm_tokenizer,
     unique_prefix,
 )
 

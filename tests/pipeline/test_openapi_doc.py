@@ -1,5 +1,4 @@
 """GET /openapi.json and the request models: the document, its auth rule, the field sets."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -12,13 +11,7 @@ from starlette.routing import Route
 from kvrelay.pipeline.errors import RequestError, error_body
 from kvrelay.pipeline.openai.models import ChatCompletionRequest, CompletionRequest, field_names
 from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import http
 
 PATHS = {
     "/v1/chat/completions": ["post"],

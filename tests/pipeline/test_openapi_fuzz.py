@@ -5,7 +5,6 @@ No worker reads the streams, so an accepted request waits for its (short) deadli
 agree with the server: a body they accept is not refused with 400 (apart from limits a schema
 cannot know: vocabulary, context, --max-tokens-limit), and a body the server accepts validates.
 """
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -17,14 +16,8 @@ from pydantic import ValidationError
 
 from kvrelay.core.sampling import MIN_TOKENS_RULE
 from kvrelay.pipeline.openai.models import ChatCompletionRequest, CompletionRequest
+from tests.pipeline.ingress_support import MODEL, http
 from tests.pipeline.openapi_bodies import Generator
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-)
 
 pytestmark = pytest.mark.anyio
 

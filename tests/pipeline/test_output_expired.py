@@ -3,7 +3,6 @@
 The expired state is made directly in Redis (a req:{id} record that says the request ended, no
 out:{id}) rather than waiting for the workers' 10-minute out_ttl.
 """
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -15,15 +14,7 @@ import pytest
 
 from kvrelay.core.messages import TokenChunk, frame
 from kvrelay.pipeline.client.producer import AsyncClient, OutputExpired, OutputTimeout
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    parse_sse,
-    smollm_tokenizer,
-    unique_prefix,
-)
+from tests.pipeline.ingress_support import MODEL, http, parse_sse, unique_prefix
 
 pytestmark = pytest.mark.anyio
 

@@ -1,7 +1,6 @@
 """prompt_logprobs (both endpoints) and echo with logprobs (completions) through the ingress and
 real workers: a prefill worker handing chunk 0 to a decode worker (disaggregated), or a decode
 worker prefilling locally (colocated). The values are the engine's own, bitwise."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -17,15 +16,7 @@ from kvrelay.pipeline.client.validate import parse_request, sampling_fields
 from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
 from kvrelay.pipeline.server.app import create_app
 from kvrelay.pipeline.server.attach import request_digest
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    http,
-    make_config,
-    running_worker,
-    smollm_tokenizer,
-    unique_prefix,
-)
+from tests.pipeline.ingress_support import MODEL, http, make_config, running_worker, unique_prefix
 
 PREFIX = unique_prefix()
 KEYS = Keys(PREFIX)

@@ -1,7 +1,6 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}: the Responses API over the chat
 path, with a real Valkey and tokenizer; a WorkerRole answers over the streams (exact bodies),
 and the official openai client reads them through uvicorn."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -15,15 +14,9 @@ from openai.types.responses import Response
 from kvrelay.core.messages import TokenChunk
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.pipeline.openai.responses_api import ResponsesRequest
+from tests.pipeline.ingress_support import MODEL, http
 from tests.pipeline.openapi_bodies import Generator
 from tests.pipeline.test_ingress_server import serving
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-)
 from tests.pipeline.test_openapi_fuzz import (
     _accepted,
     _check_error_shape,

@@ -2,7 +2,6 @@
 WorkerRole dictates the text, so bodies and events are exact (auto through the hermes parser, a
 named function, json_object), and follow-up turns render the prompt chat renders for the same
 calls and results."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -17,13 +16,7 @@ from kvrelay.core.structured import JSON, JSON_OBJECT, StructuredOutput
 from kvrelay.core.tool_prompt import hermes_messages
 from kvrelay.pipeline.openai.tool_calls import call_id
 from kvrelay.pipeline.tokens import render_messages
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http
 from tests.pipeline.test_responses_api import USAGE, _events, _expected
 from tests.pipeline.test_tool_calling import ANSWER, TIME, WEATHER, pieces
 

@@ -2,7 +2,6 @@
 equal the chat endpoint's for the same conversation, through `previous_response_id` too;
 `text.format` json_schema through the official client's `responses.parse`, and a named function
 call whose arguments are valid for its parameters."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -16,14 +15,7 @@ from pydantic import BaseModel
 
 from kvrelay.pipeline.openai.tool_calls import call_id
 from kvrelay.pipeline.server.app import create_app
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    make_config,
-    running_worker,
-    smollm_tokenizer,
-    unique_prefix,
-)
+from tests.pipeline.ingress_support import MODEL, make_config, running_worker, unique_prefix
 from tests.pipeline.test_tool_calling import WEATHER
 
 pytestmark = pytest.mark.anyio

@@ -2,7 +2,6 @@
 (SmolLM2): requests on every shard answer exactly what one shard answers, any ingress finds a
 request's state and resumes its stream from its id alone, and a process with another shard
 count is refused."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -17,15 +16,7 @@ from kvrelay.pipeline.queue.shard_count import (
     check_shard_count_sync,
 )
 from kvrelay.pipeline.server.app import create_app
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    http,
-    make_config,
-    parse_sse,
-    running_worker,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http, make_config, parse_sse, running_worker
 from tests.queue_state import ids_on_every_shard
 
 pytestmark = pytest.mark.anyio

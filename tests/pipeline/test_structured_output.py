@@ -2,7 +2,6 @@
 `structured_outputs` on both endpoints become one `StructuredOutput` in the sampling params,
 checked (compiled) at the ingress so a bad schema, regex or grammar is a 400 naming the field
 and nothing is queued; through a real decode worker the answers fit their constraint."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -22,15 +21,7 @@ from kvrelay.pipeline.errors import RequestError
 from kvrelay.pipeline.openai.protocol import parse_chat, parse_completion
 from kvrelay.pipeline.server.app import create_app
 from kvrelay.pipeline.server.attach import request_digest
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    http,
-    make_config,
-    running_worker,
-    smollm_tokenizer,
-    unique_prefix,
-)
+from tests.pipeline.ingress_support import MODEL, http, make_config, running_worker, unique_prefix
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 PERSON = {

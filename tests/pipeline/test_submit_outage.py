@@ -1,7 +1,6 @@
 """Submitting across a Valkey restart: a new request waits for Valkey (up to `submit_wait_s` and
 its deadline) instead of a 503, over HTTP and from the producer client, and is queued once even
 when the reply to a script that ran is lost."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -20,15 +19,7 @@ from kvrelay.pipeline.openai.protocol import parse_completion
 from kvrelay.pipeline.queue import outage as outage_module
 from kvrelay.pipeline.queue import submit as submit_module
 from kvrelay.pipeline.server.app import create_app
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    WorkerRole,
-    anyio_backend,
-    http,
-    make_config,
-    smollm_tokenizer,
-    unique_prefix,
-)
+from tests.pipeline.ingress_support import MODEL, WorkerRole, http, make_config, unique_prefix
 
 pytestmark = pytest.mark.anyio
 

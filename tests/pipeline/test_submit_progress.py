@@ -2,8 +2,6 @@
 record's time to live where the server expires hash fields), keep their guarantees, and the
 ingress names its own feed; lua/cancel.lua flags running requests only."""
 
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
-
 from __future__ import annotations
 
 import asyncio
@@ -15,13 +13,7 @@ from kvrelay.core.messages import TokenChunk
 from kvrelay.pipeline.queue import choices_state, scripts
 from kvrelay.pipeline.queue.field_ttl import field_ttl, field_ttl_sync
 from kvrelay.pipeline.queue.progress import Progress, new_progress
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http
 from tests.queue_state import ValkeyClock, expires_at
 
 KEYS = Keys("sp:")

@@ -1,17 +1,10 @@
 """POST /tokenize and /detokenize on the ingress (real Valkey and SmolLM2 tokenizer)."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
 import pytest
 
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
-    MODEL,
-    anyio_backend,
-    harness,
-    http,
-    smollm_tokenizer,
-)
+from tests.pipeline.ingress_support import MODEL, http
 
 pytestmark = pytest.mark.anyio
 

@@ -2,7 +2,6 @@
 calls make, `auto` through the hermes parser (a worker role dictates the text: exact bodies and
 deltas, also after a reattach), and named / required choices enforced by structured output
 through a real decode worker, with the official `openai` client."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -22,15 +21,12 @@ from kvrelay.pipeline.openai.tool_calls import call_id
 from kvrelay.pipeline.server.app import create_app
 from kvrelay.pipeline.server.attach import request_digest
 from kvrelay.pipeline.tokens import render_messages
-from tests.pipeline.test_ingress_support import (  # noqa: F401  (fixtures)
+from tests.pipeline.ingress_support import (
     MODEL,
-    anyio_backend,
-    harness,
     http,
     make_config,
     parse_sse,
     running_worker,
-    smollm_tokenizer,
     unique_prefix,
 )
 

@@ -1,7 +1,6 @@
 """The tool-call finders on exact texts: hermes blocks (auto), the JSON array of `required`,
 a named choice's arguments. Fed whole or split at every point, the same message comes out;
 the streamed deltas join into it. The parser `auto` picks from a model's chat template."""
-# ruff: noqa: F811  (pytest fixtures imported from test_ingress_support)
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import pytest
 from kvrelay.pipeline.openai.tool_calls import call_id
 from kvrelay.pipeline.openai.tool_parsers import detect_tool_parser, tool_call_stream
 from kvrelay.pipeline.openai.tools import ToolCalling
-from tests.pipeline.test_ingress_support import smollm_tokenizer  # noqa: F401  (fixture)
 
 RID = "chatcmpl-t1"
 AUTO = ToolCalling("auto")

@@ -1,4 +1,5 @@
-"""Shared pieces for the ingress and client tests (no tests here).
+"""Shared pieces for the ingress and client tests (no tests here; their fixtures, `harness`,
+`smollm_tokenizer` and `anyio_backend`, are in tests/conftest.py).
 
 `WorkerRole` plays a worker over the real protocol: XREADGROUP the task from its stream, XADD
 TokenChunks to out:{id}, XACK. Fixtures give a real Valkey, the real SmolLM2 tokenizer and an
@@ -16,38 +17,17 @@ import uuid
 from dataclasses import dataclass
 
 import httpx
-import pytest
 import redis.asyncio as aioredis
 
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import DecodeTask, PrefillTask, TokenChunk
 from kvrelay.core.modelref import DEFAULT_MODEL
-from kvrelay.pipeline.server.app import create_app
 from kvrelay.pipeline.server.config import IngressConfig
 from tests.pipeline.queue_sim import emit_async
 
 MODEL = DEFAULT_MODEL
 TEST_TIMEOUT_S = 30.0  # a request whose worker never answers fails the test, not hangs it
 MODEL_INFO = {"fingerprint": "f" * 32, "page_size": 16, "max_model_len": 8192, "vocab_size": 49152}
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="session")
-def smollm_tokenizer():
-    """The real SmolLM2 tokenizer from the converted model directory (converted once if needed)."""
-    from kvrelay.core import modelref
-    from kvrelay.core.tokenizer import Tokenizer
-
-    ref = modelref.resolve_model(MODEL)
-    if not modelref.is_prepared(ref):
-        from kvrelay.workers.model.loader import prepare_model
-
-        prepare_model(MODEL, progress=False)
-    return Tokenizer.from_dir(modelref.converted_dir(ref))
 
 
 def unique_prefix() -> str:
@@ -211,31 +191,6 @@ class WorkerRole:
 
     async def aclose(self) -> None:
         await self.r.aclose()
-
-
-@pytest.fixture
-async def harness(valkey_session, smollm_tokenizer):
-    """(app factory, worker role): apps share the tokenizer; each test has its own prefix."""
-    made = []
-
-    def factory(**overrides):
-        config = make_config(valkey_session.url, **overrides)
-        app = create_app(config, tokenizers={MODEL: smollm_tokenizer})
-        made.append(app)
-        return app
-
-    roles: list[WorkerRole] = []
-
-    async def worker(app) -> WorkerRole:
-        role = await WorkerRole(valkey_session.url, app.state.ingress.keys).setup()
-        roles.append(role)
-        return role
-
-    yield factory, worker
-    for app in made:
-        await app.state.ingress.aclose()
-    for role in roles:
-        await role.aclose()
 
 
 def http(app) -> httpx.AsyncClient:

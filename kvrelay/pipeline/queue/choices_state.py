@@ -4,7 +4,8 @@ Its parent record req:{id} holds the request (model, prompt tokens, options, how
 but not how far it has got: workers only ever write the choices' records req:{id}.{k}. Every
 reader (GET /v1/requests/{id}, the producer client's status(), `kvrelay requests show`) and
 every canceller combines and flags them the one way defined here; the combining is pure, the
-async (ingress, client) and sync (admin CLI) readers around it only fetch.
+reads are command programs (`commands.py`) run by the async (ingress, client) and the sync
+(admin CLI) clients.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvrelay.core.enums import OPEN_STATUSES, FinishReason, RequestStatus
 from kvrelay.core.keys import Keys
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.pipeline.queue import scripts
+from kvrelay.pipeline.queue.commands import Program, batch, call, run_async, run_sync
 from kvrelay.pipeline.queue.field_ttl import field_ttl, field_ttl_sync
 from kvrelay.pipeline.queue.progress import Progress
 
@@ -119,33 +121,25 @@ def _decode(raw: list[Any], progress: list[Any]) -> list[RequestRecord]:
     ]
 
 
-def _choice_reads(pipe: Any, keys: Keys, request_id: str, count: int) -> None:
+def _read_choices(keys: Keys, request_id: str, count: int) -> Program[list[RequestRecord]]:
+    """The records of the request's `count` choices, live (an expired one is empty)."""
+    if count == 0:
+        return []
     ids = [choice_id(request_id, k) for k in range(count)]
-    keys = keys.of(request_id)  # a request's choices live on its shard
-    for one in ids:
-        pipe.hgetall(keys.request(one))
-    pipe.eval(LIVE_LUA, 1, keys.progress, *ids)
+    shard = keys.of(request_id)  # a request's choices live on its shard
+    reads = [call("hgetall", shard.request(one)) for one in ids]
+    *raw, progress = yield batch([*reads, call("eval", LIVE_LUA, 1, shard.progress, *ids)])
+    return _decode(raw, progress)
 
 
 async def read_choices(redis: Any, keys: Keys, request_id: str, count: int) -> list[RequestRecord]:
-    """The records of the request's `count` choices, live (asyncio redis; an expired one is
-    empty)."""
-    if count == 0:
-        return []
-    async with redis.pipeline(transaction=False) as pipe:
-        _choice_reads(pipe, keys, request_id, count)
-        *raw, progress = await pipe.execute()
-    return _decode(raw, progress)
+    """_read_choices on an asyncio client (the ingress, the producer client)."""
+    return await run_async(_read_choices(keys, request_id, count), redis)
 
 
 def read_choices_sync(r: Any, keys: Keys, request_id: str, count: int) -> list[RequestRecord]:
-    """read_choices() for sync redis-py (the admin CLI)."""
-    if count == 0:
-        return []
-    with r.pipeline(transaction=False) as pipe:
-        _choice_reads(pipe, keys, request_id, count)
-        *raw, progress = pipe.execute()
-    return _decode(raw, progress)
+    """_read_choices on a sync client (the admin CLI)."""
+    return run_sync(_read_choices(keys, request_id, count), r)
 
 
 async def request_view(redis: Any, keys: Keys, request_id: str) -> dict[str, Any] | None:
@@ -189,16 +183,21 @@ def _flagged(values: list[Any]) -> bool:
     return any((p := Progress.parse(v)) is not None and p.cancelled for v in values)
 
 
-async def cancel_requested(redis: Any, keys: Keys, request_id: str, count: int = 0) -> bool:
+def _cancel_requested(keys: Keys, request_id: str, count: int) -> Program[bool]:
     """Whether the progress of the request (or of one of its `count` choices) carries the
     cancel flag; False once none has progress (ended)."""
     progress = keys.of(request_id).progress
-    return _flagged(await redis.hmget(progress, cancel_ids(request_id, count)))
+    return _flagged((yield call("hmget", progress, cancel_ids(request_id, count))))
+
+
+async def cancel_requested(redis: Any, keys: Keys, request_id: str, count: int = 0) -> bool:
+    """_cancel_requested on an asyncio client."""
+    return await run_async(_cancel_requested(keys, request_id, count), redis)
 
 
 def cancel_requested_sync(r: Any, keys: Keys, request_id: str, count: int = 0) -> bool:
-    """cancel_requested() for sync redis-py (the admin CLI)."""
-    return _flagged(r.hmget(keys.of(request_id).progress, cancel_ids(request_id, count)))
+    """_cancel_requested on a sync client (the admin CLI)."""
+    return run_sync(_cancel_requested(keys, request_id, count), r)
 
 
 # how a request that a cancel reached ends: cancelled (a DELETE, a client gone), or failed with

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrelay.pipeline.queue import scripts
+from kvrelay.pipeline.queue.commands import Program, call, run_async, run_sync
 
 _FLAGS: dict[tuple[Any, ...], str] = {}  # server -> "1" | "0"
 
@@ -24,22 +25,24 @@ def _server(client: Any) -> tuple[Any, ...]:
     return (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"), kwargs.get("db"))
 
 
-async def field_ttl(redis: Any) -> str:
-    """The scripts' `ttl_fields` argument for this server, "1" or "0" (asyncio redis)."""
-    server = _server(redis)
+def _probe(client: Any) -> Program[str]:
+    """The scripts' `ttl_fields` argument for this client's server, "1" or "0" (asked once)."""
+    server = _server(client)
     flag = _FLAGS.get(server)
     if flag is None:
-        flag = _FLAGS[server] = field_ttl_flag(await redis.eval(scripts.source("field_ttl"), 0))
+        reply = yield call("eval", scripts.source("field_ttl"), 0)
+        flag = _FLAGS[server] = field_ttl_flag(reply)
     return flag
+
+
+async def field_ttl(redis: Any) -> str:
+    """_probe on an asyncio client."""
+    return await run_async(_probe(redis), redis)
 
 
 def field_ttl_sync(r: Any) -> str:
-    """field_ttl() for sync redis-py (the admin CLI)."""
-    server = _server(r)
-    flag = _FLAGS.get(server)
-    if flag is None:
-        flag = _FLAGS[server] = field_ttl_flag(r.eval(scripts.source("field_ttl"), 0))
-    return flag
+    """_probe on a sync client (the workers, the admin CLI)."""
+    return run_sync(_probe(r), r)
 
 
 def set_progress_args(key: str, request_id: str, value: bytes, ttl_s: int, flag: str) -> list:

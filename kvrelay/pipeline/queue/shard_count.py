@@ -7,6 +7,7 @@ from typing import Any
 
 from kvrelay.core.config import ConfigError
 from kvrelay.core.keys import Keys
+from kvrelay.pipeline.queue.commands import Program, call, run_async, run_sync
 
 
 class ShardCountError(ConfigError):
@@ -24,16 +25,20 @@ def _checked(keys: Keys, stored: Any) -> int:
     return found
 
 
+def _check(keys: Keys) -> Program[int]:
+    """Record this process's shard count when none is, else check it."""
+    yield call("set", keys.shard_count, keys.shards, nx=True)
+    return _checked(keys, (yield call("get", keys.shard_count)))
+
+
 def check_shard_count_sync(r: Any, keys: Keys) -> int:
-    """Record this process's shard count when none is, else check it (sync client)."""
-    r.set(keys.shard_count, keys.shards, nx=True)
-    return _checked(keys, r.get(keys.shard_count))
+    """_check on a sync client (the workers)."""
+    return run_sync(_check(keys), r)
 
 
 async def check_shard_count(redis: Any, keys: Keys) -> int:
-    """Record this process's shard count when none is, else check it (asyncio client)."""
-    await redis.set(keys.shard_count, keys.shards, nx=True)
-    return _checked(keys, await redis.get(keys.shard_count))
+    """_check on an asyncio client (the ingress, the producer client)."""
+    return await run_async(_check(keys), redis)
 
 
 def stored_shard_count(r: Any, keys: Keys) -> int | None:

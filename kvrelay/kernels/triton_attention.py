@@ -46,6 +46,13 @@ SPLIT_BELOW_PER_SM = 4
 
 
 @triton.jit
+def _fresh(ROWS: tl.constexpr, DPAD: tl.constexpr):
+    """An online softmax before its first key: (m, l_sum, acc) = (-inf, 0, 0)."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    return m, tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, DPAD], tl.float32)
+
+
+@triton.jit
 def _merge(m, l_sum, acc, m_s, l_s, acc_s):
     """The running total (m, l_sum, acc) with one split's partial merged in."""
     m_new = tl.maximum(m, m_s)
@@ -129,9 +136,7 @@ def _paged_attention_kernel(
         if SPLIT_K:
             t_lo = tl.maximum(split * SPLIT_TILES, first_tile)
             t_hi = tl.minimum((split + 1) * SPLIT_TILES, num_tiles)
-            m = tl.full([BM * GPAD], float("-inf"), tl.float32)
-            l_sum = tl.zeros([BM * GPAD], tl.float32)
-            acc = tl.zeros([BM * GPAD, DPAD], tl.float32)
+            m, l_sum, acc = _fresh(BM * GPAD, DPAD)
             cols = tl.arange(0, BN)
             for t in range(t_lo, t_hi):
                 m, l_sum, acc = _tile(
@@ -146,19 +151,13 @@ def _paged_attention_kernel(
             # one pipelined loop over the tiles (a loop per split restarts the pipeline every
             # SPLIT_TILES tiles); the split's partial (m, l_sum, acc) is merged into the total
             # (m_t, l_t, acc_t) where the next split begins and after the last tile
-            m_t = tl.full([BM * GPAD], float("-inf"), tl.float32)
-            l_t = tl.zeros([BM * GPAD], tl.float32)
-            acc_t = tl.zeros([BM * GPAD, DPAD], tl.float32)
-            m = tl.full([BM * GPAD], float("-inf"), tl.float32)
-            l_sum = tl.zeros([BM * GPAD], tl.float32)
-            acc = tl.zeros([BM * GPAD, DPAD], tl.float32)
+            m_t, l_t, acc_t = _fresh(BM * GPAD, DPAD)
+            m, l_sum, acc = _fresh(BM * GPAD, DPAD)
             cols = tl.arange(0, BN)
             for t in range(first_tile, num_tiles):
                 if (t % SPLIT_TILES == 0) and (t > first_tile):
                     m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m, l_sum, acc)
-                    m = tl.full([BM * GPAD], float("-inf"), tl.float32)
-                    l_sum = tl.zeros([BM * GPAD], tl.float32)
-                    acc = tl.zeros([BM * GPAD, DPAD], tl.float32)
+                    m, l_sum, acc = _fresh(BM * GPAD, DPAD)
                 m, l_sum, acc = _tile(
                     m, l_sum, acc, t, cols, q, pool_ptr, tables_ptr, seq, kvh, layer, window,
                     pos, d, d_ok, ctx, sp_b, sp_l, sp_kv, sp_p, sp_h, st_s, PAGE, BN, PRECISION,
@@ -191,9 +190,7 @@ def _merge_splits_kernel(
     d = tl.arange(0, DPAD)
     head = kvh * GROUP + g
     first = ((q_start + tok).to(tl.int64) * num_heads + head) * num_splits
-    m = tl.full([BM * GPAD], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BM * GPAD], tl.float32)
-    acc = tl.zeros([BM * GPAD, DPAD], tl.float32)
+    m, l_sum, acc = _fresh(BM * GPAD, DPAD)
     for sp in range(0, tl.minimum(tl.cdiv(ctx, SPLIT_KEYS), num_splits)):
         cell = first + sp
         m_s = tl.load(ml_ptr + cell * 2, mask=row_ok, other=float("-inf"))

@@ -91,11 +91,17 @@ def make_batch(chunks: list[SeqChunk], page_size: int) -> Batch:
     )
 
 
-def run_batch(model, kv_pool: torch.Tensor, chunks: list[SeqChunk], page_size: int):
-    """One forward; returns {(seq index, position): logits row}."""
-    batch = make_batch(chunks, page_size)
-    logits = model(batch.input_ids, batch.positions, kv_pool, batch.meta, batch.logits_indices)
-    return {row: logits[k] for k, row in enumerate(batch.rows)}
+def run_batch(model, kv_pool: torch.Tensor, chunks: list[SeqChunk], page_size: int,
+              device: str = "cpu"):  # fmt: skip
+    """One forward on `device` (the model's and the pool's); returns {(seq index, position):
+    logits row}."""
+    from tests.kernels.helpers import meta_on
+
+    b = make_batch(chunks, page_size)
+    meta = b.meta if device == "cpu" else meta_on(b.meta, device)
+    ids, positions, indices = (t.to(device) for t in (b.input_ids, b.positions, b.logits_indices))
+    logits = model(ids, positions, kv_pool, meta, indices)
+    return {row: logits[k] for k, row in enumerate(b.rows)}
 
 
 def quantized_engine_factory(quantization: str):

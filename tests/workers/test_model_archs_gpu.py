@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from kvrelay.workers.model.loader import load_model
-from tests.kernels.helpers import meta_on
-from tests.workers.conftest import SeqChunk, make_batch
+from tests.workers.conftest import SeqChunk, run_batch
 from tests.workers.test_model_archs import ARCHS, COMMON, _tiny_checkpoint
 
 pytestmark = [
@@ -40,10 +39,7 @@ def _load(arch, tmp_path, monkeypatch, tokenizer_dir, dtype):
 
 
 def _run(model, pool, chunks):
-    b = make_batch(chunks, PAGE)
-    meta = meta_on(b.meta, "cuda")
-    logits = model(b.input_ids.cuda(), b.positions.cuda(), pool, meta, b.logits_indices.cuda())
-    return {row: logits[k] for k, row in enumerate(b.rows)}
+    return run_batch(model, pool, chunks, PAGE, device="cuda")
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -8,8 +8,7 @@ import torch
 
 from kvrelay.workers.model.config import ModelConfig
 from kvrelay.workers.model.llama import LlamaForCausalLM
-from tests.kernels.helpers import meta_on
-from tests.workers.conftest import SeqChunk, make_batch
+from tests.workers.conftest import SeqChunk, run_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,10 +40,7 @@ def _model(dtype: torch.dtype) -> LlamaForCausalLM:
 
 
 def _run(model, pool, chunks):
-    b = make_batch(chunks, PAGE)
-    meta = meta_on(b.meta, "cuda")
-    logits = model(b.input_ids.cuda(), b.positions.cuda(), pool, meta, b.logits_indices.cuda())
-    return {row: logits[k] for k, row in enumerate(b.rows)}
+    return run_batch(model, pool, chunks, PAGE, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -32,16 +32,27 @@ def sse(obj: Any, event_id: int | None = None) -> bytes:
     return f"{head}data: {dumps(obj)}\n\n".encode()
 
 
-def usage_dict(usage: dict[str, int] | None, prompt_tokens: int, completion_tokens: int) -> dict:
-    """OpenAI usage with prompt_tokens_details.cached_tokens (chunk usage wins when present)."""
+def usage_counts(
+    usage: dict[str, int] | None, prompt_tokens: int, completion_tokens: int
+) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens: the worker's counts (a chunk's usage) win when it
+    sent them, else the given counts and no cached tokens."""
     u = usage or {}
-    prompt = int(u.get("prompt_tokens", prompt_tokens))
-    completion = int(u.get("completion_tokens", completion_tokens))
+    return (
+        int(u.get("prompt_tokens", prompt_tokens)),
+        int(u.get("completion_tokens", completion_tokens)),
+        int(u.get("cached_tokens", 0)),
+    )
+
+
+def usage_dict(usage: dict[str, int] | None, prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI usage with prompt_tokens_details.cached_tokens (usage_counts)."""
+    prompt, completion, cached = usage_counts(usage, prompt_tokens, completion_tokens)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": int(u.get("cached_tokens", 0))},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

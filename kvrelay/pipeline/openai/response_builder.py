@@ -21,13 +21,13 @@ response.function_call_arguments.delta events. A chunk's events carry its `id:` 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.core.enums import FinishReason
 from kvrelay.core.messages import TokenChunk
+from kvrelay.pipeline.openai.completion_format import dumps, usage_counts
 from kvrelay.pipeline.openai.tool_calls import ToolCallStream
 from kvrelay.pipeline.queue.output import Completion
 
@@ -57,22 +57,13 @@ def request_id_of(resp_id: str) -> str:
     return REQUEST_PREFIX + resp_id.removeprefix(RESPONSE_PREFIX)
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-
-
 def usage_object(usage: dict[str, int] | None, prompt_tokens: int, output_tokens: int) -> dict:
-    """The Responses usage (the worker's counts win when it sent them)."""
-    u = usage or {}
-    prompt = int(u.get("prompt_tokens", prompt_tokens))
-    output = int(u.get("completion_tokens", output_tokens))
+    """The Responses usage (usage_counts: the worker's counts win when it sent them)."""
+    prompt, output, cached = usage_counts(usage, prompt_tokens, output_tokens)
     return {
         "input_tokens": prompt,
         # cache_write_tokens: explicit prompt caching, which this server does not have
-        "input_tokens_details": {
-            "cached_tokens": int(u.get("cached_tokens", 0)),
-            "cache_write_tokens": 0,
-        },
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + output,
@@ -193,7 +184,7 @@ class ResponseBuilder:
         body["sequence_number"] = self.sequence
         self.sequence += 1
         head = f"id: {event_id}\n" if event_id is not None else ""
-        return f"{head}event: {body['type']}\ndata: {_dumps(body)}\n\n".encode()
+        return f"{head}event: {body['type']}\ndata: {dumps(body)}\n\n".encode()
 
     def opening(self) -> list[bytes]:
         """The events before the first token: created, in_progress, the item and its part

@@ -1,9 +1,8 @@
 """One function per Redis command sequence, whichever client runs it: a command program is a
 generator that yields `Call`s (a client method and its arguments; a `Batch` of them goes in one
-pipeline) and is sent each reply;
-`run_sync` executes it on a redis-py client (the workers, the admin CLI), `run_async` on an
-asyncio one (the ingress, the producer client). A sequence is written once instead of as a
-sync and an async twin."""
+pipeline) and is sent each reply; `run_sync` executes it on a redis-py client (the workers, the
+admin CLI), `run_async` on an asyncio one (the ingress, the producer client). A sequence is
+written once instead of as a sync and an async twin."""
 
 from __future__ import annotations
 

@@ -274,6 +274,28 @@ def store_line(store: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def store_cache_lines(store: dict[str, Any]) -> list[str]:
+    """What the store does for sessions: retained pages (bytes by tier), prefetches and their
+    hits, evictions by tier and reason (`kvrelay kv stats`)."""
+    pages, counters = store.get("pages", {}), store.get("counters", {})
+    page_mb = store.get("page_bytes", 0) / 1e6
+    kept = {tier: int(pages.get(f"retained_{tier}", 0)) for tier in ("host", "disk")}
+    held = ", ".join(f"{tier} {n} pages ({n * page_mb:.1f} MB)" for tier, n in kept.items())
+    prefetched = counters.get("prefetch_pages", {})
+    sources = ", ".join(f"{n:.0f} from {source}" for source, n in sorted(prefetched.items()))
+    hits = sum(counters.get("prefetch_hits", {}).values())
+    unused = sum(counters.get("prefetch_unused", {}).values())
+    evictions = counters.get("evictions", {})
+    by_reason = ", ".join(
+        f"{label.replace('/', ' ')} {n:.0f}" for label, n in sorted(evictions.items())
+    )
+    return [
+        f"sessions: {pages.get('sessions', 0)} retaining {held}",
+        f"prefetched pages: {sources or 'none'}; read {hits:.0f}, evicted unread {unused:.0f}",
+        f"evictions: {by_reason or 'none'}",
+    ]
+
+
 def add_drain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("worker", help="worker name as `kvrelay status` shows it")
     p.add_argument("--undo", action="store_true", help="let the worker take work again")

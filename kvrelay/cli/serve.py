@@ -66,6 +66,12 @@ _HELP = [
         "how tool_choice auto finds tool calls in the answer: auto (from the model's chat "
         "template), hermes (<tool_call> blocks) or none (tool_choice auto refused)",
     ),
+    (
+        "cache_retention_s",
+        "seconds a named session's pages (prompt_cache_key, user) are retained after a request",
+    ),
+    ("max_cache_retention_s", "longest prompt_cache_retention a request may ask for"),
+    ("prefetch_hints", "publish a queued request's page keys so the store brings them up"),
 ]
 # (flag, config field, type, help)
 SERVE_FLAGS: list[tuple[str, str, type, str]] = setting_flags(IngressConfig, SECTION, _HELP)

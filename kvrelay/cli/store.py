@@ -45,6 +45,8 @@ _HELP: list[tuple[str, ...]] = [
     ("peer_retry_s", "seconds a peer whose transfer failed is skipped (0: never)"),
     ("metrics_port", "serve Prometheus metrics on this port (none: off)"),
     ("keep_arena", "keep the arena file on stop for a fast restart"),
+    ("max_retention_s", "longest a session's pages are retained (a request's TTL is cut to it)"),
+    ("prefetch", "queued requests' pages brought up ahead: off, local (disk) or remote (peers)"),
 ]
 
 
@@ -311,9 +313,9 @@ def _get(client, key: bytes, key_hex: str) -> dict | None:
 
 def _print_human(action: str, out: dict) -> None:
     if action == "stats":
-        from kvrelay.cli.admin import store_line
+        from kvrelay.cli.admin import store_cache_lines, store_line
 
-        print(store_line(out))
+        print("\n".join([store_line(out), *store_cache_lines(out)]))
     elif action == "evict":
         print(f"evicted {out['evicted']} pages ({out['tier']})")
     else:

@@ -266,6 +266,12 @@ class Keys:
         return self._g + f"node:{node_id}"
 
     @property
+    def prefetch(self) -> str:
+        """Pub/sub channel: the pages of a request just queued (`core.page_keys.PrefetchHint`);
+        store nodes bring them up from disk (or peers) while it waits. Shard 0's."""
+        return self._g + "prefetch"
+
+    @property
     def store_node_pattern(self) -> str:
         return self._g + "node:*"
 

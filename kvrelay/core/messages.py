@@ -96,11 +96,24 @@ def _raw_sampling(payload: bytes) -> dict[Any, Any]:
     return sampling if isinstance(sampling, dict) else {}
 
 
+MAX_SESSION_CHARS = 256
+MAX_RETENTION_S = 366 * 86400  # the wire's bound; store nodes cut it to their own maximum
+
+
+class Retention(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """A request's session, whose pages the store keeps `ttl_s` seconds after the request ends
+    (`prompt_cache_key`, `user`, a Responses chain; `prompt_cache_retention`)."""
+
+    session: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_CHARS)]
+    ttl_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_RETENTION_S)]
+
+
 class _Task(Message, kw_only=True):
     """What both task kinds share: typed sampling, validated once when decoded (msgspec checks
     each field's type and declared range; `check` the rules across fields)."""
 
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    retention: Retention | None = None  # None: no session's pages are retained
 
     def __post_init__(self) -> None:
         if isinstance(self.sampling, dict):  # built by hand from a dict (checked when decoded)

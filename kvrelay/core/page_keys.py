@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 
 DEFAULT_PAGE_SIZE = 16
@@ -53,3 +54,28 @@ def holders(value: bytes | str | None) -> list[str]:
         return []
     text = value.decode() if isinstance(value, bytes) else value
     return [node for node in text.split(",") if node]
+
+
+MAX_HINT_KEYS = 4096  # a store request's bound: a longer prompt's hint names its first pages
+
+
+class PrefetchHint(msgspec.Struct, array_like=True):
+    """The leading pages of a request just queued (Keys.prefetch): `keys` of the model with
+    `fingerprint`; store nodes of that model bring them up while the request waits."""
+
+    fingerprint: str
+    keys: list[bytes]
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> PrefetchHint | None:
+        """The hint in `data`, or None when it is not one (never raises on input)."""
+        try:
+            hint = msgspec.msgpack.decode(data, type=cls)
+        except msgspec.MsgspecError:
+            return None
+        if len(hint.keys) > MAX_HINT_KEYS or any(len(k) != KEY_BYTES for k in hint.keys):
+            return None
+        return hint

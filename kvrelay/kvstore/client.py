@@ -36,6 +36,7 @@ from kvrelay.kvstore.errors import (
 )
 from kvrelay.kvstore.liveness import NodeLiveness
 from kvrelay.kvstore.messages import (
+    MAX_KEYS,
     Abort,
     Commit,
     CommitReply,
@@ -49,11 +50,13 @@ from kvrelay.kvstore.messages import (
     Ls,
     LsReply,
     Paged,
+    Prefetch,
     Put,
     R,
     Release,
     Reply,
     Request,
+    Retain,
     SlotsReply,
     Stats,
     StatsReply,
@@ -342,6 +345,25 @@ class StoreClient:
             self.send(msg)
             return None
         return self.request(msg, CountReply).n
+
+    def retain(
+        self, keys: list[bytes], session: str, ttl_s: float, wait: bool = False
+    ) -> int | None:
+        """Keep these pages for `session` until `ttl_s` from now; fire-and-forget unless
+        `wait` (then how many the node holds). Sent in requests of at most MAX_KEYS keys."""
+        n = 0
+        for i in range(0, max(len(keys), 1), MAX_KEYS):
+            msg = Retain(keys=list(keys[i : i + MAX_KEYS]), session=session, ttl_s=ttl_s)
+            if wait:
+                n += self.request(msg, CountReply).n
+            else:
+                self.send(msg)
+        return n if wait else None
+
+    def prefetch(self, keys: list[bytes], remote: bool = False) -> int:
+        """Bring the leading pages of `keys` into the arena (disk, and peers when `remote`);
+        how many lead the arena now."""
+        return self.request(Prefetch(keys=list(keys), remote=remote), CountReply).n
 
     def close(self) -> None:
         if self._sock is not None:

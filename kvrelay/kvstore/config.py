@@ -7,9 +7,11 @@ from pathlib import Path
 
 from kvrelay.core.config import DEFAULT_KEY_PREFIX, ConfigError
 from kvrelay.core.enums import Quantization
+from kvrelay.kvstore.retention import MAX_TTL_S
 from kvrelay.kvstore.transport import TRANSPORT_CHOICES, Transport
 
 SOCKET_NAME = "kvstore.sock"
+PREFETCH_CHOICES = ("off", "local", "remote")
 SECTION = "STORE"
 
 
@@ -58,6 +60,11 @@ class StoreConfig:
     keep_arena: bool = True  # leave the arena file for the next start (False: remove it)
     pin_timeout_s: float = 60.0  # a reader or writer holding a slot longer than this lost it
     metrics_port: int | None = None
+    # the longest a session's pages are retained (a request's own TTL is cut to it)
+    max_retention_s: float = MAX_TTL_S
+    # prefetch hints (the ingress names a queued request's pages): off, local (this node's
+    # disk pages into the arena) or remote (also pages a peer holds)
+    prefetch: str = "local"
 
     def __post_init__(self) -> None:
         if not self.node_id or any(c in self.node_id for c in " :/{}"):
@@ -72,6 +79,10 @@ class StoreConfig:
             raise ConfigError("transfer_timeout_s must be positive")
         if self.peer_retry_s < 0:
             raise ConfigError("peer_retry_s must not be negative")
+        if self.max_retention_s < 0:
+            raise ConfigError("max_retention_s must not be negative")
+        if self.prefetch not in PREFETCH_CHOICES:
+            raise ConfigError(f"prefetch must be one of {PREFETCH_CHOICES}, got {self.prefetch!r}")
 
     @property
     def socket_path(self) -> Path:

@@ -125,6 +125,13 @@ class StoreConnector:
         except Exception as exc:  # a hint: losing it costs nothing
             logger.debug("store demote of %d pages failed: %r", len(keys), exc)
 
+    def retain(self, keys: list[bytes], session: str, ttl_s: float) -> None:
+        """Keep these pages for `session` until `ttl_s` from now; one-way."""
+        try:
+            self.client.retain(list(keys), session, ttl_s)
+        except Exception as exc:  # a hint: losing it costs only a later eviction
+            logger.debug("store retain of %d pages failed: %r", len(keys), exc)
+
     def save(self, keys: list[bytes], block_ids: list[int], kv_pool) -> None:
         """Write the blocks as pages (existing keys are skipped); copied before returning."""
         import torch

@@ -3,7 +3,8 @@
 Files are written atomically (temporary file, fsync except for demotions, rename) and the index
 is rebuilt from the directory at start (oldest modification time = least recently used), so the
 cache survives restarts. Every read verifies the page; a corrupt or truncated file is a miss,
-counted and deleted.
+counted and deleted. Over its cap it drops the least recently used page that `keep` (the node's
+session retention) does not hold; a held page only when every page is held.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from kvrelay.kvstore.errors import PageFormatError, StoreError
@@ -35,6 +37,7 @@ class DiskTier:
                 f"disk tier of {capacity_bytes} bytes holds no {self.file_bytes}-byte page"
             )
         self.num_corrupt = 0
+        self.keep: Callable[[bytes], bool] = lambda key: False  # dropped last
         self._lru: OrderedDict[bytes, None] = OrderedDict()
         self.root.mkdir(parents=True, exist_ok=True)
         self._rebuild()
@@ -111,7 +114,16 @@ class DiskTier:
     def _trim(self) -> list[bytes]:
         dropped = []
         while len(self._lru) > self.capacity:
-            key, _ = self._lru.popitem(last=False)
+            # A held page met on the way goes to the back (as if used): each is passed over
+            # once per trim, and once all are held, the least recent of them goes.
+            for _ in range(len(self._lru)):
+                key = next(iter(self._lru))
+                if not self.keep(key):
+                    break
+                self._lru.move_to_end(key)
+            else:  # all held: back in their order, the first is the least recent
+                key = next(iter(self._lru))
+            del self._lru[key]
             self._path(key).unlink(missing_ok=True)
             dropped.append(key)
         return dropped

@@ -123,11 +123,40 @@ class Demote(Paged, tag="demote", kw_only=True):
     a sliding-window layer group's pages behind its window)."""
 
 
+class Retain(Paged, tag="retain", kw_only=True):
+    """Keep these pages for a session until `ttl_s` from now (a worker sends it, one-way, when
+    a request of the session finishes; a later one only extends the TTL)."""
+
+    session: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    ttl_s: Annotated[float, msgspec.Meta(ge=0)]
+
+
+class Prefetch(Paged, tag="prefetch", kw_only=True):
+    """Bring the leading pages of `keys` into the arena ahead of the request that will read
+    them: from disk, and from peers when `remote`."""
+
+    remote: bool = False
+
+
 class Fetch(Paged, tag="fetch", kw_only=True):
     """A peer's fetch (store-to-store session, not the local socket)."""
 
 
-NodeRequest = Hello | Put | Commit | Abort | Get | Release | Contains | Stats | Ls | Evict | Demote
+NodeRequest = (
+    Hello
+    | Put
+    | Commit
+    | Abort
+    | Get
+    | Release
+    | Contains
+    | Stats
+    | Ls
+    | Evict
+    | Demote
+    | Retain
+    | Prefetch
+)
 OPS = sorted(str(c.__struct_config__.tag) for c in get_args(NodeRequest))
 
 

@@ -7,13 +7,24 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# StoreAdmin.counts entries about sessions (not page tiers)
+SESSION_COUNTS = ("sessions", "retained_host", "retained_disk")
+
 # counter name -> (help, label names)
 COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hits": ("page lookups served by a tier", ("tier",)),
     "misses": ("page lookups a tier could not serve", ("tier",)),
     "bytes": ("page bytes moved, by tier and transfer kind", ("tier", "kind")),
     "corrupt_pages": ("pages dropped because they failed verification", ("tier",)),
-    "evictions": ("pages evicted from a tier (host: demoted or dropped; disk: dropped)", ("tier",)),
+    "evictions": (
+        "pages evicted from a tier (host: demoted or dropped; disk: dropped), by reason: "
+        "capacity, demoted (behind a window), expired (session), retained (a live session's), "
+        "operator",
+        ("tier", "reason"),
+    ),
+    "prefetch_pages": ("pages a prefetch hint brought into the arena, by source", ("source",)),
+    "prefetch_hits": ("prefetched pages a worker then read", ()),
+    "prefetch_unused": ("prefetched pages evicted before any worker read them", ()),
     "puts": ("pages written (new keys only)", ("tier",)),
     "transfer_failures": ("remote fetches that failed or timed out", ("transport",)),
     "transfer_skips": (
@@ -21,6 +32,11 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("node",),
     ),
 }
+
+
+def _child(counter, labels: tuple[str, ...]):
+    """The series of `counter` for `labels` (the counter itself when it has none)."""
+    return counter.labels(*labels) if labels else counter
 
 
 @dataclass(slots=True)
@@ -40,7 +56,7 @@ class StoreMetrics:
         with self._lock:
             self.values[(name, labels)] += value
         if self._prom is not None:
-            self._prom[name].labels(*labels).inc(value)
+            _child(self._prom[name], labels).inc(value)
 
     def get(self, name: str, *labels: str) -> float:
         return self.values.get((name, labels), 0)
@@ -67,9 +83,9 @@ class StoreMetrics:
                 tally.setdefault(labels[0], [0.0, 0.0])[name == "misses"] += v
         return {tier: h / (h + m) for tier, (h, m) in sorted(tally.items()) if h + m}
 
-    def prometheus(self, gauges):
+    def prometheus(self, gauges, page_bytes: int = 0):
         """A CollectorRegistry with every counter plus `gauges()` (StoreAdmin.counts: pages by
-        tier and capacities) as page, usage and hit-rate gauges."""
+        tier and capacities, sessions) as page, usage, session and hit-rate gauges."""
         from prometheus_client import CollectorRegistry, Counter
         from prometheus_client.core import GaugeMetricFamily
 
@@ -79,7 +95,7 @@ class StoreMetrics:
             for name, (help_, labels) in COUNTERS.items()
         }
         for (name, labels), v in self.values.items():
-            self._prom[name].labels(*labels).inc(v)
+            _child(self._prom[name], labels).inc(v)
 
         metrics = self
 
@@ -88,8 +104,22 @@ class StoreMetrics:
                 counts = gauges()
                 g = GaugeMetricFamily("kvrelay:store_pages", "pages held, by tier", labels=["tier"])
                 for tier, n in counts.items():
-                    g.add_metric([tier], n)
+                    if tier not in SESSION_COUNTS:
+                        g.add_metric([tier], n)
                 yield g
+                yield GaugeMetricFamily(
+                    "kvrelay:store_sessions",
+                    "sessions whose pages are retained (prompt_cache_key, user, a chain)",
+                    value=counts.get("sessions", 0),
+                )
+                kept = GaugeMetricFamily(
+                    "kvrelay:store_retained_bytes",
+                    "bytes of the pages live sessions retain, by tier",
+                    labels=["tier"],
+                )
+                for tier in ("host", "disk"):
+                    kept.add_metric([tier], counts.get(f"retained_{tier}", 0) * page_bytes)
+                yield kept
                 # like vLLM's kv_cache_usage_perc (0-1), per store tier
                 usage = GaugeMetricFamily(
                     "kvrelay:store_usage_perc",

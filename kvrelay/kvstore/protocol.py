@@ -23,9 +23,11 @@ from kvrelay.kvstore.messages import (
     LsReply,
     NodeRequest,
     Paged,
+    Prefetch,
     Put,
     Release,
     Reply,
+    Retain,
     SlotsReply,
     Stats,
     StatsReply,
@@ -139,6 +141,16 @@ def op_demote(node, req: Demote) -> Reply:
     return CountReply(n=node.store.demote(_keys(node, req)))
 
 
+def op_retain(node, req: Retain) -> Reply:
+    return CountReply(n=node.store.retain(req.session, _keys(node, req), req.ttl_s))
+
+
+def op_prefetch(node, req: Prefetch) -> Reply | Later:
+    keys = _keys(node, req)
+    remote = req.remote and node.remote is not None
+    return Later(lambda: CountReply(n=node.prefetch(keys, remote)))
+
+
 HANDLERS: dict[type, Callable[[Any, Any], Reply | Later]] = {
     Hello: op_hello,
     Put: op_put,
@@ -151,6 +163,8 @@ HANDLERS: dict[type, Callable[[Any, Any], Reply | Later]] = {
     Ls: op_ls,
     Evict: op_evict,
     Demote: op_demote,
+    Retain: op_retain,
+    Prefetch: op_prefetch,
 }
 
 

@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +28,8 @@ from kvrelay.kvstore.errors import StoreError
 from kvrelay.kvstore.messages import BadRequest, NodeRequest, Reply, decode_request, encode
 from kvrelay.kvstore.metrics import StoreMetrics
 from kvrelay.kvstore.protocol import Later, handle_request
+from kvrelay.kvstore.retention import FILE_NAME as RETENTION_FILE
+from kvrelay.kvstore.retention import SessionRetention
 from kvrelay.kvstore.store import NodeStore
 from kvrelay.kvstore.transport import Transport
 
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     import zmq
 
     from kvrelay.kvstore.directory import Directory
+    from kvrelay.kvstore.prefetch import Prefetcher
     from kvrelay.kvstore.remote import Remote
     from kvrelay.kvstore.transport.tcp import TcpServer
     from kvrelay.kvstore.transport.ucx import UcxServer
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FETCH_THREADS = 4  # concurrent remote fetches; local requests never wait for them
+SAVE_RETENTION_S = 5.0  # the session table is written at most this often (and at stop)
 
 
 def arena_path(config: StoreConfig) -> Path:
@@ -61,6 +66,7 @@ class StoreNode:
         self.metrics = StoreMetrics()
         self.directory: Directory | None = None
         self.remote: Remote | None = None
+        self.prefetcher: Prefetcher | None = None
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._servers: list[UcxServer] = []  # UCX listeners (closed in the event loop)
@@ -103,11 +109,16 @@ class StoreNode:
             cfg.pin_timeout_s,
             on_present=self.directory.add if self.directory else lambda k: None,
             on_gone=self.directory.remove if self.directory else lambda k: None,
+            retention=SessionRetention(cfg.max_retention_s),
         )
         if reused:
             logger.info(
                 "reused arena %s: %d pages", self.arena.path, self.store.rebuild_from_arena()
             )
+        if self.retention_path is not None:
+            n = self.store.load_retention(self.retention_path)
+            if n:
+                logger.info("retaining the pages of %d sessions (%s)", n, self.retention_path)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -127,10 +138,22 @@ class StoreNode:
                 },
                 self.store.all_keys(),
             )
+            if cfg.prefetch != "off":
+                from kvrelay.kvstore.prefetch import Prefetcher
+
+                remote = cfg.prefetch == "remote"
+                self.prefetcher = Prefetcher(
+                    self.directory.redis,
+                    self.directory.keys.prefetch,
+                    cfg.fingerprint,
+                    lambda keys: self.prefetch(keys, remote),
+                )
+                self.prefetcher.start()
         if cfg.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            start_http_server(cfg.metrics_port, registry=self.metrics.prometheus(self.store.counts))
+            registry = self.metrics.prometheus(self.store.counts, self.page_bytes)
+            start_http_server(cfg.metrics_port, registry=registry)
         logger.info(
             "store node %s serving %s (arena %d slots, disk %s, remote %s)",
             cfg.node_id,
@@ -206,6 +229,30 @@ class StoreNode:
         if self._loop is not None:
             asyncio.run_coroutine_threadsafe(listen(), self._loop).result(30)
 
+    @property
+    def retention_path(self) -> Path | None:
+        """The session table, beside the disk tier's pages (None: no disk tier)."""
+        return Path(self.config.disk_dir) / RETENTION_FILE if self.config.disk_dir else None
+
+    def prefetch(self, keys: list[bytes], remote: bool) -> int:
+        """Bring the leading `keys` into the arena: from disk, then (`remote`) from the peers
+        that hold the rest; returns how many lead the arena now."""
+        store = self.store
+        if store is None:
+            return 0
+        n, _ = store.prefetch_local(keys)
+        if n < len(keys) and remote and self.remote is not None:
+            store.mark_prefetched(self.remote.fetch(keys[n:]))  # pinned by the fetch
+            n = store.contains_prefix(keys)
+        return n
+
+    def save_retention(self) -> None:
+        if self.store is not None and self.retention_path is not None:
+            try:
+                self.store.save_retention(self.retention_path)
+            except OSError as exc:
+                logger.warning("could not save the session table: %s", exc)
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -214,10 +261,13 @@ class StoreNode:
         store: NodeStore | None = getattr(self, "store", None)
         if store is None:
             return
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
         self._pool.shutdown(wait=True)  # fetches in flight end within the transfer timeout
         n = store.flush_to_disk()
         if n:
             logger.info("flushed %d arena pages to disk", n)
+        self.save_retention()
         if self.directory is not None:
             self.directory.stop()
         if self._tcp is not None:
@@ -262,7 +312,11 @@ class StoreNode:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        next_save = time.monotonic() + SAVE_RETENTION_S
         while not self._stop.is_set():
+            if time.monotonic() >= next_save:
+                self.save_retention()
+                next_save = time.monotonic() + SAVE_RETENTION_S
             if not poller.poll(100):
                 continue
             self._send_done()

@@ -5,6 +5,14 @@ evicted from the arena (demoted to disk, or gone) -> evicted from disk (gone). L
 host -> disk (-> remote, driven by the server) and promote disk hits into the arena. A slot being
 read is pinned and is never evicted or reused under its reader; pins and reservations expire
 after `pin_timeout_s` so a crashed worker cannot leak slots.
+
+Eviction follows expected reuse, then recency: the arena evicts first the pages nobody expects
+back (a sliding window's pages behind it, `demote`; a session's whose TTL ended), then the
+other pages no session holds (LRU), and only then the pages a live session retains
+(`retention.SessionRetention`: LRU among them; they go to disk, where they are kept while any
+page no session holds can go). `prefetch` brings a queued request's pages up from disk (and
+the server's from peers) before a worker asks; the first `acquire` of such a page counts a
+prefetch hit.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from kvrelay.kvstore.disk import DiskTier
 from kvrelay.kvstore.errors import IncompatiblePageError, PageFormatError, StoreError
 from kvrelay.kvstore.metrics import StoreMetrics
 from kvrelay.kvstore.page import unpack_header, verify_page
-from kvrelay.kvstore.store_admin import Entry, StoreAdmin
+from kvrelay.kvstore.retention import MAX_TTL_S, SessionRetention
+from kvrelay.kvstore.store_admin import CAPACITY, DEMOTED, EXPIRED, RETAINED, Entry, StoreAdmin
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +46,12 @@ class NodeStore(StoreAdmin):
         pin_timeout_s: float = 60.0,
         on_present: Callable[[list[bytes]], None] = lambda keys: None,
         on_gone: Callable[[list[bytes]], None] = lambda keys: None,
+        retention: SessionRetention | None = None,
     ):
         self.arena, self.disk, self.metrics = arena, disk, metrics
+        self.retention = retention if retention is not None else SessionRetention(MAX_TTL_S)
+        if disk is not None:
+            disk.keep = self.retention.held  # the disk tier drops a retained page last
         self.fingerprint = fingerprint
         self.page_bytes = arena.page_bytes
         self.pin_timeout_s = pin_timeout_s
@@ -46,7 +59,9 @@ class NodeStore(StoreAdmin):
         self.lock = threading.RLock()
         self._written = threading.Condition(self.lock)  # notified when reservations end
         self._entries: dict[bytes, Entry] = {}
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # ready arena pages, oldest first
+        # ready arena pages, oldest first: those no live session holds, and those one does
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._kept: OrderedDict[bytes, None] = OrderedDict()
         self._free = list(range(arena.num_slots - 1, -1, -1))
         self._slot_key: dict[int, bytes] = {}  # last key placed in each slot (checked on use)
         self._next_expiry = 0.0
@@ -56,6 +71,12 @@ class NodeStore(StoreAdmin):
         if now < self._next_expiry:
             return
         self._next_expiry = now + 1.0
+        for key in self.retention.expire(time.time()):
+            if key in self._kept:  # no session expects it back: among the first to go
+                del self._kept[key]
+                self._lru[key] = None
+                self._lru.move_to_end(key, last=False)
+                self._entries[key].reason = EXPIRED
         for key, e in list(self._entries.items()):
             if e.pins and e.pins[0] < now:
                 e.pins = [d for d in e.pins if d >= now]
@@ -68,28 +89,42 @@ class NodeStore(StoreAdmin):
     def _gone(self, dropped: list[bytes]) -> None:
         """Pages the disk tier dropped; those not in the arena either have left this node."""
         if dropped:
-            self.metrics.inc("evictions", "disk", value=len(dropped))
+            held = sum(map(self.retention.held, dropped))
+            if held:
+                self.metrics.inc("evictions", "disk", RETAINED, value=held)
+            if len(dropped) > held:
+                self.metrics.inc("evictions", "disk", CAPACITY, value=len(dropped) - held)
             gone = [k for k in dropped if k not in self._entries]
             if gone:
+                self.retention.forget(gone)
                 self.on_gone(gone)
+
+    def _index(self, key: bytes) -> None:
+        """A page ready in the arena joins its eviction order (most recent)."""
+        (self._kept if self.retention.held(key) else self._lru)[key] = None
 
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
-        for key in self._lru:
-            e = self._entries[key]
-            if e.pins:
-                continue
-            del self._lru[key]
-            del self._entries[key]
-            self.metrics.inc("evictions", "host")
-            if self.disk is not None:
-                if key not in self.disk:
-                    self.metrics.inc("bytes", "disk", "demote", value=self.page_bytes)
-                self._gone(self.disk.put(key, self.arena.slot(e.slot), sync=False))
-            else:
-                self.on_gone([key])
-            return e.slot
+        for order in (self._lru, self._kept):
+            for key in order:
+                e = self._entries[key]
+                if e.pins:
+                    continue
+                del order[key]
+                del self._entries[key]
+                reason = e.reason if order is self._lru else RETAINED
+                self.metrics.inc("evictions", "host", reason)
+                if e.prefetched:
+                    self.metrics.inc("prefetch_unused")
+                if self.disk is not None:
+                    if key not in self.disk:
+                        self.metrics.inc("bytes", "disk", "demote", value=self.page_bytes)
+                    self._gone(self.disk.put(key, self.arena.slot(e.slot), sync=False))
+                else:
+                    self.retention.forget([key])
+                    self.on_gone([key])
+                return e.slot
         return None  # every slot pinned or being written
 
     def reserve(self, keys: list[bytes]) -> list[int]:
@@ -142,7 +177,7 @@ class NodeStore(StoreAdmin):
                 e.ready = True
                 if pin:
                     e.pins.append(now + self.pin_timeout_s)
-                self._lru[key] = None
+                self._index(key)
                 present.append(key)
                 self.metrics.inc("puts", "host")
                 self.metrics.inc("bytes", "host", kind, value=self.page_bytes)
@@ -214,7 +249,10 @@ class NodeStore(StoreAdmin):
                 e = self._entries.get(key)
                 if e is not None and e.ready:
                     self.metrics.inc("hits", "host")
-                    self._lru.move_to_end(key)
+                    self._touch(key)
+                    if e.prefetched:
+                        e.prefetched = False
+                        self.metrics.inc("prefetch_hits")
                 elif e is None and self.disk is not None and key in self.disk:
                     self.metrics.inc("misses", "host")
                     e = self._promote(key)
@@ -230,6 +268,15 @@ class NodeStore(StoreAdmin):
                 e.pins.append(now + self.pin_timeout_s)
                 out.append(e.slot)
         return out
+
+    def _touch(self, key: bytes) -> None:
+        """A ready arena page was used: the most recent of its order (a demoted or expired
+        page used again is an ordinary page again)."""
+        if key in self._kept:
+            self._kept.move_to_end(key)
+        else:
+            self._lru.move_to_end(key)
+            self._entries[key].reason = CAPACITY
 
     def _promote(self, key: bytes) -> Entry | None:
         assert self.disk is not None  # callers promote only keys the disk tier holds
@@ -247,7 +294,7 @@ class NodeStore(StoreAdmin):
         self.metrics.inc("bytes", "disk", "promote", value=self.page_bytes)
         e = self._entries[key] = Entry(slot, True)
         self._slot_key[slot] = key
-        self._lru[key] = None
+        self._index(key)
         return e
 
     def release(self, slots: list[int]) -> None:
@@ -266,17 +313,65 @@ class NodeStore(StoreAdmin):
             for key in reversed(keys):  # the first key ends up first
                 if key in self._lru:
                     self._lru.move_to_end(key, last=False)
+                    self._entries[key].reason = DEMOTED
                     n += 1
             return n
+
+    def retain(self, session: str, keys: list[bytes], ttl_s: float) -> int:
+        """Keep the pages among `keys` this node holds for `session` until `ttl_s` from now (a
+        later call only extends it); returns how many it holds."""
+        with self.lock:
+            held = [k for k in keys if self._holds(k)]
+            if not held:
+                return 0
+            for key in self.retention.retain(session, held, ttl_s, time.time()):
+                if key in self._lru:
+                    del self._lru[key]
+                    self._kept[key] = None
+            return len(held)
+
+    def _holds(self, key: bytes) -> bool:
+        e = self._entries.get(key)
+        return (e is not None and e.ready) or (self.disk is not None and key in self.disk)
+
+    def prefetch_local(self, keys: list[bytes]) -> tuple[int, int]:
+        """Bring the leading `keys` held on disk into the arena ahead of a request (one page
+        per lock hold: a worker's requests never wait for the whole run); returns (leading
+        keys now in the arena, pages read from disk for it)."""
+        now = time.monotonic()
+        n = promoted = 0
+        for key in keys:
+            with self.lock:
+                self._expire(now)
+                e = self._entries.get(key)
+                if e is None and self.disk is not None and key in self.disk:
+                    e = self._promote(key)
+                    if e is None:
+                        break
+                    e.prefetched = True
+                    promoted += 1
+                    self.metrics.inc("prefetch_pages", "disk")
+                elif e is None or not e.ready:
+                    break
+            n += 1
+        return n, promoted
+
+    def mark_prefetched(self, slots: list[int]) -> None:
+        """Slots a prefetch brought from peers (pinned by the fetch): count them and unpin."""
+        with self.lock:
+            for slot in slots:
+                e = self._entries.get(self._slot_key.get(slot, b""))
+                if e is not None and e.slot == slot:
+                    e.prefetched = True
+            self.metrics.inc("prefetch_pages", "remote", value=len(slots))
+        self.release(slots)
 
     def contains_prefix(self, keys: list[bytes]) -> int:
         """How many leading keys this node holds (arena or disk), without loading them."""
         with self.lock:
             n = 0
             for key in keys:
-                e = self._entries.get(key)
-                if (e is not None and e.ready) or (self.disk is not None and key in self.disk):
-                    n += 1
-                else:
+                if not self._holds(key):
                     break
+                n += 1
             return n

@@ -387,6 +387,7 @@ class Worker:
                 task.sampling,
                 output_token_ids=adm.emitted,
                 cache_salt=task.cache_salt,
+                retention=task.retention,
                 handoff_after=self.handoff_after,
                 emitted_text_len=adm.emitted_text_len if task.detokenize else None,
                 sampling_checked=True,  # validated when the entry was decoded

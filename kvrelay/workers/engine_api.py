@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kvrelay.core.enums import FinishReason, Speculation
+from kvrelay.core.messages import Retention
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.core.structured import StructuredOutput
 from kvrelay.workers.engine.block_pool import BlockPool
@@ -89,6 +90,7 @@ class EngineAPI(BlockPoolOwner, Protocol):
         *,
         output_token_ids: Sequence[int] = (),
         cache_salt: str = "",
+        retention: Retention | None = None,
         handoff_after: int | None = None,
         emitted_text_len: int | None = None,
         sampling_checked: bool = False,

@@ -110,6 +110,7 @@ class WorkerMetrics:
                 )
         if kv is not None and hasattr(kv, "num_fetches_lost"):
             self.base.registry.register(_StoreFetchOutcomes(self.model, kv))
+            self.base.registry.register(_StoreFetchSpans(self.model, kv))
         page_size = getattr(getattr(engine, "config", None), "page_size", "")
         Gauge(
             PREFIX + "cache_config_info",
@@ -227,6 +228,37 @@ class _StoreFetchOutcomes:
         )
         for reason, attr in self.REASONS:
             family.add_metric([self.model, reason], float(getattr(self.kv, attr, 0)))
+        yield family
+
+
+class _StoreFetchSpans:
+    """`kvrelay:kv_store_fetch_seconds{model_name,phase}`: the time of each store lookup and
+    load in the KV loader's thread (read at each scrape; none while no store is connected)."""
+
+    def __init__(self, model: str, kv: Any):
+        self.model, self.kv = model, kv
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        from prometheus_client.core import HistogramMetricFamily
+
+        from kvrelay.workers.engine.kv_loader import SPAN_BUCKETS
+
+        loader = getattr(self.kv, "loader", None)
+        family = HistogramMetricFamily(
+            PREFIX + "kv_store_fetch_seconds",
+            "Seconds of each store lookup and page load (a prefetched page loads from memory).",
+            labels=["model_name", "phase"],
+        )
+        for phase, spans in loader.spans.items() if loader is not None else ():
+            cumulative, running = [], 0
+            for bound, n in zip(SPAN_BUCKETS, spans.buckets, strict=True):
+                running += n
+                cumulative.append((str(bound), running))
+            cumulative.append(("+Inf", spans.count))
+            family.add_metric([self.model, phase], cumulative, spans.seconds)
         yield family
 
 

@@ -49,6 +49,7 @@ class PrefillWorker(Worker):
             output_token_ids=list(out.output_token_ids),
             sampling=task.sampling,
             cache_salt=task.cache_salt,
+            retention=task.retention,
             arrival_time=task.arrival_time,
             deadline=task.deadline,
             num_cached_tokens=cached,

@@ -116,6 +116,9 @@ def test_store_node_and_kv_commands(tmp_path: Path, capsys):
             "host_slots": 2,
             "pinned": 0,
             "disk_capacity": 13421772,
+            "sessions": 0,
+            "retained_host": 0,
+            "retained_disk": 0,
         }
         code, listing = kv(capsys, run_dir, "ls")
         assert listing == {"host": [keys[1].hex(), keys[2].hex()], "disk": [keys[0].hex()]}
@@ -144,7 +147,8 @@ def test_store_node_and_kv_commands(tmp_path: Path, capsys):
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
         text = text.decode()
         assert 'kvrelay:store_puts_total{tier="host"} 3.0' in text
-        assert 'kvrelay:store_evictions_total{tier="host"} 3.0' in text
+        assert 'kvrelay:store_evictions_total{reason="capacity",tier="host"} 1.0' in text
+        assert 'kvrelay:store_evictions_total{reason="operator",tier="host"} 2.0' in text
         assert 'kvrelay:store_pages{tier="disk"} 3.0' in text
 
         proc.send_signal(signal.SIGTERM)

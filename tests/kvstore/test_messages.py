@@ -18,9 +18,11 @@ from kvrelay.kvstore.messages import (
     Get,
     Hello,
     Ls,
+    Prefetch,
     Put,
     Release,
     Reply,
+    Retain,
     SlotsReply,
     Stats,
     StatsReply,
@@ -47,6 +49,8 @@ KEY = b"k" * 16
         Ls(id=9, limit=3),
         Evict(id=10, tier="all"),
         Demote(id=11, keys=[b"\x01" * 16]),
+        Retain(id=12, keys=[KEY], session="chat-1", ttl_s=600.0),
+        Prefetch(id=13, keys=[KEY], remote=True),
     ],
 )
 def test_every_request_round_trips_with_its_op_name(msg):
@@ -70,6 +74,8 @@ def test_op_names_are_the_wire_names():
                 "ls",
                 "evict",
                 "demote",
+                "retain",
+                "prefetch",
             ]
         )
         == OPS

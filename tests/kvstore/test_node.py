@@ -79,7 +79,7 @@ def test_put_3n_demotes_then_drops_lru_in_order(valkey, start_node, tmp_path):
         assert ls["host"] == hexes([keys[9], keys[10], keys[11], keys[5]])
         assert ls["disk"] == hexes([keys[6], keys[7], keys[8], keys[5]])  # 8 demoted, 4 dropped
         counters = client.stats()["counters"]
-        assert counters["evictions"] == {"host": 9.0, "disk": 5.0}
+        assert counters["evictions"] == {"host/capacity": 9.0, "disk/capacity": 5.0}
         assert counters["hits"] == {"disk": 1.0}
         assert counters["puts"] == {"host": 12.0}
 
@@ -154,7 +154,7 @@ def test_four_processes_overlapping_keys(start_node):
         stats = client.stats()
         assert stats["pages"]["pinned"] == 0
         assert stats["counters"]["puts"]["host"] == sum(p for p, _, _ in results)
-        evicted = stats["counters"].get("evictions", {}).get("host", 0)
+        evicted = stats["counters"].get("evictions", {}).get("host/capacity", 0)
         assert evicted == stats["counters"]["puts"]["host"] - 16
 
 

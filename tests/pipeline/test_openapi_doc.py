@@ -60,6 +60,7 @@ COMMON = {
     "service_tier",
     "safety_identifier",
     "prompt_cache_key",
+    "prompt_cache_retention",
     "prompt_logprobs",
 }
 

@@ -73,6 +73,7 @@ def _expected(rid: str, text: str, **changes) -> dict:
         "parallel_tool_calls": True,
         "previous_response_id": None,
         "prompt_cache_key": None,
+        "prompt_cache_retention": None,
         "reasoning": None,
         "safety_identifier": None,
         "service_tier": None,

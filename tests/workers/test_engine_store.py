@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
 
+from kvrelay.core.messages import Retention
 from kvrelay.core.page_keys import page_keys
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
@@ -115,3 +117,27 @@ def test_store_refuses_pages_of_another_dtype(loaded_model, connector, kv_dtype)
     engine = Engine(EngineConfig(num_blocks=4, kv_cache_dtype=other), loaded=loaded_model)
     with pytest.raises(StoreError, match=f"store pages are .* {kv_dtype}"):
         connector.save([b"k" * 16], [0], engine.runner.kv_pool)
+
+
+def test_a_finished_request_retains_its_session_pages(loaded_model, connector, kv_dtype):
+    """The engine asks the store to keep a session's pages (every saved full page of prompt and
+    output) when its request finishes; a fresh engine's load of them is a recorded fetch span."""
+    prompt = list(range(1000, 1100))
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    config = EngineConfig(num_blocks=16, kv_cache_dtype=kv_dtype)
+    engine = Engine(config, connector, loaded=loaded_model)
+    engine.add_request("r", prompt, sp, retention=Retention(session="chat-1", ttl_s=60))
+    while engine.has_unfinished_requests():
+        engine.step()
+    pages = {}
+    for _ in range(100):  # the retain is one-way: the node counts it a moment later
+        pages = connector.client.stats()["pages"]
+        if pages["sessions"]:
+            break
+        time.sleep(0.02)
+    assert (pages["sessions"], pages["retained_host"]) == (1, (140 - 1) // PAGE)
+    fresh = Engine(config, connector, loaded=loaded_model)
+    fresh.generate([prompt], [sp], ["again"])
+    load = fresh.kv.loader.spans["load"]
+    assert (load.count, load.pages) == (1, (100 - 1) // PAGE)
+    assert load.seconds > 0 and sum(load.buckets) == 1

@@ -80,6 +80,12 @@ def _false_only(base: Any, refused: str) -> Any:
     return Annotated[base, AfterValidator(_false), schema, Says(refused=refused)]
 
 
+# prompt_cache_retention: OpenAI's two policies, or (kvrelay) seconds; the ingress bounds it
+CacheRetention = Annotated[
+    Literal["in_memory", "24h"] | Annotated[int, Field(strict=True, ge=0)],
+    Says(expect='"in_memory", "24h" or a number of seconds'),
+]
+
 # how many choices to return (n) or generate (best_of); the ingress caps them (max_choices)
 Count = Annotated[Int64, Field(ge=1), Says(invalid="{param} must be at least 1, got {value}")]
 
@@ -326,11 +332,13 @@ class _Request(BaseModel):
     # structured output: constraints checked (compiled) here, see openai/structured.py
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # the session whose pages the store retains (with `user` when no key), and for how long
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: CacheRetention | None = None
     # pass-through: accepted, change nothing (docs/api.md)
     metadata: dict[str, Any] | None = None
     service_tier: StrictStr | None = None
     safety_identifier: StrictStr | None = None
-    prompt_cache_key: StrictStr | None = None
 
     @model_validator(mode="before")
     @classmethod

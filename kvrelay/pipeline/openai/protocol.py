@@ -50,6 +50,10 @@ class GenerationRequest:
     echo: bool = False  # completions: the text starts with the prompt
     user: str | None = None
     cache_salt: str = ""
+    # the session whose pages the store retains (prompt_cache_key, else user; a Responses
+    # chain), and the retention asked for (prompt_cache_retention; None: the ingress default)
+    cache_session: str | None = None
+    cache_retention: str | int | None = None
     max_tokens_param: str = "max_tokens"  # the field the client set, for errors about it
     # the SamplingParams fields the body set; the others take the served model's defaults
     fields_set: frozenset[str] = frozenset()
@@ -92,6 +96,8 @@ def _request(req: _Request, api: Api) -> GenerationRequest:
         include_usage=bool(options and options.include_usage),
         user=req.user,
         cache_salt=req.cache_salt or "",
+        cache_session=req.prompt_cache_key or req.user,
+        cache_retention=req.prompt_cache_retention,
         max_tokens_param=req.max_tokens_given()[1],
         fields_set=fields_set,
         n=req.n or 1,

@@ -129,6 +129,7 @@ class ResponseBuilder:
             "parallel_tool_calls": self.repeated.get("parallel_tool_calls", True),
             "previous_response_id": self.previous_response_id,
             "prompt_cache_key": self.repeated.get("prompt_cache_key"),
+            "prompt_cache_retention": self.repeated.get("prompt_cache_retention"),
             "reasoning": None,
             "safety_identifier": self.repeated.get("safety_identifier"),
             "service_tier": self.repeated.get("service_tier"),

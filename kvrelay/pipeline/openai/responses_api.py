@@ -39,7 +39,13 @@ from kvrelay.core.sampling import SamplingParams
 from kvrelay.core.structured import JSON_OBJECT, StructuredOutput
 from kvrelay.pipeline.errors import RequestError, bad_request
 from kvrelay.pipeline.openai.explain import Says, explain, fail, fail_as, refuse
-from kvrelay.pipeline.openai.models import MaxTokens, Temperature, TopP, field_names
+from kvrelay.pipeline.openai.models import (
+    CacheRetention,
+    MaxTokens,
+    Temperature,
+    TopP,
+    field_names,
+)
 from kvrelay.pipeline.openai.protocol import Api, GenerationRequest
 from kvrelay.pipeline.openai.structured import checked_json_schema
 from kvrelay.pipeline.openai.tools import (
@@ -321,7 +327,8 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: StrictBool | None = None
     service_tier: StrictStr | None = None
     safety_identifier: StrictStr | None = None
-    prompt_cache_key: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None  # the retained session (else user, the chain)
+    prompt_cache_retention: CacheRetention | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -503,6 +510,8 @@ def parse_responses(body: Any) -> ResponsesCall:
         user=req.user,
         max_tokens_param="max_output_tokens",
         fields_set=fields_set,
+        cache_session=req.prompt_cache_key or req.user,
+        cache_retention=req.prompt_cache_retention,
     )
     if req.tools:
         generation.tools = [tool.chat_tool().to_dict() for tool in req.tools]
@@ -525,6 +534,7 @@ def parse_responses(body: Any) -> ResponsesCall:
         "service_tier": req.service_tier,
         "safety_identifier": req.safety_identifier,
         "prompt_cache_key": req.prompt_cache_key,
+        "prompt_cache_retention": req.prompt_cache_retention,
     }
     return ResponsesCall(
         generation=generation,

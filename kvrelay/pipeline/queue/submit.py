@@ -52,7 +52,7 @@ from redis.asyncio.cluster import RedisCluster
 from kvrelay.core import record as rec
 from kvrelay.core.enums import RequestStatus
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from kvrelay.core.messages import DecodeTask, PrefillTask
+from kvrelay.core.messages import DecodeTask, PrefillTask, Retention
 from kvrelay.core.record import RequestRecord, as_str
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams
 from kvrelay.pipeline.errors import RequestError, bad_request, model_unavailable, overloaded
@@ -71,6 +71,7 @@ from kvrelay.pipeline.queue.redis_options import (
     wait_on_slot_primary,
 )
 from kvrelay.pipeline.queue.route import DECODE, Route, Router
+from kvrelay.pipeline.queue.session_cache import SessionCache
 from kvrelay.pipeline.tokens import (
     check_lengths,
     known_max_chars,
@@ -165,8 +166,11 @@ class Producer:
         retry_after_s: int = 1,
         submit_wait_s: float = REDIS_RETRY_S,
         replica_ack_timeout_ms: int = REPLICA_ACK_TIMEOUT_MS,
+        session_cache: SessionCache | None = None,
     ):
         self.redis, self.keys, self.registry, self.router = redis, keys, registry, router
+        # retention of named sessions, prefetch hints (defaults: 600 s, a day at most, on)
+        self.session_cache = session_cache or SessionCache(redis, keys)
         self.max_prompt_tokens, self.max_tokens_limit = max_prompt_tokens, max_tokens_limit
         self.timeout_s, self.record_ttl_s = timeout_s, record_ttl_s
         # 0: no bound (the producer client); the ingress refuses with 429 at this many
@@ -197,6 +201,7 @@ class Producer:
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str = "",
+        retention: Retention | None = None,
         detokenize: bool = True,
         max_tokens_param: str = "max_tokens",
         fields_set: Collection[str] | None = None,
@@ -248,6 +253,7 @@ class Producer:
             prompt_token_ids=ids,
             sampling=sampling,
             cache_salt=cache_salt,
+            retention=retention,
             arrival_time=now,
             deadline=deadline,
             detokenize=detokenize,
@@ -302,6 +308,7 @@ class Producer:
             prompt=parsed.prompt,
             prompt_token_ids=parsed.prompt_token_ids,
             cache_salt=parsed.cache_salt,
+            retention=self.session_cache.retention(parsed.cache_session, parsed.cache_retention),
             detokenize=detokenize,
             max_tokens_param=parsed.max_tokens_param,
             fields_set=parsed.fields_set,
@@ -341,6 +348,7 @@ class Producer:
             raise overloaded(f"{entry_id} requests waiting for a worker", self.retry_after_s)
         if as_str(entry_id) == submission:  # a retry found its own first try queued
             logger.info("request %s: queued by a try whose reply was lost", task.request_id)
+        await self.session_cache.hint(entry, task.prompt_token_ids, task.cache_salt)
         logger.info(
             "request %s queued to %s (%d prompt tokens, %d cached: %s)",
             task.request_id,
@@ -523,6 +531,7 @@ class Producer:
             return None
         if as_str(reply) == submission:
             logger.info("request %s: queued by a try whose reply was lost", request_id)
+        await self.session_cache.hint(entry, tasks[0].prompt_token_ids, tasks[0].cache_salt)
         logger.info(
             "request %s queued as %d choices to %s (%d prompt tokens, %d cached)",
             request_id,

@@ -43,6 +43,7 @@ from kvrelay.pipeline.queue.cluster import ClusterState
 from kvrelay.pipeline.queue.feed import output_feed
 from kvrelay.pipeline.queue.redis_options import async_redis, resilient
 from kvrelay.pipeline.queue.route import Router
+from kvrelay.pipeline.queue.session_cache import SessionCache
 from kvrelay.pipeline.queue.shard_count import check_shard_count
 from kvrelay.pipeline.queue.submit import Producer
 from kvrelay.pipeline.server.config import IngressConfig, load_config
@@ -103,6 +104,13 @@ class Ingress:
             retry_after_s=config.retry_after_s,
             submit_wait_s=config.submit_wait_s,
             replica_ack_timeout_ms=config.replica_ack_timeout_ms,
+            session_cache=SessionCache(
+                self.redis,
+                self.keys,
+                config.cache_retention_s,
+                config.max_cache_retention_s,
+                config.prefetch_hints,
+            ),
         )
         self.metrics = Metrics()
         self.backpressure = Backpressure(

@@ -64,6 +64,13 @@ class IngressConfig(RedisSettings):
     # none: 503 not_replicated), and so is a retry with its X-Request-Id that reattaches to
     # it; 0 disables the wait
     replica_ack_timeout_ms: int = 1000
+    # A request naming a session (prompt_cache_key, user, a Responses chain) has its pages
+    # retained this long after it ends (prompt_cache_retention "in_memory" or unset), at most
+    # max_cache_retention_s (a longer ask is refused: 400)
+    cache_retention_s: float = 600.0
+    max_cache_retention_s: float = 86400.0
+    # publish a queued request's page keys so store nodes bring them up while it waits
+    prefetch_hints: bool = True
     # JSON object of defaults for fields a request leaves out (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_tokens), over those the model's workers publish (its own, under
     # their override): vLLM's --override-generation-config. A config file may give a table.
@@ -96,6 +103,8 @@ class IngressConfig(RedisSettings):
                 raise ConfigError(f"{name} must be at least 1")
         if self.redis_timeout_s <= 0:
             raise ConfigError("redis_timeout_s must be > 0")
+        if not 0 <= self.cache_retention_s <= self.max_cache_retention_s:
+            raise ConfigError("cache_retention_s must be >= 0 and <= max_cache_retention_s")
         if self.body_timeout_s <= 0:
             raise ConfigError("body_timeout_s must be > 0")
         if self.disconnect_grace_s < 0:

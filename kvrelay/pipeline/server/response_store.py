@@ -6,7 +6,9 @@ Fields: `response` (the response object as JSON: in progress from submission, fi
 ingress delivered its last token), `messages` (the conversation it answered, as chat messages:
 the earlier turns and its input, without its instructions, which a later turn does not
 inherit; function calls and their outputs as chat's `tool_calls` and `tool` messages),
-`request_id`, `key_id` (the API key that created it; other keys see nothing).
+`request_id`, `key_id` (the API key that created it; other keys see nothing), `session` (the
+conversation's first response id, or its prompt_cache_key or user: the session whose pages
+the store retains; written with the first copy, kept by the final one).
 
 DELETE /v1/responses/{id} leaves a tombstone until the hash would have expired: `deleted` and
 `key_id` only. Nothing writes over it (the final object of a response deleted in progress,
@@ -26,6 +28,7 @@ from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.redis_options import AsyncRedis
 
 RESPONSE, MESSAGES, REQUEST_ID, KEY_ID = "response", "messages", "request_id", "key_id"
+SESSION = "session"
 DELETED = "deleted"
 
 
@@ -36,6 +39,7 @@ class StoredResponse:
     response: dict[str, Any]
     messages: list[dict[str, Any]]
     request_id: str
+    session: str = ""
 
     @property
     def status(self) -> str:
@@ -59,9 +63,10 @@ class ResponseStore:
         messages: list[dict[str, Any]],
         request_id: str,
         key_id: str,
+        session: str | None = None,
     ) -> None:
         """Write (or overwrite) the stored answer and restart its expiry; a deleted one stays
-        deleted."""
+        deleted. `session` is written when given (the first copy)."""
         key = self.keys.of(response["id"]).response(response["id"])
         values = [
             RESPONSE,
@@ -72,6 +77,7 @@ class ResponseStore:
             request_id,
             KEY_ID,
             key_id,
+            *((SESSION, session) if session else ()),
         ]
         await self.redis.eval(scripts.source("response_save"), 1, key, DELETED, self.ttl_s, *values)
 
@@ -91,4 +97,4 @@ class ResponseStore:
             response, messages = json.loads(found[RESPONSE]), json.loads(found[MESSAGES])
         except (KeyError, ValueError):
             return None
-        return StoredResponse(response, messages, found.get(REQUEST_ID, ""))
+        return StoredResponse(response, messages, found.get(REQUEST_ID, ""), found.get(SESSION, ""))

@@ -36,6 +36,7 @@ from kvrelay.pipeline.openai.response_builder import (
     RESPONSE_PREFIX,
     ResponseBuilder,
     request_id_of,
+    response_id,
 )
 from kvrelay.pipeline.openai.responses_api import ResponsesCall, parse_responses
 from kvrelay.pipeline.openai.tool_parsers import tool_stream
@@ -131,7 +132,11 @@ class ResponsesApi:
             if call.store:  # GET answers "in_progress" until the job stores the final object
                 try:
                     await self.store.save(
-                        builder.response(), prepared.stored_messages, request_id, sub.key_id
+                        builder.response(),
+                        prepared.stored_messages,
+                        request_id,
+                        sub.key_id,
+                        generation.cache_session,
                     )
                 except RedisError as exc:
                     logger.error("request %s: cannot store the response: %s", request_id, exc)
@@ -207,6 +212,10 @@ class ResponsesApi:
                     code="previous_response_in_progress",
                 )
             prepared.history = stored.conversation()
+            if call.generation.cache_session is None:  # the chain's session (its first id)
+                call.generation.cache_session = stored.session or previous
+        elif call.generation.cache_session is None and call.store:  # a chain may start here
+            call.generation.cache_session = response_id(request_id)
         call.check_call_outputs(prepared.history)
         call.generation.messages = call.conversation(prepared.history)
         prepared.digest = call.digest(request_digest(call.generation))

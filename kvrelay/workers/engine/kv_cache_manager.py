@@ -383,6 +383,28 @@ class KVCacheManager:
         seq.num_registered_blocks = 0
         seq.spec.draft_computed = 0  # a draft model's K/V lives in the same block ids
 
+    def retain(self, seq: Sequence) -> None:
+        """Ask the store to keep the saved pages a next turn of `seq`'s session would hit
+        (every full page of each full group; a local group's in the window of the last full
+        block), for the session's TTL; one-way."""
+        retention = seq.retention
+        retain = getattr(self.connector, "retain", None)
+        num_full = min(seq.num_saved_blocks, len(seq.block_keys))
+        if retention is None or retain is None or not self.save_to_store or num_full == 0:
+            return
+        if self.store_down():
+            return
+        P = self.page_size
+        keys = [
+            group_key(key, g)
+            for g, group in enumerate(self.groups)
+            for key in seq.block_keys[group.first_block(num_full * P, P) : num_full]
+        ]
+        try:
+            retain(keys, retention.session, retention.ttl_s)
+        except Exception:  # a hint to the store: losing it costs a later eviction only
+            logger.debug("store retain failed for request %s", seq.request_id)
+
     def commit(self, seq: Sequence) -> None:
         """After a step: key newly full computed blocks, register them and save each page once
         (a local group's only while a resume at the last full block reads it); release the

@@ -25,6 +25,7 @@ import torch
 from kvrelay.core.config import ConfigError
 from kvrelay.core.enums import FinishReason, Speculation
 from kvrelay.core.limits import bad_token_id, context_overflow, token_id_message
+from kvrelay.core.messages import Retention
 from kvrelay.core.sampling import InvalidSamplingParams, SamplingParams, effective_seed
 from kvrelay.kernels import loaded_isa
 from kvrelay.workers.engine.block_pool import BlockPool
@@ -248,12 +249,14 @@ class Engine:
         *,
         output_token_ids: Seq[int] = (),
         cache_salt: str = "",
+        retention: Retention | None = None,
         handoff_after: int | None = None,
         emitted_text_len: int | None = None,
         sampling_checked: bool = False,
     ) -> None:
         """Queue a request; raises InvalidRequestError for input no engine could serve.
 
+        `retention`: the session whose pages the store keeps once the request is done here.
         `output_token_ids` resumes a request whose first outputs were produced elsewhere;
         `emitted_text_len` is how many characters of their text the client has already been
         sent (default: all that those tokens decode to, as after a hand-off).
@@ -301,6 +304,7 @@ class Engine:
             sampling=sampling,
             seed=effective_seed(sampling, request_id),
             cache_salt=cache_salt,
+            retention=retention,
             handoff_after=handoff_after,
             num_resumed_tokens=len(outputs),
         )

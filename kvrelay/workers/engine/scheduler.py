@@ -72,11 +72,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out (finished, aborted or handed off) and release its blocks."""
+        """Take a sequence out (finished, aborted or handed off), retain its session's pages
+        in the store and release its blocks."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.kv.retain(seq)
         self.kv.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:

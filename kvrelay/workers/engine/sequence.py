@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.core.enums import FinishReason
+from kvrelay.core.messages import Retention
 from kvrelay.core.sampling import SamplingParams
 from kvrelay.workers.engine.ngram import NgramIndex
 
@@ -67,6 +68,7 @@ class Sequence:
     sampling: SamplingParams
     seed: int
     cache_salt: str = ""
+    retention: Retention | None = None  # the store keeps its pages for this session
     handoff_after: int | None = None
     num_resumed_tokens: int = 0  # outputs given at add_request (already emitted elsewhere)
     status: SequenceStatus = SequenceStatus.WAITING

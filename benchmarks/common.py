@@ -96,6 +96,11 @@ def pct(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def div(a: float | None, b: float | None) -> float | None:
+    """a / b to 2 decimals (a result table's ratio), None when either is missing or b is 0."""
+    return round(a / b, 2) if a is not None and b else None
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:

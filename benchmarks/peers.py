@@ -16,6 +16,19 @@ text prompt (`role: content` turns, then `assistant:`). In a closed loop:
 - `grounded`: `--grounded-streams` (1 and 8), tasks on a passage or a Python file in the prompt
   (summarize, rewrite, edit the code) whose answers copy spans of the input, the case n-gram
   (prompt-lookup) speculative decoding speeds up (`kvrelay bench --dataset grounded`).
+Two conversation workloads (benchmarks/conversations.py, on `kvrelay bench`'s datasets and session
+runner) measure what each server's prefix cache buys follow-ups, reported by turn (TTFT p50/p90,
+prompt tokens served from cache) beside the usual rows, each kvrelay column against the best peer:
+- `multi-turn`: `--users` (16) conversations at once of `--turns` (6) turns after a shared
+  ~1,500-token system prompt, `--think-time` (30,120 s, seeded) before each follow-up, which
+  carries the server's own previous answer;
+- `doc-qa`: `--documents` (8) 3,000-token documents asked about in turn, `--turns` asks each.
+Every request of a conversation sends `prompt_cache_key` = its id; `--cold` adds a cold twin
+of each kvrelay column (`kvrelay-cold`) whose requests each send a `cache_salt` of their own, so
+nothing is served from cache (the report gives warm / cold TTFT p90 by turn). vLLM gets
+`--enable-prompt-tokens-details` for them, so it reports its cached tokens. To run kvrelay with a
+pool smaller than the conversations' working set (`--print-config` gives it in tokens), size its
+worker pool and store arena through `--kvrelay-extra "--kv-cache-bytes N --arena-bytes M"`.
 Variants run one server several times with different flags, each its own column:
 `--kvrelay-variants plain:--speculation off,spec:--speculation ngram` gives `kvrelay` and
 `kvrelay-spec`, `--llama-variants plain:,ngram:--spec-type ngram-simple ...` gives `llama` and
@@ -37,6 +50,9 @@ kvrelay/peer ratios. Not part of CI; run it on a quiet machine:
     python benchmarks/peers.py --model gemma-3-270m --print-config
     python benchmarks/peers.py --model gemma-3-270m --servers kvrelay,llama,vllm --streams 1 \
         --tokens 16 --repeats 1 --workloads short                  # smoke
+    python benchmarks/peers.py --workloads multi-turn,doc-qa --cold --write-docs   # conversations
+    python benchmarks/peers.py --servers kvrelay --workloads multi-turn --users 2 --turns 2 \
+        --think-time 0,1 --tokens 16 --repeats 1                   # smoke
 """
 
 from __future__ import annotations
@@ -61,27 +77,48 @@ from benchmarks.common import (  # noqa: E402
     Server,
     cpu_flags,
     cpu_model,
+    div,
     isa_line,
+    kv_bytes,
+    kvrelay_kv_dtype,
     llama_gguf,
     machine_line,
+    model_dir,
     pct,
     peer_config,
     peer_model,
     precision,
     write_section,
 )
+from benchmarks.conversations import (  # noqa: E402
+    CONVERSATIONS,
+    best_peer_ratios,
+    cold_by_turn,
+    concurrency,
+    conversation_rows,
+    plot_turns,
+    prompt_tokens,
+    request_results,
+    run_conversations,
+    shape,
+    turn_fields,
+    turn_tables,
+    working_set_tokens,
+)
 from kvrelay.bench.datasets import (  # noqa: E402
+    DOC_QA_DOCUMENTS,
     GROUNDED_MAX_TOKENS,
     LONG_CONTEXT_TOKENS,
     builtin,
 )
-from kvrelay.bench.request import render_prompt  # noqa: E402
+from kvrelay.bench.request import RequestOptions, RequestRecord, Target, render_prompt  # noqa: E402
 from kvrelay.core.modelref import DEFAULT_MODEL  # noqa: E402
 
 MODEL = DEFAULT_MODEL  # --model's default
 APIS = ("auto", "chat", "completions")
-WORKLOADS = ("short", "shared-prefix", "long-context", "grounded")
-# Prompt tokens each workload's requests may hold (the shared system prompt is ~1,530 tokens).
+WORKLOADS = ("short", "shared-prefix", "long-context", "grounded", *CONVERSATIONS)
+# Prompt tokens each workload's requests may hold (the shared system prompt is ~1,530 tokens;
+# the conversations': conversations.prompt_tokens).
 PROMPT_TOKENS = {"short": 128, "shared-prefix": 1700, "long-context": LONG_CONTEXT_TOKENS + 64,
                  "grounded": GROUNDED_MAX_TOKENS + 64}  # fmt: skip
 # Draft length of both speculating servers, so they verify the same number of tokens per step.
@@ -103,6 +140,7 @@ SPEC_VARIANTS = {
     f"{SPEC_TOKENS}",
     "llama": f"plain:,ngram:{LLAMA_NGRAM}",
 }
+VLLM_DETAILS = "--enable-prompt-tokens-details"  # vLLM's flag for usage.prompt_tokens_details
 TOPICS = ["the sea", "mountains", "a city at night", "a robot", "a garden", "the moon",
           "a library", "winter", "trains", "a bakery", "the desert", "rain"]  # fmt: skip
 
@@ -280,6 +318,8 @@ def workload_levels(args: argparse.Namespace) -> list[tuple[str, int]]:
         levels += [("long-context", int(s)) for s in args.long_context_streams.split(",") if s]
     if "grounded" in args.workloads:
         levels += [("grounded", int(s)) for s in args.grounded_streams.split(",") if s]
+    levels += [(w, concurrency(w, args.users, args.shape)) for w in CONVERSATIONS
+               if w in args.workloads]  # fmt: skip
     return levels
 
 
@@ -305,27 +345,53 @@ def variant_label(server: str, name: str) -> str:
 
 def lineup(args: argparse.Namespace) -> dict[str, tuple[str, argparse.Namespace]]:
     """Every server column in run order: label -> (server kind, its arguments), where a variant's
-    flags follow the server's own --*-extra."""
+    flags follow the server's own --*-extra; with --cold each kvrelay column is followed by its
+    cold twin, LABEL-cold (`cold` set: each request a cache_salt of its own)."""
     out: dict[str, tuple[str, argparse.Namespace]] = {}
     for server in args.servers:
         for name, extra in args.variants.get(server, [("plain", [])]):
             own = argparse.Namespace(**vars(args))
             key = f"{server}_extra"
             setattr(own, key, [*getattr(args, key), *extra])
-            out[variant_label(server, name)] = (server, own)
+            own.cold = False
+            label = variant_label(server, name)
+            out[label] = (server, own)
+            if server == "kvrelay" and args.cold_twins:
+                out[f"{label}-cold"] = (server, argparse.Namespace(**{**vars(own), "cold": True}))
     return out
 
 
-def sizing(levels: list[tuple[str, int]], tokens: int) -> tuple[int, int, int]:
+def max_prompt(workload: str, tokens: int, turns: int) -> int:
+    """Prompt tokens a request of `workload` may hold (`tokens` per answer, `turns` turns)."""
+    if workload in CONVERSATIONS:
+        return prompt_tokens(workload, turns, tokens)
+    return PROMPT_TOKENS[workload]
+
+
+def sizing(levels: list[tuple[str, int]], tokens: int, turns: int) -> tuple[int, int, int]:
     """(slots, tokens per slot, KV tokens in use at once at the busiest level) for the servers."""
-    per_slot = max(PROMPT_TOKENS[w] for w, _ in levels) + tokens
-    kv_tokens = max(s * (PROMPT_TOKENS[w] + tokens) for w, s in levels)
+    per_slot = max(max_prompt(w, tokens, turns) for w, _ in levels) + tokens
+    kv_tokens = max(s * (max_prompt(w, tokens, turns) + tokens) for w, s in levels)
     return max(s for _, s in levels), per_slot, kv_tokens
+
+
+def working_sets(args: argparse.Namespace) -> dict[str, int]:
+    """Prompt tokens each conversation workload's cache must hold to serve every turn warm."""
+    return {w: working_set_tokens(w, args.users, args.shape, args.tokens)
+            for w in CONVERSATIONS if w in args.workloads}  # fmt: skip
+
+
+def working_set_bytes(args: argparse.Namespace) -> dict[str, int]:
+    """`working_sets` in bytes of kvrelay's KV (its pool plus arena hold them; size them with
+    --kvrelay-extra "--kv-cache-bytes N --arena-bytes M")."""
+    dtype = kvrelay_kv_dtype(args.kvrelay_extra)
+    return {w: kv_bytes(t, dtype, slack=1.0, model_dir=model_dir(args))
+            for w, t in working_sets(args).items()}  # fmt: skip
 
 
 def server_settings(args: argparse.Namespace, flags: set[str]) -> dict:
     """What `run` would start each server with (`--print-config`)."""
-    slots, budget, kv_tokens = sizing(workload_levels(args), args.tokens)
+    slots, budget, kv_tokens = sizing(workload_levels(args), args.tokens, args.shape.turns)
     servers = {}
     for name, (kind, own) in lineup(args).items():
         server = SERVERS[kind](own, slots, budget, kv_tokens, args.peer)
@@ -333,7 +399,9 @@ def server_settings(args: argparse.Namespace, flags: set[str]) -> dict:
         server.stop()  # removes its temporary directory
     return {"cpu": cpu_model(), "isa": isa_line(flags), "rule": args.peer.why,
             "model": model_line(args), "levels": workload_levels(args), "slots": slots,
-            "tokens_per_slot": budget, "kv_tokens": kv_tokens, "servers": servers}  # fmt: skip
+            "tokens_per_slot": budget, "kv_tokens": kv_tokens,
+            "working_set_tokens": working_sets(args),
+            "working_set_kvrelay_bytes": working_set_bytes(args), "servers": servers}  # fmt: skip
 
 
 def model_line(args: argparse.Namespace) -> dict:
@@ -348,10 +416,65 @@ def model_line(args: argparse.Namespace) -> dict:
     return out
 
 
+def conversation_options(args: argparse.Namespace, cold: bool) -> RequestOptions:
+    """What every request of a conversation asks for: exactly --tokens, greedy or SAMPLED
+    (seeded per request), its conversation's prompt_cache_key and, `cold`, its own cache_salt."""
+    sampled = args.sampling == "sampled"
+    return RequestOptions(
+        args.api,
+        args.tokens,
+        ignore_eos=True,
+        temperature=SAMPLED["temperature"] if sampled else 0.0,
+        top_p=SAMPLED["top_p"] if sampled else None,
+        seeded=sampled,
+        cache_key=True,
+        cold=cold,
+    )
+
+
+def salted(convs: list[dict], prefix: str) -> list[dict]:
+    """`convs` (`payloads`) each with a cache_salt of its own: a cold column's requests."""
+    return [{**c, "cache_salt": f"{prefix}/{i}"} for i, c in enumerate(convs)]
+
+
+def run_level(
+    url: str, name: str, own: argparse.Namespace, workload: str, streams: int, rep: int,
+    sys_text: str,
+) -> tuple[list[dict], float, list[RequestRecord]]:  # fmt: skip
+    """One level of round `rep` against column `name` (arguments `own`) at `url`: its
+    per-request results (`one`'s), wall time and, for a conversation workload, the session
+    runner's records. Every server of a round gets the same requests, new ones every level."""
+    seed = rep * 1000 + streams
+    if workload in CONVERSATIONS:
+        target = Target(name, url, own.model.served, keep_alive=False)  # as `one` does
+        opts = conversation_options(own, own.cold)
+        done = asyncio.run(
+            run_conversations(target, workload, own.users, own.shape, opts, seed, rep)
+        )
+        return request_results(done.records), done.duration_s, done.records
+    convs = requests_for(
+        workload, streams, f"r{rep}-{streams}", sys_text, seed, own.requests_per_stream
+    )
+    convs = payloads(convs, own.model.served, own.api)
+    if own.cold:
+        convs = salted(convs, f"cold/r{rep}/{workload}/{streams}")
+    res, wall = asyncio.run(closed_loop(url, convs, own.tokens, streams, own.sampling == "sampled"))
+    return res, wall, []
+
+
+def level_row(name: str, workload: str, streams: int, res: list[dict], wall: float,
+              records: list[RequestRecord], tokens: int) -> dict:  # fmt: skip
+    """One column's row of one level: `summarize`'s fields, and a conversation level's
+    by-turn report (conversations.turn_fields)."""
+    turns = turn_fields(records) if workload in CONVERSATIONS else {}
+    return {"server": name, "workload": workload, "streams": streams,
+            **summarize(res, wall, tokens), **turns}  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict:
     levels = workload_levels(args)
-    slots, budget, kv_tokens = sizing(levels, args.tokens)
-    raw: dict[tuple[str, str, int], tuple[list[dict], float]] = {}
+    slots, budget, kv_tokens = sizing(levels, args.tokens, args.shape.turns)
+    raw: dict[tuple[str, str, int], tuple[list[dict], float, list[RequestRecord]]] = {}
     started: dict[str, float] = {}
     failed: dict[str, str] = {}
     configs: dict[str, str] = {}
@@ -378,46 +501,34 @@ def run(args: argparse.Namespace) -> dict:
                 warm = payloads(requests_for("short", 2, f"warm{rep}", "")[:2], model.served, api)
                 asyncio.run(closed_loop(server.url, warm, min(args.tokens, 16), 2))
                 for workload, streams in levels:
-                    # Same requests for every server of a round; new ones every level and round.
-                    convs = requests_for(
-                        workload,
-                        streams,
-                        f"r{rep}-{streams}",
-                        sys_text,
-                        rep * 1000 + streams,
-                        args.requests_per_stream,
-                    )
-                    convs = payloads(convs, model.served, api)
-                    res, wall = asyncio.run(
-                        closed_loop(
-                            server.url, convs, args.tokens, streams, args.sampling == "sampled"
-                        )
+                    res, wall, records = run_level(
+                        server.url, name, own, workload, streams, rep, sys_text
                     )
                     key = (name, workload, streams)
-                    old = raw.get(key, ([], 0.0))
-                    raw[key] = (old[0] + res, old[1] + wall)
-                    row = {"round": rep, "server": name, "workload": workload, "streams": streams,
-                           **summarize(res, wall, args.tokens)}  # fmt: skip
-                    print(json.dumps(row), file=sys.stderr, flush=True)
+                    old = raw.get(key, ([], 0.0, []))
+                    raw[key] = (old[0] + res, old[1] + wall, old[2] + records)
+                    row = level_row(name, workload, streams, res, wall, records, args.tokens)
+                    print(json.dumps({"round": rep, **row}), file=sys.stderr, flush=True)
             finally:
                 server.stop()
-    rows = [{"server": k[0], "workload": k[1], "streams": k[2], **summarize(*v, args.tokens)}
-            for k, v in raw.items()]  # fmt: skip
+    rows = [level_row(*key, res, wall, records, args.tokens)
+            for key, (res, wall, records) in raw.items()]  # fmt: skip
     order = {w: i for i, w in enumerate(WORKLOADS)}
     names = list(columns)
     rows.sort(key=lambda r: (order[r["workload"]], r["streams"], names.index(r["server"])))
+    kinds = {name: kind for name, (kind, _) in columns.items()}
+    twins = {name: name.removesuffix("-cold") for name, (_, own) in columns.items() if own.cold}
     return {
         "rows": rows,
         "configs": configs,
-        "ratios": ratios(rows, {name: kind for name, (kind, _) in columns.items()}),
+        "ratios": ratios(rows, kinds),
+        "turn_ratios": best_peer_ratios(rows, kinds),
+        "cold_turns": cold_by_turn(rows, twins),
+        "working_set_tokens": working_sets(args),
         "start_s": started,
         "start_failures": failed,
         "system_prompt_tokens": prompt_sizes,
     }
-
-
-def div(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 2) if a is not None and b else None
 
 
 def ratio_pairs(kinds: dict[str, str]) -> list[tuple[str, str]]:
@@ -542,6 +653,98 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def conversation_notes(args: argparse.Namespace, res: dict) -> str:
+    """What the conversation workloads that ran sent."""
+    lo, hi = args.shape.think_s
+    notes = []
+    for workload, tokens in res["working_set_tokens"].items():
+        if workload == "multi-turn":
+            notes.append(f"multi-turn: {args.users} conversations at once, {args.turns} turns "
+                         f"each after a shared ~1,500-token system prompt, {lo:g}-{hi:g} s of "
+                         "think time (seeded) before each follow-up, which carries the server's "
+                         "own previous answer")  # fmt: skip
+        else:
+            users = concurrency(workload, args.users, args.shape)
+            notes.append(f"doc-qa: {args.documents} 3,000-token documents asked about in turn, "
+                         f"{args.turns} asks each, {users} at once")  # fmt: skip
+        notes[-1] += f" ({tokens:,} prompt tokens to hold for every turn to be warm)"
+    return "; ".join(notes)
+
+
+def docs_header(
+    args: argparse.Namespace, argv: list[str] | None, res: dict, title: str
+) -> list[str]:
+    """A docs section's heading and the run's command, model, machine, precision and settings."""
+    cmd = "python benchmarks/peers.py " + " ".join(argv or sys.argv[1:])
+    prec = "; ".join(f"{k}: {v}" for k, v in res["precision"].items())
+    title += "" if args.model.is_default else f" on {args.model.served}"
+    title += ", sampled" if args.sampling == "sampled" else ""
+    api = "chat" if args.api == "chat" else "completions (messages as plain text)"
+    return [
+        f"## {title}", "", f"Command: `{cmd.strip()}`  ",
+        f"Model: {args.model.served}; streamed {api}  ",
+        f"Machine: {res['machine']}; load average at end {res['load_at_end']}  ",
+        f"CPU: {res['cpu']}; {res['isa']}  ", f"Precision: {prec}  ",
+        f"Peer settings ({res['peer_rule']}): "
+        + "; ".join(f"{k}: `{v}`" for k, v in res["configs"].items()) + "  ",
+    ]  # fmt: skip
+
+
+def sampling_line(args: argparse.Namespace) -> str:
+    """How the answers were drawn and how long they are."""
+    how = "greedy" if args.sampling == "greedy" else f"sampled ({SAMPLED}, seed per request)"
+    return (f"{args.threads} threads each, one server at a time, {args.repeats} alternating "
+            f"round(s); {how}, {args.tokens} output tokens per request (ignore_eos + "
+            "min_tokens)")  # fmt: skip
+
+
+def write_docs(args: argparse.Namespace, argv: list[str] | None, res: dict) -> None:
+    """The run's docs sections, each with its plot: the closed-loop workloads under `peers`
+    (another model or sampling: a name of its own), the conversations under NAME-conversations,
+    so a run of either leaves the other's results in place."""
+    section = "peers" if args.model.is_default else f"peers-{args.model.served}"
+    if args.sampling == "sampled":
+        section += "-sampled"
+    img = args.docs.parent / "img"
+    failures = "; ".join(f"{k}: {v[:300]}" for k, v in res["start_failures"].items())
+    failed = f"Failed to start: {failures or 'none'}."
+    conv = conversation_rows(res["rows"])
+    plain = {
+        **res,
+        "rows": [r for r in res["rows"] if "by_turn" not in r],
+        "ratios": [q for q in res["ratios"] if q["workload"] not in CONVERSATIONS],
+    }
+    if plain["rows"]:
+        plot(plain, img / f"{section}.png")
+        write_section(section, "\n".join([
+            *docs_header(args, argv, res, "Peers: kvrelay vs llama.cpp server vs vLLM (CPU)"),
+            f"{sampling_line(args)}, closed loop with {args.requests_per_stream} request(s) per "
+            f"stream (at least 4){workload_notes(args, res)}. ITL = gaps between content "
+            "chunks (pooled); TPOT = (latency - TTFT) / (tokens - 1) per request (a speculating "
+            "server sends several tokens in a chunk, so compare TPOT there). Ratios are A / B: "
+            "above 1 favors A for throughput, below 1 for TTFT, ITL and TPOT. Start-up seconds "
+            f"(last round): {res['start_s']}.", "",
+            tables(plain), "", f"![peers](img/{section}.png)", "", failed,
+        ]), doc=args.docs)  # fmt: skip
+    if conv:
+        name = f"{section}-conversations"
+        plot_turns(conv, img / f"{name}.png")
+        write_section(name, "\n".join([
+            *docs_header(args, argv, res, "Peers: multi-turn conversations and document "
+                         "re-asks, kvrelay vs llama.cpp server vs vLLM (CPU)"),
+            f"{sampling_line(args)}; {conversation_notes(args, res)}. Each request sends its "
+            "conversation's id as prompt_cache_key; a -cold column sends each request a "
+            "cache_salt of its own. Turns count from 1 (doc-qa: the n-th ask of a document); "
+            "by-turn percentiles interpolate (kvrelay bench's), the first table's take the "
+            "nearest rank. Best-peer ratios: the kvrelay column over the peer best at each (TTFT "
+            "p90 of turns >= 2: below 1 favors kvrelay; output tok/s: above 1); warm / cold: "
+            f"below 1 is what the cache saves. Start-up seconds (last round): {res['start_s']}.",
+            "", tables({**res, "rows": conv, "ratios": [q for q in res["ratios"]
+                                                        if q["workload"] in CONVERSATIONS]}),
+            "", turn_tables(res), "", f"![{name}](img/{name}.png)", "", failed,
+        ]), doc=args.docs)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--servers", default="kvrelay,llama,vllm")
@@ -569,6 +772,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--requests-per-stream", type=int, default=2, help="requests per stream and level (2)"
     )
+    p.add_argument("--users", type=int, default=16,
+                   help="multi-turn and doc-qa: conversations at once (doc-qa: at most "
+                   "--documents) (16)")  # fmt: skip
+    p.add_argument("--turns", type=int, default=6,
+                   help="multi-turn: turns per conversation; doc-qa: asks per document "
+                   "(6)")  # fmt: skip
+    p.add_argument("--think-time", default="30,120", metavar="S|LOW,HIGH",
+                   help="multi-turn: seconds before each follow-up, uniform in LOW..HIGH, "
+                   "seeded (30,120)")  # fmt: skip
+    p.add_argument("--documents", type=int, default=DOC_QA_DOCUMENTS,
+                   help=f"doc-qa: documents asked about in turn ({DOC_QA_DOCUMENTS})")  # fmt: skip
+    p.add_argument("--cold", dest="cold_twins", action="store_true",
+                   help="a cold twin of each kvrelay column (LABEL-cold): each request a "
+                   "cache_salt of its own, so nothing is served from cache")  # fmt: skip
     p.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="alternating rounds")
     p.add_argument("--sampling", choices=("greedy", "sampled"), default="greedy",
@@ -633,6 +850,9 @@ def main(argv: list[str] | None = None) -> int:
     for w in args.workloads:
         if w not in WORKLOADS:
             raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    if args.users < 1:
+        raise SystemExit(f"--users must be >= 1, got {args.users}")
+    args.shape = shape(args.turns, args.think_time, args.documents)
     flags = cpu_flags()
     args.peer = peer_config(flags, args.vllm_dtype)
     args.model = peer_model(args.model)
@@ -641,6 +861,8 @@ def main(argv: list[str] | None = None) -> int:
         llama_gguf(args)  # SystemExit now, not after the other servers ran
     for extra in ("kvrelay_extra", "llama_extra", "vllm_extra"):
         setattr(args, extra, shlex.split(getattr(args, extra)))
+    if set(CONVERSATIONS) & set(args.workloads) and VLLM_DETAILS not in args.vllm_extra:
+        args.vllm_extra.append(VLLM_DETAILS)  # its usage chunk carries cached_tokens only then
     args.variants = {}
     for server in SERVERS:
         text = getattr(args, f"{server}_variants")
@@ -668,42 +890,12 @@ def main(argv: list[str] | None = None) -> int:
                           for name, (kind, own) in lineup(args).items()})  # fmt: skip
     res.update(model=model_line(args))
     print(json.dumps({"benchmark": "peers", **res}))
-    text = tables(res)
-    print(text)
+    print(tables(res))
+    if conversation_rows(res["rows"]):
+        print()
+        print(turn_tables(res))
     if args.write_docs:
-        # the default model keeps the `peers` section; another gets its own (and its own plot)
-        section = "peers" if args.model.is_default else f"peers-{args.model.served}"
-        if args.sampling == "sampled":
-            section += "-sampled"
-        plot(res, args.docs.parent / "img" / f"{section}.png")
-        cmd = "python benchmarks/peers.py " + " ".join(argv or sys.argv[1:])
-        prec = "; ".join(f"{k}: {v}" for k, v in res["precision"].items())
-        title = "" if args.model.is_default else f" on {args.model.served}"
-        title += ", sampled" if args.sampling == "sampled" else ""
-        api = "chat" if args.api == "chat" else "completions (messages as plain text)"
-        write_section(section, "\n".join([
-            f"## Peers: kvrelay vs llama.cpp server vs vLLM (CPU){title}", "",
-            f"Command: `{cmd.strip()}`  ", f"Model: {args.model.served}; streamed {api}  ",
-            f"Machine: {machine}; load average at end "
-            f"{res['load_at_end']}  ", f"CPU: {res['cpu']}; {res['isa']}  ",
-            f"Precision: {prec}  ", f"Peer settings ({res['peer_rule']}): "
-            + "; ".join(f"{k}: `{v}`" for k, v in res["configs"].items()) + "  ",
-            f"{args.threads} threads each, one server at a time, {args.repeats} alternating "
-            f"round(s); streamed {args.api}, "
-            + ("greedy" if args.sampling == "greedy" else
-               f"sampled ({SAMPLED}, seed = request index)")
-            + f", {args.tokens} output tokens per request "
-            f"(ignore_eos + min_tokens), closed loop with "
-            f"{args.requests_per_stream} request(s) per stream (at least 4)"
-            f"{workload_notes(args, res)}. ITL = gaps between content chunks (pooled); "
-            "TPOT = (latency - TTFT) / (tokens - 1) per request (a speculating server sends "
-            "several tokens in a chunk, so compare TPOT there). Ratios are A / B: above 1 "
-            "favors A for throughput, below 1 for TTFT, ITL and TPOT. Start-up "
-            f"seconds (last round): {res['start_s']}.", "",
-            tables(res), "", f"![peers](img/{section}.png)", "",
-            "Failed to start: " + ("; ".join(f"{k}: {v[:300]}" for k, v in
-                                             res["start_failures"].items()) or "none") + ".",
-        ]), doc=args.docs)  # fmt: skip
+        write_docs(args, argv, res)
     return 0 if all(r["errors"] == 0 for r in res["rows"]) and not res["start_failures"] else 1
 
 

@@ -35,6 +35,7 @@ from benchmarks.common import (  # noqa: E402
     DOCS,
     SERVERS,
     Server,
+    div,
     machine_line,
     pct,
     precision,
@@ -239,10 +240,6 @@ def run(args: argparse.Namespace) -> dict:
             for k, v in raw.items()]  # fmt: skip
     rows.sort(key=lambda r: (r["streams"], args.servers.index(r["server"]), r["workload"]))
     return {"rows": rows, "validity": valid, "start_failures": failed}
-
-
-def div(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 2) if a is not None and b else None
 
 
 def tables(res: dict) -> str:

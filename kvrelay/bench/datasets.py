@@ -19,6 +19,7 @@ JSONL files hold one request per line, either `{"messages": [{"role": ..., "cont
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -145,6 +146,9 @@ class Session:
     # the turn its first request counts as in reports (doc-qa: how often its document was
     # asked before, so turn 0 is each document's cold prefill and later turns its re-asks)
     first_turn: int = 0
+    # the conversation its requests continue, when it outlives the session (doc-qa: its
+    # document, asked again by later sessions); None: the session is its own conversation
+    conversation: str | None = None
 
     @property
     def num_requests(self) -> int:
@@ -173,6 +177,17 @@ class Dataset:
             out.append(s)
             left -= s.num_requests
         return out
+
+
+def parse_think_time(text: str) -> tuple[float, float]:
+    """`S` or `LOW,HIGH` seconds (`--think-time`) as (low, high); Shape checks the order."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or not all(math.isfinite(v) for v in values):
+        raise DatasetError(f"{text!r} is not S or LOW,HIGH")
+    return values[0], values[-1]
 
 
 def _sentence(rng: random.Random, n: int) -> str:
@@ -313,7 +328,11 @@ def builtin(name: str, seed: int, shape: Shape | None = None) -> Dataset:
             document, visit = index % shape.documents, index // shape.documents
             question = DOC_QA_QUESTIONS[visit % len(DOC_QA_QUESTIONS)]
             text = f"{doc_qa_document(seed, document)}\n\n({visit}) {question}"
-            return Session(messages=[{"role": "user", "content": text}], first_turn=visit)
+            return Session(
+                messages=[{"role": "user", "content": text}],
+                first_turn=visit,
+                conversation=f"doc-{document}",
+            )
         topic = rng.choice(TOPICS)
         first = f"({index}) Let us talk about {topic}. What is it?"
         follow = [f"Tell me more about {topic}, point {t}." for t in range(2, shape.turns + 1)]

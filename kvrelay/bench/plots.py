@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvrelay.bench.request import RequestRecord
+from kvrelay.bench.stats import TurnSummary
 from kvrelay.bench.sweep import BenchConfig, BenchResult
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,7 +29,7 @@ def _cdf(ax, values_ms: list[float], label: str) -> None:
 
 def latency_cdfs(path: Path, cfg: BenchConfig, result: BenchResult) -> None:
     """TTFT, ITL and E2E CDFs, one line per (server, sweep point)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     groups: dict[tuple[str, float], list[RequestRecord]] = {}
     for rec in result.records:
@@ -43,10 +45,10 @@ def latency_cdfs(path: Path, cfg: BenchConfig, result: BenchResult) -> None:
             _cdf(ax, values(recs), f"{server} {cfg.mode}={point:g}")
         ax.set_xlabel(title)
         ax.set_ylabel("fraction of requests" if "ITL" not in title else "fraction of gaps")
-    _finish(plt, fig, axes, f"kvrelay bench: {cfg.dataset}, latency CDFs", path)
+    finish(plt, fig, axes, f"kvrelay bench: {cfg.dataset}, latency CDFs", path)
 
 
-def _finish(plt, fig, axes, title: str, path: Path) -> None:
+def finish(plt, fig, axes, title: str, path: Path) -> None:
     """Grid and legend on each axis, the title, then write the PNG and free the figure."""
     for ax in axes:
         ax.grid(True, alpha=0.3)
@@ -60,7 +62,7 @@ def _finish(plt, fig, axes, title: str, path: Path) -> None:
 
 def sweep_plot(path: Path, cfg: BenchConfig, result: BenchResult) -> None:
     """Output tok/s and TTFT/ITL p50 against concurrency or request rate, one line per server."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(12, 4.5))
     for target in cfg.targets:
         rows = [s for s in result.summaries if s.server == target.label]
@@ -79,32 +81,41 @@ def sweep_plot(path: Path, cfg: BenchConfig, result: BenchResult) -> None:
         ax.set_xlabel("concurrency" if cfg.mode == "concurrency" else "request rate (req/s)")
         if max(cfg.points) >= 8 * min(cfg.points):  # 1,8,32: equal room for each point
             ax.set_xscale("log", base=2)
-    _finish(plt, fig, (ax_t, ax_l), f"kvrelay bench: {cfg.dataset}, {cfg.mode} sweep", path)
+    finish(plt, fig, (ax_t, ax_l), f"kvrelay bench: {cfg.dataset}, {cfg.mode} sweep", path)
+
+
+def plot_by_turn(
+    ax_ttft, ax_cached, label: str, turns: list[TurnSummary], percentiles: tuple[str, ...]
+) -> None:
+    """One line per TTFT percentile (`p50`, `p90`) on `ax_ttft` and one of the cached prompt %
+    on `ax_cached` (where the server reported it), against the turn."""
+    xs = [t.turn for t in turns]
+    for name in percentiles:
+        pts = [(x, getattr(t.ttft_ms, name)) for x, t in zip(xs, turns, strict=True)]
+        pts = [(x, y) for x, y in pts if y is not None]
+        if pts:
+            ax_ttft.plot(*zip(*pts, strict=True), marker="o", label=f"{label} TTFT {name}")
+    cached = [(x, 100 * t.cached_ratio) for x, t in zip(xs, turns, strict=True)
+              if t.cached_ratio is not None]  # fmt: skip
+    if cached:
+        ax_cached.plot(*zip(*cached, strict=True), marker="o", label=label)
+    ax_ttft.set_ylabel("TTFT (ms)")
+    ax_cached.set_ylabel("cached prompt tokens (%)")
+    for ax in (ax_ttft, ax_cached):
+        ax.xaxis.get_major_locator().set_params(integer=True)  # turns are whole numbers
 
 
 def turns_plot(path: Path, cfg: BenchConfig, result: BenchResult) -> None:
     """TTFT p50/p90 and cached prompt % against the turn, one line per (server, point)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_l, ax_c) = plt.subplots(1, 2, figsize=(12, 4.5))
     for s in result.summaries:
-        if not s.by_turn:
-            continue
-        label = f"{s.server} {cfg.mode}={s.point:g}"
-        xs = [t.turn for t in s.by_turn]
-        for name in ("p50", "p90"):
-            pts = [(x, getattr(t.ttft_ms, name)) for x, t in zip(xs, s.by_turn, strict=True)]
-            pts = [(x, y) for x, y in pts if y is not None]
-            if pts:
-                ax_l.plot(*zip(*pts, strict=True), marker="o", label=f"{label} TTFT {name}")
-        cached = [(x, 100 * t.cached_ratio) for x, t in zip(xs, s.by_turn, strict=True)
-                  if t.cached_ratio is not None]  # fmt: skip
-        if cached:
-            ax_c.plot(*zip(*cached, strict=True), marker="o", label=label)
-    ax_l.set_ylabel("TTFT (ms)")
-    ax_c.set_ylabel("cached prompt tokens (%)")
+        if s.by_turn:
+            label = f"{s.server} {cfg.mode}={s.point:g}"
+            plot_by_turn(ax_l, ax_c, label, s.by_turn, ("p50", "p90"))
     for ax in (ax_l, ax_c):
         ax.set_xlabel("turn" if cfg.dataset != "doc-qa" else "ask of a document")
-    _finish(plt, fig, (ax_l, ax_c), f"kvrelay bench: {cfg.dataset}, by turn", path)
+    finish(plt, fig, (ax_l, ax_c), f"kvrelay bench: {cfg.dataset}, by turn", path)
 
 
 def write_plots(out_dir: Path, cfg: BenchConfig, result: BenchResult) -> list[Path]:

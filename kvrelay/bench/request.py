@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import httpx
@@ -17,9 +18,15 @@ class Target:
     url: str
     model: str
     api_key: str | None = None
+    # False: a fresh connection per request (llama-server closes kept-alive connections between
+    # requests, seen as "Server disconnected without sending a response")
+    keep_alive: bool = True
 
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        out = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if not self.keep_alive:
+            out["Connection"] = "close"
+        return out
 
 
 @dataclass(slots=True)
@@ -31,6 +38,11 @@ class RequestOptions:
     ignore_eos: bool = False
     temperature: float = 0.0
     top_p: float | None = None  # None: the server's default
+    # Per-request fields, each a function of the request's conversation and turn, so every
+    # server of a comparison gets the same ones:
+    seeded: bool = False  # `seed` (sampled comparisons draw the same way everywhere)
+    cache_key: bool = False  # `prompt_cache_key` = the conversation (a server keeps its pages)
+    cold: bool = False  # a `cache_salt` of its own: no cached page matches, every turn is cold
 
 
 @dataclass(slots=True)
@@ -70,14 +82,21 @@ def render_prompt(messages: list[dict[str, str]]) -> str:
     return "\n\n".join(turns) + "\n\nassistant:"
 
 
+def request_seed(conversation: str, turn: int) -> int:
+    """The sampling seed of one request: stable across servers and runs, within 32 bits."""
+    return zlib.crc32(f"{conversation}/{turn}".encode())
+
+
 def request_body(
     target: Target,
     opts: RequestOptions,
     messages: list[dict[str, str]],
     prompt: str | None,
     max_tokens: int | None,
+    conversation: str = "",
+    turn: int = 0,
 ) -> dict:
-    """The JSON body of one streamed request."""
+    """The JSON body of one streamed request, turn `turn` of `conversation` (its id)."""
     body: dict = {
         "model": target.model,
         "max_tokens": max_tokens or opts.max_tokens,
@@ -94,6 +113,12 @@ def request_body(
     if opts.ignore_eos:  # vLLM, kvrelay and llama.cpp honour ignore_eos; min_tokens backs it up
         body["ignore_eos"] = True
         body["min_tokens"] = body["max_tokens"]
+    if opts.seeded:
+        body["seed"] = request_seed(conversation, turn)
+    if opts.cache_key:
+        body["prompt_cache_key"] = conversation
+    if opts.cold:
+        body["cache_salt"] = f"cold/{conversation}/{turn}"
     return body
 
 

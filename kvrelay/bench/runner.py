@@ -3,7 +3,9 @@ Poisson arrivals, stopping after a number of requests or a duration.
 
 A session (one conversation) is the unit of work: its requests go one after another, each
 follow-up carrying the server's previous answer, after the session's think time (a user
-reading, a tool running), whichever loop started the session.
+reading, a tool running), whichever loop started the session. A conversation's id is the
+load's seed and the session's index (or the session's own `conversation`, which doc-qa's asks of
+one document share): the prompt_cache_key, cold cache_salt and sampling seed derive from it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class Load:
     rate: float | None = None
     num_requests: int | None = None  # stop after this many requests ...
     duration_s: float | None = None  # ... or start no request after this many seconds
-    seed: int = 0
+    seed: int = 0  # of the arrival times; it also names the run's conversations (`{seed}-{i}`)
 
     @property
     def point(self) -> float:
@@ -75,6 +77,7 @@ async def _session(
     target: Target,
     opts: RequestOptions,
     session: Session,
+    conversation: str,
     base: RequestRecord,
     t0: float,
     deadline: float,
@@ -109,7 +112,9 @@ async def _session(
                 {"role": "assistant", "content": answer},
                 {"role": "user", "content": session.follow_ups[turn - 1]},
             ]
-        body = request_body(target, opts, messages, session.prompt, session.max_tokens)
+        body = request_body(
+            target, opts, messages, session.prompt, session.max_tokens, conversation, rec.turn
+        )
         answer = await send(client, target, body, rec, t0)
         out.append(rec)
         on_done(rec)
@@ -140,7 +145,10 @@ async def run_load(
             base = RequestRecord(target.label, load.point, round_, index, 0, scheduled_s=scheduled)
             out: list[RequestRecord] = []
             per_session.append(out)
-            return _session(client, target, opts, session, base, t0, deadline, out, on_done)
+            conversation = f"{load.seed}-{session.conversation or index}"
+            return _session(
+                client, target, opts, session, conversation, base, t0, deadline, out, on_done
+            )
 
         if load.concurrency is not None:
 

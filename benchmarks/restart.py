@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,20 +34,11 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import free_port, kvrelay_cli  # noqa: E402
+
 MODEL = "smollm2-135m-instruct"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _kvrelay(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "kvrelay.cli.main", *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
 
 
 def _owner(redis_url: str, prefix: str, request_id: str) -> str:
@@ -204,8 +194,8 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        port = _free_port()
-        done = _kvrelay("up", "--detach", "--run-dir", str(run_dir), "--port", str(port),
+        port = free_port()
+        done = kvrelay_cli("up", "--detach", "--run-dir", str(run_dir), "--port", str(port),
                         "--prefill", "0", "--decode", str(args.decode),
                         *(["--standby"] if args.standby else []))  # fmt: skip
         state = json.loads(done.stdout.strip().splitlines()[-1])
@@ -222,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                               "rounds": len(gaps), "decode": args.decode,
                               "beside": args.beside, "standby": args.standby}))  # fmt: skip
         finally:
-            _kvrelay("down", "--run-dir", str(run_dir))
+            kvrelay_cli("down", "--run-dir", str(run_dir))
 
 
 if __name__ == "__main__":

@@ -392,3 +392,27 @@ def test_consumers_of_dead_workers_are_pruned(r, valkey_session, capsys):
     assert json.loads(out)["streams"][0]["consumers"] == 2  # live.3 and me.4
     assert pruner.prune_consumers(stream, PREFILL_GROUP, idle_ms=100) == 1  # idle even if live
     assert [c["name"] for c in r.xinfo_consumers(stream, PREFILL_GROUP)] == [b"me.4"]
+
+
+def test_store_cache_lines_show_sessions_prefetches_and_evictions_by_reason():
+    from kvrelay.cli.admin import store_cache_lines
+
+    stats = {
+        "page_bytes": 368640,
+        "pages": {"sessions": 2, "retained_host": 10, "retained_disk": 3},
+        "counters": {
+            "prefetch_pages": {"disk": 12.0},
+            "prefetch_hits": {"": 9.0},
+            "evictions": {"host/capacity": 40.0, "host/expired": 5.0, "disk/retained": 1.0},
+        },
+    }
+    assert store_cache_lines(stats) == [
+        "sessions: 2 retaining host 10 pages (3.7 MB), disk 3 pages (1.1 MB)",
+        "prefetched pages: 12 from disk; read 9, evicted unread 0",
+        "evictions: disk retained 1, host capacity 40, host expired 5",
+    ]
+    assert store_cache_lines({}) == [
+        "sessions: 0 retaining host 0 pages (0.0 MB), disk 0 pages (0.0 MB)",
+        "prefetched pages: none; read 0, evicted unread 0",
+        "evictions: none",
+    ]

@@ -513,6 +513,20 @@ def run(args: argparse.Namespace) -> dict:
                 server.stop()
     rows = [level_row(*key, res, wall, records, args.tokens)
             for key, (res, wall, records) in raw.items()]  # fmt: skip
+    return results(args, rows, configs, started, failed, prompt_sizes)
+
+
+def results(
+    args: argparse.Namespace,
+    rows: list[dict],
+    configs: dict[str, str],
+    started: dict[str, float],
+    failed: dict[str, str],
+    prompt_sizes: list[int],
+) -> dict:
+    """A run's report from its level rows: rows in order, ratios, the conversations' by-turn
+    comparisons and what the run was (configs, start-up seconds and failures)."""
+    columns = lineup(args)
     order = {w: i for i, w in enumerate(WORKLOADS)}
     names = list(columns)
     rows.sort(key=lambda r: (order[r["workload"]], r["streams"], names.index(r["server"])))
@@ -529,6 +543,27 @@ def run(args: argparse.Namespace) -> dict:
         "start_failures": failed,
         "system_prompt_tokens": prompt_sizes,
     }
+
+
+def from_log(args: argparse.Namespace, path: Path) -> dict:
+    """The report of a run's first round, from the level rows it printed (JSON lines, "round"
+    0): a run stopped after its first round still reports it, as a run of --repeats 1. Start-up
+    seconds are not in the log."""
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{") and json.loads(line).get("round") == 0:
+            rows.append({k: v for k, v in json.loads(line).items() if k != "round"})
+    if not rows:
+        raise SystemExit(f"--from-log: no round 0 rows in {path}")
+    args.repeats = 1
+    slots, budget, kv_tokens = sizing(workload_levels(args), args.tokens, args.shape.turns)
+    configs = {}
+    for name, (kind, own) in lineup(args).items():
+        server = SERVERS[kind](own, slots=slots, ctx_per_slot=budget, kv_tokens=kv_tokens,
+                               peer=args.peer)  # fmt: skip
+        configs[name] = server.describe()
+        server.stop()  # never started: removes its directory
+    return results(args, rows, configs, {}, {}, [])
 
 
 def ratio_pairs(kinds: dict[str, str]) -> list[tuple[str, str]]:
@@ -834,6 +869,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--write-docs", action="store_true")
     p.add_argument(
+        "--from-log",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="report (and --write-docs) the first round of a run from the level rows it "
+        "printed to stderr (a run stopped after it), with that run's flags; starts no server",
+    )
+    p.add_argument(
         "--print-config",
         action="store_true",
         help="print each server's settings for these workloads and exit (starts nothing)",
@@ -882,7 +925,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     machine = machine_line()
     load_start = os.getloadavg()[0]
-    res = run(args)
+    res = run(args) if args.from_log is None else from_log(args, args.from_log)
     res.update(machine=machine, load_at_end=round(os.getloadavg()[0], 2),
                load_at_start=round(load_start, 2), cpu=cpu_model(), isa=isa_line(flags),
                peer_rule=args.peer.why,

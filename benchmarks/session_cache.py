@@ -2,13 +2,15 @@
 
 - `prefetch`: how much of a store fetch the queue wait hides when a request's pages sit on disk.
   `--documents` documents (doc-qa's, ~3,000 tokens each) are asked once, naming themselves
-  (`prompt_cache_key`); `kvrelay kv evict --tier host` moves every page to disk (and, as root,
-  the OS page cache is dropped); then every document is asked again, all at once, so they queue
-  behind each other on the one worker. The worker's load spans
+  (`prompt_cache_key`); `kvrelay kv evict --tier host` moves every page to disk (files in the
+  OS page cache: what is measured is the disk tier's read, verify and promote, not a device;
+  dropping the page cache also evicts the mapped weights, which the worker then reads back
+  from the device for minutes) and the worker is restarted (SIGKILL: an empty device cache);
+  then every document is asked again, all at once, to a worker that takes one request at a
+  time (`--max-num-seqs 1`), so they wait in the queue. The worker's load spans
   (`kvrelay:kv_store_fetch_seconds{phase="load"}`) give the time its loads took; a run with
   `--env KVRELAY_STORE_PREFETCH=off` against one with prefetch on gives the part the queued wait
-  hid: 1 - on / off (per page loaded). The worker pool holds about one document, so re-asks
-  are not device-cache hits.
+  hid: 1 - on / off (per page loaded).
 - `restart`: `--users` conversations of two turns (the shared ~1,500-token system prompt, a
   question, a `--tokens` answer) with `kvrelay down` and `up` between the turns: the share of
   the second turn's prompt served from cache, against the pages the first turn left (its prompt
@@ -26,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -42,7 +45,6 @@ from kvrelay.bench.datasets import doc_qa_document, shared_system_prompt  # noqa
 
 MODEL = "smollm2-135m-instruct"
 PAGE = 16
-KV_TOKEN_BYTES = 23040  # SmolLM2's bf16 K and V of one token (30 layers x 2 x 3 heads x 64 x 2)
 _SPAN = re.compile(r'kvrelay:kv_store_fetch_seconds_(sum|count)\{[^}]*phase="load"[^}]*\} (\S+)')
 
 
@@ -62,6 +64,18 @@ class Stack:
 
     def json(self, *argv: str) -> dict:
         return json.loads(kvrelay_cli(*argv, "--json", "--run-dir", str(self.run_dir)).stdout)
+
+    def restart_worker(self) -> None:
+        """SIGKILL the worker; return once its successor serves (a new pid with a metrics port)."""
+        old = self.json("status")["workers"][0]["pid"]
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            workers = self.json("status")["workers"]
+            if workers and workers[0]["pid"] != old and workers[0].get("metrics_port"):
+                return
+        raise TimeoutError("the worker did not come back")
 
     def load_spans(self) -> tuple[float, float]:
         """(seconds, loads) of the decode worker's store loads so far."""
@@ -88,24 +102,9 @@ def cached(result: dict) -> int:
     return result["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
 
 
-def drop_page_cache() -> bool:
-    """Write back and drop the OS page cache (root only), so disk pages are read from disk."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def prefetch_run(args: argparse.Namespace, prefetch: bool) -> dict:
-    pool = (3100 + args.tokens) * KV_TOKEN_BYTES * 6 // 5  # about one document
-    flags = [
-        "--kv-cache-bytes",
-        str(pool),
-        "--env",
-        f"KVRELAY_STORE_PREFETCH={'local' if prefetch else 'off'}",
-    ]
+    flags = ["--env", f"KVRELAY_STORE_PREFETCH={'local' if prefetch else 'off'}",
+             "--env", "KVRELAY_WORKER_MAX_NUM_SEQS=1"]  # fmt: skip
     stack = Stack(flags)
     stack.up()
     try:
@@ -114,7 +113,7 @@ def prefetch_run(args: argparse.Namespace, prefetch: bool) -> dict:
         for d, messages in enumerate(asks):
             stack.chat(messages, f"doc-{d}", args.tokens)
         stack.json("kv", "evict", "--tier", "host")
-        dropped = drop_page_cache()
+        stack.restart_worker()
         before_store = stack.json("kv", "stats")["counters"]
         seconds0, loads0 = stack.load_spans()
         with ThreadPoolExecutor(len(asks)) as pool_:
@@ -127,7 +126,6 @@ def prefetch_run(args: argparse.Namespace, prefetch: bool) -> dict:
     pages = sum(cached(r) for r in again) // PAGE
     return {
         "prefetch": prefetch,
-        "page_cache_dropped": dropped,
         "loads": loads1 - loads0,
         "load_s": round(seconds1 - seconds0, 4),
         "pages_cached": pages,

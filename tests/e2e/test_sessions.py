@@ -78,6 +78,10 @@ def test_a_named_session_keeps_its_pages_through_a_flood_and_a_restart(stack):
 
     again = ask(client, follow_up(kept, first, "And at night?"), key="conversation-1")
     assert cached(again) >= saved * PAGE, again.usage  # the whole first turn hit
+    # the same turn computed cold (a salt of its own matches no page): the same tokens
+    cold = ask(client, follow_up(kept, first, "And at night?"), cache_salt="cold")
+    assert cached(cold) == 0
+    assert cold.choices[0].message.content == again.choices[0].message.content
     lost = ask(client, follow_up(plain, control, "And at night?"))
     # evicted from the pool, the arena and the disk, but for the chat template's first page
     # (the default system prompt), which every request of the flood shares

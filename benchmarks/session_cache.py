@@ -45,6 +45,9 @@ from kvrelay.bench.datasets import doc_qa_document, shared_system_prompt  # noqa
 
 MODEL = "smollm2-135m-instruct"
 PAGE = 16
+# a restarted worker faults its KV pool in on a thread once it serves (a fresh pool's first
+# copies would pay the page faults): this long is ample for the default 1 GiB pool
+POOL_FAULT_S = 10.0
 _SPAN = re.compile(r'kvrelay:kv_store_fetch_seconds_(sum|count)\{[^}]*phase="load"[^}]*\} (\S+)')
 
 
@@ -74,6 +77,7 @@ class Stack:
             time.sleep(0.5)
             workers = self.json("status")["workers"]
             if workers and workers[0]["pid"] != old and workers[0].get("metrics_port"):
+                time.sleep(POOL_FAULT_S)
                 return
         raise TimeoutError("the worker did not come back")
 

@@ -240,10 +240,11 @@ class StoreNode:
         store = self.store
         if store is None:
             return 0
-        n, _ = store.prefetch_local(keys)
+        n = store.prefetch_local(keys)
         if n < len(keys) and remote and self.remote is not None:
-            store.mark_prefetched(self.remote.fetch(keys[n:]))  # pinned by the fetch
-            n = store.contains_prefix(keys)
+            fetched = self.remote.fetch(keys[n:])  # the slots of the run fetched, pinned
+            store.mark_prefetched(fetched)
+            n += len(fetched)
         return n
 
     def save_retention(self) -> None:

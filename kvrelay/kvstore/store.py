@@ -324,22 +324,26 @@ class NodeStore(StoreAdmin):
             held = [k for k in keys if self._holds(k)]
             if not held:
                 return 0
-            for key in self.retention.retain(session, held, ttl_s, time.time()):
-                if key in self._lru:
-                    del self._lru[key]
-                    self._kept[key] = None
+            self._keep(self.retention.retain(session, held, ttl_s, time.time()))
             return len(held)
+
+    def _keep(self, keys: list[bytes]) -> None:
+        """Arena pages a session now holds leave the plain order for the kept one."""
+        for key in keys:
+            if key in self._lru:
+                del self._lru[key]
+                self._kept[key] = None
 
     def _holds(self, key: bytes) -> bool:
         e = self._entries.get(key)
         return (e is not None and e.ready) or (self.disk is not None and key in self.disk)
 
-    def prefetch_local(self, keys: list[bytes]) -> tuple[int, int]:
+    def prefetch_local(self, keys: list[bytes]) -> int:
         """Bring the leading `keys` held on disk into the arena ahead of a request (one page
-        per lock hold: a worker's requests never wait for the whole run); returns (leading
-        keys now in the arena, pages read from disk for it)."""
+        per lock hold: a worker's requests never wait for the whole run); returns how many
+        lead the arena now."""
         now = time.monotonic()
-        n = promoted = 0
+        n = 0
         for key in keys:
             with self.lock:
                 self._expire(now)
@@ -349,12 +353,11 @@ class NodeStore(StoreAdmin):
                     if e is None:
                         break
                     e.prefetched = True
-                    promoted += 1
                     self.metrics.inc("prefetch_pages", "disk")
                 elif e is None or not e.ready:
                     break
             n += 1
-        return n, promoted
+        return n
 
     def mark_prefetched(self, slots: list[int]) -> None:
         """Slots a prefetch brought from peers (pinned by the fetch): count them and unpin."""

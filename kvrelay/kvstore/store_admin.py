@@ -66,6 +66,8 @@ class StoreAdmin:
 
         def _holds(self, key: bytes) -> bool: ...
 
+        def _keep(self, keys: list[bytes]) -> None: ...
+
     # -- start and stop ---------------------------------------------------------------------
     def rebuild_from_arena(self) -> int:
         """Index the verified pages already in a reused arena file (a node restart)."""
@@ -91,9 +93,7 @@ class StoreAdmin:
 
         with self.lock:
             n = self.retention.load(path, self._holds, time.time())
-            for key in [k for k in self._lru if self.retention.held(k)]:
-                del self._lru[key]
-                self._kept[key] = None
+            self._keep([k for k in self._lru if self.retention.held(k)])
             return n
 
     def save_retention(self, path: Path) -> None:

@@ -54,6 +54,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("status", "kvrelay.cli.admin", "workers, streams, lag, DLQ and store usage"),
     ("requests", "kvrelay.cli.requests", "show or cancel a request"),
     ("dlq", "kvrelay.cli.requests", "list, show, replay or purge dead-lettered entries"),
+    ("usage", "kvrelay.cli.usage", "tokens and requests counted per API key, tenant and model"),
     ("drain", "kvrelay.cli.admin", "stop a worker from taking new work"),
     ("kv", "kvrelay.cli.store", "inspect the KV page store"),
     ("generate", "kvrelay.cli.generate", "generate text in-process (no Redis)"),

@@ -72,6 +72,21 @@ _HELP = [
     ),
     ("max_cache_retention_s", "longest prompt_cache_retention a request may ask for"),
     ("prefetch_hints", "publish a queued request's page keys so the store brings them up"),
+    (
+        "allow_runtime_lora_updating",
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (run-time LoRA adapters)",
+    ),
+    (
+        "scheduling_policy",
+        "fcfs (first come, first served; priorities refused) or priority (lower priority "
+        "first, then tenants' weighted fair shares)",
+    ),
+    ("priority_age_s", "seconds after which a queued request goes before any priority"),
+    (
+        "api_keys_file",
+        "TOML file of API keys, each with its tenant, weight, priorities and quotas "
+        '(docs/api.md "Tenants")',
+    ),
 ]
 # (flag, config field, type, help)
 SERVE_FLAGS: list[tuple[str, str, type, str]] = setting_flags(IngressConfig, SECTION, _HELP)

@@ -73,6 +73,8 @@ def flag_options(dest: str) -> dict[str, Any]:
         return {"choices": SPECULATION_CHOICES}
     if dest == "attention_precision":
         return {"choices": ATTENTION_PRECISIONS}
+    if dest == "lora_modules":  # repeatable (each may also hold several, comma-separated)
+        return {"action": "append"}
     if dest == "kv_cache_dtype":  # the long names are accepted, the short ones shown
         return {"choices": KV_DTYPE_CHOICES, "metavar": "{" + ",".join(KV_CACHE_DTYPES) + "}"}
     return {}
@@ -94,6 +96,13 @@ _HELP: list[tuple[str, ...]] = [
     ("attention_precision", ATTENTION_HELP),
     *SPECULATION_HELP_TABLE,
     ("kv_cache_bytes", "KV pool bytes"),
+    (
+        "lora_modules",
+        "a LoRA adapter to serve, name=path of a PEFT directory (repeat the flag for more); "
+        "requests name it as their model",
+    ),
+    ("max_loras", "most LoRA adapters held at once (at start and loaded at run time)"),
+    ("max_lora_rank", "highest LoRA rank an adapter may have"),
     ("max_num_seqs", "most sequences per step"),
     ("max_num_batched_tokens", "most tokens per step"),
     ("store_run_dir", "local store node run dir (none: off; or KVRELAY_STORE_RUN_DIR)"),
@@ -201,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
 
     # a bad setting (ConfigError) is one line and exit 2 (kvrelay.cli.main.exit_code)
     overrides = {dest: getattr(args, dest) for _f, dest, _k, _h in worker_flags()}
+    if overrides.get("lora_modules") is not None:  # the repeated flag: a list
+        overrides["lora_modules"] = tuple(overrides["lora_modules"])
     config = load_worker_config(config_file=args.config, **overrides)
     return serve(args.role, config, Engine(config.engine, populate_kv=False))
 

@@ -25,6 +25,9 @@ from kvrelay.core.enums import Stage
 PREFILL_GROUP = Stage.PREFILL.value  # consumer group names are the stage names
 DECODE_GROUP = Stage.DECODE.value
 MESSAGE_FIELD = b"m"  # each stream entry is one field holding a MessagePack map
+# a work stream's wait set (--scheduling-policy priority: pipeline/queue/lua/ordered.lua) is
+# the hash `<stream>:wait:m` of the requests waiting to be moved into it, beside its order keys
+WAIT_SET = ":wait:m"
 # a Responses API id (`resp_<x>`) and its request's (`resp-<x>`) share a shard
 _RESPONSE_PREFIXES = ("resp_", "resp-")
 _CHOICE_SUFFIXES = re.compile(r"(\.[0-9]+)+$")  # choice k of request r is `r.k`
@@ -218,11 +221,42 @@ class Keys:
         """Hash: a stored Responses API answer (`pipeline/server/response_store.py`)."""
         return self._p + f"resp:{response_id}"
 
+    def usage(self, start: int) -> str:
+        """Hash: this shard's usage counts of the hour starting at unix time `start`
+        (`core.usage`: field `<metric> <account>`); the step script that ends a request
+        derives it from `progress` (same prefix) and writes it."""
+        return self._p + f"usage:{start}"
+
+    @property
+    def usage_total(self) -> str:
+        """Hash: this shard's usage counts since it began (never expires; /metrics)."""
+        return self._p + "usage:total"
+
     @property
     def replicated(self) -> str:
         """String with TTL: the marker a cluster submission writes under its shard's tag so
         that `WAIT` on that node covers it (`pipeline/queue/submit.py`)."""
         return self._p + "replicated"
+
+    def _quota(self, key_id: str) -> str:
+        """The prefix of one API key's quota keys: its own hash tag (`{kvrelay.quota.<id>}`),
+        the same on every shard, so its quota script touches one slot."""
+        return f"{{{self.prefix.rstrip(':')}.quota.{key_id}}}:"
+
+    def quota_requests(self, key_id: str) -> str:
+        """String: the requests an API key (`KeyPolicy.key_id`) made in its current minute
+        window, which ends when the key expires (`lua/quota.lua`)."""
+        return self._quota(key_id) + "requests"
+
+    def quota_tokens(self, key_id: str) -> str:
+        """String: the tokens (prompt + max_tokens) an API key asked for in its current minute
+        window, which ends when the key expires (`lua/quota.lua`)."""
+        return self._quota(key_id) + "tokens"
+
+    def quota_open(self, key_id: str) -> str:
+        """Sorted set: an API key's open requests (one member each) -> when the member lapses
+        (unix ms) if its ingress never removes it (`lua/quota.lua`)."""
+        return self._quota(key_id) + "open"
 
     def standby(self, worker_id: str) -> str:
         """String with TTL: the pid of a process waiting, loaded, to serve worker `worker_id`
@@ -280,6 +314,17 @@ class Keys:
         """Hash: served model name -> JSON (fingerprint, page size, max context, generation
         defaults, digest of its files) from workers."""
         return self._g + "models"
+
+    @property
+    def loras(self) -> str:
+        """Hash: LoRA adapter name -> the last run-time command for it (`core.lora_command`),
+        which every worker of this pipeline applies once (`workers.lora_control`). Shard 0's,
+        one per pipeline."""
+        return self._g + "loras" + self._s
+
+    def lora_result(self, command_id: str) -> str:
+        """Hash with TTL: worker name -> "" (done) or why LoRA command `command_id` failed."""
+        return self._g + f"lora-result:{command_id}"
 
     def model_files(self, digest: str) -> str:
         """Hash: file name -> contents, the tokenizer files of a model (`core.model_bundle`)."""

@@ -97,6 +97,9 @@ def _raw_sampling(payload: bytes) -> dict[Any, Any]:
 
 
 MAX_SESSION_CHARS = 256
+MAX_LORA_CHARS = 128  # a LoRA adapter's name (workers.model.lora.MAX_NAME_LEN)
+PRIORITY_BOUND = 1 << 20  # a task's priority lies within +-this
+MAX_TENANT_CHARS = 256
 MAX_RETENTION_S = 366 * 86400  # the wire's bound; store nodes cut it to their own maximum
 
 
@@ -114,6 +117,15 @@ class _Task(Message, kw_only=True):
 
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     retention: Retention | None = None  # None: no session's pages are retained
+    # lower first (vLLM's meaning): queue reads, admission, and preemption victims (highest
+    # value first); the ingress bounds it per API key
+    priority: Annotated[int, msgspec.Meta(ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)] = 0
+    # fair shares: tenants are served by weighted tokens (prompt + generated)
+    tenant: Annotated[str, msgspec.Meta(max_length=MAX_TENANT_CHARS)] = ""
+    weight: Annotated[float, msgspec.Meta(gt=0, le=1e6)] = 1.0
+    # the model's LoRA adapter that serves it ("": the base model); a worker without it
+    # dead-letters the task
+    lora: Annotated[str, msgspec.Meta(max_length=MAX_LORA_CHARS)] = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.sampling, dict):  # built by hand from a dict (checked when decoded)

@@ -31,6 +31,13 @@ def page_key(
     return h.digest()
 
 
+def lora_fingerprint(model_fingerprint: str, lora: str) -> str:
+    """The fingerprint the pages of a LoRA adapter's requests are keyed by ("": the model's).
+    `lora` is the adapter's identity (name and weights digest); it goes before the separator
+    that the cache salt follows, so no salt makes an adapter's keys another's or the base's."""
+    return f"{model_fingerprint}+lora:{lora}" if lora else model_fingerprint
+
+
 def page_keys(
     token_ids: Sequence[int],
     page_size: int,

@@ -29,7 +29,9 @@ class PublishedModel:
     that wrote it (None: a worker from before the stamp); `pipeline` the model pipeline whose
     streams its workers read (`kvrelay.core.keys`; None: the unnamed one); `aliases` the
     other names the model is served under (`--served-model-name`: requests naming one are the
-    model's, answered under the entry's name).
+    model's, answered under the entry's name); `loras` its LoRA adapters (`--lora-modules`,
+    or loaded at run time): adapter name -> its identity in page keys
+    (`core.page_keys.lora_fingerprint`); a request naming one is the model's with it.
     """
 
     fingerprint: str | None = None
@@ -41,6 +43,7 @@ class PublishedModel:
     published: float | None = None
     pipeline: str | None = None
     aliases: tuple[str, ...] | None = None
+    loras: dict[str, str] | None = None
 
     @classmethod
     def decode(cls, raw: str | bytes, name: str = "") -> PublishedModel | None:
@@ -68,6 +71,7 @@ class PublishedModel:
             published=_time(data, "published"),
             pipeline=_text(data, "pipeline"),
             aliases=_names(data, "aliases"),
+            loras=_text_map(data, "loras"),
         )
 
     def encode(self) -> str:
@@ -101,6 +105,13 @@ def _names(data: dict[str, Any], name: str) -> tuple[str, ...] | None:
     if not isinstance(value, list):
         return None
     return tuple(v for v in value if isinstance(v, str) and v) or None
+
+
+def _text_map(data: dict[str, Any], name: str) -> dict[str, str] | None:
+    value = data.get(name)
+    if not isinstance(value, dict):
+        return None
+    return {k: v for k, v in value.items() if isinstance(v, str) and k and v} or None
 
 
 def _count(data: dict[str, Any], name: str) -> int | None:

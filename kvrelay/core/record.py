@@ -51,6 +51,11 @@ SUBMISSION_ID = "submission_id"
 # holds how many, each choice's own record `{id}.{k}` names its parent
 NUM_CHOICES = "num_choices"
 PARENT = "parent"
+# usage accounting (`core.usage`): who the request's usage counts to, JSON [API key name,
+# tenant, model asked], written by the ingress; a choice's: how many choices its request has
+# per prompt (choice k counts its prompt's tokens when k is a multiple, the request when 0)
+ACCOUNT = "account"
+PER_PROMPT = "per_prompt"
 
 # HSET values of the record, as the writers hand them to redis-py or to a script's ARGV
 Encoded = dict[str, str | int | float]
@@ -105,6 +110,8 @@ class RequestRecord:
     submission_id: str | None = None
     num_choices: int | None = None
     parent: str | None = None
+    account: str | None = None
+    per_prompt: int | None = None
 
     @classmethod
     def decode(cls, raw: Mapping[Any, Any]) -> RequestRecord | None:
@@ -222,9 +229,12 @@ FIELDS = frozenset(FIELD_ORDER)
 INT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is parse_int)
 FLOAT_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is parse_float)
 JSON_FIELDS = frozenset(n for n, p in _PARSERS.items() if p is _json)
-# what only the ingress reads (delivery options, the owning API key, attach count, the
-# submission's own id, the fan-out links): never shown as such to clients
-PRIVATE_FIELDS = frozenset({INGRESS, KEY_ID, ATTACH, SUBMISSION_ID, NUM_CHOICES, PARENT})
+# what only the ingress and the step script read (delivery options, the owning API key, attach
+# count, the submission's own id, the fan-out links, the usage account): never shown as such
+# to clients
+PRIVATE_FIELDS = frozenset(
+    {INGRESS, KEY_ID, ATTACH, SUBMISSION_ID, NUM_CHOICES, PARENT, ACCOUNT, PER_PROMPT}
+)
 PUBLIC_FIELDS = tuple(name for name in FIELD_ORDER if name not in PRIVATE_FIELDS)
 
 

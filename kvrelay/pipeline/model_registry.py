@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from redis.exceptions import RedisError
@@ -28,7 +28,7 @@ from kvrelay.core import modelref
 from kvrelay.core.config import cache_root
 from kvrelay.core.keys import pipeline_name
 from kvrelay.core.model_bundle import ModelBundle
-from kvrelay.core.page_keys import DEFAULT_PAGE_SIZE
+from kvrelay.core.page_keys import DEFAULT_PAGE_SIZE, lora_fingerprint
 from kvrelay.core.published_model import PublishedModel
 from kvrelay.core.sampling import GenerationDefaults
 from kvrelay.pipeline.errors import RequestError, model_not_found
@@ -53,6 +53,7 @@ class ModelEntry:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     pipeline: str = ""  # the model pipeline whose streams its requests go to ("" unnamed)
     served_name: str = ""  # the name its workers publish (a path's directory name); "": name
+    lora: str = ""  # a LoRA adapter of the model its workers serve ("": the model itself)
 
     @property
     def worker_model(self) -> str:
@@ -150,6 +151,15 @@ def _alias_of(published: dict[str, PublishedModel], name: str) -> str | None:
     return None
 
 
+def lora_parent(published: dict[str, PublishedModel], name: str) -> tuple[str, str] | None:
+    """(the model, the adapter's page identity) of LoRA adapter `name` as its workers publish
+    it, if any model's do."""
+    for model, entry in published.items():
+        if entry.loras and name in entry.loras:
+            return model, entry.loras[name]
+    return None
+
+
 def _read_cached(digest: str) -> ModelBundle | None:
     """The bundle kept on disk by an earlier fetch, if it is there and intact."""
     path = cache_root() / FILES_CACHE / digest
@@ -202,7 +212,17 @@ class ModelRegistry:
         names = [*self.names]
         for model, entry in published.items():
             names += [model, *(entry.aliases or ())]
+        for entry in published.values():
+            names += sorted(entry.loras or ())
         return list(dict.fromkeys(names))
+
+    async def parent(self, name: str) -> str | None:
+        """The model whose LoRA adapter `name` is (None: no adapter of a published model)."""
+        if self.cluster is None or name in self.names:
+            return None
+        published = await self.cluster.models()
+        found = None if name in published else lora_parent(published, name)
+        return found[0] if found else None
 
     async def canonical(self, name: str) -> str:
         """The name model `name` is served under: `name`, or the model that publishes it as
@@ -289,6 +309,17 @@ class ModelRegistry:
             model = await self.canonical(name)
             if model != name:  # an alias: the model's own entry
                 return await self.get(model)
+            adapter = lora_parent(await self.cluster.models(), name) if self.cluster else None
+            if adapter is not None:  # the model's entry, with the adapter and its pages
+                base = await self.get(adapter[0])
+                fingerprint = base.fingerprint and lora_fingerprint(base.fingerprint, adapter[1])
+                return replace(
+                    base,
+                    name=name,
+                    served_name=base.worker_model,
+                    lora=name,
+                    fingerprint=fingerprint,
+                )
             raise model_not_found(name, await self.served())
         served = self.served_as(name)  # a path's entry is under its workers' name
         by_workers = published if served == name else await self._published(served)
@@ -345,6 +376,7 @@ class ModelRegistry:
         served model, from what is already loaded or published (no file is read)."""
         try:
             name = await self.canonical(name)
+            name = await self.parent(name) or name  # an adapter: its model's numbers
             published = await self._published(name)
         except RedisError:  # what this process knows is still worth showing
             published = None

@@ -45,6 +45,7 @@ from kvrelay.workers.emitter import Emitter, Heartbeat, Inflight, Outgoing, Outg
 from kvrelay.workers.engine.config import RequestOutput
 from kvrelay.workers.engine_api import EngineAPI
 from kvrelay.workers.lane import ShardLane
+from kvrelay.workers.lora_control import LoraControl, published_loras
 from kvrelay.workers.metrics import WorkerMetrics
 from kvrelay.workers.publication import ModelPublication
 from kvrelay.workers.reader import Admission
@@ -136,6 +137,7 @@ class Worker:
                 vocab_size=engine.vocab_size,
                 pipeline=config.pipeline or None,  # where producers queue its requests
                 aliases=config.served_names[1:] or None,
+                loras=published_loras(engine.loras),
             ),
             config.generation_override,
             config.chat_template_text(),
@@ -165,6 +167,10 @@ class Worker:
             lane = ShardLane(self, shard, consumer, info, publication if first else None)
             self.lanes[shard] = lane
         self._first = next(iter(self.lanes.values()))
+        # run-time LoRA adapter commands (applied beside the compute loop)
+        self.lora_control = LoraControl(
+            self.r, self.keys.global_keys, self.name, engine.loras, publication, self.stop_event
+        )
         # the compute loop's generation per shard (a rejoin there starts a new one)
         self._generation = {k: lane.streams.generation for k, lane in self.lanes.items()}
 
@@ -222,6 +228,7 @@ class Worker:
                             self.role, self.name, ", ".join(lane.dead),
                         )  # fmt: skip
                     lane.heartbeat.beat()
+                self.lora_control.poll()  # the adapters its peers were given at run time
                 break
             except redis.ConnectionError as exc:
                 logger.warning("redis unavailable (%s); retrying", exc)
@@ -230,6 +237,7 @@ class Worker:
             lane.heartbeat.start()
             lane.emitter.thread.start()
             lane.reader.start()
+        self.lora_control.start()
         logger.info(
             "%s worker %s ready (consumer %s, shards %s)",
             self.role,
@@ -388,6 +396,10 @@ class Worker:
                 output_token_ids=adm.emitted,
                 cache_salt=task.cache_salt,
                 retention=task.retention,
+                priority=task.priority,
+                tenant=task.tenant,
+                weight=task.weight,
+                lora=task.lora,
                 handoff_after=self.handoff_after,
                 emitted_text_len=adm.emitted_text_len if task.detokenize else None,
                 sampling_checked=True,  # validated when the entry was decoded
@@ -472,6 +484,8 @@ class Worker:
                 finish_reason=chunk.finish_reason or "",
                 error=chunk.error or None,
                 cached_tokens=chunk.usage.get("cached_tokens", 0) if chunk.usage else None,
+                # the usage the client gets, as the step script counts it (lua/usage.lua)
+                prompt_tokens=chunk.usage.get("prompt_tokens") if chunk.usage else None,
             )
             fields = {**ending.changes(), **(record.changes() if record else {})}
         self._emitter(act.shard).put(

@@ -706,18 +706,45 @@ class Inflight:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[str, str] = {}
+        # each held request's priority, tenant and weight (what a full reader may displace)
+        self._claims: dict[str, tuple[int, str, float]] = {}
 
-    def add(self, request_id: str, entry_id: str) -> bool:
+    def add(
+        self,
+        request_id: str,
+        entry_id: str,
+        priority: int = 0,
+        tenant: str = "",
+        weight: float = 1.0,
+    ) -> bool:
         with self._lock:
             if request_id in self._entries:
                 return False
             self._entries[request_id] = entry_id
+            self._claims[request_id] = (priority, tenant, weight)
             return True
 
     def remove(self, request_id: str, entry_id: str | None = None) -> None:
         with self._lock:
             if entry_id is None or self._entries.get(request_id) == entry_id:
                 self._entries.pop(request_id, None)
+                self._claims.pop(request_id, None)
+
+    def crowding(self) -> tuple[int, str] | None:
+        """(the worst priority held, the tenant holding the most of it for its weight when
+        that is two or more, else ""); None when nothing is held."""
+        with self._lock:
+            claims = list(self._claims.values())
+        if not claims:
+            return None
+        worst = max(priority for priority, _t, _w in claims)
+        held: dict[str, float] = {}
+        for priority, tenant, weight in claims:
+            if priority == worst:
+                held[tenant] = held.get(tenant, 0.0) + 1 / weight
+        tenant = max(held, key=held.__getitem__)
+        counts = sum(1 for p, t, _w in claims if p == worst and t == tenant)
+        return worst, tenant if counts >= 2 else ""
 
     def get(self, request_id: str) -> str | None:
         with self._lock:
@@ -731,6 +758,7 @@ class Inflight:
         """Forget every entry (the worker rejoined as a new consumer); what was held."""
         with self._lock:
             held, self._entries = self._entries, {}
+            self._claims = {}
             return held
 
     def __len__(self) -> int:

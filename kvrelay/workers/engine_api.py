@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvrelay.workers.model.loader import LoadedModel
+    from kvrelay.workers.model.lora import LoraSet
 
 
 class GrammarCompiler(Protocol):
@@ -66,6 +67,9 @@ class EngineAPI(BlockPoolOwner, Protocol):
     def kernel_isa(self) -> str: ...  # the C++ CPU kernel build that runs ("": none)
 
     @property
+    def loras(self) -> LoraSet: ...  # its LoRA adapters (published; loaded at run time)
+
+    @property
     def kv_dtype(self) -> torch.dtype: ...  # the KV pool's dtype
 
     @property
@@ -91,6 +95,10 @@ class EngineAPI(BlockPoolOwner, Protocol):
         output_token_ids: Sequence[int] = (),
         cache_salt: str = "",
         retention: Retention | None = None,
+        priority: int = 0,
+        tenant: str = "",
+        weight: float = 1.0,
+        lora: str = "",
         handoff_after: int | None = None,
         emitted_text_len: int | None = None,
         sampling_checked: bool = False,

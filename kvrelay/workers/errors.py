@@ -8,6 +8,7 @@ from kvrelay.core.modelref import ModelNotFoundError
 __all__ = [
     "EngineError",
     "InvalidRequestError",
+    "LoraError",
     "ModelLoadError",
     "ModelNotFoundError",
     "UnsupportedModelError",
@@ -32,3 +33,7 @@ class UnsupportedModelError(EngineError):
 
 class ModelLoadError(EngineError):
     """Converting or reading the model files failed."""
+
+
+class LoraError(EngineError, ValueError):
+    """A LoRA adapter cannot be loaded or used (bad path or format, unknown name, limits)."""

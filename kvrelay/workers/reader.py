@@ -113,8 +113,12 @@ def read_loop(w: ReaderHost) -> None:
     while not w.stop_event.is_set():
         try:
             room = w.room()
-            if w.heartbeat.draining or room <= 0:
+            if w.heartbeat.draining:
                 time.sleep(w.config.block_ms / 1000)
+                continue
+            if room <= 0:
+                if not displace(w, room):
+                    time.sleep(w.config.block_ms / 1000)
                 continue
             if recover is not None:
                 recover = take_back(w, recover, room)
@@ -133,6 +137,8 @@ def read_loop(w: ReaderHost) -> None:
                     continue
             count = min(room, w.config.read_batch)
             with w.streams.lock:
+                # the best of the wait set first (--scheduling-policy priority: lua/refill.lua)
+                w.streams.refill(w.stream, w.group, count)
                 entries = w.streams.read(w.stream, w.group, count, w.config.block_ms)
                 if entries:
                     receive(w, entries)
@@ -144,6 +150,27 @@ def read_loop(w: ReaderHost) -> None:
             logger.exception("reader loop error")
             recover = "-"
             time.sleep(0.1)
+
+
+def displace(w: ReaderHost, room: int) -> bool:
+    """A full worker still takes a request of a better priority than the worst it holds, or
+    of that priority and another tenant than the one crowding its slots, when one waits (the
+    scheduler then preempts a running sequence for it: engine/scheduler.py), up to twice its
+    sequences; whether it took one."""
+    crowding = w.inflight.crowding()
+    if crowding is None or room <= -w.config.engine.max_num_seqs:
+        return False
+    worst, crowded = crowding
+    with w.streams.lock:
+        # every unread entry when one qualifies: they wait unread only while every worker is
+        # full, so taking the others along costs no other worker anything
+        count = w.streams.refill(w.stream, w.group, 1, below=worst, crowded=crowded)
+        if not count:
+            return False
+        entries = w.streams.read(w.stream, w.group, count, None)
+        if entries:
+            receive(w, entries)
+    return bool(entries)
 
 
 def take_back(w: ReaderHost, after: str, room: int) -> str | None:
@@ -229,7 +256,7 @@ def _validate(w: ReaderHost, entry: Entry) -> tuple[Task, int] | None:
             )
             dead_letter(w, entry, reason, task.request_id)
             return None
-    w.inflight.add(task.request_id, entry.entry_id)
+    w.inflight.add(task.request_id, entry.entry_id, task.priority, task.tenant, task.weight)
     return task, strikes
 
 

@@ -296,6 +296,8 @@ EVERY_COMMAND_USAGE = [
                            + _hint("requests")),
     (("dlq", "purge"), "dlq purge deletes every entry: add --yes"),
     (("drain",), "the following arguments are required: worker" + _hint("drain")),
+    (("usage", "--period", "hour", "--since", "1h"), "--period does not go with --since or "
+                                                     "--until"),
     (("config", "list"), "argument action: invalid choice: 'list' (choose from 'show')"
                          + _hint("config")),
 ]  # fmt: skip

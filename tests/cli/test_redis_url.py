@@ -28,6 +28,7 @@ COMMANDS = [
     ("requests", "show", "q1"),
     ("dlq", "ls"),
     ("drain", "w1"),
+    ("usage",),
     ("serve",),
     ("worker", "decode"),
     ("store", "--page-bytes", "64"),

@@ -48,6 +48,7 @@ ENVIRON_USERS = {
     "kvstore/transport/ucx_runtime.py": "setdefault of UCX's own variables before ucxx starts",
     "cli/up/command.py": "hands its environment to the children; reads CUDA_VISIBLE_DEVICES",
     "cli/bench.py": "OPENAI_API_KEY, the OpenAI clients' variable",
+    "pipeline/server/api_keys.py": "a keys file's key_env: a variable the operator names",
 }
 STORE_RUN_DIR_DEFAULT = next(
     f.default for f in dataclasses.fields(StoreConfig) if f.name == "run_dir"

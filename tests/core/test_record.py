@@ -19,6 +19,7 @@ from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import MESSAGE_FIELD
 from kvrelay.core.messages import PrefillTask
 from kvrelay.core.record import RequestRecord, as_str
+from kvrelay.core.usage import UsageField
 from kvrelay.pipeline.queue import scripts
 
 LITERAL = re.compile(r"'([^'\\]*)'|\"([^\"\\]*)\"")
@@ -30,9 +31,9 @@ def _raw_scripts() -> dict[str, str]:
 
 
 def test_every_script_loads_filled_in():
-    expected = "admit attach beat cancel claim dead_letter field_ttl live own owner progress prune"
-    expected += " ran release response_delete response_save"
-    expected += " step strikes submit submit_choices"
+    expected = "admit attach beat cancel claim dead_letter field_ttl live ordered own owner"
+    expected += " progress prune quota ran refill release response_delete response_save"
+    expected += " step strikes submit submit_choices usage"
     assert scripts.names() == expected.split()
     for name in scripts.names():
         text = scripts.source(name)
@@ -67,7 +68,10 @@ def test_scripts_spell_no_name_python_defines():
     submit = {"SUBMISSION_ID"}  # how the submit script knows a retry of its own submission
     ended = {"STATUS.FINISHED", "STATUS.CANCELLED"}  # admission leaves an ended request alone
     heartbeat = {"WORKER.DRAIN", "WORKER.DRAINING"}  # the beat mirrors the admin's drain flag
-    assert used == maintained | claims | dead_letter | submit | ended | heartbeat
+    # the step script counts an ended request's usage from its record (lua/usage.lua)
+    usage = {"PROMPT_TOKENS", "CACHED_TOKENS", "ACCOUNT", "PER_PROMPT", "MODEL"}
+    usage |= {f"USAGE.{field.name}" for field in UsageField}
+    assert used == maintained | claims | dead_letter | submit | ended | heartbeat | usage
     package = Path(kvrelay.__file__).parent
     inline = [str(p) for p in package.rglob("*.py") if "redis.call(" in p.read_text()]
     assert inline == []  # every script lives in lua/, loaded through the one loader
@@ -112,10 +116,11 @@ def test_field_types_are_declared_once_on_the_dataclass():
     assert kinds == {
         "int": {"prompt_tokens", "completion_tokens", "cached_tokens", "draft_tokens",
                 "accepted_tokens", "emitted", "attach", "claim_emitted", "claim_delivery",
-                "claim_strikes", "claim_seen", "claim_ran", "num_choices"},
+                "claim_strikes", "claim_seen", "claim_ran", "num_choices", "per_prompt"},
         "float": {"created", "updated", "started", "deadline"},
         "json": {"ingress"},
-        "private": {"ingress", "key_id", "attach", "submission_id", "num_choices", "parent"},
+        "private": {"ingress", "key_id", "attach", "submission_id", "num_choices", "parent",
+                    "account", "per_prompt"},
     }  # fmt: skip
 
 

@@ -137,7 +137,7 @@ def test_flags_are_generated_from_the_settings_fields():
     from kvrelay.cli.serve import SERVE_FLAGS
     from kvrelay.cli.worker import worker_flags
 
-    assert [(f, dest, kind) for f, dest, kind, _ in SERVE_FLAGS[:-1]] == [
+    assert [(f, dest, kind) for f, dest, kind, _ in SERVE_FLAGS[:20]] == [
         ("--redis-url", "redis_url", str), ("--key-prefix", "key_prefix", str),
         ("--shards", "shards", int), ("--host", "host", str), ("--port", "port", int),
         ("--max-body-bytes", "max_body_bytes", int), ("--body-timeout", "body_timeout_s", float),
@@ -153,7 +153,13 @@ def test_flags_are_generated_from_the_settings_fields():
         ("--cache-retention-s", "cache_retention_s", float),
         ("--max-cache-retention-s", "max_cache_retention_s", float),
     ]  # fmt: skip
-    assert SERVE_FLAGS[-1][:2] == ("--prefetch-hints", "prefetch_hints")  # a bool's parser
+    assert SERVE_FLAGS[20][:2] == ("--prefetch-hints", "prefetch_hints")  # a bool's parser
+    assert [(f, dest, kind) for f, dest, kind, _ in SERVE_FLAGS[22:]] == [
+        ("--scheduling-policy", "scheduling_policy", str),
+        ("--priority-age-s", "priority_age_s", float),
+        ("--api-keys-file", "api_keys_file", str),
+    ]  # fmt: skip
+    assert SERVE_FLAGS[21][:2] == ("--allow-runtime-lora-updating", "allow_runtime_lora_updating")
     assert SERVE_FLAGS[11][3] == (
         "429 beyond this many open requests (default 4096; KVRELAY_INGRESS_MAX_INFLIGHT)"
     )
@@ -163,7 +169,8 @@ def test_flags_are_generated_from_the_settings_fields():
         "--quantization", "--kv-cache-dtype", "--attention-precision", "--speculation",
         "--num-speculative-tokens",
         "--prompt-lookup-min", "--prompt-lookup-max", "--draft-model", "--kv-cache-bytes",
-        "--max-num-seqs", "--max-num-batched-tokens",
+        "--lora-modules", "--max-loras", "--max-lora-rank", "--max-num-seqs",
+        "--max-num-batched-tokens",
         "--store-run-dir", "--lease-ms", "--redis-socket-timeout-s", "--redis-keepalive-s",
         "--stream-interval-ms", "--metrics-port", "--slot-dir",
         "--override-generation-config", "--chat-template", "--served-model-name",

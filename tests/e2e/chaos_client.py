@@ -32,6 +32,8 @@ class StreamResult:
     # the client-side port of each response's connection, the latest last (which ingress of
     # several behind one address serves it: tests/e2e/test_ingress_failover.py)
     client_ports: list[int] = field(default_factory=list)
+    usage: dict | None = None  # the usage event's (stream_options.include_usage)
+    model: str = ""  # the events' `model`: the name asked
 
 
 def _events(resp: httpx.Response):
@@ -54,8 +56,10 @@ def _consume(resp: httpx.Response, res: StreamResult) -> None:
         if "error" in data:
             res.error = data["error"]
             continue
+        if data.get("usage"):  # the usage event (a reattached stream's again: the same)
+            res.usage, res.model = data["usage"], data.get("model", "")
         if not data.get("choices"):
-            continue  # the usage event
+            continue
         choice = data["choices"][0]
         lps = (choice.get("logprobs") or {}).get("content") or []
         if event_id is not None:
@@ -85,7 +89,7 @@ def stream_chat(
     `res`: the result to fill (another thread may watch it fill), else a new one."""
     res = res or StreamResult(request_id)
     give_up = time.monotonic() + give_up_s
-    body = {**body, "stream": True, "logprobs": True}
+    body = {**body, "stream": True, "logprobs": True, "stream_options": {"include_usage": True}}
     while time.monotonic() < give_up:
         headers = {"X-Request-Id": request_id}
         if res.num_tokens:

@@ -31,7 +31,9 @@ import pytest
 from kvrelay.cli.up.sentinel_status import current_primary
 from kvrelay.cli.up.topology import STANDBY_SUFFIX, ingress_programs
 from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP
+from kvrelay.core.usage import UsageField
 from kvrelay.pipeline.client.producer import AsyncClient
+from kvrelay.pipeline.queue.usage import read_total_sync
 from tests.e2e.chaos_client import StreamResult, stream_chat
 from tests.e2e.stack import MODEL, Stack
 
@@ -220,6 +222,7 @@ def churn_and_compare(
     """Requests (`body(i, salt)`) under churn (`victims` and Valkey killed by `chaos`) end
     exactly as undisturbed; returns them and the kills (seconds into the churn, program)."""
     print(f"\nchaos seed {SEED} (replay: KVRELAY_CHAOS_SEED={SEED}), {chaos_s:.0f} s of churn")
+    counted_before = usage_counted(stack)
     t0 = time.monotonic()
     with chaos(stack, SEED, int(chaos_s / 4), victims, chaos_s) as churn:
         got = run_for(stack, "chaos", chaos_s, MIN_REQUESTS, churn.enough, body)
@@ -249,7 +252,30 @@ def churn_and_compare(
         assert (g.text, g.finish_reason) == (ref[i].text, ref[i].finish_reason), i
     assert identical == len(got)
     assert sum(stack.redis.xlen(keys.dlq) for keys in stack.keys.all()) == 0
+    # usage counted exactly once per request whatever was killed: every account's counters
+    # moved by the sum of the usage its clients received (no API keys: one account a model)
+    received: dict[tuple[str, str, str], list[int]] = {}
+    for g in [*got.values(), *ref.values()]:
+        assert g.usage is not None, g
+        counts = received.setdefault(("", "", g.model), [0, 0, 0, 0])
+        u = g.usage
+        for k, value in enumerate((1, u["prompt_tokens"], u["prompt_tokens_details"]
+                                   ["cached_tokens"], u["completion_tokens"])):  # fmt: skip
+            counts[k] += value
+    after = usage_counted(stack)
+    moved = {a: [x - y for x, y in zip(after[a], counted_before.get(a, [0] * 4), strict=True)]
+             for a in after}  # fmt: skip
+    assert {a: c for a, c in moved.items() if any(c)} == received
     return got, kills
+
+
+def usage_counted(stack: Stack) -> dict[tuple[str, str, str], list[int]]:
+    """Every account's [requests, prompt, cached, completion] counted so far, all shards."""
+    return {
+        dims: [u.get(f) for f in (UsageField.REQUESTS, UsageField.PROMPT_TOKENS,
+                                  UsageField.CACHED_TOKENS, UsageField.COMPLETION_TOKENS)]
+        for dims, u in read_total_sync(stack.redis, stack.keys).items()
+    }  # fmt: skip
 
 
 def _kill_every_holder(stack: Stack, request_id: str, stop: threading.Event) -> list[str]:

@@ -36,18 +36,28 @@ def unique_prefix() -> str:
 
 @contextlib.contextmanager
 def running_worker(
-    redis_url: str, key_prefix: str, name: str, role=None, loaded=None, device="auto", **settings
+    redis_url: str,
+    key_prefix: str,
+    name: str,
+    role=None,
+    loaded=None,
+    device="auto",
+    max_num_seqs: int | None = None,
+    **settings,
 ):
     """A real worker (`role`: its class, DecodeWorker by default, which prefills locally) on
     its own thread, with a quick heartbeat and no metrics port (`settings`: more of its
-    WorkerConfig; `device`: its engine's, when it loads the model); stopped on exit."""
+    WorkerConfig; `device`: its engine's, when it loads the model; `max_num_seqs`: its
+    engine's and reader's); stopped on exit."""
     from kvrelay.workers.config import WorkerConfig
     from kvrelay.workers.decode import DecodeWorker
     from kvrelay.workers.engine.llm_engine import Engine, EngineConfig
 
-    engine = Engine(
-        EngineConfig(kv_cache_bytes=32 << 20, num_threads=1, device=device), loaded=loaded
-    )
+    seqs = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    engine_config = EngineConfig(kv_cache_bytes=32 << 20, num_threads=1, device=device, **seqs)
+    engine = Engine(engine_config, loaded=loaded)
+    if seqs:
+        settings["engine"] = engine_config
     config = WorkerConfig(
         redis_url=redis_url,
         key_prefix=key_prefix,

@@ -226,3 +226,31 @@ async def test_generate_follows_through_the_client_feed_and_submit_names_none(
     finally:
         await client.aclose()
         await role.aclose()
+
+
+@pytest.mark.anyio
+async def test_client_queues_by_priority_and_tenant_under_the_priority_policy(
+    valkey_session, smollm_tokenizer
+):
+    import redis.asyncio as aioredis
+
+    prefix = unique_prefix()
+    stream = Keys(prefix).prefill_stream
+    opts = dict(key_prefix=prefix, mode="disaggregated", tokenizers={MODEL: smollm_tokenizer})
+    async with AsyncClient(valkey_session.url, **opts) as fcfs:
+        with pytest.raises(RequestError) as err:
+            await fcfs.submit("Hi", priority=3)
+        assert (err.value.status, err.value.param) == (400, "priority")
+    async with AsyncClient(
+        valkey_session.url, **opts, scheduling_policy="priority", tenant="batch", weight=2.0
+    ) as client:
+        for rid, priority in (("c-0", 5), ("c-1", 5), ("c-2", 1)):
+            await client.submit("Hi", request_id=rid, priority=priority)
+    r = aioredis.Redis.from_url(valkey_session.url)
+    try:
+        # c-0 went straight in (nothing waited), the others wait in order
+        assert [e[1][b"p"] for e in await r.xrange(stream)] == [b"5"]
+        assert await r.zrange(stream + ":wait:bands", 0, -1) == [b"1", b"5"]
+        assert await r.hkeys(stream + ":wait:fin") == [b"batch"]
+    finally:
+        await r.aclose()

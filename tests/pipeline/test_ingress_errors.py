@@ -381,7 +381,9 @@ async def test_redis_down_is_503(smollm_tokenizer):
     from tests.conftest import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    app = create_app(make_config(url), tokenizers={MODEL: smollm_tokenizer})
+    # a short wait for the unreachable Redis (the default rides out 30 s of a restart)
+    config = make_config(url, submit_wait_s=0.5)
+    app = create_app(config, tokenizers={MODEL: smollm_tokenizer})
     try:
         async with http(app) as client:
             resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": HI})

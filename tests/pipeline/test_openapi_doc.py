@@ -62,6 +62,7 @@ COMMON = {
     "prompt_cache_key",
     "prompt_cache_retention",
     "prompt_logprobs",
+    "priority",
 }
 
 

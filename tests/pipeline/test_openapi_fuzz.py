@@ -102,7 +102,13 @@ def _cases(doc: dict) -> list[tuple[str, str, dict]]:
 
 async def test_generated_bodies_never_5xx_and_match_the_models(harness):
     factory, _ = harness
-    app = factory(request_timeout_s=0.05, max_waiting=100_000, disconnect_grace_s=0.0)
+    # the priority policy: any priority the schema allows is served
+    app = factory(
+        request_timeout_s=0.05,
+        max_waiting=100_000,
+        disconnect_grace_s=0.0,
+        scheduling_policy="priority",
+    )
     async with http(app) as client:
         doc = (await client.get("/openapi.json")).json()
         cases = _cases(doc)

@@ -436,7 +436,13 @@ async def test_generated_bodies_match_the_request_model(harness):
     """Seeded bodies from /openapi.json's ResponsesRequest (no worker: accepted ones time out):
     the server and the model agree, and every refusal is OpenAI-shaped."""
     factory, _ = harness
-    app = factory(request_timeout_s=0.05, max_waiting=100_000, disconnect_grace_s=0.0)
+    # the priority policy: any priority the schema allows is served
+    app = factory(
+        request_timeout_s=0.05,
+        max_waiting=100_000,
+        disconnect_grace_s=0.0,
+        scheduling_policy="priority",
+    )
     async with http(app) as client:
         doc = (await client.get("/openapi.json")).json()
         gen = Generator(doc["components"]["schemas"], 20261124, MODEL)

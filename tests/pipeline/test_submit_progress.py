@@ -17,8 +17,9 @@ from tests.pipeline.ingress_support import MODEL, http
 from tests.queue_state import ValkeyClock, expires_at
 
 KEYS = Keys("sp:")
-SUBMIT = scripts.source("submit")
-SUBMIT_CHOICES = scripts.source("submit_choices")
+SUBMIT = scripts.ordered("submit")
+SUBMIT_CHOICES = scripts.ordered("submit_choices")
+FCFS = ["", 0, "", 0, 0]  # the ordering items: at the stream's end
 
 
 def _submit(r, rid: str, submission: str, ttl_fields: str, bound: int = 0, feed: str = "f1"):
@@ -30,7 +31,7 @@ def _submit(r, rid: str, submission: str, ttl_fields: str, bound: int = 0, feed:
         KEYS.progress,
     ]
     args = [100, b"task", bound, PREFILL_GROUP, DECODE_GROUP, submission, rid,
-            new_progress(feed), ttl_fields, "status", "queued"]  # fmt: skip
+            new_progress(feed), ttl_fields, *FCFS, "status", "queued"]  # fmt: skip
     return r.eval(SUBMIT, len(keys), *keys, *args)
 
 
@@ -73,7 +74,7 @@ def test_submit_with_a_bound_and_no_streams_yet(r):
 def test_submit_choices_writes_every_choice_progress(r):
     keys = [KEYS.request("p"), KEYS.prefill_stream, KEYS.decode_stream, KEYS.progress,
             KEYS.request("p.0"), KEYS.request("p.1")]  # fmt: skip
-    args = [100, 0, PREFILL_GROUP, DECODE_GROUP, "s1", 2, new_progress("f9"), "1",
+    args = [100, 0, PREFILL_GROUP, DECODE_GROUP, "s1", 2, new_progress("f9"), "1", *FCFS,
             2, "status", "queued",
             "p", "p.0", b"t0", 2, "status", "queued",
             "d", "p.1", b"t1", 2, "status", "queued"]  # fmt: skip

@@ -459,6 +459,8 @@ def ingress_flags(args: argparse.Namespace) -> list[str]:
     for flag, dest, _kind, _help in INGRESS_FLAGS:
         value = getattr(args, dest, None)
         if value is not None:
+            if dest == "api_keys_file":  # read by the ingress, which runs elsewhere
+                value = os.path.abspath(value)
             out += [flag, str(value)]
     return out
 

@@ -34,7 +34,7 @@ from kvrelay.core.config import (
     setting,
 )
 from kvrelay.core.keys import Keys
-from kvrelay.core.messages import TokenChunk
+from kvrelay.core.messages import PRIORITY_BOUND, TokenChunk
 from kvrelay.core.modelref import DEFAULT_MODEL
 from kvrelay.core.record import RequestRecord
 from kvrelay.core.sampling import GenerationDefaults, InvalidSamplingParams, SamplingParams
@@ -64,6 +64,7 @@ from kvrelay.pipeline.queue.submit import (
     MAX_TOKENS_LIMIT,
     REQUEST_TIMEOUT_S,
     Producer,
+    Tenancy,
     new_request_id,
 )
 from kvrelay.pipeline.queue.subscription import Subscription
@@ -93,6 +94,9 @@ class _Options:
     max_tokens_limit: int
     submit_wait_s: float
     block_ms: int
+    ordered: bool  # --scheduling-policy priority: queued in order (lua/ordered.lua)
+    tenant: str
+    weight: float
 
 
 class AsyncClient:
@@ -116,7 +120,19 @@ class AsyncClient:
         override_generation_config: dict[str, Any] | str | None = None,
         submit_wait_s: float = REDIS_RETRY_S,
         shards: int | None = None,
+        scheduling_policy: str = "fcfs",
+        tenant: str = "",
+        weight: float = 1.0,
     ):
+        """`scheduling_policy`: the stack's ingress's ("priority": this client's requests are
+        queued by priority and fair shares as the ingress's are, as `tenant` with `weight`;
+        "fcfs": at the streams' end, priority 0 only)."""
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be fcfs or priority, got {scheduling_policy!r}"
+            )
+        if not 0 < weight <= 1e6:
+            raise ValueError("weight must be > 0 and <= 1e6")
         self.model = model
         # given (the argument, else KVRELAY_SHARDS): checked against the stack's at first use;
         # not given: the stack's own count, read from its Redis at first use (1 until then)
@@ -130,7 +146,7 @@ class AsyncClient:
         self.redis = redis or async_redis(redis_url, max_connections)
         self._options = _Options(
             tokenizers, mode, route_threshold, timeout_s, max_prompt_tokens, max_tokens_limit,
-            submit_wait_s, block_ms,
+            submit_wait_s, block_ms, scheduling_policy == "priority", tenant, weight,
         )  # fmt: skip
         self.block_ms = block_ms
         self._build(Keys(key_prefix, shards=check_shards(shards or 1)))
@@ -159,8 +175,10 @@ class AsyncClient:
         request_id: str | None = None,
         cache_salt: str = "",
         detokenize: bool = True,
+        priority: int = 0,
     ) -> str:
-        """Queue one request (text, chat messages or token ids); return its id.
+        """Queue one request (text, chat messages or token ids); return its id. `priority`:
+        lower first (the "priority" scheduling policy only).
 
         Raises RequestError (as the HTTP API would answer) for a request that cannot be served,
         an id already in use (409) or Redis unreachable for longer than `submit_wait_s` (503);
@@ -175,6 +193,7 @@ class AsyncClient:
             request_id=request_id,
             cache_salt=cache_salt,
             detokenize=detokenize,
+            priority=priority,
         )
 
     async def _submit(
@@ -189,6 +208,7 @@ class AsyncClient:
         cache_salt: str = "",
         detokenize: bool = True,
         feed: str = "",
+        priority: int = 0,
     ) -> str:
         """submit(), naming `feed` as the reader that follows the request."""
         if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
@@ -196,13 +216,25 @@ class AsyncClient:
         request_id = new_request_id() if request_id is None else checked_id(request_id)
         if not isinstance(detokenize, bool):
             raise type_error("detokenize", "a boolean")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise type_error("priority", "an integer")
+        if priority and not self._options.ordered:
+            raise RequestError(
+                "priority is only served with scheduling_policy='priority'",
+                param="priority",
+                code="unsupported_value",
+            )
+        if abs(priority) > PRIORITY_BOUND:
+            raise RequestError(f"priority must be within +-{PRIORITY_BOUND}", param="priority")
         body = sampling_fields(sampling)
         body.update(model=model or self.model, cache_salt=cache_salt)
         parsed = parse_request(body, prompt, messages, prompt_token_ids)
         try:
             await self._check_shards()
+            o = self._options
+            tenancy = Tenancy(priority, o.tenant, o.weight)
             task, entry = await self.producer.prepare_parsed(
-                parsed, request_id=request_id, detokenize=detokenize
+                parsed, request_id=request_id, detokenize=detokenize, tenancy=tenancy
             )
             route = await self.producer.enqueue(
                 task, entry, RequestRecord(source="client").changes(), feed
@@ -237,6 +269,7 @@ class AsyncClient:
             max_tokens_limit=o.max_tokens_limit,
             timeout_s=o.timeout_s,
             submit_wait_s=o.submit_wait_s,
+            ordered=o.ordered,
         )
         # the one reader of the outputs this client reads (started on first use)
         self.feed = output_feed(self.redis, keys, block_ms=o.block_ms)

@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvrelay.core.messages import PRIORITY_BOUND
 from kvrelay.core.sampling import (
     BOUNDS,
     INT64_MAX,
@@ -84,6 +85,13 @@ def _false_only(base: Any, refused: str) -> Any:
 CacheRetention = Annotated[
     Literal["in_memory", "24h"] | Annotated[int, Field(strict=True, ge=0)],
     Says(expect='"in_memory", "24h" or a number of seconds'),
+]
+
+# vLLM's priority (lower first); the ingress bounds it per API key (server/api_keys.py)
+Priority = Annotated[
+    int,
+    Field(strict=True, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND),
+    Says(invalid=f"{{param}} must be an integer within +-{PRIORITY_BOUND}, got {{value}}"),
 ]
 
 # how many choices to return (n) or generate (best_of); the ingress caps them (max_choices)
@@ -335,6 +343,7 @@ class _Request(BaseModel):
     # the session whose pages the store retains (with `user` when no key), and for how long
     prompt_cache_key: StrictStr | None = None
     prompt_cache_retention: CacheRetention | None = None
+    priority: Priority | None = None  # None: the API key's default
     # pass-through: accepted, change nothing (docs/api.md)
     metadata: dict[str, Any] | None = None
     service_tier: StrictStr | None = None

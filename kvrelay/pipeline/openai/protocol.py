@@ -54,6 +54,7 @@ class GenerationRequest:
     # chain), and the retention asked for (prompt_cache_retention; None: the ingress default)
     cache_session: str | None = None
     cache_retention: str | int | None = None
+    priority: int | None = None  # None: the caller's default (its API key's)
     max_tokens_param: str = "max_tokens"  # the field the client set, for errors about it
     # the SamplingParams fields the body set; the others take the served model's defaults
     fields_set: frozenset[str] = frozenset()
@@ -98,6 +99,7 @@ def _request(req: _Request, api: Api) -> GenerationRequest:
         cache_salt=req.cache_salt or "",
         cache_session=req.prompt_cache_key or req.user,
         cache_retention=req.prompt_cache_retention,
+        priority=req.priority,
         max_tokens_param=req.max_tokens_given()[1],
         fields_set=fields_set,
         n=req.n or 1,

@@ -42,6 +42,7 @@ from kvrelay.pipeline.openai.explain import Says, explain, fail, fail_as, refuse
 from kvrelay.pipeline.openai.models import (
     CacheRetention,
     MaxTokens,
+    Priority,
     Temperature,
     TopP,
     field_names,
@@ -329,6 +330,7 @@ class ResponsesRequest(BaseModel):
     safety_identifier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None  # the retained session (else user, the chain)
     prompt_cache_retention: CacheRetention | None = None
+    priority: Priority | None = None  # None: the API key's default
 
     @model_validator(mode="before")
     @classmethod
@@ -512,6 +514,7 @@ def parse_responses(body: Any) -> ResponsesCall:
         fields_set=fields_set,
         cache_session=req.prompt_cache_key or req.user,
         cache_retention=req.prompt_cache_retention,
+        priority=req.priority,
     )
     if req.tools:
         generation.tools = [tool.chat_tool().to_dict() for tool in req.tools]

@@ -18,6 +18,7 @@ queue (else one with more choices than a bound could never run).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -97,13 +98,25 @@ def _over(current: int, count: int, bound: int) -> bool:
 class Slot:
     """One request's in-flight places; release() is idempotent."""
 
-    __slots__ = ("_count", "_owner")
+    __slots__ = ("_count", "_owner", "_then")
 
     def __init__(self, owner: Backpressure, count: int = 1):
         self._owner: Backpressure | None = owner
         self._count = count
+        self._then: list[Callable[[], None]] = []
+
+    def then(self, callback: Callable[[], None]) -> None:
+        """Run `callback` when the slot is released (what else the request holds till its
+        reply ends: a quota unit); at once when it was."""
+        if self._owner is None:
+            callback()
+        else:
+            self._then.append(callback)
 
     def release(self) -> None:
         if self._owner is not None:
             self._owner.inflight -= self._count
             self._owner = None
+            callbacks, self._then = self._then, []
+            for callback in callbacks:
+                callback()

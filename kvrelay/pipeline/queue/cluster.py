@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar, cast
 from redis.exceptions import ResponseError
 
 from kvrelay.core.enums import Stage
-from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from kvrelay.core.keys import DECODE_GROUP, PREFILL_GROUP, WAIT_SET, Keys
 from kvrelay.core.model_bundle import PUBLICATION_TTL_S
 from kvrelay.core.published_model import PublishedModel
 from kvrelay.core.record import as_str
@@ -293,14 +293,19 @@ class ClusterState:
             for stream in (keys.prefill_stream, keys.decode_stream):
                 pipe.xinfo_groups(stream)
                 pipe.xlen(stream)
+                pipe.hlen(stream + WAIT_SET)  # --scheduling-policy priority's wait set
         replies = await pipe.execute(raise_on_error=False)
         loads: list[dict[str, StreamLoad]] = []
         for k, keys in enumerate(shards):
             streams = (keys.prefill_stream, keys.decode_stream)
             out: dict[str, StreamLoad] = {}
             for i, (name, group) in enumerate(stages):
-                groups, length = replies[4 * k + 2 * i], replies[4 * k + 2 * i + 1]
-                out[name] = await self._stream_load(streams[i], group, groups, length)
+                at = 6 * k + 3 * i
+                groups, length, ordered = replies[at : at + 3]
+                load = await self._stream_load(streams[i], group, groups, length)
+                if isinstance(ordered, int):
+                    load.waiting += ordered
+                out[name] = load
             loads.append(out)
         return loads
 

@@ -21,6 +21,7 @@ from kvrelay.core.dead_letter import DlqField
 from kvrelay.core.enums import FinishReason, RequestStatus, Stage, WorkerField
 from kvrelay.core.errors import KvrelayError
 from kvrelay.core.keys import MESSAGE_FIELD
+from kvrelay.core.usage import UsageField
 
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 _ENUMS: dict[str, type[enum.StrEnum]] = {
@@ -28,6 +29,7 @@ _ENUMS: dict[str, type[enum.StrEnum]] = {
     "STAGE": Stage,
     "FINISH_REASON": FinishReason,
     "WORKER": WorkerField,  # the worker:{name} hash's fields
+    "USAGE": UsageField,  # the usage hashes' metrics (core.usage)
 }
 
 
@@ -93,6 +95,13 @@ def with_progress(name: str) -> str:
     """lua/{name}.lua after the progress.lua prelude (`prog_parse`, `prog_encode`,
     `prog_store`, `frame`): the scripts that read or write a request's progress."""
     return source("progress") + source(name)
+
+
+@functools.cache
+def ordered(name: str) -> str:
+    """lua/{name}.lua after the ordered.lua prelude (`unread`, `waiting`, `ordered_add`,
+    `queue_on`): the scripts that queue work or move it out of a wait set."""
+    return source("ordered") + source(name)
 
 
 def names() -> list[str]:

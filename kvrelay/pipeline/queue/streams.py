@@ -27,6 +27,7 @@ from kvrelay.core.enums import FinishReason, WorkerField
 from kvrelay.core.keys import DECODE_GROUP, MESSAGE_FIELD, PREFILL_GROUP, Keys
 from kvrelay.core.messages import TokenChunk, decode_chunks, frame
 from kvrelay.core.record import RequestRecord, as_str
+from kvrelay.core.usage import USAGE_TTL_S
 from kvrelay.core.worker_record import WorkerRecord
 from kvrelay.pipeline.queue import scripts
 from kvrelay.pipeline.queue.field_ttl import field_ttl_sync
@@ -119,6 +120,7 @@ class Streams:
         out_ttl_s: int = 600,
         req_ttl_s: int = 86400,
         dlq_maxlen: int = 10000,
+        usage_ttl_s: int = USAGE_TTL_S,
     ):
         self.r = client
         self.keys = keys
@@ -134,7 +136,8 @@ class Streams:
         self.out_ttl_s = out_ttl_s
         self.req_ttl_s = req_ttl_s
         self.dlq_maxlen = dlq_maxlen
-        self._step = client.register_script(scripts.with_progress("step"))
+        self.usage_ttl_s = usage_ttl_s
+        self._step = client.register_script(scripts.source("usage") + scripts.with_progress("step"))
         self._admit = client.register_script(scripts.with_progress("admit"))
         self._claim = client.register_script(scripts.source("claim"))
         self._beat = client.register_script(scripts.source("beat"))
@@ -145,6 +148,7 @@ class Streams:
         self._prune = client.register_script(scripts.source("prune"))
         self._read = client.register_script(scripts.with_progress("attach"))
         self._own = client.register_script(scripts.source("own"))
+        self._refill = client.register_script(scripts.ordered("refill"))
 
     @property
     def consumer(self) -> str:
@@ -183,6 +187,18 @@ class Streams:
             for entry_id, fields in items:
                 entries.append(Entry(as_str(entry_id), (fields or {}).get(MESSAGE_FIELD)))
         return entries
+
+    def refill(
+        self, stream: str, group: str, count: int, below: int | None = None, crowded: str = ""
+    ) -> int:
+        """Move the best of `stream`'s wait set (--scheduling-policy priority) into it, so that
+        `count` entries wait unread for this consumer's next read; with `below` (a full
+        worker: the worst priority it holds), at most `count` of a priority below it, or of
+        it and another tenant than `crowded` (the one holding most of its slots; "": none).
+        How many entries to read: with `below`, every unread one when one of them qualifies,
+        else 0 (`lua/refill.lua`)."""
+        args: list[str | int] = [group, count, "" if below is None else below, crowded]
+        return int(self._refill(keys=[stream], args=args))
 
     def own(self, stream: str, group: str, after: str, count: int) -> list[Entry]:
         """Up to `count` entries pending under this consumer with ids after `after` ('-': from
@@ -389,6 +405,7 @@ class Streams:
             len(drop_steps),
             after,
             admitted,
+            self.usage_ttl_s,
             *drop_steps,
         ]
         for feed, items in by_feed.items():

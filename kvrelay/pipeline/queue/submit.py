@@ -44,6 +44,7 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import msgspec
@@ -97,10 +98,10 @@ MARKER_TTL_MS = 60000  # the `{tag}:replicated` key a cluster WAIT writes before
 # lua/submit.lua: create req:{id} and XADD the task in one step, refusing a duplicate id (but
 # not a retry of the same submission) and, at max_waiting unread entries, any new request
 # (backpressure.py's exact bound)
-_SUBMIT_LUA = scripts.source("submit")
+_SUBMIT_LUA = scripts.ordered("submit")
 # lua/submit_choices.lua: the same for a request fanned out into several choices (a parent
 # record, and a record and a task per choice), all or nothing
-_SUBMIT_CHOICES_LUA = scripts.source("submit_choices")
+_SUBMIT_CHOICES_LUA = scripts.ordered("submit_choices")
 
 
 def not_replicated(request_id: str, timeout_ms: int, retry_after_s: int) -> RequestError:
@@ -143,6 +144,20 @@ def routed(task: PrefillTask, route: Route) -> PrefillTask | DecodeTask:
     return msgspec.structs.replace(task, num_cached_tokens=route.cached_tokens)
 
 
+# a request without max_tokens is charged this many generated tokens in the fair-share order
+UNBOUNDED_COST = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Tenancy:
+    """Whom a request is queued for: its priority (lower first), its tenant and the tenant's
+    fair-share weight (the ingress takes them from the caller's API key)."""
+
+    priority: int = 0
+    tenant: str = ""
+    weight: float = 1.0
+
+
 def new_submission_id() -> str:
     """Tells the submit script a retry of one submission from another with the same id."""
     return uuid.uuid4().hex
@@ -167,8 +182,13 @@ class Producer:
         submit_wait_s: float = REDIS_RETRY_S,
         replica_ack_timeout_ms: int = REPLICA_ACK_TIMEOUT_MS,
         session_cache: SessionCache | None = None,
+        ordered: bool = False,
+        priority_age_s: float = 60.0,
     ):
         self.redis, self.keys, self.registry, self.router = redis, keys, registry, router
+        # --scheduling-policy priority: queued by priority and tenants' fair shares, a request
+        # waiting past priority_age_s first (lua/ordered.lua); else at the streams' end
+        self.ordered, self.priority_age_ms = ordered, max(1, round(priority_age_s * 1000))
         # retention of named sessions, prefetch hints (defaults: 600 s, a day at most, on)
         self.session_cache = session_cache or SessionCache(redis, keys)
         self.max_prompt_tokens, self.max_tokens_limit = max_prompt_tokens, max_tokens_limit
@@ -202,6 +222,7 @@ class Producer:
         prompt_token_ids: list[int] | None = None,
         cache_salt: str = "",
         retention: Retention | None = None,
+        tenancy: Tenancy = Tenancy(),
         detokenize: bool = True,
         max_tokens_param: str = "max_tokens",
         fields_set: Collection[str] | None = None,
@@ -254,6 +275,10 @@ class Producer:
             sampling=sampling,
             cache_salt=cache_salt,
             retention=retention,
+            priority=tenancy.priority,
+            tenant=tenancy.tenant,
+            weight=tenancy.weight,
+            lora=entry.lora,
             arrival_time=now,
             deadline=deadline,
             detokenize=detokenize,
@@ -297,9 +322,18 @@ class Producer:
             )
 
     async def prepare_parsed(
-        self, parsed: GenerationRequest, *, request_id: str, detokenize: bool = True
+        self,
+        parsed: GenerationRequest,
+        *,
+        request_id: str,
+        detokenize: bool = True,
+        tenancy: Tenancy | None = None,
     ) -> tuple[PrefillTask, ModelEntry]:
-        """prepare() for a parsed OpenAI body (the ingress and the producer client)."""
+        """prepare() for a parsed OpenAI body (the ingress and the producer client).
+
+        `tenancy`: the caller's (None: the body's priority, no tenant)."""
+        if tenancy is None:
+            tenancy = Tenancy(priority=parsed.priority or 0)
         return await self.prepare(
             parsed.model,
             parsed.sampling,
@@ -309,6 +343,7 @@ class Producer:
             prompt_token_ids=parsed.prompt_token_ids,
             cache_salt=parsed.cache_salt,
             retention=self.session_cache.retention(parsed.cache_session, parsed.cache_retention),
+            tenancy=tenancy,
             detokenize=detokenize,
             max_tokens_param=parsed.max_tokens_param,
             fields_set=parsed.fields_set,
@@ -393,11 +428,21 @@ class Producer:
                 task.request_id,
                 new_progress(feed),
                 ttl_fields,
+                *self._order(task),
                 *flat,
             ],
         )
         entry_id = await self._replicated(task.request_id, self._submit, call)
         return route, entry_id
+
+    def _order(self, task: PrefillTask) -> list[str | int | float]:
+        """The submit scripts' ordering items: ordered?, priority, tenant, cost, age bound."""
+        if not self.ordered:
+            return ["", 0, "", 0, 0]
+        max_tokens = task.sampling.max_tokens
+        tokens = len(task.prompt_token_ids) + (max_tokens if max_tokens else UNBOUNDED_COST)
+        cost = tokens / task.weight
+        return ["1", task.priority, task.tenant, repr(cost), self.priority_age_ms]
 
     async def _ack_ms(self) -> int:
         """How long a submission WAITs for a replica (0: it does not): the setting on a
@@ -578,6 +623,7 @@ class Producer:
             len(tasks),
             new_progress(feed),
             await field_ttl(self.redis),
+            *self._order(tasks[0]),
             len(parent),
             *parent,
         ]

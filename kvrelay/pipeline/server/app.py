@@ -41,14 +41,16 @@ from kvrelay.pipeline.queue import choices_state
 from kvrelay.pipeline.queue.backpressure import Backpressure
 from kvrelay.pipeline.queue.cluster import ClusterState
 from kvrelay.pipeline.queue.feed import output_feed
+from kvrelay.pipeline.queue.quota import HOLD_GRACE_S, Quotas
 from kvrelay.pipeline.queue.redis_options import async_redis, resilient
 from kvrelay.pipeline.queue.route import Router
 from kvrelay.pipeline.queue.session_cache import SessionCache
 from kvrelay.pipeline.queue.shard_count import check_shard_count
 from kvrelay.pipeline.queue.submit import Producer
-from kvrelay.pipeline.server.config import IngressConfig, load_config
+from kvrelay.pipeline.server.config import PRIORITY, IngressConfig, load_config
 from kvrelay.pipeline.server.http import error_response
 from kvrelay.pipeline.server.info import InfoApi
+from kvrelay.pipeline.server.lora_routes import LoraApi
 from kvrelay.pipeline.server.middleware import BodyTimeoutMiddleware, RequestIdMiddleware
 from kvrelay.pipeline.server.responses_routes import ResponsesApi
 from kvrelay.pipeline.server.routes import GenerationApi
@@ -111,11 +113,15 @@ class Ingress:
                 config.max_cache_retention_s,
                 config.prefetch_hints,
             ),
+            ordered=config.scheduling_policy == PRIORITY,
+            priority_age_s=config.priority_age_s,
         )
         self.metrics = Metrics()
         self.backpressure = Backpressure(
             self.cluster, config.max_waiting, config.max_inflight, config.retry_after_s
         )
+        # per-key quotas; a unit lapses a while after its request's deadline
+        self.quotas = Quotas(self.redis, self.keys, config.request_timeout_s + HOLD_GRACE_S)
         self.started = int(time.time())
         self._token_text: dict[str, Callable[[int], str]] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -123,6 +129,16 @@ class Ingress:
         self.info = InfoApi(self)
         self.responses = ResponsesApi(self)
         self.tokenization = TokenizationApi(self)
+
+    def lora_routes(self) -> list[Route]:
+        """vLLM's run-time LoRA endpoints, where the configuration allows them."""
+        if not self.config.allow_runtime_lora_updating:
+            return []
+        lora = LoraApi(self)
+        return [
+            Route("/v1/load_lora_adapter", lora.load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", lora.unload, methods=["POST"]),
+        ]
 
     def routes(self) -> list[Route]:
         """The route table: every endpoint the ingress serves, and the method that serves it."""
@@ -143,6 +159,7 @@ class Ingress:
             Route("/openapi.json", info.openapi, methods=["GET"]),
             Route("/tokenize", self.tokenization.tokenize, methods=["POST"]),
             Route("/detokenize", self.tokenization.detokenize, methods=["POST"]),
+            *self.lora_routes(),
         ]
 
     @contextlib.asynccontextmanager
@@ -260,6 +277,7 @@ class Ingress:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.quotas.aclose()
         await self.feed.stop()
         self.cluster.close()
         await self.redis.aclose()

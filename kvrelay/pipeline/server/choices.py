@@ -100,8 +100,12 @@ async def generate_choices(
         return job.response()
 
     record = sub.record(options, parsed.user)
-    choice_record = RequestRecord(user=parsed.user or "", key_id=sub.key_id).changes()
-    return await sub.start(tasks, entry, record, digest, reattach, respond, choice_record)
+    choice_record = RequestRecord(
+        user=parsed.user or "", key_id=sub.key_id, per_prompt=parsed.per_prompt
+    ).changes()
+    return await sub.start(
+        tasks, entry, record, digest, reattach, respond, choice_record, prompt_tokens
+    )
 
 
 async def _choice_tasks(
@@ -121,7 +125,9 @@ async def _choice_tasks(
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             one = dataclasses.replace(parsed, prompt=text, prompt_token_ids=ids, prompts=None)
         first = choice_id(request_id, p * per_prompt)
-        task, entry = await sub.ing.producer.prepare_parsed(one, request_id=first)
+        task, entry = await sub.ing.producer.prepare_parsed(
+            one, request_id=first, tenancy=sub.tenancy(parsed.priority)
+        )
         prompt_tokens += len(task.prompt_token_ids)
         echoes.append(echo_text(one, task.prompt_token_ids, entry) if parsed.echo else "")
         for k in range(per_prompt):

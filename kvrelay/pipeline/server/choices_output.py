@@ -3,9 +3,10 @@
 Lifecycle: one reader task per choice follows its chunks (the output feed) -> chunks merged
 in the order they arrive -> SSE events whose `choices[].index` tells the choices apart
 (interleaved, as OpenAI sends them), or one body once every choice has finished (best_of: the
-n with the highest cumulative logprob per prompt) -> [usage: completion tokens summed, each
-prompt counted once] -> [DONE]. A choice that fails, the deadline or a lost Redis end the whole
-reply, and the other choices are cancelled; a client that goes away has them all cancelled
+n with the highest cumulative logprob per prompt) -> [usage: completion tokens of every choice
+generated summed (best_of's candidates too), each prompt counted once] -> [DONE]. A choice
+that fails, the deadline or a lost Redis end the whole reply, and the other choices are
+cancelled; a client that goes away has them all cancelled
 (after the grace period). Events carry no `id:` line: token indices are per choice, so a
 reattach replays from the start.
 """
@@ -210,8 +211,12 @@ class ChoicesJob(Delivery):
         for index, i in enumerate(kept):
             self.choices[i].fmt.index = index
             bodies.append(self.choices[i].fmt.response(results[i]))
+        # every choice generated counts, best_of's discarded candidates too: as OpenAI bills
+        # them, and as the usage counters count them (lua/usage.lua, per choice)
         usage = self._usage(
-            kept, [results[i].usage for i in kept], [len(results[i].token_ids) for i in kept]
+            list(range(len(results))),
+            [r.usage for r in results],
+            [len(r.token_ids) for r in results],
         )
         self._finished(results[0].finish_reason or FinishReason.STOP, usage)
         body = {key: bodies[0][key] for key in ("id", "object", "created", "model")}

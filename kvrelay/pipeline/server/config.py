@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kvrelay.core.config import (
     ConfigError,
@@ -18,9 +19,12 @@ from kvrelay.pipeline.openai.tool_parsers import DETECT, PARSER_SETTINGS
 from kvrelay.pipeline.queue.feed import BLOCK_MS
 from kvrelay.pipeline.queue.route import ROUTE_THRESHOLD, RouteMode
 from kvrelay.pipeline.queue.submit import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, REQUEST_TIMEOUT_S
+from kvrelay.pipeline.server.api_keys import ApiKeys
 
 SECTION = "INGRESS"
 MODES = tuple(m.value for m in RouteMode)  # plain strings: argparse shows them
+FCFS, PRIORITY = "fcfs", "priority"
+SCHEDULING_POLICIES = (FCFS, PRIORITY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +48,14 @@ class IngressConfig(RedisSettings):
     max_choices: int = 16
     retry_after_s: int = 1
     request_timeout_s: float = REQUEST_TIMEOUT_S  # deadline given to workers
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    api_keys: tuple[str, ...] = ()  # empty (and no keys file): no authentication
+    # TOML keys file: each key's tenant, weight, priorities and quotas (server/api_keys.py)
+    api_keys_file: str | None = None
+    # vLLM's --scheduling-policy: fcfs (the streams' order; a priority other than 0 is
+    # refused) or priority (queued by priority, lower first, then by tenants' weighted fair
+    # shares: queue/lua/ordered.lua); a request waiting longer than priority_age_s goes first
+    scheduling_policy: str = FCFS
+    priority_age_s: float = 60.0
     record_ttl_s: int = 86400  # req:{id} expiry set at submission
     # A client that loses its connection may reconnect (Last-Event-ID) this long before its
     # request is cancelled; 0 cancels at once. Long enough for a prompt retry, short enough
@@ -79,6 +90,9 @@ class IngressConfig(RedisSettings):
     # parser (hermes), "auto" to pick it from the model's chat template, "none" to refuse
     # tool_choice auto (not an optional field: "none" stays that word)
     tool_call_parser: str = DETECT
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): off, the routes do not exist
+    allow_runtime_lora_updating: bool = False
 
     def validate(self) -> IngressConfig:
         """Raise ConfigError for values the ingress cannot run with; return self."""
@@ -116,6 +130,21 @@ class IngressConfig(RedisSettings):
         if self.route_threshold < 0 or self.request_timeout_s <= 0:
             raise ConfigError("route_threshold must be >= 0 and request_timeout_s > 0")
         generation_override(self.override_generation_config)
+        keys = self.keys  # a bad keys file fails here, at start
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.scheduling_policy == FCFS and any(
+            p.priority or p.min_priority > 0 or p.max_priority < 0 for p in keys.policies
+        ):
+            raise ConfigError(
+                "the keys file sets priorities other than 0: serve them with "
+                "scheduling_policy priority"
+            )
+        if self.priority_age_s <= 0:
+            raise ConfigError("priority_age_s must be > 0")
         check_shards(self.shards)
         if self.tool_call_parser not in PARSER_SETTINGS:
             raise ConfigError(
@@ -125,6 +154,11 @@ class IngressConfig(RedisSettings):
         return self
 
     @property
+    def keys(self) -> ApiKeys:
+        """The accepted keys and their policies (the file read once per process)."""
+        return _api_keys(self.api_keys, self.api_keys_file)
+
+    @property
     def generation_override(self) -> GenerationDefaults:
         return generation_override(self.override_generation_config)
 
@@ -132,6 +166,11 @@ class IngressConfig(RedisSettings):
     def redis_socket_timeout_s(self) -> float:
         """Read timeout of a pooled connection: longer than the feed's longest wait."""
         return self.redis_timeout_s + self.read_block_ms / 1000
+
+
+@lru_cache(maxsize=8)
+def _api_keys(keys: tuple[str, ...], keys_file: str | None) -> ApiKeys:
+    return ApiKeys.load(keys, keys_file)
 
 
 def load_config(

@@ -19,6 +19,7 @@ from kvrelay.pipeline.model_registry import ModelEntry, ModelRegistry
 from kvrelay.pipeline.queue.backpressure import Backpressure
 from kvrelay.pipeline.queue.cluster import ClusterState
 from kvrelay.pipeline.queue.feed import OutputFeed, OutputFeeds
+from kvrelay.pipeline.queue.quota import Quotas
 from kvrelay.pipeline.queue.redis_options import AsyncRedis
 from kvrelay.pipeline.queue.submit import Producer
 from kvrelay.pipeline.server.config import IngressConfig
@@ -49,6 +50,9 @@ class InfoHost(ModelHost, Protocol):
 
     @property
     def redis(self) -> AsyncRedis: ...
+
+    @property
+    def keys(self) -> Keys: ...  # the usage counters /metrics exports (usage_metrics.py)
 
     @property
     def cluster(self) -> ClusterState: ...
@@ -91,6 +95,9 @@ class RequestHost(ModelHost, RecordHost, OutputHost, Protocol):
 
     @property
     def backpressure(self) -> Backpressure: ...
+
+    @property
+    def quotas(self) -> Quotas: ...
 
     def token_text(self, entry: ModelEntry) -> Callable[[int], str]: ...
 

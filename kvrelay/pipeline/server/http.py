@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -14,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kvrelay.pipeline.errors import RequestError
+from kvrelay.pipeline.server.api_keys import ANONYMOUS, ApiKeys, KeyPolicy
 
 REQUEST_ID_HEADER = "X-Request-Id"
 
@@ -26,13 +25,14 @@ def error_response(err: RequestError, request_id: str | None = None) -> JSONResp
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-def check_api_key(request: Request, api_keys: tuple[str, ...]) -> str:
-    """Require `Authorization: Bearer <key>` with one of `api_keys` (no-op when empty).
+def check_api_key(request: Request, keys: ApiKeys) -> KeyPolicy:
+    """Require `Authorization: Bearer <key>` with one of `keys` (no-op when there are none).
 
-    Returns a short id of the key ("" without keys): requests remember who submitted them.
+    Returns the key's policy (`ANONYMOUS` without keys): requests remember who submitted them
+    (`KeyPolicy.key_id`), and its tenant, priorities and quotas apply.
     """
-    if not api_keys:
-        return ""
+    if not keys.required:
+        return ANONYMOUS
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -42,19 +42,15 @@ def check_api_key(request: Request, api_keys: tuple[str, ...]) -> str:
             code="missing_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    presented = token.strip().encode()
-    # compare against every key so the time taken does not reveal which prefix matched
-    ok = False
-    for key in api_keys:
-        ok |= secrets.compare_digest(presented, key.encode())
-    if not ok:
+    policy = keys.match(token.strip())
+    if policy is None:
         raise RequestError(
             "Incorrect API key provided.",
             401,
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    return hashlib.blake2b(presented, digest_size=8).hexdigest()
+    return policy
 
 
 def _too_large(limit: int) -> RequestError:

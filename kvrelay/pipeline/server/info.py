@@ -16,6 +16,7 @@ from kvrelay.pipeline.queue.route import DECODE, PREFILL, RouteMode
 from kvrelay.pipeline.server.context import InfoHost
 from kvrelay.pipeline.server.http import check_api_key, error_response
 from kvrelay.pipeline.server.openapi import openapi_document
+from kvrelay.pipeline.server.usage_metrics import usage_exposition
 
 
 @dataclass(slots=True)
@@ -27,7 +28,7 @@ class InfoApi:
     async def list_models(self, request: Request) -> Response:
         """GET /v1/models: configured names plus any model a worker publishes."""
         try:
-            check_api_key(request, self.ingress.config.api_keys)
+            check_api_key(request, self.ingress.config.keys)
         except RequestError as err:
             return error_response(err)
         names = await self._served()
@@ -38,7 +39,7 @@ class InfoApi:
         """GET /v1/models/{id}: one model object, 404 model_not_found for a name not served."""
         name = request.path_params["model_id"]
         try:
-            check_api_key(request, self.ingress.config.api_keys)
+            check_api_key(request, self.ingress.config.keys)
             served = await self._served()
             if name not in served:
                 raise model_not_found(name, served)
@@ -78,13 +79,14 @@ class InfoApi:
         return JSONResponse(body)
 
     async def metrics(self, request: Request) -> Response:
-        """GET /metrics: the Prometheus text exposition."""
-        return Response(self.ingress.metrics.render(), media_type=CONTENT_TYPE)
+        """GET /metrics: the Prometheus text exposition (with the stack's usage counters)."""
+        usage = await usage_exposition(self.ingress.redis, self.ingress.keys)
+        return Response(self.ingress.metrics.render() + usage, media_type=CONTENT_TYPE)
 
     async def openapi(self, request: Request) -> Response:
         """GET /openapi.json (the same API-key rule as /v1/models)."""
         try:
-            check_api_key(request, self.ingress.config.api_keys)
+            check_api_key(request, self.ingress.config.keys)
         except RequestError as err:
             return error_response(err)
         return JSONResponse(openapi_document())
@@ -99,7 +101,15 @@ class InfoApi:
         """The OpenAI model object, with vLLM's `max_model_len` (null until known) and the
         `generation_defaults` a request gets for the sampling fields it leaves out."""
         created = self.ingress.started
-        body = {"id": name, "object": "model", "created": created, "owned_by": "kvrelay"}
+        body: dict[str, Any] = {
+            "id": name, "object": "model", "created": created, "owned_by": "kvrelay"
+        }  # fmt: skip
+        try:
+            parent = await self.ingress.registry.parent(name)
+        except RedisError:
+            parent = None
+        if parent is not None:  # a LoRA adapter (vLLM's model card names its base model)
+            body |= {"root": name, "parent": parent}
         return body | await self.ingress.registry.describe(name)
 
 

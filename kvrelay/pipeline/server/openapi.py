@@ -40,7 +40,7 @@ _ERRORS = {
     "410": "the request's output expired",
     "413": "body too large",
     "415": "the body is not declared as JSON (Content-Type)",
-    "429": "overloaded; honour Retry-After",
+    "429": "overloaded, or over the API key's quota (rate_limit_exceeded); honour Retry-After",
     "500": "generation failed or an internal error",
     "503": "queue (Redis) unavailable or model not ready",
     "504": "request deadline passed",

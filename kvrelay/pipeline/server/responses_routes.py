@@ -114,7 +114,9 @@ class ResponsesApi:
         if (answer := await sub.posted_before(prepared.digest, again)) is not None:
             return answer
         await sub.admit(generation.model)
-        task, entry = await ing.producer.prepare_parsed(generation, request_id=request_id)
+        task, entry = await ing.producer.prepare_parsed(
+            generation, request_id=request_id, tenancy=sub.tenancy(generation.priority)
+        )
         options = IngressOptions(
             # GET /v1/requests/{id}/stream replays a response as chat.completion.chunks
             api=Api.CHAT,
@@ -185,7 +187,7 @@ class ResponsesApi:
         if not resp_id.startswith(RESPONSE_PREFIX) or not _valid_id(request_id_of(resp_id)):
             omit_request_id(request.scope)
             raise _bad_id("response_id")
-        return resp_id, check_api_key(request, self.ingress.config.api_keys)
+        return resp_id, check_api_key(request, self.ingress.config.keys).key_id
 
     async def _prepare(self, call: ResponsesCall, request_id: str, key_id: str) -> _Prepared:
         """Resolve `previous_response_id` into chat messages; digest what the call asks for."""

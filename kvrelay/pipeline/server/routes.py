@@ -101,7 +101,9 @@ class GenerationApi:
         await sub.admit(parsed.model, parsed.num_choices)
         if parsed.num_choices > 1:  # n, best_of, several prompts: choices.py
             return await generate_choices(sub, parsed, digest, echo_text, tool_options, again)
-        task, entry = await ing.producer.prepare_parsed(parsed, request_id=request_id)
+        task, entry = await ing.producer.prepare_parsed(
+            parsed, request_id=request_id, tenancy=sub.tenancy(parsed.priority)
+        )
         options = IngressOptions.posted(
             parsed,
             digest,
@@ -185,7 +187,7 @@ class GenerationApi:
         ing, request_id = self.ingress, None
         try:
             request_id = _path_id(request)
-            key_id = check_api_key(request, ing.config.api_keys)
+            key_id = check_api_key(request, ing.config.keys).key_id
             rec = await owned_record(ing, request_id, key_id)
             return await handle(request_id, rec)
         except RequestError as err:

@@ -73,7 +73,7 @@ class TokenizationApi:
     async def _serve(self, request: Request, answer: Any) -> Response:
         ing = self.ingress
         try:
-            check_api_key(request, ing.config.api_keys)
+            check_api_key(request, ing.config.keys)
             body = await read_json(request, ing.config.max_body_bytes)
             return JSONResponse(await answer(body))
         except RequestError as err:

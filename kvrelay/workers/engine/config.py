@@ -43,6 +43,12 @@ class EngineConfig:
     draft_model: str | None = None  # same tokenizer as `model`; loaded like it
     spec_row_cost: float = 0.0  # a row's cost over a step's fixed cost; 0: the kernels' default
     cuda_graphs: bool = True  # on CUDA, decode steps replay CUDA graphs (engine/cuda_graphs.py)
+    # LoRA adapters (model/lora.py, PEFT directories): name=path items, loaded at start; at
+    # most max_loras held at once (loaded at start or at run time), each of rank up to
+    # max_lora_rank
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from kvrelay.core.kv_layout import KVGroup, KVLayout, group_key
-from kvrelay.core.page_keys import page_key
+from kvrelay.core.page_keys import lora_fingerprint, page_key
 from kvrelay.workers.engine.block_pool import BlockPool
 from kvrelay.workers.engine.kv_connector import KVConnector, StoreLiveness
 from kvrelay.workers.engine.kv_loader import Fetch, KVLoader
@@ -104,13 +104,17 @@ class KVCacheManager:
         """Chained keys of the first `num_full` blocks of `seq` (computed once, appended)."""
         keys = seq.block_keys
         P = self.page_size
+        # a LoRA adapter's pages are its own (never the base model's or another adapter's)
+        fingerprint = (
+            self.fingerprint
+            if seq.lora is None
+            else lora_fingerprint(self.fingerprint, seq.lora.salt)
+        )
         while len(keys) < num_full:
             i = len(keys)
             parent = keys[-1] if keys else None
             keys.append(
-                page_key(
-                    parent, seq.token_ids[i * P : (i + 1) * P], self.fingerprint, seq.cache_salt
-                )
+                page_key(parent, seq.token_ids[i * P : (i + 1) * P], fingerprint, seq.cache_salt)
             )
         return keys[:num_full]
 

@@ -48,7 +48,8 @@ from kvrelay.workers.engine.speculator import (
     fixed_step_bytes,
     resolve_speculation,
 )
-from kvrelay.workers.errors import EngineError, InvalidRequestError
+from kvrelay.workers.errors import EngineError, InvalidRequestError, LoraError
+from kvrelay.workers.model.lora import LoraSet, parse_modules
 
 if TYPE_CHECKING:
     from kvrelay.workers.model.loader import LoadedModel
@@ -153,7 +154,8 @@ class Engine:
         kv_pool = allocate_kv_pool(
             mc, num_blocks, P, kv_dtype, loaded.device, layout, populate=populate_kv
         )
-        self.runner = ModelRunner(loaded.model, kv_pool, P, attention, layout)
+        self.loras = self._loras(config, loaded.model)
+        self.runner = ModelRunner(loaded.model, kv_pool, P, attention, layout, loras=self.loras)
         if loaded.device.type == "cuda" and config.cuda_graphs:
             if layout.num_groups == 1:
                 self.runner.use_cuda_graphs(config.max_num_seqs, self.max_model_len)
@@ -191,6 +193,26 @@ class Engine:
             self.kernel_isa or "none",
             attention,
         )
+
+    def _loras(self, config: EngineConfig, model: Any) -> LoraSet:
+        """The LoRA adapters of `config.lora_modules`, loaded (ConfigError when one fails)."""
+
+        def in_use() -> list[Any]:  # the adapters of live requests (a C-level copy: no race)
+            seqs = getattr(self, "_seqs", {})  # (none while the engine is being built)
+            return [s.lora for s in list(seqs.values()) if s.lora is not None]
+
+        try:
+            loras = LoraSet(model, config.max_loras, config.max_lora_rank, in_use)
+            modules = parse_modules(config.lora_modules)
+            if len(modules) > config.max_loras:
+                raise LoraError(
+                    f"{len(modules)} LoRA modules given, max_loras is {config.max_loras}"
+                )
+            for name, path in modules.items():
+                loras.load(name, path)
+        except LoraError as exc:
+            raise ConfigError(str(exc)) from None
+        return loras
 
     def populate_kv_pool(self) -> None:
         """Fault in the KV pool's pages on a thread (an engine made with `populate_kv` False)."""
@@ -250,6 +272,10 @@ class Engine:
         output_token_ids: Seq[int] = (),
         cache_salt: str = "",
         retention: Retention | None = None,
+        priority: int = 0,
+        tenant: str = "",
+        weight: float = 1.0,
+        lora: str = "",
         handoff_after: int | None = None,
         emitted_text_len: int | None = None,
         sampling_checked: bool = False,
@@ -257,6 +283,9 @@ class Engine:
         """Queue a request; raises InvalidRequestError for input no engine could serve.
 
         `retention`: the session whose pages the store keeps once the request is done here.
+        `priority`: lower first (admission, and the last to be preempted); `tenant` and its
+        `weight`: sequence slots are shared between tenants by weight (engine/scheduler.py).
+        `lora`: the loaded LoRA adapter that serves it ("": the base model).
         `output_token_ids` resumes a request whose first outputs were produced elsewhere;
         `emitted_text_len` is how many characters of their text the client has already been
         sent (default: all that those tokens decode to, as after a hand-off).
@@ -265,6 +294,10 @@ class Engine:
         sampling = sampling if sampling is not None else SamplingParams()
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
+        try:
+            adapter = self.loras.get(lora) if lora else None
+        except LoraError as exc:
+            raise InvalidRequestError(str(exc), param="model") from None
         prompt = self._check_ids(prompt_token_ids, "prompt")
         outputs = self._check_ids(output_token_ids, "output_token_ids", allow_empty=True)
         try:
@@ -305,7 +338,11 @@ class Engine:
             seed=effective_seed(sampling, request_id),
             cache_salt=cache_salt,
             retention=retention,
+            priority=priority,
+            tenant=tenant,
+            weight=weight,
             handoff_after=handoff_after,
+            lora=adapter,
             num_resumed_tokens=len(outputs),
         )
         if sampling.prompt_logprobs is not None and not outputs:  # resumed: emitted before

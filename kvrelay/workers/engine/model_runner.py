@@ -15,6 +15,7 @@ from kvrelay.kernels import AttentionMetadata
 from kvrelay.workers.engine.cuda_graphs import DecodeGraphs
 from kvrelay.workers.engine.scheduler import ScheduledSeq
 from kvrelay.workers.engine.sequence import Sequence
+from kvrelay.workers.model.lora import LoraRows, LoraSet
 
 if TYPE_CHECKING:
     from kvrelay.workers.model.llama import LlamaForCausalLM
@@ -51,8 +52,10 @@ class ModelRunner:
         page_size: int,
         attention_precision: str = "fp32",
         layout: KVLayout | None = None,
+        loras: LoraSet | None = None,
     ):
         self.model = model
+        self.loras = loras  # sequences' LoRA adapters (none on a draft model's runner)
         self.num_groups = 1 if layout is None else layout.num_groups
         self.kv_pool = kv_pool
         self.page_size = page_size
@@ -151,13 +154,23 @@ class ModelRunner:
             prompt_rows,
         )
 
+    def lora_rows(self, scheduled: list[ScheduledSeq]) -> LoraRows | None:
+        """The step's token rows by LoRA adapter (None: no sequence has one)."""
+        if self.loras is None:
+            return None
+        return self.loras.rows(
+            [s.seq.lora for s in scheduled], [s.num_new_tokens for s in scheduled]
+        )
+
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
         """Compute K/V of the scheduled tokens; their logits (sampling and prompt rows)."""
         input_ids, positions, meta, logits_indices, prompt_rows = self.prepare(scheduled)
+        lora = self.lora_rows(scheduled)
         num = len(scheduled)
         if (
             self.graphs is not None
+            and lora is None
             and isinstance(meta, AttentionMetadata)
             and meta.max_query_len == 1
             and not prompt_rows
@@ -168,7 +181,7 @@ class ModelRunner:
                 logits = self.graphs.run(input_ids, positions, meta, size)
                 if logits is not None:  # left on the GPU: greedy rows need only the argmax
                     return StepLogits(logits)
-        logits = self.model(input_ids, positions, self.kv_pool, meta, logits_indices)
+        logits = self.model(input_ids, positions, self.kv_pool, meta, logits_indices, lora)
         logits = logits.float().cpu()
         if not prompt_rows:
             return StepLogits(logits)

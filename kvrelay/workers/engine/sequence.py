@@ -69,7 +69,11 @@ class Sequence:
     seed: int
     cache_salt: str = ""
     retention: Retention | None = None  # the store keeps its pages for this session
+    priority: int = 0  # lower first: admitted before, preempted after higher values
+    tenant: str = ""  # fair shares of sequence slots between tenants, by weight
+    weight: float = 1.0
     handoff_after: int | None = None
+    lora: Any = None  # its LoRA adapter (model.lora.LoraAdapter), None: the base model
     num_resumed_tokens: int = 0  # outputs given at add_request (already emitted elsewhere)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)  # KV group 0's (core.kv_layout)

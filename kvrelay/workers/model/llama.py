@@ -33,7 +33,7 @@ import mmap
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,13 @@ from kvrelay.workers.model.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 ROW_ALIGN = 4
+
+
+class RowDeltas(Protocol):
+    """Per-row additions to a step's linear outputs (LoRA adapters: `model.lora.LoraRows`)."""
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, linear_name: str) -> None:
+        """Add to `out` (= the layer's linear `linear_name` of `x`) in place."""
 
 
 def padded_rows(n: int, align: int = ROW_ALIGN) -> int:
@@ -442,8 +449,10 @@ class LlamaForCausalLM(nn.Module):
         kv_pool: torch.Tensor,
         meta: AttentionMetadata | Sequence[AttentionMetadata],
         logits_indices: torch.Tensor,
+        lora: RowDeltas | None = None,
     ) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows `logits_indices` of this step's T tokens.
+        `lora`: the LoRA deltas of the step's adapter rows (the Python loop runs them).
 
         `kv_pool` holds every layer per block (one `meta`), or one KV group's layers per block
         (`allocate_kv_pool(grouped=True)`: one `meta` per group, in `kv_layout`'s order)."""
@@ -481,13 +490,15 @@ class LlamaForCausalLM(nn.Module):
         x = rms_norm(hidden, self.layers[0].input_norm, c.rms_norm_eps) if self.layers else hidden
         cos = [table[0] for table in tables]
         sin = [table[1] for table in tables]
-        if decoder is not None and decoder.run(
-            hidden, x, token_pos, cos, sin, kv_pool, slots, metas, self.scale
+        if (
+            decoder is not None
+            and lora is None
+            and decoder.run(hidden, x, token_pos, cos, sin, kv_pool, slots, metas, self.scale)
         ):
             return self.compute_logits(hidden, logits_indices)
         eps = c.rms_norm_eps
         for index, layer in enumerate(self.layers):
-            qkv = self.project_qkv(layer, x)
+            qkv = self.project_qkv(layer, x, lora, index)
             rope = tables[c.rope_set(index)]
             group, slot = slots_of[index]
             q = self.write_kv(slot, qkv[:num_tokens], token_pos, rope, kv_pool, slots[group])
@@ -500,11 +511,21 @@ class LlamaForCausalLM(nn.Module):
                 attn_rows[:num_tokens] = attn.reshape(num_tokens, c.q_size)
                 attn_in = attn_rows
             out = layer.o(attn_in)
+            if lora is not None:
+                lora.add(out, attn_in, index, "o")
             if layer.attn_out_norm is not None:
                 out = rms_norm(out, layer.attn_out_norm, eps)
             # The residual adds run in place, fused with the next norm (one op each).
             x = add_rms_norm(hidden, out, layer.post_norm, eps)
-            down = layer.down(glu(c.activation, layer.gate_up, x))
+            if lora is None:
+                act = glu(c.activation, layer.gate_up, x)
+            else:  # unfused: the deltas go in before the activation (fused: the same bits)
+                gate_up = layer.gate_up(x)
+                lora.add(gate_up, x, index, "gate_up")
+                act = gelu_tanh_mul(gate_up) if c.activation == "gelu_tanh" else silu_mul(gate_up)
+            down = layer.down(act)
+            if lora is not None:
+                lora.add(down, act, index, "down")
             if layer.mlp_out_norm is not None:
                 down = rms_norm(down, layer.mlp_out_norm, eps)
             if index + 1 < len(self.layers):
@@ -575,9 +596,22 @@ class LlamaForCausalLM(nn.Module):
     def after_load(self) -> None:
         """Rearrange loaded weights before they are packed or quantized (a family's own)."""
 
-    def project_qkv(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
-        """The layer's [q | k | v] rows for normed input rows x (before RoPE)."""
-        return layer.qkv(x)
+    def project_qkv(
+        self, layer: DecoderLayer, x: torch.Tensor, lora: RowDeltas | None = None, index: int = 0
+    ) -> torch.Tensor:
+        """The layer's [q | k | v] rows for normed input rows x (before RoPE); `lora` adds
+        its deltas for layer `index`."""
+        return self.qkv_rows(layer, x, lora, index)
+
+    def qkv_rows(
+        self, layer: DecoderLayer, x: torch.Tensor, lora: RowDeltas | None, index: int
+    ) -> torch.Tensor:
+        """The layer's QKV linear of x, plus the step's LoRA deltas (a family's `project_qkv`
+        starts from these)."""
+        qkv = layer.qkv(x)
+        if lora is not None:
+            lora.add(qkv, x, index, "qkv")
+        return qkv
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """The residual stream's first rows: the tokens' embeddings (a family may scale them)."""

@@ -15,7 +15,7 @@ import torch
 
 from kvrelay.kernels import rms_norm
 from kvrelay.workers.model.config import ModelConfig
-from kvrelay.workers.model.llama import DecoderLayer, LlamaForCausalLM
+from kvrelay.workers.model.llama import DecoderLayer, LlamaForCausalLM, RowDeltas
 
 
 class Qwen3DecoderLayer(DecoderLayer):
@@ -43,10 +43,12 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         assert isinstance(layer, Qwen3DecoderLayer)
         return {"q_norm": layer.q_norm, "k_norm": layer.k_norm}
 
-    def project_qkv(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    def project_qkv(
+        self, layer: DecoderLayer, x: torch.Tensor, lora: RowDeltas | None = None, index: int = 0
+    ) -> torch.Tensor:
         assert isinstance(layer, Qwen3DecoderLayer)
         c = self.config
-        qkv = layer.qkv(x)
+        qkv = self.qkv_rows(layer, x, lora, index)
         rows, q, k = qkv.shape[0], c.q_size, c.kv_size
         eps = c.rms_norm_eps
         qkv[:, :q] = rms_norm(qkv[:, :q].reshape(-1, c.head_dim), layer.q_norm, eps).view(rows, q)

@@ -8,7 +8,9 @@
 -- no tail needs any more go), one SPUBLISH per feed (all its chunks in one message), and per flush
 -- (a flush, a hand-off, the end) out:{id} gets the tail and the chunk and the progress's
 -- counts move; a hand-off also queues the next stage's task and acks the entry, an end acks
--- it, writes the record's final fields and drops the progress. The caller's control list
+-- it, writes the record's final fields, counts the request's usage (`lua/usage.lua`: in
+-- this fenced call, so a refused or repeated step counts nothing) and drops the progress.
+-- The caller's control list
 -- (cancels and feed changes of what it holds) comes back when items wait or the previous step
 -- got some: the `acked` items it got with its previous step are dropped first, so an item
 -- whose reply was lost comes again.
@@ -27,6 +29,7 @@
 --       13 S step fields to drop, 14 the caller's last written step number (0: no check),
 --       15 the caller's admission count (`admit.lua`; 0: no check: behind when the server's
 --       count is lower, it lost an admission and with it the entry's delivery),
+--       16 the usage hour hash's ttl s (`count_usage`),
 --       then the S step numbers, then per feed: its id and its
 --       message (framed request id, framed chunk payload per request, `core.messages.frame`),
 --       then per flush: request id, entry id, mode ('f' flush, 'd' done, 'h' hand-off),
@@ -65,7 +68,8 @@ if pending or tonumber(ARGV[8]) > 0 then control = redis.call('LRANGE', KEYS[5],
 local group, feed_prefix, ttl_fields = ARGV[1], ARGV[2], ARGV[3]
 local out_ttl, req_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
 local f, n, s = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
-local at = 16
+local usage_ttl = tonumber(ARGV[16])
+local at = 17
 if ARGV[10] ~= '' then
   redis.call('HSET', KEYS[6], ARGV[7], ARGV[10])
   -- the hash outlives a consumer that vanished (claims and prune set a day too)
@@ -88,6 +92,7 @@ for i = 1, n do
     unpack(ARGV, task_at + 2, task_at + 1 + nf))
   acks[#acks + 1] = entry
   if mode == 'd' then
+    count_usage(KEYS[3], req, rid, emitted, usage_ttl)
     redis.call('EXPIRE', out, out_ttl)
     redis.call('EXPIRE', req, req_ttl)
     redis.call('HDEL', KEYS[3], rid)

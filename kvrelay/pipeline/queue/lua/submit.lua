@@ -5,26 +5,13 @@
 -- ARGV: 1 ttl s, 2 payload, 3 max_waiting (0: no bound), 4 prefill group, 5 decode group,
 --       6 submission id (random, one per submission), 7 request id, 8 its progress value
 --       (naming the feed of the reader that follows it), 9 ttl_fields ("1": HSETEX),
---       10.. field/value pairs
--- Returns the new entry id; the submission id when this very submission is already queued
--- (a retry whose first try ran but whose reply was lost: nothing is queued twice); false when
+--       10 ordered ('1': queue in order, ordered.lua; '' at the stream's end), 11 priority,
+--       12 tenant, 13 cost, 14 age bound ms, 15.. field/value pairs
+-- Returns the new entry id ('in-wait-set' when it waits in the stream's wait set); the submission
+-- id when this very submission is already queued (a retry whose first try ran but whose reply
+-- was lost: nothing is queued twice); false when
 -- req:{id} already exists for another submission (a duplicate id); the number of waiting
 -- entries when that reaches max_waiting.
-local function waiting(stream, group, bound)
-  local groups = redis.pcall('XINFO', 'GROUPS', stream)
-  if type(groups) == 'table' and groups.err then return 0 end  -- no stream: nothing waits
-  for _, g in ipairs(groups) do
-    local info = {}
-    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-    if info['name'] == group then
-      if type(info['lag']) == 'number' then return info['lag'] end
-      -- lag unknown after deletions: count what lies past the last delivered id
-      local after = '(' .. info['last-delivered-id']
-      return #redis.call('XRANGE', stream, after, '+', 'COUNT', bound)
-    end
-  end
-  return redis.call('XLEN', stream)  -- no consumer ever joined: everything waits
-end
 local function existing()
   if redis.call('HGET', KEYS[1], ${SUBMISSION_ID}) == ARGV[6] then return ARGV[6] end
   return false
@@ -40,8 +27,8 @@ end
 if ARGV[9] == '1' then
   -- HSETEX FNX creates the record only when none of its fields exists: the existence check
   -- and the write in one command (undone when the bound refuses the request)
-  local created = redis.call('HSETEX', KEYS[1], 'FNX', 'FIELDS', (#ARGV - 7) / 2,
-    ${SUBMISSION_ID}, ARGV[6], unpack(ARGV, 10))
+  local created = redis.call('HSETEX', KEYS[1], 'FNX', 'FIELDS', (#ARGV - 12) / 2,
+    ${SUBMISSION_ID}, ARGV[6], unpack(ARGV, 15))
   if created == 0 then return existing() end
   local n = full()
   if n then
@@ -52,7 +39,7 @@ else
   if redis.call('EXISTS', KEYS[1]) == 1 then return existing() end
   local n = full()
   if n then return n end
-  redis.call('HSET', KEYS[1], ${SUBMISSION_ID}, ARGV[6], unpack(ARGV, 10))
+  redis.call('HSET', KEYS[1], ${SUBMISSION_ID}, ARGV[6], unpack(ARGV, 15))
 end
 local ttl = tonumber(ARGV[1])
 redis.call('EXPIRE', KEYS[1], ttl)
@@ -61,4 +48,6 @@ if ARGV[9] == '1' then
 else
   redis.call('HSET', KEYS[5], ARGV[7], ARGV[8])
 end
-return redis.call('XADD', KEYS[2], '*', ${MESSAGE_FIELD}, ARGV[2])
+local order = nil
+if ARGV[10] == '1' then order = {ARGV[11], ARGV[12], ARGV[13], ARGV[14]} end
+return queue_on(KEYS[2], KEYS[2] == KEYS[3] and ARGV[4] or ARGV[5], ARGV[2], ARGV[7], order)

@@ -6,27 +6,14 @@
 --       5.. the choices' req:{id}.{k}
 -- ARGV: 1 ttl s, 2 max_waiting (0: no bound), 3 prefill group, 4 decode group,
 --       5 submission id, 6 number of choices N, 7 each choice's progress value (naming the
---       feed of the reader that follows them), 8 ttl_fields ("1": HSETEX), 9 number P of
---       parent field/value items, then the P items, then per choice: stream ('p' | 'd'), its
+--       feed of the reader that follows them), 8 ttl_fields ("1": HSETEX), 9 ordered ('1':
+--       in order, ordered.lua; ''), 10 priority, 11 tenant, 12 cost of each choice, 13 age
+--       bound ms, 14 number P of parent field/value items, then the P items, then per choice: stream ('p' | 'd'), its
 --       request id, payload, number M of field/value items, the M items
--- Returns the last entry id; the submission id when this submission is already queued (a
+-- Returns the last entry id ('in-wait-set' when it waits in a wait set); the submission id when this submission is already queued (a
 -- retry whose reply was lost); false when a record already exists (a duplicate id); the number
 -- of waiting entries when the choices do not fit under max_waiting (an empty queue takes
 -- any request, so one with more choices than the bound is not refused forever).
-local function waiting(stream, group, bound)
-  local groups = redis.pcall('XINFO', 'GROUPS', stream)
-  if type(groups) == 'table' and groups.err then return 0 end  -- no stream: nothing waits
-  for _, g in ipairs(groups) do
-    local info = {}
-    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-    if info['name'] == group then
-      if type(info['lag']) == 'number' then return info['lag'] end
-      local after = '(' .. info['last-delivered-id']
-      return #redis.call('XRANGE', stream, after, '+', 'COUNT', bound)
-    end
-  end
-  return redis.call('XLEN', stream)
-end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   if redis.call('HGET', KEYS[1], ${SUBMISSION_ID}) == ARGV[5] then return ARGV[5] end
   return false
@@ -42,20 +29,23 @@ if bound > 0 then
   if n > 0 and n + count > bound then return n end
 end
 local ttl = tonumber(ARGV[1])
-local at = 10 + tonumber(ARGV[9])
-redis.call('HSET', KEYS[1], ${SUBMISSION_ID}, ARGV[5], unpack(ARGV, 10, at - 1))
+local at = 15 + tonumber(ARGV[14])
+redis.call('HSET', KEYS[1], ${SUBMISSION_ID}, ARGV[5], unpack(ARGV, 15, at - 1))
 redis.call('EXPIRE', KEYS[1], ttl)
+local order = nil
+if ARGV[9] == '1' then order = {ARGV[10], ARGV[11], ARGV[12], ARGV[13]} end
 local progress = {}
 local last = false
 for i = 1, count do
   local stream = ARGV[at] == 'p' and KEYS[2] or KEYS[3]
+  local group = ARGV[at] == 'p' and ARGV[3] or ARGV[4]
   local id, payload, items = ARGV[at + 1], ARGV[at + 2], tonumber(ARGV[at + 3])
   local key = KEYS[4 + i]
   redis.call('HSET', key, ${SUBMISSION_ID}, ARGV[5], unpack(ARGV, at + 4, at + 3 + items))
   redis.call('EXPIRE', key, ttl)
   table.insert(progress, id)
   table.insert(progress, ARGV[7])
-  last = redis.call('XADD', stream, '*', ${MESSAGE_FIELD}, payload)
+  last = queue_on(stream, group, payload, id, order)
   at = at + 4 + items
 end
 if ARGV[8] == '1' then

@@ -137,8 +137,8 @@ def closed_loop(stack: Stack, key: str, streams: int, stop: threading.Event, arg
 
 def summary(results: list[dict]) -> dict:
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
-    return {"n": len(results), "ttft_p50": pct(ttfts, 50), "ttft_p90": pct(ttfts, 90),
-            "ttft_p99": pct(ttfts, 99)}  # fmt: skip
+    return {"n": len(results), "ttft_p50": pct(ttfts, 0.5), "ttft_p90": pct(ttfts, 0.9),
+            "ttft_p99": pct(ttfts, 0.99), "ttfts": sorted(round(t, 4) for t in ttfts)}  # fmt: skip
 
 
 def fairness(args) -> dict:

@@ -27,6 +27,9 @@ from kvrelay.workers.errors import InvalidRequestError
 from kvrelay.workers.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
+# a full worker looks this often for a request worth displacing one of its own for (a better
+# priority, another tenant): how late such a request can be taken at most
+DISPLACE_POLL_S = 0.02
 
 
 @dataclass(slots=True)
@@ -118,7 +121,7 @@ def read_loop(w: ReaderHost) -> None:
                 continue
             if room <= 0:
                 if not displace(w, room):
-                    time.sleep(w.config.block_ms / 1000)
+                    time.sleep(min(w.config.block_ms / 1000, DISPLACE_POLL_S))
                 continue
             if recover is not None:
                 recover = take_back(w, recover, room)

@@ -2,7 +2,8 @@
 
 - `fairness`: tenant B sends `--rate` chats a second alone, then beside tenant A sending
   `--ratio` (10) times as many into the saturated stack: B's TTFT p50/p90 alone and beside A,
-  under `--scheduling-policy priority` (fair shares) and, for contrast, `fcfs`. Then both
+  under `--scheduling-policy priority` (fair shares) and, for contrast, `fcfs`; B's requests
+  go from a process of their own (A's hundreds of open streams would delay B's client). Then both
   tenants backlogged (`--streams` closed-loop clients each) with weights 1 and `--weight-b`:
   the tokens each is served (prompt + completion of the requests that finished in the
   window), against the weights.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import sys
 import tempfile
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import free_port, kvrelay_cli, machine_line, pct  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
+WARM_S = 15.0
 WORDS = ["river", "stone", "lamp", "orchard", "violet", "thunder", "meadow", "copper"]
 KEYS = """
 [[key]]
@@ -106,6 +109,36 @@ class Stack:
         return None if created is None or started is None else started - created
 
 
+class Client:
+    """What a separate process needs of a stack to chat with it: its port."""
+
+    def __init__(self, port: int):
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=900)
+
+    chat = Stack.chat
+
+
+def _apart(port: int, key: str, rate: float, seconds: float, tokens: int, words: int, q) -> None:
+    out: list[dict] = []
+    args = argparse.Namespace(tokens=tokens, prompt_words=words)
+    open_loop(Client(port), key, rate, seconds, args, out)  # type: ignore[arg-type]
+    q.put(out)
+
+
+def open_loop_apart(stack: Stack, key: str, rate: float, seconds: float, args) -> list[dict]:
+    """`open_loop` in a process of its own: its TTFTs do not wait for the threads of another
+    tenant's streams in this one (a Python process on the same 2 cores as the stack)."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(
+        target=_apart, args=(stack.port, key, rate, seconds, args.tokens, args.prompt_words, q)
+    )
+    proc.start()
+    out = q.get()
+    proc.join()
+    return out
+
+
 def open_loop(stack: Stack, key: str, rate: float, seconds: float, args, out: list) -> None:
     """Poisson arrivals of `rate` a second for `seconds`, each on its own thread."""
     rng = random.Random(hash(key))
@@ -145,10 +178,9 @@ def fairness(args) -> dict:
     report: dict = {}
     for policy in args.policies.split(","):
         with Stack(policy, 1.0, args.extra.split()) as stack:
-            stack.chat("sk-b", args.tokens, args.prompt_words)  # warm
-            alone: list[dict] = []
-            open_loop(stack, "sk-b", args.rate, args.seconds, args, alone)
-            beside: list[dict] = []
+            # warm: a new worker faults its KV pool in while it serves (~10 s)
+            open_loop_apart(stack, "sk-b", args.rate, WARM_S, args)
+            alone = open_loop_apart(stack, "sk-b", args.rate, args.seconds, args)
             a_out: list[dict] = []
             flood = threading.Thread(
                 target=open_loop,
@@ -156,7 +188,7 @@ def fairness(args) -> dict:
             )
             flood.start()
             time.sleep(args.seconds / 6)  # A's backlog builds first
-            open_loop(stack, "sk-b", args.rate, args.seconds * 2 / 3, args, beside)
+            beside = open_loop_apart(stack, "sk-b", args.rate, args.seconds * 2 / 3, args)
             flood.join()
         b_alone, b_beside = summary(alone), summary(beside)
         ratio = (b_beside["ttft_p90"] or 0) / (b_alone["ttft_p90"] or 1)

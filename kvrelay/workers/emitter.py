@@ -30,6 +30,7 @@ from kvrelay.core.messages import TokenChunk, decode_chunks, frame
 from kvrelay.core.worker_record import HEARTBEAT_FIELDS, WorkerRecord
 from kvrelay.pipeline.queue.progress import Progress
 from kvrelay.pipeline.queue.streams import StepStatus, StepWrite, Streams, WriteMode
+from kvrelay.workers.engine.sequence import crowded_tenant
 from kvrelay.workers.publication import ModelPublication
 
 logger = logging.getLogger(__name__)
@@ -738,13 +739,8 @@ class Inflight:
         if not claims:
             return None
         worst = max(priority for priority, _t, _w in claims)
-        held: dict[str, float] = {}
-        for priority, tenant, weight in claims:
-            if priority == worst:
-                held[tenant] = held.get(tenant, 0.0) + 1 / weight
-        tenant = max(held, key=held.__getitem__)
-        counts = sum(1 for p, t, _w in claims if p == worst and t == tenant)
-        return worst, tenant if counts >= 2 else ""
+        tenant, slots, _share = crowded_tenant((t, w) for p, t, w in claims if p == worst)
+        return worst, tenant if slots >= 2 else ""
 
     def get(self, request_id: str) -> str | None:
         with self._lock:

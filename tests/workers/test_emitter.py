@@ -217,3 +217,19 @@ def test_the_tail_hash_keeps_the_steps_that_tails_still_need(r):
     assert write("q2", e2, TokenChunk(1, [9]), **flush) == []
     assert [c.token_ids for c in s.history("q2")] == [[6], [9]]
     assert r.xlen(KEYS.out("q1")) == 1 and r.xlen(KEYS.out("q2")) == 1
+
+
+def test_inflight_names_the_tenant_crowding_its_worst_priority():
+    held = Inflight()
+    assert held.crowding() is None
+    held.add("a1", "1-0", priority=5, tenant="A")
+    held.add("b1", "2-0", priority=5, tenant="B", weight=2.0)
+    held.add("u1", "3-0", priority=0, tenant="U")
+    assert held.crowding() == (5, "")  # one slot each: nobody crowds it
+    held.add("b2", "4-0", priority=5, tenant="B", weight=2.0)
+    assert held.crowding() == (5, "")  # B's 2 slots for weight 2 weigh as A's 1: A first seen
+    held.add("a2", "5-0", priority=5, tenant="A")
+    assert held.crowding() == (5, "A")  # A's 2 for weight 1 against B's 2 for weight 2
+    held.remove("a2", "5-0")
+    held.remove("a1")
+    assert held.crowding() == (5, "B")

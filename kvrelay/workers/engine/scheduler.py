@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvrelay.workers.engine.kv_cache_manager import KVCacheManager
-from kvrelay.workers.engine.sequence import Sequence, SequenceStatus
+from kvrelay.workers.engine.sequence import Sequence, SequenceStatus, crowded_tenant
 
 logger = logging.getLogger(__name__)
 
@@ -175,16 +175,12 @@ class Scheduler:
             return worst
         if head.priority > worst.priority:
             return None
-        held: dict[str, int] = {}
-        weights: dict[str, float] = {}
-        for seq in (*self.running, *reserved):
-            if seq.priority == head.priority:
-                held[seq.tenant] = held.get(seq.tenant, 0) + 1
-                weights[seq.tenant] = seq.weight
-        crowded = max(held, key=lambda t: held[t] / weights[t])
+        same = [s for s in (*self.running, *reserved) if s.priority == head.priority]
+        crowded, _slots, share = crowded_tenant((s.tenant, s.weight) for s in same)
         if crowded == head.tenant:
             return None
-        if held[crowded] / weights[crowded] <= (held.get(head.tenant, 0) + 1) / head.weight:
+        mine = sum(1 for s in same if s.tenant == head.tenant)
+        if share <= (mine + 1) / head.weight:
             return None
         return next(
             (

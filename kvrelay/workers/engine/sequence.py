@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,3 +157,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+def crowded_tenant(held: Iterable[tuple[str, float]]) -> tuple[str, int, float]:
+    """Of sequence slots held by (tenant, weight), the tenant holding the most for its weight:
+    (that tenant, its slots, slots / weight). The scheduler's fair displacement and a full
+    worker's reader (`Inflight.crowding`) judge by it alike."""
+    counts: dict[str, int] = {}
+    weights: dict[str, float] = {}
+    for tenant, weight in held:
+        counts[tenant] = counts.get(tenant, 0) + 1
+        weights[tenant] = weight
+    tenant = max(counts, key=lambda t: counts[t] / weights[t])
+    return tenant, counts[tenant], counts[tenant] / weights[tenant]

@@ -218,12 +218,6 @@ class AsyncClient:
             raise type_error("detokenize", "a boolean")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise type_error("priority", "an integer")
-        if priority and not self._options.ordered:
-            raise RequestError(
-                "priority is only served with scheduling_policy='priority'",
-                param="priority",
-                code="unsupported_value",
-            )
         if abs(priority) > PRIORITY_BOUND:
             raise RequestError(f"priority must be within +-{PRIORITY_BOUND}", param="priority")
         body = sampling_fields(sampling)

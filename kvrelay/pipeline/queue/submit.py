@@ -232,8 +232,17 @@ class Producer:
         RequestError when it cannot be served.
 
         `fields_set`: the sampling fields the request gave; the model's generation defaults
-        fill the others (None: none are applied).
+        fill the others (None: none are applied). Queued first come, first served (not
+        `ordered`), a request takes priority 0 only.
         """
+        if tenancy.priority and not self.ordered:
+            raise bad_request(
+                "priority is only served under the priority scheduling policy (the ingress's "
+                "--scheduling-policy priority); this stack serves requests first come, first "
+                "served",
+                param="priority",
+                code="unsupported_value",
+            )
         entry = await self.ride_out(request_id, lambda: self.registry.get(model))
         model = entry.name  # an alias (--served-model-name) is queued under the model's name
         await self._refuse_unserved(request_id, entry)

@@ -52,7 +52,6 @@ from kvrelay.pipeline.queue.submit import Tenancy
 from kvrelay.pipeline.queue.subscription import Subscription
 from kvrelay.pipeline.server.api_keys import ANONYMOUS, KeyPolicy
 from kvrelay.pipeline.server.attach import check_same, owned_record, raw_record
-from kvrelay.pipeline.server.config import FCFS
 from kvrelay.pipeline.server.context import RequestHost
 from kvrelay.pipeline.server.http import (
     REQUEST_ID_HEADER,
@@ -161,16 +160,9 @@ class Submission:
 
     def tenancy(self, asked: int | None) -> Tenancy:
         """The request's priority (`asked`, else its key's default; 400 outside the key's
-        range, or any but 0 under the fcfs policy), tenant and weight."""
+        range; under the fcfs policy the producer refuses any but 0), tenant and weight."""
         policy, config = self.policy, self.ing.config
         priority = policy.priority if asked is None else asked
-        if config.scheduling_policy == FCFS and priority != 0:
-            raise bad_request(
-                "priority is only served with --scheduling-policy priority (this ingress "
-                "serves requests first come, first served)",
-                param="priority",
-                code="unsupported_value",
-            )
         if not policy.min_priority <= priority <= policy.max_priority:
             raise bad_request(
                 f"priority must be within [{policy.min_priority}, {policy.max_priority}] for "

@@ -26,14 +26,16 @@ local function group_of(stream, group)  -- the group's XINFO fields; false: no s
   end
   return nil
 end
-local function unread(stream, group, bound)  -- entries of `stream` no consumer has read yet
-  local info = group_of(stream, group)
+local function lag_of(stream, info, bound)  -- unread entries, given the group's `group_of`
   if info == false then return 0 end  -- no stream: nothing waits
   if info == nil then return redis.call('XLEN', stream) end  -- no consumer ever joined
   if type(info['lag']) == 'number' then return info['lag'] end
   -- lag unknown after deletions: count what lies past the last delivered id
   local after = '(' .. info['last-delivered-id']
   return #redis.call('XRANGE', stream, after, '+', 'COUNT', bound)
+end
+local function unread(stream, group, bound)  -- entries of `stream` no consumer has read yet
+  return lag_of(stream, group_of(stream, group), bound)
 end
 local function waiting(stream, group, bound)  -- unread entries and those in the wait set
   return unread(stream, group, bound) + redis.call('HLEN', stream .. ':wait:m')

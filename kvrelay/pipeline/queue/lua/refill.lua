@@ -18,7 +18,8 @@ if ARGV[3] ~= '' then below = tonumber(ARGV[3]) end
 local function displaces(priority, tenant)  -- worth taking for a full caller
   return priority < below or (priority == below and crowded ~= '' and tenant ~= crowded)
 end
-local lag = unread(stream, group, most + 1000)
+local info = group_of(stream, group)
+local lag = lag_of(stream, info, most + 1000)
 if redis.call('EXISTS', w .. ':m') == 0 and not below then return math.min(lag, most) end
 if not below then most = most - lag end
 local now = now_ms()
@@ -39,8 +40,9 @@ while moved < most do
     if below and tonumber(first[2]) > below then break end
     token = redis.call('ZRANGE', w .. ':b:' .. band, 0, 0)[1]
     if below and token then
-      local tenant = redis.call('HGET', w .. ':tenant', token) or ''
-      if not displaces(tonumber(first[2]), tenant) then break end
+      if not displaces(tonumber(first[2]), redis.call('HGET', w .. ':tenant', token) or '') then
+        break
+      end
     end
     if not token then  -- an empty band (never left behind; repaired rather than looped on)
       redis.call('ZREM', w .. ':bands', band)
@@ -66,11 +68,9 @@ while moved < most do
     moved = moved + 1
   end
 end
-if not below then return lag + moved end
-if moved > 0 then return lag + moved end
+if not below or moved > 0 then return lag + moved end
 if lag == 0 then return 0 end
 -- nothing in the wait set qualifies: does an unread entry?
-local info = group_of(stream, group)
 local after = '-'
 if info then after = '(' .. info['last-delivered-id'] end
 for _, e in ipairs(redis.call('XRANGE', stream, after, '+', 'COUNT', lag)) do
